@@ -1,0 +1,34 @@
+# Every target creates (or reuses) the local virtualenv in .venv and installs under
+# constraints.txt, so a fresh machine with only Python needs nothing else.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+MODEL ?=
+
+.PHONY: test run bench lint clean
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip -c constraints.txt
+	$(PIP) install --quiet -c constraints.txt torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+run: $(STAMP)
+	$(PY) -m passes run $(MODEL)
+
+bench: $(STAMP)
+	$(PIP) install --quiet -c constraints.txt -e '.[test,bench]'
+	$(PY) -m benchmarks
+
+lint: $(STAMP)
+	$(PIP) install --quiet -c constraints.txt ruff
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Pass-cost benchmarks and the models they (and the tests) run on."""

@@ -1,0 +1,130 @@
+"""Typed errors raised by the pass manager.
+
+Every error derives from :class:`PassManagerError`, names the pass and its place in the
+plan where one is involved, and carries the data a caller needs to act on it as
+attributes (not only in the message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "PassManagerError",
+    "PipelineError",
+    "PreconditionError",
+    "ProgramFormError",
+    "PostconditionError",
+    "PassFailedError",
+    "SemanticsError",
+]
+
+
+def _where(pass_name: str | None, index: int | None) -> str:
+    if pass_name is None:
+        return "pipeline"
+    return f"pass #{index} {pass_name}" if index is not None else f"pass {pass_name}"
+
+
+def _listing(violations: Sequence[str], limit: int = 20) -> str:
+    shown = [f"  - {v}" for v in violations[:limit]]
+    if len(violations) > limit:
+        shown.append(f"  ... and {len(violations) - limit} more")
+    return "\n".join(shown)
+
+
+class PassManagerError(Exception):
+    """Base class of every error the pass manager raises."""
+
+    def __init__(self, message: str, *, pass_name: str | None = None, index: int | None = None):
+        super().__init__(message)
+        self.pass_name = pass_name
+        self.index = index
+
+
+class PipelineError(PassManagerError):
+    """The pipeline cannot be planned: a dependency cycle or an unsatisfiable placement."""
+
+    def __init__(self, message: str, *, cycle: Sequence[str] = (), condition: str | None = None):
+        super().__init__(message)
+        self.cycle = list(cycle)
+        self.condition = condition
+
+
+class _ConditionError(PassManagerError):
+    kind = "condition"
+
+    def __init__(
+        self,
+        pass_name: str,
+        index: int | None,
+        condition: str,
+        violations: Sequence[str],
+        *,
+        hint: str = "",
+        diff: str = "",
+    ):
+        self.condition = condition
+        self.violations = list(violations)
+        self.diff = diff
+        message = (
+            f"{_where(pass_name, index)}: {self.kind} {condition!r} does not hold "
+            f"({len(self.violations)} violation(s)):\n{_listing(self.violations)}"
+        )
+        if hint:
+            message += f"\n{hint}"
+        if diff:
+            message += f"\nThe pass was rolled back; it had changed:\n{diff}"
+        super().__init__(message, pass_name=pass_name, index=index)
+
+
+class PreconditionError(_ConditionError):
+    """A pass's required condition does not hold on the program it is about to run on."""
+
+    kind = "required condition"
+
+
+class ProgramFormError(PreconditionError):
+    """A pass was given a program form (GraphModule / ExportedProgram) it does not accept."""
+
+    def __init__(self, pass_name: str, index: int | None, got: str, accepted: Sequence[str]):
+        super().__init__(
+            pass_name,
+            index,
+            "program form",
+            [f"got a {got}; this pass accepts {' or '.join(accepted)}"],
+        )
+        self.got = got
+        self.accepted = list(accepted)
+
+
+class PostconditionError(_ConditionError):
+    """A pass ran but did not establish a condition it promises to provide."""
+
+    kind = "provided condition"
+
+
+class PassFailedError(PassManagerError):
+    """A pass raised (or broke its contract); the program was rolled back to its state before it."""
+
+    def __init__(self, pass_name: str, index: int | None, reason: str, *, diff: str = ""):
+        self.reason = reason
+        self.diff = diff
+        message = f"{_where(pass_name, index)} failed: {reason}"
+        if diff:
+            message += f"\nThe pass was rolled back; it had changed:\n{diff}"
+        else:
+            message += "\nThe pass was rolled back; it had not changed the graph."
+        super().__init__(message, pass_name=pass_name, index=index)
+
+
+class SemanticsError(PassManagerError):
+    """The program after a pass computes something different from the program before the pipeline."""
+
+    def __init__(self, pass_name: str, index: int | None, difference: str):
+        self.difference = difference
+        super().__init__(
+            f"{_where(pass_name, index)} changed what the program computes: {difference}",
+            pass_name=pass_name,
+            index=index,
+        )

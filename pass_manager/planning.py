@@ -1,0 +1,133 @@
+"""Planning: order passes by what they require and provide.
+
+Passes and conditions are nodes of one networkx DiGraph: ``pass -> condition`` for
+what the pass provides, ``condition -> pass`` for what it requires. The plan is the
+topological order of that graph that keeps the user's list order wherever no
+dependency decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from .conditions import Condition
+from .errors import PipelineError
+from .pass_base import Pass
+
+__all__ = ["Plan", "build_plan"]
+
+
+@dataclass
+class Placement:
+    """Why a pass sits where it does in the plan."""
+
+    pass_: Pass
+    listed_at: int
+    after: list[tuple[str, str]] = field(default_factory=list)  # (provider name, condition)
+    unprovided: list[str] = field(default_factory=list)  # required, provided by no pass
+
+    def reason(self) -> str:
+        parts = []
+        for provider, condition in self.after:
+            parts.append(f"after {provider} (provides {condition})")
+        for condition in self.unprovided:
+            parts.append(f"requires {condition}: no pass here provides it, checked on the input")
+        return "; ".join(parts) or "no requirements: kept at its place in the list"
+
+
+@dataclass
+class Plan:
+    graph: nx.DiGraph
+    placements: list[Placement]
+
+    @property
+    def passes(self) -> list[Pass]:
+        return [p.pass_ for p in self.placements]
+
+    def explain(self) -> str:
+        lines = []
+        for i, placement in enumerate(self.placements):
+            moved = "" if placement.listed_at == i else f" [listed #{placement.listed_at}]"
+            p = placement.pass_
+            provides = ", ".join(sorted(c.name for c in p.provided)) or "-"
+            lines.append(f"{i}. {p.name}{moved}: {placement.reason()}; provides {provides}")
+        return "\n".join(lines)
+
+    def to_dot(self) -> str:
+        lines = ["digraph passes {", "  rankdir=LR;"]
+        for node, data in self.graph.nodes(data=True):
+            shape = "box" if data["kind"] == "pass" else "ellipse"
+            lines.append(f'  "{node}" [shape={shape}, label="{data["label"]}"];')
+        for src, dst in self.graph.edges:
+            lines.append(f'  "{src}" -> "{dst}";')
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+
+def _pass_key(index: int, p: Pass) -> str:
+    return f"pass:{index}:{p.name}"
+
+
+def _condition_key(c: Condition) -> str:
+    return f"condition:{c.name}"
+
+
+def build_plan(passes: Sequence[Pass], *, reorder: bool = True) -> Plan:
+    """Order ``passes``; raise PipelineError on a cycle or an impossible placement."""
+    graph = nx.DiGraph()
+    for index, p in enumerate(passes):
+        graph.add_node(_pass_key(index, p), kind="pass", label=p.name, index=index, pass_=p)
+    for index, p in enumerate(passes):
+        own = _pass_key(index, p)
+        for c in p.provided - p.required:
+            graph.add_node(_condition_key(c), kind="condition", label=c.name, condition=c)
+            graph.add_edge(own, _condition_key(c))
+        for c in p.required:
+            graph.add_node(_condition_key(c), kind="condition", label=c.name, condition=c)
+            graph.add_edge(_condition_key(c), own)
+
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = [graph.nodes[u]["label"] for u, _ in nx.find_cycle(graph)]
+        cycle.append(cycle[0])
+        raise PipelineError(
+            "pass dependency cycle: " + " -> ".join(cycle)
+            + " (each pass requires a condition only a later one in the cycle provides)",
+            cycle=cycle,
+        )
+
+    def key(node: str) -> tuple[int, int]:
+        data = graph.nodes[node]
+        # Conditions are released as soon as all their providers are placed.
+        return (0, 0) if data["kind"] == "condition" else (1, data["index"])
+
+    if reorder:
+        order = [n for n in nx.lexicographical_topological_sort(graph, key=key)
+                 if graph.nodes[n]["kind"] == "pass"]
+    else:
+        order = [_pass_key(i, p) for i, p in enumerate(passes)]
+
+    placements = []
+    placed: set[str] = set()
+    for node in order:
+        p = graph.nodes[node]["pass_"]
+        placement = Placement(p, graph.nodes[node]["index"])
+        for c in sorted(p.required, key=lambda c: c.name):
+            providers = [u for u in graph.predecessors(_condition_key(c))]
+            if not providers:
+                placement.unprovided.append(c.name)
+                continue
+            earlier = [u for u in providers if u in placed]
+            if not earlier:
+                names = ", ".join(graph.nodes[u]["label"] for u in providers)
+                raise PipelineError(
+                    f"{p.name} (listed #{placement.listed_at}) requires {c.name}, which only "
+                    f"{names} provides, and that runs after it (reorder=False keeps the list order)",
+                    condition=c.name,
+                )
+            placement.after.extend((graph.nodes[u]["label"], c.name) for u in earlier)
+        placed.add(node)
+        placements.append(placement)
+    return Plan(graph, placements)

@@ -1,0 +1,264 @@
+"""The two program forms a pass works on, and what the manager needs to know of them.
+
+* ``GraphModule`` (``ep.module()``, ``symbolic_trace``, the graph torchao quantizes).
+* ``ExportedProgram`` (``torch.export.export``): a graph module plus a graph signature
+  and a state dict.
+
+This module fingerprints a program (to measure whether a pass changed it), snapshots
+and restores it (to roll back a failing pass), and renders it as text for diffs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import hashlib
+from typing import Any, NamedTuple
+
+import torch
+from torch.export import ExportedProgram
+
+__all__ = [
+    "GRAPH_MODULE",
+    "EXPORTED_PROGRAM",
+    "program_form",
+    "graph_module_of",
+    "graph_of",
+    "node_count",
+    "Fingerprint",
+    "fingerprint",
+    "program_text",
+    "text_diff",
+    "Snapshot",
+]
+
+GRAPH_MODULE = "GraphModule"
+EXPORTED_PROGRAM = "ExportedProgram"
+
+# Meta entries that describe values or provenance rather than program structure; they
+# are costly to hash and no pass's correctness claim depends on their identity.
+_UNHASHED_META = frozenset(
+    {"val", "tensor_meta", "example_value", "stack_trace", "nn_module_stack",
+     "source_fn_stack", "from_node", "seq_nr", "original_aten", "torch_fn",
+     "unbacked_bindings", "custom", "fwd_nn_module_stack", "fwd_source_fn_stack"}
+)
+
+
+def program_form(program: Any) -> str:
+    if isinstance(program, ExportedProgram):
+        return EXPORTED_PROGRAM
+    if isinstance(program, torch.fx.GraphModule):
+        return GRAPH_MODULE
+    raise TypeError(
+        f"expected a torch.fx.GraphModule or torch.export.ExportedProgram, got {type(program).__name__}"
+    )
+
+
+def graph_module_of(program: Any) -> torch.fx.GraphModule:
+    return program.graph_module if isinstance(program, ExportedProgram) else program
+
+
+def graph_of(program: Any) -> torch.fx.Graph:
+    return graph_module_of(program).graph
+
+
+def node_count(program: Any) -> int:
+    return len(graph_of(program).nodes)
+
+
+def _meta_token(value: Any) -> str:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return f"tensor@{id(value)}"
+    if isinstance(value, (list, tuple)) and len(value) <= 16:
+        return "(" + ",".join(_meta_token(v) for v in value) + ")"
+    try:
+        return repr(value)
+    except Exception:  # a meta value whose repr fails still counts as "some object"
+        return f"{type(value).__name__}@{id(value)}"
+
+
+def _tensor_token(t: torch.Tensor) -> str:
+    return f"{id(t)}:{t._version}:{tuple(t.shape)}:{t.dtype}"
+
+
+class Fingerprint(NamedTuple):
+    """Digests of a program: ``code`` covers what recompile() depends on, ``state`` the rest."""
+
+    code: str
+    state: str
+
+
+def fingerprint(program: Any) -> Fingerprint:
+    """A structural digest: graph (ops, targets, args, meta), module state, signature.
+
+    Two programs with equal fingerprints run the same code on the same state objects.
+    Tensor *contents* enter through identity and the in-place version counter, so an
+    in-place update of a buffer by a pass is seen without hashing its data.
+    """
+    gm = graph_module_of(program)
+    code = hashlib.blake2b(digest_size=16)
+    h = hashlib.blake2b(digest_size=16)
+    for node in gm.graph.nodes:
+        code.update(f"{node.op}|{node.name}|{node.target}|{node.args}|{node.kwargs}\n".encode())
+        meta = ";".join(
+            f"{k}={_meta_token(v)}" for k, v in node.meta.items() if k not in _UNHASHED_META
+        )
+        h.update(f"{node.name}|{meta}\n".encode())
+    for name, module in gm.named_modules():
+        for key, value in module.__dict__.items():
+            if isinstance(value, torch.Tensor):
+                h.update(f"{name}.{key}={_tensor_token(value)}\n".encode())
+        for kind in ("_buffers", "_parameters"):
+            for key, value in getattr(module, kind, {}).items():
+                token = _tensor_token(value) if value is not None else "None"
+                h.update(f"{name}.{kind}.{key}={token}\n".encode())
+        h.update(f"{name}:{type(module).__name__}\n".encode())
+    if isinstance(program, ExportedProgram):
+        h.update(repr(program.graph_signature).encode())
+        for key, value in program.state_dict.items():
+            h.update(f"state.{key}={_tensor_token(value)}\n".encode())
+        for key, value in program.constants.items():
+            token = _tensor_token(value) if isinstance(value, torch.Tensor) else id(value)
+            h.update(f"const.{key}={token}\n".encode())
+    return Fingerprint(code.hexdigest(), h.hexdigest())
+
+
+def program_text(program: Any) -> str:
+    """The program as readable text: the graph, and for an ExportedProgram its signature."""
+    text = str(graph_of(program))
+    if isinstance(program, ExportedProgram):
+        text += "\n" + str(program.graph_signature)
+    return text
+
+
+def text_diff(before: str, after: str, before_name: str = "before", after_name: str = "after") -> str:
+    return "".join(
+        difflib.unified_diff(
+            before.splitlines(keepends=True),
+            after.splitlines(keepends=True),
+            fromfile=before_name,
+            tofile=after_name,
+        )
+    )
+
+
+def _snapshot_value(value: Any, depth: int = 0) -> Any:
+    """Copy containers and dataclasses in node meta; keep tensors and opaque objects by reference."""
+    if depth > 4 or isinstance(value, (torch.Tensor, torch.fx.Node)):
+        return value
+    if isinstance(value, dict):
+        return type(value)((k, _snapshot_value(v, depth + 1)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_snapshot_value(v, depth + 1) for v in value]
+    if isinstance(value, set):
+        return set(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        clone = copy.copy(value)
+        for f in dataclasses.fields(value):
+            try:
+                object.__setattr__(clone, f.name, _snapshot_value(getattr(value, f.name), depth + 1))
+            except AttributeError:
+                continue
+        return clone
+    return value
+
+
+class Snapshot:
+    """Everything a pass can change, captured so that :meth:`restore` undoes it exactly.
+
+    Captured: the graph (nodes, args, node meta), every submodule's attributes, buffer
+    contents (cloned, because passes such as a reset write into them), parameter
+    references and version counters, the graph module's ``meta`` and, for an
+    ExportedProgram, its graph signature, state dict, constants and call graph.
+    """
+
+    def __init__(self, program: Any):
+        self.program = program
+        gm = graph_module_of(program)
+        self._gm = gm
+        self.text = program_text(program)
+        self._graph, self._node_map = self._copy_graph(gm.graph)
+        self._module_dicts = {}
+        self._buffer_data = {}
+        self._param_versions = {}
+        for name, module in gm.named_modules():
+            self._module_dicts[name] = (
+                module,
+                dict(module.__dict__),
+                dict(getattr(module, "_buffers", {})),
+                dict(getattr(module, "_parameters", {})),
+                dict(getattr(module, "_modules", {})),
+            )
+            for key, buf in getattr(module, "_buffers", {}).items():
+                if buf is not None:
+                    self._buffer_data[id(buf)] = (buf, buf.detach().clone(), buf._version)
+            for key, value in module.__dict__.items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                    self._buffer_data.setdefault(id(value), (value, value.detach().clone(), value._version))
+            for key, param in getattr(module, "_parameters", {}).items():
+                if param is not None:
+                    self._param_versions[id(param)] = (f"{name}.{key}".lstrip("."), param, param._version)
+        self._gm_meta = _snapshot_value(dict(gm.meta))
+        self._ep_state = None
+        if isinstance(program, ExportedProgram):
+            self._ep_state = {
+                "_graph_signature": copy.deepcopy(program._graph_signature),
+                "_state_dict": dict(program._state_dict),
+                "_constants": dict(program._constants),
+                "_module_call_graph": copy.deepcopy(program._module_call_graph),
+                "_range_constraints": dict(program._range_constraints),
+                "_verifiers": list(program._verifiers),
+            }
+            for value in program._state_dict.values():
+                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                    self._buffer_data.setdefault(id(value), (value, value.detach().clone(), value._version))
+
+    @staticmethod
+    def _copy_graph(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, dict]:
+        new_graph = torch.fx.Graph(tracer_cls=graph._tracer_cls)
+        node_map: dict = {}
+        output = new_graph.graph_copy(graph, node_map)
+        new_graph.output(output)
+        old_output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        new_output = next(n for n in reversed(new_graph.nodes) if n.op == "output")
+        new_output.meta = _snapshot_value(dict(old_output.meta))
+        new_output.name = old_output.name
+        for old, new in node_map.items():
+            new.meta = _snapshot_value(dict(old.meta))
+        new_graph._codegen = copy.deepcopy(graph._codegen)
+        return new_graph, node_map
+
+    def unrestorable_changes(self) -> list[str]:
+        """Parameters a pass wrote in place: their old data was not copied, so cannot come back."""
+        return [
+            name for name, param, version in self._param_versions.values() if param._version != version
+        ]
+
+    def restore(self) -> None:
+        gm = self._gm
+        for module, attrs, buffers, params, modules in self._module_dicts.values():
+            module.__dict__.clear()
+            module.__dict__.update(attrs)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+            module._parameters.clear()
+            module._parameters.update(params)
+            module._modules.clear()
+            module._modules.update(modules)
+        for tensor, data, version in self._buffer_data.values():
+            if tensor._version != version:
+                with torch.no_grad():
+                    tensor.copy_(data)
+        graph, _ = self._copy_graph(self._graph)
+        gm.graph = graph
+        gm.meta.clear()
+        gm.meta.update(_snapshot_value(self._gm_meta))
+        gm.recompile()
+        if self._ep_state is not None:
+            program = self.program
+            for key, value in self._ep_state.items():
+                setattr(program, key, copy.copy(value) if isinstance(value, (dict, list)) else value)
+            program._graph_module = gm

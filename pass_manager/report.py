@@ -1,0 +1,78 @@
+"""The run report: what each pass cost and did."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["PassRecord", "Report"]
+
+
+@dataclass
+class PassRecord:
+    """One pass run: timings in seconds, node counts, and what changed."""
+
+    name: str
+    index: int
+    iteration: int = 0
+    wall_time: float = 0.0
+    check_time: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    modified: bool = False
+    claimed_modified: bool | None = None
+    checked: list[str] = field(default_factory=list)
+    cached: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    records: list[PassRecord] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    plan: str = ""
+
+    @property
+    def total_time(self) -> float:
+        return sum(r.wall_time for r in self.records)
+
+    @property
+    def check_time(self) -> float:
+        return sum(r.check_time for r in self.records)
+
+    def table(self) -> str:
+        header = ("#", "pass", "time ms", "checks ms", "nodes", "modified")
+        rows = [
+            (
+                str(r.index) + (f".{r.iteration}" if r.iteration else ""),
+                r.name,
+                f"{r.wall_time * 1e3:.2f}",
+                f"{r.check_time * 1e3:.2f}",
+                f"{r.nodes_before} -> {r.nodes_after}",
+                "yes" if r.modified else "no",
+            )
+            for r in self.records
+        ]
+        widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+        lines += [fmt.format(*row) for row in rows]
+        for r in self.records:
+            lines += [f"  {r.name}: {note}" for note in r.notes]
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict:
+        return {
+            "plan": self.plan,
+            "records": [asdict(r) for r in self.records],
+            "warnings": list(self.warnings),
+            "total_time": self.total_time,
+            "check_time": self.check_time,
+        }
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
