@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["DecoderConfig", "KVDecoder", "kv_decoder", "decode_inputs"]
+__all__ = ["DecoderConfig", "KVDecoder", "decode_inputs", "kv_decoder"]
 
 
 class DecoderConfig:
@@ -27,7 +27,9 @@ class DecoderConfig:
         cache_update: str = "index_copy",
     ):
         if cache_update not in ("index_copy", "index_put"):
-            raise ValueError(f"cache_update must be 'index_copy' or 'index_put', got {cache_update!r}")
+            raise ValueError(
+                f"cache_update must be 'index_copy' or 'index_put', got {cache_update!r}"
+            )
         self.n_layers, self.dim, self.n_heads = n_layers, dim, n_heads
         self.hidden, self.max_seq, self.cache_update = hidden, max_seq, cache_update
         self.head_dim = dim // n_heads

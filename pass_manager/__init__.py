@@ -25,9 +25,9 @@ from .validation import assert_same_behaviour, first_difference, run_program
 
 __all__ = [
     "ALL_CONDITIONS",
-    "Condition",
     "EXPORTED_PROGRAM",
     "GRAPH_MODULE",
+    "Condition",
     "Instrumentation",
     "Pass",
     "PassFailedError",

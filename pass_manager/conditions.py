@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["Condition", "ALL_CONDITIONS", "as_condition_set"]
+__all__ = ["ALL_CONDITIONS", "Condition", "as_condition_set"]
 
 CheckFn = Callable[[Any], Iterable[str]]
 
@@ -27,7 +27,7 @@ class Condition:
         ... )
     """
 
-    __slots__ = ("name", "_check", "doc")
+    __slots__ = ("_check", "doc", "name")
 
     def __init__(self, name: str, check: CheckFn, doc: str = ""):
         if not name or not isinstance(name, str):

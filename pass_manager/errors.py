@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "PassFailedError",
     "PassManagerError",
     "PipelineError",
+    "PostconditionError",
     "PreconditionError",
     "ProgramFormError",
-    "PostconditionError",
-    "PassFailedError",
     "SemanticsError",
 ]
 
@@ -119,7 +119,7 @@ class PassFailedError(PassManagerError):
 
 
 class SemanticsError(PassManagerError):
-    """The program after a pass computes something different from the program before the pipeline."""
+    """After a pass, the program computes something else than before the pipeline."""
 
     def __init__(self, pass_name: str, index: int | None, difference: str):
         self.difference = difference

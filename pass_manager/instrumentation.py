@@ -15,7 +15,7 @@ from .pass_base import Pass
 from .program import program_text, text_diff
 from .report import PassRecord
 
-__all__ = ["Instrumentation", "Timing", "PrintDiff"]
+__all__ = ["Instrumentation", "PrintDiff", "Timing"]
 
 
 class Instrumentation:
@@ -51,5 +51,7 @@ class PrintDiff(Instrumentation):
     def after_pass(self, pass_: Pass, program: Any, record: PassRecord) -> None:
         if record.modified:
             stream = self.stream or sys.stdout
-            diff = text_diff(self._before, program_text(program), "before " + pass_.name, "after " + pass_.name)
+            diff = text_diff(
+                self._before, program_text(program), "before " + pass_.name, "after " + pass_.name
+            )
             stream.write(diff)

@@ -117,8 +117,11 @@ class PassManager(Pass):
         self.strict = strict
         self.max_iterations = max_iterations
         self.validation_inputs = (
-            None if validate is None
-            else call_inputs(validate, validation_calls or (3 if isinstance(validate, tuple) else None))
+            None
+            if validate is None
+            else call_inputs(
+                validate, validation_calls or (3 if isinstance(validate, tuple) else None)
+            )
         )
         self.atol, self.rtol = atol, rtol
         self.instruments: list[Instrumentation] = [Timing(), *instruments]
@@ -187,8 +190,9 @@ class PassManager(Pass):
         try:
             program_form(program)
         except TypeError as e:
-            raise ProgramFormError(self.name, None, type(program).__name__,
-                                   ["GraphModule", "ExportedProgram"]) from e
+            raise ProgramFormError(
+                self.name, None, type(program).__name__, ["GraphModule", "ExportedProgram"]
+            ) from e
         report = Report(plan=self.explain())
         holds: set[Condition] = set()
         reference = self._trace(program) if self.validation_inputs is not None else None
@@ -206,7 +210,8 @@ class PassManager(Pass):
         else:
             if self.max_iterations > 1:
                 report.warnings.append(
-                    f"no fixed point after {self.max_iterations} iterations; the last one still changed the program"
+                    f"no fixed point after {self.max_iterations} iterations; "
+                    "the last one still changed the program"
                 )
         for r in report.records:
             if r.claimed_modified is False and r.modified:
@@ -261,27 +266,42 @@ class PassManager(Pass):
             raise error from cause
 
         def changes(after_program: Any) -> str:
-            return text_diff(snapshot.text, program_text(after_program), "before " + p.name, "after " + p.name)
+            return text_diff(
+                snapshot.text, program_text(after_program), "before " + p.name, "after " + p.name
+            )
 
         try:
             out = p.call(program)
         except PassManagerError as e:
             if isinstance(p, PassManager):
                 fail(e, e.__cause__)
-            fail(PassFailedError(p.name, index, f"{type(e).__name__}: {e}", diff=changes(program)), e)
-        except Exception as e:
-            fail(PassFailedError(p.name, index, f"{type(e).__name__}: {e}", diff=changes(program)), e)
+            fail(
+                PassFailedError(p.name, index, f"{type(e).__name__}: {e}", diff=changes(program)), e
+            )
+        except Exception as e:  # noqa: BLE001 - any failure of a pass becomes a typed, rolled-back error
+            fail(
+                PassFailedError(p.name, index, f"{type(e).__name__}: {e}", diff=changes(program)), e
+            )
 
         new_program, claimed, notes = self._unpack(out, program)
         if new_program is not program and program_form(new_program) != form:
-            fail(PassFailedError(p.name, index,
-                                 f"returned a {type(new_program).__name__} for a {form} input"))
+            fail(
+                PassFailedError(
+                    p.name, index, f"returned a {type(new_program).__name__} for a {form} input"
+                )
+            )
         after = fingerprint(new_program)
         modified = after != before
         record.claimed_modified, record.notes = claimed, notes
         if claimed is False and modified and self.strict:
-            fail(PassFailedError(p.name, index, "reported 'unmodified' but changed the program",
-                                 diff=changes(new_program)))
+            fail(
+                PassFailedError(
+                    p.name,
+                    index,
+                    "reported 'unmodified' but changed the program",
+                    diff=changes(new_program),
+                )
+            )
         if after.code != before.code:
             graph_module_of(new_program).recompile()
 
@@ -296,8 +316,11 @@ class PassManager(Pass):
                 continue
             violations = self._check(condition, new_program, record)
             if violations:
-                fail(PostconditionError(p.name, index, condition.name, violations,
-                                        diff=changes(new_program)))
+                fail(
+                    PostconditionError(
+                        p.name, index, condition.name, violations, diff=changes(new_program)
+                    )
+                )
             holds.add(condition)
 
         if reference is not None and modified:
@@ -324,4 +347,6 @@ class PassManager(Pass):
             return (program if gm is graph_module_of(program) else gm), out.modified, []
         if isinstance(out, (torch.fx.GraphModule, torch.export.ExportedProgram)):
             return out, None, []
-        raise TypeError(f"a pass returned {type(out).__name__}; expected PassResult, a program or None")
+        raise TypeError(
+            f"a pass returned {type(out).__name__}; expected PassResult, a program or None"
+        )

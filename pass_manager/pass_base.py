@@ -20,7 +20,7 @@ from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 from .conditions import Condition, as_condition_set
 from .program import EXPORTED_PROGRAM, GRAPH_MODULE, graph_module_of, program_form
 
-__all__ = ["Pass", "PassResult", "function_pass", "as_pass", "known_passes"]
+__all__ = ["Pass", "PassResult", "as_pass", "function_pass", "known_passes"]
 
 
 @dataclass
@@ -123,7 +123,9 @@ def as_pass(item: Any) -> Pass:
     if isinstance(item, Pass):
         return item
     if isinstance(item, type) and issubclass(item, Pass):
-        raise TypeError(f"pipeline got the class {item.__name__}; pass an instance: {item.__name__}()")
+        raise TypeError(
+            f"pipeline got the class {item.__name__}; pass an instance: {item.__name__}()"
+        )
     if isinstance(item, PassBase):
         return _CallablePass(item, type(item).__name__)
     if callable(item):

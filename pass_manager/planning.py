@@ -93,7 +93,8 @@ def build_plan(passes: Sequence[Pass], *, reorder: bool = True) -> Plan:
         cycle = [graph.nodes[u]["label"] for u, _ in nx.find_cycle(graph)]
         cycle.append(cycle[0])
         raise PipelineError(
-            "pass dependency cycle: " + " -> ".join(cycle)
+            "pass dependency cycle: "
+            + " -> ".join(cycle)
             + " (each pass requires a condition only a later one in the cycle provides)",
             cycle=cycle,
         )
@@ -104,8 +105,11 @@ def build_plan(passes: Sequence[Pass], *, reorder: bool = True) -> Plan:
         return (0, 0) if data["kind"] == "condition" else (1, data["index"])
 
     if reorder:
-        order = [n for n in nx.lexicographical_topological_sort(graph, key=key)
-                 if graph.nodes[n]["kind"] == "pass"]
+        order = [
+            n
+            for n in nx.lexicographical_topological_sort(graph, key=key)
+            if graph.nodes[n]["kind"] == "pass"
+        ]
     else:
         order = [_pass_key(i, p) for i, p in enumerate(passes)]
 
@@ -124,7 +128,8 @@ def build_plan(passes: Sequence[Pass], *, reorder: bool = True) -> Plan:
                 names = ", ".join(graph.nodes[u]["label"] for u in providers)
                 raise PipelineError(
                     f"{p.name} (listed #{placement.listed_at}) requires {c.name}, which only "
-                    f"{names} provides, and that runs after it (reorder=False keeps the list order)",
+                    f"{names} provides, and that runs after it "
+                    "(reorder=False keeps the list order)",
                     condition=c.name,
                 )
             placement.after.extend((graph.nodes[u]["label"], c.name) for u in earlier)

@@ -20,17 +20,17 @@ import torch
 from torch.export import ExportedProgram
 
 __all__ = [
-    "GRAPH_MODULE",
     "EXPORTED_PROGRAM",
-    "program_form",
+    "GRAPH_MODULE",
+    "Fingerprint",
+    "Snapshot",
+    "fingerprint",
     "graph_module_of",
     "graph_of",
     "node_count",
-    "Fingerprint",
-    "fingerprint",
+    "program_form",
     "program_text",
     "text_diff",
-    "Snapshot",
 ]
 
 GRAPH_MODULE = "GraphModule"
@@ -39,9 +39,22 @@ EXPORTED_PROGRAM = "ExportedProgram"
 # Meta entries that describe values or provenance rather than program structure; they
 # are costly to hash and no pass's correctness claim depends on their identity.
 _UNHASHED_META = frozenset(
-    {"val", "tensor_meta", "example_value", "stack_trace", "nn_module_stack",
-     "source_fn_stack", "from_node", "seq_nr", "original_aten", "torch_fn",
-     "unbacked_bindings", "custom", "fwd_nn_module_stack", "fwd_source_fn_stack"}
+    {
+        "val",
+        "tensor_meta",
+        "example_value",
+        "stack_trace",
+        "nn_module_stack",
+        "source_fn_stack",
+        "from_node",
+        "seq_nr",
+        "original_aten",
+        "torch_fn",
+        "unbacked_bindings",
+        "custom",
+        "fwd_nn_module_stack",
+        "fwd_source_fn_stack",
+    }
 )
 
 
@@ -51,7 +64,8 @@ def program_form(program: Any) -> str:
     if isinstance(program, torch.fx.GraphModule):
         return GRAPH_MODULE
     raise TypeError(
-        f"expected a torch.fx.GraphModule or torch.export.ExportedProgram, got {type(program).__name__}"
+        "expected a torch.fx.GraphModule or torch.export.ExportedProgram, "
+        f"got {type(program).__name__}"
     )
 
 
@@ -76,7 +90,7 @@ def _meta_token(value: Any) -> str:
         return "(" + ",".join(_meta_token(v) for v in value) + ")"
     try:
         return repr(value)
-    except Exception:  # a meta value whose repr fails still counts as "some object"
+    except Exception:  # noqa: BLE001 - a meta value whose repr fails still counts as "some object"
         return f"{type(value).__name__}@{id(value)}"
 
 
@@ -134,7 +148,9 @@ def program_text(program: Any) -> str:
     return text
 
 
-def text_diff(before: str, after: str, before_name: str = "before", after_name: str = "after") -> str:
+def text_diff(
+    before: str, after: str, before_name: str = "before", after_name: str = "after"
+) -> str:
     return "".join(
         difflib.unified_diff(
             before.splitlines(keepends=True),
@@ -146,7 +162,7 @@ def text_diff(before: str, after: str, before_name: str = "before", after_name: 
 
 
 def _snapshot_value(value: Any, depth: int = 0) -> Any:
-    """Copy containers and dataclasses in node meta; keep tensors and opaque objects by reference."""
+    """Copy containers and dataclasses in node meta; keep tensors and opaque objects as is."""
     if depth > 4 or isinstance(value, (torch.Tensor, torch.fx.Node)):
         return value
     if isinstance(value, dict):
@@ -159,7 +175,9 @@ def _snapshot_value(value: Any, depth: int = 0) -> Any:
         clone = copy.copy(value)
         for f in dataclasses.fields(value):
             try:
-                object.__setattr__(clone, f.name, _snapshot_value(getattr(value, f.name), depth + 1))
+                object.__setattr__(
+                    clone, f.name, _snapshot_value(getattr(value, f.name), depth + 1)
+                )
             except AttributeError:
                 continue
         return clone
@@ -192,15 +210,21 @@ class Snapshot:
                 dict(getattr(module, "_parameters", {})),
                 dict(getattr(module, "_modules", {})),
             )
-            for key, buf in getattr(module, "_buffers", {}).items():
+            for buf in getattr(module, "_buffers", {}).values():
                 if buf is not None:
                     self._buffer_data[id(buf)] = (buf, buf.detach().clone(), buf._version)
-            for key, value in module.__dict__.items():
+            for value in module.__dict__.values():
                 if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                    self._buffer_data.setdefault(id(value), (value, value.detach().clone(), value._version))
+                    self._buffer_data.setdefault(
+                        id(value), (value, value.detach().clone(), value._version)
+                    )
             for key, param in getattr(module, "_parameters", {}).items():
                 if param is not None:
-                    self._param_versions[id(param)] = (f"{name}.{key}".lstrip("."), param, param._version)
+                    self._param_versions[id(param)] = (
+                        f"{name}.{key}".lstrip("."),
+                        param,
+                        param._version,
+                    )
         self._gm_meta = _snapshot_value(dict(gm.meta))
         self._ep_state = None
         if isinstance(program, ExportedProgram):
@@ -214,7 +238,9 @@ class Snapshot:
             }
             for value in program._state_dict.values():
                 if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                    self._buffer_data.setdefault(id(value), (value, value.detach().clone(), value._version))
+                    self._buffer_data.setdefault(
+                        id(value), (value, value.detach().clone(), value._version)
+                    )
 
     @staticmethod
     def _copy_graph(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, dict]:
@@ -234,7 +260,9 @@ class Snapshot:
     def unrestorable_changes(self) -> list[str]:
         """Parameters a pass wrote in place: their old data was not copied, so cannot come back."""
         return [
-            name for name, param, version in self._param_versions.values() if param._version != version
+            name
+            for name, param, version in self._param_versions.values()
+            if param._version != version
         ]
 
     def restore(self) -> None:
@@ -260,5 +288,7 @@ class Snapshot:
         if self._ep_state is not None:
             program = self.program
             for key, value in self._ep_state.items():
-                setattr(program, key, copy.copy(value) if isinstance(value, (dict, list)) else value)
+                setattr(
+                    program, key, copy.copy(value) if isinstance(value, (dict, list)) else value
+                )
             program._graph_module = gm

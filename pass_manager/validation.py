@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
-__all__ = ["Trace", "run_program", "first_difference", "assert_same_behaviour", "call_inputs"]
+__all__ = ["Trace", "assert_same_behaviour", "call_inputs", "first_difference", "run_program"]
 
 StateReader = Callable[[torch.nn.Module], dict[str, torch.Tensor]]
 
@@ -97,7 +97,10 @@ def _tensor_difference(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: floa
         return None
     bad = (~close).nonzero()[0].tolist()
     diff = (a.double() - b.double()).abs().nan_to_num(float("inf")).max().item()
-    return f"max abs diff {diff:.6g}, first at index {tuple(bad)}: {a[tuple(bad)].item()} vs {b[tuple(bad)].item()}"
+    where = tuple(bad)
+    return (
+        f"max abs diff {diff:.6g}, first at index {where}: {a[where].item()} vs {b[where].item()}"
+    )
 
 
 def _value_difference(a: Any, b: Any, atol: float, rtol: float) -> str | None:
@@ -106,7 +109,9 @@ def _value_difference(a: Any, b: Any, atol: float, rtol: float) -> str | None:
     return None if a == b else f"{a!r} vs {b!r}"
 
 
-def first_difference(expected: Trace, actual: Trace, atol: float = 0.0, rtol: float = 0.0) -> str | None:
+def first_difference(
+    expected: Trace, actual: Trace, atol: float = 0.0, rtol: float = 0.0
+) -> str | None:
     """Describe the first output, buffer or input that differs, or None if all agree."""
     if len(expected.outputs) != len(actual.outputs):
         return f"{len(expected.outputs)} calls vs {len(actual.outputs)}"
@@ -143,7 +148,10 @@ def assert_same_behaviour(
 ) -> None:
     """Raise AssertionError naming the first difference between two programs' behaviour."""
     diff = first_difference(
-        run_program(expected, inputs, calls, state), run_program(actual, inputs, calls, state), atol, rtol
+        run_program(expected, inputs, calls, state),
+        run_program(actual, inputs, calls, state),
+        atol,
+        rtol,
     )
     if diff:
         raise AssertionError(diff)

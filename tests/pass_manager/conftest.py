@@ -1,0 +1,41 @@
+"""Small real programs for the pass-manager tests: one exported, one symbolically traced."""
+
+import pytest
+import torch
+
+from pass_manager import Condition, graph_of
+
+
+class Accumulate(torch.nn.Module):
+    """Keeps a running sum in a buffer; returns a function of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(4))
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.acc.add_(x)
+        return torch.relu(self.linear(self.acc)) * 2 + 1
+
+
+@pytest.fixture
+def exported():
+    return torch.export.export(Accumulate(), (torch.ones(4),))
+
+
+@pytest.fixture
+def traced():
+    return torch.fx.symbolic_trace(Accumulate())
+
+
+def targets(program, name):
+    return [n for n in graph_of(program).nodes if n.op == "call_function" and name in str(n.target)]
+
+
+NoRelu = Condition("NoRelu", lambda p: [n.name for n in targets(p, "relu")], doc="no relu node")
+HasMul = Condition(
+    "HasMul",
+    lambda p: [] if targets(p, "mul") else ["no mul node in the graph"],
+    doc="a mul exists",
+)

@@ -1,0 +1,108 @@
+"""Torch pass-infra interop both ways, and semantic validation against example inputs."""
+
+import copy
+
+import pytest
+import torch
+from torch.fx.passes.infra.pass_base import PassBase
+from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
+from torch.fx.passes.infra.pass_manager import PassManager as TorchPassManager
+
+from pass_manager import PassManager, PassResult, SemanticsError, function_pass, graph_of
+
+from .conftest import targets
+from .test_running import ReluToAbs
+
+
+class TorchStyleNegToAbs(PassBase):
+    def call(self, gm):
+        changed = False
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is torch.relu:
+                node.target = torch.abs
+                changed = True
+        gm.recompile()
+        return TorchPassResult(gm, changed)
+
+
+def test_our_pass_runs_inside_torchs_pass_manager(traced):
+    result = TorchPassManager([ReluToAbs()])(traced)
+    assert isinstance(result, TorchPassResult) and result.modified
+    assert "abs" in result.graph_module.code
+
+
+def test_our_manager_is_a_torch_style_callable(traced):
+    fresh = copy.deepcopy(traced)
+    result = PassManager([ReluToAbs()])(traced)
+    assert isinstance(result, TorchPassResult) and result.modified
+    assert not targets(result.graph_module, "relu")
+    assert TorchPassManager([PassManager([ReluToAbs()])])(fresh).modified
+
+
+def test_torch_pass_base_and_plain_functions_run_in_our_pipeline(traced, exported):
+    result = PassManager([TorchStyleNegToAbs()]).run(traced)
+    assert result.modified and result.report.records[0].name == "TorchStyleNegToAbs"
+
+    def no_op(gm):
+        return TorchPassResult(gm, False)
+
+    result = PassManager([no_op]).run(exported)
+    assert isinstance(result.program, torch.export.ExportedProgram) and not result.modified
+
+
+def test_semantic_validation_names_the_first_diverging_pass_and_difference(traced):
+    @function_pass()
+    def harmless(program):
+        return PassResult(program, False)
+
+    @function_pass()
+    def wrong_constant(program):
+        for node in graph_of(program).nodes:
+            if node.op == "call_function" and node.args[-1:] == (1,):
+                node.args = (*node.args[:-1], 2)
+        return PassResult(program, True)
+
+    traced.acc.fill_(7.0)
+    untouched = traced.acc.clone()
+    pm = PassManager(
+        [harmless, ReluToAbs(), wrong_constant],
+        validate=(torch.ones(4),),
+        validation_calls=3,
+        atol=1e-6,
+    )
+    with pytest.raises(SemanticsError) as info:
+        pm.run(traced)
+    error = info.value
+    # ReluToAbs changes values only where the linear output is negative; either way the error
+    # names the first pass that changed the computed outputs.
+    assert error.pass_name in {"ReluToAbs", "wrong_constant"}
+    assert "call 0: output" in error.difference
+    torch.testing.assert_close(traced.acc, untouched)  # validation ran on copies
+
+
+def test_semantic_validation_accepts_an_equivalent_rewrite(exported):
+    @function_pass()
+    def mul_by_two_to_add_self(program):
+        for node in targets(program, "mul"):
+            if node.args[1] == 2:
+                node.target = torch.ops.aten.add.Tensor
+                node.args = (node.args[0], node.args[0])
+
+    inputs = [(torch.full((4,), float(i)),) for i in range(4)]
+    result = PassManager([mul_by_two_to_add_self], validate=inputs).run(exported)
+    assert result.modified and not targets(result.program, "mul")
+
+
+def test_semantic_validation_catches_a_wrong_buffer_update(exported):
+    @function_pass()
+    def drop_accumulation(program):
+        graph = graph_of(program)
+        for node in targets(program, "add_"):
+            node.target = torch.ops.aten.add.Tensor
+        graph.owning_module.recompile()
+
+    with pytest.raises(SemanticsError) as info:
+        PassManager([drop_accumulation], validate=(torch.ones(4),), validation_calls=2).run(
+            exported
+        )
+    assert "buffer 'acc'" in info.value.difference or "call 1" in info.value.difference

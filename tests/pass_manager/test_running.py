@@ -1,0 +1,283 @@
+"""Running passes: condition checks and their cache, change detection, reports, hooks."""
+
+import pytest
+import torch
+
+from pass_manager import (
+    ALL_CONDITIONS,
+    Condition,
+    Instrumentation,
+    Pass,
+    PassFailedError,
+    PassManager,
+    PassResult,
+    PreconditionError,
+    ProgramFormError,
+    function_pass,
+    graph_of,
+)
+
+from .conftest import HasMul, NoRelu, targets
+
+
+class CountingCondition(Condition):
+    """A condition that counts how often its checker runs."""
+
+    def __init__(self, name, check):
+        self.calls = 0
+
+        def counted(program):
+            self.calls += 1
+            return check(program)
+
+        super().__init__(name, counted)
+
+
+def relu_to_abs(program):
+    for node in targets(program, "relu"):
+        node.target = torch.ops.aten.abs.default if node.op == "call_function" else node.target
+
+
+class ReluToAbs(Pass):
+    """Replaces relu with abs (a real rewrite used to exercise the manager)."""
+
+    provides = {NoRelu}
+
+    def call(self, program):
+        changed = False
+        for node in graph_of(program).nodes:
+            if node.op == "call_function" and node.target in (
+                torch.relu,
+                torch.ops.aten.relu.default,
+            ):
+                node.target = torch.abs if node.target is torch.relu else torch.ops.aten.abs.default
+                changed = True
+        return PassResult(program, changed)
+
+
+def test_run_returns_same_form_with_report(exported, traced):
+    for program in (exported, traced):
+        result = PassManager([ReluToAbs()]).run(program)
+        assert type(result.program) is type(program)
+        assert result.modified
+        assert result.graph_module is graph_of(result.program).owning_module
+        record = result.report.records[0]
+        assert record.name == "ReluToAbs" and record.modified
+        assert record.nodes_before == record.nodes_after
+        assert record.checked == ["NoRelu"]
+        assert "ReluToAbs" in result.report.table()
+
+
+def test_rewrite_runs_and_recompiles(traced):
+    x = torch.tensor([-1.0, 2.0, -3.0, 4.0])
+    result = PassManager([ReluToAbs()]).run(traced)
+    assert "abs" in result.graph_module.code
+    expected = torch.abs(traced.linear(x)) * 2 + 1  # buffer starts at zero: acc == x
+    torch.testing.assert_close(result.graph_module(x), expected)
+
+
+def test_missing_requirement_is_checked_on_input_and_names_providers(exported):
+    @function_pass(requires={NoRelu})
+    def needs_no_relu(program):
+        return None
+
+    with pytest.raises(PreconditionError) as info:
+        PassManager([needs_no_relu]).run(exported)
+    error = info.value
+    assert error.condition == "NoRelu" and error.pass_name == "needs_no_relu" and error.index == 0
+    assert any("relu" in v for v in error.violations)
+    assert "ReluToAbs" in str(error)  # a known pass that provides it
+
+
+def test_requirement_provided_earlier_is_not_rechecked():
+    checker = CountingCondition("Holds", lambda p: [])
+
+    @function_pass(provides={checker})
+    def provide(program):
+        return None
+
+    @function_pass(requires={checker}, preserves={checker})
+    def use_once(program):
+        return None
+
+    @function_pass(requires={checker})
+    def use_twice(program):
+        return None
+
+    result = PassManager([provide, use_once, use_twice]).run(
+        torch.fx.symbolic_trace(torch.nn.ReLU())
+    )
+    assert checker.calls == 1
+    assert result.report.records[1].cached == ["Holds"]
+    assert result.report.records[2].cached == ["Holds"]
+
+
+def test_changing_pass_invalidates_what_it_does_not_preserve(traced):
+    kept = CountingCondition("Kept", lambda p: [])
+    dropped = CountingCondition("Dropped", lambda p: [])
+
+    @function_pass(provides={kept, dropped})
+    def provide(program):
+        return None
+
+    class Rewrite(ReluToAbs):
+        provides = set()
+        preserves = {kept}
+
+    @function_pass(requires={kept, dropped})
+    def consume(program):
+        return None
+
+    PassManager([provide, Rewrite(), consume]).run(traced)
+    assert kept.calls == 1  # preserved across the rewrite: cached
+    assert dropped.calls == 2  # invalidated by the rewrite: checked again
+
+
+def test_unchanged_program_keeps_every_cached_result(traced):
+    checker = CountingCondition("Anything", lambda p: [])
+
+    @function_pass(provides={checker})
+    def provide(program):
+        return None
+
+    @function_pass()
+    def look_only(program):
+        return PassResult(program, False)
+
+    @function_pass(requires={checker})
+    def consume(program):
+        return None
+
+    PassManager([provide, look_only, consume]).run(traced)
+    assert checker.calls == 1
+
+
+def test_preserves_all_keeps_every_result(traced):
+    checker = CountingCondition("Anything", lambda p: [])
+
+    @function_pass(provides={checker})
+    def provide(program):
+        return None
+
+    @function_pass(preserves=ALL_CONDITIONS)
+    def annotate(program):
+        for node in graph_of(program).nodes:
+            node.meta["seen"] = True
+
+    @function_pass(requires={checker})
+    def consume(program):
+        return None
+
+    result = PassManager([provide, annotate, consume]).run(traced)
+    assert result.report.records[1].modified  # meta changed: measured as a change
+    assert checker.calls == 1
+
+
+def test_pass_lying_about_modified_is_reported_and_strict_mode_rejects_it(traced):
+    class Liar(ReluToAbs):
+        def call(self, program):
+            super().call(program)
+            return PassResult(program, False)
+
+    result = PassManager([Liar()]).run(torch.fx.symbolic_trace(traced))
+    assert result.report.records[0].modified is True
+    assert any("reported 'unmodified' but changed" in w for w in result.report.warnings)
+
+    before = traced.code
+    with pytest.raises(PassFailedError, match="reported 'unmodified'"):
+        PassManager([Liar()], strict=True).run(traced)
+    assert traced.code == before
+
+
+def test_program_form_is_enforced(exported):
+    class GraphModuleOnly(ReluToAbs):
+        accepts = ("GraphModule",)
+
+    with pytest.raises(ProgramFormError) as info:
+        PassManager([GraphModuleOnly()]).run(exported)
+    assert "ExportedProgram" in str(info.value) and info.value.pass_name == "GraphModuleOnly"
+    with pytest.raises(ProgramFormError):
+        PassManager([GraphModuleOnly()]).run(torch.nn.ReLU())
+
+
+def test_hooks_wrap_every_pass_and_after_hooks_run_in_reverse(traced):
+    events = []
+
+    class Recorder(Instrumentation):
+        def __init__(self, tag):
+            self.tag = tag
+
+        def before_pass(self, pass_, program, record):
+            events.append(f"before {self.tag} {pass_.name}")
+
+        def after_pass(self, pass_, program, record):
+            events.append(f"after {self.tag} {pass_.name} modified={record.modified}")
+
+    PassManager([ReluToAbs()], instruments=[Recorder("outer"), Recorder("inner")]).run(traced)
+    assert events == [
+        "before outer ReluToAbs",
+        "before inner ReluToAbs",
+        "after inner ReluToAbs modified=True",
+        "after outer ReluToAbs modified=True",
+    ]
+
+
+def test_print_diff_shows_the_change(traced, capsys):
+    PassManager([ReluToAbs()], print_diff=True).run(traced)
+    out = capsys.readouterr().out
+    assert "-" in out and "abs" in out and "after ReluToAbs" in out
+
+
+def test_report_separates_check_time_and_serializes(traced):
+    result = PassManager([ReluToAbs()]).run(traced)
+    record = result.report.records[0]
+    assert record.wall_time >= record.check_time > 0
+    data = result.report.to_dict()
+    assert data["records"][0]["name"] == "ReluToAbs"
+    assert '"ReluToAbs"' in result.report.to_json()
+
+
+def test_fixed_point_repeats_until_nothing_changes(traced):
+    counter = {"n": 0}
+
+    @function_pass()
+    def strip_one_unary(program):
+        graph = graph_of(program)
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in (torch.relu, torch.abs):
+                node.replace_all_uses_with(node.args[0])
+                graph.erase_node(node)
+                counter["n"] += 1
+                return PassResult(program, True)
+        return PassResult(program, False)
+
+    traced.graph.inserting_after(next(n for n in traced.graph.nodes if n.target is torch.relu))
+    result = PassManager([strip_one_unary], max_iterations=5).run(traced)
+    assert counter["n"] == 1 and not result.report.warnings
+    assert [r.modified for r in result.report.records] == [True, False]
+
+
+def test_fixed_point_bound_is_a_warning():
+    @function_pass()
+    def always_changes(program):
+        graph_of(program).create_node("call_function", torch.relu, (), name="extra").meta["x"] = 1
+        return PassResult(program, True)
+
+    result = PassManager([always_changes], max_iterations=3).run(
+        torch.fx.symbolic_trace(torch.nn.ReLU())
+    )
+    assert len(result.report.records) == 3
+    assert "no fixed point after 3 iterations" in result.report.warnings[0]
+
+
+def test_nested_manager_is_a_group_with_merged_conditions(traced):
+    group = PassManager([ReluToAbs()], name="cleanup")
+    assert group.provides == {NoRelu}
+
+    @function_pass(requires={NoRelu, HasMul})
+    def consume(program):
+        return None
+
+    result = PassManager([consume, group]).run(traced)
+    assert [r.name for r in result.report.records] == ["cleanup", "consume"]
+    assert not targets(result.program, "relu")

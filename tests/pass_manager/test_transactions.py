@@ -1,0 +1,150 @@
+"""A failing pass leaves the program exactly as it was: graph, meta, state, signature."""
+
+import copy
+
+import pytest
+import torch
+
+from pass_manager import (
+    PassFailedError,
+    PassManager,
+    PassResult,
+    PostconditionError,
+    graph_of,
+)
+from pass_manager.program import program_text
+
+from .conftest import NoRelu, targets
+
+
+def state_of(program):
+    """Everything rollback must restore, as comparable values."""
+    gm = graph_of(program).owning_module
+    nodes = [
+        (n.name, n.op, str(n.target), str(n.args), sorted(n.meta)) for n in graph_of(program).nodes
+    ]
+    tensors = {k: v.clone() for k, v in gm.state_dict(keep_vars=True).items()}
+    extra = {}
+    if isinstance(program, torch.export.ExportedProgram):
+        extra = {
+            "signature": str(program.graph_signature),
+            "state": {k: v.clone() for k, v in program.state_dict.items()},
+        }
+    return program_text(program), gm.code, nodes, tensors, extra
+
+
+def assert_same_state(before, after):
+    assert before[0] == after[0]
+    assert before[1] == after[1]
+    assert before[2] == after[2]
+    assert before[3].keys() == after[3].keys()
+    for key in before[3]:
+        torch.testing.assert_close(before[3][key], after[3][key], rtol=0, atol=0)
+    assert before[4].get("signature") == after[4].get("signature")
+    for key, value in before[4].get("state", {}).items():
+        torch.testing.assert_close(value, after[4]["state"][key], rtol=0, atol=0)
+
+
+class HalfRewriteThenCrash:
+    """Rewrites part of the graph, edits meta, state and signature, then raises."""
+
+    name = "half_rewrite"
+
+    def __call__(self, gm):
+        graph = gm.graph
+        first = next(n for n in graph.nodes if n.op == "call_function")
+        with graph.inserting_after(first):
+            extra = graph.call_function(torch.ops.aten.neg.default, (first,))
+        first.replace_all_uses_with(extra, delete_user_cb=lambda user: user is not extra)
+        for node in graph.nodes:
+            node.meta["touched"] = True
+            node.meta.pop("stack_trace", None)
+        for buffer in gm.buffers():
+            buffer.fill_(42.0)
+        gm.register_buffer("new_state", torch.ones(2))
+        gm.recompile()
+        raise RuntimeError("injected fault after a partial rewrite")
+
+
+def test_exception_rolls_back_graph_module_exactly(traced):
+    traced.acc.fill_(3.0)
+    reference = copy.deepcopy(traced)
+    before = state_of(traced)
+    with pytest.raises(PassFailedError) as info:
+        PassManager([HalfRewriteThenCrash()]).run(traced)
+    error = info.value
+    assert error.pass_name == "HalfRewriteThenCrash" and error.index == 0
+    assert isinstance(error.__cause__, RuntimeError)
+    assert "injected fault" in str(error)
+    assert "+" in error.diff and "neg" in error.diff  # the diff names what was changed
+    assert not hasattr(traced, "new_state")
+    assert_same_state(before, state_of(traced))
+    assert all("touched" not in n.meta for n in traced.graph.nodes)
+    torch.testing.assert_close(traced(torch.ones(4)), reference(torch.ones(4)))
+
+
+def test_exception_rolls_back_exported_program_exactly(exported):
+    with torch.no_grad():
+        exported.state_dict["acc"].fill_(5.0)
+    before = state_of(exported)
+    meta_before = {n.name: dict(n.meta) for n in exported.graph.nodes}
+
+    def rewrite_signature_then_crash(gm):
+        spec = exported.graph_signature.output_specs[0]
+        spec.arg.name = "renamed"
+        HalfRewriteThenCrash()(gm)
+
+    with pytest.raises(PassFailedError):
+        PassManager([rewrite_signature_then_crash]).run(exported)
+    assert_same_state(before, state_of(exported))
+    for node in exported.graph.nodes:
+        assert node.meta.keys() == meta_before[node.name].keys()
+        assert node.meta.get("stack_trace") == meta_before[node.name].get("stack_trace")
+    out = exported.module()(torch.ones(4))
+    assert out.shape == (4,)
+
+
+@pytest.mark.parametrize("form", ["exported", "traced"])
+def test_postcondition_failure_rolls_back(form, request):
+    program = request.getfixturevalue(form)
+
+    class ClaimsNoRelu:
+        """Says it removes relu; only renames a node's meta and adds a useless node."""
+
+        def call(self, program):
+            graph = graph_of(program)
+            node = targets(program, "relu")[0]
+            with graph.inserting_before(node):
+                graph.call_function(torch.ops.aten.zeros.default, ([1],))
+            return PassResult(program, True)
+
+    from pass_manager import Pass
+
+    Fake = type("ClaimsNoRelu", (Pass,), {"provides": {NoRelu}, "call": ClaimsNoRelu.call})
+    before = state_of(program)
+    with pytest.raises(PostconditionError) as info:
+        PassManager([Fake()]).run(program)
+    error = info.value
+    assert error.condition == "NoRelu" and error.pass_name == "ClaimsNoRelu" and error.index == 0
+    assert any("relu" in v for v in error.violations)
+    assert "zeros" in error.diff
+    assert_same_state(before, state_of(program))
+
+
+def test_rollback_of_second_pass_keeps_the_first_passs_work(traced):
+    def neg_first(gm):
+        node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.relu)
+        node.target = torch.abs
+
+    before_second = None
+
+    def crash(gm):
+        nonlocal before_second
+        before_second = gm.code
+        gm.graph.erase_node(next(n for n in gm.graph.nodes if n.op == "output"))
+        raise ValueError("boom")
+
+    with pytest.raises(PassFailedError) as info:
+        PassManager([neg_first, crash]).run(traced)
+    assert info.value.index == 1 and info.value.pass_name == "crash"
+    assert traced.code == before_second and "abs" in traced.code
