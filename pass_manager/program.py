@@ -197,7 +197,6 @@ class Snapshot:
         self.program = program
         gm = graph_module_of(program)
         self._gm = gm
-        self.text = program_text(program)
         self._graph, self._node_map = self._copy_graph(gm.graph)
         self._module_dicts = {}
         self._buffer_data = {}
@@ -241,6 +240,14 @@ class Snapshot:
                     self._buffer_data.setdefault(
                         id(value), (value, value.detach().clone(), value._version)
                     )
+
+    @property
+    def text(self) -> str:
+        """The program as it was, as text (rendered only when a diff is asked for)."""
+        text = str(self._graph)
+        if self._ep_state is not None:
+            text += "\n" + str(self._ep_state["_graph_signature"])
+        return text
 
     @staticmethod
     def _copy_graph(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, dict]:

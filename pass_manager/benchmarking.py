@@ -1,0 +1,96 @@
+"""Measure pass cost: repeat runs on fresh copies and keep min / median / max.
+
+Example (three lines to benchmark your own pass):
+    >>> from pass_manager.benchmarking import benchmark_passes
+    >>> result = benchmark_passes([MyPass()], torch.export.export(model, inputs), repeat=5)
+    >>> print(result.table())
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .manager import PassManager
+from .program import node_count
+
+__all__ = ["BenchmarkResult", "Timings", "benchmark_passes", "time_call"]
+
+
+@dataclass
+class Timings:
+    """Repeated wall-time samples of one measured thing, in seconds."""
+
+    name: str
+    samples: list[float] = field(default_factory=list)
+
+    @property
+    def min(self) -> float:
+        return min(self.samples)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def max(self) -> float:
+        return max(self.samples)
+
+    def row(self) -> str:
+        return (
+            f"{self.name:<36} {self.min * 1e3:>10.2f} {self.median * 1e3:>10.2f} "
+            f"{self.max * 1e3:>10.2f}"
+        )
+
+
+def time_call(
+    name: str, fn: Callable[[Any], Any], make_input: Callable[[], Any], repeat: int = 5
+) -> Timings:
+    """Time ``fn(make_input())`` ``repeat`` times; building the input is not timed."""
+    timings = Timings(name)
+    for _ in range(repeat):
+        argument = make_input()
+        start = time.perf_counter()
+        fn(argument)
+        timings.samples.append(time.perf_counter() - start)
+    return timings
+
+
+@dataclass
+class BenchmarkResult:
+    nodes: int
+    total: Timings
+    passes: list[Timings]
+    checks: Timings
+
+    def table(self) -> str:
+        head = f"{'measured (ms)':<36} {'min':>10} {'median':>10} {'max':>10}"
+        rows = [self.total.row(), self.checks.row(), *(t.row() for t in self.passes)]
+        return "\n".join([f"program: {self.nodes} nodes", head, *rows])
+
+
+def benchmark_passes(
+    passes: Sequence[Any], program: Any, repeat: int = 5, **manager_options: Any
+) -> BenchmarkResult:
+    """Run ``passes`` under a PassManager ``repeat`` times, each on a deep copy of ``program``.
+
+    Reports the whole run, the condition-check time, and each pass's own time.
+    """
+    total = Timings("pipeline total")
+    checks = Timings("condition checks")
+    per_pass: dict[str, Timings] = {}
+    for _ in range(repeat):
+        fresh = copy.deepcopy(program)
+        manager = PassManager(list(passes), **manager_options)
+        start = time.perf_counter()
+        result = manager.run(fresh)
+        total.samples.append(time.perf_counter() - start)
+        checks.samples.append(result.report.check_time)
+        for record in result.report.records:
+            key = f"#{record.index} {record.name}"
+            per_pass.setdefault(key, Timings(key)).samples.append(record.wall_time)
+    return BenchmarkResult(node_count(program), total, list(per_pass.values()), checks)
