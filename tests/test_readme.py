@@ -1,0 +1,22 @@
+"""The README's Python examples run, in order, in one namespace, so they cannot rot."""
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_has_examples():
+    assert len(python_blocks()) >= 2
+
+
+def test_readme_examples_run(capsys):
+    namespace: dict = {"__name__": "readme_example"}
+    for block in python_blocks():
+        exec(compile(block, str(README), "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "ReluToClamp" in out
