@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
-from .conditions import Condition, as_condition_set
+from .conditions import ALL_CONDITIONS, Condition, as_condition_set
 from .errors import (
     PassFailedError,
     PassManagerError,
@@ -149,10 +149,13 @@ class PassManager(Pass):
 
     @property
     def preserves(self) -> frozenset:
-        preserved = None
+        preserved = ALL_CONDITIONS
         for p in self.plan():
-            preserved = p.preserved if preserved is None else preserved & p.preserved
-        return frozenset() if preserved is None else preserved
+            if preserved is ALL_CONDITIONS:
+                preserved = p.preserved
+            elif p.preserved is not ALL_CONDITIONS:
+                preserved = preserved & p.preserved
+        return preserved
 
     @property
     def accepts(self) -> tuple[str, ...]:
@@ -262,7 +265,13 @@ class PassManager(Pass):
         snapshot = Snapshot(program)
 
         def fail(error: PassManagerError, cause: BaseException | None = None):
+            lost = snapshot.unrestorable_changes()
             snapshot.restore()
+            if lost:
+                error.args = (
+                    f"{error}\nNot restored: parameters written in place by the pass "
+                    f"(their old values were not copied): {', '.join(lost)}",
+                )
             raise error from cause
 
         def changes(after_program: Any) -> str:

@@ -281,3 +281,14 @@ def test_nested_manager_is_a_group_with_merged_conditions(traced):
     result = PassManager([consume, group]).run(traced)
     assert [r.name for r in result.report.records] == ["cleanup", "consume"]
     assert not targets(result.program, "relu")
+
+
+def test_group_preserves_what_all_its_passes_preserve():
+    x = Condition("X", lambda p: [])
+    y = Condition("Y", lambda p: [])
+    keeps_all = function_pass(lambda p: None, preserves=ALL_CONDITIONS, name="keeps_all")
+    keeps_x = function_pass(lambda p: None, preserves={x, y}, name="keeps_x")
+    keeps_y = function_pass(lambda p: None, preserves={y}, name="keeps_y")
+    assert PassManager([keeps_all, keeps_x]).preserves == {x, y}
+    assert PassManager([keeps_x, keeps_y, keeps_all]).preserves == {y}
+    assert PassManager([keeps_all]).preserves is ALL_CONDITIONS

@@ -148,3 +148,14 @@ def test_rollback_of_second_pass_keeps_the_first_passs_work(traced):
         PassManager([neg_first, crash]).run(traced)
     assert info.value.index == 1 and info.value.pass_name == "crash"
     assert traced.code == before_second and "abs" in traced.code
+
+
+def test_parameter_written_in_place_is_named_as_not_restorable(traced):
+    def scale_weights_then_crash(gm):
+        with torch.no_grad():
+            gm.linear.weight.mul_(2)
+        raise RuntimeError("crash after touching a parameter")
+
+    with pytest.raises(PassFailedError) as info:
+        PassManager([scale_weights_then_crash]).run(traced)
+    assert "Not restored" in str(info.value) and "linear.weight" in str(info.value)
