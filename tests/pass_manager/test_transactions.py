@@ -159,3 +159,24 @@ def test_parameter_written_in_place_is_named_as_not_restorable(traced):
     with pytest.raises(PassFailedError) as info:
         PassManager([scale_weights_then_crash]).run(traced)
     assert "Not restored" in str(info.value) and "linear.weight" in str(info.value)
+
+
+def test_failing_pass_that_built_a_new_exported_program_leaves_the_input_intact(exported):
+    from pass_manager import Pass
+
+    class RebuildsThenFails(Pass):
+        provides = {NoRelu}
+
+        def call(self, program):
+            for node in graph_of(program).nodes:
+                node.meta["rebuilt"] = True
+            signature = copy.deepcopy(program.graph_signature)
+            return PassResult(program._update(program.graph_module, signature), True)
+
+    before = state_of(exported)
+    with pytest.raises(PostconditionError):
+        PassManager([RebuildsThenFails()]).run(exported)
+    assert_same_state(before, state_of(exported))
+    assert all("rebuilt" not in n.meta for n in exported.graph.nodes)
+    assert exported.graph_module.graph.owning_module is exported.graph_module
+    assert exported.module()(torch.ones(4)).shape == (4,)
