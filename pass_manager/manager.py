@@ -38,7 +38,7 @@ from .program import (
     text_diff,
 )
 from .report import PassRecord, Report
-from .validation import Trace, call_inputs, first_difference, run_program
+from .validation import StateReader, Trace, call_inputs, first_difference, run_program
 
 __all__ = ["PassManager", "RunResult"]
 
@@ -87,6 +87,9 @@ class PassManager(Pass):
         validation_calls: number of successive calls to compare (default: one per
             input tuple, or 3 for a single tuple).
         atol, rtol: tolerances of that comparison (exact by default).
+        validation_state: ``module -> {fqn: tensor}`` reading the state to compare after
+            each call (default: the module's named buffers); pass a reader that also sees
+            state a delegate owns.
         instruments: extra Instrumentation objects (hooks around every pass).
         print_diff: print a unified diff of the program after every changing pass.
 
@@ -106,6 +109,7 @@ class PassManager(Pass):
         validation_calls: int | None = None,
         atol: float = 0.0,
         rtol: float = 0.0,
+        validation_state: StateReader | None = None,
         instruments: Iterable[Instrumentation] = (),
         print_diff: bool = False,
         name: str | None = None,
@@ -124,6 +128,7 @@ class PassManager(Pass):
             )
         )
         self.atol, self.rtol = atol, rtol
+        self.validation_state = validation_state
         self.instruments: list[Instrumentation] = [Timing(), *instruments]
         if print_diff:
             self.instruments.append(PrintDiff())
@@ -224,7 +229,9 @@ class PassManager(Pass):
         return RunResult(program, any_change, report)
 
     def _trace(self, program: Any) -> Trace:
-        return run_program(program, self.validation_inputs)
+        if self.validation_state is None:
+            return run_program(program, self.validation_inputs)
+        return run_program(program, self.validation_inputs, state=self.validation_state)
 
     def _check(self, condition: Condition, program: Any, record: PassRecord) -> list[str]:
         start = time.perf_counter()

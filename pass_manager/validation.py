@@ -17,7 +17,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
-__all__ = ["Trace", "assert_same_behaviour", "call_inputs", "first_difference", "run_program"]
+__all__ = [
+    "StateReader",
+    "Trace",
+    "assert_same_behaviour",
+    "call_inputs",
+    "first_difference",
+    "run_program",
+]
 
 StateReader = Callable[[torch.nn.Module], dict[str, torch.Tensor]]
 

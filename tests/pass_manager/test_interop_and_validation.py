@@ -106,3 +106,22 @@ def test_semantic_validation_catches_a_wrong_buffer_update(exported):
             exported
         )
     assert "buffer 'acc'" in info.value.difference or "call 1" in info.value.difference
+
+
+def test_validation_reads_state_through_a_custom_reader(exported):
+    def summed_state(module):
+        return {f"sum of {name}": buf.sum().reshape(1) for name, buf in module.named_buffers()}
+
+    @function_pass()
+    def drop_accumulation(program):
+        for node in targets(program, "add_"):
+            node.target = torch.ops.aten.add.Tensor
+
+    pm = PassManager(
+        [drop_accumulation],
+        validate=[(torch.ones(4),)] * 2,
+        validation_state=summed_state,
+    )
+    with pytest.raises(SemanticsError) as info:
+        pm.run(exported)
+    assert "buffer 'sum of acc'" in info.value.difference
