@@ -1,0 +1,299 @@
+"""Which tensors of an FX graph share storage, and which nodes write to their arguments.
+
+Everything here is read from operator schemas (``Tensor(a!)`` = written, ``Tensor(a)`` =
+aliased) and, for ops that only *may* return a view (``reshape``, ``to``, ``contiguous``),
+from the storages of the fake tensors in ``node.meta["val"]``. Nothing runs the program.
+
+A value's :class:`Alias` is its storage root (a node producing fresh memory, or the
+canonical node of a buffer/input) and the chain of view nodes leading from the root to it.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import Node
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = [
+    "MAYBE_VIEWS",
+    "Alias",
+    "OpaqueNode",
+    "alias_map",
+    "aliased_argument",
+    "argument_value",
+    "list_view_argument",
+    "may_overlap",
+    "schema_of",
+    "view_base_index",
+    "written_arguments",
+    "written_nodes",
+]
+
+
+@dataclass(frozen=True)
+class Alias:
+    """Where a value lives: ``root`` owns the storage, ``chain`` are the view nodes from it."""
+
+    root: Node
+    chain: tuple[Node, ...] = ()
+
+
+@dataclass(frozen=True)
+class OpaqueNode:
+    """A node whose effect on its arguments cannot be read from a schema."""
+
+    node: Node
+    reason: str
+
+
+def schema_of(node: Node) -> torch.FunctionSchema | None:
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema
+    return None
+
+
+_aten = torch.ops.aten
+MAYBE_VIEWS = frozenset({
+    _aten.reshape.default, _aten.reshape_as.default, _aten.flatten.using_ints,
+    _aten.to.dtype, _aten.to.device, _aten.to.dtype_layout, _aten.to.other,
+    _aten.contiguous.default, _aten.type_as.default,
+})
+"""Ops annotated ``Tensor(a)`` that return a view only sometimes (a copy otherwise)."""
+
+
+@dataclass(frozen=True)
+class _OpFacts:
+    """What an operator's schema says about aliasing, computed once per overload."""
+
+    schema: torch.FunctionSchema
+    written: tuple[int, ...]  # indices of written arguments
+    result_of: int | None  # the argument a single result aliases
+    result_written: bool  # ... and whether that argument is written (an in-place op)
+    list_views_of: int | None  # the argument a list of views aliases (split, unbind)
+    results_alias: tuple[int | None, ...]  # per result of a multi-result op
+
+
+@functools.cache
+def _facts(op: torch._ops.OpOverload) -> _OpFacts:
+    schema = op._schema
+    args = schema.arguments
+
+    def aliased_by(info) -> int | None:
+        if info is None or not info.before_set:
+            return None
+        return next((i for i, a in enumerate(args) if a.alias_info is not None
+                     and a.alias_info.before_set & info.before_set), None)
+
+    result_of = aliased_by(schema.returns[0].alias_info) if len(schema.returns) == 1 else None
+    list_views_of = next((i for i, a in enumerate(args) if a.alias_info is not None
+                          and "*" in a.alias_info.after_set and not a.alias_info.is_write), None)
+    return _OpFacts(
+        schema=schema,
+        written=tuple(i for i, a in enumerate(args)
+                      if a.alias_info is not None and a.alias_info.is_write),
+        result_of=result_of,
+        result_written=result_of is not None and args[result_of].alias_info.is_write,
+        list_views_of=list_views_of,
+        results_alias=tuple(aliased_by(r.alias_info) for r in schema.returns)
+        if len(schema.returns) > 1 else (),
+    )
+
+
+def _facts_of(node: Node) -> _OpFacts | None:
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return _facts(node.target)
+    return None
+
+
+def argument_value(node: Node, schema: torch.FunctionSchema, i: int) -> Any:
+    """The value bound to schema argument ``i`` (positional, keyword or default)."""
+    arg = schema.arguments[i]
+    if i < len(node.args) and not arg.kwarg_only:
+        return node.args[i]
+    if arg.name in node.kwargs:
+        return node.kwargs[arg.name]
+    return arg.default_value if arg.has_default_value() else None
+
+
+def _nodes_in(value) -> list[Node]:
+    if isinstance(value, Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, Node)]
+    return []
+
+
+# Composite ops whose schema hides a write: in training mode they update the running
+# statistics they are given. op -> (index of the training flag, indices written).
+_HIDDEN_WRITES = {
+    torch.ops.aten.batch_norm.default: (5, (3, 4)),
+    torch.ops.aten.instance_norm.default: (5, (3, 4)),
+}
+
+
+def written_arguments(node: Node) -> list[tuple[int, Node]]:
+    """``(schema argument index, node)`` for every tensor the node writes, in schema order."""
+    facts = _facts_of(node)
+    if facts is None:
+        return []
+    written = facts.written
+    hidden = _HIDDEN_WRITES.get(node.target)
+    if hidden is not None and argument_value(node, facts.schema, hidden[0]) is True:
+        written = hidden[1]
+    return [(i, n) for i in written for n in _nodes_in(argument_value(node, facts.schema, i))]
+
+
+def written_nodes(node: Node) -> list[Node]:
+    return [n for _, n in written_arguments(node)]
+
+
+def _shares_storage(a: Node, b: Node) -> bool | None:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(va.untyped_storage()) == StorageWeakRef(vb.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def aliased_argument(node: Node) -> tuple[int, Node, bool] | None:
+    """For an op whose single tensor result aliases an argument: (index, argument, written).
+
+    ``written`` is True for an in-place op (the result *is* the written argument) and
+    False for a view. Ops that only may alias (``reshape``, ``to``) count as views when the
+    fake tensors say they share storage, or when there is no fake tensor to ask.
+    """
+    facts = _facts_of(node)
+    if facts is None or facts.result_of is None:
+        return None
+    value = argument_value(node, facts.schema, facts.result_of)
+    if not isinstance(value, Node):
+        return None
+    if node.target in MAYBE_VIEWS and _shares_storage(node, value) is False:
+        return None
+    return facts.result_of, value, facts.result_written
+
+
+def list_view_argument(node: Node) -> int | None:
+    """For a list-of-views op (split, unbind): the index of the argument it views."""
+    facts = _facts_of(node)
+    return None if facts is None else facts.list_views_of
+
+
+def view_base_index(node: Node) -> int | None:
+    """The schema index of the argument a view op's result(s) may alias, from the schema only."""
+    facts = _facts_of(node)
+    if facts is None or facts.result_written:
+        return None
+    return facts.result_of if facts.result_of is not None else facts.list_views_of
+
+
+def _multi_alias(node: Node) -> tuple[str, list] | None:
+    """Ops with several results aliasing arguments.
+
+    ``("views", [arg])`` for list-of-views ops (split, unbind: ``Tensor(a -> *)``) and
+    ``("returns", [arg or None per result])`` for tuple results that alias written args.
+    """
+    facts = _facts_of(node)
+    if facts is None:
+        return None
+    if facts.list_views_of is not None:
+        value = argument_value(node, facts.schema, facts.list_views_of)
+        return ("views", [value]) if isinstance(value, Node) else None
+    if not any(i is not None for i in facts.results_alias):
+        return None
+    per_result = []
+    for i in facts.results_alias:
+        value = None if i is None else argument_value(node, facts.schema, i)
+        per_result.append(value if isinstance(value, Node) else None)
+    return "returns", per_result
+
+
+def alias_map(
+    nodes: Iterable[Node], canonical: dict[Node, Node] | None = None
+) -> tuple[dict[Node, Alias], list[OpaqueNode]]:
+    """The :class:`Alias` of every node, and the nodes whose aliasing is unknowable.
+
+    ``canonical`` maps nodes that denote the same storage (e.g. two ``get_attr`` nodes of
+    one buffer) to one representative, used as their root.
+    """
+    canonical = canonical or {}
+    aliases: dict[Node, Alias] = {}
+    multi: dict[Node, tuple[str, list]] = {}
+    opaque: list[OpaqueNode] = []
+    for node in nodes:
+        if node.op in ("placeholder", "get_attr"):
+            aliases[node] = Alias(canonical.get(node, node))
+            continue
+        if node.op == "output":
+            continue
+        if node.op == "call_function" and node.target is operator.getitem:
+            base, index = node.args[0], node.args[1]
+            info = multi.get(base) if isinstance(base, Node) else None
+            if info is not None:
+                kind, targets = info
+                if kind == "views":
+                    source = aliases[targets[0]]
+                    aliases[node] = Alias(source.root, (*source.chain, base, node))
+                    continue
+                if isinstance(index, int) and targets[index] is not None:
+                    aliases[node] = aliases[targets[index]]
+                    continue
+            aliases[node] = Alias(node)
+            continue
+        if node.op in ("call_module", "call_method") and node.target != "_guards_fn":
+            opaque.append(OpaqueNode(node, f"{node.op} {node.target!r} has no schema"))
+        found = aliased_argument(node)
+        if found is not None and found[1] in aliases:
+            _, arg, written = found
+            source = aliases[arg]
+            aliases[node] = source if written else Alias(source.root, (*source.chain, node))
+            continue
+        info = _multi_alias(node)
+        if info is not None:
+            multi[node] = info
+        aliases[node] = Alias(node)
+    return aliases, opaque
+
+
+def _static(values) -> bool:
+    return all(isinstance(v, int) for v in values)
+
+
+def _extent(val: torch.Tensor) -> tuple[int, int] | None:
+    """First and last storage element a strided tensor touches (None if empty)."""
+    if val.numel() == 0:
+        return None
+    low = high = val.storage_offset()
+    for size, stride in zip(val.shape, val.stride()):
+        span = (size - 1) * stride
+        if span < 0:
+            low += span
+        else:
+            high += span
+    return low, high
+
+
+def may_overlap(a: Node, b: Node) -> bool:
+    """Whether two views of one storage may touch a common element but are not identical.
+
+    True when it cannot be proven otherwise (no fake tensors, symbolic sizes).
+    """
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+        return True
+    if not all(_static((*v.shape, *v.stride(), v.storage_offset())) for v in (va, vb)):
+        return True
+    if (tuple(va.shape), va.stride(), va.storage_offset()) == (
+        tuple(vb.shape), vb.stride(), vb.storage_offset()
+    ):
+        return False
+    ea, eb = _extent(va), _extent(vb)
+    return ea is not None and eb is not None and not (ea[1] < eb[0] or eb[1] < ea[0])

@@ -1,0 +1,298 @@
+"""A view of a program's state shared by every pass: which buffers exist, which are mutated.
+
+Both program forms are covered: in an ExportedProgram buffers are placeholders named in
+``graph_signature.inputs_to_buffers`` and a functional update is a ``BUFFER_MUTATION``
+output; in a GraphModule buffers are ``get_attr`` nodes and an update is an in-place op on
+them (a trailing ``aten.copy_`` write-back included).
+
+``MarkMutableBuffers`` records its findings in node meta, which survives ``ep.module()``,
+deep copies and torchao's prepare/convert, so :func:`mutable_buffers` and
+:func:`reset_mutable_buffers` work on whatever the program became afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx import Node
+
+from ._aliasing import OpaqueNode, alias_map, written_nodes
+
+__all__ = [
+    "BUFFER",
+    "CONSTANT",
+    "INITIAL_META",
+    "MUTABLE_BUFFER_META",
+    "MUTABLE_INPUT_META",
+    "PARAMETER",
+    "USER_INPUT",
+    "MutableBuffer",
+    "Mutations",
+    "State",
+    "buffer_nodes",
+    "buffer_tensor",
+    "find_mutations",
+    "hop_writes",
+    "mutable_buffers",
+    "reset_mutable_buffers",
+    "state_nodes",
+    "trailing_write_backs",
+]
+
+MUTABLE_BUFFER_META = "mutable_buffer"
+"""``node.meta`` key on a mutated buffer's node; the value is the buffer's FQN."""
+MUTABLE_INPUT_META = "mutable_user_input"
+"""``node.meta`` key on a mutated user input's placeholder; the value is the input's name."""
+INITIAL_META = "mutable_buffer_initial"
+"""``node.meta`` key holding the copy of a mutable buffer taken when it was first marked."""
+
+BUFFER, USER_INPUT, PARAMETER, CONSTANT = "buffer", "user_input", "parameter", "constant"
+
+
+@dataclass(frozen=True)
+class State:
+    """A piece of program state a node denotes: its kind and name (FQN or input name)."""
+
+    kind: str
+    name: str
+
+
+def _resolve_attr(gm: torch.nn.Module, target: str) -> tuple[torch.nn.Module, str, Any]:
+    *path, leaf = target.split(".")
+    owner = gm
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, leaf, getattr(owner, leaf, None)
+
+
+def state_nodes(program: Any) -> dict[Node, State]:
+    """Every node that denotes program state: buffers, parameters, constants, user inputs."""
+    states: dict[Node, State] = {}
+    if isinstance(program, ExportedProgram):
+        kinds = {
+            InputKind.BUFFER: BUFFER,
+            InputKind.PARAMETER: PARAMETER,
+            InputKind.CONSTANT_TENSOR: CONSTANT,
+            InputKind.USER_INPUT: USER_INPUT,
+        }
+        specs = {spec.arg.name: spec for spec in program.graph_signature.input_specs
+                 if hasattr(spec.arg, "name")}
+        for node in program.graph.nodes:
+            spec = specs.get(node.name) if node.op == "placeholder" else None
+            if spec is not None and spec.kind in kinds:
+                name = node.name if spec.kind == InputKind.USER_INPUT else spec.target
+                states[node] = State(kinds[spec.kind], name)
+        return states
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            states[node] = State(USER_INPUT, str(node.target))
+        elif node.op == "get_attr":
+            try:
+                owner, leaf, value = _resolve_attr(program, node.target)
+            except AttributeError:
+                continue
+            if not isinstance(value, torch.Tensor):
+                continue
+            if leaf in getattr(owner, "_buffers", {}):
+                kind = BUFFER
+            elif isinstance(value, torch.nn.Parameter):
+                kind = PARAMETER
+            else:
+                kind = CONSTANT
+            states[node] = State(kind, node.target)
+    return states
+
+
+def buffer_nodes(program: Any) -> dict[Node, str]:
+    """Every buffer node (placeholder in an ExportedProgram, get_attr in a GraphModule) -> FQN."""
+    return {node: s.name for node, s in state_nodes(program).items() if s.kind == BUFFER}
+
+
+def buffer_tensor(program: Any, fqn: str) -> torch.Tensor:
+    """The tensor object holding buffer ``fqn`` (shared by the program and its runs)."""
+    if isinstance(program, ExportedProgram):
+        if fqn in program.state_dict:
+            return program.state_dict[fqn]
+        return program.constants[fqn]
+    return _resolve_attr(program, fqn)[2]
+
+
+@dataclass
+class Mutations:
+    """The result of scanning a program: state nodes, who writes what, what could not be read."""
+
+    states: dict[Node, State]
+    writers: dict[State, list[Node]]
+    opaque: list[OpaqueNode]
+
+    def nodes_of(self, state: State) -> list[Node]:
+        return [n for n, s in self.states.items() if s == state]
+
+
+def _subgraph_written(sub: torch.fx.GraphModule) -> list[int] | None:
+    """Positions of the subgraph's placeholders it writes (None: it writes something else)."""
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    aliases, _ = alias_map(sub.graph.nodes)
+    roots = set()
+    for node in sub.graph.nodes:
+        roots.update(aliases[w].root for w in written_nodes(node) if w in aliases)
+        nested = _hop_operands_written(node, sub)
+        roots.update(aliases[w].root for w in nested or () if w in aliases)
+    if not roots:
+        return []
+    if not roots <= set(placeholders):
+        return None
+    return [i for i, p in enumerate(placeholders) if p in roots]
+
+
+def _hop_operands_written(node: Node, gm: torch.nn.Module) -> list[Node] | None:
+    """Operands a higher-order op's subgraph writes; the operands follow the subgraph
+    argument (``wrap_with_set_grad_enabled(enabled, body, *operands)``)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return []
+    written: list[Node] = []
+    for k, arg in enumerate(node.args):
+        sub = getattr(gm, str(arg.target), None) if isinstance(arg, Node) and (
+            arg.op == "get_attr") else None
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        positions = _subgraph_written(sub)
+        operands = [a for a in pytree.tree_leaves(node.args[k + 1:]) if not (
+            isinstance(a, Node) and a.op == "get_attr"
+            and isinstance(getattr(gm, str(a.target), None), torch.fx.GraphModule))]
+        if positions is None or any(
+            i >= len(operands) or not isinstance(operands[i], Node) for i in positions
+        ):
+            return None
+        written += [operands[i] for i in positions]
+    return written
+
+
+def hop_writes(node: Node, gm: torch.nn.Module) -> OpaqueNode | None:
+    """A higher-order op whose subgraph writes: its writes are not rewritten from outside."""
+    written = _hop_operands_written(node, gm)
+    if written == []:
+        return None
+    what = "something" if written is None else ", ".join(n.name for n in written)
+    return OpaqueNode(node, f"higher-order op {node.target.name()} writes {what} inside its "
+                            f"subgraph")
+
+
+def find_mutations(program: Any) -> Mutations:
+    """Scan the graph: every state node, every node writing (through any view) to state."""
+    gm = program.graph_module if isinstance(program, ExportedProgram) else program
+    states = state_nodes(program)
+    first: dict[State, Node] = {}
+    canonical = {node: first.setdefault(state, node) for node, state in states.items()}
+    aliases, opaque = alias_map(gm.graph.nodes, canonical)
+    writers: dict[State, list[Node]] = {}
+    for node in gm.graph.nodes:
+        hop = hop_writes(node, gm)
+        if hop is not None:
+            opaque.append(hop)
+        for target in written_nodes(node) + (_hop_operands_written(node, gm) or []):
+            state = states.get(aliases[target].root) if target in aliases else None
+            if state is not None:
+                writers.setdefault(state, [])
+                if node not in writers[state]:
+                    writers[state].append(node)
+    if isinstance(program, ExportedProgram):
+        outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+        by_name = {n.name: n for n in gm.graph.nodes}
+        for spec, value in zip(program.graph_signature.output_specs, outputs):
+            if spec.kind == OutputKind.BUFFER_MUTATION:
+                state = State(BUFFER, spec.target)
+            elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+                state = State(USER_INPUT, spec.target)
+            else:
+                continue
+            node = value if isinstance(value, Node) else by_name.get(spec.arg.name)
+            writers.setdefault(state, []).append(node)
+    return Mutations(states, writers, opaque)
+
+
+def trailing_write_backs(program: Any) -> list[Node]:
+    """The ``aten.copy_(state, value)`` nodes right before the output (GraphModule form)."""
+    gm = program.graph_module if isinstance(program, ExportedProgram) else program
+    found = []
+    node = next(n for n in reversed(gm.graph.nodes) if n.op == "output").prev
+    while (
+        node.op == "call_function"
+        and node.target is torch.ops.aten.copy_.default
+        and isinstance(node.args[0], Node)
+        and node.args[0].op in ("placeholder", "get_attr")
+    ):
+        found.append(node)
+        node = node.prev
+    return found[::-1]
+
+
+@dataclass
+class MutableBuffer:
+    """A mutated buffer (or user input) of a marked program.
+
+    Attributes:
+        fqn: the buffer's fully-qualified name (for a user input, the input's name).
+        kind: ``"buffer"`` or ``"user_input"``.
+        nodes: names of the nodes that denote it (placeholder or get_attr).
+        writers: names of the nodes that write it, in graph order.
+        initial: the copy taken when ``MarkMutableBuffers`` first saw it (None for inputs).
+    """
+
+    fqn: str
+    kind: str
+    nodes: list[str] = field(default_factory=list)
+    writers: list[str] = field(default_factory=list)
+    initial: torch.Tensor | None = None
+
+
+def mutable_buffers(program: Any) -> dict[str, MutableBuffer]:
+    """The mutable buffers and mutated user inputs ``MarkMutableBuffers`` marked, by name.
+
+    Reads the marks in node meta, so it works on what the program became after other
+    transformations (``ep.module()``, torchao prepare/convert); ``writers`` reflects the
+    current graph.
+
+    Example:
+        >>> ep = PassManager([MarkMutableBuffers()]).run(ep).program
+        >>> sorted(mutable_buffers(ep))
+        ['layers.0.attn.k_cache', 'layers.0.attn.v_cache']
+    """
+    gm = program.graph_module if isinstance(program, ExportedProgram) else program
+    found: dict[str, MutableBuffer] = {}
+    for node in gm.graph.nodes:
+        for key, kind in ((MUTABLE_BUFFER_META, BUFFER), (MUTABLE_INPUT_META, USER_INPUT)):
+            name = node.meta.get(key)
+            if name is None:
+                continue
+            entry = found.setdefault(name, MutableBuffer(name, kind))
+            entry.nodes.append(node.name)
+            if entry.initial is None and node.meta.get(INITIAL_META) is not None:
+                entry.initial = node.meta[INITIAL_META]
+    if found:
+        scan = find_mutations(program)
+        for state, nodes in scan.writers.items():
+            if state.name in found and found[state.name].kind == state.kind:
+                found[state.name].writers = [n.name for n in nodes if n is not None]
+    return found
+
+
+def reset_mutable_buffers(program: Any) -> list[str]:
+    """Restore every marked buffer to the value it had when it was first marked.
+
+    Returns the FQNs restored. Calibration and test runs otherwise leave their state
+    (a filled KV cache, an advanced counter) in the program's buffers.
+    """
+    restored = []
+    for fqn, info in mutable_buffers(program).items():
+        if info.kind != BUFFER or info.initial is None:
+            continue
+        with torch.no_grad():
+            buffer_tensor(program, fqn).copy_(info.initial)
+        restored.append(fqn)
+    return restored

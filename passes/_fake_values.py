@@ -1,0 +1,89 @@
+"""Fake values (``meta["val"]``) for nodes a pass creates, one node at a time.
+
+Evaluating the new node's op on its inputs' fake tensors is not a re-trace: nothing else
+of the program runs. Layers of a model repeat the same rewrite on the same shapes, so the
+result of a non-view op with static shapes is cached per (op, input metadata) and later
+hits get a fresh fake tensor with that metadata instead of a new dispatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx import Graph, Node, map_arg
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from ._aliasing import view_base_index
+
+__all__ = ["FakeValues"]
+
+
+class FakeValues:
+    """Computes ``meta["val"]`` / ``meta["tensor_meta"]`` with the graph's own fake mode."""
+
+    def __init__(self, graph: Graph):
+        self.mode = detect_fake_mode(
+            [n.meta["val"] for n in graph.nodes
+             if n.op in ("placeholder", "get_attr") and "val" in n.meta]
+        )
+        self._cache: dict[tuple, Any] = {}
+
+    def infer(self, node: Node) -> None:
+        """Set the node's fake value; skipped when the graph carries no fake values.
+
+        Raises whatever the op raises on these fake inputs (the rewrite is then invalid).
+        """
+        if self.mode is None or any("val" not in a.meta for a in node.all_input_nodes):
+            return
+        args, kwargs = map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+        key = _fake_key(node, args, kwargs)
+        if key in self._cache:
+            val = _fresh_fake(self.mode, self._cache[key])
+        else:
+            with self.mode:
+                val = node.target(*args, **kwargs)
+            if key is not None:
+                self._cache[key] = val
+        node.meta["val"] = val
+        if isinstance(val, torch.Tensor):
+            node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+
+
+def _fake_key(node: Node, args: Any, kwargs: Any) -> tuple | None:
+    """A cache key for the fake result of a non-view op with static shapes, else None.
+
+    Views are never cached: their result shares its input's storage.
+    """
+    if view_base_index(node) is not None or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    leaves = []
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            meta = (tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device)
+            if not all(isinstance(d, int) for d in (*meta[0], *meta[1])):
+                return None
+            leaves.append(meta)
+        elif isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return None
+        else:
+            leaves.append((type(leaf), leaf))
+    try:
+        key = (node.target, pytree.tree_structure((args, kwargs)), tuple(leaves))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _fresh_fake(mode: Any, like: Any) -> Any:
+    """A new fake tensor (or tuple of them) with the metadata of ``like``."""
+    if isinstance(like, (tuple, list)):
+        return type(like)(_fresh_fake(mode, v) for v in like)
+    if not isinstance(like, torch.Tensor):
+        return like
+    meta = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
+    return FakeTensor(mode, meta, like.device)

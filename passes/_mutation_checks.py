@@ -1,0 +1,79 @@
+"""What InplaceToFunctional refuses to rewrite, and the typed error that says so.
+
+Refused: a write to a parameter or constant, a write through a view with no write-back,
+a written tensor that may partially overlap another argument of the same op, and an
+opaque node (no schema, or a higher-order op writing inside its subgraph) that receives
+mutable state. Each is an :class:`UnsupportedMutationError` naming the node and the reason.
+"""
+
+from __future__ import annotations
+
+from torch.fx import Node
+
+from pass_manager import PassManagerError
+
+from ._aliasing import Alias, may_overlap
+from ._buffers import CONSTANT, PARAMETER, State
+from ._view_inverse import write_back_reason
+
+__all__ = ["UnsupportedMutationError", "check_opaque", "check_write"]
+
+
+class UnsupportedMutationError(PassManagerError):
+    """A mutation InplaceToFunctional cannot rewrite correctly; the program is left unchanged.
+
+    Attributes:
+        node: the name of the node at fault.
+        reason: why it cannot be rewritten.
+        kind: a short category: "overlap", "no-variant", "no-write-back",
+            "writes-parameter", "opaque", "fake-failure" or "out-resize".
+    """
+
+    def __init__(self, node: Node, reason: str, kind: str):
+        self.node = node.name
+        self.reason = reason
+        self.kind = kind
+        super().__init__(
+            f"InplaceToFunctional cannot rewrite node {node.name} ({node.target}): {reason}. "
+            "The program was left unchanged.",
+            pass_name="InplaceToFunctional",
+        )
+
+
+def check_opaque(node: Node, reason: str | None, aliases: dict[Node, Alias], roots: set[Node],
+                 states: dict[Node, State]) -> None:
+    """An opaque node (no schema) must neither write nor receive mutable state."""
+    if reason is None:
+        return
+    if "writes" in reason or str(node.target).endswith("_"):
+        raise UnsupportedMutationError(node, reason, "opaque")
+    touched = [a for a in node.all_input_nodes
+               if a in aliases and (aliases[a].root in roots or aliases[a].root in states)]
+    if touched:
+        names = ", ".join(a.name for a in touched)
+        raise UnsupportedMutationError(
+            node, f"{reason}, so it may write the mutable state it receives ({names})", "opaque")
+
+
+def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
+                states: dict[Node, State]) -> None:
+    """A write the rewrite can express exactly, or an UnsupportedMutationError."""
+    inputs = [a for a in node.all_input_nodes if a in aliases]
+    for w in written:
+        alias = aliases[w]
+        state = states.get(alias.root)
+        if state is not None and state.kind in (PARAMETER, CONSTANT):
+            raise UnsupportedMutationError(
+                node, f"it writes the {state.kind} {state.name!r}", "writes-parameter")
+        for view in alias.chain:
+            reason = write_back_reason(view)
+            if reason is not None:
+                raise UnsupportedMutationError(node, reason, "no-write-back")
+        for other in inputs:
+            same = aliases[other]
+            if other is not w and same.root is alias.root and same != alias and (
+                may_overlap(w, other)
+            ):
+                raise UnsupportedMutationError(
+                    node, f"the written {w.name} and the argument {other.name} are views of "
+                          "one storage that may partially overlap", "overlap")

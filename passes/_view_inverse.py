@@ -1,0 +1,162 @@
+"""Writing a view's new value back into its base, one view op at a time.
+
+``base.<view>(...)`` mutated to ``value`` makes the base ``<view>_scatter(base, value, ...)``
+(slice, select, diagonal, as_strided) or the inverse view of ``value`` when the view is a
+pure re-indexing of every element (transpose, permute, unsqueeze, view/reshape, alias).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+from torch.fx import Node
+
+__all__ = ["Emit", "write_back", "write_back_reason"]
+
+aten = torch.ops.aten
+Emit = Callable[..., Node]
+"""``emit(target, *args, **kwargs) -> Node``: insert a call_function node."""
+
+
+def _args(node: Node, *defaults):
+    """Positional arguments after ``self``, with kwargs and schema defaults filled in."""
+    schema = node.target._schema
+    values = []
+    for i, arg in enumerate(schema.arguments[1:], start=1):
+        if i < len(node.args):
+            values.append(node.args[i])
+        elif arg.name in node.kwargs:
+            values.append(node.kwargs[arg.name])
+        else:
+            values.append(arg.default_value if arg.has_default_value() else None)
+    return values
+
+
+def _shape(node: Node):
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+_SCATTERS = {
+    aten.slice.Tensor: aten.slice_scatter.default,
+    aten.select.int: aten.select_scatter.default,
+    aten.diagonal.default: aten.diagonal_scatter.default,
+    aten.as_strided.default: aten.as_strided_scatter.default,
+}
+_RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                       aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                       aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default,
+                       aten.reshape_as.default})
+_IDENTITIES = frozenset({aten.alias.default, aten.detach.default, aten.to.dtype,
+                         aten.to.device, aten.to.dtype_layout, aten.to.other,
+                         aten.contiguous.default, aten.lift_fresh.default})
+_LIST_VIEWS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+                         aten.chunk.default})
+_OTHERS = frozenset({aten.narrow.default, aten.transpose.int, aten.t.default,
+                     aten.permute.default, aten.unsqueeze.default, aten.view.dtype})
+
+
+def write_back_reason(view: Node) -> str | None:
+    """None if a write through ``view`` can be written back into its base, else why not."""
+    target = view.target
+    if target is operator.getitem:
+        source = view.args[0]
+        if isinstance(source, Node) and source.target in _LIST_VIEWS:
+            flat = [x for a in _args(source) for x in (a if isinstance(a, (list, tuple)) else [a])]
+            static = isinstance(view.args[1], int) and not any(isinstance(x, Node) for x in flat)
+            if source.target is aten.chunk.default:
+                static = static and _shape(source.args[0]) is not None
+            return None if static else f"writes through {view.name}, a symbolic split"
+        return f"writes through {source} (getitem of a non-view)"
+    if target in _SCATTERS or target in _RESHAPES or target in _IDENTITIES or target in _OTHERS:
+        return None
+    if target in _LIST_VIEWS:
+        return None
+    return (f"writes through the view {view.name} = {target}, which has no write-back into "
+            f"its base (no *_scatter and no inverse view)")
+
+
+def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
+    """The new value of ``base`` after its view ``view`` (an original node) became ``value``.
+
+    ``base`` is the current value of the view's base; for ``getitem`` of a split/unbind,
+    ``base`` is the current value of the split's input.
+    """
+    target = view.target
+    if target is operator.getitem:
+        return _write_back_item(emit, view.args[0], view.args[1], base, value)
+    if target in _SCATTERS:
+        return emit(_SCATTERS[target], base, value, *_args(view))
+    if target is aten.narrow.default:
+        dim, start, length = _args(view)
+        end = start + length if isinstance(start, int) and isinstance(length, int) else emit(
+            operator.add, start, length)
+        return emit(aten.slice_scatter.default, base, value, dim, start, end)
+    if target is aten.transpose.int:
+        return emit(aten.transpose.int, value, *_args(view))
+    if target is aten.t.default:
+        return emit(aten.t.default, value)
+    if target is aten.permute.default:
+        (dims,) = _args(view)
+        dims = [d % len(dims) for d in dims]
+        return emit(aten.permute.default, value, sorted(range(len(dims)), key=dims.__getitem__))
+    if target is aten.unsqueeze.default:
+        (dim,) = _args(view)
+        ndim = len(_shape(view)) if _shape(view) is not None else None
+        if dim < 0 and ndim is not None:
+            dim += ndim
+        return emit(aten.squeeze.dim, value, dim)
+    if target is aten.view.dtype:
+        return emit(aten.view.dtype, value, base.meta["val"].dtype)
+    if target in _IDENTITIES:
+        return value
+    shape = _shape(base)
+    if shape is not None and all(isinstance(s, int) for s in shape):
+        return emit(aten.reshape.default, value, list(shape))
+    return emit(aten.reshape_as.default, value, base)
+
+
+def _write_back_item(emit: Emit, split: Node, index: int, base: Node, value: Node) -> Node:
+    target = split.target
+    args = _args(split)
+    if target is aten.unbind.int:
+        return emit(aten.select_scatter.default, base, value, args[0], index)
+    if target is aten.split.Tensor:
+        size, dim = args
+        sizes = None
+    elif target is aten.split_with_sizes.default:
+        sizes, dim = args
+    else:
+        chunks, dim = args
+        length = _shape(base)[dim]
+        size = -(-length // chunks)
+        sizes = None
+    start = sum(sizes[:index]) if sizes is not None else index * size
+    end = start + (sizes[index] if sizes is not None else size)
+    return emit(aten.slice_scatter.default, base, value, dim, start, end)
+
+
+def view_steps(chain: tuple[Node, ...]) -> list[tuple[Node, ...]]:
+    """The chain cut into write-back steps: one view, or a split/unbind and its getitem."""
+    steps: list[tuple[Node, ...]] = []
+    for view in chain:
+        if view.target is operator.getitem and steps and steps[-1][-1] is view.args[0]:
+            steps[-1] = (*steps[-1], view)
+        else:
+            steps.append((view,))
+    return steps
+
+
+def write_back_chain(emit: Emit, chain: tuple[Node, ...], bases: list[Node], value: Node) -> Node:
+    """The root's new value once the end of ``chain`` became ``value``.
+
+    ``bases[k]`` is the current value of ``chain[:k]`` (``bases[0]`` is the root's), for
+    every ``k`` at which a step starts.
+    """
+    start = len(chain)
+    for step in reversed(view_steps(chain)):
+        start -= len(step)
+        value = write_back(emit, step[-1], bases[start], value)
+    return value

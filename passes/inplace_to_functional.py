@@ -1,0 +1,64 @@
+"""InplaceToFunctional: replace in-place ops by functional ones, without re-tracing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pass_manager import Pass, PassResult
+
+from ._functionalize import Rewrite
+from ._mutation_checks import UnsupportedMutationError
+from .conditions import Functional, MutableBuffersMarked
+
+__all__ = ["InplaceToFunctional", "UnsupportedMutationError"]
+
+
+class InplaceToFunctional(Pass):
+    """Replace every in-place op by its functional variant and re-wire later reads.
+
+    A write through a view is written back into its base (``slice_scatter``,
+    ``select_scatter``, ``diagonal_scatter``, ``as_strided_scatter`` or the inverse view);
+    a later read of any view of that base, taken before or after the write, reads the
+    new value. Program state ends as ``BUFFER_MUTATION`` / ``USER_INPUT_MUTATION`` outputs
+    (ExportedProgram, ordered as ``run_decompositions({})`` orders them) or as one
+    trailing ``aten.copy_(state, final)`` per mutated buffer or input (GraphModule). No
+    re-tracing: one walk over the graph, fake tensors evaluated only for new nodes.
+    Like every Pass, ``call`` leaves ``recompile()`` to the PassManager (or to the caller).
+
+    * requires: ``MutableBuffersMarked``
+    * provides: ``Functional`` (``MutableBuffersMarked`` stays true)
+    * preserves: ``MutableBuffersMarked``
+
+    Example (GraphModule form)::
+
+        before:  %acc = get_attr[acc]
+                 %add_ = aten.add_.Tensor(%acc, %x)
+                 %mul = aten.mul.Tensor(%acc, 2)
+                 return (%mul,)
+        after:   %acc = get_attr[acc]
+                 %add = aten.add.Tensor(%acc, %x)
+                 %mul = aten.mul.Tensor(%add, 2)
+                 %copy_ = aten.copy_.default(%acc, %add)
+                 return (%mul,)
+
+    Raises:
+        UnsupportedMutationError: an op with no known functional variant, a write to a
+            parameter or constant, a write through a view with no write-back, or a
+            written tensor that may partially overlap another argument.
+    """
+
+    requires = frozenset({MutableBuffersMarked})
+    provides = frozenset({Functional})
+    preserves = frozenset({MutableBuffersMarked})
+
+    def call(self, program: Any) -> PassResult:
+        rewrite = Rewrite(program)
+        if not rewrite.has_writes:
+            return PassResult(program, False)
+        try:
+            rewrite.run()
+        except Exception:
+            rewrite.undo()
+            raise
+        rewrite.commit()
+        return PassResult(program, True, rewrite.notes)

@@ -1,0 +1,70 @@
+"""MarkMutableBuffers: find every buffer (and user input) a program mutates and mark it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pass_manager import ALL_CONDITIONS, Pass, PassResult
+
+from ._buffers import (
+    BUFFER,
+    INITIAL_META,
+    MUTABLE_BUFFER_META,
+    MUTABLE_INPUT_META,
+    USER_INPUT,
+    buffer_tensor,
+    find_mutations,
+)
+from .conditions import MutableBuffersMarked
+
+__all__ = ["MarkMutableBuffers"]
+
+
+class MarkMutableBuffers(Pass):
+    """Mark each mutated buffer's node with ``meta["mutable_buffer"] = fqn``.
+
+    A write is read from operator schemas (an argument annotated ``Tensor(a!)``), followed
+    through any chain of views back to the buffer: in-place ops, ``out=`` variants,
+    trailing ``copy_`` write-backs, and ``BUFFER_MUTATION`` outputs of functional programs.
+    Mutated user inputs get ``meta["mutable_user_input"] = name`` instead. The first time
+    a buffer is marked, a copy of its value is kept in ``meta["mutable_buffer_initial"]``
+    for :func:`passes.reset_mutable_buffers`.
+
+    * requires: nothing
+    * provides: ``MutableBuffersMarked``
+    * preserves: every condition (only node meta changes)
+
+    Example (GraphModule form)::
+
+        before:  %k_cache = get_attr[k_cache]
+                 %index_copy_ = aten.index_copy_(%k_cache, 2, %pos, %k)
+        after:   %k_cache = get_attr[k_cache]  meta["mutable_buffer"] = "k_cache"
+                 %index_copy_ = aten.index_copy_(%k_cache, 2, %pos, %k)
+    """
+
+    provides = frozenset({MutableBuffersMarked})
+    preserves = ALL_CONDITIONS
+
+    def call(self, program: Any) -> PassResult:
+        scan = find_mutations(program)
+        notes = [f"cannot see through {o.node.name}: {o.reason}" for o in scan.opaque]
+        changed = False
+        for state, writers in scan.writers.items():
+            if state.kind not in (BUFFER, USER_INPUT):
+                notes.append(f"{state.kind} {state.name!r} is written by "
+                             f"{', '.join(n.name for n in writers if n is not None)}")
+                continue
+            nodes = scan.nodes_of(state)
+            kept = next((n.meta[INITIAL_META] for n in nodes
+                         if n.meta.get(INITIAL_META) is not None), None)
+            if state.kind == BUFFER and kept is None:
+                kept = buffer_tensor(program, state.name).detach().clone()
+            key = MUTABLE_BUFFER_META if state.kind == BUFFER else MUTABLE_INPUT_META
+            for node in nodes:
+                if node.meta.get(key) != state.name:
+                    node.meta[key] = state.name
+                    changed = True
+                if state.kind == BUFFER and node.meta.get(INITIAL_META) is not kept:
+                    node.meta[INITIAL_META] = kept
+                    changed = True
+        return PassResult(program, changed, notes)

@@ -1,0 +1,288 @@
+"""InplaceToFunctional: functional programs that behave like eager, call after call, on both
+program forms; the ExportedProgram signature matches run_decompositions({}); unsupported
+mutations are typed errors that leave the program unchanged."""
+
+import copy
+import operator
+
+import pytest
+import torch
+
+from pass_manager import PassFailedError, PassManager, assert_same_behaviour, graph_of
+from pass_manager.program import program_text
+from passes import (
+    InplaceToFunctional,
+    MarkMutableBuffers,
+    UnsupportedMutationError,
+    conditions,
+    mutable_buffers,
+    register_functional_variant,
+)
+from passes.functional_variants import unregister_functional_variant
+
+PIPELINE = [MarkMutableBuffers(), InplaceToFunctional()]
+
+
+def functionalize(program):
+    return PassManager(PIPELINE).run(program)
+
+
+@pytest.mark.parametrize("form", ["exported", "module"])
+def test_behaves_like_eager_for_four_calls(mutation_model, form):
+    name, eager, calls, ep = mutation_model
+    program = ep if form == "exported" else ep.module()
+    result = functionalize(program)
+    assert type(result.program) is type(program)
+    assert_same_behaviour(eager, result.program, calls, calls=4)
+    assert not conditions.Functional.check(result.program)
+    assert not conditions.MutableBuffersMarked.check(result.program)
+    assert result.report.records[1].modified == (name != "no_mutation")
+    # Downstream passes (torchao) need meta["val"] on every node the pass created.
+    missing = [n.name for n in graph_of(result.program).nodes
+               if n.op == "call_function" and "val" not in n.meta]
+    assert missing == []
+
+
+def test_signature_matches_run_decompositions(mutation_model):
+    _, _, _, ep = mutation_model
+    reference = copy.deepcopy(ep).run_decompositions({}).graph_signature
+    result = functionalize(ep).program
+    result.validate()  # torch's own verifier accepts the rewritten program
+    signature = result.graph_signature
+    assert list(signature.buffers_to_mutate.values()) == list(reference.buffers_to_mutate.values())
+    assert list(signature.user_inputs_to_mutate.values()) == list(
+        reference.user_inputs_to_mutate.values())
+    assert [s.kind for s in signature.output_specs] == [s.kind for s in reference.output_specs]
+
+
+def test_kv_cache_graph_before_and_after(zoo):
+    _, _, ep = zoo("kv_index_copy")
+    gm = functionalize(ep.module()).program
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.index_copy_.default not in targets
+    assert targets.count(torch.ops.aten.index_copy.default) == 2
+    write_backs = [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
+    assert [n.args[0].target for n in write_backs] == [
+        "layers.0.attn.k_cache", "layers.0.attn.v_cache"]
+    assert all(n.next.op == "output" or n.next in write_backs for n in write_backs)
+    # The new node keeps the provenance of the node it replaced.
+    index_copy = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.index_copy.default)
+    assert "layers.0.attn" in str(index_copy.meta["nn_module_stack"])
+    assert "index_copy_" in index_copy.meta["stack_trace"]
+
+
+def test_reads_through_views_taken_before_the_write(zoo):
+    eager, calls, ep = zoo("transpose_select")
+    gm = functionalize(ep.module()).program
+    scatter = [n for n in gm.graph.nodes if n.target is torch.ops.aten.select_scatter.default]
+    assert len(scatter) == 1
+    assert_same_behaviour(eager, gm, calls, calls=4)
+
+
+def test_second_run_is_a_no_op(zoo):
+    _, _, ep = zoo("many_writes")
+    for program in (ep, ep.module()):
+        once = functionalize(program).program
+        again = PassManager([InplaceToFunctional()]).run(once)
+        assert not again.modified
+
+
+def test_runs_without_any_re_trace(zoo, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("InplaceToFunctional must not re-trace")
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", forbidden)
+    monkeypatch.setattr(torch.export, "export", forbidden)
+    monkeypatch.setattr(torch.fx.experimental.proxy_tensor, "make_fx", forbidden)
+    monkeypatch.setattr(torch.fx.Interpreter, "run", forbidden)
+    _, _, ep = zoo("view_zoo")
+    assert functionalize(ep).modified
+
+
+class WritesParameter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+
+    def forward(self, x):
+        self.w.add_(x)
+        return self.w * 2
+
+
+class UnfoldWrite(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(8.0))
+
+    def forward(self, x):
+        self.b.unfold(0, 2, 2).add_(x)
+        return self.b * 1
+
+
+def _assert_rejected(program, kind, node):
+    before = program_text(program)
+    with pytest.raises(UnsupportedMutationError) as info:
+        InplaceToFunctional().call(program)
+    assert info.value.kind == kind and info.value.node == node
+    assert node in str(info.value) and "InplaceToFunctional" in str(info.value)
+    assert program_text(program) == before  # the pass left the program exactly as it was
+    return info.value
+
+
+@pytest.mark.parametrize("form", ["exported", "module"])
+def test_parameter_write_is_a_typed_error_and_program_unchanged(form):
+    ep = torch.export.export(WritesParameter(), (torch.ones(3),))
+    program = ep if form == "exported" else ep.module()
+    _assert_rejected(program, "writes-parameter", "add_")
+    with pytest.raises(PassFailedError) as info:  # through the manager: same error, chained
+        PassManager([InplaceToFunctional()]).run(program)
+    assert isinstance(info.value.__cause__, UnsupportedMutationError)
+
+
+def test_write_through_view_without_inverse_is_rejected():
+    ep = torch.export.export(UnfoldWrite(), (torch.ones(4, 2),))
+    error = _assert_rejected(ep.module(), "no-write-back", "add_")
+    assert "unfold" in error.reason
+
+
+def test_possible_partial_overlap_is_rejected():
+    # A hand-built graph without fake values: overlap of buf[1:] and buf[:-1] cannot be
+    # ruled out (it is real here), so the pass must refuse rather than guess.
+    root = torch.nn.Module()
+    root.register_buffer("buf", torch.arange(6.0))
+    graph = torch.fx.Graph()
+    buf = graph.get_attr("buf")
+    tail = graph.call_function(torch.ops.aten.slice.Tensor, (buf, 0, 1, 6))
+    head = graph.call_function(torch.ops.aten.slice.Tensor, (buf, 0, 0, 5))
+    graph.call_function(torch.ops.aten.add_.Tensor, (tail, head))
+    graph.output((graph.call_function(torch.ops.aten.mul.Tensor, (buf, 2)),))
+    gm = torch.fx.GraphModule(root, graph)
+    error = _assert_rejected(gm, "overlap", "add__tensor")
+    assert "slice" in error.reason
+
+
+@torch.library.custom_op("mbp_test::scale_", mutates_args=("buf",))
+def _scale_(buf: torch.Tensor, factor: float) -> None:
+    buf.mul_(factor)
+
+
+@_scale_.register_fake
+def _(buf, factor):
+    return None
+
+
+@torch.library.custom_op("mbp_test::scaled", mutates_args=())
+def _scaled(buf: torch.Tensor, factor: float) -> torch.Tensor:
+    return buf * factor
+
+
+@_scaled.register_fake
+def _(buf, factor):
+    return torch.empty_like(buf)
+
+
+class CustomWrite(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.ones(3))
+
+    def forward(self, x):
+        torch.ops.mbp_test.scale_(self.b, 1.5)
+        return self.b + x
+
+
+def test_custom_op_needs_a_registered_variant_then_works():
+    calls = [(torch.full((3,), float(i)),) for i in range(4)]
+    ep = torch.export.export(CustomWrite(), calls[0])
+    error = _assert_rejected(ep, "no-variant", "scale_")
+    assert "register_functional_variant" in error.reason
+    register_functional_variant(torch.ops.mbp_test.scale_.default,
+                                torch.ops.mbp_test.scaled.default)
+    try:
+        for program in (ep, ep.module()):
+            result = functionalize(copy.deepcopy(program)).program
+            assert_same_behaviour(CustomWrite(), result, calls, calls=4)
+            assert torch.ops.mbp_test.scaled.default in [n.target for n in graph_of(result).nodes]
+    finally:
+        unregister_functional_variant(torch.ops.mbp_test.scale_.default)
+
+
+class SplitAndOut(torch.nn.Module):
+    """An out= op with two outputs (written via getitem), a dtype-changing in-place update."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("low_", torch.zeros(3))
+        self.register_buffer("high", torch.zeros(3))
+        self.register_buffer("low", torch.zeros(3, dtype=torch.float16))
+
+    def forward(self, x):
+        torch.aminmax(x, dim=0, out=(self.low_, self.high))
+        self.low.add_(x.sum(0))  # fp16 buffer += fp32 tensor: the result is cast back
+        return self.low_ + self.high, self.low * 1
+
+
+def test_multi_output_out_variant_and_dtype_cast():
+    calls = [(torch.randn(4, 3, generator=torch.Generator().manual_seed(i)),) for i in range(4)]
+    ep = torch.export.export(SplitAndOut(), calls[0])
+    for program in (ep, ep.module()):
+        result = functionalize(copy.deepcopy(program)).program
+        assert_same_behaviour(SplitAndOut(), result, calls, calls=4)
+        targets = {n.target for n in graph_of(result).nodes}
+        assert torch.ops.aten._to_copy.default in targets
+        assert operator.getitem in targets
+
+
+class NoGradWrite(torch.nn.Module):
+    """A cache written under torch.no_grad(): export wraps it in a higher-order op."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(3))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.b.add_(x)
+        return self.b * 2
+
+
+def test_write_inside_higher_order_op_is_found_and_rejected_clearly():
+    ep = torch.export.export(NoGradWrite(), (torch.ones(3),))
+    for program in (ep, ep.module()):
+        marked = PassManager([MarkMutableBuffers()]).run(program).program
+        assert list(mutable_buffers(marked)) == ["b"]
+        error = _assert_rejected(marked, "opaque", "add_")
+        assert "wrap_with_set_grad_enabled" in error.reason
+
+
+class DynamicSlices(torch.nn.Module):
+    """Writes through slices whose bounds are a dynamic dimension of the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(16))
+        self.register_buffer("acc", torch.zeros(4))
+
+    def forward(self, x):
+        self.acc.add_(x.sum(0))
+        self.buf[: x.shape[0]].copy_(x[:, 0])
+        self.buf.narrow(0, 1, x.shape[0]).mul_(2)
+        return self.buf * self.acc.sum()
+
+
+def test_dynamic_shapes():
+    calls = [(torch.randn(n, 4, generator=torch.Generator().manual_seed(n)),) for n in (3, 5, 2, 7)]
+    dims = ({0: torch.export.Dim("n", min=2, max=8)},)
+    ep = torch.export.export(DynamicSlices(), calls[0], dynamic_shapes=dims)
+    for program in (ep, ep.module()):
+        result = functionalize(copy.deepcopy(program)).program
+        assert_same_behaviour(DynamicSlices(), result, calls, calls=4)
+    result.graph.lint()
+    functionalize(ep).program.validate()
+
+
+def test_registry_rejects_what_is_not_a_mutating_op():
+    with pytest.raises(TypeError, match="OpOverload"):
+        register_functional_variant(torch.add, torch.add)
+    with pytest.raises(ValueError, match="writes none of its arguments"):
+        register_functional_variant(torch.ops.aten.add.Tensor, torch.ops.aten.add.Tensor)

@@ -1,0 +1,153 @@
+"""MarkMutableBuffers: every mutated buffer is found (as run_decompositions would list it),
+marked in meta on both program forms, and can be reset to its initial value."""
+
+import copy
+
+import pytest
+import torch
+
+from pass_manager import PassManager, PreconditionError, assert_same_behaviour
+from passes import MarkMutableBuffers, conditions, mutable_buffers, reset_mutable_buffers
+from passes._buffers import MUTABLE_BUFFER_META
+
+
+def _reference_mutations(ep):
+    sig = copy.deepcopy(ep).run_decompositions({}).graph_signature
+    return set(sig.buffers_to_mutate.values()), set(sig.user_inputs_to_mutate.values())
+
+
+def _found(program):
+    found = mutable_buffers(program)
+    return ({k for k, v in found.items() if v.kind == "buffer"},
+            {k for k, v in found.items() if v.kind == "user_input"})
+
+
+@pytest.mark.parametrize("form", ["exported", "module"])
+def test_finds_what_run_decompositions_lists(mutation_model, form):
+    _, eager, calls, ep = mutation_model
+    expected = _reference_mutations(ep)
+    program = ep if form == "exported" else ep.module()
+    assert conditions.MutableBuffersMarked.check(program) or expected == (set(), set())
+    result = PassManager([MarkMutableBuffers()]).run(program)
+    assert _found(result.program) == expected
+    assert not conditions.MutableBuffersMarked.check(result.program)
+    assert result.modified == (expected != (set(), set()))
+    # Marking changes only meta: the program still behaves like the eager module.
+    assert_same_behaviour(eager, result.program, calls, calls=4)
+
+
+def test_marks_survive_module_and_deepcopy_and_reset_restores(zoo):
+    eager, calls, ep = zoo("counters")
+    marked = PassManager([MarkMutableBuffers()]).run(ep).program
+    gm = copy.deepcopy(marked.module())
+    marks = {n.meta[MUTABLE_BUFFER_META] for n in gm.graph.nodes if MUTABLE_BUFFER_META in n.meta}
+    assert marks == {"acc", "decay", "step"}
+    info = mutable_buffers(gm)
+    assert info["step"].writers and all(w in {n.name for n in gm.graph.nodes}
+                                        for w in info["step"].writers)
+    initial = {k: v.initial.clone() for k, v in info.items()}
+    for args in calls[:3]:
+        gm(*args)
+    assert gm.step.item() == 3 and not torch.equal(gm.acc, initial["acc"])
+    assert sorted(reset_mutable_buffers(gm)) == ["acc", "decay", "step"]
+    for fqn in initial:
+        assert torch.equal(gm.get_buffer(fqn), initial[fqn])
+    # The reset program behaves like a fresh eager module again.
+    assert_same_behaviour(eager, gm, calls, calls=4)
+
+
+def test_reset_on_exported_program_and_first_value_is_kept(zoo):
+    _, calls, ep = zoo("kv_index_copy")
+    marked = PassManager([MarkMutableBuffers()]).run(ep).program
+    marked.module()(*calls[0])  # shares buffers with the EP: the cache is now non-zero
+    k = "layers.0.attn.k_cache"
+    assert marked.state_dict[k].abs().sum() > 0
+    again = PassManager([MarkMutableBuffers()]).run(marked)
+    assert not again.modified  # the kept copy is the first one, not the dirty cache
+    reset_mutable_buffers(again.program)
+    assert marked.state_dict[k].abs().sum() == 0
+
+
+def test_add_and_mul_updates_are_found_where_name_heuristics_miss_them(zoo):
+    _, _, ep = zoo("counters")
+    gm = PassManager([MarkMutableBuffers()]).run(ep.module()).program
+    writers = {k: v.writers for k, v in mutable_buffers(gm).items()}
+    names = {w for ws in writers.values() for w in ws}
+    targets = {str(n.target) for n in gm.graph.nodes if n.name in names}
+    assert targets == {"aten.add_.Tensor", "aten.mul_.Tensor"}
+
+
+def test_views_and_out_variant_writers(zoo):
+    _, _, ep = zoo("view_zoo")
+    info = mutable_buffers(PassManager([MarkMutableBuffers()]).run(ep).program)
+    assert info["total"].writers == ["add"]  # aten.add.out(..., out=b_total)
+    assert len(info["w"].writers) == 4  # through reshape+slice, diagonal, permute+select, split
+
+
+def test_functional_program_is_read_from_its_signature(zoo):
+    _, _, ep = zoo("many_writes")
+    functional = copy.deepcopy(ep).run_decompositions({})
+    info = mutable_buffers(PassManager([MarkMutableBuffers()]).run(functional).program)
+    assert info["buf"].writers == ["clamp"] and info["y"].kind == "user_input"
+    # ... and in the GraphModule form, from the trailing copy_ write-backs.
+    info = mutable_buffers(PassManager([MarkMutableBuffers()]).run(functional.module()).program)
+    assert {k: v.kind for k, v in info.items()} == {"buf": "buffer", "y": "user_input"}
+
+
+class WritesParameter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+
+    def forward(self, x):
+        self.w.add_(x)
+        return self.w * 2
+
+
+def test_parameter_write_is_reported_not_marked():
+    ep = torch.export.export(WritesParameter(), (torch.ones(3),))
+    result = PassManager([MarkMutableBuffers()]).run(ep)
+    assert mutable_buffers(result.program) == {}
+    assert any("parameter 'w'" in note for note in result.report.records[0].notes)
+
+
+def test_pipeline_requiring_marks_fails_clearly_without_the_pass(zoo):
+    from pass_manager import Pass
+
+    class NeedsMarks(Pass):
+        requires = {conditions.MutableBuffersMarked}
+
+        def call(self, program):
+            return None
+
+    _, _, ep = zoo("counters")
+    with pytest.raises(PreconditionError, match="MutableBuffersMarked") as info:
+        PassManager([NeedsMarks()]).run(ep)
+    assert "b_acc" in str(info.value) and "MarkMutableBuffers" in str(info.value)
+
+
+def test_marks_survive_torchao_prepare_and_convert(zoo):
+    import warnings
+
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.testing.pt2e._xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+
+    _, calls, ep = zoo("kv_index_copy")
+    gm = PassManager([MarkMutableBuffers()]).run(ep.module()).program
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config())
+        prepared = prepare_pt2e(gm, quantizer)
+    caches = {"layers.0.attn.k_cache", "layers.0.attn.v_cache"}
+    assert set(mutable_buffers(prepared)) == caches
+    for args in calls[:3]:  # calibration fills the caches ...
+        prepared(*args)
+    assert prepared.get_buffer("layers.0.attn.k_cache").abs().sum() > 0
+    assert set(reset_mutable_buffers(prepared)) == caches  # ... and the reset empties them
+    assert prepared.get_buffer("layers.0.attn.k_cache").abs().sum() == 0
+    converted = convert_pt2e(prepared)
+    info = mutable_buffers(converted)
+    assert set(info) == caches and all(v.writers for v in info.values())
