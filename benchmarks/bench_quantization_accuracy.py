@@ -1,0 +1,91 @@
+"""Decode accuracy of pt2e-quantized stateful models, without and with the passes.
+
+For each model (KV decoder with an ``index_copy_`` / ``index_put_`` cache, accumulator
+updated by ``add_``), quantizer (annotate-every-op QNN style, torchao's XNNPACK-style),
+program form (in-place ``ep.module()``, functional after InplaceToFunctional) and
+``fold_quantize``, prints the max abs error vs the fp32 eager model at every decode step:
+
+* ``plain``: torchao's flow as is (prepare, calibrate, convert; no reset);
+* ``passes``: PassQuantizer(MarkMutableBuffers [+ InplaceToFunctional],
+  SkipAnnotateDataMovementOps), reset_mutable_buffers, convert, UnfreezeMutableBuffer.
+
+The fp32 reference has error 0 by definition. The KV decoders are calibrated on single
+tokens at position 0 (the cache is only ever seen empty), the accumulator on one decode
+sequence. Run: ``python -m benchmarks.bench_quantization_accuracy [--steps N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import warnings
+
+import torch
+
+from benchmarks.models import decode_inputs, kv_decoder
+from tests.quantizers import (
+    Accumulator,
+    AnnotateEveryOpQuantizer,
+    accumulator_inputs,
+    convert,
+    decode,
+    prepare_and_calibrate,
+    xnnpack_quantizer,
+)
+
+__all__ = ["accuracy_rows", "main"]
+
+QUANTIZERS = {"every_op": AnnotateEveryOpQuantizer, "xnnpack": xnnpack_quantizer}
+
+
+def _cases(steps: int):
+    for cache_update in ("index_copy", "index_put"):
+        model, example = kv_decoder(1, cache_update=cache_update)
+        inputs = decode_inputs(model.cfg, steps, seed=3)
+        calibration = [[(x, torch.tensor([0]))] for x, _ in inputs]
+        yield f"kv_{cache_update}", model, example, inputs, calibration
+    model = Accumulator()
+    inputs = accumulator_inputs(steps, seed=3)
+    yield "accumulator_add_", model, inputs[0], inputs, [inputs]
+
+
+def accuracy_rows(steps: int = 10):
+    """Yield ``(model, quantizer, form, fold, flow, step errors, worst buffer error)``."""
+    for name, model, example, inputs, calibration in _cases(steps):
+        for quantizer, functional in itertools.product(sorted(QUANTIZERS), (False, True)):
+            form = "functional" if functional else "inplace"
+            for passes in (False, True):
+                prepared = prepare_and_calibrate(
+                    model, example, QUANTIZERS[quantizer](), calibration,
+                    passes=passes, functional=functional, reset=passes,
+                )
+                for fold in (True, False):
+                    result = decode(model, convert(prepared, passes=passes, fold_quantize=fold),
+                                    inputs)
+                    worst_buffer = max(
+                        result.worst_buffer_error(b) / result.buffer_scale[b]
+                        for b in result.buffer_scale
+                    )
+                    yield (name, quantizer, form, fold, "passes" if passes else "plain",
+                           result.output_errors, worst_buffer)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    steps = " ".join(f"{f's{i}':>6}" for i in range(args.steps))
+    print("max abs output error vs fp32 per decode step; worst/first = growth; "
+          "buffer = worst buffer error relative to the fp32 buffer's magnitude")
+    print(f"{'model':<17} {'quantizer':<9} {'form':<10} {'fold':<5} {'flow':<6} {steps} "
+          f"{'worst/first':>11} {'buffer':>7}")
+    for name, quantizer, form, fold, flow, errors, buffer in accuracy_rows(args.steps):
+        cells = " ".join(f"{e:6.3f}" for e in errors)
+        growth = max(errors) / errors[0] if errors[0] > 0 else float("inf")
+        print(f"{name:<17} {quantizer:<9} {form:<10} {fold!s:<5} {flow:<6} {cells} "
+              f"{growth:11.1f} {buffer:7.1%}")
+
+
+if __name__ == "__main__":
+    main()

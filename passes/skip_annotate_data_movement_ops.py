@@ -1,0 +1,113 @@
+"""SkipAnnotateDataMovementOps: data movement into or out of a mutable buffer is not quantized."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from torch.fx import Node
+
+from pass_manager import Pass, PassResult, graph_module_of
+
+from ._quantization_utils import ANNOTATION_META, DATA_MOVEMENT_OPS, buffer_of
+from .conditions import DataMovementNotAnnotated, Functional, MutableBuffersMarked
+
+if TYPE_CHECKING:
+    from torchao.quantization.pt2e.quantizer import QuantizationAnnotation
+
+__all__ = ["SkipAnnotateDataMovementOps"]
+
+
+class SkipAnnotateDataMovementOps(Pass):
+    """Make a mutable buffer share the qparams of what is written into it.
+
+    Runs after a quantizer's ``annotate`` (``PassQuantizer(after_annotate=[...])``). For
+    every annotated data-movement op (:data:`passes._quantization_utils.DATA_MOVEMENT_OPS`:
+    ``index_copy``, ``index_put``, ``copy_``, the ``*_scatter`` ops, views) that reads a
+    marked mutable buffer:
+
+    * the input annotation on the buffer is dropped: the buffer is never observed, so
+      its initial (often all-zero) state cannot give the cache a tiny scale;
+    * a write's output, and the written value's input edge, share the qspec of the
+      written value (``SharedQuantizationSpec``), so the cache, the value written into it
+      and later reads use one set of qparams;
+    * a view of a buffer shares the qparams of the buffer value it views, or, when that
+      value is not quantized, is not quantized either.
+
+    Compute ops on a buffer (``add_``, ``mul_``) keep their annotations.
+
+    * requires: ``MutableBuffersMarked``
+    * provides: ``DataMovementNotAnnotated``
+    * preserves: ``MutableBuffersMarked``, ``Functional`` (only annotations change)
+
+    Example (k is the written value; ``own`` = its own observer, ``k`` = shares k's)::
+
+        before:  %index_copy = aten.index_copy(%k_cache[own], 2, %pos, %k[own]) -> own
+        after:   %index_copy = aten.index_copy(%k_cache, 2, %pos, %k[k]) -> k
+
+    Args:
+        extra_ops: more data-movement ops, ``{op overload packet: index of the written
+            value or None for a view}``; the destination is argument 0.
+    """
+
+    requires = frozenset({MutableBuffersMarked})
+    provides = frozenset({DataMovementNotAnnotated})
+    preserves = frozenset({MutableBuffersMarked, Functional})
+
+    def __init__(self, extra_ops: Mapping[Any, int | None] | None = None):
+        self.ops: dict[Any, int | None] = {**DATA_MOVEMENT_OPS, **(extra_ops or {})}
+
+    def call(self, program: Any) -> PassResult:
+        gm = graph_module_of(program)
+        shared: set[Node] = set()
+        notes: list[str] = []
+        for node in gm.graph.nodes:
+            annotation = node.meta.get(ANNOTATION_META)
+            packet = getattr(node.target, "overloadpacket", None)
+            if annotation is None or packet not in self.ops:
+                continue
+            buffer_inputs = [a for a in annotation.input_qspec_map if buffer_of(a) is not None]
+            destination = node.args[0] if node.args else None
+            fqn = buffer_of(destination)
+            if fqn is None and not buffer_inputs:
+                continue
+            self._rewrite(node, annotation, buffer_inputs, self.ops[packet], shared)
+            output = "shares the written value's qparams" if node in shared else "is not quantized"
+            notes.append(f"{node.name}: buffer {fqn or buffer_of(buffer_inputs[0])!r} is not "
+                         f"observed; the result {output}")
+        return PassResult(program, bool(notes), notes)
+
+    @staticmethod
+    def _rewrite(
+        node: Node,
+        annotation: QuantizationAnnotation,
+        buffer_inputs: list[Node],
+        value_index: int | None,
+        shared: set[Node],
+    ) -> None:
+        # Imported here: importing torchao is slow and noisy, and `import passes` should not.
+        from torchao.quantization.pt2e.quantizer import SharedQuantizationSpec
+
+        qspecs = annotation.input_qspec_map
+        for arg in buffer_inputs:
+            if arg in shared:
+                qspecs[arg] = SharedQuantizationSpec(arg)
+            else:
+                del qspecs[arg]
+        output = None
+        if value_index is None:
+            viewed = node.args[0] if node.args else None
+            if viewed in shared and viewed in qspecs:
+                output = SharedQuantizationSpec((viewed, node))
+        elif value_index < len(node.args):
+            value = node.args[value_index]
+            if isinstance(value, Node) and qspecs.get(value) is not None:
+                producer = value.meta.get(ANNOTATION_META)
+                if producer is not None and producer.output_qspec is not None:
+                    qspecs[value] = SharedQuantizationSpec(value)
+                output = SharedQuantizationSpec((value, node))
+        if not node.users:
+            output = None
+        annotation.output_qspec = output
+        if output is not None:
+            shared.add(node)

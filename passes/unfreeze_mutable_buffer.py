@@ -1,0 +1,115 @@
+"""UnfreezeMutableBuffer: a converted program reads its mutable buffers' current values again."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from pass_manager import GRAPH_MODULE, Pass, PassResult
+
+from ._buffers import INITIAL_META, MUTABLE_BUFFER_META
+from ._quantization_utils import (
+    DATA_MOVEMENT_OPS,
+    FrozenRead,
+    buffer_attr_nodes,
+    frozen_buffer_reads,
+)
+from .conditions import NoFrozenMutableBuffers
+
+__all__ = ["UnfreezeMutableBuffer"]
+
+_QUANTIZE = torch.ops.quantized_decomposed.quantize_per_tensor.default
+_BUFFER_META = (MUTABLE_BUFFER_META, INITIAL_META, "tensor_meta", "val")
+
+
+class UnfreezeMutableBuffer(Pass):
+    """Replace each frozen quantized read of a mutable buffer by a live read.
+
+    ``convert_pt2e(fold_quantize=True)`` constant-folds ``quantize(buffer)`` into a
+    ``_frozen_param`` attribute unless torchao recognises the buffer as mutable (it looks
+    for ``copy_`` / ``put_`` in op names, so a buffer updated by ``add_`` is missed). The
+    converted program then reads a stale copy forever. This pass puts back the buffer
+    read, the views on the way, and a ``quantize_per_tensor`` with the qparams the frozen
+    value was made with. A frozen read whose dequantized value is the destination of a
+    data-movement op (``index_put``, ``index_copy``, ``copy_``) is re-wired to the buffer
+    itself: data movement is not quantized.
+
+    Provenance: exact when the program was quantized with ``PassQuantizer`` after
+    ``MarkMutableBuffers`` (the observer of each buffer read is recorded on the buffer's
+    node). Otherwise each frozen constant is matched against the live mutable buffers
+    (the marked ones, or every buffer the graph writes) and its qparams: quantizing the
+    buffer's current value must give the constant exactly, so run this right after
+    ``convert_pt2e``. A constant matching several buffers raises
+    ``AmbiguousFrozenBufferError`` listing them; the program is left unchanged.
+
+    * requires: nothing
+    * provides: ``NoFrozenMutableBuffers``
+    * preserves: nothing
+    * accepts: GraphModule (what ``convert_pt2e`` returns)
+
+    Example::
+
+        before:  %q = get_attr[_frozen_param1]
+                 %dq = dequantize_per_tensor(%q, 0.0077, 27, -128, 127, torch.int8)
+        after:   %acc = get_attr[acc]
+                 %q = quantize_per_tensor(%acc, 0.0077, 27, -128, 127, torch.int8)
+                 %dq = dequantize_per_tensor(%q, 0.0077, 27, -128, 127, torch.int8)
+    """
+
+    provides = frozenset({NoFrozenMutableBuffers})
+    accepts = (GRAPH_MODULE,)
+
+    def call(self, program: GraphModule) -> PassResult:
+        found = frozen_buffer_reads(program, self.name)
+        notes = []
+        buffers = buffer_attr_nodes(program)
+        for frozen in found:
+            notes.append(self._unfreeze(program, frozen, buffers.get(frozen.read.fqn)))
+        if found:
+            program.graph.lint()
+            _drop_unused_frozen(program, {str(f.node.target) for f in found})
+        return PassResult(program, bool(found), notes)
+
+    @staticmethod
+    def _unfreeze(gm: GraphModule, frozen: FrozenRead, known: Node | None) -> str:
+        graph, node, read = gm.graph, frozen.node, frozen.read
+        with graph.inserting_before(node):
+            buffer = graph.get_attr(read.fqn)
+            if known is not None:
+                buffer.meta.update({k: v for k, v in known.meta.items() if k in _BUFFER_META})
+            value = buffer
+            for step in read.chain:
+                value = graph.call_function(step.target, (value, *step.args), dict(step.kwargs))
+            quantize = graph.call_function(_QUANTIZE, (value, *frozen.qparams))
+        quantize.meta.update({k: v for k, v in node.meta.items() if k not in _BUFFER_META})
+        rewired = []
+        if not read.chain:
+            for dequantize in list(node.users):
+                for user in list(dequantize.users):
+                    packet = getattr(user.target, "overloadpacket", None)
+                    writes = DATA_MOVEMENT_OPS.get(packet) is not None
+                    if writes and user.args[0] is dequantize:
+                        user.replace_input_with(dequantize, buffer)
+                        rewired.append(user.name)
+        node.replace_all_uses_with(quantize)
+        graph.erase_node(node)
+        for dequantize in list(quantize.users):
+            if not dequantize.users:
+                graph.erase_node(dequantize)
+        if not quantize.users:
+            graph.erase_node(quantize)
+        note = f"{node.name}: {node.target} -> live quantized read of {read.describe()}"
+        if rewired:
+            note += f"; {', '.join(rewired)} now write(s) into the buffer itself"
+        return note
+
+
+def _drop_unused_frozen(gm: GraphModule, targets: set[str]) -> None:
+    used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    for target in targets - used:
+        owner_path, _, leaf = target.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        if leaf in owner._buffers:
+            del owner._buffers[leaf]
+        elif hasattr(owner, leaf):
+            delattr(owner, leaf)

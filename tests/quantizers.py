@@ -1,0 +1,269 @@
+"""Quantizers, a stateful model and the pt2e flow shared by the quantization tests and
+the decode-accuracy benchmark.
+
+:class:`AnnotateEveryOpQuantizer` is written in the style of the Qualcomm QNN
+backend's quantizer: every aten op with a floating-point result is annotated,
+data-movement ops (``index_copy_``, ``index_put_``, ``copy_``, views) included. That
+is the style under which a KV cache gets observed on its initial state.
+:func:`quantize` runs torchao's prepare / calibrate / convert with or without the
+mutable-buffer passes; :func:`decode` compares a program with fp32 eager call by call.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx import GraphModule, Node
+from torchao.quantization.pt2e.observer import MinMaxObserver
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+from torchao.quantization.pt2e.quantizer import (
+    QuantizationAnnotation,
+    QuantizationSpec,
+    Quantizer,
+)
+
+from pass_manager import PassManager
+from passes import InplaceToFunctional, MarkMutableBuffers, reset_mutable_buffers
+from passes.quantization import PassQuantizer
+from passes.skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
+from passes.unfreeze_mutable_buffer import UnfreezeMutableBuffer
+
+__all__ = [
+    "ACTIVATION_QSPEC",
+    "WEIGHT_QSPEC",
+    "Accumulator",
+    "AnnotateEveryOpQuantizer",
+    "Decode",
+    "accumulator_inputs",
+    "convert",
+    "decode",
+    "prepare_and_calibrate",
+    "quantize",
+    "xnnpack_quantizer",
+]
+
+ACTIVATION_QSPEC = QuantizationSpec(
+    dtype=torch.uint8,
+    quant_min=0,
+    quant_max=255,
+    qscheme=torch.per_tensor_affine,
+    observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-20),
+)
+WEIGHT_QSPEC = QuantizationSpec(
+    dtype=torch.int8,
+    quant_min=-127,
+    quant_max=127,
+    qscheme=torch.per_tensor_symmetric,
+    observer_or_fake_quant_ctr=MinMaxObserver.with_args(
+        qscheme=torch.per_tensor_symmetric, eps=2**-20
+    ),
+)
+
+_LINEAR_OPS = (torch.ops.aten.linear.default,)
+
+
+def _is_float_tensor(node: object) -> bool:
+    if not isinstance(node, Node):
+        return False
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+class AnnotateEveryOpQuantizer(Quantizer):
+    """Annotate every aten op with a float result: float inputs and the output, uint8 affine.
+
+    Linear weights get a symmetric int8 spec; linear biases stay in float. An op with a
+    non-finite constant argument (the attention mask's ``masked_fill(..., -inf)``) stays in
+    float, and so does its result as an input of the next op: a min/max observer cannot
+    give an infinite range a scale.
+    """
+
+    def annotate(self, model: GraphModule) -> GraphModule:
+        unbounded: set[Node] = set()
+        for node in model.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            if not _is_float_tensor(node):
+                continue
+            leaves = pytree.tree_leaves((node.args, node.kwargs))
+            if any(isinstance(v, float) and not math.isfinite(v) for v in leaves):
+                unbounded.add(node)
+                continue
+            input_qspec_map = {}
+            for position, arg in enumerate(leaves):
+                if not _is_float_tensor(arg) or arg in input_qspec_map or arg in unbounded:
+                    continue
+                if node.target in _LINEAR_OPS and position == 2:
+                    continue
+                weight = node.target in _LINEAR_OPS and position == 1
+                input_qspec_map[arg] = WEIGHT_QSPEC if weight else ACTIVATION_QSPEC
+            node.meta["quantization_annotation"] = QuantizationAnnotation(
+                input_qspec_map=input_qspec_map,
+                output_qspec=ACTIVATION_QSPEC,
+                _annotated=True,
+            )
+        return model
+
+    def validate(self, model: GraphModule) -> None:
+        return None
+
+
+def xnnpack_quantizer() -> Quantizer:
+    """torchao's XNNPACK-style test quantizer, static per-tensor symmetric int8."""
+    from torchao.testing.pt2e._xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "XNNPACKQuantizer is deprecated"
+        return XNNPACKQuantizer().set_global(get_symmetric_quantization_config())
+
+
+class Accumulator(torch.nn.Module):
+    """Keeps a decaying running sum in a buffer updated by a compute op (``add_``).
+
+    ``forward`` reads the state before updating it, through an ``add`` and a ``mul`` that
+    quantizers annotate; ``acc <- acc / 2 + y`` stays bounded (at most twice the largest
+    input's projection).
+    """
+
+    def __init__(self, dim: int = 16, seed: int = 0):
+        super().__init__()
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            self.proj = torch.nn.Linear(dim, dim)
+            self.out = torch.nn.Linear(dim, dim)
+            initial = torch.randn(1, dim)
+        finally:
+            torch.random.set_rng_state(generator_state)
+        # A non-zero initial state: the first call already reads (quantized) state.
+        self.register_buffer("acc", initial)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        out = self.out(y + self.acc)
+        self.acc.add_(y - 0.5 * self.acc)
+        return out
+
+
+def accumulator_inputs(steps: int, dim: int = 16, seed: int = 0) -> list[tuple[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(1, dim, generator=generator),) for _ in range(steps)]
+
+
+def quantize(
+    model: torch.nn.Module,
+    example_inputs: tuple,
+    quantizer: Quantizer,
+    calibration: Sequence[Sequence[tuple]],
+    *,
+    passes: bool,
+    functional: bool = False,
+    fold_quantize: bool = True,
+    reset: bool = True,
+) -> GraphModule:
+    """Export a deep copy of ``model`` and quantize it with torchao's pt2e flow.
+
+    :func:`prepare_and_calibrate`, then :func:`convert`.
+    """
+    prepared = prepare_and_calibrate(model, example_inputs, quantizer, calibration,
+                                     passes=passes, functional=functional, reset=reset)
+    return convert(prepared, passes=passes, fold_quantize=fold_quantize)
+
+
+def prepare_and_calibrate(
+    model: torch.nn.Module,
+    example_inputs: tuple,
+    quantizer: Quantizer,
+    calibration: Sequence[Sequence[tuple]],
+    *,
+    passes: bool,
+    functional: bool = False,
+    reset: bool = True,
+) -> GraphModule:
+    """Export a deep copy of ``model``, ``prepare_pt2e`` it and run the calibration.
+
+    ``calibration`` is a list of sequences (each a list of argument tuples); the buffers
+    start every sequence from their initial values, and are reset once more after the
+    last one unless ``reset`` is False. With ``passes``: ``PassQuantizer`` runs
+    MarkMutableBuffers (+ InplaceToFunctional when ``functional``) before annotation and
+    SkipAnnotateDataMovementOps after it, and resets use ``reset_mutable_buffers``.
+    Without: the plain flow, resets by hand, and ``functional`` takes the functional form
+    from ``run_decompositions({})``.
+    """
+    exported = torch.export.export(copy.deepcopy(model), example_inputs)
+    if functional and not passes:
+        exported = exported.run_decompositions({})
+    gm = exported.module()
+    initial = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    if passes:
+        transform = [MarkMutableBuffers()] + ([InplaceToFunctional()] if functional else [])
+        quantizer = PassQuantizer(
+            quantizer, transform=transform, after_annotate=[SkipAnnotateDataMovementOps()]
+        )
+    prepared = prepare_pt2e(gm, quantizer)
+
+    def restore() -> None:
+        if passes:
+            reset_mutable_buffers(prepared)
+            return
+        with torch.no_grad():
+            for name, value in initial.items():
+                prepared.get_buffer(name).copy_(value)
+
+    with torch.no_grad():
+        for index, sequence in enumerate(calibration):
+            if index:
+                restore()
+            for args in sequence:
+                prepared(*copy.deepcopy(args))
+    if reset:
+        restore()
+    return prepared
+
+
+def convert(prepared: GraphModule, *, passes: bool, fold_quantize: bool = True) -> GraphModule:
+    """``convert_pt2e`` a deep copy of ``prepared``; with ``passes``, then UnfreezeMutableBuffer."""
+    converted = convert_pt2e(copy.deepcopy(prepared), fold_quantize=fold_quantize)
+    if passes:
+        converted = PassManager([UnfreezeMutableBuffer()]).run(converted).program
+    return converted
+
+
+@dataclass
+class Decode:
+    """Per call: max abs output error and max abs error of each buffer, vs fp32 eager."""
+
+    output_errors: list[float] = field(default_factory=list)
+    buffer_errors: list[dict[str, float]] = field(default_factory=list)
+    buffer_scale: dict[str, float] = field(default_factory=dict)
+
+    def worst_buffer_error(self, name: str) -> float:
+        return max(step[name] for step in self.buffer_errors)
+
+
+def decode(reference: torch.nn.Module, program: torch.nn.Module, inputs: Sequence[tuple]) -> Decode:
+    """Call deep copies of both once per input tuple; compare outputs and buffers by FQN."""
+    reference, program = copy.deepcopy(reference), copy.deepcopy(program)
+    result = Decode()
+    with torch.no_grad():
+        for args in inputs:
+            expected = reference(*copy.deepcopy(args))
+            actual = program(*copy.deepcopy(args))
+            result.output_errors.append((expected - actual).abs().max().item())
+            buffers = dict(program.named_buffers())
+            errors = {}
+            for name, value in reference.named_buffers():
+                errors[name] = (value - buffers[name]).abs().max().item()
+                scale = value.abs().max().item()
+                result.buffer_scale[name] = max(result.buffer_scale.get(name, 0.0), scale)
+            result.buffer_errors.append(errors)
+    return result
