@@ -1,0 +1,240 @@
+"""ConsumeBufferMutationsInDelegate: move each mutable buffer into the delegate that updates it.
+
+After :func:`passes.delegation.to_delegate` the top level still owns every buffer: it
+passes the buffer to the delegate and writes the delegate's result back (a
+``BUFFER_MUTATION`` output). A backend that keeps its KV cache in device memory wants
+the buffer itself. This pass hands it over wherever that is provably correct (the
+rules are in :mod:`passes.delegation.ownership`), and reports why it kept the others.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    OutputKind,
+)
+from torch.fx import Node
+
+from pass_manager import EXPORTED_PROGRAM, Pass, PassResult
+
+from ._aliasing import alias_map
+from .conditions import BufferMutationsInDelegates, Functional
+from .delegation.errors import BufferAliasingError, BufferConsumptionError
+from .delegation.lower_partitions import delegates
+from .delegation.lowering import LoweredBackendModule
+from .delegation.ownership import BufferOwnership, buffer_ownership
+from .delegation.subprogram import input_spec, make_program, output_spec
+
+__all__ = ["ConsumeBufferMutationsInDelegate"]
+
+
+def _storage_key(tensor: Any) -> tuple[int, int] | None:
+    if not isinstance(tensor, torch.Tensor) or tensor.untyped_storage().nbytes() == 0:
+        return None
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+class ConsumeBufferMutationsInDelegate(Pass):
+    """Move every mutable buffer that exactly one delegate updates into that delegate.
+
+    requires: ``Functional``. provides: ``BufferMutationsInDelegates``.
+    preserves: ``Functional``. Accepts an ExportedProgram only.
+
+    Before (top level, and the delegate's sub-program)::
+
+        b_cache: BUFFER 'cache'                 sub: cache: USER_INPUT, x: USER_INPUT
+        d = call_delegate(lowered_0, b_cache, x)     index_copy: USER_OUTPUT
+        getitem = d[0]                               mul: USER_OUTPUT
+        getitem_1 = d[1]
+        return (getitem, getitem_1)   # BUFFER_MUTATION 'cache', USER_OUTPUT
+
+    After::
+
+        d = call_delegate(lowered_0, x)         sub: cache: BUFFER 'cache', x: USER_INPUT
+        getitem_1 = d[0]                             index_copy: BUFFER_MUTATION 'cache'
+        return (getitem_1,)           # USER_OUTPUT  mul: USER_OUTPUT
+
+    Rules: a buffer mutated and read only inside one delegate moves there (if its new
+    value is also used outside, e.g. returned, the delegate returns it as a user output
+    too). A buffer read outside its mutating delegate, or mutated by two delegates,
+    stays at the top level (the program stays correct; the notes say why), or raises
+    :class:`BufferConsumptionError` with ``strict=True``. A buffer whose update no
+    delegate computes is simply not a candidate (a note, never an error). State that
+    aliases other state,
+    or a delegate output that is a view of the old buffer value, raises
+    :class:`BufferAliasingError` and leaves the program unchanged.
+    """
+
+    requires = {Functional}
+    provides = {BufferMutationsInDelegates}
+    preserves = {Functional}
+    accepts = (EXPORTED_PROGRAM,)
+
+    def __init__(self, strict: bool = False):
+        self.strict = strict
+
+    def __repr__(self) -> str:
+        return f"{self.name}(strict={self.strict})"
+
+    def call(self, program: ExportedProgram) -> PassResult:
+        verdicts = buffer_ownership(program)
+        kept = [v for v in verdicts if not v.consumable]
+        notes = [f"kept {v.fqn!r} at the top level: {v.reason}" for v in kept]
+        refused = [v for v in kept if v.mutated_by]
+        if self.strict and refused:
+            v = refused[0]
+            raise BufferConsumptionError(v.fqn, v.partitions, v.reason, self.name)
+        consumed = [v for v in verdicts if v.consumable]
+        if not consumed:
+            return PassResult(program, False, notes)
+        self._check_aliasing(program, consumed)
+        new_program = self._consume(program, consumed)
+        for v in consumed:
+            shared = " (and returns its new value as a user output)" if self._value_kept(v) else ""
+            notes.append(f"moved {v.fqn!r} into delegate {v.mutated_by[0]!r}{shared}")
+        return PassResult(new_program, True, notes)
+
+    # -- checks, before anything changes ------------------------------------------------
+    def _check_aliasing(self, ep: ExportedProgram, consumed: list[BufferOwnership]) -> None:
+        holders: dict[tuple[int, int], list[str]] = defaultdict(list)
+        stores = [("", ep.state_dict), ("", ep.constants)]
+        stores += [(f"delegate {d.tag!r}: ", d.program.state_dict) for d in delegates(ep)]
+        stores += [(f"delegate {d.tag!r}: ", d.program.constants) for d in delegates(ep)]
+        for prefix, store in stores:
+            for name, tensor in store.items():
+                key = _storage_key(tensor)
+                if key is not None:
+                    holders[key].append(prefix + name)
+        alias_maps: dict[Node, dict] = {}
+        for v in consumed:
+            tag = v.mutated_by[0]
+            tensor = ep.state_dict.get(v.fqn, ep.constants.get(v.fqn))
+            others = [h for h in holders.get(_storage_key(tensor), []) if h != v.fqn]
+            if others:
+                raise BufferAliasingError(
+                    v.fqn, tag, f"its tensor shares storage with {', '.join(others)}", self.name
+                )
+            module = v.owner.graph.owning_module.get_submodule(v.owner.args[0].target)
+            sub = module.program
+            position = list(v.owner.args[1:]).index(v.placeholder)
+            placeholder = self._user_inputs(sub)[position]
+            if v.owner not in alias_maps:
+                alias_maps[v.owner] = alias_map(sub.graph.nodes)[0]
+            aliases = alias_maps[v.owner]
+            for node in sub.graph.output_node().args[0]:
+                alias = aliases.get(node) if isinstance(node, Node) else None
+                if alias is not None and alias.root is placeholder:
+                    raise BufferAliasingError(
+                        v.fqn, tag,
+                        f"delegate output {node.name} is (a view of) the buffer's value before "
+                        "the update, which an in-place update inside the delegate would change",
+                        self.name,
+                    )
+
+    @staticmethod
+    def _user_inputs(sub: ExportedProgram) -> list[Node]:
+        kinds = {s.arg.name: s.kind for s in sub.graph_signature.input_specs}
+        return [n for n in sub.graph.nodes
+                if n.op == "placeholder" and kinds[n.name] == InputKind.USER_INPUT]
+
+    @staticmethod
+    def _value_kept(v: BufferOwnership) -> bool:
+        """Whether the new value is still needed outside the delegate (besides the mutation)."""
+        output = v.value.graph.output_node()
+        uses = sum(1 for arg in output.args[0] if arg is v.value)
+        return any(u is not output for u in v.value.users) or uses > 1
+
+    # -- the rewrite, on a copy ---------------------------------------------------------
+    def _consume(self, ep: ExportedProgram, consumed: list[BufferOwnership]) -> ExportedProgram:
+        gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
+        gm.meta.update(ep.graph_module.meta)
+        nodes = {n.name: n for n in gm.graph.nodes}
+        by_owner: dict[str, list[BufferOwnership]] = defaultdict(list)
+        for v in consumed:
+            by_owner[v.owner.name].append(v)
+        for owner_name, owned in by_owner.items():
+            self._move_into(gm, nodes[owner_name], owned, nodes, ep)
+        dropped_outputs = {v.output_index for v in consumed}
+        output = gm.graph.output_node()
+        output.args = (tuple(a for i, a in enumerate(output.args[0]) if i not in dropped_outputs),)
+        for v in consumed:
+            value = nodes[v.value.name]
+            if not value.users:
+                gm.graph.erase_node(value)
+            gm.graph.erase_node(nodes[v.placeholder.name])
+        gm.graph.lint()
+        targets = {v.fqn for v in consumed}
+        placeholders = {v.placeholder.name for v in consumed}
+        signature = ExportGraphSignature(
+            [s for s in ep.graph_signature.input_specs if s.arg.name not in placeholders],
+            [s for i, s in enumerate(ep.graph_signature.output_specs) if i not in dropped_outputs],
+        )
+        return ep._update(
+            gm,
+            signature,
+            state_dict={k: t for k, t in ep.state_dict.items() if k not in targets},
+            constants={k: t for k, t in ep.constants.items() if k not in targets},
+        )
+
+    def _move_into(
+        self,
+        gm: torch.fx.GraphModule,
+        call: Node,
+        owned: list[BufferOwnership],
+        nodes: dict[str, Node],
+        ep: ExportedProgram,
+    ) -> None:
+        old = gm.get_submodule(call.args[0].target)
+        sub = old.program
+        sub_gm = torch.fx.GraphModule(sub.graph_module, copy.deepcopy(sub.graph))
+        sub_nodes = {n.name: n for n in sub_gm.graph.nodes}
+        specs = {s.arg.name: s for s in sub.graph_signature.input_specs}
+        inputs = {sub_nodes[name]: spec for name, spec in specs.items()}
+        user_inputs = [sub_nodes[n.name] for n in self._user_inputs(sub)]
+        state, constants = dict(sub.state_dict), dict(sub.constants)
+        call_args = list(call.args[1:])
+        returned = sub_gm.graph.output_node().args[0]
+        out_specs = list(sub.graph_signature.output_specs)
+        pairs = list(zip(returned, out_specs))
+        mutations = [(n, s) for n, s in pairs if s.kind == OutputKind.BUFFER_MUTATION]
+        results = [(n, s) for n, s in pairs if s.kind != OutputKind.BUFFER_MUTATION]
+        dropped_results = set()
+        top_specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
+        for v in owned:
+            placeholder = user_inputs[call_args.index(nodes[v.placeholder.name])]
+            persistent = top_specs[v.placeholder.name].persistent
+            inputs[placeholder] = input_spec(placeholder, InputKind.BUFFER, v.fqn, persistent)
+            if persistent:
+                state[v.fqn] = ep.state_dict[v.fqn]
+            else:
+                constants[v.fqn] = ep.constants[v.fqn]
+            result_index = v.value.args[1]
+            new_value = results[result_index][0]
+            mutations.append((new_value, output_spec(new_value, OutputKind.BUFFER_MUTATION, v.fqn)))
+            if not self._value_kept(v):
+                dropped_results.add(result_index)
+        consumed_inputs = {nodes[v.placeholder.name] for v in owned}
+        kept = [i for i in range(len(results)) if i not in dropped_results]
+        program = make_program(
+            sub_gm, inputs, mutations + [results[i] for i in kept], state, constants, sub.verifiers
+        )
+        setattr(gm, call.args[0].target,
+                LoweredBackendModule(program, old.tag, old.backend_id, old.compile_specs))
+
+        call.args = (call.args[0], *(a for a in call_args if a not in consumed_inputs))
+        renumber = {old_index: new_index for new_index, old_index in enumerate(kept)}
+        for user in list(call.users):
+            if user.target is operator.getitem and user.args[1] in renumber:
+                user.args = (call, renumber[user.args[1]])
+        old_vals = call.meta.get("val")
+        if isinstance(old_vals, tuple):
+            call.meta["val"] = tuple(old_vals[i] for i in kept)

@@ -1,0 +1,200 @@
+"""to_delegate, the partitioners and the reference backend, before any buffer consumption.
+
+A lowered program must stay a valid ExportedProgram, run through ``ep.module()`` like
+the eager module for several calls in a row (state included), and keep its buffer
+updates at the top level: delegates take buffers as inputs and return new values.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+from torch import nn
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.passes.operator_support import create_op_support
+
+from benchmarks.models import decode_inputs, kv_decoder
+from pass_manager import PassManagerError, assert_same_behaviour
+from pass_manager.program import program_text
+from passes.delegation import (
+    DELEGATION_TAG,
+    AllNodePartitioner,
+    DelegationError,
+    LoweredBackendModule,
+    OpSupportPartitioner,
+    PartitionError,
+    call_delegate,
+    delegates,
+    program_state,
+    to_delegate,
+)
+
+aten = torch.ops.aten
+CALLS = 4
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    model, example = kv_decoder(2)
+    ep = torch.export.export(copy.deepcopy(model), example).run_decompositions({})
+    return model, ep, decode_inputs(model.cfg, CALLS, start=5)
+
+
+def test_op_support_partitioner_tags_supported_nodes(decoder):
+    _, ep, _ = decoder
+    work = copy.deepcopy(ep)
+    partitions = OpSupportPartitioner([aten.index_copy.default])(work)
+    # Two layers depend on each other through unsupported ops: one partition per layer.
+    assert {tag: [n.name for n in nodes] for tag, nodes in partitions.items()} == {
+        "delegate_0": ["index_copy", "index_copy_1"],
+        "delegate_1": ["index_copy_2", "index_copy_3"],
+    }
+    tagged = [n for n in work.graph.nodes if DELEGATION_TAG in n.meta]
+    assert all(n.target is aten.index_copy.default for n in tagged) and len(tagged) == 4
+
+
+@pytest.mark.parametrize(
+    "supported",
+    [
+        aten.index_copy,
+        lambda node: node.target is aten.index_copy.default,
+        create_op_support(lambda _, node: node.target is aten.index_copy.default),
+    ],
+    ids=["packet", "predicate", "operator_support"],
+)
+def test_op_support_partitioner_accepts_every_kind_of_support(decoder, supported):
+    _, ep, _ = decoder
+    partitions = OpSupportPartitioner(supported, tag_prefix="npu")(copy.deepcopy(ep))
+    assert sorted(partitions) == ["npu_0", "npu_1"]
+
+
+def test_all_node_partitioner_makes_one_partition(decoder):
+    _, ep, _ = decoder
+    work = copy.deepcopy(ep)
+    partitions = AllNodePartitioner()(work)
+    compute = [n for n in work.graph.nodes if n.op == "call_function"]
+    assert list(partitions) == ["delegate_0"] and partitions["delegate_0"] == compute
+
+
+@pytest.mark.parametrize(
+    "partitioner",
+    [AllNodePartitioner(), OpSupportPartitioner([aten.index_copy])],
+    ids=["everything", "cache_update"],
+)
+def test_lowered_program_keeps_buffer_updates_at_top_level(decoder, partitioner):
+    eager, ep, inputs = decoder
+    before = program_text(ep)
+    lowered = to_delegate(ep, partitioner)
+    assert program_text(ep) == before
+    assert not [n for n in ep.graph.nodes if DELEGATION_TAG in n.meta]
+    lowered.validate()
+
+    sig = lowered.graph_signature
+    buffers = [s.target for s in sig.input_specs if s.kind == InputKind.BUFFER]
+    assert sorted(buffers) == sorted(f"layers.{i}.attn.{c}_cache" for i in range(2) for c in "kv")
+    outputs = lowered.graph.output_node().args[0]
+    returned = dict(zip((s.arg.name for s in sig.output_specs), outputs))
+    for spec in sig.output_specs:
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            value = returned[spec.arg.name]
+            assert value.target is operator.getitem and value.args[0].target is call_delegate
+    for d in delegates(lowered):
+        assert isinstance(d.module, LoweredBackendModule) and d.tag.startswith("delegate_")
+        kinds = {s.kind for s in d.program.graph_signature.input_specs}
+        assert InputKind.BUFFER not in kinds
+        assert {s.kind for s in d.program.graph_signature.output_specs} == {OutputKind.USER_OUTPUT}
+        assert d.owned_buffers == {}
+    assert_same_behaviour(eager, lowered, inputs)
+    assert_same_behaviour(eager, lowered, inputs, state=program_state)
+
+
+def test_parameters_used_only_by_a_delegate_move_into_it(decoder):
+    _, ep, _ = decoder
+    everything = to_delegate(ep, AllNodePartitioner())
+    specs = everything.graph_signature.input_specs
+    assert InputKind.PARAMETER not in [s.kind for s in specs]
+    assert set(everything.state_dict) == {s.target for s in specs if s.kind == InputKind.BUFFER}
+    (delegate,) = delegates(everything)
+    params = [s.target for s in delegate.program.graph_signature.input_specs
+              if s.kind == InputKind.PARAMETER]
+    assert "layers.0.attn.wq.weight" in params and "out.weight" in params
+    assert isinstance(delegate.program.state_dict["out.weight"], nn.Parameter)
+
+    partial = to_delegate(ep, OpSupportPartitioner([aten.index_copy]))
+    assert "out.weight" in partial.state_dict
+
+
+def test_lowered_module_runs_repeatedly_with_state(decoder):
+    eager, ep, inputs = decoder
+    eager = copy.deepcopy(eager)
+    module = copy.deepcopy(to_delegate(ep, AllNodePartitioner())).module()
+    with torch.no_grad():
+        for args in inputs:
+            torch.testing.assert_close(module(*args), eager(*args), rtol=0, atol=0)
+    expected = dict(eager.named_buffers())
+    for name, value in module.named_buffers():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_retracing_a_lowered_program_keeps_the_delegate(decoder):
+    eager, ep, inputs = decoder
+    lowered = to_delegate(ep, OpSupportPartitioner([aten.index_copy]))
+    retraced = copy.deepcopy(lowered).run_decompositions({})
+    assert len(delegates(retraced)) == 2
+    assert_same_behaviour(eager, retraced, inputs)
+
+
+class Diamond(nn.Module):
+    def forward(self, x):
+        a = x + 1
+        b = torch.relu(a)
+        return a * b
+
+
+def test_partition_that_would_create_a_cycle_is_rejected():
+    ep = torch.export.export(Diamond(), (torch.randn(3),)).run_decompositions({})
+
+    def add_and_mul(program):
+        for node in program.graph.nodes:
+            if node.target in (aten.add.Tensor, aten.mul.Tensor):
+                node.meta[DELEGATION_TAG] = "outer"
+
+    with pytest.raises(PartitionError) as raised:
+        to_delegate(ep, add_and_mul)
+    assert raised.value.tag == "outer" and raised.value.nodes == ["add", "mul"]
+    assert isinstance(raised.value, PassManagerError)
+
+
+def test_program_with_in_place_writes_is_rejected():
+    model, example = kv_decoder(1)
+    ep = torch.export.export(model, example)
+    with pytest.raises(DelegationError, match="index_copy_"):
+        to_delegate(ep, AllNodePartitioner())
+
+
+def test_untagged_program_gets_no_delegate(decoder):
+    eager, ep, inputs = decoder
+    lowered = to_delegate(ep, lambda program: None)
+    assert delegates(lowered) == []
+    assert_same_behaviour(eager, lowered, inputs)
+
+
+def test_lowering_twice_keeps_earlier_delegates(decoder):
+    eager, ep, inputs = decoder
+    once = to_delegate(ep, OpSupportPartitioner([aten.index_copy], tag_prefix="cache"))
+    twice = to_delegate(once, AllNodePartitioner(tag_prefix="rest"))
+    tags = [d.tag for d in delegates(twice)]
+    assert tags.count("cache_0") == 1 and tags.count("cache_1") == 1
+    assert any(t.startswith("rest_") for t in tags)
+    assert_same_behaviour(eager, twice, inputs)
+
+    def everything_tagged(program):
+        for node in program.graph.nodes:
+            if node.op == "call_function":
+                node.meta[DELEGATION_TAG] = "all"
+
+    with pytest.raises(PartitionError, match="earlier lowering"):
+        to_delegate(once, everything_tagged)
