@@ -2,4 +2,24 @@
 torch.export, pt2e quantization and delegation.
 """
 
-__all__: list[str] = []
+from . import conditions
+from ._buffers import mutable_buffers, reset_mutable_buffers
+from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
+from .functional_variants import register_functional_variant
+from .inplace_to_functional import InplaceToFunctional, UnsupportedMutationError
+from .mark_mutable_buffers import MarkMutableBuffers
+from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
+from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
+
+__all__: list[str] = [
+    "ConsumeBufferMutationsInDelegate",
+    "InplaceToFunctional",
+    "MarkMutableBuffers",
+    "SkipAnnotateDataMovementOps",
+    "UnfreezeMutableBuffer",
+    "UnsupportedMutationError",
+    "conditions",
+    "mutable_buffers",
+    "register_functional_variant",
+    "reset_mutable_buffers",
+]
