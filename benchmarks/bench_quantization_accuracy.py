@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from benchmarks.models import decode_inputs, kv_decoder
-from tests.quantizers import (
+from benchmarks.quantizers import (
     Accumulator,
     AnnotateEveryOpQuantizer,
     accumulator_inputs,

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["DecoderConfig", "KVDecoder", "decode_inputs", "kv_decoder"]
+__all__ = ["DecoderConfig", "KVDecoder", "decode_inputs", "decoder_job", "kv_decoder"]
 
 
 class DecoderConfig:
@@ -133,3 +133,11 @@ def decode_inputs(
         (torch.randn(1, 1, cfg.dim, generator=generator), torch.tensor([start + step]))
         for step in range(steps)
     ]
+
+
+def decoder_job(
+    n_layers: int = 2, steps: int = 8, cache_update: str = "index_copy", seed: int = 0
+) -> tuple[KVDecoder, tuple[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The main job's default model: a decoder, example inputs, and one input per decode step."""
+    model, example = kv_decoder(n_layers, cache_update, seed)
+    return model, example, decode_inputs(model.cfg, steps, seed=seed)

@@ -17,10 +17,7 @@ from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 from torchao.quantization.pt2e.quantizer import Quantizer
 
 from benchmarks.models import decode_inputs, kv_decoder
-from pass_manager import PassManagerError
-from passes import MarkMutableBuffers, SkipAnnotateDataMovementOps, mutable_buffers
-from passes.quantization import PassQuantizer, QuantizationFlowError
-from tests.quantizers import (
+from benchmarks.quantizers import (
     Accumulator,
     AnnotateEveryOpQuantizer,
     accumulator_inputs,
@@ -30,6 +27,9 @@ from tests.quantizers import (
     quantize,
     xnnpack_quantizer,
 )
+from pass_manager import PassManagerError
+from passes import MarkMutableBuffers, SkipAnnotateDataMovementOps, mutable_buffers
+from passes.quantization import PassQuantizer, QuantizationFlowError
 
 STEPS = 10
 QUANTIZERS = {"every_op": AnnotateEveryOpQuantizer, "xnnpack": xnnpack_quantizer}

@@ -11,20 +11,20 @@ from torch import nn
 from torchao.quantization.pt2e.quantizer import QuantizationSpec, SharedQuantizationSpec
 
 from benchmarks.models import decode_inputs, kv_decoder
-from pass_manager import PassManager, PreconditionError
-from passes import (
-    InplaceToFunctional,
-    MarkMutableBuffers,
-    SkipAnnotateDataMovementOps,
-    conditions,
-)
-from tests.quantizers import (
+from benchmarks.quantizers import (
     Accumulator,
     AnnotateEveryOpQuantizer,
     accumulator_inputs,
     convert,
     decode,
     prepare_and_calibrate,
+)
+from pass_manager import PassManager, PreconditionError
+from passes import (
+    InplaceToFunctional,
+    MarkMutableBuffers,
+    SkipAnnotateDataMovementOps,
+    conditions,
 )
 
 aten = torch.ops.aten

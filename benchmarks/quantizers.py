@@ -1,5 +1,5 @@
-"""Quantizers, a stateful model and the pt2e flow shared by the quantization tests and
-the decode-accuracy benchmark.
+"""Quantizers, a stateful model and the pt2e flow shared by the quantization tests, the
+decode-accuracy benchmark and the main job (``python -m passes run --quantizer every-op``).
 
 :class:`AnnotateEveryOpQuantizer` is written in the style of the Qualcomm QNN
 backend's quantizer: every aten op with a floating-point result is annotated,
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +29,7 @@ from torchao.quantization.pt2e.quantizer import (
 
 from pass_manager import PassManager
 from passes import InplaceToFunctional, MarkMutableBuffers, reset_mutable_buffers
+from passes.flow import xnnpack_quantizer
 from passes.quantization import PassQuantizer
 from passes.skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from passes.unfreeze_mutable_buffer import UnfreezeMutableBuffer
@@ -114,18 +114,6 @@ class AnnotateEveryOpQuantizer(Quantizer):
         return None
 
 
-def xnnpack_quantizer() -> Quantizer:
-    """torchao's XNNPACK-style test quantizer, static per-tensor symmetric int8."""
-    from torchao.testing.pt2e._xnnpack_quantizer import (
-        XNNPACKQuantizer,
-        get_symmetric_quantization_config,
-    )
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "XNNPACKQuantizer is deprecated"
-        return XNNPACKQuantizer().set_global(get_symmetric_quantization_config())
-
-
 class Accumulator(torch.nn.Module):
     """Keeps a decaying running sum in a buffer updated by a compute op (``add_``).
 
@@ -174,8 +162,15 @@ def quantize(
 
     :func:`prepare_and_calibrate`, then :func:`convert`.
     """
-    prepared = prepare_and_calibrate(model, example_inputs, quantizer, calibration,
-                                     passes=passes, functional=functional, reset=reset)
+    prepared = prepare_and_calibrate(
+        model,
+        example_inputs,
+        quantizer,
+        calibration,
+        passes=passes,
+        functional=functional,
+        reset=reset,
+    )
     return convert(prepared, passes=passes, fold_quantize=fold_quantize)
 
 

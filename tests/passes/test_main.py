@@ -1,0 +1,92 @@
+"""The main job: `python -m passes run` on the smallest decoder, and its failure paths."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_main(*args, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "passes", "run", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("no_such_package.models:factory", "cannot import 'no_such_package.models'"),
+        ("benchmarks.models:missing", "has no attribute 'missing'"),
+        ("benchmarks.models:__doc__", "not a factory function"),
+        ("benchmarks.models", "must look like package.module:factory"),
+        ("tests.passes.bad_models:not_exportable", "is not exportable"),
+        ("tests.passes.bad_models:wrong_return", "must return (module, example_inputs)"),
+    ],
+)
+def test_bad_model_gets_one_clear_line(model, message):
+    done = run_main(model, timeout=180)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert message in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+def test_main_job_on_one_layer_decoder(tmp_path):
+    dot, report = tmp_path / "plan.dot", tmp_path / "report.json"
+    done = run_main(
+        "tests.passes.bad_models:one_layer_decoder",
+        "--steps",
+        "8",
+        "--dot",
+        str(dot),
+        "--json",
+        str(report),
+    )
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    sections = ["== pass plan", "== passes", "== delegates", "== decode", "== checks"]
+    positions = [out.index(s) for s in sections]
+    assert positions == sorted(positions)
+    assert "MarkMutableBuffers" in out and "InplaceToFunctional" in out
+    assert "layers.0.attn.k_cache" in out.split("== delegates")[1]
+    assert "FAIL" not in out and out.count("PASS") >= 3
+    assert dot.read_text().startswith("digraph")
+    data = json.loads(report.read_text())
+    assert data["ok"] is True
+    assert len(data["step_errors"]["full pipeline"]) == 8
+
+
+def test_fp32_only_flow_is_exact(tmp_path):
+    report = tmp_path / "report.json"
+    done = run_main(
+        "tests.passes.bad_models:one_layer_decoder", "--skip-quantization", "--json", str(report)
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(report.read_text())
+    assert data["step_errors"]["fp32 pipeline"] == [0.0] * 8
+    assert "quantized, no passes" not in data["step_errors"]
+    assert data["delegates"] and all(c["passed"] for c in data["checks"])
+
+
+def test_a_failing_check_makes_the_exit_status_non_zero(monkeypatch, capsys):
+    from passes import __main__ as cli
+    from passes import flow
+
+    def failing_flow(*args, **kwargs):
+        result = flow.FlowResult(plan="0. SomePass")
+        result.checks.append(flow.Check("a check", False, "it failed"))
+        return result
+
+    monkeypatch.setattr(flow, "run_flow", failing_flow)
+    status = cli.main(["run", "tests.passes.bad_models:one_layer_decoder", "--steps", "2"])
+    assert status == 1
+    assert "FAIL  a check: it failed" in capsys.readouterr().out
