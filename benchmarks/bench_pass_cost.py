@@ -1,9 +1,11 @@
 """Pass cost against node count on the exported KV decoder, next to ``run_decompositions({})``.
 
 For 1, 4, 16, 32 and 64 layers, in one run: MarkMutableBuffers, InplaceToFunctional
-(with the recompile the manager does after it), to_delegate and
-ConsumeBufferMutationsInDelegate, the whole pipeline under a PassManager (conditions
-checked), and ``ep.run_decompositions({})`` — the upstream way to get a functional
+(with the recompile the manager does after it, so the result is runnable like
+run_decompositions'), to_delegate and
+ConsumeBufferMutationsInDelegate, the functionalization pipeline (Mark +
+InplaceToFunctional) and the whole pipeline (with delegation) under a PassManager
+(conditions checked), and ``ep.run_decompositions({})`` — the upstream way to get a functional
 program. Each is timed ``--repeat`` times on a fresh deep copy (copying is not timed);
 tables give min/median/max and ratios of medians. Writes ``pass_cost.png`` beside this file.
 
@@ -36,8 +38,12 @@ def _marked(ep):
     return program
 
 
+def _functionalize_pipeline() -> PassManager:
+    return PassManager([MarkMutableBuffers(), InplaceToFunctional()])
+
+
 def _functional(ep):
-    return PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(copy.deepcopy(ep)).program
+    return _functionalize_pipeline().run(copy.deepcopy(ep)).program
 
 
 def _functionalize(program) -> None:
@@ -81,6 +87,9 @@ def measure(n_layers: int, repeat: int) -> tuple[int, dict[str, Timings]]:
             lambda p: ConsumeBufferMutationsInDelegate().call(p),
             lambda: copy.deepcopy(lowered),
             repeat,
+        ),
+        "functionalize (PassManager)": time_call(
+            "functionalize", lambda p: _functionalize_pipeline().run(p), fresh, repeat
         ),
         "whole pipeline (PassManager)": time_call(
             "pipeline", lambda p: _pipeline().run(p), fresh, repeat
@@ -141,14 +150,17 @@ def main(argv: list[str] | None = None) -> str:
 
     lines += [
         "",
-        "| layers | run_decompositions / InplaceToFunctional "
+        "| layers | nodes | InplaceToFunctional µs/node | run_decompositions / "
+        "InplaceToFunctional | run_decompositions / functionalize (PassManager) "
         "| run_decompositions / whole pipeline |",
-        "|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
-    for n_layers, _, t in results:
+    for n_layers, nodes, t in results:
         decomp = t["run_decompositions({})"].median
+        i2f = t["InplaceToFunctional"].median
         lines.append(
-            f"| {n_layers} | {decomp / t['InplaceToFunctional'].median:.1f}x "
+            f"| {n_layers} | {nodes} | {i2f / nodes * 1e6:.1f} | {decomp / i2f:.1f}x "
+            f"| {decomp / t['functionalize (PassManager)'].median:.1f}x "
             f"| {decomp / t['whole pipeline (PassManager)'].median:.1f}x |"
         )
     by_layers = {n: (nodes, t) for n, nodes, t in results}

@@ -56,35 +56,60 @@ def accuracy_rows(steps: int = 10):
             form = "functional" if functional else "inplace"
             for passes in (False, True):
                 prepared = prepare_and_calibrate(
-                    model, example, QUANTIZERS[quantizer](), calibration,
-                    passes=passes, functional=functional, reset=passes,
+                    model,
+                    example,
+                    QUANTIZERS[quantizer](),
+                    calibration,
+                    passes=passes,
+                    functional=functional,
+                    reset=passes,
                 )
                 for fold in (True, False):
-                    result = decode(model, convert(prepared, passes=passes, fold_quantize=fold),
-                                    inputs)
+                    result = decode(
+                        model, convert(prepared, passes=passes, fold_quantize=fold), inputs
+                    )
                     worst_buffer = max(
                         result.worst_buffer_error(b) / result.buffer_scale[b]
                         for b in result.buffer_scale
                     )
-                    yield (name, quantizer, form, fold, "passes" if passes else "plain",
-                           result.output_errors, worst_buffer)
+                    yield (
+                        name,
+                        quantizer,
+                        form,
+                        fold,
+                        "passes" if passes else "plain",
+                        result.output_errors,
+                        worst_buffer,
+                    )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> str:
+    """Print the decode-accuracy table and return it as Markdown."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
-    steps = " ".join(f"{f's{i}':>6}" for i in range(args.steps))
-    print("max abs output error vs fp32 per decode step; worst/first = growth; "
-          "buffer = worst buffer error relative to the fp32 buffer's magnitude")
-    print(f"{'model':<17} {'quantizer':<9} {'form':<10} {'fold':<5} {'flow':<6} {steps} "
-          f"{'worst/first':>11} {'buffer':>7}")
+    steps = " | ".join(f"s{i}" for i in range(args.steps))
+    lines = [
+        "## Decode accuracy: max abs output error vs fp32 per decode step",
+        "",
+        "`plain` = torchao's flow as is, `passes` = with the mutable-buffer passes; "
+        "growth = worst step / first step; buffer = worst buffer error relative to the "
+        "fp32 buffer's magnitude.",
+        "",
+        f"| model | quantizer | form | fold | flow | {steps} | growth | buffer |",
+        "|---|---|---|---|---|" + "---:|" * (args.steps + 2),
+    ]
     for name, quantizer, form, fold, flow, errors, buffer in accuracy_rows(args.steps):
-        cells = " ".join(f"{e:6.3f}" for e in errors)
+        cells = " | ".join(f"{e:.3f}" for e in errors)
         growth = max(errors) / errors[0] if errors[0] > 0 else float("inf")
-        print(f"{name:<17} {quantizer:<9} {form:<10} {fold!s:<5} {flow:<6} {cells} "
-              f"{growth:11.1f} {buffer:7.1%}")
+        lines.append(
+            f"| {name} | {quantizer} | {form} | {fold} | {flow} | {cells} "
+            f"| {growth:.1f} | {buffer:.1%} |"
+        )
+    text = "\n".join(lines)
+    print(text)
+    return text
 
 
 if __name__ == "__main__":

@@ -161,6 +161,27 @@ def text_diff(
     )
 
 
+# Meta entries that hold values or immutable provenance: kept by reference in snapshots
+# (the meta dict itself is copied, so replacing them is still undone).
+_SHARED_META = frozenset(
+    {
+        "val",
+        "tensor_meta",
+        "example_value",
+        "stack_trace",
+        "from_node",
+        "seq_nr",
+        "torch_fn",
+        "original_aten",
+        "unbacked_bindings",
+    }
+)
+
+
+def _snapshot_meta(meta: dict) -> dict:
+    return {k: (v if k in _SHARED_META else _snapshot_value(v, 1)) for k, v in meta.items()}
+
+
 def _snapshot_value(value: Any, depth: int = 0) -> Any:
     """Copy containers and dataclasses in node meta; keep tensors and opaque objects as is."""
     if depth > 4 or isinstance(value, (torch.Tensor, torch.fx.Node)):
@@ -184,6 +205,49 @@ def _snapshot_value(value: Any, depth: int = 0) -> Any:
     return value
 
 
+class _GraphRecord:
+    """The nodes of a graph as plain records; a graph is rebuilt from them only on demand.
+
+    Recording reads each node's fields (args are immutable containers of nodes, kept by
+    reference); rebuilding maps the old nodes to new ones. Recording is cheap because a
+    rollback is rare, and rebuilding is only paid when one happens.
+    """
+
+    def __init__(self, graph: torch.fx.Graph):
+        self._tracer_cls = graph._tracer_cls
+        self._codegen = copy.deepcopy(graph._codegen)
+        self._nodes = [
+            (
+                node,
+                node.name,
+                node.op,
+                node.target,
+                node.args,
+                node.kwargs,
+                node.type,
+                _snapshot_meta(node.meta),
+            )
+            for node in graph.nodes
+        ]
+
+    def rebuild(self) -> torch.fx.Graph:
+        graph = torch.fx.Graph(tracer_cls=self._tracer_cls)
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        for old, name, op, target, args, kwargs, type_, meta in self._nodes:
+            new = graph.create_node(
+                op,
+                target,
+                torch.fx.node.map_arg(args, env.__getitem__),
+                torch.fx.node.map_arg(kwargs, env.__getitem__),
+                name=name,
+                type_expr=type_,
+            )
+            new.meta = _snapshot_meta(meta)
+            env[old] = new
+        graph._codegen = copy.deepcopy(self._codegen)
+        return graph
+
+
 class Snapshot:
     """Everything a pass can change, captured so that :meth:`restore` undoes it exactly.
 
@@ -197,7 +261,7 @@ class Snapshot:
         self.program = program
         gm = graph_module_of(program)
         self._gm = gm
-        self._graph, self._node_map = self._copy_graph(gm.graph)
+        self._graph = _GraphRecord(gm.graph)
         self._module_dicts = {}
         self._buffer_data = {}
         self._param_versions = {}
@@ -244,25 +308,10 @@ class Snapshot:
     @property
     def text(self) -> str:
         """The program as it was, as text (rendered only when a diff is asked for)."""
-        text = str(self._graph)
+        text = str(self._graph.rebuild())
         if self._ep_state is not None:
             text += "\n" + str(self._ep_state["_graph_signature"])
         return text
-
-    @staticmethod
-    def _copy_graph(graph: torch.fx.Graph) -> tuple[torch.fx.Graph, dict]:
-        new_graph = torch.fx.Graph(tracer_cls=graph._tracer_cls)
-        node_map: dict = {}
-        output = new_graph.graph_copy(graph, node_map)
-        new_graph.output(output)
-        old_output = next(n for n in reversed(graph.nodes) if n.op == "output")
-        new_output = next(n for n in reversed(new_graph.nodes) if n.op == "output")
-        new_output.meta = _snapshot_value(dict(old_output.meta))
-        new_output.name = old_output.name
-        for old, new in node_map.items():
-            new.meta = _snapshot_value(dict(old.meta))
-        new_graph._codegen = copy.deepcopy(graph._codegen)
-        return new_graph, node_map
 
     def unrestorable_changes(self) -> list[str]:
         """Parameters a pass wrote in place: their old data was not copied, so cannot come back."""
@@ -287,8 +336,7 @@ class Snapshot:
             if tensor._version != version:
                 with torch.no_grad():
                     tensor.copy_(data)
-        graph, _ = self._copy_graph(self._graph)
-        gm.graph = graph
+        gm.graph = self._graph.rebuild()
         gm.meta.clear()
         gm.meta.update(_snapshot_value(self._gm_meta))
         gm.recompile()
