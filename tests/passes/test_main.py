@@ -27,8 +27,8 @@ def run_main(*args, timeout=600):
         ("benchmarks.models:missing", "has no attribute 'missing'"),
         ("benchmarks.models:__doc__", "not a factory function"),
         ("benchmarks.models", "must look like package.module:factory"),
-        ("tests.passes.bad_models:not_exportable", "is not exportable"),
-        ("tests.passes.bad_models:wrong_return", "must return (module, example_inputs)"),
+        ("tests.passes.main_job_models:not_exportable", "is not exportable"),
+        ("tests.passes.main_job_models:wrong_return", "must return (module, example_inputs)"),
     ],
 )
 def test_bad_model_gets_one_clear_line(model, message):
@@ -43,7 +43,7 @@ def test_bad_model_gets_one_clear_line(model, message):
 def test_main_job_on_one_layer_decoder(tmp_path):
     dot, report = tmp_path / "plan.dot", tmp_path / "report.json"
     done = run_main(
-        "tests.passes.bad_models:one_layer_decoder",
+        "tests.passes.main_job_models:one_layer_decoder",
         "--steps",
         "8",
         "--dot",
@@ -68,7 +68,7 @@ def test_main_job_on_one_layer_decoder(tmp_path):
 def test_fp32_only_flow_is_exact(tmp_path):
     report = tmp_path / "report.json"
     done = run_main(
-        "tests.passes.bad_models:one_layer_decoder", "--skip-quantization", "--json", str(report)
+        "tests.passes.main_job_models:one_layer_decoder", "--skip-quantization", "--json", str(report)
     )
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(report.read_text())
@@ -87,6 +87,6 @@ def test_a_failing_check_makes_the_exit_status_non_zero(monkeypatch, capsys):
         return result
 
     monkeypatch.setattr(flow, "run_flow", failing_flow)
-    status = cli.main(["run", "tests.passes.bad_models:one_layer_decoder", "--steps", "2"])
+    status = cli.main(["run", "tests.passes.main_job_models:one_layer_decoder", "--steps", "2"])
     assert status == 1
     assert "FAIL  a check: it failed" in capsys.readouterr().out
