@@ -14,6 +14,7 @@ import io
 import json
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +78,11 @@ def _print_section(title: str, body: str) -> None:
 
 def _quiet_import_noise() -> None:
     # torchao logs a warning per optional CUDA kernel library it cannot load on a CPU-only
-    # machine, and torch's pytree one per deprecated registration: noise in a report.
+    # machine, and torch warns about its own deprecated internals (pytree registrations,
+    # LeafSpec checks when a program is deep-copied): noise in a report.
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def _quantizer_factory(name: str) -> Any:

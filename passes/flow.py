@@ -25,6 +25,8 @@ from .delegation import AllNodePartitioner, delegates, to_delegate
 from .delegation.ownership import program_state
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
+from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
+from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
 
 __all__ = ["Check", "FlowResult", "run_flow", "xnnpack_quantizer"]
 
@@ -171,14 +173,23 @@ def run_flow(
 
     from . import reset_mutable_buffers
     from .quantization import PassQuantizer
-    from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
-    from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
 
     stage = _Stages(log)
     result = FlowResult()
     functionalize = PassManager([MarkMutableBuffers(), InplaceToFunctional()])
-    result.plan = functionalize.explain()
-    result.dot = functionalize.to_dot()
+    # The stages run as separate pipelines around torchao's calls; their union is the DAG
+    # that fixes the order, which is what the plan shows.
+    every_pass = PassManager(
+        [
+            MarkMutableBuffers(),
+            InplaceToFunctional(),
+            SkipAnnotateDataMovementOps(),
+            UnfreezeMutableBuffer(),
+            ConsumeBufferMutationsInDelegate(),
+        ]
+    )
+    result.plan = every_pass.explain()
+    result.dot = every_pass.to_dot()
 
     eager = stage("fp32 eager decode", lambda: run_program(model, steps))
     exported = stage(
