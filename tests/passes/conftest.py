@@ -20,6 +20,7 @@ def _kv(cache_update):
     def build():
         model, _ = kv_decoder(1, cache_update=cache_update, seed=3)
         return model, decode_inputs(model.cfg, 5, seed=3)
+
     return build
 
 
@@ -132,9 +133,22 @@ class NoMutation(nn.Module):
         return torch.relu(self.lin(x)) * self.scale
 
 
+class WritesParameter(nn.Module):
+    """Writes a parameter in place: the passes must refuse or report it, never mark it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3), requires_grad=False)
+
+    def forward(self, x):
+        self.w.add_(x)
+        return self.w * 2
+
+
 def _calls(*shapes, n=5, seed=0):
-    return [tuple(_seeded(*s, seed=seed + 10 * i + j) for j, s in enumerate(shapes))
-            for i in range(n)]
+    return [
+        tuple(_seeded(*s, seed=seed + 10 * i + j) for j, s in enumerate(shapes)) for i in range(n)
+    ]
 
 
 MUTATION_MODELS = {
@@ -173,3 +187,9 @@ def zoo():
 def mutation_model(request):
     """(name, eager module, calls, ExportedProgram) for every model of the zoo."""
     return (request.param, *exported_model(request.param))
+
+
+@pytest.fixture
+def parameter_writer():
+    """The ExportedProgram of a module that writes one of its parameters in place."""
+    return torch.export.export(WritesParameter(), (torch.ones(3),))

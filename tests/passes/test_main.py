@@ -68,7 +68,10 @@ def test_main_job_on_one_layer_decoder(tmp_path):
 def test_fp32_only_flow_is_exact(tmp_path):
     report = tmp_path / "report.json"
     done = run_main(
-        "tests.passes.main_job_models:one_layer_decoder", "--skip-quantization", "--json", str(report)
+        "tests.passes.main_job_models:one_layer_decoder",
+        "--skip-quantization",
+        "--json",
+        str(report),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(report.read_text())

@@ -94,18 +94,8 @@ def test_functional_program_is_read_from_its_signature(zoo):
     assert {k: v.kind for k, v in info.items()} == {"buf": "buffer", "y": "user_input"}
 
 
-class WritesParameter(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.ones(3), requires_grad=False)
-
-    def forward(self, x):
-        self.w.add_(x)
-        return self.w * 2
-
-
-def test_parameter_write_is_reported_not_marked():
-    ep = torch.export.export(WritesParameter(), (torch.ones(3),))
+def test_parameter_write_is_reported_not_marked(parameter_writer):
+    ep = parameter_writer
     result = PassManager([MarkMutableBuffers()]).run(ep)
     assert mutable_buffers(result.program) == {}
     assert any("parameter 'w'" in note for note in result.report.records[0].notes)
