@@ -2,7 +2,8 @@
 
 The run loop only calls ``before_pass`` and ``after_pass`` on each registered
 instrument; timing and diff printing are instruments like any a user writes.
-After-hooks run in reverse registration order, so instruments nest.
+After-hooks run in reverse registration order, so instruments nest. Instruments observe:
+they must not change the program (the manager measures changes around the pass only).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from .instrumentation import Instrumentation, PrintDiff, Timing
 from .pass_base import Pass, PassResult, as_pass, known_passes
 from .planning import Plan, build_plan
 from .program import (
+    Fingerprint,
     Snapshot,
     fingerprint,
     graph_module_of,
@@ -205,11 +206,15 @@ class PassManager(Pass):
         holds: set[Condition] = set()
         reference = self._trace(program) if self.validation_inputs is not None else None
         any_change = False
+        # Each pass's "after" fingerprint is the next pass's "before": computed once.
+        current: Fingerprint | None = None
         for iteration in range(self.max_iterations):
             changed_this_round = False
             for index, p in enumerate(self.plan()):
                 record = PassRecord(p.name, index, iteration)
-                program = self._run_pass(p, index, program, holds, record, reference)
+                program, current = self._run_pass(
+                    p, index, program, holds, record, reference, current
+                )
                 report.records.append(record)
                 changed_this_round |= record.modified
             any_change |= changed_this_round
@@ -249,7 +254,8 @@ class PassManager(Pass):
         holds: set[Condition],
         record: PassRecord,
         reference: Trace | None,
-    ) -> Any:
+        before: Fingerprint | None,
+    ) -> tuple[Any, Fingerprint]:
         form = program_form(program)
         if form not in p.accepts:
             raise ProgramFormError(p.name, index, form, p.accepts)
@@ -268,7 +274,8 @@ class PassManager(Pass):
                 raise PreconditionError(p.name, index, condition.name, violations, hint=hint)
             holds.add(condition)
 
-        before = fingerprint(program)
+        if before is None:
+            before = fingerprint(program)
         snapshot = Snapshot(program)
 
         def fail(error: PassManagerError, cause: BaseException | None = None):
@@ -348,7 +355,7 @@ class PassManager(Pass):
         record.nodes_after = node_count(new_program)
         for instrument in reversed(self.instruments):
             instrument.after_pass(p, new_program, record)
-        return new_program
+        return new_program, after
 
     @staticmethod
     def _unpack(out: Any, program: Any) -> tuple[Any, bool | None, list[str]]:

@@ -263,6 +263,17 @@ def mutable_buffers(program: Any) -> dict[str, MutableBuffer]:
         >>> sorted(mutable_buffers(ep))
         ['layers.0.attn.k_cache', 'layers.0.attn.v_cache']
     """
+    found = _marked(program)
+    if found:
+        scan = find_mutations(program)
+        for state, nodes in scan.writers.items():
+            if state.name in found and found[state.name].kind == state.kind:
+                found[state.name].writers = [n.name for n in nodes if n is not None]
+    return found
+
+
+def _marked(program: Any) -> dict[str, MutableBuffer]:
+    """The marks in node meta, without the writers (which need a scan of the graph)."""
     gm = program.graph_module if isinstance(program, ExportedProgram) else program
     found: dict[str, MutableBuffer] = {}
     for node in gm.graph.nodes:
@@ -274,11 +285,6 @@ def mutable_buffers(program: Any) -> dict[str, MutableBuffer]:
             entry.nodes.append(node.name)
             if entry.initial is None and node.meta.get(INITIAL_META) is not None:
                 entry.initial = node.meta[INITIAL_META]
-    if found:
-        scan = find_mutations(program)
-        for state, nodes in scan.writers.items():
-            if state.name in found and found[state.name].kind == state.kind:
-                found[state.name].writers = [n.name for n in nodes if n is not None]
     return found
 
 
@@ -289,7 +295,7 @@ def reset_mutable_buffers(program: Any) -> list[str]:
     (a filled KV cache, an advanced counter) in the program's buffers.
     """
     restored = []
-    for fqn, info in mutable_buffers(program).items():
+    for fqn, info in _marked(program).items():
         if info.kind != BUFFER or info.initial is None:
             continue
         with torch.no_grad():
