@@ -42,6 +42,8 @@ from torch.fx.experimental.proxy_tensor import (
     track_tensor_tree,
 )
 
+from .errors import DelegationError
+
 __all__ = [
     "REFERENCE_BACKEND",
     "CallDelegate",
@@ -126,7 +128,11 @@ class LoweredBackendModule(torch.nn.Module):
 
     def forward(self, *args: Any) -> tuple[Any, ...]:
         if self.backend_id != REFERENCE_BACKEND:
-            raise NotImplementedError(f"no runtime for backend {self.backend_id!r}")
+            raise DelegationError(
+                f"delegate {self.tag!r} was lowered for backend {self.backend_id!r}, which has "
+                f"no runtime here; only {REFERENCE_BACKEND!r} delegates run on this host",
+                pass_name="call_delegate",
+            )
         return run_subprogram(self.program, args)
 
     def extra_repr(self) -> str:

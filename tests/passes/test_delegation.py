@@ -139,6 +139,13 @@ def test_lowered_module_runs_repeatedly_with_state(decoder):
         assert torch.equal(value, expected[name]), name
 
 
+def test_delegate_for_a_backend_without_a_runtime_is_a_typed_error(decoder):
+    _, ep, inputs = decoder
+    lowered = to_delegate(ep, AllNodePartitioner(), backend_id="npu_without_runtime_here")
+    with pytest.raises(DelegationError, match="npu_without_runtime_here"):
+        lowered.module()(*inputs[0])
+
+
 def test_retracing_a_lowered_program_keeps_the_delegate(decoder):
     eager, ep, inputs = decoder
     lowered = to_delegate(ep, OpSupportPartitioner([aten.index_copy]))
