@@ -16,11 +16,11 @@ import functools
 
 import torch
 
-from benchmarks.models import kv_decoder
 from pass_manager import PassManager
 from pass_manager.benchmarking import time_call
 from passes import ConsumeBufferMutationsInDelegate
 from passes.delegation import AllNodePartitioner, OpSupportPartitioner, delegates, to_delegate
+from passes.examples import kv_decoder
 
 __all__ = ["main"]
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.models import kv_decoder
 from pass_manager import PassManager, function_pass, graph_module_of
 from pass_manager.benchmarking import Timings, time_call
 from passes import ConsumeBufferMutationsInDelegate, InplaceToFunctional, MarkMutableBuffers
 from passes.conditions import Functional
 from passes.delegation import AllNodePartitioner, to_delegate
+from passes.examples import kv_decoder
 
 __all__ = ["main", "measure"]
 

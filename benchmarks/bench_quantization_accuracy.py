@@ -22,16 +22,14 @@ import warnings
 
 import torch
 
-from benchmarks.models import decode_inputs, kv_decoder
 from benchmarks.quantizers import (
     Accumulator,
-    AnnotateEveryOpQuantizer,
     accumulator_inputs,
     convert,
     decode,
     prepare_and_calibrate,
-    xnnpack_quantizer,
 )
+from passes.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder, xnnpack_quantizer
 
 __all__ = ["accuracy_rows", "main"]
 

@@ -1,10 +1,8 @@
-"""Quantizers, a stateful model and the pt2e flow shared by the quantization tests, the
-decode-accuracy benchmark and the main job (``python -m passes run --quantizer every-op``).
+"""A stateful model and the pt2e flow shared by the quantization tests and the
+decode-accuracy benchmark.
 
-:class:`AnnotateEveryOpQuantizer` is written in the style of the Qualcomm QNN
-backend's quantizer: every aten op with a floating-point result is annotated,
-data-movement ops (``index_copy_``, ``index_put_``, ``copy_``, views) included. That
-is the style under which a KV cache gets observed on its initial state.
+The quantizers themselves (:class:`~passes.examples.AnnotateEveryOpQuantizer`, the QNN
+style, and :func:`~passes.examples.xnnpack_quantizer`) ship with the package.
 :func:`quantize` runs torchao's prepare / calibrate / convert with or without the
 mutable-buffer passes; :func:`decode` compares a program with fp32 eager call by call.
 """
@@ -12,107 +10,29 @@ mutable-buffer passes; :func:`decode` compares a program with fp32 eager call by
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.utils._pytree as pytree
-from torch.fx import GraphModule, Node
-from torchao.quantization.pt2e.observer import MinMaxObserver
+from torch.fx import GraphModule
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-from torchao.quantization.pt2e.quantizer import (
-    QuantizationAnnotation,
-    QuantizationSpec,
-    Quantizer,
-)
+from torchao.quantization.pt2e.quantizer import Quantizer
 
 from pass_manager import PassManager
 from passes import InplaceToFunctional, MarkMutableBuffers, reset_mutable_buffers
-from passes.flow import xnnpack_quantizer
 from passes.quantization import PassQuantizer
 from passes.skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from passes.unfreeze_mutable_buffer import UnfreezeMutableBuffer
 
 __all__ = [
-    "ACTIVATION_QSPEC",
-    "WEIGHT_QSPEC",
     "Accumulator",
-    "AnnotateEveryOpQuantizer",
     "Decode",
     "accumulator_inputs",
     "convert",
     "decode",
     "prepare_and_calibrate",
     "quantize",
-    "xnnpack_quantizer",
 ]
-
-ACTIVATION_QSPEC = QuantizationSpec(
-    dtype=torch.uint8,
-    quant_min=0,
-    quant_max=255,
-    qscheme=torch.per_tensor_affine,
-    observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-20),
-)
-WEIGHT_QSPEC = QuantizationSpec(
-    dtype=torch.int8,
-    quant_min=-127,
-    quant_max=127,
-    qscheme=torch.per_tensor_symmetric,
-    observer_or_fake_quant_ctr=MinMaxObserver.with_args(
-        qscheme=torch.per_tensor_symmetric, eps=2**-20
-    ),
-)
-
-_LINEAR_OPS = (torch.ops.aten.linear.default,)
-
-
-def _is_float_tensor(node: object) -> bool:
-    if not isinstance(node, Node):
-        return False
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
-
-
-class AnnotateEveryOpQuantizer(Quantizer):
-    """Annotate every aten op with a float result: float inputs and the output, uint8 affine.
-
-    Linear weights get a symmetric int8 spec; linear biases stay in float. An op with a
-    non-finite constant argument (the attention mask's ``masked_fill(..., -inf)``) stays in
-    float, and so does its result as an input of the next op: a min/max observer cannot
-    give an infinite range a scale.
-    """
-
-    def annotate(self, model: GraphModule) -> GraphModule:
-        unbounded: set[Node] = set()
-        for node in model.graph.nodes:
-            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-                continue
-            if not _is_float_tensor(node):
-                continue
-            leaves = pytree.tree_leaves((node.args, node.kwargs))
-            if any(isinstance(v, float) and not math.isfinite(v) for v in leaves):
-                unbounded.add(node)
-                continue
-            input_qspec_map = {}
-            for position, arg in enumerate(leaves):
-                if not _is_float_tensor(arg) or arg in input_qspec_map or arg in unbounded:
-                    continue
-                if node.target in _LINEAR_OPS and position == 2:
-                    continue
-                weight = node.target in _LINEAR_OPS and position == 1
-                input_qspec_map[arg] = WEIGHT_QSPEC if weight else ACTIVATION_QSPEC
-            node.meta["quantization_annotation"] = QuantizationAnnotation(
-                input_qspec_map=input_qspec_map,
-                output_qspec=ACTIVATION_QSPEC,
-                _annotated=True,
-            )
-        return model
-
-    def validate(self, model: GraphModule) -> None:
-        return None
-
 
 class Accumulator(torch.nn.Module):
     """Keeps a decaying running sum in a buffer updated by a compute op (``add_``).

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-DEFAULT_MODEL = "benchmarks.models:decoder_job"
+DEFAULT_MODEL = "passes.examples:decoder_job"
 
 
 class ModelError(Exception):
@@ -86,26 +86,22 @@ def _quiet_import_noise() -> None:
 
 
 def _quantizer_factory(name: str) -> Any:
-    if name == "every-op":
-        # The QNN-style quantizer that annotates data movement too; it ships with the
-        # benchmarks, beside the default model.
-        from benchmarks.quantizers import AnnotateEveryOpQuantizer
+    from .examples import AnnotateEveryOpQuantizer, xnnpack_quantizer
 
-        return AnnotateEveryOpQuantizer
-    from .flow import xnnpack_quantizer
-
-    return xnnpack_quantizer
+    # every-op: the QNN-style quantizer that annotates data movement too.
+    return AnnotateEveryOpQuantizer if name == "every-op" else xnnpack_quantizer
 
 
 def run(args: argparse.Namespace) -> int:
     spec = args.model or DEFAULT_MODEL
+    # Before the model's module is imported: it may import torchao (the default does).
+    _quiet_import_noise()
     try:
         model, example, steps = load_model(spec, args.steps)
         _check_exportable(model, example, spec)
     except ModelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    _quiet_import_noise()
     from .flow import run_flow
 
     print(

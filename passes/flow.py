@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,12 +22,13 @@ from pass_manager.validation import Trace, first_difference
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from .delegation import AllNodePartitioner, delegates, to_delegate
 from .delegation.ownership import program_state
+from .examples import xnnpack_quantizer
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
 from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
 
-__all__ = ["Check", "FlowResult", "run_flow", "xnnpack_quantizer"]
+__all__ = ["Check", "FlowResult", "run_flow"]
 
 Log = Callable[[str], None]
 # A quantized buffer within 5% of its fp32 magnitude is within 8-bit quantization error
@@ -123,18 +123,6 @@ def _calibrate(prepared: torch.nn.Module, steps: Sequence[tuple]) -> None:
     with torch.no_grad():
         for args in steps:
             prepared(*copy.deepcopy(args))
-
-
-def xnnpack_quantizer() -> Any:
-    """torchao's XNNPACK-style quantizer: static per-tensor symmetric int8."""
-    from torchao.testing.pt2e._xnnpack_quantizer import (
-        XNNPACKQuantizer,
-        get_symmetric_quantization_config,
-    )
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "XNNPACKQuantizer is deprecated"
-        return XNNPACKQuantizer().set_global(get_symmetric_quantization_config())
 
 
 class _Stages:

@@ -2,7 +2,7 @@
 
 import torch
 
-from benchmarks.models import decoder_job
+from passes.examples import decoder_job
 
 
 def one_layer_decoder():

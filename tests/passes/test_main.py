@@ -24,9 +24,9 @@ def run_main(*args, timeout=600):
     ("model", "message"),
     [
         ("no_such_package.models:factory", "cannot import 'no_such_package.models'"),
-        ("benchmarks.models:missing", "has no attribute 'missing'"),
-        ("benchmarks.models:__doc__", "not a factory function"),
-        ("benchmarks.models", "must look like package.module:factory"),
+        ("passes.examples:missing", "has no attribute 'missing'"),
+        ("passes.examples:__doc__", "not a factory function"),
+        ("passes.examples", "must look like package.module:factory"),
         ("tests.passes.main_job_models:not_exportable", "is not exportable"),
         ("tests.passes.main_job_models:wrong_return", "must return (module, example_inputs)"),
     ],

@@ -16,19 +16,17 @@ import torch
 from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 from torchao.quantization.pt2e.quantizer import Quantizer
 
-from benchmarks.models import decode_inputs, kv_decoder
 from benchmarks.quantizers import (
     Accumulator,
-    AnnotateEveryOpQuantizer,
     accumulator_inputs,
     convert,
     decode,
     prepare_and_calibrate,
     quantize,
-    xnnpack_quantizer,
 )
 from pass_manager import PassManagerError
 from passes import MarkMutableBuffers, SkipAnnotateDataMovementOps, mutable_buffers
+from passes.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder, xnnpack_quantizer
 from passes.quantization import PassQuantizer, QuantizationFlowError
 
 STEPS = 10

@@ -10,10 +10,8 @@ import torch
 from torch import nn
 from torchao.quantization.pt2e.quantizer import QuantizationSpec, SharedQuantizationSpec
 
-from benchmarks.models import decode_inputs, kv_decoder
 from benchmarks.quantizers import (
     Accumulator,
-    AnnotateEveryOpQuantizer,
     accumulator_inputs,
     convert,
     decode,
@@ -26,6 +24,7 @@ from passes import (
     SkipAnnotateDataMovementOps,
     conditions,
 )
+from passes.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed

@@ -15,11 +15,12 @@ import torch
 from torch import nn
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-from benchmarks.quantizers import Accumulator, accumulator_inputs, xnnpack_quantizer
+from benchmarks.quantizers import Accumulator, accumulator_inputs
 from pass_manager import PassFailedError, PassManager, ProgramFormError, assert_same_behaviour
 from pass_manager.program import program_text
 from passes import MarkMutableBuffers, UnfreezeMutableBuffer, conditions
 from passes._quantization_utils import AmbiguousFrozenBufferError
+from passes.examples import xnnpack_quantizer
 from passes.quantization import PassQuantizer
 
 CALLS = accumulator_inputs(8, seed=3)

@@ -16,7 +16,6 @@ from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.operator_support import create_op_support
 
-from benchmarks.models import decode_inputs, kv_decoder
 from pass_manager import PassManagerError, assert_same_behaviour
 from pass_manager.program import program_text
 from passes.delegation import (
@@ -31,6 +30,7 @@ from passes.delegation import (
     program_state,
     to_delegate,
 )
+from passes.examples import decode_inputs, kv_decoder
 
 aten = torch.ops.aten
 CALLS = 4

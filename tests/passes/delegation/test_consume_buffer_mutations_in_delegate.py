@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
-from benchmarks.models import decode_inputs, kv_decoder
 from pass_manager import (
     EXPORTED_PROGRAM,
     PassFailedError,
@@ -42,6 +41,7 @@ from passes.delegation import (
     program_state,
     to_delegate,
 )
+from passes.examples import decode_inputs, kv_decoder
 
 aten = torch.ops.aten
 CALLS = 4

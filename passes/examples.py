@@ -1,19 +1,44 @@
-"""Small, seeded models with mutable state, shared by tests, benchmarks and the main job.
+"""What the main job (``python -m passes run``) uses by default, shipped with the package.
 
-The main one is a Llama-style decoder (RMSNorm, attention over a per-layer KV cache,
-gated SiLU MLP) that decodes one position per call and writes its K/V into registered
-buffers in place, either with ``index_copy_`` or with ``cache[:, :, pos] = k``
-(``index_put_``). No downloads: weights come from a seeded generator.
+* :func:`decoder_job` / :func:`kv_decoder`: a seeded Llama-style decoder (RMSNorm, attention
+  over a per-layer KV cache, gated SiLU MLP) that decodes one position per call and writes
+  its K/V into registered buffers in place, with ``index_copy_`` or ``cache[:, :, pos] = k``
+  (``index_put_``). No downloads: weights come from a seeded generator.
+* :class:`AnnotateEveryOpQuantizer`: a quantizer in the style of the Qualcomm QNN backend's,
+  annotating every aten op with a float result, data movement included (``--quantizer
+  every-op``): the style under which a KV cache gets observed on its initial state.
+* :func:`xnnpack_quantizer`: torchao's XNNPACK-style quantizer (the default).
+
+Tests and benchmarks build on these too; they import them from here.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx import GraphModule, Node
+from torchao.quantization.pt2e.observer import MinMaxObserver
+from torchao.quantization.pt2e.quantizer import (
+    QuantizationAnnotation,
+    QuantizationSpec,
+    Quantizer,
+)
 
-__all__ = ["DecoderConfig", "KVDecoder", "decode_inputs", "decoder_job", "kv_decoder"]
+__all__ = [
+    "ACTIVATION_QSPEC",
+    "WEIGHT_QSPEC",
+    "AnnotateEveryOpQuantizer",
+    "DecoderConfig",
+    "KVDecoder",
+    "decode_inputs",
+    "decoder_job",
+    "kv_decoder",
+    "xnnpack_quantizer",
+]
 
 
 class DecoderConfig:
@@ -141,3 +166,84 @@ def decoder_job(
     """The main job's default model: a decoder, example inputs, and one input per decode step."""
     model, example = kv_decoder(n_layers, cache_update, seed)
     return model, example, decode_inputs(model.cfg, steps, seed=seed)
+
+
+ACTIVATION_QSPEC = QuantizationSpec(
+    dtype=torch.uint8,
+    quant_min=0,
+    quant_max=255,
+    qscheme=torch.per_tensor_affine,
+    observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-20),
+)
+WEIGHT_QSPEC = QuantizationSpec(
+    dtype=torch.int8,
+    quant_min=-127,
+    quant_max=127,
+    qscheme=torch.per_tensor_symmetric,
+    observer_or_fake_quant_ctr=MinMaxObserver.with_args(
+        qscheme=torch.per_tensor_symmetric, eps=2**-20
+    ),
+)
+
+_LINEAR_OPS = (torch.ops.aten.linear.default,)
+
+
+def _is_float_tensor(node: object) -> bool:
+    if not isinstance(node, Node):
+        return False
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+class AnnotateEveryOpQuantizer(Quantizer):
+    """Annotate every aten op with a float result: float inputs and the output, uint8 affine.
+
+    Linear weights get a symmetric int8 spec; linear biases stay in float. An op with a
+    non-finite constant argument (the attention mask's ``masked_fill(..., -inf)``) stays in
+    float, and so does its result as an input of the next op: a min/max observer cannot
+    give an infinite range a scale.
+    """
+
+    def annotate(self, model: GraphModule) -> GraphModule:
+        unbounded: set[Node] = set()
+        for node in model.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            if not _is_float_tensor(node):
+                continue
+            leaves = pytree.tree_leaves((node.args, node.kwargs))
+            if any(isinstance(v, float) and not math.isfinite(v) for v in leaves):
+                unbounded.add(node)
+                continue
+            input_qspec_map = {}
+            for position, arg in enumerate(leaves):
+                if not _is_float_tensor(arg) or arg in input_qspec_map or arg in unbounded:
+                    continue
+                if node.target in _LINEAR_OPS and position == 2:
+                    continue
+                weight = node.target in _LINEAR_OPS and position == 1
+                input_qspec_map[arg] = WEIGHT_QSPEC if weight else ACTIVATION_QSPEC
+            node.meta["quantization_annotation"] = QuantizationAnnotation(
+                input_qspec_map=input_qspec_map,
+                output_qspec=ACTIVATION_QSPEC,
+                _annotated=True,
+            )
+        return model
+
+    def validate(self, model: GraphModule) -> None:
+        return None
+
+
+def xnnpack_quantizer() -> Quantizer:
+    """torchao's XNNPACK-style quantizer: static per-tensor symmetric int8."""
+    # torchao 0.18 ships XNNPACKQuantizer only under torchao.testing; the public one is
+    # ExecuTorch's (executorch.backends.xnnpack.quantizer), an optional extra the package
+    # cannot require, so the default quantizer comes from torchao's copy.
+    from torchao.testing.pt2e._xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "XNNPACKQuantizer is deprecated"
+        return XNNPACKQuantizer().set_global(get_symmetric_quantization_config())
