@@ -21,7 +21,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import Node
 
-from ._aliasing import OpaqueNode, alias_map, written_nodes
+from ._aliasing import Alias, OpaqueNode, alias_map, written_nodes
 
 __all__ = [
     "BUFFER",
@@ -124,11 +124,24 @@ def buffer_tensor(program: Any, fqn: str) -> torch.Tensor:
 
 @dataclass
 class Mutations:
-    """The result of scanning a program: state nodes, who writes what, what could not be read."""
+    """The result of scanning a program: state nodes, who writes what, what could not be read.
+
+    Attributes:
+        states: every node denoting program state.
+        writers: per piece of state, the nodes writing it (through any view), in graph order.
+        opaque: nodes whose writes cannot be read from a schema.
+        aliases: every node's storage root and view chain; the nodes of one piece of state
+            share one root (its first node).
+        written_roots: every storage root some node writes, state or not.
+        writing_nodes: every node that writes one of its arguments, in graph order.
+    """
 
     states: dict[Node, State]
     writers: dict[State, list[Node]]
     opaque: list[OpaqueNode]
+    aliases: dict[Node, Alias] = field(default_factory=dict)
+    written_roots: set[Node] = field(default_factory=set)
+    writing_nodes: list[Node] = field(default_factory=list)
 
     def nodes_of(self, state: State) -> list[Node]:
         return [n for n, s in self.states.items() if s == state]
@@ -191,11 +204,17 @@ def find_mutations(program: Any) -> Mutations:
     canonical = {node: first.setdefault(state, node) for node, state in states.items()}
     aliases, opaque = alias_map(gm.graph.nodes, canonical)
     writers: dict[State, list[Node]] = {}
+    written_roots: set[Node] = set()
+    writing_nodes: list[Node] = []
     for node in gm.graph.nodes:
         hop = hop_writes(node, gm)
         if hop is not None:
             opaque.append(hop)
-        for target in written_nodes(node) + (_hop_operands_written(node, gm) or []):
+        written = written_nodes(node)
+        if written:
+            writing_nodes.append(node)
+            written_roots.update(aliases[w].root for w in written if w in aliases)
+        for target in written + (_hop_operands_written(node, gm) or []):
             state = states.get(aliases[target].root) if target in aliases else None
             if state is not None:
                 writers.setdefault(state, [])
@@ -213,7 +232,7 @@ def find_mutations(program: Any) -> Mutations:
                 continue
             node = value if isinstance(value, Node) else by_name.get(spec.arg.name)
             writers.setdefault(state, []).append(node)
-    return Mutations(states, writers, opaque)
+    return Mutations(states, writers, opaque, aliases, written_roots, writing_nodes)
 
 
 def trailing_write_backs(program: Any) -> list[Node]:

@@ -25,13 +25,7 @@ from torch.fx import Node, map_arg
 
 from pass_manager import graph_module_of
 
-from ._aliasing import (
-    MAYBE_VIEWS,
-    alias_map,
-    schema_of,
-    view_base_index,
-    written_arguments,
-)
+from ._aliasing import MAYBE_VIEWS, schema_of, view_base_index, written_arguments
 from ._buffers import (
     BUFFER,
     INITIAL_META,
@@ -39,8 +33,7 @@ from ._buffers import (
     MUTABLE_INPUT_META,
     USER_INPUT,
     State,
-    hop_writes,
-    state_nodes,
+    find_mutations,
     trailing_write_backs,
 )
 from ._fake_values import FakeValues
@@ -65,15 +58,13 @@ class Rewrite:
         self.is_ep = isinstance(program, ExportedProgram)
         self.gm = graph_module_of(program)
         self.graph = self.gm.graph
-        self.states = state_nodes(program)
+        scan = find_mutations(program)
+        self.states = scan.states
         self.state_root: dict[State, Node] = {}
-        canonical = {n: self.state_root.setdefault(s, n) for n, s in self.states.items()}
-        self.aliases, opaque = alias_map(self.graph.nodes, canonical)
-        self.opaque = {o.node: o.reason for o in opaque}
-        for node in self.graph.nodes:
-            hop = hop_writes(node, self.gm)
-            if hop is not None:
-                self.opaque[node] = hop.reason
+        for node, state in self.states.items():
+            self.state_root.setdefault(state, node)
+        self.aliases = scan.aliases
+        self.opaque = {o.node: o.reason for o in scan.opaque}
         self.output = next(n for n in reversed(self.graph.nodes) if n.op == "output")
         self.mutation_outputs: list[tuple[State, Any]] = []
         self.other_outputs: list[tuple[OutputSpec, Any]] = []
@@ -86,14 +77,10 @@ class Rewrite:
                     self.other_outputs.append((spec, arg))
         # A program whose only writes are trailing write-backs is functional already.
         write_backs = set() if self.is_ep else set(trailing_write_backs(program))
-        self.roots = {self.state_root[s] for s, _ in self.mutation_outputs}
+        self.roots = {self.state_root[s] for s, _ in self.mutation_outputs} | scan.written_roots
         self.has_writes = any(str(n.target).endswith("_") or "writes" in reason
                               for n, reason in self.opaque.items())
-        for node in self.graph.nodes:
-            written = _written(node)
-            if written:
-                self.has_writes |= node not in write_backs
-                self.roots.update(self.aliases[w].root for w in written)
+        self.has_writes |= any(n not in write_backs for n in scan.writing_nodes)
         self.fake = FakeValues(self.graph)
         self.cur: dict[Node, Node] = {}
         self.version: dict[Node, int] = {}
@@ -384,10 +371,6 @@ def _same_layout(a: Node, b: Node) -> bool:
 def _is_contiguous(node: Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.is_contiguous()
-
-
-def _written(node: Node) -> list[Node]:
-    return [w for _, w in written_arguments(node)]
 
 
 def _respec(spec: OutputSpec, arg: Any) -> OutputSpec:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 from torch.fx import Node
 
+from ._aliasing import argument_value
+
 __all__ = ["Emit", "write_back", "write_back_reason"]
 
 aten = torch.ops.aten
@@ -20,18 +22,10 @@ Emit = Callable[..., Node]
 """``emit(target, *args, **kwargs) -> Node``: insert a call_function node."""
 
 
-def _args(node: Node, *defaults):
-    """Positional arguments after ``self``, with kwargs and schema defaults filled in."""
+def _args(node: Node) -> list:
+    """Arguments after ``self``, with kwargs and schema defaults filled in."""
     schema = node.target._schema
-    values = []
-    for i, arg in enumerate(schema.arguments[1:], start=1):
-        if i < len(node.args):
-            values.append(node.args[i])
-        elif arg.name in node.kwargs:
-            values.append(node.kwargs[arg.name])
-        else:
-            values.append(arg.default_value if arg.has_default_value() else None)
-    return values
+    return [argument_value(node, schema, i) for i in range(1, len(schema.arguments))]
 
 
 def _shape(node: Node):
