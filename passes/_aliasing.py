@@ -22,6 +22,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "MAYBE_VIEWS",
+    "METADATA_QUERIES",
+    "STORAGE_READERS",
+    "STORAGE_VIEWS",
     "Alias",
     "OpaqueNode",
     "alias_map",
@@ -65,6 +68,14 @@ MAYBE_VIEWS = frozenset({
     _aten.contiguous.default, _aten.type_as.default,
 })
 """Ops annotated ``Tensor(a)`` that return a view only sometimes (a copy otherwise)."""
+
+STORAGE_VIEWS = frozenset({_aten.as_strided.default, _aten._reshape_alias.default})
+"""Views addressed in their input's *storage* (sizes, strides, an absolute offset), so
+their value depends on elements outside their input: they are views of the storage root."""
+STORAGE_READERS = frozenset({_aten.as_strided_copy.default})
+"""Non-view ops that read their input's storage likewise."""
+METADATA_QUERIES = frozenset({_aten.sym_stride.int, _aten.sym_storage_offset.default})
+"""Ops reading a tensor's layout, which a write never changes, rather than its values."""
 
 
 @dataclass(frozen=True)
@@ -254,7 +265,11 @@ def alias_map(
         if found is not None and found[1] in aliases:
             _, arg, written = found
             source = aliases[arg]
-            aliases[node] = source if written else Alias(source.root, (*source.chain, node))
+            if node.target in STORAGE_VIEWS:
+                # Addressed in its input's storage, not in its input: a view of the root.
+                aliases[node] = Alias(source.root, (node,))
+            else:
+                aliases[node] = source if written else Alias(source.root, (*source.chain, node))
             continue
         info = _multi_alias(node)
         if info is not None:

@@ -25,7 +25,16 @@ from torch.fx import Node, map_arg
 
 from pass_manager import graph_module_of
 
-from ._aliasing import MAYBE_VIEWS, schema_of, view_base_index, written_arguments
+from ._aliasing import (
+    MAYBE_VIEWS,
+    METADATA_QUERIES,
+    STORAGE_READERS,
+    STORAGE_VIEWS,
+    argument_value,
+    schema_of,
+    view_base_index,
+    written_arguments,
+)
 from ._buffers import (
     BUFFER,
     INITIAL_META,
@@ -92,6 +101,7 @@ class Rewrite:
         self.arg_changes: list[tuple[Node, tuple, dict]] = []
         self.fake_changes: list[tuple[Node, Any]] = []
         self.dead: list[Node] = []
+        self.stale: list[Node] = []  # original nodes whose users now read a new node
         self.cursor: Node = self.output
         self.new_signature: ExportGraphSignature | None = None
         self.notes: list[str] = []
@@ -139,6 +149,10 @@ class Rewrite:
         return values
 
     def _replay(self, view: Node, base: Node) -> Node:
+        if view.target in STORAGE_VIEWS:  # ``base`` is the storage root's current value
+            size, stride = view.args[1:3]
+            offset = self._storage_offset(view, view, view.meta.get("val"))
+            return self.emit(view, aten.as_strided.default, base, size, stride, offset)
         if view.target is operator.getitem:
             return self.emit(view, operator.getitem, base, view.args[1])
         schema = schema_of(view)
@@ -149,6 +163,61 @@ class Rewrite:
         else:
             kwargs[schema.arguments[index].name] = base
         return self.emit(view, view.target, *args, **kwargs)
+
+    def _storage_offset(self, node: Node, view: Node, val: Any) -> int:
+        """``val``'s offset in the storage of ``view``'s root, whose current value then
+        stands for that storage: refused when the root is not exactly its own storage."""
+        root = self.aliases[view].root
+        cur = self.cur.get(root, root)
+        for tensor in (root.meta.get("val"), cur.meta.get("val")):
+            if not _whole_storage(tensor):
+                raise UnsupportedMutationError(
+                    node, f"it reads the storage of {root.name} (sizes, strides, offset) after "
+                          f"a write, and {root.name} is not a contiguous tensor owning all of "
+                          "its storage with static sizes", "storage")
+        offset = val.storage_offset() if isinstance(val, torch.Tensor) else None
+        if not isinstance(offset, int):
+            raise UnsupportedMutationError(
+                node, f"it reads the storage of {root.name} at an offset that is not static",
+                "storage")
+        return offset
+
+    def _storage_reader(self, node: Node) -> bool:
+        """Re-address an op reading a written tensor's storage in the root's new value.
+
+        A written view's new value is a fresh tensor with its own storage: ``as_strided``
+        of it would read the wrong elements (eager reads the base's storage).
+        """
+        source = node.args[0]
+        alias = self.aliases.get(source)
+        if alias is None or self.cur.get(alias.root, alias.root) is alias.root:
+            return False
+        if node.target in STORAGE_VIEWS:
+            ver = self.version[alias.root]
+            self.value[node] = (self._view_values(alias.root, (node,))[-1], ver)
+            self.stale.append(node)
+            return True
+        # as_strided_copy(input, size, stride, offset=input's offset)
+        schema = node.target._schema
+        offset = argument_value(node, schema, 3)
+        if offset is None:
+            offset = self._storage_offset(node, source, source.meta.get("val"))
+        else:
+            self._storage_offset(node, source, source.meta.get("val"))
+        size, stride = argument_value(node, schema, 1), argument_value(node, schema, 2)
+        self._set_args(node, (self.cur[alias.root], size, stride, offset), {})
+        return True
+
+    def _layout_query(self, node: Node) -> None:
+        """A stride / storage-offset query reads the layout of an original node (a write
+        never changes it), never the layout of a fresh functional value."""
+        def twin(arg: Node) -> Node:
+            alias = self.aliases.get(arg)
+            if alias is None or arg not in self.value:
+                return arg
+            return alias.chain[-1] if alias.chain else alias.root
+
+        self._set_args(node, *map_arg((node.args, node.kwargs), twin))
 
     def _set_args(self, node: Node, args: tuple, kwargs: dict) -> None:
         self.arg_changes.append((node, node.args, node.kwargs))
@@ -200,7 +269,13 @@ class Rewrite:
                 self._rewrite(node, writes)
             else:
                 check_opaque(node, self.opaque.get(node), self.aliases, self.roots, self.states)
-                self._remap(node)
+                if node.target in METADATA_QUERIES:
+                    self._layout_query(node)
+                elif node.target in STORAGE_VIEWS or node.target in STORAGE_READERS:
+                    if not self._storage_reader(node):
+                        self._remap(node)
+                else:
+                    self._remap(node)
             alias = self.aliases.get(node)
             if alias is not None and alias.root in self.roots:
                 self._track(node, alias.root)
@@ -345,6 +420,10 @@ class Rewrite:
 
     def commit(self) -> None:
         candidates = []
+        for node in reversed(self.stale):  # before the dead nodes they may still read
+            if not node.users:
+                candidates.extend(node.all_input_nodes)
+                self.graph.erase_node(node)
         for node in reversed(self.dead):
             candidates.extend(node.all_input_nodes)
             self.graph.erase_node(node)
@@ -366,6 +445,20 @@ def _same_layout(a: Node, b: Node) -> bool:
         return True
     strides = (*va.stride(), *vb.stride())
     return not all(isinstance(x, int) for x in strides) or va.stride() == vb.stride()
+
+
+def _whole_storage(val: Any) -> bool:
+    """A contiguous tensor with static sizes at offset 0 that owns all of its storage."""
+    if not isinstance(val, torch.Tensor):
+        return False
+    sizes = (*val.shape, *val.stride(), val.storage_offset())
+    if not all(isinstance(s, int) for s in sizes) or val.storage_offset() != 0:
+        return False
+    try:
+        nbytes = val.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return val.is_contiguous() and nbytes == val.numel() * val.element_size()
 
 
 def _is_contiguous(node: Node) -> bool:

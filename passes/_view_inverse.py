@@ -1,8 +1,9 @@
 """Writing a view's new value back into its base, one view op at a time.
 
 ``base.<view>(...)`` mutated to ``value`` makes the base ``<view>_scatter(base, value, ...)``
-(slice, select, diagonal, as_strided) or the inverse view of ``value`` when the view is a
-pure re-indexing of every element (transpose, permute, unsqueeze, view/reshape, alias).
+(slice, select, diagonal; as_strided and _reshape_alias address the storage root) or the
+inverse view of ``value`` when the view is a pure re-indexing of every element (transpose,
+permute, unsqueeze, view/reshape, alias).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch.fx import Node
 
-from ._aliasing import argument_value
+from ._aliasing import STORAGE_VIEWS, argument_value
 
 __all__ = ["Emit", "write_back", "write_back_reason"]
 
@@ -37,7 +38,6 @@ _SCATTERS = {
     aten.slice.Tensor: aten.slice_scatter.default,
     aten.select.int: aten.select_scatter.default,
     aten.diagonal.default: aten.diagonal_scatter.default,
-    aten.as_strided.default: aten.as_strided_scatter.default,
 }
 _RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                        aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
@@ -50,6 +50,7 @@ _LIST_VIEWS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.
                          aten.chunk.default})
 _OTHERS = frozenset({aten.narrow.default, aten.transpose.int, aten.t.default,
                      aten.permute.default, aten.unsqueeze.default, aten.view.dtype})
+_WRITABLE_VIEWS = STORAGE_VIEWS | _SCATTERS.keys() | _RESHAPES | _IDENTITIES | _OTHERS | _LIST_VIEWS
 
 
 def write_back_reason(view: Node) -> str | None:
@@ -64,9 +65,7 @@ def write_back_reason(view: Node) -> str | None:
                 static = static and _shape(source.args[0]) is not None
             return None if static else f"writes through {view.name}, a symbolic split"
         return f"writes through {source} (getitem of a non-view)"
-    if target in _SCATTERS or target in _RESHAPES or target in _IDENTITIES or target in _OTHERS:
-        return None
-    if target in _LIST_VIEWS:
+    if target in _WRITABLE_VIEWS:
         return None
     return (f"writes through the view {view.name} = {target}, which has no write-back into "
             f"its base (no *_scatter and no inverse view)")
@@ -83,6 +82,12 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         return _write_back_item(emit, view.args[0], view.args[1], base, value)
     if target in _SCATTERS:
         return emit(_SCATTERS[target], base, value, *_args(view))
+    if target in STORAGE_VIEWS:
+        # ``base`` is the storage root's value (see _aliasing.STORAGE_VIEWS), so the
+        # offset is the view's own, absolute one.
+        size, stride = _args(view)[:2]
+        return emit(aten.as_strided_scatter.default, base, value, size, stride,
+                    view.meta["val"].storage_offset())
     if target is aten.narrow.default:
         dim, start, length = _args(view)
         end = start + length if isinstance(start, int) and isinstance(length, int) else emit(

@@ -1,0 +1,140 @@
+"""InplaceToFunctional on the mutation shapes of torch's own test suites (issue 10): each
+program is exported, functionalized in both forms and called 4 times in a row; outputs,
+buffers and mutated inputs must equal eager's, or the pass refuses with a typed error and
+leaves the program unchanged."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pass_manager import PassManager, assert_same_behaviour, graph_of
+from pass_manager.program import program_text
+from passes import InplaceToFunctional, MarkMutableBuffers, UnsupportedMutationError, conditions
+
+aten = torch.ops.aten
+
+
+def _calls(*shapes, n=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(s, generator=gen) for s in shapes) for _ in range(n)]
+
+
+def functionalize_both_forms(factory, calls, **export_kwargs):
+    """Export ``factory()``, functionalize both forms, compare 4 calls with eager; returns
+    the two functional programs."""
+    ep = torch.export.export(factory(), copy.deepcopy(calls[0]), **export_kwargs)
+    results = []
+    for program in (ep, ep.module()):
+        result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+            copy.deepcopy(program)).program
+        assert not conditions.Functional.check(result)
+        assert_same_behaviour(factory(), result, calls, calls=4)
+        results.append(result)
+    results[0].validate()
+    return results
+
+
+def refused_in_both_forms(factory, calls, kind):
+    ep = torch.export.export(factory(), copy.deepcopy(calls[0]))
+    for program in (ep, ep.module()):
+        marked = PassManager([MarkMutableBuffers()]).run(copy.deepcopy(program)).program
+        before = program_text(marked)
+        with pytest.raises(UnsupportedMutationError) as info:
+            InplaceToFunctional().call(marked)
+        assert info.value.kind == kind
+        assert info.value.node in str(info.value) and "InplaceToFunctional" in str(info.value)
+        assert program_text(marked) == before
+    return info.value
+
+
+def targets(program):
+    return [n.target for n in graph_of(program).nodes if n.op == "call_function"]
+
+
+# -- pattern 9: ops reading a written view's storage --------------------------------------
+class StridedAfterWrite(nn.Module):
+    """The miscompile the fuzzer found: as_strided of a view written in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(8.0).reshape(2, 4))
+
+    def forward(self, x):
+        v = self.b[1]
+        v.add_(x)
+        # explicit offset 0 reads row 0; the implicit offset is the view's own (4)
+        return v.as_strided((2, 2), (1, 1), 0) * 1, v.as_strided((2,), (2,)) * 1
+
+
+class StridedTakenBeforeWrite(nn.Module):
+    """as_strided views taken before a write (of the root, of another view) read after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(12.0).reshape(3, 4))
+
+    def forward(self, x):
+        window = self.b[2].as_strided((3, 2), (2, 1), 1)
+        self.b.mul_(1.5)
+        self.b[0].add_(x)
+        return window + 0, self.b.sum()
+
+
+class WriteThroughStrided(nn.Module):
+    """Writes through as_strided of a view, and through a slice of an as_strided view."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(12.0).reshape(3, 4))
+
+    def forward(self, x):
+        self.b[1].as_strided((2,), (3,)).mul_(x[:2])
+        self.b.as_strided((4,), (2,), 3)[1:].add_(x[1:])
+        return self.b * 1
+
+
+class StridedOfWrittenInput(nn.Module):
+    def forward(self, x, y):
+        x[1:].mul_(y)
+        return x.as_strided((2, 2), (2, 1), 2) * 1, x[1:].as_strided((3,), (1,), 0) * 1
+
+
+class StridedOfTransposedTemp(nn.Module):
+    """A temporary whose storage is laid out transposed: its as_strided after a write
+    cannot be re-addressed in a fresh contiguous value, so it is refused."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(3))
+
+    def forward(self, x):
+        t = (x * 2).t().clone()  # clone keeps the transposed strides
+        t[0].add_(1)
+        self.b.add_(t.as_strided((3,), (1,), 0))
+        return self.b * 1
+
+
+def test_as_strided_of_a_written_view_reads_the_base_storage():
+    ep, gm = functionalize_both_forms(StridedAfterWrite, _calls((4,)))
+    for program in (ep, gm):
+        assert aten.add_.Tensor not in targets(program)
+
+
+def test_as_strided_views_taken_before_writes():
+    functionalize_both_forms(StridedTakenBeforeWrite, _calls((4,)))
+
+
+def test_writes_through_as_strided_views_of_views():
+    _, gm = functionalize_both_forms(WriteThroughStrided, _calls((4,)))
+    assert aten.as_strided_scatter.default in targets(gm)
+
+
+def test_as_strided_of_a_written_user_input():
+    functionalize_both_forms(StridedOfWrittenInput, _calls((3, 2), (2, 2)))
+
+
+def test_as_strided_of_a_non_contiguous_written_temporary_is_refused():
+    error = refused_in_both_forms(StridedOfTransposedTemp, _calls((3, 2)), "storage")
+    assert "storage" in error.reason
