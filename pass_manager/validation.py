@@ -1,15 +1,19 @@
 """Semantic validation: run programs for several calls and compare what they compute.
 
-The same comparison serves the manager's ``validate`` option and the test suite: a
-program (eager ``nn.Module``, ``GraphModule`` or ``ExportedProgram``) is deep-copied,
-called with each input tuple in turn, and after every call its outputs, its buffers
-(by fully-qualified name) and its (possibly mutated) inputs are recorded.
+The same comparison serves the manager's ``validate`` option, the main job's flow, the
+benchmarks and the test suite: a program (eager ``nn.Module``, ``GraphModule`` or
+``ExportedProgram``) is deep-copied, called once per call's inputs, and after every call its
+outputs, its buffers (by fully-qualified name) and its (possibly mutated) inputs are
+recorded. A call's inputs are an argument tuple, an ``(args, kwargs)`` pair or a mapping of
+keyword arguments. Two traces compare exactly (:func:`first_difference`) or by size of the
+error (:func:`output_errors`, :func:`buffer_errors`).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,15 +22,22 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 __all__ = [
+    "Call",
     "StateReader",
     "Trace",
+    "as_call",
     "assert_same_behaviour",
+    "buffer_errors",
     "call_inputs",
+    "copy_program",
     "first_difference",
+    "output_errors",
     "run_program",
 ]
 
 StateReader = Callable[[torch.nn.Module], dict[str, torch.Tensor]]
+# One call's inputs, normalized: positional arguments and keyword arguments.
+Call = tuple[tuple, dict[str, Any]]
 
 
 @dataclass
@@ -38,15 +49,41 @@ class Trace:
     inputs: list[list[Any]] = field(default_factory=list)
 
 
-def call_inputs(inputs: Sequence[Any] | tuple, calls: int | None = None) -> list[tuple]:
-    """Normalize to one argument tuple per call.
+def _is_pair(value: Any) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], (tuple, list))
+        and isinstance(value[1], Mapping)
+    )
 
-    ``inputs`` is either one argument tuple (repeated ``calls`` times) or a list of
-    argument tuples (one per call).
+
+def as_call(inputs: Any) -> Call:
+    """One call's inputs as ``(args, kwargs)``.
+
+    ``inputs`` is an argument tuple, an ``(args, kwargs)`` pair (a 2-tuple of a tuple or list
+    and a mapping), a mapping of keyword arguments, or a single argument. A call whose two
+    positional arguments really are a tuple and a mapping is written as a pair:
+    ``((t, m), {})``.
     """
-    if isinstance(inputs, tuple):
-        return [inputs] * (calls or 1)
-    per_call = [tuple(args) if isinstance(args, (list, tuple)) else (args,) for args in inputs]
+    if _is_pair(inputs):
+        return tuple(inputs[0]), dict(inputs[1])
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def call_inputs(inputs: Any, calls: int | None = None) -> list[Call]:
+    """Normalize to one ``(args, kwargs)`` pair per call.
+
+    ``inputs`` is either one call's inputs (an argument tuple, an ``(args, kwargs)`` pair or a
+    keyword mapping; repeated ``calls`` times) or a list of them (one per call).
+    """
+    if isinstance(inputs, (tuple, Mapping)):
+        return [as_call(inputs)] * (calls or 1)
+    per_call = [as_call(entry) for entry in inputs]
     if calls is not None:
         if calls > len(per_call):
             raise ValueError(f"asked for {calls} calls but got inputs for {len(per_call)}")
@@ -54,12 +91,67 @@ def call_inputs(inputs: Sequence[Any] | tuple, calls: int | None = None) -> list
     return per_call
 
 
+def copy_program(program: Any) -> Any:
+    """``copy.deepcopy`` that also copies tensors torch refuses to deep-copy.
+
+    A program exported outside ``torch.no_grad()`` can hold lifted constants that are not
+    graph leaves (they have a ``grad_fn``), and so can a model that keeps a computed tensor
+    in a plain attribute; ``copy.deepcopy`` raises on those. They are copied detached: a
+    program's constants carry no gradient history worth keeping.
+    """
+    try:
+        return copy.deepcopy(program)
+    except RuntimeError:
+        memo: dict[int, Any] = {}
+        for tensor in _held_tensors(program):
+            if not tensor.is_leaf and id(tensor) not in memo:
+                memo[id(tensor)] = tensor.detach().clone()
+        if not memo:
+            raise
+        return copy.deepcopy(program, memo)
+
+
+# Objects whose attributes are code or fx metadata (fake tensors), never a program's state.
+_NOT_STATE = (
+    type,
+    types.FunctionType,
+    types.MethodType,
+    types.ModuleType,
+    torch.fx.Graph,
+    torch.fx.Node,
+)
+
+
+def _held_tensors(root: Any) -> list[torch.Tensor]:
+    """Every tensor reachable from ``root`` through attributes and containers.
+
+    Graphs and nodes are not walked: their metadata holds fake tensors, never state.
+    """
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(value)
+        elif hasattr(value, "__dict__") and not isinstance(value, _NOT_STATE):
+            stack.extend(vars(value).values())
+    return found
+
+
 def _default_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: buf.detach().clone() for name, buf in module.named_buffers()}
 
 
 def _runnable(program: Any) -> torch.nn.Module:
-    program = copy.deepcopy(program)
+    program = copy_program(program)
     if isinstance(program, ExportedProgram):
         return program.module()
     if isinstance(program, torch.nn.Module):
@@ -74,20 +166,24 @@ def _snapshot(values: Any) -> list[Any]:
 
 def run_program(
     program: Any,
-    inputs: Sequence[Any] | tuple,
+    inputs: Any,
     calls: int | None = None,
     state: StateReader = _default_state,
 ) -> Trace:
-    """Call a deep copy of ``program`` once per input tuple; the caller's state is untouched."""
+    """Call a deep copy of ``program`` once per call's inputs; the caller's state is untouched.
+
+    ``inputs`` is one call's inputs (repeated ``calls`` times) or a list of them; each is an
+    argument tuple, an ``(args, kwargs)`` pair or a keyword mapping (see :func:`call_inputs`).
+    """
     module = _runnable(program)
     trace = Trace()
-    for args in call_inputs(inputs, calls):
-        args = copy.deepcopy(args)
+    for args, kwargs in call_inputs(inputs, calls):
+        args, kwargs = copy.deepcopy((args, kwargs))
         with torch.no_grad():
-            out = module(*args)
+            out = module(*args, **kwargs)
         trace.outputs.append(_snapshot(out))
         trace.buffers.append(state(module))
-        trace.inputs.append(_snapshot(args))
+        trace.inputs.append(_snapshot((args, kwargs)))
     return trace
 
 
@@ -144,10 +240,48 @@ def first_difference(
     return None
 
 
+def output_errors(expected: Trace, actual: Trace) -> list[float]:
+    """Per call, the largest absolute difference over every floating-point output tensor."""
+    errors = []
+    for exp_out, act_out in zip(expected.outputs, actual.outputs, strict=True):
+        worst = 0.0
+        for a, b in zip(exp_out, act_out, strict=True):
+            if isinstance(a, torch.Tensor) and a.is_floating_point():
+                worst = max(worst, _abs_error(a, b))
+        errors.append(worst)
+    return errors
+
+
+def buffer_errors(expected: Trace, actual: Trace) -> list[dict[str, float]]:
+    """Per call, the largest absolute difference of each floating-point buffer, by name.
+
+    A buffer the other trace does not have is left out (a quantized program can hold extra
+    state, such as observers' or delegates' buffers).
+    """
+    errors = []
+    for exp_buf, act_buf in zip(expected.buffers, actual.buffers, strict=True):
+        errors.append(
+            {
+                name: _abs_error(value, act_buf[name])
+                for name, value in exp_buf.items()
+                if name in act_buf and value.is_floating_point()
+            }
+        )
+    return errors
+
+
+def _abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    if not a.numel():
+        return 0.0
+    return (a.double() - b.double()).abs().nan_to_num(float("inf")).max().item()
+
+
 def assert_same_behaviour(
     expected: Any,
     actual: Any,
-    inputs: Sequence[Any] | tuple,
+    inputs: Any,
     calls: int | None = None,
     atol: float = 0.0,
     rtol: float = 0.0,
