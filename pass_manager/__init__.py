@@ -3,11 +3,14 @@
 Passes declare the conditions they require, provide and preserve; the manager orders
 them (a networkx DAG), checks conditions before and after each pass with caching,
 measures whether a pass changed the program, and rolls back a pass that fails.
+Timing, validation and diffs are instruments (hooks) around that loop. A pipeline
+prints as text (``PassManager.pipeline_text()``) and parses back (``parse_pipeline``).
 This package never imports ``passes``.
 """
 
 from .conditions import ALL_CONDITIONS, Condition
 from .errors import (
+    InPlaceContractError,
     PassFailedError,
     PassManagerError,
     PipelineError,
@@ -15,19 +18,23 @@ from .errors import (
     PreconditionError,
     ProgramFormError,
     SemanticsError,
+    StateWriteError,
 )
-from .instrumentation import Instrumentation, PrintDiff, Timing
-from .manager import PassManager, RunResult
+from .instrumentation import ClaimCheck, Instrumentation, PrintDiff, SemanticValidation, Timing
+from .manager import PassManager, parse_pipeline
 from .pass_base import Pass, PassResult, as_pass, function_pass, known_passes
 from .program import EXPORTED_PROGRAM, GRAPH_MODULE, graph_module_of, graph_of
 from .report import PassRecord, Report
+from .running import RunResult
 from .validation import assert_same_behaviour, first_difference, run_program
 
 __all__ = [
     "ALL_CONDITIONS",
     "EXPORTED_PROGRAM",
     "GRAPH_MODULE",
+    "ClaimCheck",
     "Condition",
+    "InPlaceContractError",
     "Instrumentation",
     "Pass",
     "PassFailedError",
@@ -42,7 +49,9 @@ __all__ = [
     "ProgramFormError",
     "Report",
     "RunResult",
+    "SemanticValidation",
     "SemanticsError",
+    "StateWriteError",
     "Timing",
     "as_pass",
     "assert_same_behaviour",
@@ -51,5 +60,6 @@ __all__ = [
     "graph_module_of",
     "graph_of",
     "known_passes",
+    "parse_pipeline",
     "run_program",
 ]

@@ -2,7 +2,9 @@
 
 Every error derives from :class:`PassManagerError`, names the pass and its place in the
 plan where one is involved, and carries the data a caller needs to act on it as
-attributes (not only in the message).
+attributes (not only in the message). What the manager learns while rolling a pass back
+(the diff of what the pass had changed, the state it could not restore) is set on the
+error as ``diff`` and ``unrestored``; the message is rendered from them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "InPlaceContractError",
     "PassFailedError",
     "PassManagerError",
     "PipelineError",
@@ -17,6 +20,7 @@ __all__ = [
     "PreconditionError",
     "ProgramFormError",
     "SemanticsError",
+    "StateWriteError",
 ]
 
 
@@ -34,16 +38,42 @@ def _listing(violations: Sequence[str], limit: int = 20) -> str:
 
 
 class PassManagerError(Exception):
-    """Base class of every error the pass manager raises."""
+    """Base class of every error the pass manager raises.
+
+    Attributes:
+        pass_name, index: the pass at fault and its place in the plan (None if none).
+        rolled_back: the manager restored the program to its state before the pass.
+        diff: a unified diff of what the pass had changed before the rollback ("" if
+            nothing, or not rolled back).
+        unrestored: fully-qualified names of tensors the pass wrote in place whose old
+            data was not kept, so the rollback could not restore them.
+    """
 
     def __init__(self, message: str, *, pass_name: str | None = None, index: int | None = None):
         super().__init__(message)
         self.pass_name = pass_name
         self.index = index
+        self.rolled_back = False
+        self.diff = ""
+        self.unrestored: list[str] = []
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.diff:
+            text += f"\nThe pass was rolled back; it had changed:\n{self.diff}"
+        elif self.rolled_back and isinstance(self, PassFailedError):
+            text += "\nThe pass was rolled back; it had not changed the graph."
+        if self.unrestored:
+            text += (
+                "\nNot restored: tensors written in place by the pass (their old values "
+                f"were not kept): {', '.join(self.unrestored)}"
+            )
+        return text
 
 
 class PipelineError(PassManagerError):
-    """The pipeline cannot be planned: a dependency cycle or an unsatisfiable placement."""
+    """The pipeline cannot be planned: a dependency cycle, an unsatisfiable placement, two
+    different conditions sharing one name, or pipeline text that does not parse."""
 
     def __init__(self, message: str, *, cycle: Sequence[str] = (), condition: str | None = None):
         super().__init__(message)
@@ -66,16 +96,14 @@ class _ConditionError(PassManagerError):
     ):
         self.condition = condition
         self.violations = list(violations)
-        self.diff = diff
         message = (
             f"{_where(pass_name, index)}: {self.kind} {condition!r} does not hold "
             f"({len(self.violations)} violation(s)):\n{_listing(self.violations)}"
         )
         if hint:
             message += f"\n{hint}"
-        if diff:
-            message += f"\nThe pass was rolled back; it had changed:\n{diff}"
         super().__init__(message, pass_name=pass_name, index=index)
+        self.diff = diff
 
 
 class PreconditionError(_ConditionError):
@@ -109,13 +137,28 @@ class PassFailedError(PassManagerError):
 
     def __init__(self, pass_name: str, index: int | None, reason: str, *, diff: str = ""):
         self.reason = reason
+        super().__init__(f"{_where(pass_name, index)} failed: {reason}", pass_name=pass_name,
+                         index=index)
         self.diff = diff
-        message = f"{_where(pass_name, index)} failed: {reason}"
-        if diff:
-            message += f"\nThe pass was rolled back; it had changed:\n{diff}"
-        else:
-            message += "\nThe pass was rolled back; it had not changed the graph."
-        super().__init__(message, pass_name=pass_name, index=index)
+
+
+class InPlaceContractError(PassFailedError):
+    """A pass broke its ``in_place`` declaration: an in-place pass returned another program
+    object, or a pass declaring it returns a new program changed the one it was given."""
+
+
+class StateWriteError(PassFailedError):
+    """A pass wrote tensor data (a buffer or parameter) in place without declaring
+    ``writes_state = True``; ``written`` (also ``unrestored``) names those tensors."""
+
+    def __init__(self, pass_name: str, index: int | None, written: Sequence[str]):
+        super().__init__(
+            pass_name,
+            index,
+            f"wrote tensor data in place without declaring writes_state = True: "
+            f"{', '.join(written)}",
+        )
+        self.written = list(written)
 
 
 class SemanticsError(PassManagerError):

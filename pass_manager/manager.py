@@ -1,73 +1,28 @@
 """PassManager: plan passes by their conditions, run them transactionally, report.
 
-The core loop is small: for each planned pass, check what it requires (reusing cached
-results still valid), snapshot, run, measure whether it changed the program, check
-what it provides, and roll back on any failure. Timing, diffs and user hooks are
-instruments around that loop.
+The manager holds the options and the plan; the loop itself is ``running.Runner``
+(require -> snapshot -> call -> measure -> provide), and everything around it is an
+instrument: timing, the "unmodified" claim check (``strict``), semantic validation
+(``validate``), diff printing (``print_diff``) and whatever the user adds.
+``pipeline_text()`` prints the plan as text and :func:`parse_pipeline` reads it back.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
-from .conditions import ALL_CONDITIONS, Condition, as_condition_set
-from .errors import (
-    PassFailedError,
-    PassManagerError,
-    PostconditionError,
-    PreconditionError,
-    ProgramFormError,
-    SemanticsError,
-)
-from .instrumentation import Instrumentation, PrintDiff, Timing
-from .pass_base import Pass, PassResult, as_pass, known_passes
+from .conditions import ALL_CONDITIONS, ConditionSet
+from .instrumentation import Instrumentation, PrintDiff, SemanticValidation
+from .pass_base import Pass, PassResult, as_pass
+from .pipeline_text import format_pipeline, parse_passes
 from .planning import Plan, build_plan
-from .program import (
-    Fingerprint,
-    Snapshot,
-    fingerprint,
-    graph_module_of,
-    node_count,
-    program_form,
-    program_text,
-    text_diff,
-)
-from .report import PassRecord, Report
-from .validation import StateReader, Trace, call_inputs, first_difference, run_program
+from .running import Runner, RunResult, default_instruments
+from .validation import StateReader, call_inputs
 
-__all__ = ["PassManager", "RunResult"]
-
-
-@dataclass
-class RunResult:
-    """The outcome of :meth:`PassManager.run`."""
-
-    program: Any
-    modified: bool
-    report: Report
-
-    @property
-    def graph_module(self) -> torch.fx.GraphModule:
-        return graph_module_of(self.program)
-
-
-def _providers_hint(condition: Condition) -> str:
-    names = []
-    for cls in known_passes():
-        try:
-            if condition in as_condition_set(cls.__dict__.get("provides", ())):
-                names.append(cls.__name__)
-        except TypeError:
-            continue
-    if not names:
-        return f"No known pass provides {condition.name}."
-    return f"No pass in this pipeline provides it; add one of: {', '.join(sorted(set(names)))}."
+__all__ = ["PassManager", "RunResult", "parse_pipeline"]
 
 
 class PassManager(Pass):
@@ -99,6 +54,8 @@ class PassManager(Pass):
         >>> print(result.report)
     """
 
+    _unregistered = True  # built from passes, not from pipeline text
+
     def __init__(
         self,
         passes: Sequence[Any],
@@ -121,18 +78,16 @@ class PassManager(Pass):
         self._plan: Plan = build_plan(self._passes, reorder=reorder)
         self.strict = strict
         self.max_iterations = max_iterations
-        self.validation_inputs = (
-            None
-            if validate is None
-            else call_inputs(
-                validate, validation_calls or (3 if isinstance(validate, tuple) else None)
-            )
-        )
-        self.atol, self.rtol = atol, rtol
-        self.validation_state = validation_state
-        self.instruments: list[Instrumentation] = [Timing(), *instruments]
+        # Validation, diffs and user hooks run innermost-last: after-hooks run in reverse,
+        # so a check that rejects a pass runs before the user's hooks see it succeed.
+        self.instruments: list[Instrumentation] = [*default_instruments(strict), *instruments]
         if print_diff:
             self.instruments.append(PrintDiff())
+        if validate is not None:
+            calls = validation_calls or (3 if isinstance(validate, tuple) else None)
+            self.instruments.append(
+                SemanticValidation(call_inputs(validate, calls), atol, rtol, validation_state)
+            )
         self._name = name
 
     # -- a PassManager is itself a pass, so pipelines nest as groups -------------------
@@ -154,13 +109,10 @@ class PassManager(Pass):
         return frozenset().union(*(p.provided for p in self.plan()))
 
     @property
-    def preserves(self) -> frozenset:
-        preserved = ALL_CONDITIONS
+    def preserves(self) -> ConditionSet:
+        preserved: ConditionSet = ALL_CONDITIONS
         for p in self.plan():
-            if preserved is ALL_CONDITIONS:
-                preserved = p.preserved
-            elif p.preserved is not ALL_CONDITIONS:
-                preserved = preserved & p.preserved
+            preserved = preserved & p.preserved
         return preserved
 
     @property
@@ -170,10 +122,22 @@ class PassManager(Pass):
             forms = set(p.accepts) if forms is None else forms & set(p.accepts)
         return tuple(sorted(forms)) if forms is not None else Pass.accepts
 
+    @property
+    def in_place(self) -> bool | None:
+        """In place if every pass is; otherwise some pass may return a new program."""
+        return True if all(p.in_place is True for p in self.plan()) else None
+
+    @property
+    def writes_state(self) -> bool:
+        return any(p.writes_state for p in self.plan())
+
     def call(self, program: Any) -> PassResult:
         result = self.run(program)
         notes = [f"{r.name}: {n}" for r in result.report.records for n in r.notes]
         return PassResult(result.program, result.modified, notes)
+
+    def __repr__(self) -> str:
+        return f"PassManager({self.plan()!r})"
 
     # -- planning ----------------------------------------------------------------------
     def plan(self) -> list[Pass]:
@@ -188,6 +152,14 @@ class PassManager(Pass):
         """The pass/condition DAG as Graphviz DOT text."""
         return self._plan.to_dot()
 
+    def pipeline_text(self) -> str:
+        """The plan as pipeline text, e.g. ``MarkMutableBuffers,InplaceToFunctional``.
+
+        Each pass by its registered name, with its non-default options in braces;
+        :func:`parse_pipeline` builds the same pipeline back.
+        """
+        return format_pipeline(self.plan())
+
     # -- running -----------------------------------------------------------------------
     def __call__(self, graph_module: Any) -> TorchPassResult:
         """Torch PassManager compatibility: ``pm(gm) -> torch PassResult``."""
@@ -196,180 +168,22 @@ class PassManager(Pass):
 
     def run(self, program: Any) -> RunResult:
         """Run the plan on ``program``; return the program (same form) and a report."""
-        try:
-            program_form(program)
-        except TypeError as e:
-            raise ProgramFormError(
-                self.name, None, type(program).__name__, ["GraphModule", "ExportedProgram"]
-            ) from e
-        report = Report(plan=self.explain())
-        holds: set[Condition] = set()
-        reference = self._trace(program) if self.validation_inputs is not None else None
-        any_change = False
-        # Each pass's "after" fingerprint is the next pass's "before": computed once.
-        current: Fingerprint | None = None
-        for iteration in range(self.max_iterations):
-            changed_this_round = False
-            for index, p in enumerate(self.plan()):
-                record = PassRecord(p.name, index, iteration)
-                program, current = self._run_pass(
-                    p, index, program, holds, record, reference, current
-                )
-                report.records.append(record)
-                changed_this_round |= record.modified
-            any_change |= changed_this_round
-            if not changed_this_round:
-                break
-        else:
-            if self.max_iterations > 1:
-                report.warnings.append(
-                    f"no fixed point after {self.max_iterations} iterations; "
-                    "the last one still changed the program"
-                )
-        for r in report.records:
-            if r.claimed_modified is False and r.modified:
-                report.warnings.append(
-                    f"pass #{r.index} {r.name} reported 'unmodified' but changed the program"
-                )
-        return RunResult(program, any_change, report)
-
-    def _trace(self, program: Any) -> Trace:
-        if self.validation_state is None:
-            return run_program(program, self.validation_inputs)
-        return run_program(program, self.validation_inputs, state=self.validation_state)
-
-    def _check(self, condition: Condition, program: Any, record: PassRecord) -> list[str]:
-        start = time.perf_counter()
-        try:
-            return condition.check(program)
-        finally:
-            record.check_time += time.perf_counter() - start
-            record.checked.append(condition.name)
-
-    def _run_pass(
-        self,
-        p: Pass,
-        index: int,
-        program: Any,
-        holds: set[Condition],
-        record: PassRecord,
-        reference: Trace | None,
-        before: Fingerprint | None,
-    ) -> tuple[Any, Fingerprint]:
-        form = program_form(program)
-        if form not in p.accepts:
-            raise ProgramFormError(p.name, index, form, p.accepts)
-        for instrument in self.instruments:
-            instrument.before_pass(p, program, record)
-        record.nodes_before = node_count(program)
-
-        for condition in sorted(p.required, key=lambda c: c.name):
-            if condition in holds:
-                record.cached.append(condition.name)
-                continue
-            violations = self._check(condition, program, record)
-            if violations:
-                provided_here = any(condition in q.provided for q in self.plan())
-                hint = "" if provided_here else _providers_hint(condition)
-                raise PreconditionError(p.name, index, condition.name, violations, hint=hint)
-            holds.add(condition)
-
-        if before is None:
-            before = fingerprint(program)
-        snapshot = Snapshot(program)
-
-        def fail(error: PassManagerError, cause: BaseException | None = None):
-            lost = snapshot.unrestorable_changes()
-            snapshot.restore()
-            if lost:
-                error.args = (
-                    f"{error}\nNot restored: parameters written in place by the pass "
-                    f"(their old values were not copied): {', '.join(lost)}",
-                )
-            raise error from cause
-
-        def changes(after_program: Any) -> str:
-            return text_diff(
-                snapshot.text, program_text(after_program), "before " + p.name, "after " + p.name
-            )
-
-        try:
-            out = p.call(program)
-        except PassManagerError as e:
-            if isinstance(p, PassManager):
-                fail(e, e.__cause__)
-            fail(
-                PassFailedError(p.name, index, f"{type(e).__name__}: {e}", diff=changes(program)), e
-            )
-        except Exception as e:  # noqa: BLE001 - any failure of a pass becomes a typed, rolled-back error
-            fail(
-                PassFailedError(p.name, index, f"{type(e).__name__}: {e}", diff=changes(program)), e
-            )
-
-        new_program, claimed, notes = self._unpack(out, program)
-        if new_program is not program and program_form(new_program) != form:
-            fail(
-                PassFailedError(
-                    p.name, index, f"returned a {type(new_program).__name__} for a {form} input"
-                )
-            )
-        after = fingerprint(new_program)
-        modified = after != before
-        record.claimed_modified, record.notes = claimed, notes
-        if claimed is False and modified and self.strict:
-            fail(
-                PassFailedError(
-                    p.name,
-                    index,
-                    "reported 'unmodified' but changed the program",
-                    diff=changes(new_program),
-                )
-            )
-        if after.code != before.code:
-            graph_module_of(new_program).recompile()
-
-        if modified:
-            kept = p.preserved
-            for condition in list(holds):
-                if condition not in kept:
-                    holds.discard(condition)
-        for condition in sorted(p.provided, key=lambda c: c.name):
-            if condition in holds:
-                record.cached.append(condition.name)
-                continue
-            violations = self._check(condition, new_program, record)
-            if violations:
-                fail(
-                    PostconditionError(
-                        p.name, index, condition.name, violations, diff=changes(new_program)
-                    )
-                )
-            holds.add(condition)
-
-        if reference is not None and modified:
-            difference = first_difference(reference, self._trace(new_program), self.atol, self.rtol)
-            if difference:
-                fail(SemanticsError(p.name, index, difference))
-
-        record.modified = modified
-        record.nodes_after = node_count(new_program)
-        for instrument in reversed(self.instruments):
-            instrument.after_pass(p, new_program, record)
-        return new_program, after
-
-    @staticmethod
-    def _unpack(out: Any, program: Any) -> tuple[Any, bool | None, list[str]]:
-        if out is None:
-            return program, None, []
-        if isinstance(out, PassResult):
-            return out.program, out.modified, list(out.notes)
-        if isinstance(out, TorchPassResult):
-            gm = out.graph_module
-            if program_form(program) == "ExportedProgram" and gm is not program.graph_module:
-                return program._update(gm, program.graph_signature), out.modified, []
-            return (program if gm is graph_module_of(program) else gm), out.modified, []
-        if isinstance(out, (torch.fx.GraphModule, torch.export.ExportedProgram)):
-            return out, None, []
-        raise TypeError(
-            f"a pass returned {type(out).__name__}; expected PassResult, a program or None"
+        runner = Runner(
+            self.plan(),
+            self.instruments,
+            max_iterations=self.max_iterations,
+            name=self.name,
+            plan=self.explain(),
         )
+        return runner.run(program)
+
+
+def parse_pipeline(text: str, **options: Any) -> PassManager:
+    """Build a PassManager from pipeline text; ``options`` are PassManager options.
+
+    Example:
+        >>> pm = parse_pipeline("MarkMutableBuffers,ConsumeBufferMutationsInDelegate{strict=true}")
+        >>> pm.pipeline_text()
+        'MarkMutableBuffers,ConsumeBufferMutationsInDelegate{strict=true}'
+    """
+    return PassManager(parse_passes(text), **options)

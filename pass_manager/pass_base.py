@@ -1,64 +1,53 @@
-"""The Pass abstraction: a unit of rewriting with declared conditions.
+"""The Pass abstraction: a small, immutable unit of rewriting with a declared contract.
 
-A pass declares what it ``requires`` before it runs, what it ``provides`` after, and
-what it ``preserves`` (conditions that hold afterwards if they held before). Everything
-else is assumed invalidated when the pass changes the program. The manager checks the
-declarations; the pass only implements ``call``.
+A pass declares, as class attributes, what it ``requires`` before it runs, what it
+``provides`` after, what it ``preserves`` (conditions that hold afterwards if they held
+before; everything else is invalidated when the pass changes the program), whether it
+rewrites the program it is given (``in_place``) and whether it writes tensor data
+(``writes_state``). The manager checks every declaration; the pass only implements
+``call``. Options are dataclass fields, so a pass prints as ``Name(option=value)`` and
+as pipeline text ``Name{option=value}``.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch.fx.passes.infra.pass_base import PassBase
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
-from .conditions import Condition, as_condition_set
-from .program import EXPORTED_PROGRAM, GRAPH_MODULE, graph_module_of, program_form
+from .conditions import Condition, ConditionSet, as_condition_set
+from .pipeline_text import format_value, pass_options
+from .program import EXPORTED_PROGRAM, GRAPH_MODULE, program_form
+from .registry import register, registered_passes
+from .result import PassResult
+from .running import run_alone
 
 __all__ = ["Pass", "PassResult", "as_pass", "function_pass", "known_passes"]
-
-
-@dataclass
-class PassResult:
-    """What a pass returns: the program (same form as its input) and whether it changed.
-
-    ``modified`` is the pass's own claim; the manager measures the truth with a
-    fingerprint and reports a pass whose claim is wrong. ``notes`` are human-readable
-    remarks that end up in the run report (for example why a rewrite was skipped).
-    """
-
-    program: Any
-    modified: bool | None = None
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def graph_module(self) -> torch.fx.GraphModule:
-        return graph_module_of(self.program)
-
-    def to_torch(self) -> TorchPassResult:
-        return TorchPassResult(self.graph_module, bool(self.modified))
 
 
 class Pass:
     """Base class of every pass.
 
-    Subclasses set the class attributes and implement :meth:`call`::
+    Subclasses set the class attributes and implement :meth:`call`; options are fields
+    of a frozen dataclass::
 
+        @dataclass(frozen=True, repr=False)
         class DropDeadCode(Pass):
-            provides = {NoDeadCode}
-            preserves = {Functional}
+            provides = frozenset({NoDeadCode})
+            preserves = frozenset({Functional})
+            keep_prints: bool = False
 
             def call(self, program):
                 changed = graph_module_of(program).graph.eliminate_dead_code()
                 return PassResult(program, changed)
 
     ``call`` may rewrite in place and return None, or return a :class:`PassResult`
-    (also accepted: a torch ``PassResult`` or a bare program).
+    (also accepted: a torch ``PassResult`` or a bare program). Every subclass is
+    registered by its class name for pipeline text (``parse_pipeline``).
     """
 
     requires: ClassVar[Iterable[Condition]] = frozenset()
@@ -66,21 +55,32 @@ class Pass:
     preserves: ClassVar[Iterable[Condition]] = frozenset()
     # The program forms this pass accepts; the manager raises ProgramFormError otherwise.
     accepts: ClassVar[tuple[str, ...]] = (GRAPH_MODULE, EXPORTED_PROGRAM)
+    # True: returns the program it was given (rewritten or not). False: returns a new
+    # program when it changes something and leaves its input untouched. None: undeclared
+    # (not checked). The manager raises InPlaceContractError on a broken declaration.
+    in_place: ClassVar[bool | None] = True
+    # Whether the pass writes tensor data (buffer contents) in place; only then does the
+    # manager copy the state it would need to roll such a write back.
+    writes_state: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        register(cls)
 
     @property
     def name(self) -> str:
         return type(self).__name__
 
     @property
-    def required(self) -> frozenset:
+    def required(self) -> ConditionSet:
         return as_condition_set(self.requires)
 
     @property
-    def provided(self) -> frozenset:
+    def provided(self) -> ConditionSet:
         return as_condition_set(self.provides)
 
     @property
-    def preserved(self) -> frozenset:
+    def preserved(self) -> ConditionSet:
         return as_condition_set(self.preserves)
 
     def call(self, program: Any) -> PassResult | None:
@@ -88,16 +88,25 @@ class Pass:
 
     def __call__(self, graph_module: Any) -> TorchPassResult:
         """Torch-style entry point: run this pass alone, conditions checked, transactionally."""
-        from .manager import PassManager
-
-        return PassManager([self])(graph_module)
+        return run_alone(self, graph_module)
 
     def __repr__(self) -> str:
-        return f"{self.name}()"
+        options = ", ".join(
+            f"{key}={format_value(value, python=True)}" for key, value in pass_options(self).items()
+        )
+        return f"{self.name}({options})"
 
 
 class _CallablePass(Pass):
-    """A plain function or torch ``PassBase`` in a pipeline: no conditions, preserves nothing."""
+    """A plain function or torch ``PassBase`` in a pipeline: no conditions, preserves nothing.
+
+    Nothing is known of it, so the manager assumes the worst: it may write tensor data,
+    and it may return its input or a new program.
+    """
+
+    _unregistered = True
+    in_place = None
+    writes_state = True
 
     def __init__(self, fn: Callable[[Any], Any], name: str):
         self._fn = fn
@@ -116,6 +125,9 @@ class _CallablePass(Pass):
                 return PassResult(program._update(new_gm, program.graph_signature))
             return PassResult(program, getattr(out, "modified", None))
         return self._fn(program)
+
+    def __repr__(self) -> str:
+        return f"<pass {self._name}>"
 
 
 def as_pass(item: Any) -> Pass:
@@ -141,9 +153,14 @@ def function_pass(
     provides: Iterable[Condition] = (),
     preserves: Iterable[Condition] = (),
     accepts: tuple[str, ...] = (GRAPH_MODULE, EXPORTED_PROGRAM),
+    in_place: bool | None = None,
+    writes_state: bool = False,
     name: str | None = None,
-):
+) -> Any:
     """Turn ``fn(program) -> PassResult | program | None`` into a Pass with conditions.
+
+    Like a plain function in a pipeline, it may return its input or a new program unless
+    ``in_place`` says which (then the manager checks it).
 
     Example:
         >>> @function_pass(provides={NoDeadCode})
@@ -158,6 +175,8 @@ def function_pass(
             "provides": as_condition_set(provides),
             "preserves": as_condition_set(preserves),
             "accepts": tuple(accepts),
+            "in_place": in_place,
+            "writes_state": writes_state,
             "call": lambda self, program: func(program),
             "__doc__": func.__doc__,
             "__module__": getattr(func, "__module__", __name__),
@@ -171,13 +190,5 @@ def function_pass(
 
 
 def known_passes() -> list[type[Pass]]:
-    """Every Pass subclass imported so far (used to suggest providers of a condition)."""
-    seen: list[type[Pass]] = []
-    stack = list(Pass.__subclasses__())
-    while stack:
-        cls = stack.pop()
-        if cls in seen or cls is _CallablePass:
-            continue
-        seen.append(cls)
-        stack.extend(cls.__subclasses__())
-    return seen
+    """Every registered Pass subclass still alive (used to suggest providers of a condition)."""
+    return [cls for cls in registered_passes() if issubclass(cls, Pass)]

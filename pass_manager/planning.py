@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import networkx as nx
 
 from .conditions import Condition
 from .errors import PipelineError
-from .pass_base import Pass
 
 __all__ = ["Plan", "build_plan"]
 
@@ -24,7 +24,7 @@ __all__ = ["Plan", "build_plan"]
 class Placement:
     """Why a pass sits where it does in the plan."""
 
-    pass_: Pass
+    pass_: Any
     listed_at: int
     after: list[tuple[str, str]] = field(default_factory=list)  # (provider name, condition)
     unprovided: list[str] = field(default_factory=list)  # required, provided by no pass
@@ -44,7 +44,7 @@ class Plan:
     placements: list[Placement]
 
     @property
-    def passes(self) -> list[Pass]:
+    def passes(self) -> list[Any]:
         return [p.pass_ for p in self.placements]
 
     def explain(self) -> str:
@@ -67,7 +67,7 @@ class Plan:
         return "\n".join(lines) + "\n"
 
 
-def _pass_key(index: int, p: Pass) -> str:
+def _pass_key(index: int, p: Any) -> str:
     return f"pass:{index}:{p.name}"
 
 
@@ -75,8 +75,29 @@ def _condition_key(c: Condition) -> str:
     return f"condition:{c.name}"
 
 
-def build_plan(passes: Sequence[Pass], *, reorder: bool = True) -> Plan:
-    """Order ``passes``; raise PipelineError on a cycle or an impossible placement."""
+def _check_condition_names(passes: Sequence[Any]) -> None:
+    """Conditions are keyed by name in the plan: one name must mean one condition."""
+    by_name: dict[str, Condition] = {}
+    for p in passes:
+        declared = [p.required, p.provided, p.preserved]
+        for conditions in declared:
+            if not isinstance(conditions, frozenset):  # ALL_CONDITIONS names no condition
+                continue
+            for c in conditions:
+                known = by_name.setdefault(c.name, c)
+                if known is not c:
+                    raise PipelineError(
+                        f"two different Condition objects are named {c.name!r} in one "
+                        f"pipeline (the second one is declared by {p.name}); conditions are "
+                        "equal only to themselves, so give one of them another name",
+                        condition=c.name,
+                    )
+
+
+def build_plan(passes: Sequence[Any], *, reorder: bool = True) -> Plan:
+    """Order ``passes``; raise PipelineError on a cycle, an impossible placement or two
+    conditions sharing a name."""
+    _check_condition_names(passes)
     graph = nx.DiGraph()
     for index, p in enumerate(passes):
         graph.add_node(_pass_key(index, p), kind="pass", label=p.name, index=index, pass_=p)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import operator
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,11 +44,13 @@ def _storage_key(tensor: Any) -> tuple[int, int] | None:
     return storage.data_ptr(), storage.nbytes()
 
 
+@dataclass(frozen=True, repr=False)
 class ConsumeBufferMutationsInDelegate(Pass):
     """Move every mutable buffer that exactly one delegate updates into that delegate.
 
-    requires: ``Functional``. provides: ``BufferMutationsInDelegates``.
-    preserves: ``Functional``. Accepts an ExportedProgram only.
+    Accepts an ExportedProgram only. It does not rewrite the program it is given: when it
+    moves a buffer it returns a new ExportedProgram (``in_place = False``), and the input
+    keeps working as before.
 
     Before (top level, and the delegate's sub-program)::
 
@@ -74,16 +77,13 @@ class ConsumeBufferMutationsInDelegate(Pass):
     :class:`BufferAliasingError` and leaves the program unchanged.
     """
 
-    requires = {Functional}
-    provides = {BufferMutationsInDelegates}
-    preserves = {Functional}
+    requires = frozenset({Functional})
+    provides = frozenset({BufferMutationsInDelegates})
+    preserves = frozenset({Functional})
     accepts = (EXPORTED_PROGRAM,)
+    in_place = False
 
-    def __init__(self, strict: bool = False):
-        self.strict = strict
-
-    def __repr__(self) -> str:
-        return f"{self.name}(strict={self.strict})"
+    strict: bool = False
 
     def call(self, program: ExportedProgram) -> PassResult:
         verdicts = buffer_ownership(program)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pass_manager import Pass, PassResult
@@ -13,6 +14,7 @@ from .conditions import Functional, MutableBuffersMarked
 __all__ = ["InplaceToFunctional", "UnsupportedMutationError"]
 
 
+@dataclass(frozen=True, repr=False)
 class InplaceToFunctional(Pass):
     """Replace every in-place op by its functional variant and re-wire later reads.
 
@@ -24,10 +26,6 @@ class InplaceToFunctional(Pass):
     trailing ``aten.copy_(state, final)`` per mutated buffer or input (GraphModule). No
     re-tracing: one walk over the graph, fake tensors evaluated only for new nodes.
     Like every Pass, ``call`` leaves ``recompile()`` to the PassManager (or to the caller).
-
-    * requires: ``MutableBuffersMarked``
-    * provides: ``Functional`` (``MutableBuffersMarked`` stays true)
-    * preserves: ``MutableBuffersMarked``
 
     Example (GraphModule form)::
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pass_manager import ALL_CONDITIONS, Pass, PassResult
@@ -20,6 +21,7 @@ from .conditions import MutableBuffersMarked
 __all__ = ["MarkMutableBuffers"]
 
 
+@dataclass(frozen=True, repr=False)
 class MarkMutableBuffers(Pass):
     """Mark each mutated buffer's node with ``meta["mutable_buffer"] = fqn``.
 
@@ -30,10 +32,6 @@ class MarkMutableBuffers(Pass):
     a buffer is marked, a copy of its value is kept in ``meta["mutable_buffer_initial"]``
     for :func:`passes.reset_mutable_buffers`.
 
-    * requires: nothing
-    * provides: ``MutableBuffersMarked``
-    * preserves: every condition (only node meta changes)
-
     Example (GraphModule form)::
 
         before:  %k_cache = get_attr[k_cache]
@@ -43,7 +41,7 @@ class MarkMutableBuffers(Pass):
     """
 
     provides = frozenset({MutableBuffersMarked})
-    preserves = ALL_CONDITIONS
+    preserves = ALL_CONDITIONS  # only node meta changes
 
     def call(self, program: Any) -> PassResult:
         scan = find_mutations(program)

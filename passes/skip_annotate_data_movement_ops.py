@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch.fx import Node
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["SkipAnnotateDataMovementOps"]
 
 
+@dataclass(frozen=True, repr=False)
 class SkipAnnotateDataMovementOps(Pass):
     """Make a mutable buffer share the qparams of what is written into it.
 
@@ -36,26 +38,44 @@ class SkipAnnotateDataMovementOps(Pass):
 
     Compute ops on a buffer (``add_``, ``mul_``) keep their annotations.
 
-    * requires: ``MutableBuffersMarked``
-    * provides: ``DataMovementNotAnnotated``
-    * preserves: ``MutableBuffersMarked``, ``Functional`` (only annotations change)
-
     Example (k is the written value; ``own`` = its own observer, ``k`` = shares k's)::
 
         before:  %index_copy = aten.index_copy(%k_cache[own], 2, %pos, %k[own]) -> own
         after:   %index_copy = aten.index_copy(%k_cache, 2, %pos, %k[k]) -> k
 
     Args:
-        extra_ops: more data-movement ops, ``{op overload packet: index of the written
-            value or None for a view}``; the destination is argument 0.
+        extra_ops: more data-movement ops, a tuple whose entries are an op (overload or
+            packet, e.g. ``aten.roll.default``) that views or copies out its argument 0, or
+            an ``(op, index)`` pair for an op writing its argument ``index`` into its
+            argument 0. A mapping ``{op: index or None}`` is accepted and stored as such
+            a tuple: ``SkipAnnotateDataMovementOps(extra_ops=(aten.roll.default,))``.
     """
 
     requires = frozenset({MutableBuffersMarked})
     provides = frozenset({DataMovementNotAnnotated})
-    preserves = frozenset({MutableBuffersMarked, Functional})
+    preserves = frozenset({MutableBuffersMarked, Functional})  # only annotations change
 
-    def __init__(self, extra_ops: Mapping[Any, int | None] | None = None):
-        self.ops: dict[Any, int | None] = {**DATA_MOVEMENT_OPS, **(extra_ops or {})}
+    extra_ops: tuple = ()
+
+    def __post_init__(self) -> None:
+        entries = self.extra_ops
+        if entries is None:
+            entries = ()
+        elif isinstance(entries, Mapping):
+            entries = tuple(op if index is None else (op, index) for op, index in entries.items())
+        else:
+            entries = tuple(tuple(e) if isinstance(e, list) else e for e in entries)
+        ops: dict[Any, int | None] = dict(DATA_MOVEMENT_OPS)
+        for entry in entries:
+            op, index = entry if isinstance(entry, tuple) else (entry, None)
+            if not hasattr(op, "overloadpacket") and not hasattr(op, "overloads"):
+                raise TypeError(f"{self.name}: extra_ops entry {entry!r} is not an operator")
+            if index is not None and not isinstance(index, int):
+                raise TypeError(f"{self.name}: extra_ops entry {entry!r}: index must be an int")
+            ops[getattr(op, "overloadpacket", op)] = index
+        # Frozen: the normalized option and the lookup table derived from it are set once.
+        object.__setattr__(self, "extra_ops", entries)
+        object.__setattr__(self, "_ops", ops)
 
     def call(self, program: Any) -> PassResult:
         gm = graph_module_of(program)
@@ -64,14 +84,14 @@ class SkipAnnotateDataMovementOps(Pass):
         for node in gm.graph.nodes:
             annotation = node.meta.get(ANNOTATION_META)
             packet = getattr(node.target, "overloadpacket", None)
-            if annotation is None or packet not in self.ops:
+            if annotation is None or packet not in self._ops:
                 continue
             buffer_inputs = [a for a in annotation.input_qspec_map if buffer_of(a) is not None]
             destination = node.args[0] if node.args else None
             fqn = buffer_of(destination)
             if fqn is None and not buffer_inputs:
                 continue
-            self._rewrite(node, annotation, buffer_inputs, self.ops[packet], shared)
+            self._rewrite(node, annotation, buffer_inputs, self._ops[packet], shared)
             output = "shares the written value's qparams" if node in shared else "is not quantized"
             notes.append(f"{node.name}: buffer {fqn or buffer_of(buffer_inputs[0])!r} is not "
                          f"observed; the result {output}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -22,6 +24,7 @@ _QUANTIZE = torch.ops.quantized_decomposed.quantize_per_tensor.default
 _BUFFER_META = (MUTABLE_BUFFER_META, INITIAL_META, "tensor_meta", "val")
 
 
+@dataclass(frozen=True, repr=False)
 class UnfreezeMutableBuffer(Pass):
     """Replace each frozen quantized read of a mutable buffer by a live read.
 
@@ -40,12 +43,8 @@ class UnfreezeMutableBuffer(Pass):
     (the marked ones, or every buffer the graph writes) and its qparams: quantizing the
     buffer's current value must give the constant exactly, so run this right after
     ``convert_pt2e``. A constant matching several buffers raises
-    ``AmbiguousFrozenBufferError`` listing them; the program is left unchanged.
-
-    * requires: nothing
-    * provides: ``NoFrozenMutableBuffers``
-    * preserves: nothing
-    * accepts: GraphModule (what ``convert_pt2e`` returns)
+    ``AmbiguousFrozenBufferError`` listing them; the program is left unchanged. It
+    accepts the GraphModule form only: what ``convert_pt2e`` returns.
 
     Example::
 

@@ -13,6 +13,11 @@ class Accumulate(torch.nn.Module):
         super().__init__()
         self.register_buffer("acc", torch.zeros(4))
         self.linear = torch.nn.Linear(4, 4)
+        # Fixed weights: tests that depend on the sign of the linear output get one answer.
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.randn(4, 4, generator=generator))
+            self.linear.bias.copy_(torch.randn(4, generator=generator))
 
     def forward(self, x):
         self.acc.add_(x)

@@ -73,10 +73,12 @@ def test_semantic_validation_names_the_first_diverging_pass_and_difference(trace
     with pytest.raises(SemanticsError) as info:
         pm.run(traced)
     error = info.value
-    # ReluToAbs changes values only where the linear output is negative; either way the error
-    # names the first pass that changed the computed outputs.
-    assert error.pass_name in {"ReluToAbs", "wrong_constant"}
-    assert "call 0: output" in error.difference
+    # The seeded linear layer gives negative outputs on acc = 8, where relu and abs differ:
+    # ReluToAbs is the first pass that changes what the program computes.
+    assert error.pass_name == "ReluToAbs" and error.index == 1
+    assert error.difference.startswith("call 0: output 0:")
+    assert error.rolled_back and "abs" in error.diff
+    assert "relu" in traced.code and "abs" not in traced.code  # rolled back
     torch.testing.assert_close(traced.acc, untouched)  # validation ran on copies
 
 

@@ -224,8 +224,19 @@ def test_hooks_wrap_every_pass_and_after_hooks_run_in_reverse(traced):
 
 def test_print_diff_shows_the_change(traced, capsys):
     PassManager([ReluToAbs()], print_diff=True).run(traced)
-    out = capsys.readouterr().out
-    assert "-" in out and "abs" in out and "after ReluToAbs" in out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["--- before ReluToAbs", "+++ after ReluToAbs"]
+    removed = [line for line in lines[2:] if line.startswith("-")]
+    added = [line for line in lines[2:] if line.startswith("+")]
+    assert len(removed) == len(added) == 1
+    # The node keeps its name (%relu); its target changes.
+    assert "target=torch.relu" in removed[0] and "%relu" in removed[0]
+    assert "target=torch.abs" in added[0] and "%relu" in added[0]
+
+
+def test_print_diff_is_silent_when_nothing_changed(traced, capsys):
+    PassManager([function_pass(lambda p: None, name="look")], print_diff=True).run(traced)
+    assert capsys.readouterr().out == ""
 
 
 def test_report_separates_check_time_and_serializes(traced):
@@ -251,10 +262,18 @@ def test_fixed_point_repeats_until_nothing_changes(traced):
                 return PassResult(program, True)
         return PassResult(program, False)
 
-    traced.graph.inserting_after(next(n for n in traced.graph.nodes if n.target is torch.relu))
+    relu = next(n for n in traced.graph.nodes if n.target is torch.relu)
+    with traced.graph.inserting_after(relu):
+        extra = traced.graph.call_function(torch.abs, (relu,))
+    relu.replace_all_uses_with(extra, delete_user_cb=lambda user: user is not extra)
+    traced.recompile()
+    x = torch.tensor([-1.0, 2.0, -3.0, 4.0])
     result = PassManager([strip_one_unary], max_iterations=5).run(traced)
-    assert counter["n"] == 1 and not result.report.warnings
-    assert [r.modified for r in result.report.records] == [True, False]
+    assert counter["n"] == 2 and not result.report.warnings
+    assert [r.modified for r in result.report.records] == [True, True, False]
+    assert "relu" not in traced.code and "abs" not in traced.code
+    expected = traced.linear(x) * 2 + 1  # both unary ops stripped; acc starts at zero
+    torch.testing.assert_close(traced(x), expected)
 
 
 def test_fixed_point_bound_is_a_warning():

@@ -158,14 +158,18 @@ def test_parameter_written_in_place_is_named_as_not_restorable(traced):
 
     with pytest.raises(PassFailedError) as info:
         PassManager([scale_weights_then_crash]).run(traced)
-    assert "Not restored" in str(info.value) and "linear.weight" in str(info.value)
+    error = info.value
+    assert error.unrestored == ["linear.weight"]
+    assert "Not restored" in str(error) and "linear.weight" in str(error)
+    assert "linear.weight" not in error.args[0]  # an attribute rendered, not spliced text
 
 
 def test_failing_pass_that_built_a_new_exported_program_leaves_the_input_intact(exported):
     from pass_manager import Pass
 
     class RebuildsThenFails(Pass):
-        provides = {NoRelu}
+        provides = frozenset({NoRelu})
+        in_place = False  # returns a new ExportedProgram
 
         def call(self, program):
             for node in graph_of(program).nodes:

@@ -1,0 +1,212 @@
+"""A pipeline as text: ``MarkMutableBuffers,InplaceToFunctional,Consume{strict=true}``.
+
+Passes are named by their registered class name (see ``registry``), comma-separated;
+options follow in braces as ``name=value`` pairs. A value is a Python literal (numbers,
+strings, tuples, lists, dicts, ``None``), ``true`` / ``false``, or a dotted operator name
+such as ``aten.clone.default`` (an ``OpOverload``) or ``aten.clone`` (its packet). Only
+options that differ from the pass's defaults are printed, so the text of a default pass
+is just its name. ``format_pipeline`` and ``parse_passes`` round-trip.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .errors import PipelineError
+from .registry import registered, registered_name, registered_passes
+
+__all__ = ["format_pass", "format_pipeline", "format_value", "parse_passes", "pass_options"]
+
+_OPERATORS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+
+
+def pass_options(pass_: Any) -> dict[str, Any]:
+    """The options of a pass: its dataclass fields (no fields: no options)."""
+    if not dataclasses.is_dataclass(pass_):
+        return {}
+    return {f.name: getattr(pass_, f.name) for f in dataclasses.fields(pass_) if f.init}
+
+
+def _default_options(pass_: Any) -> dict[str, Any]:
+    defaults = {}
+    for f in dataclasses.fields(pass_) if dataclasses.is_dataclass(pass_) else ():
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    return defaults
+
+
+def format_value(value: Any, *, python: bool = False) -> str:
+    """An option value as text; ``python=True`` spells booleans True/False (for repr)."""
+    if isinstance(value, bool):
+        return str(value) if python else str(value).lower()
+    if isinstance(value, _OPERATORS):
+        return str(value)
+    if isinstance(value, tuple):
+        inner = ", ".join(format_value(v, python=python) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, list):
+        return "[" + ", ".join(format_value(v, python=python) for v in value) + "]"
+    if isinstance(value, dict):
+        items = (
+            f"{format_value(k, python=python)}: {format_value(v, python=python)}"
+            for k, v in value.items()
+        )
+        return "{" + ", ".join(items) + "}"
+    return repr(value)
+
+
+def format_pass(pass_: Any) -> str:
+    """One pass as pipeline text: its name, and its non-default options in braces."""
+    if type(pass_).__dict__.get("_unregistered", False):
+        raise PipelineError(
+            f"{pass_.name} has no pipeline text: only registered Pass classes do "
+            "(not plain functions, torch PassBase objects or nested PassManagers)"
+        )
+    defaults = _default_options(pass_)
+    options = [
+        f"{key}={format_value(value)}"
+        for key, value in pass_options(pass_).items()
+        if key not in defaults or defaults[key] != value
+    ]
+    name = registered_name(type(pass_))
+    return name + ("{" + ",".join(options) + "}" if options else "")
+
+
+def format_pipeline(passes: Sequence[Any]) -> str:
+    return ",".join(format_pass(p) for p in passes)
+
+
+def _split(text: str, separator: str) -> list[str]:
+    """Split at ``separator`` outside brackets and string literals."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, char in enumerate(text):
+        if quote:
+            if char == quote and text[i - 1] != "\\":
+                quote = ""
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+            if depth < 0:
+                raise PipelineError(f"unbalanced {char!r} at column {i} of {text!r}")
+        elif char == separator and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth or quote:
+        raise PipelineError(f"unbalanced brackets or quotes in {text!r}")
+    parts.append(text[start:])
+    return parts
+
+
+def _operator(dotted: str) -> Any:
+    parts = dotted.split(".")
+    if parts[:2] == ["torch", "ops"]:
+        parts = parts[2:]
+    value: Any = torch.ops
+    try:
+        for part in parts:
+            value = getattr(value, part)
+    except (AttributeError, RuntimeError) as e:
+        raise PipelineError(f"{dotted!r} names no operator: {e}") from e
+    if not isinstance(value, _OPERATORS):
+        raise PipelineError(f"{dotted!r} is not an operator (got {type(value).__name__})")
+    return value
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+_NAMES = {"true": True, "false": False, "True": True, "False": False, "None": None, "none": None}
+
+
+def _evaluate(node: ast.AST, text: str) -> Any:
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _NAMES:
+        return _NAMES[node.id]
+    if isinstance(node, ast.Attribute):
+        return _operator(_dotted(node) or "")
+    if isinstance(node, ast.Tuple):
+        return tuple(_evaluate(e, text) for e in node.elts)
+    if isinstance(node, ast.List):
+        return [_evaluate(e, text) for e in node.elts]
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return {_evaluate(k, text): _evaluate(v, text) for k, v in zip(node.keys, node.values,
+                                                                       strict=True)}
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _evaluate(node.operand, text)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return -value if isinstance(node.op, ast.USub) else value
+    raise PipelineError(
+        f"option value {text!r}: expected a Python literal, true/false or an operator name"
+    )
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as e:
+        raise PipelineError(f"option value {text!r} does not parse: {e.msg}") from e
+    return _evaluate(tree.body, text)
+
+
+def _pass_class(name: str) -> type:
+    found = registered(name)
+    if len(found) == 1:
+        return found[0]
+    if found:
+        where = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in found)
+        raise PipelineError(f"pass name {name!r} is ambiguous: {where}")
+    known = ", ".join(sorted({registered_name(c) for c in registered_passes()}))
+    raise PipelineError(
+        f"no registered pass is named {name!r} (import the module that defines it); "
+        f"known: {known}"
+    )
+
+
+def _parse_pass(text: str) -> Any:
+    text = text.strip()
+    name, brace, rest = text.partition("{")
+    name = name.strip()
+    if not name.isidentifier():
+        raise PipelineError(f"{text!r} is not a pass name with optional {{options}}")
+    options: dict[str, Any] = {}
+    if brace:
+        if not rest.endswith("}"):
+            raise PipelineError(f"{text!r}: options must end with '}}'")
+        body = rest[:-1].strip()
+        for item in _split(body, ",") if body else []:
+            key, equals, value = item.partition("=")
+            key = key.strip()
+            if not equals or not key.isidentifier():
+                raise PipelineError(f"{name}: option {item.strip()!r} is not key=value")
+            if key in options:
+                raise PipelineError(f"{name}: option {key!r} given twice")
+            options[key] = _parse_value(value)
+    cls = _pass_class(name)
+    try:
+        return cls(**options)
+    except TypeError as e:
+        raise PipelineError(f"{name}{{...}}: {e}") from e
+
+
+def parse_passes(text: str) -> list[Any]:
+    """Pipeline text -> pass instances, in the order written."""
+    if not text.strip():
+        return []
+    return [_parse_pass(part) for part in _split(text, ",")]

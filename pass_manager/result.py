@@ -1,0 +1,34 @@
+"""What a pass returns: the program, its own claim of having changed it, and notes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
+
+from .program import graph_module_of
+
+__all__ = ["PassResult"]
+
+
+@dataclass
+class PassResult:
+    """What a pass returns: the program (same form as its input) and whether it changed.
+
+    ``modified`` is the pass's own claim; the manager measures the truth and reports a
+    pass whose claim is wrong. ``notes`` are human-readable remarks that end up in the run
+    report (for example why a rewrite was skipped).
+    """
+
+    program: Any
+    modified: bool | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        return graph_module_of(self.program)
+
+    def to_torch(self) -> TorchPassResult:
+        return TorchPassResult(self.graph_module, bool(self.modified))

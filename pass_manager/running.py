@@ -1,0 +1,300 @@
+"""The core loop: for each planned pass, require -> snapshot -> call -> measure -> provide.
+
+* require: the program form, then every required condition (cached results reused).
+* snapshot: what a rollback needs (``program.Snapshot``).
+* call: the pass; whatever it raises becomes a typed, rolled-back error.
+* measure: did it change the program (a fingerprint), did it keep its ``in_place``
+  contract; recompile only if the code changed.
+* provide: drop cached results the pass did not preserve, check what it provides.
+
+Everything else (timing, the "unmodified" claim check, semantic validation, diffs,
+reproducers) is an instrument; see ``instrumentation``. This module does not know the
+Pass class: it runs anything with the Pass attributes, so ``pass_base`` can use it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
+
+from .conditions import Condition, as_condition_set
+from .errors import (
+    InPlaceContractError,
+    PassFailedError,
+    PassManagerError,
+    PostconditionError,
+    PreconditionError,
+    ProgramFormError,
+)
+from .instrumentation import ClaimCheck, Instrumentation, Timing
+from .program import (
+    Fingerprint,
+    Snapshot,
+    fingerprint,
+    graph_module_of,
+    node_count,
+    program_form,
+    program_text,
+    text_diff,
+)
+from .registry import registered_passes
+from .report import PassRecord, Report
+from .result import PassResult
+
+__all__ = ["RunResult", "Runner", "default_instruments", "run_alone"]
+
+
+@dataclass
+class RunResult:
+    """The outcome of a run: the program (same form as the input), whether any pass
+    changed it, and the report."""
+
+    program: Any
+    modified: bool
+    report: Report
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        return graph_module_of(self.program)
+
+
+def default_instruments(strict: bool = False) -> list[Instrumentation]:
+    """What every run has: timing, and the check of "unmodified" claims."""
+    return [Timing(), ClaimCheck(strict)]
+
+
+def _providers_hint(condition: Condition) -> str:
+    names = set()
+    for cls in registered_passes():
+        try:
+            if condition in as_condition_set(cls.__dict__.get("provides", ())):
+                names.add(cls.__name__)
+        except TypeError:
+            continue
+    if not names:
+        return f"No known pass provides {condition.name}."
+    return f"No pass in this pipeline provides it; add one of: {', '.join(sorted(names))}."
+
+
+def _unpack(out: Any, program: Any) -> tuple[Any, bool | None, list[str]]:
+    """A pass's return value -> (program, claimed modified, notes)."""
+    if out is None:
+        return program, None, []
+    if isinstance(out, PassResult):
+        return out.program, out.modified, list(out.notes)
+    if isinstance(out, TorchPassResult):
+        gm = out.graph_module
+        if program_form(program) == "ExportedProgram" and gm is not program.graph_module:
+            return program._update(gm, program.graph_signature), out.modified, []
+        return (program if gm is graph_module_of(program) else gm), out.modified, []
+    if isinstance(out, (torch.fx.GraphModule, torch.export.ExportedProgram)):
+        return out, None, []
+    raise TypeError(f"a pass returned {type(out).__name__}; expected PassResult, a program or None")
+
+
+class _RunState:
+    """What the loop carries from one pass to the next."""
+
+    def __init__(self) -> None:
+        self.holds: set[Condition] = set()
+        # Each pass's "after" fingerprint is the next pass's "before": computed once.
+        self.fingerprint: Fingerprint | None = None
+
+
+class Runner:
+    """Runs passes in the given order, checked and transactional.
+
+    Args:
+        passes: planned passes (anything with the Pass attributes).
+        instruments: hooks around every pass (see ``instrumentation``).
+        max_iterations: repeat until no pass changes the program, at most this often.
+        name: what to call the pipeline in an error about the program it was given.
+        plan: the plan's explanation, for the report.
+    """
+
+    def __init__(
+        self,
+        passes: Sequence[Any],
+        instruments: Iterable[Instrumentation],
+        *,
+        max_iterations: int = 1,
+        name: str = "PassManager",
+        plan: str = "",
+    ):
+        self.passes = list(passes)
+        self.instruments = list(instruments)
+        self.max_iterations = max_iterations
+        self.name = name
+        self.plan = plan
+
+    def run(self, program: Any) -> RunResult:
+        try:
+            program_form(program)
+        except TypeError as e:
+            raise ProgramFormError(
+                self.name, None, type(program).__name__, ["GraphModule", "ExportedProgram"]
+            ) from e
+        report = Report(plan=self.plan)
+        for instrument in self.instruments:
+            instrument.before_run(program, report)
+        state = _RunState()
+        any_change = False
+        for iteration in range(self.max_iterations):
+            changed_this_round = False
+            for index, p in enumerate(self.passes):
+                record = PassRecord(p.name, index, iteration)
+                program = self._run_pass(p, index, program, state, record)
+                report.records.append(record)
+                changed_this_round |= record.modified
+            any_change |= changed_this_round
+            if not changed_this_round:
+                break
+        else:
+            if self.max_iterations > 1:
+                report.warnings.append(
+                    f"no fixed point after {self.max_iterations} iterations; "
+                    "the last one still changed the program"
+                )
+        for instrument in reversed(self.instruments):
+            instrument.after_run(program, report)
+        return RunResult(program, any_change, report)
+
+    # -- one pass ----------------------------------------------------------------------
+    def _run_pass(
+        self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord
+    ) -> Any:
+        snapshot: Snapshot | None = None
+        current = program
+        try:
+            for instrument in self.instruments:
+                instrument.before_pass(p, program, record)
+            record.nodes_before = node_count(program)
+            self._require(p, index, program, state, record)
+            before = state.fingerprint or fingerprint(program)
+            snapshot = Snapshot(program)
+            out = self._call(p, index, program)
+            current, record.claimed_modified, record.notes = _unpack(out, program)
+            state.fingerprint = self._measure(p, index, program, current, before, record)
+            self._provide(p, index, current, state, record)
+            for instrument in reversed(self.instruments):
+                instrument.after_pass(p, current, record)
+            return current
+        except Exception as e:
+            error = e if isinstance(e, PassManagerError) else PassFailedError(
+                p.name, index, f"{type(e).__name__}: {e}"
+            )
+            error._from_runner = True
+            if snapshot is not None:
+                self._roll_back(p, snapshot, current, error)
+            for instrument in reversed(self.instruments):
+                instrument.after_pass_failed(p, program, record, error)
+            if error is e:
+                raise
+            raise error from e
+
+    def _call(self, p: Any, index: int, program: Any) -> Any:
+        try:
+            return p.call(program)
+        except PassManagerError as e:
+            if getattr(e, "_from_runner", False):  # a nested pipeline named its failing pass
+                raise
+            raise PassFailedError(p.name, index, f"{type(e).__name__}: {e}") from e
+        except Exception as e:
+            raise PassFailedError(p.name, index, f"{type(e).__name__}: {e}") from e
+
+    def _require(
+        self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord
+    ) -> None:
+        form = program_form(program)
+        if form not in p.accepts:
+            raise ProgramFormError(p.name, index, form, p.accepts)
+        failed = self._check(p.required, program, state, record)
+        if failed:
+            condition, violations = failed
+            provided_here = any(condition in q.provided for q in self.passes)
+            hint = "" if provided_here else _providers_hint(condition)
+            raise PreconditionError(p.name, index, condition.name, violations, hint=hint)
+
+    def _measure(
+        self,
+        p: Any,
+        index: int,
+        program: Any,
+        new_program: Any,
+        before: Fingerprint,
+        record: PassRecord,
+    ) -> Fingerprint:
+        form = program_form(program)
+        if new_program is not program and program_form(new_program) != form:
+            raise PassFailedError(
+                p.name, index, f"returned a {type(new_program).__name__} for a {form} input"
+            )
+        in_place = getattr(p, "in_place", None)
+        if in_place is True and new_program is not program:
+            raise InPlaceContractError(
+                p.name, index, "declares in_place = True but returned a different program object"
+            )
+        after = fingerprint(new_program)
+        record.modified = after != before
+        if in_place is False and new_program is program and record.modified:
+            raise InPlaceContractError(
+                p.name, index,
+                "declares in_place = False (returns a new program) but changed the program "
+                "it was given",
+            )
+        if after.code != before.code:
+            graph_module_of(new_program).recompile()
+        record.nodes_after = node_count(new_program)
+        return after
+
+    def _provide(
+        self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord
+    ) -> None:
+        if record.modified:
+            preserved = p.preserved
+            state.holds = {c for c in state.holds if c in preserved}
+        failed = self._check(p.provided, program, state, record)
+        if failed:
+            condition, violations = failed
+            raise PostconditionError(p.name, index, condition.name, violations)
+
+    @staticmethod
+    def _check(
+        conditions: Iterable[Condition], program: Any, state: _RunState, record: PassRecord
+    ) -> tuple[Condition, list[str]] | None:
+        """Check each condition not known to hold; the first violated one and its violations."""
+        for condition in sorted(conditions, key=lambda c: c.name):
+            if condition in state.holds:
+                record.cached.append(condition.name)
+                continue
+            start = time.perf_counter()
+            try:
+                violations = condition.check(program)
+            finally:
+                record.check_time += time.perf_counter() - start
+                record.checked.append(condition.name)
+            if violations:
+                return condition, violations
+            state.holds.add(condition)
+        return None
+
+    @staticmethod
+    def _roll_back(p: Any, snapshot: Snapshot, current: Any, error: PassManagerError) -> None:
+        if not error.diff:
+            error.diff = text_diff(
+                snapshot.text, program_text(current), "before " + p.name, "after " + p.name
+            )
+        error.unrestored = sorted(set(error.unrestored) | set(snapshot.unrestorable_changes()))
+        snapshot.restore()
+        error.rolled_back = True
+
+
+def run_alone(pass_: Any, graph_module: Any) -> TorchPassResult:
+    """Run one pass, checked and transactional, as a torch-style callable."""
+    result = Runner([pass_], default_instruments(), name=pass_.name).run(graph_module)
+    return TorchPassResult(result.graph_module, result.modified)

@@ -1,0 +1,234 @@
+"""Conditions and passes as values: ALL_CONDITIONS, condition identity, immutable passes
+with options, pipeline text, the in_place contract and the failure hook."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from pass_manager import (
+    ALL_CONDITIONS,
+    Condition,
+    InPlaceContractError,
+    Instrumentation,
+    Pass,
+    PassFailedError,
+    PassManager,
+    PassResult,
+    PipelineError,
+    PostconditionError,
+    PreconditionError,
+    function_pass,
+    graph_of,
+    parse_pipeline,
+)
+from pass_manager.program import program_text
+
+from .conftest import NoRelu, targets
+
+X = Condition("X", lambda p: [])
+Y = Condition("Y", lambda p: [])
+
+
+# -- ALL_CONDITIONS is the set of every condition -----------------------------------------
+def test_all_conditions_is_truthy_and_contains_every_condition():
+    assert ALL_CONDITIONS
+    assert X in ALL_CONDITIONS and Condition("new", lambda p: []) in ALL_CONDITIONS
+    assert "X" not in ALL_CONDITIONS
+
+
+def test_all_conditions_set_operations_are_those_of_the_full_set():
+    assert ALL_CONDITIONS | {X} is ALL_CONDITIONS
+    assert {X} | ALL_CONDITIONS is ALL_CONDITIONS
+    assert frozenset({X}) | ALL_CONDITIONS is ALL_CONDITIONS
+    assert ALL_CONDITIONS & {X, Y} == frozenset({X, Y})
+    assert frozenset({X}) & ALL_CONDITIONS == frozenset({X})
+    assert ALL_CONDITIONS & ALL_CONDITIONS is ALL_CONDITIONS
+    assert frozenset({X}) - ALL_CONDITIONS == frozenset()
+    assert ALL_CONDITIONS - frozenset() is ALL_CONDITIONS
+    assert frozenset({X}) <= ALL_CONDITIONS and not ALL_CONDITIONS <= frozenset({X})
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [
+        lambda: ALL_CONDITIONS - {X},
+        lambda: ALL_CONDITIONS ^ {X},
+        lambda: {X} ^ ALL_CONDITIONS,
+        lambda: list(ALL_CONDITIONS),
+        lambda: len(ALL_CONDITIONS),
+    ],
+)
+def test_all_conditions_operations_without_a_finite_answer_raise(operation):
+    with pytest.raises(TypeError):
+        operation()
+
+
+def test_a_pass_preserving_all_or_x_keeps_every_cached_result(traced):
+    calls = []
+    watched = Condition("Watched", lambda p: calls.append(1) or [])
+
+    provide = function_pass(lambda p: None, provides={watched}, name="provide")
+
+    @function_pass(preserves=ALL_CONDITIONS | {X})  # was "only X" when ALL was an empty set
+    def annotate(program):
+        for node in graph_of(program).nodes:
+            node.meta["seen"] = True
+
+    consume = function_pass(lambda p: None, requires={watched}, name="consume")
+    result = PassManager([provide, annotate, consume]).run(traced)
+    assert result.report.records[1].modified
+    assert len(calls) == 1  # cached across the (measured) change
+
+
+# -- conditions are equal only to themselves ------------------------------------------------
+def test_conditions_with_one_name_are_different_conditions():
+    first = Condition("Same", lambda p: [])
+    second = Condition("Same", lambda p: ["violated"])
+    assert first != second and first == first
+    assert len({first, second}) == 2
+
+
+def test_two_conditions_with_one_name_in_one_plan_are_a_pipeline_error():
+    mine = Condition("NoRelu", lambda p: [])
+    provide = function_pass(lambda p: None, provides={NoRelu}, name="provide")
+    consume = function_pass(lambda p: None, requires={mine}, name="consume")
+    with pytest.raises(PipelineError) as info:
+        PassManager([provide, consume])
+    assert info.value.condition == "NoRelu" and "consume" in str(info.value)
+
+
+# -- passes are small immutable values with options ----------------------------------------
+@dataclasses.dataclass(frozen=True, repr=False)
+class ScaleConstants(Pass):
+    """Multiplies every float constant argument by ``factor`` (options: factor, ops)."""
+
+    factor: float = 2.0
+    ops: tuple = ()
+
+    def call(self, program):
+        changed = False
+        for node in graph_of(program).nodes:
+            if node.op != "call_function" or (self.ops and node.target not in self.ops):
+                continue
+            args = tuple(a * self.factor if isinstance(a, (int, float)) else a for a in node.args)
+            if args != node.args:
+                node.args, changed = args, True
+        return PassResult(program, changed)
+
+
+def test_a_pass_is_an_immutable_value_whose_repr_shows_its_options():
+    p = ScaleConstants(factor=3.0, ops=(torch.ops.aten.mul.Tensor,))
+    assert repr(p) == "ScaleConstants(factor=3.0, ops=(aten.mul.Tensor,))"
+    assert p == ScaleConstants(factor=3.0, ops=(torch.ops.aten.mul.Tensor,))
+    assert hash(p) == hash(copy.copy(p))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.factor = 1.0
+
+
+def test_pipeline_text_prints_names_and_non_default_options():
+    pm = PassManager([ScaleConstants(), ScaleConstants(factor=0.5, ops=(torch.ops.aten.add,))])
+    assert pm.pipeline_text() == "ScaleConstants,ScaleConstants{factor=0.5,ops=(aten.add,)}"
+
+
+def test_parse_pipeline_round_trips_and_runs(traced):
+    text = "ScaleConstants{factor=3.0,ops=(aten.mul.Tensor, torch.ops.aten.add.Tensor)}"
+    pm = parse_pipeline(text, strict=True)
+    (p,) = pm.plan()
+    assert p == ScaleConstants(3.0, (torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor))
+    assert pm.strict
+    assert parse_pipeline(pm.pipeline_text()).plan() == pm.plan()
+    x = torch.tensor([-1.0, 2.0, -3.0, 4.0])
+    expected = torch.relu(traced.linear(x)) * 2 + 1
+    result = parse_pipeline("ScaleConstants{factor=2}").run(traced)  # mul 2 -> 4, add 1 -> 2
+    assert result.modified
+    torch.testing.assert_close(result.graph_module(x), (expected - 1) * 2 + 2)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("NoSuchPass", "no registered pass is named 'NoSuchPass'"),
+        ("ScaleConstants{factor}", "not key=value"),
+        ("ScaleConstants{speed=2}", "unexpected keyword"),
+        ("ScaleConstants{ops=(aten.no_such_op,)}", "names no operator"),
+        ("ScaleConstants{factor=2", "unbalanced"),
+        ("ScaleConstants{factor=open('x')}", "expected a Python literal"),
+    ],
+)
+def test_bad_pipeline_text_is_a_pipeline_error(text, message):
+    with pytest.raises(PipelineError, match=message):
+        parse_pipeline(text)
+
+
+def test_functions_have_no_pipeline_text():
+    with pytest.raises(PipelineError, match="no pipeline text"):
+        PassManager([lambda gm: None]).pipeline_text()
+
+
+# -- in_place: declared and checked --------------------------------------------------------
+def _copy_of(program):
+    return PassResult(copy.deepcopy(program), True)
+
+
+def test_an_in_place_pass_returning_another_program_is_a_typed_error(traced):
+    before = traced.code
+    returns_copy = function_pass(_copy_of, in_place=True, name="returns_copy")
+    with pytest.raises(InPlaceContractError, match="in_place = True") as info:
+        PassManager([returns_copy]).run(traced)
+    assert isinstance(info.value, PassFailedError) and info.value.rolled_back
+    assert traced.code == before
+
+
+def test_a_pass_declaring_a_new_program_must_not_change_its_input(traced):
+    def edits_input(program):
+        targets(program, "relu")[0].target = torch.abs
+        return PassResult(program, True)
+
+    with pytest.raises(InPlaceContractError, match="in_place = False"):
+        PassManager([function_pass(edits_input, in_place=False)]).run(traced)
+    assert "relu" in traced.code
+
+    result = PassManager([function_pass(_copy_of, in_place=False, name="copies")]).run(traced)
+    assert result.program is not traced
+
+
+# -- the failure hook --------------------------------------------------------------------
+class FailureRecorder(Instrumentation):
+    def __init__(self):
+        self.seen = []
+
+    def after_pass_failed(self, pass_, program, record, error):
+        self.seen.append((pass_.name, record.index, program_text(program), error))
+
+
+def test_after_pass_failed_sees_the_restored_program_and_the_error(traced):
+    before = program_text(traced)
+    fine = function_pass(lambda p: None, name="fine")
+
+    def breaks(program):
+        targets(program, "relu")[0].target = torch.abs
+        raise RuntimeError("boom")
+
+    recorder = FailureRecorder()
+    with pytest.raises(PassFailedError) as info:
+        PassManager([fine, breaks], instruments=[recorder]).run(traced)
+    ((name, index, text, error),) = recorder.seen
+    assert (name, index) == ("breaks", 1)
+    assert text == before  # restored before the hook ran
+    assert error is info.value and error.rolled_back and "abs" in error.diff
+
+
+def test_after_pass_failed_sees_precondition_and_postcondition_failures(traced):
+    recorder = FailureRecorder()
+    needs = function_pass(lambda p: None, requires={NoRelu}, name="needs")
+    with pytest.raises(PreconditionError):
+        PassManager([needs], instruments=[recorder]).run(traced)
+    claims = function_pass(lambda p: PassResult(p, False), provides={NoRelu}, name="claims")
+    with pytest.raises(PostconditionError):
+        PassManager([claims], instruments=[recorder]).run(traced)
+    assert [(name, type(error).__name__) for name, _, _, error in recorder.seen] == [
+        ("needs", "PreconditionError"),
+        ("claims", "PostconditionError"),
+    ]
