@@ -251,20 +251,29 @@ class _GraphRecord:
 class Snapshot:
     """Everything a pass can change, captured so that :meth:`restore` undoes it exactly.
 
-    Captured: the graph (nodes, args, node meta), every submodule's attributes, buffer
-    contents (cloned, because passes such as a reset write into them), parameter
-    references and version counters, the graph module's ``meta`` and, for an
-    ExportedProgram, its graph signature, state dict, constants and call graph.
+    Captured: the graph (nodes, args, node meta), every submodule's attributes, the
+    identity and version counter of every tensor (buffers, tensor attributes, parameters,
+    an ExportedProgram's state), the graph module's ``meta`` and, for an ExportedProgram,
+    its graph signature, state dict, constants and call graph. Tensor *contents* are
+    copied only with ``copy_state=True`` (a pass declaring ``writes_state``): a KV cache
+    is not cloned before every pass. A tensor whose version counter moved without a copy
+    is listed by :meth:`written` and :meth:`unrestorable_changes`, never silently kept.
     """
 
-    def __init__(self, program: Any):
+    def __init__(self, program: Any, copy_state: bool = True):
         self.program = program
         gm = graph_module_of(program)
         self._gm = gm
         self._graph = _GraphRecord(gm.graph)
         self._module_dicts = {}
-        self._buffer_data = {}
-        self._param_versions = {}
+        # id -> (name, tensor, copy of its data or None, version)
+        self._tensors: dict[int, tuple[str, torch.Tensor, torch.Tensor | None, int]] = {}
+
+        def record(name: str, tensor: torch.Tensor, copy_data: bool) -> None:
+            if id(tensor) not in self._tensors:
+                data = tensor.detach().clone() if copy_data else None
+                self._tensors[id(tensor)] = (name, tensor, data, tensor._version)
+
         for name, module in gm.named_modules():
             self._module_dicts[name] = (
                 module,
@@ -273,21 +282,18 @@ class Snapshot:
                 dict(getattr(module, "_parameters", {})),
                 dict(getattr(module, "_modules", {})),
             )
-            for buf in getattr(module, "_buffers", {}).values():
+            prefix = f"{name}." if name else ""
+            for key, buf in getattr(module, "_buffers", {}).items():
                 if buf is not None:
-                    self._buffer_data[id(buf)] = (buf, buf.detach().clone(), buf._version)
-            for value in module.__dict__.values():
+                    record(prefix + key, buf, copy_state)
+            for key, value in module.__dict__.items():
                 if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                    self._buffer_data.setdefault(
-                        id(value), (value, value.detach().clone(), value._version)
-                    )
+                    record(prefix + key, value, copy_state)
+            # Parameters are never copied (they are the bulk of a model): a pass that
+            # writes one in place cannot be rolled back, and the error says so.
             for key, param in getattr(module, "_parameters", {}).items():
                 if param is not None:
-                    self._param_versions[id(param)] = (
-                        f"{name}.{key}".lstrip("."),
-                        param,
-                        param._version,
-                    )
+                    record(prefix + key, param, False)
         self._gm_meta = _snapshot_value(dict(gm.meta))
         self._ep_state = None
         if isinstance(program, ExportedProgram):
@@ -299,11 +305,12 @@ class Snapshot:
                 "_range_constraints": dict(program._range_constraints),
                 "_verifiers": list(program._verifiers),
             }
-            for value in program._state_dict.values():
-                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                    self._buffer_data.setdefault(
-                        id(value), (value, value.detach().clone(), value._version)
-                    )
+            for key, value in program._state_dict.items():
+                if isinstance(value, torch.Tensor):
+                    record(key, value, copy_state and not isinstance(value, torch.nn.Parameter))
+            for key, value in program._constants.items():
+                if isinstance(value, torch.Tensor):
+                    record(key, value, copy_state)
 
     @property
     def text(self) -> str:
@@ -313,13 +320,19 @@ class Snapshot:
             text += "\n" + str(self._ep_state["_graph_signature"])
         return text
 
+    def written(self) -> list[str]:
+        """Tensors whose data was written in place since the snapshot (version counter)."""
+        return sorted(
+            name for name, tensor, _, version in self._tensors.values()
+            if tensor._version != version
+        )
+
     def unrestorable_changes(self) -> list[str]:
-        """Parameters a pass wrote in place: their old data was not copied, so cannot come back."""
-        return [
-            name
-            for name, param, version in self._param_versions.values()
-            if param._version != version
-        ]
+        """Tensors written in place whose old data was not copied, so cannot come back."""
+        return sorted(
+            name for name, tensor, data, version in self._tensors.values()
+            if data is None and tensor._version != version
+        )
 
     def restore(self) -> None:
         gm = self._gm
@@ -332,8 +345,8 @@ class Snapshot:
             module._parameters.update(params)
             module._modules.clear()
             module._modules.update(modules)
-        for tensor, data, version in self._buffer_data.values():
-            if tensor._version != version:
+        for _, tensor, data, version in self._tensors.values():
+            if data is not None and tensor._version != version:
                 with torch.no_grad():
                     tensor.copy_(data)
         gm.graph = self._graph.rebuild()

@@ -1,7 +1,8 @@
 """The core loop: for each planned pass, require -> snapshot -> call -> measure -> provide.
 
 * require: the program form, then every required condition (cached results reused).
-* snapshot: what a rollback needs (``program.Snapshot``).
+* snapshot: what a rollback needs (``program.Snapshot``); tensor data is copied only
+  for a pass declaring ``writes_state``, and an undeclared write is a StateWriteError.
 * call: the pass; whatever it raises becomes a typed, rolled-back error.
 * measure: did it change the program (a fingerprint), did it keep its ``in_place``
   contract; recompile only if the code changed.
@@ -30,6 +31,7 @@ from .errors import (
     PostconditionError,
     PreconditionError,
     ProgramFormError,
+    StateWriteError,
 )
 from .instrumentation import ClaimCheck, Instrumentation, Timing
 from .program import (
@@ -176,9 +178,11 @@ class Runner:
             record.nodes_before = node_count(program)
             self._require(p, index, program, state, record)
             before = state.fingerprint or fingerprint(program)
-            snapshot = Snapshot(program)
+            snapshot = Snapshot(program, copy_state=p.writes_state)
             out = self._call(p, index, program)
             current, record.claimed_modified, record.notes = _unpack(out, program)
+            if not p.writes_state and (written := snapshot.written()):
+                raise StateWriteError(p.name, index, written)
             state.fingerprint = self._measure(p, index, program, current, before, record)
             self._provide(p, index, current, state, record)
             for instrument in reversed(self.instruments):

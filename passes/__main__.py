@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from pass_manager import PassManagerError, parse_pipeline
+
 DEFAULT_MODEL = "passes.examples:decoder_job"
 
 
@@ -97,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
     # Before the model's module is imported: it may import torchao (the default does).
     _quiet_import_noise()
     try:
+        pipeline = parse_pipeline(args.pipeline) if args.pipeline else None
+    except PassManagerError as e:
+        print(f"error: --pipeline: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    try:
         model, example, steps = load_model(spec, args.steps)
         _check_exportable(model, example, spec)
     except ModelError as e:
@@ -117,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         delegate=not args.skip_delegation,
         quantizer_factory=_quantizer_factory(args.quantizer),
         log=lambda line: print(line, flush=True),
+        pipeline=pipeline,
     )
     _print_section("pass plan", result.plan)
     _print_section("passes", result.pass_table())
@@ -147,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("xnnpack", "every-op"),
         default="xnnpack",
         help="torchao's XNNPACK-style quantizer, or one that annotates every op (QNN style)",
+    )
+    run_parser.add_argument(
+        "--pipeline",
+        metavar="TEXT",
+        help="run this pipeline instead of the functionalization stage, e.g. "
+        "'MarkMutableBuffers,InplaceToFunctional' (registered pass names, options in {})",
     )
     run_parser.add_argument("--skip-quantization", action="store_true")
     run_parser.add_argument("--skip-delegation", action="store_true")

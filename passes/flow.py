@@ -149,10 +149,13 @@ def run_flow(
     quantizer_factory: Callable[[], Any] = xnnpack_quantizer,
     calibration: Sequence[tuple] | None = None,
     log: Log = print,
+    pipeline: PassManager | None = None,
 ) -> FlowResult:
     """Run the flow; ``steps`` holds one argument tuple per decode call.
 
     ``calibration`` (default: ``steps``) is what the quantized programs are calibrated on.
+    ``pipeline`` replaces the functionalization stage (MarkMutableBuffers,
+    InplaceToFunctional), e.g. ``parse_pipeline(text)`` from ``--pipeline``.
     The program quantized without the passes is the one users get today: the functional
     form from ``run_decompositions({})``, quantized by the same quantizer.
     """
@@ -164,7 +167,7 @@ def run_flow(
 
     stage = _Stages(log)
     result = FlowResult()
-    functionalize = PassManager([MarkMutableBuffers(), InplaceToFunctional()])
+    functionalize = pipeline or PassManager([MarkMutableBuffers(), InplaceToFunctional()])
     # The stages run as separate pipelines around torchao's calls; their union is the DAG
     # that fixes the order, which is what the plan shows.
     every_pass = PassManager(

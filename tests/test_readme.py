@@ -20,5 +20,6 @@ def test_readme_examples_run(capsys):
         exec(compile(block, str(README), "exec"), namespace)
     out = capsys.readouterr().out
     assert "ReluToClamp" in out  # the custom-pass example printed its plan and report
+    assert "ReluToClamp(floor=0.5) ReluToClamp{floor=0.5}" in out  # a pass as a value, as text
     assert "'layers.1.attn.v_cache'" in out  # the quick start's delegate owns the caches
     assert len(namespace["decoded"]) == 4

@@ -1,0 +1,93 @@
+"""Tensor data: copied for a rollback only when a pass declares ``writes_state``; an
+undeclared write is a typed error that names the tensors, never a silent change."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from pass_manager import (
+    Pass,
+    PassFailedError,
+    PassManager,
+    PassResult,
+    StateWriteError,
+    graph_of,
+)
+
+from .conftest import targets
+
+
+def buffer_of(program):
+    if isinstance(program, torch.export.ExportedProgram):
+        return program.state_dict["acc"]
+    return program.acc
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class ResetAndRewrite(Pass):
+    """Zeroes the accumulator, rewrites relu to abs, then optionally fails."""
+
+    fail: bool = False
+
+    def call(self, program):
+        with torch.no_grad():
+            buffer_of(program).zero_()
+        for node in targets(program, "relu"):
+            node.target = torch.ops.aten.abs.default if "aten" in str(node.target) else torch.abs
+        if self.fail:
+            raise RuntimeError("fails after writing the buffer")
+        return PassResult(program, True)
+
+
+class DeclaredReset(ResetAndRewrite):
+    writes_state = True
+
+
+@pytest.mark.parametrize("form", ["exported", "traced"])
+def test_undeclared_state_write_is_a_typed_error_naming_the_tensor(form, request):
+    program = request.getfixturevalue(form)
+    with torch.no_grad():
+        buffer_of(program).fill_(3.0)
+    code = graph_of(program).python_code("self").src
+    with pytest.raises(StateWriteError) as info:
+        PassManager([ResetAndRewrite()]).run(program)
+    error = info.value
+    assert isinstance(error, PassFailedError) and error.pass_name == "ResetAndRewrite"
+    assert error.written == ["acc"] and error.unrestored == ["acc"]
+    assert "writes_state" in str(error) and "Not restored" in str(error)
+    # The graph is rolled back; the write it could not undo is named, not hidden.
+    assert graph_of(program).python_code("self").src == code
+    assert error.rolled_back and "abs" in error.diff
+
+
+@pytest.mark.parametrize("form", ["exported", "traced"])
+def test_failing_pass_that_declares_state_writes_is_restored_exactly(form, request):
+    program = request.getfixturevalue(form)
+    with torch.no_grad():
+        buffer_of(program).copy_(torch.arange(4.0))
+    before = buffer_of(program).clone()
+    with pytest.raises(PassFailedError) as info:
+        PassManager([DeclaredReset(fail=True)]).run(program)
+    assert not isinstance(info.value, StateWriteError) and info.value.unrestored == []
+    torch.testing.assert_close(buffer_of(program), before, rtol=0, atol=0)
+    assert not targets(program, "abs")
+
+
+def test_declared_state_write_that_succeeds_is_measured_as_a_change(traced):
+    with torch.no_grad():
+        traced.acc.fill_(2.0)
+    result = PassManager([DeclaredReset()]).run(traced)
+    assert result.modified and result.report.records[0].modified
+    assert torch.count_nonzero(traced.acc) == 0
+
+
+def test_a_pass_that_only_reads_state_needs_no_declaration(traced):
+    @dataclasses.dataclass(frozen=True, repr=False)
+    class ReadsState(Pass):
+        def call(self, program):
+            total = float(program.acc.sum()) + float(program.linear.weight.detach().sum())
+            return PassResult(program, False, [f"sum {total:.1f}"])
+
+    result = PassManager([ReadsState()]).run(traced)
+    assert not result.modified and result.report.records[0].notes
