@@ -340,7 +340,9 @@ class Rewrite:
         """Cast the functional result to the written tensor's dtype, as the in-place op does."""
         old, val = written.meta.get("val"), new.meta.get("val")
         if not isinstance(old, torch.Tensor) or not isinstance(val, torch.Tensor):
-            return new
+            # No fake values to compare dtypes with: copy casts (and broadcasts) the result
+            # into the written tensor's dtype and shape, exactly as the in-place op stores it.
+            return self.emit(node, aten.copy.default, self.resolve(written), new)
         if old.shape != val.shape:
             raise UnsupportedMutationError(
                 node, f"its functional result has shape {tuple(val.shape)} but the written "

@@ -1,10 +1,11 @@
 """Functional counterparts of operators that write to their arguments.
 
-The rules, in order: a variant registered with :func:`register_functional_variant`; for
-``op_`` the same overload of ``op`` (``aten.add_.Tensor`` -> ``aten.add.Tensor``,
-``copy_`` -> ``aten.copy.default``); for an ``out=`` overload the overload of the same
-op whose arguments are the non-out ones; for an op that writes arguments it does not
-return (``_native_batch_norm_legit``) the same overload of ``op_functional``. Built in:
+The rules, in order: a variant registered with :func:`register_functional_variant`;
+otherwise the counterpart is derived from the schema: the non-mutating overload of the
+functional op (``add_`` / ``add.out`` -> ``add``, ``__ior__`` -> ``__or__``,
+``_native_batch_norm_legit`` -> ``_native_batch_norm_legit_functional``) whose schema,
+normalized by torchgen (no overload name, out= arguments or alias annotations), equals the
+mutating op's: ``pow_.Scalar`` -> ``pow.Tensor_Scalar``, ``copy_`` -> ``copy``. Built in:
 ``batch_norm`` in training mode (it updates its running statistics without saying so in
 its schema) becomes ``_native_batch_norm_legit_functional``; ``detach_`` changes no value
 and becomes nothing.
@@ -18,12 +19,14 @@ A functional variant takes the op's arguments (without the ``out=`` ones) and re
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch._ops import OpOverload
 from torch.fx import Node
+from torchgen.model import FunctionSchema
 
 from ._aliasing import argument_value
 
@@ -39,7 +42,7 @@ _METADATA_MUTATIONS = frozenset({"resize_", "resize_as_", "set_", "as_strided_",
                                  "transpose_", "squeeze_", "unsqueeze_", "swapdims_",
                                  "swapaxes_"})
 # In-place ops that change no value (only autograd metadata): they rewrite to nothing.
-_VALUE_PRESERVING = frozenset({"detach_"})
+_VALUE_PRESERVING = frozenset({"detach_", "requires_grad_"})
 
 _REGISTRY: dict[OpOverload, Callable] = {}
 
@@ -99,8 +102,16 @@ def _returns_written(schema: torch.FunctionSchema) -> bool:
     )
 
 
-def _signature(arguments) -> list[tuple[str, str]]:
-    return [(a.name, str(a.type)) for a in arguments]
+@functools.cache
+def _core_signature(op: OpOverload) -> tuple | None:
+    """torchgen's normalization of a schema, equal across an op's in-place, out= and
+    functional versions: no overload name, no out= arguments, no alias annotations, written
+    arguments the op does not return turned into results."""
+    try:
+        sig = FunctionSchema.parse(str(op._schema)).signature()
+    except Exception:  # noqa: BLE001 - a custom schema torchgen cannot read has no match
+        return None
+    return sig.arguments, sig.returns
 
 
 def _is_functional(op: OpOverload | None) -> bool:
@@ -109,36 +120,27 @@ def _is_functional(op: OpOverload | None) -> bool:
     )
 
 
-def _overload(namespace: str, name: str, overload: str) -> OpOverload | None:
-    try:
-        packet = getattr(getattr(torch.ops, namespace), name)
-        return getattr(packet, overload)
-    except (AttributeError, RuntimeError):
-        return None
-
-
+@functools.cache
 def _default_variant(op: OpOverload) -> OpOverload | None:
-    schema = op._schema
-    namespace = schema.name.split("::")[0]
-    name, overload = op._opname, op._overloadname
-    out_args = [a for a in schema.arguments if a.is_out]
-    if out_args:
-        wanted = _signature(a for a in schema.arguments if not a.is_out)
-        packet = getattr(getattr(torch.ops, namespace), name)
-        for candidate in packet.overloads():
-            found = getattr(packet, candidate)
-            if _signature(found._schema.arguments) == wanted and _is_functional(found):
+    """The overload, among the ops named like ``op``'s functional version (``add_`` ->
+    ``add``, ``__iand__`` -> ``__and__``, ``add.out`` -> ``add``, ``_foo`` ->
+    ``_foo_functional``), whose normalized schema equals ``op``'s. Matching on the whole
+    schema, not on the overload name, pairs ``pow_.Scalar`` with ``pow.Tensor_Scalar``."""
+    wanted = _core_signature(op)
+    if wanted is None:
+        return None
+    namespace = op._schema.name.split("::")[0]
+    base = FunctionSchema.parse(str(op._schema)).name.name
+    name = f"__{base.base}__" if base.dunder_method else base.base
+    for candidate_name in (name, f"{base.base}_functional"):
+        packet = getattr(getattr(torch.ops, namespace), candidate_name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            found = getattr(packet, overload)
+            if found is not op and _is_functional(found) and _core_signature(found) == wanted:
                 return found
-        return None
-    if name.endswith("_") and not name.endswith("__"):
-        found = _overload(namespace, name[:-1], overload)
-        if _is_functional(found) and _signature(
-            found._schema.arguments
-        ) == _signature(schema.arguments):
-            return found
-        return None
-    found = _overload(namespace, f"{name}_functional", overload)
-    return found if _is_functional(found) else None
+    return None
 
 
 def _batch_norm_arguments(node: Node) -> tuple[tuple, dict]:

@@ -138,3 +138,35 @@ def test_as_strided_of_a_written_user_input():
 def test_as_strided_of_a_non_contiguous_written_temporary_is_refused():
     error = refused_in_both_forms(StridedOfTransposedTemp, _calls((3, 2)), "storage")
     assert "storage" in error.reason
+
+
+# -- pattern 10: counterparts derived from the schema -------------------------------------
+class InplaceOperators(nn.Module):
+    """pow_ with a scalar and a tensor exponent and the in-place operator overloads."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.linspace(0.5, 2.0, 6))
+        self.register_buffer("flags", torch.arange(6))
+
+    def forward(self, x, bits):
+        self.b.pow_(0.5)
+        self.b.pow_(x.abs() + 0.5)
+        self.flags |= bits
+        self.flags &= 7
+        self.flags ^= bits
+        self.flags <<= 1
+        self.flags >>= 1
+        self.b[:3] *= 2
+        self.b[3:] -= self.b[:3]
+        return self.b * 1, self.flags * 1
+
+
+def test_pow_and_in_place_operator_overloads():
+    gen = torch.Generator().manual_seed(0)
+    calls = [(torch.rand(6, generator=gen), torch.randint(0, 16, (6,), generator=gen))
+             for _ in range(4)]
+    ep, gm = functionalize_both_forms(InplaceOperators, calls)
+    for program in (ep, gm):
+        assert {aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor} <= set(targets(program))
+        assert not any(str(t).startswith("aten.__i") for t in targets(program))
