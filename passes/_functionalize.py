@@ -401,6 +401,8 @@ class Rewrite:
             self.new_signature = ExportGraphSignature(
                 self.program.graph_signature.input_specs, specs)
             return
+        # Returned views are replayed on the final values first: write-backs stay last.
+        returned = map_arg(output.args, self.resolve)
         for state, root, final in finals:
             with self.graph.inserting_before(output):
                 copy = self.graph.call_function(aten.copy_.default, (root, final))
@@ -410,7 +412,7 @@ class Rewrite:
             if "val" in root.meta:  # copy_ returns its (unchanged-shape) destination
                 copy.meta["val"] = root.meta["val"]
             self.notes.append(f"{state.kind} {state.name!r} written back by {copy.name}")
-        self._set_args(output, map_arg(output.args, self.resolve), output.kwargs)
+        self._set_args(output, returned, output.kwargs)
 
     def undo(self) -> None:
         for node, args, kwargs in reversed(self.arg_changes):

@@ -170,3 +170,24 @@ def test_pow_and_in_place_operator_overloads():
     for program in (ep, gm):
         assert {aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor} <= set(targets(program))
         assert not any(str(t).startswith("aten.__i") for t in targets(program))
+
+
+# -- pattern 1: views taken before a write and returned ----------------------------------
+class ReturnsViewsTakenBeforeWrites(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(2, 3))
+
+    def forward(self, x):
+        flat, col, tr = x.view(-1), self.b[:, 1], self.b.t()
+        x.add_(1)
+        self.b.add_(x)
+        self.b[0].mul_(2)
+        return flat, col, tr, x
+
+
+def test_views_taken_before_writes_and_returned():
+    _, gm = functionalize_both_forms(ReturnsViewsTakenBeforeWrites, _calls((2, 3)))
+    # the write-backs stay last (the pass's own Functional postcondition checks them)
+    copies = [n for n in gm.graph.nodes if n.target is aten.copy_.default]
+    assert len(copies) == 2 and all(n.next in copies or n.next.op == "output" for n in copies)
