@@ -21,6 +21,7 @@ from torch.fx import Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
+    "HIDDEN_WRITES",
     "MAYBE_VIEWS",
     "METADATA_QUERIES",
     "STORAGE_READERS",
@@ -140,12 +141,20 @@ def _nodes_in(value) -> list[Node]:
     return []
 
 
-# Composite ops whose schema hides a write: in training mode they update the running
-# statistics they are given. op -> (index of the training flag, indices written).
-_HIDDEN_WRITES = {
-    torch.ops.aten.batch_norm.default: (5, (3, 4)),
-    torch.ops.aten.instance_norm.default: (5, (3, 4)),
+HIDDEN_WRITES = {
+    _aten.batch_norm.default: (5, (3, 4)),
+    _aten.instance_norm.default: (5, (3, 4)),
+    _aten.native_batch_norm.default: (5, (3, 4)),
+    _aten._batch_norm_impl_index.default: (5, (3, 4)),
+    _aten.cudnn_batch_norm.default: (5, (3, 4)),
+    _aten.miopen_batch_norm.default: (5, (3, 4)),
 }
+"""Ops whose schema hides a write: with their training flag set they update the running
+statistics they are given, though no argument is annotated ``(a!)``. op -> (index of the
+training flag, indices written). torch's own export special-cases the same ops (it
+force-decomposes ``native_batch_norm`` for its "wrong schema" and the CompositeImplicit ops
+tagged ``maybe_aliasing_or_mutating``); functional_variants maps the first three to
+``_native_batch_norm_legit_functional``, the backend-specific ones stay refused."""
 
 
 def written_arguments(node: Node) -> list[tuple[int, Node]]:
@@ -154,7 +163,7 @@ def written_arguments(node: Node) -> list[tuple[int, Node]]:
     if facts is None:
         return []
     written = facts.written
-    hidden = _HIDDEN_WRITES.get(node.target)
+    hidden = HIDDEN_WRITES.get(node.target)
     if hidden is not None and argument_value(node, facts.schema, hidden[0]) is True:
         written = hidden[1]
     return [(i, n) for i in written for n in _nodes_in(argument_value(node, facts.schema, i))]

@@ -148,11 +148,15 @@ def _batch_norm_arguments(node: Node) -> tuple[tuple, dict]:
     return tuple(argument_value(node, schema, i) for i in range(8)), {}
 
 
-# Composite ops that write in training mode (see _aliasing): their functional form.
+# Ops that write in training mode without saying so (see _aliasing.HIDDEN_WRITES): their
+# functional form returns (output, save_mean, save_invstd, new running_mean, new running_var).
 _BUILT_IN = {
     torch.ops.aten.batch_norm.default: FunctionalVariant(
         torch.ops.aten._native_batch_norm_legit_functional.default, (), False,
         _batch_norm_arguments, (0, 3, 4)),
+    torch.ops.aten.native_batch_norm.default: FunctionalVariant(
+        torch.ops.aten._native_batch_norm_legit_functional.default, (), False,
+        _batch_norm_arguments, (0, 1, 2, 3, 4)),
 }
 
 

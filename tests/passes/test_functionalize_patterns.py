@@ -191,3 +191,30 @@ def test_views_taken_before_writes_and_returned():
     # the write-backs stay last (the pass's own Functional postcondition checks them)
     copies = [n for n in gm.graph.nodes if n.target is aten.copy_.default]
     assert len(copies) == 2 and all(n.next in copies or n.next.op == "output" for n in copies)
+
+
+# -- pattern 7: writes the schema does not annotate ---------------------------------------
+class NativeBatchNormTrain(nn.Module):
+    """native_batch_norm in training mode updates running_mean/var: its schema says nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(3))
+        self.register_buffer("running_var", torch.ones(3))
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        out, mean, invstd = aten.native_batch_norm.default(
+            x, self.weight, None, self.running_mean, self.running_var, True, 0.1, 1e-5)
+        return out, mean, invstd
+
+
+def test_native_batch_norm_training_updates_running_stats_functionally():
+    ep, gm = functionalize_both_forms(NativeBatchNormTrain, _calls((5, 3)))
+    reference = torch.export.export(NativeBatchNormTrain(), _calls((5, 3))[0]).run_decompositions(
+        {}).graph_signature
+    assert sorted(ep.graph_signature.buffers_to_mutate.values()) == sorted(
+        reference.buffers_to_mutate.values()) == ["running_mean", "running_var"]
+    for program in (ep, gm):
+        assert aten.native_batch_norm.default not in targets(program)
+        assert aten._native_batch_norm_legit_functional.default in targets(program)
