@@ -12,13 +12,15 @@ deep copies and torchao's prepare/convert, so :func:`mutable_buffers` and
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind, InputSpec, OutputKind, TensorArgument
 from torch.fx import Node
 
 from ._aliasing import Alias, OpaqueNode, alias_map, written_nodes
@@ -36,9 +38,13 @@ __all__ = [
     "State",
     "buffer_nodes",
     "buffer_tensor",
+    "call_graph_names",
     "find_mutations",
     "hop_writes",
     "mutable_buffers",
+    "named_input_specs",
+    "placeholder_specs",
+    "rename_call_graph",
     "reset_mutable_buffers",
     "state_nodes",
     "trailing_write_backs",
@@ -80,11 +86,8 @@ def state_nodes(program: Any) -> dict[Node, State]:
             InputKind.CONSTANT_TENSOR: CONSTANT,
             InputKind.USER_INPUT: USER_INPUT,
         }
-        specs = {spec.arg.name: spec for spec in program.graph_signature.input_specs
-                 if hasattr(spec.arg, "name")}
-        for node in program.graph.nodes:
-            spec = specs.get(node.name) if node.op == "placeholder" else None
-            if spec is not None and spec.kind in kinds:
+        for node, spec in placeholder_specs(program):
+            if spec.kind in kinds:
                 name = node.name if spec.kind == InputKind.USER_INPUT else spec.target
                 states[node] = State(kinds[spec.kind], name)
         return states
@@ -106,6 +109,44 @@ def state_nodes(program: Any) -> dict[Node, State]:
                 kind = CONSTANT
             states[node] = State(kind, node.target)
     return states
+
+
+def placeholder_specs(program: ExportedProgram) -> list[tuple[Node, InputSpec]]:
+    """Each placeholder with its input spec, paired by position (the signature's order).
+
+    Not by name: ``copy.deepcopy(ep)`` renames a placeholder called like a Python builtin
+    (``input`` -> ``input_1``) and leaves the signature naming the old one.
+    """
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    return list(zip(placeholders, program.graph_signature.input_specs))
+
+
+def named_input_specs(program: ExportedProgram) -> list[InputSpec]:
+    """The input specs, each naming its placeholder as the graph now calls it."""
+    specs = []
+    for node, spec in placeholder_specs(program):
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name != node.name:
+            spec = dataclasses.replace(spec, arg=TensorArgument(name=node.name))
+        specs.append(spec)
+    return specs
+
+
+def call_graph_names(program: ExportedProgram) -> set[str]:
+    """The values preserved module call signatures name (``preserve_module_call_signature``)."""
+    return {arg.name for entry in program.module_call_graph if entry.signature is not None
+            for arg in (*entry.signature.inputs, *entry.signature.outputs)
+            if hasattr(arg, "name")}
+
+
+def rename_call_graph(call_graph: list, renames: dict[str, str]) -> list:
+    """A copy of ``module_call_graph`` whose signatures name the renamed values' new nodes."""
+    call_graph = copy.deepcopy(call_graph)
+    for entry in call_graph:
+        if entry.signature is not None:
+            for arg in (*entry.signature.inputs, *entry.signature.outputs):
+                if getattr(arg, "name", None) in renames:
+                    arg.name = renames[arg.name]
+    return call_graph
 
 
 def buffer_nodes(program: Any) -> dict[Node, str]:

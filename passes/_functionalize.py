@@ -42,7 +42,10 @@ from ._buffers import (
     MUTABLE_INPUT_META,
     USER_INPUT,
     State,
+    call_graph_names,
     find_mutations,
+    named_input_specs,
+    rename_call_graph,
     trailing_write_backs,
 )
 from ._fake_values import FakeValues
@@ -104,6 +107,9 @@ class Rewrite:
         self.stale: list[Node] = []  # original nodes whose users now read a new node
         self.cursor: Node = self.output
         self.new_signature: ExportGraphSignature | None = None
+        # Values named by preserved module call signatures: their new node, per old name.
+        self.call_graph_names = call_graph_names(program) if self.is_ep else set()
+        self.boundary: dict[str, Node] = {}
         self.notes: list[str] = []
 
     # -- building blocks --------------------------------------------------------------
@@ -261,24 +267,29 @@ class Rewrite:
                 result = self.multi_results[node.args[0]][node.args[1]]
                 self.value[node] = (result, self.version.get(self.aliases[node].root, 0))
                 self.dead.append(node)
-                continue
-            writes = written_arguments(node)
-            if writes:
-                check_write(node, [w for _, w in writes], self.aliases, self.states)
-                self._remap(node)
-                self._rewrite(node, writes)
             else:
-                check_opaque(node, self.opaque.get(node), self.aliases, self.roots, self.states)
-                if node.target in METADATA_QUERIES:
-                    self._layout_query(node)
-                elif node.target in STORAGE_VIEWS or node.target in STORAGE_READERS:
-                    if not self._storage_reader(node):
-                        self._remap(node)
-                else:
+                self._visit(node)
+            if node.name in self.call_graph_names:
+                self.boundary[node.name] = self.resolve(node)
+
+    def _visit(self, node: Node) -> None:
+        writes = written_arguments(node)
+        if writes:
+            check_write(node, [w for _, w in writes], self.aliases, self.states)
+            self._remap(node)
+            self._rewrite(node, writes)
+        else:
+            check_opaque(node, self.opaque.get(node), self.aliases, self.roots, self.states)
+            if node.target in METADATA_QUERIES:
+                self._layout_query(node)
+            elif node.target in STORAGE_VIEWS or node.target in STORAGE_READERS:
+                if not self._storage_reader(node):
                     self._remap(node)
-            alias = self.aliases.get(node)
-            if alias is not None and alias.root in self.roots:
-                self._track(node, alias.root)
+            else:
+                self._remap(node)
+        alias = self.aliases.get(node)
+        if alias is not None and alias.root in self.roots:
+            self._track(node, alias.root)
 
     def _rewrite(self, node: Node, writes: list[tuple[int, Node]]) -> None:
         variant = functional_variant(node.target)
@@ -392,6 +403,9 @@ class Rewrite:
                     finals.append((state, root, final))
         if self.is_ep:
             user = [(spec, map_arg(arg, self.resolve)) for spec, arg in self.other_outputs]
+            for (_, old), (_, new) in zip(self.other_outputs, user):
+                if isinstance(old, Node) and isinstance(new, Node):
+                    self.boundary[old.name] = new
             outputs = [final for _, _, final in finals] + [arg for _, arg in user]
             specs = [OutputSpec(OutputKind.BUFFER_MUTATION if s.kind == BUFFER
                                 else OutputKind.USER_INPUT_MUTATION,
@@ -399,7 +413,7 @@ class Rewrite:
             specs += [_respec(spec, arg) for spec, arg in user]
             self._set_args(output, (tuple(outputs),), {})
             self.new_signature = ExportGraphSignature(
-                self.program.graph_signature.input_specs, specs)
+                named_input_specs(self.program), specs)
             return
         # Returned views are replayed on the final values first: write-backs stay last.
         returned = map_arg(output.args, self.resolve)
@@ -440,6 +454,10 @@ class Rewrite:
                 self.graph.erase_node(node)
         if self.new_signature is not None:
             self.program._graph_signature = self.new_signature
+        renames = {old: new.name for old, new in self.boundary.items() if new.name != old}
+        if renames:
+            self.program._module_call_graph = rename_call_graph(
+                self.program.module_call_graph, renames)
 
 
 def _same_layout(a: Node, b: Node) -> bool:

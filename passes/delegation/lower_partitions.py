@@ -42,6 +42,7 @@ from torch.export.graph_signature import (
 from torch.fx.passes.tools_common import stable_topological_sort
 from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, validate_partition
 
+from .._buffers import call_graph_names, placeholder_specs, rename_call_graph
 from ..conditions import Functional
 from .errors import DelegationError, PartitionError
 from .lowering import (
@@ -162,21 +163,36 @@ def to_delegate(
             + "\n  ".join(in_place),
             pass_name="to_delegate",
         )
-    gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
+    graph = torch.fx.Graph()
+    copied: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph.output(graph.graph_copy(ep.graph, copied))
+    gm = torch.fx.GraphModule(ep.graph_module, graph)
     gm.meta.update(ep.graph_module.meta)
+    # The copy may rename nodes (a user input called ``input`` becomes ``input_1``, as
+    # FX keeps builtins' names free), and a deep-copied program may be renamed already:
+    # every name of the signatures follows the copy.
+    renames = {old.name: new.name for old, new in copied.items() if old.name != new.name}
+    for node, spec in placeholder_specs(ep):
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name != copied[node].name:
+            renames[spec.arg.name] = copied[node].name
     # The partitioner tags a shallow copy sharing everything but the graph module, so
     # ``ep`` keeps its nodes untagged; building a full ExportedProgram here would
     # re-verify and recompile the whole graph for nothing.
     work = copy.copy(ep)
     work._graph_module = gm
+    work._graph_signature = _renamed_signature(ep.graph_signature, renames)
     partitioner(work)
     partitions = tagged_partitions(work)
+    kept = _keep_call_graph_values(work, gm, renames)
     absorbed_targets = set()
-    specs = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
+    specs = {s.arg.name: s for s in work.graph_signature.input_specs if hasattr(s.arg, "name")}
     for index, (tag, nodes) in enumerate(partitions.items()):
         members = _with_getitems(nodes)
         for placeholder in _lower_partition(work, gm, tag, members, index, backend_id):
             absorbed_targets.add(specs[placeholder.name].target)
+    for old, keeper in kept.items():
+        renames[old] = keeper.args[0].name
+        gm.graph.erase_node(keeper)
     stable_topological_sort(gm)
     gm.graph.lint()
 
@@ -185,15 +201,50 @@ def to_delegate(
     output_specs = [
         dataclasses.replace(spec, arg=TensorArgument(name=node.name))
         if isinstance(spec.arg, TensorArgument) else spec
-        for spec, node in zip(ep.graph_signature.output_specs, returned)
+        for spec, node in zip(work.graph_signature.output_specs, returned)
     ]
     signature = ExportGraphSignature([specs[name] for name in placeholders], output_specs)
-    return ep._update(
+    work._module_call_graph = rename_call_graph(ep.module_call_graph, renames)
+    return work._update(
         gm,
         signature,
         state_dict={k: v for k, v in ep.state_dict.items() if k not in absorbed_targets},
         constants={k: v for k, v in ep.constants.items() if k not in absorbed_targets},
     )
+
+
+def _renamed_signature(
+    signature: ExportGraphSignature, renames: dict[str, str]
+) -> ExportGraphSignature:
+    def rename(spec):
+        name = getattr(spec.arg, "name", None)
+        if name in renames and isinstance(spec.arg, TensorArgument):
+            return dataclasses.replace(spec, arg=TensorArgument(name=renames[name]))
+        return spec
+
+    return ExportGraphSignature([rename(s) for s in signature.input_specs],
+                                [rename(s) for s in signature.output_specs])
+
+
+def _keep_call_graph_values(
+    ep: ExportedProgram, gm: torch.fx.GraphModule, renames: dict[str, str]
+) -> dict[str, torch.fx.Node]:
+    """A temporary user outside every partition for each tagged value a preserved module
+    call signature names, so lowering returns it from its delegate and the signature can
+    name the delegate's output. Keyed by the name the signature uses."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    kept = {}
+    for name in call_graph_names(ep):
+        node = by_name.get(renames.get(name, name))
+        if node is not None and DELEGATION_TAG in node.meta and node.op == "call_function":
+            with gm.graph.inserting_before(gm.graph.output_node()):
+                kept[name] = gm.graph.call_function(_keep, (node,))
+    return kept
+
+
+def _keep(value: Any) -> Any:
+    """The target of the temporary nodes of _keep_call_graph_values (never run)."""
+    return value
 
 
 @dataclass
