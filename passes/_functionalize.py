@@ -5,7 +5,8 @@ written root has a *current value* node and a version; a write replaces the op b
 functional variant and writes the new value back through the view chain into the root
 (``_view_inverse``); a read of a view whose root has moved on replays the chain on the
 current value. At the output, each mutated buffer / input gets its final value as a
-mutation output (ExportedProgram) or a trailing ``copy_`` (GraphModule).
+mutation output (ExportedProgram) or a trailing ``copy_`` (GraphModule): see
+``_functionalize_end``; ops reading storage or layout are in ``_storage_reads``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from torch.export.graph_signature import (
     ExportGraphSignature,
     OutputKind,
     OutputSpec,
-    TensorArgument,
 )
 from torch.fx import Node, map_arg
 
@@ -30,26 +30,22 @@ from ._aliasing import (
     METADATA_QUERIES,
     STORAGE_READERS,
     STORAGE_VIEWS,
-    argument_value,
     schema_of,
     view_base_index,
     written_arguments,
 )
 from ._buffers import (
     BUFFER,
-    INITIAL_META,
-    MUTABLE_BUFFER_META,
-    MUTABLE_INPUT_META,
     USER_INPUT,
     State,
     call_graph_names,
     find_mutations,
-    named_input_specs,
-    rename_call_graph,
     trailing_write_backs,
 )
 from ._fake_values import FakeValues
+from ._functionalize_end import VALUE_META, ProgramEnd
 from ._mutation_checks import UnsupportedMutationError, check_opaque, check_write
+from ._storage_reads import StorageReads
 from ._view_inverse import view_steps, write_back_chain
 from .functional_variants import functional_variant
 
@@ -57,12 +53,9 @@ __all__ = ["Rewrite"]
 
 aten = torch.ops.aten
 _MUTATION_OUTPUTS = {OutputKind.BUFFER_MUTATION: BUFFER, OutputKind.USER_INPUT_MUTATION: USER_INPUT}
-# Meta describing a node's value, or marking a state node: never copied onto new nodes.
-_VALUE_META = frozenset({"val", "tensor_meta", MUTABLE_BUFFER_META, MUTABLE_INPUT_META,
-                         INITIAL_META})
 
 
-class Rewrite:
+class Rewrite(StorageReads, ProgramEnd):
     """One functionalization of one program: analysis, rewrite with an undo log, commit."""
 
     def __init__(self, program: Any):
@@ -117,7 +110,7 @@ class Rewrite:
         with self.graph.inserting_before(self.cursor):
             node = self.graph.call_function(target, args, kwargs)
         self.new_nodes.append(node)
-        node.meta.update((k, v) for k, v in like.meta.items() if k not in _VALUE_META)
+        node.meta.update((k, v) for k, v in like.meta.items() if k not in VALUE_META)
         self._infer(node, like)
         return node
 
@@ -169,61 +162,6 @@ class Rewrite:
         else:
             kwargs[schema.arguments[index].name] = base
         return self.emit(view, view.target, *args, **kwargs)
-
-    def _storage_offset(self, node: Node, view: Node, val: Any) -> int:
-        """``val``'s offset in the storage of ``view``'s root, whose current value then
-        stands for that storage: refused when the root is not exactly its own storage."""
-        root = self.aliases[view].root
-        cur = self.cur.get(root, root)
-        for tensor in (root.meta.get("val"), cur.meta.get("val")):
-            if not _whole_storage(tensor):
-                raise UnsupportedMutationError(
-                    node, f"it reads the storage of {root.name} (sizes, strides, offset) after "
-                          f"a write, and {root.name} is not a contiguous tensor owning all of "
-                          "its storage with static sizes", "storage")
-        offset = val.storage_offset() if isinstance(val, torch.Tensor) else None
-        if not isinstance(offset, int):
-            raise UnsupportedMutationError(
-                node, f"it reads the storage of {root.name} at an offset that is not static",
-                "storage")
-        return offset
-
-    def _storage_reader(self, node: Node) -> bool:
-        """Re-address an op reading a written tensor's storage in the root's new value.
-
-        A written view's new value is a fresh tensor with its own storage: ``as_strided``
-        of it would read the wrong elements (eager reads the base's storage).
-        """
-        source = node.args[0]
-        alias = self.aliases.get(source)
-        if alias is None or self.cur.get(alias.root, alias.root) is alias.root:
-            return False
-        if node.target in STORAGE_VIEWS:
-            ver = self.version[alias.root]
-            self.value[node] = (self._view_values(alias.root, (node,))[-1], ver)
-            self.stale.append(node)
-            return True
-        # as_strided_copy(input, size, stride, offset=input's offset)
-        schema = node.target._schema
-        offset = argument_value(node, schema, 3)
-        if offset is None:
-            offset = self._storage_offset(node, source, source.meta.get("val"))
-        else:
-            self._storage_offset(node, source, source.meta.get("val"))
-        size, stride = argument_value(node, schema, 1), argument_value(node, schema, 2)
-        self._set_args(node, (self.cur[alias.root], size, stride, offset), {})
-        return True
-
-    def _layout_query(self, node: Node) -> None:
-        """A stride / storage-offset query reads the layout of an original node (a write
-        never changes it), never the layout of a fresh functional value."""
-        def twin(arg: Node) -> Node:
-            alias = self.aliases.get(arg)
-            if alias is None or arg not in self.value:
-                return arg
-            return alias.chain[-1] if alias.chain else alias.root
-
-        self._set_args(node, *map_arg((node.args, node.kwargs), twin))
 
     def _set_args(self, node: Node, args: tuple, kwargs: dict) -> None:
         self.arg_changes.append((node, node.args, node.kwargs))
@@ -382,84 +320,6 @@ class Rewrite:
         if chain and _same_layout(view_value, written):
             self.memo[(root, chain, self.version[root])] = view_value
 
-    # -- the end of the program -------------------------------------------------------
-    def _finish(self, output: Node) -> None:
-        for state, arg in self.mutation_outputs:
-            root = self.state_root[state]
-            if isinstance(arg, Node) and self.resolve(arg) is not root:
-                self.cur[root] = self.resolve(arg)
-                self.version[root] += 1
-                self.last_writer[root] = arg
-        finals = []  # buffers, then user inputs, each in input order: run_decompositions' order
-        for kind in (BUFFER, USER_INPUT):
-            for root in self.state_root.values():
-                state = self.states[root]
-                if state.kind == kind and self.version.get(root, 0) > 0:
-                    final = self.cur[root]
-                    if final.op in ("placeholder", "get_attr"):
-                        # The final value is another piece of state: copy it, or writing
-                        # the states back one after another would read an updated one.
-                        final = self.emit(self.last_writer[root], aten.clone.default, final)
-                    finals.append((state, root, final))
-        if self.is_ep:
-            user = [(spec, map_arg(arg, self.resolve)) for spec, arg in self.other_outputs]
-            for (_, old), (_, new) in zip(self.other_outputs, user):
-                if isinstance(old, Node) and isinstance(new, Node):
-                    self.boundary[old.name] = new
-            outputs = [final for _, _, final in finals] + [arg for _, arg in user]
-            specs = [OutputSpec(OutputKind.BUFFER_MUTATION if s.kind == BUFFER
-                                else OutputKind.USER_INPUT_MUTATION,
-                                TensorArgument(name=f.name), s.name) for s, _, f in finals]
-            specs += [_respec(spec, arg) for spec, arg in user]
-            self._set_args(output, (tuple(outputs),), {})
-            self.new_signature = ExportGraphSignature(
-                named_input_specs(self.program), specs)
-            return
-        # Returned views are replayed on the final values first: write-backs stay last.
-        returned = map_arg(output.args, self.resolve)
-        for state, root, final in finals:
-            with self.graph.inserting_before(output):
-                copy = self.graph.call_function(aten.copy_.default, (root, final))
-            self.new_nodes.append(copy)
-            copy.meta.update((k, v) for k, v in self.last_writer[root].meta.items()
-                             if k not in _VALUE_META)
-            if "val" in root.meta:  # copy_ returns its (unchanged-shape) destination
-                copy.meta["val"] = root.meta["val"]
-            self.notes.append(f"{state.kind} {state.name!r} written back by {copy.name}")
-        self._set_args(output, returned, output.kwargs)
-
-    def undo(self) -> None:
-        for node, args, kwargs in reversed(self.arg_changes):
-            node.args, node.kwargs = args, kwargs
-        for node, val in self.fake_changes:
-            node.meta["val"] = val
-        for node in reversed(self.new_nodes):
-            self.graph.erase_node(node)
-
-    def commit(self) -> None:
-        candidates = []
-        for node in reversed(self.stale):  # before the dead nodes they may still read
-            if not node.users:
-                candidates.extend(node.all_input_nodes)
-                self.graph.erase_node(node)
-        for node in reversed(self.dead):
-            candidates.extend(node.all_input_nodes)
-            self.graph.erase_node(node)
-        while candidates:
-            node = candidates.pop()
-            if node._erased or node.users or node.op != "call_function":
-                continue
-            if view_base_index(node) is not None or node.target is operator.getitem:
-                candidates.extend(node.all_input_nodes)
-                self.graph.erase_node(node)
-        if self.new_signature is not None:
-            self.program._graph_signature = self.new_signature
-        renames = {old: new.name for old, new in self.boundary.items() if new.name != old}
-        if renames:
-            self.program._module_call_graph = rename_call_graph(
-                self.program.module_call_graph, renames)
-
-
 def _same_layout(a: Node, b: Node) -> bool:
     """Same strides (True when unknown: no fake values or symbolic strides)."""
     va, vb = a.meta.get("val"), b.meta.get("val")
@@ -469,26 +329,6 @@ def _same_layout(a: Node, b: Node) -> bool:
     return not all(isinstance(x, int) for x in strides) or va.stride() == vb.stride()
 
 
-def _whole_storage(val: Any) -> bool:
-    """A contiguous tensor with static sizes at offset 0 that owns all of its storage."""
-    if not isinstance(val, torch.Tensor):
-        return False
-    sizes = (*val.shape, *val.stride(), val.storage_offset())
-    if not all(isinstance(s, int) for s in sizes) or val.storage_offset() != 0:
-        return False
-    try:
-        nbytes = val.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):
-        return False
-    return val.is_contiguous() and nbytes == val.numel() * val.element_size()
-
-
 def _is_contiguous(node: Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.is_contiguous()
-
-
-def _respec(spec: OutputSpec, arg: Any) -> OutputSpec:
-    if isinstance(arg, Node) and isinstance(spec.arg, TensorArgument):
-        return OutputSpec(spec.kind, TensorArgument(name=arg.name), spec.target)
-    return spec

@@ -1,0 +1,122 @@
+"""The end of a functionalization: the mutated state's final values become mutation
+outputs (ExportedProgram) or trailing ``copy_`` write-backs (GraphModule); on success the
+replaced nodes go, on failure the new ones. Part of :class:`passes._functionalize.Rewrite`.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+from torch.fx import Node, map_arg
+
+from ._aliasing import view_base_index
+from ._buffers import (
+    BUFFER,
+    INITIAL_META,
+    MUTABLE_BUFFER_META,
+    MUTABLE_INPUT_META,
+    USER_INPUT,
+    named_input_specs,
+    rename_call_graph,
+)
+
+__all__ = ["VALUE_META", "ProgramEnd"]
+
+aten = torch.ops.aten
+VALUE_META = frozenset({"val", "tensor_meta", MUTABLE_BUFFER_META, MUTABLE_INPUT_META,
+                        INITIAL_META})
+"""Meta describing a node's value, or marking a state node: never copied onto new nodes."""
+
+
+class ProgramEnd:
+    """The output, undo and commit of a Rewrite (mixed into Rewrite)."""
+
+    def _finish(self, output: Node) -> None:
+        for state, arg in self.mutation_outputs:
+            root = self.state_root[state]
+            if isinstance(arg, Node) and self.resolve(arg) is not root:
+                self.cur[root] = self.resolve(arg)
+                self.version[root] += 1
+                self.last_writer[root] = arg
+        finals = []  # buffers, then user inputs, each in input order: run_decompositions' order
+        for kind in (BUFFER, USER_INPUT):
+            for root in self.state_root.values():
+                state = self.states[root]
+                if state.kind == kind and self.version.get(root, 0) > 0:
+                    final = self.cur[root]
+                    if final.op in ("placeholder", "get_attr"):
+                        # The final value is another piece of state: copy it, or writing
+                        # the states back one after another would read an updated one.
+                        final = self.emit(self.last_writer[root], aten.clone.default, final)
+                    finals.append((state, root, final))
+        if self.is_ep:
+            user = [(spec, map_arg(arg, self.resolve)) for spec, arg in self.other_outputs]
+            for (_, old), (_, new) in zip(self.other_outputs, user):
+                if isinstance(old, Node) and isinstance(new, Node):
+                    self.boundary[old.name] = new
+            outputs = [final for _, _, final in finals] + [arg for _, arg in user]
+            specs = [OutputSpec(OutputKind.BUFFER_MUTATION if s.kind == BUFFER
+                                else OutputKind.USER_INPUT_MUTATION,
+                                TensorArgument(name=f.name), s.name) for s, _, f in finals]
+            specs += [_respec(spec, arg) for spec, arg in user]
+            self._set_args(output, (tuple(outputs),), {})
+            self.new_signature = ExportGraphSignature(
+                named_input_specs(self.program), specs)
+            return
+        # Returned views are replayed on the final values first: write-backs stay last.
+        returned = map_arg(output.args, self.resolve)
+        for state, root, final in finals:
+            with self.graph.inserting_before(output):
+                copy = self.graph.call_function(aten.copy_.default, (root, final))
+            self.new_nodes.append(copy)
+            copy.meta.update((k, v) for k, v in self.last_writer[root].meta.items()
+                             if k not in VALUE_META)
+            if "val" in root.meta:  # copy_ returns its (unchanged-shape) destination
+                copy.meta["val"] = root.meta["val"]
+            self.notes.append(f"{state.kind} {state.name!r} written back by {copy.name}")
+        self._set_args(output, returned, output.kwargs)
+
+    def undo(self) -> None:
+        for node, args, kwargs in reversed(self.arg_changes):
+            node.args, node.kwargs = args, kwargs
+        for node, val in self.fake_changes:
+            node.meta["val"] = val
+        for node in reversed(self.new_nodes):
+            self.graph.erase_node(node)
+
+    def commit(self) -> None:
+        candidates = []
+        for node in reversed(self.stale):  # before the dead nodes they may still read
+            if not node.users:
+                candidates.extend(node.all_input_nodes)
+                self.graph.erase_node(node)
+        for node in reversed(self.dead):
+            candidates.extend(node.all_input_nodes)
+            self.graph.erase_node(node)
+        while candidates:
+            node = candidates.pop()
+            if node._erased or node.users or node.op != "call_function":
+                continue
+            if view_base_index(node) is not None or node.target is operator.getitem:
+                candidates.extend(node.all_input_nodes)
+                self.graph.erase_node(node)
+        if self.new_signature is not None:
+            self.program._graph_signature = self.new_signature
+        renames = {old: new.name for old, new in self.boundary.items() if new.name != old}
+        if renames:
+            self.program._module_call_graph = rename_call_graph(
+                self.program.module_call_graph, renames)
+
+
+def _respec(spec: OutputSpec, arg: Any) -> OutputSpec:
+    if isinstance(arg, Node) and isinstance(spec.arg, TensorArgument):
+        return OutputSpec(spec.kind, TensorArgument(name=arg.name), spec.target)
+    return spec

@@ -1,0 +1,93 @@
+"""Functionalizing ops that read a written tensor's storage or layout, not only its values.
+
+A written view's new value is a fresh tensor with its own storage. ``as_strided`` (and
+``_reshape_alias``, ``as_strided_copy``) of it would address that storage, whereas eager
+addresses the base's: such ops are re-addressed in the storage root's new value, at their
+absolute offset. Stride / storage-offset queries read an original node's layout, which a
+write never changes. Part of :class:`passes._functionalize.Rewrite`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Node, map_arg
+
+from ._aliasing import STORAGE_VIEWS, argument_value
+from ._mutation_checks import UnsupportedMutationError
+
+__all__ = ["StorageReads", "whole_storage"]
+
+
+class StorageReads:
+    """Rewrite methods for storage readers and layout queries (mixed into Rewrite)."""
+
+    def _storage_offset(self, node: Node, view: Node, val: Any) -> int:
+        """``val``'s offset in the storage of ``view``'s root, whose current value then
+        stands for that storage: refused when the root is not exactly its own storage."""
+        root = self.aliases[view].root
+        cur = self.cur.get(root, root)
+        for tensor in (root.meta.get("val"), cur.meta.get("val")):
+            if not whole_storage(tensor):
+                raise UnsupportedMutationError(
+                    node, f"it reads the storage of {root.name} (sizes, strides, offset) after "
+                          f"a write, and {root.name} is not a contiguous tensor owning all of "
+                          "its storage with static sizes", "storage")
+        offset = val.storage_offset() if isinstance(val, torch.Tensor) else None
+        if not isinstance(offset, int):
+            raise UnsupportedMutationError(
+                node, f"it reads the storage of {root.name} at an offset that is not static",
+                "storage")
+        return offset
+
+    def _storage_reader(self, node: Node) -> bool:
+        """Re-address an op reading a written tensor's storage in the root's new value.
+
+        A written view's new value is a fresh tensor with its own storage: ``as_strided``
+        of it would read the wrong elements (eager reads the base's storage).
+        """
+        source = node.args[0]
+        alias = self.aliases.get(source)
+        if alias is None or self.cur.get(alias.root, alias.root) is alias.root:
+            return False
+        if node.target in STORAGE_VIEWS:
+            ver = self.version[alias.root]
+            self.value[node] = (self._view_values(alias.root, (node,))[-1], ver)
+            self.stale.append(node)
+            return True
+        # as_strided_copy(input, size, stride, offset=input's offset)
+        schema = node.target._schema
+        offset = argument_value(node, schema, 3)
+        if offset is None:
+            offset = self._storage_offset(node, source, source.meta.get("val"))
+        else:
+            self._storage_offset(node, source, source.meta.get("val"))
+        size, stride = argument_value(node, schema, 1), argument_value(node, schema, 2)
+        self._set_args(node, (self.cur[alias.root], size, stride, offset), {})
+        return True
+
+    def _layout_query(self, node: Node) -> None:
+        """A stride / storage-offset query reads the layout of an original node (a write
+        never changes it), never the layout of a fresh functional value."""
+        def twin(arg: Node) -> Node:
+            alias = self.aliases.get(arg)
+            if alias is None or arg not in self.value:
+                return arg
+            return alias.chain[-1] if alias.chain else alias.root
+
+        self._set_args(node, *map_arg((node.args, node.kwargs), twin))
+
+
+def whole_storage(val: Any) -> bool:
+    """A contiguous tensor with static sizes at offset 0 that owns all of its storage."""
+    if not isinstance(val, torch.Tensor):
+        return False
+    sizes = (*val.shape, *val.stride(), val.storage_offset())
+    if not all(isinstance(s, int) for s in sizes) or val.storage_offset() != 0:
+        return False
+    try:
+        nbytes = val.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return val.is_contiguous() and nbytes == val.numel() * val.element_size()
