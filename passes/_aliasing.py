@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
@@ -287,37 +288,65 @@ def alias_map(
     return aliases, opaque
 
 
-def _static(values) -> bool:
-    return all(isinstance(v, int) for v in values)
+def _known(condition: Any) -> bool:
+    """True only when ``condition`` (a bool or a SymBool) holds for every value the shape
+    environment allows; never adds a guard."""
+    if isinstance(condition, bool):
+        return condition
+    return statically_known_true(condition)
 
 
-def _extent(val: torch.Tensor) -> tuple[int, int] | None:
-    """First and last storage element a strided tensor touches (None if empty)."""
-    if val.numel() == 0:
-        return None
+def _layout(val: torch.Tensor) -> tuple:
+    return (*val.shape, *val.stride(), val.storage_offset())
+
+
+def _extent(val: torch.Tensor) -> tuple[Any, Any] | None:
+    """First and last storage element a strided tensor touches (None: sign of a symbolic
+    stride unknown)."""
     low = high = val.storage_offset()
     for size, stride in zip(val.shape, val.stride()):
         span = (size - 1) * stride
-        if span < 0:
-            low += span
+        if _known(stride >= 0):
+            high = high + span
+        elif _known(stride <= 0):
+            low = low + span
         else:
-            high += span
+            return None
     return low, high
+
+
+# Above this many elements, static views are compared by extent only.
+_ENUMERATION_LIMIT = 1 << 22
+
+
+def _elements(val: torch.Tensor) -> torch.Tensor:
+    """The storage offsets of every element of a view with static layout."""
+    index = torch.tensor(val.storage_offset(), dtype=torch.int64)
+    for size, stride in zip(val.shape, val.stride()):
+        index = index.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return index.flatten()
 
 
 def may_overlap(a: Node, b: Node) -> bool:
     """Whether two views of one storage may touch a common element but are not identical.
 
-    True when it cannot be proven otherwise (no fake tensors, symbolic sizes).
+    Exact for static layouts (the elements are enumerated, so sibling columns, selects and
+    diagonals are told apart); with symbolic sizes, equality and disjointness are proven
+    from the shape environment's facts (``x[:s]`` vs ``x[0:s]``, ``x[:s]`` vs
+    ``x[s:2*s]``). True when it cannot be proven otherwise (no fake tensors included).
     """
     va, vb = a.meta.get("val"), b.meta.get("val")
     if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
         return True
-    if not all(_static((*v.shape, *v.stride(), v.storage_offset())) for v in (va, vb)):
-        return True
-    if (tuple(va.shape), va.stride(), va.storage_offset()) == (
-        tuple(vb.shape), vb.stride(), vb.storage_offset()
-    ):
+    la, lb = _layout(va), _layout(vb)
+    if va.dim() == vb.dim() and all(_known(x == y) for x, y in zip(la, lb)):
         return False
+    if _known(va.numel() == 0) or _known(vb.numel() == 0):
+        return False
+    static = all(isinstance(x, int) for x in (*la, *lb))
+    if static and va.numel() + vb.numel() <= _ENUMERATION_LIMIT:
+        return bool(torch.isin(_elements(va), _elements(vb)).any())
     ea, eb = _extent(va), _extent(vb)
-    return ea is not None and eb is not None and not (ea[1] < eb[0] or eb[1] < ea[0])
+    if ea is None or eb is None:
+        return True
+    return not (_known(ea[1] < eb[0]) or _known(eb[1] < ea[0]))

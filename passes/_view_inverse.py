@@ -48,8 +48,20 @@ _IDENTITIES = frozenset({aten.alias.default, aten.detach.default, aten.to.dtype,
                          aten.contiguous.default, aten.lift_fresh.default})
 _LIST_VIEWS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
                          aten.chunk.default})
+# Views that re-index every element: a write through one is written back by its inverse.
+_INVERSES = {
+    aten.movedim.int: lambda view, value, source, destination: (
+        aten.movedim.int, value, destination, source),
+    aten.movedim.intlist: lambda view, value, source, destination: (
+        aten.movedim.intlist, value, destination, source),
+    aten.swapaxes.default: lambda view, value, a, b: (aten.swapaxes.default, value, a, b),
+    aten.swapdims.default: lambda view, value, a, b: (aten.swapdims.default, value, a, b),
+    aten.view_as_real.default: lambda view, value: (aten.view_as_complex.default, value),
+    aten.view_as_complex.default: lambda view, value: (aten.view_as_real.default, value),
+}
 _OTHERS = frozenset({aten.narrow.default, aten.transpose.int, aten.t.default,
-                     aten.permute.default, aten.unsqueeze.default, aten.view.dtype})
+                     aten.permute.default, aten.unsqueeze.default, aten.view.dtype,
+                     *_INVERSES})
 _WRITABLE_VIEWS = STORAGE_VIEWS | _SCATTERS.keys() | _RESHAPES | _IDENTITIES | _OTHERS | _LIST_VIEWS
 
 
@@ -93,6 +105,8 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         end = start + length if isinstance(start, int) and isinstance(length, int) else emit(
             operator.add, start, length)
         return emit(aten.slice_scatter.default, base, value, dim, start, end)
+    if target in _INVERSES:
+        return emit(*_INVERSES[target](view, value, *_args(view)))
     if target is aten.transpose.int:
         return emit(aten.transpose.int, value, *_args(view))
     if target is aten.t.default:

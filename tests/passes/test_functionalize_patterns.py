@@ -218,3 +218,79 @@ def test_native_batch_norm_training_updates_running_stats_functionally():
     for program in (ep, gm):
         assert aten.native_batch_norm.default not in targets(program)
         assert aten._native_batch_norm_legit_functional.default in targets(program)
+
+
+# -- pattern 11: movedim (and other re-indexing views) written through ---------------------
+class MovedimWrites(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(24.0).reshape(2, 3, 4))
+
+    def forward(self, x):
+        self.b.movedim(2, 0)[1].add_(x)
+        self.b.movedim((0, 1), (2, 0)).select(0, 1).mul_(2)
+        self.b.swapaxes(0, 2)[3].sub_(x.t())
+        return self.b * 1
+
+
+def test_writes_through_movedim_and_swapaxes():
+    _, gm = functionalize_both_forms(MovedimWrites, _calls((2, 3)))
+    assert aten.movedim.int in targets(gm)
+
+
+# -- pattern 12: disjoint sibling views are not overlapping --------------------------------
+class SiblingViews(nn.Module):
+    """Writes whose other argument is a disjoint view of the same buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(20.0).reshape(4, 5))
+
+    def forward(self, x):
+        self.b[:, 0].add_(self.b[:, 2])
+        self.b.select(1, 1).sub_(self.b.select(1, 3) * x)
+        self.b.diagonal().mul_(self.b.diagonal(1)[:3].sum())
+        self.b.diagonal()[:3].add_(self.b.diagonal(1)[:3])
+        self.b[0, ::2].copy_(self.b[0, 1::2][:3].flip(0).sum().expand(3))
+        self.b[1::2].add_(self.b[::2])
+        return self.b * 1
+
+
+def test_disjoint_sibling_views_are_rewritten():
+    functionalize_both_forms(SiblingViews, _calls((4,)))
+
+
+class OverlappingViews(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(6.0))
+
+    def forward(self, x):
+        self.b[1:].add_(self.b[:-1])
+        return self.b * x
+
+
+def test_truly_overlapping_views_are_refused():
+    error = refused_in_both_forms(OverlappingViews, _calls((6,)), "overlap")
+    assert "overlap" in error.reason
+
+
+# -- pattern 2: symbolic ranges proven equal or disjoint from the shape environment --------
+class SymbolicRanges(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(16))
+
+    def forward(self, x):
+        n = x.shape[0]
+        self.b[:n].add_(self.b[0:n])  # one region
+        self.b[:n].add_(x)
+        self.b[n:2 * n].copy_(self.b[:n] * 2)  # disjoint regions
+        self.b.narrow(0, 0, n).mul_(self.b[n:2 * n])
+        return self.b * 1
+
+
+def test_symbolic_ranges_equal_or_disjoint():
+    calls = [(torch.randn(n, generator=torch.Generator().manual_seed(n)),) for n in (3, 5, 2, 7)]
+    dims = ({0: torch.export.Dim("n", min=2, max=8)},)
+    functionalize_both_forms(SymbolicRanges, calls, dynamic_shapes=dims)
