@@ -25,6 +25,7 @@ __all__ = [
     "HIDDEN_WRITES",
     "MAYBE_VIEWS",
     "METADATA_QUERIES",
+    "NO_WRITE_UNLESS",
     "STORAGE_READERS",
     "STORAGE_VIEWS",
     "Alias",
@@ -158,12 +159,25 @@ tagged ``maybe_aliasing_or_mutating``); functional_variants maps the first three
 ``_native_batch_norm_legit_functional``, the backend-specific ones stay refused."""
 
 
+NO_WRITE_UNLESS = {
+    _aten.dropout_.default: 2,
+    _aten.feature_dropout_.default: 2,
+    _aten.alpha_dropout_.default: 2,
+    _aten.feature_alpha_dropout_.default: 2,
+}
+"""In-place ops that leave their argument as it is when a flag is False (``dropout_(x, p,
+train=False)``): op -> index of the flag. Like torch's functionalization, no write."""
+
+
 def written_arguments(node: Node) -> list[tuple[int, Node]]:
     """``(schema argument index, node)`` for every tensor the node writes, in schema order."""
     facts = _facts_of(node)
     if facts is None:
         return []
     written = facts.written
+    flag = NO_WRITE_UNLESS.get(node.target)
+    if flag is not None and argument_value(node, facts.schema, flag) is False:
+        return []
     hidden = HIDDEN_WRITES.get(node.target)
     if hidden is not None and argument_value(node, facts.schema, hidden[0]) is True:
         written = hidden[1]

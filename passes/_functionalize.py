@@ -233,6 +233,16 @@ class Rewrite(StorageReads, ProgramEnd):
         variant = functional_variant(node.target)
         if isinstance(variant, str):
             raise UnsupportedMutationError(node, variant, "no-variant")
+        if variant.expand is not None:
+            results = variant.expand(
+                lambda target, *a, **kw: self.emit(node, target, *a, **kw), node)
+            n_returns = len(node.target._schema.returns)
+            if n_returns:
+                self.value[node] = (results[0], 0)
+            for (_, w), new in zip(writes, results[n_returns:]):
+                self._write(node, w, self._conform(node, w, new))
+            self.dead.append(node)
+            return
         if variant.functional is None:
             (_, written), = writes
             root = self.aliases[written].root

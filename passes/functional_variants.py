@@ -8,7 +8,8 @@ normalized by torchgen (no overload name, out= arguments or alias annotations), 
 mutating op's: ``pow_.Scalar`` -> ``pow.Tensor_Scalar``, ``copy_`` -> ``copy``. Built in:
 ``batch_norm`` in training mode (it updates its running statistics without saying so in
 its schema) becomes ``_native_batch_norm_legit_functional``; ``detach_`` changes no value
-and becomes nothing.
+and becomes nothing. A custom op with ``(a!)`` arguments and no registered variant falls
+back to torch's ``auto_functionalized`` higher-order op, as ``run_decompositions`` does.
 
 A functional variant takes the op's arguments (without the ``out=`` ones) and returns:
 
@@ -20,15 +21,21 @@ A functional variant takes the op's arguments (without the ``out=`` ones) and re
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch._higher_order_ops.auto_functionalize import (
+    auto_functionalized,
+    can_auto_functionalize,
+)
 from torch._ops import OpOverload
 from torch.fx import Node
 from torchgen.model import FunctionSchema
 
 from ._aliasing import argument_value
+from ._mutation_checks import UnsupportedMutationError
 
 __all__ = [
     "FunctionalVariant",
@@ -60,6 +67,9 @@ class FunctionalVariant:
         arguments: for a built-in variant with another signature, the call's
             ``(args, kwargs)`` built from the original node.
         picks: for such a variant, which of its results are (op results..., new values...).
+        expand: for an op whose functional form takes several nodes, a function
+            ``expand(emit, node) -> [op results..., new values...]`` building them with
+            ``emit(target, *args, **kwargs)`` from the node (its arguments already current).
     """
 
     functional: Callable | None
@@ -67,6 +77,7 @@ class FunctionalVariant:
     returns_written: bool
     arguments: Callable[[Node], tuple[tuple, dict]] | None = None
     picks: tuple[int, ...] | None = None
+    expand: Callable[[Callable[..., Node], Node], list[Node]] | None = None
 
 
 def register_functional_variant(op: OpOverload, functional: Callable) -> None:
@@ -148,6 +159,36 @@ def _batch_norm_arguments(node: Node) -> tuple[tuple, dict]:
     return tuple(argument_value(node, schema, i) for i in range(8)), {}
 
 
+def _positional_arguments(node: Node) -> tuple[tuple, dict]:
+    schema = node.target._schema
+    return tuple(argument_value(node, schema, i) for i in range(len(schema.arguments))), {}
+
+
+def _instance_norm(emit: Callable[..., Node], node: Node) -> list[Node]:
+    """instance_norm with running statistics, as torch's own implementation computes it:
+    batch norm over the input seen as (1, batch * channels, ...) with the statistics
+    repeated per batch element; the new statistics are their mean over the batch."""
+    aten = torch.ops.aten
+    x, weight, bias, mean, var, _, momentum, eps, _ = (
+        argument_value(node, node.target._schema, i) for i in range(9))
+    shape = list(x.meta["val"].shape) if "val" in x.meta else [None]
+    if not all(isinstance(d, int) for d in shape):
+        raise UnsupportedMutationError(
+            node, "instance_norm with running statistics needs the input's static shape",
+            "no-variant")
+    batch, channels = shape[0], shape[1]
+    flat = emit(aten.reshape.default, x, [1, batch * channels, *shape[2:]])
+    weight, bias, mean, var = (
+        None if t is None else emit(aten.repeat.default, t, [batch])
+        for t in (weight, bias, mean, var))
+    norm = emit(aten._native_batch_norm_legit_functional.default, flat, weight, bias, mean,
+                var, True, momentum, eps)
+    out, new_mean, new_var = (emit(operator.getitem, norm, i) for i in (0, 3, 4))
+    return [emit(aten.reshape.default, out, shape),
+            *(emit(aten.mean.dim, emit(aten.reshape.default, t, [batch, channels]), [0])
+              for t in (new_mean, new_var))]
+
+
 # Ops that write in training mode without saying so (see _aliasing.HIDDEN_WRITES): their
 # functional form returns (output, save_mean, save_invstd, new running_mean, new running_var).
 _BUILT_IN = {
@@ -157,7 +198,42 @@ _BUILT_IN = {
     torch.ops.aten.native_batch_norm.default: FunctionalVariant(
         torch.ops.aten._native_batch_norm_legit_functional.default, (), False,
         _batch_norm_arguments, (0, 1, 2, 3, 4)),
+    torch.ops.aten.instance_norm.default: FunctionalVariant(
+        None, (), False, expand=_instance_norm),
+    # Its composite calls the helper, whose functional twin also returns the mask.
+    torch.ops.aten.fused_moving_avg_obs_fake_quant.default: FunctionalVariant(
+        torch.ops.aten._fused_moving_avg_obs_fq_helper_functional.default, (), False,
+        _positional_arguments, (0, 2, 3, 4, 5)),
+    # In training mode (dropout_ with train=False writes nothing, see _aliasing).
+    torch.ops.aten.dropout_.default: FunctionalVariant(
+        torch.ops.aten.dropout.default, (), True, _positional_arguments),
 }
+
+
+def _all_arguments(node: Node) -> tuple[tuple, dict]:
+    schema = node.target._schema
+    kwargs = {a.name: argument_value(node, schema, i) for i, a in enumerate(schema.arguments)}
+    return (node.target,), kwargs
+
+
+@functools.cache
+def _auto_functionalized(op: OpOverload) -> FunctionalVariant | None:
+    """torch's own fallback for a custom op with ``(a!)`` arguments and no registered
+    variant, as ``run_decompositions`` uses it: ``auto_functionalized(op, **arguments)``
+    returns the op's result (None when it has none), then each written argument's new
+    value. Only for plain written ``Tensor`` arguments and results aliasing nothing, so
+    every result has a fixed position."""
+    if not can_auto_functionalize(op):
+        return None
+    schema = op._schema
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if any(str(a.type) != "Tensor" for a in written) or any(
+        r.alias_info is not None for r in schema.returns
+    ):
+        return None
+    n_results = max(len(schema.returns), 1)
+    picks = (*range(len(schema.returns)), *range(n_results, n_results + len(written)))
+    return FunctionalVariant(auto_functionalized, (), False, _all_arguments, picks)
 
 
 def functional_variant(op: Callable) -> FunctionalVariant | str:
@@ -174,6 +250,9 @@ def functional_variant(op: Callable) -> FunctionalVariant | str:
         return _BUILT_IN[op]
     functional = _REGISTRY.get(op) or _default_variant(op)
     if functional is None:
+        fallback = _auto_functionalized(op)
+        if fallback is not None:
+            return fallback
         return (f"no functional variant of {op} is known; register one with "
                 f"passes.register_functional_variant({op}, functional_op)")
     return FunctionalVariant(functional, out_args, _returns_written(schema))

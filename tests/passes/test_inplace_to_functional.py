@@ -181,18 +181,22 @@ class CustomWrite(torch.nn.Module):
         return self.b + x
 
 
-def test_custom_op_needs_a_registered_variant_then_works():
+def test_custom_op_falls_back_to_auto_functionalized_and_prefers_a_registered_variant():
     calls = [(torch.full((3,), float(i)),) for i in range(4)]
     ep = torch.export.export(CustomWrite(), calls[0])
-    error = _assert_rejected(ep, "no-variant", "scale_")
-    assert "register_functional_variant" in error.reason
+    auto = torch.ops.higher_order.auto_functionalized
+    for program in (ep, ep.module()):  # no variant registered: torch's own fallback
+        result = functionalize(copy.deepcopy(program)).program
+        assert_same_behaviour(CustomWrite(), result, calls, calls=4)
+        assert auto in [n.target for n in graph_of(result).nodes]
     register_functional_variant(torch.ops.mbp_test.scale_.default,
                                 torch.ops.mbp_test.scaled.default)
     try:
         for program in (ep, ep.module()):
             result = functionalize(copy.deepcopy(program)).program
             assert_same_behaviour(CustomWrite(), result, calls, calls=4)
-            assert torch.ops.mbp_test.scaled.default in [n.target for n in graph_of(result).nodes]
+            targets = [n.target for n in graph_of(result).nodes]
+            assert torch.ops.mbp_test.scaled.default in targets and auto not in targets
     finally:
         unregister_functional_variant(torch.ops.mbp_test.scale_.default)
 
