@@ -44,6 +44,7 @@ from ._buffers import (
 )
 from ._fake_values import FakeValues
 from ._functionalize_end import VALUE_META, ProgramEnd
+from ._grad_regions import inline_grad_regions
 from ._mutation_checks import UnsupportedMutationError, check_opaque, check_write
 from ._storage_reads import StorageReads
 from ._view_inverse import view_steps, write_back_chain
@@ -63,6 +64,9 @@ class Rewrite(StorageReads, ProgramEnd):
         self.is_ep = isinstance(program, ExportedProgram)
         self.gm = graph_module_of(program)
         self.graph = self.gm.graph
+        # no_grad regions that write state are inlined first (logged for undo/commit).
+        inlined = inline_grad_regions(self.gm)
+        self.skipped = set(inlined.dead)
         scan = find_mutations(program)
         self.states = scan.states
         self.state_root: dict[State, Node] = {}
@@ -83,8 +87,9 @@ class Rewrite(StorageReads, ProgramEnd):
         # A program whose only writes are trailing write-backs is functional already.
         write_backs = set() if self.is_ep else set(trailing_write_backs(program))
         self.roots = {self.state_root[s] for s, _ in self.mutation_outputs} | scan.written_roots
-        self.has_writes = any(str(n.target).endswith("_") or "writes" in reason
-                              for n, reason in self.opaque.items())
+        self.has_writes = bool(self.skipped) or any(
+            str(n.target).endswith("_") or "writes" in reason
+            for n, reason in self.opaque.items() if n not in self.skipped)
         self.has_writes |= any(n not in write_backs for n in scan.writing_nodes)
         self.fake = FakeValues(self.graph)
         self.cur: dict[Node, Node] = {}
@@ -93,10 +98,10 @@ class Rewrite(StorageReads, ProgramEnd):
         self.memo: dict[tuple, Node] = {}
         self.last_writer: dict[Node, Node] = {}
         self.multi_results: dict[Node, list[Node | None]] = {}
-        self.new_nodes: list[Node] = []
-        self.arg_changes: list[tuple[Node, tuple, dict]] = []
+        self.new_nodes: list[Node] = inlined.new_nodes
+        self.arg_changes: list[tuple[Node, tuple, dict]] = inlined.arg_changes
         self.fake_changes: list[tuple[Node, Any]] = []
-        self.dead: list[Node] = []
+        self.dead: list[Node] = inlined.dead
         self.stale: list[Node] = []  # original nodes whose users now read a new node
         self.cursor: Node = self.output
         self.new_signature: ExportGraphSignature | None = None
@@ -191,6 +196,8 @@ class Rewrite(StorageReads, ProgramEnd):
     def run(self) -> None:
         for node in list(self.graph.nodes):
             self.cursor = node
+            if node in self.skipped:  # an inlined region, erased on commit
+                continue
             if node.op == "output":
                 self._finish(node)
                 continue

@@ -381,3 +381,39 @@ def test_running_statistics_and_observers():
     for program in (ep, gm):
         assert aten.instance_norm.default not in targets(program)
         assert aten.fused_moving_avg_obs_fake_quant.default not in targets(program)
+
+
+# -- pattern 4: writes under torch.no_grad() in a program exported with grad enabled ------
+class NoGradState(nn.Module):
+    """An EMA buffer and an SSM-like state cache updated under no_grad (exported with grad
+    enabled, so export wraps the region in wrap_with_set_grad_enabled), and a no_grad
+    region that writes nothing."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("ema", torch.zeros(3))
+        self.register_buffer("state", torch.zeros(2, 3))
+
+    def forward(self, x):
+        y = self.lin(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(y.mean(0) * 0.1)
+            self.state[0].copy_(y[0])
+            self.state[1].mul_(0.5).add_(self.state[0])
+            seen = self.state.sum(0)
+        with torch.no_grad():
+            frozen = y * 2
+        return y * self.ema + seen + frozen
+
+
+def test_state_written_under_no_grad():
+    calls = _calls((4, 3))
+    ep, gm = functionalize_both_forms(NoGradState, calls)
+    reference = torch.export.export(NoGradState(), calls[0]).run_decompositions({})
+    assert sorted(ep.graph_signature.buffers_to_mutate.values()) == sorted(
+        reference.graph_signature.buffers_to_mutate.values()) == ["ema", "state"]
+    for program in (ep, gm):
+        # the writing region is inlined; the region that writes nothing stays as it was
+        assert targets(program).count(torch.ops.higher_order.wrap_with_set_grad_enabled) == 1
