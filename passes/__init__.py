@@ -5,6 +5,7 @@ torch.export, pt2e quantization and delegation.
 from . import conditions
 from ._buffers import mutable_buffers, reset_mutable_buffers
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
+from .errors import AmbiguousFrozenBufferError, QuantizationFlowError
 from .functional_variants import register_functional_variant
 from .inplace_to_functional import InplaceToFunctional, UnsupportedMutationError
 from .mark_mutable_buffers import MarkMutableBuffers
@@ -12,9 +13,11 @@ from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
 
 __all__: list[str] = [
+    "AmbiguousFrozenBufferError",
     "ConsumeBufferMutationsInDelegate",
     "InplaceToFunctional",
     "MarkMutableBuffers",
+    "QuantizationFlowError",
     "SkipAnnotateDataMovementOps",
     "UnfreezeMutableBuffer",
     "UnsupportedMutationError",

@@ -23,6 +23,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec, OutputKind, TensorArgument
 from torch.fx import Node
 
+from pass_manager import graph_module_of
+
 from ._aliasing import Alias, OpaqueNode, alias_map, written_nodes
 
 __all__ = [
@@ -239,7 +241,7 @@ def hop_writes(node: Node, gm: torch.nn.Module) -> OpaqueNode | None:
 
 def find_mutations(program: Any) -> Mutations:
     """Scan the graph: every state node, every node writing (through any view) to state."""
-    gm = program.graph_module if isinstance(program, ExportedProgram) else program
+    gm = graph_module_of(program)
     states = state_nodes(program)
     first: dict[State, Node] = {}
     canonical = {node: first.setdefault(state, node) for node, state in states.items()}
@@ -278,7 +280,7 @@ def find_mutations(program: Any) -> Mutations:
 
 def trailing_write_backs(program: Any) -> list[Node]:
     """The ``aten.copy_(state, value)`` nodes right before the output (GraphModule form)."""
-    gm = program.graph_module if isinstance(program, ExportedProgram) else program
+    gm = graph_module_of(program)
     found = []
     node = next(n for n in reversed(gm.graph.nodes) if n.op == "output").prev
     while (
@@ -334,7 +336,7 @@ def mutable_buffers(program: Any) -> dict[str, MutableBuffer]:
 
 def _marked(program: Any) -> dict[str, MutableBuffer]:
     """The marks in node meta, without the writers (which need a scan of the graph)."""
-    gm = program.graph_module if isinstance(program, ExportedProgram) else program
+    gm = graph_module_of(program)
     found: dict[str, MutableBuffer] = {}
     for node in gm.graph.nodes:
         for key, kind in ((MUTABLE_BUFFER_META, BUFFER), (MUTABLE_INPUT_META, USER_INPUT)):

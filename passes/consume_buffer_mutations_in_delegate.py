@@ -27,11 +27,11 @@ from torch.fx import Node
 from pass_manager import EXPORTED_PROGRAM, Pass, PassResult
 
 from ._aliasing import alias_map
-from .conditions import BufferMutationsInDelegates, Functional
+from ._buffer_conditions import Functional
+from .delegation.delegate_runtime import LoweredBackendModule
 from .delegation.errors import BufferAliasingError, BufferConsumptionError
-from .delegation.lower_partitions import delegates
-from .delegation.lowering import LoweredBackendModule
-from .delegation.ownership import BufferOwnership, buffer_ownership
+from .delegation.ownership import BufferMutationsInDelegates, BufferOwnership, buffer_ownership
+from .delegation.partitions_to_delegates import delegates
 from .delegation.subprogram import input_spec, make_program, output_spec
 
 __all__ = ["ConsumeBufferMutationsInDelegate"]

@@ -7,9 +7,9 @@ from typing import Any
 
 from pass_manager import Pass, PassResult
 
+from ._buffer_conditions import Functional, MutableBuffersMarked
 from ._functionalize import Rewrite
 from ._mutation_checks import UnsupportedMutationError
-from .conditions import Functional, MutableBuffersMarked
 
 __all__ = ["InplaceToFunctional", "UnsupportedMutationError"]
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from pass_manager import ALL_CONDITIONS, Pass, PassResult
 
+from ._buffer_conditions import MutableBuffersMarked
 from ._buffers import (
     BUFFER,
     INITIAL_META,
@@ -16,7 +17,6 @@ from ._buffers import (
     buffer_tensor,
     find_mutations,
 )
-from .conditions import MutableBuffersMarked
 
 __all__ = ["MarkMutableBuffers"]
 

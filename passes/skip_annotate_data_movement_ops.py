@@ -10,8 +10,8 @@ from torch.fx import Node
 
 from pass_manager import Pass, PassResult, graph_module_of
 
-from ._quantization_utils import ANNOTATION_META, DATA_MOVEMENT_OPS, buffer_of
-from .conditions import DataMovementNotAnnotated, Functional, MutableBuffersMarked
+from ._buffer_conditions import Functional, MutableBuffersMarked
+from ._data_movement import ANNOTATION_META, DATA_MOVEMENT_OPS, DataMovementNotAnnotated, buffer_of
 
 if TYPE_CHECKING:
     from torchao.quantization.pt2e.quantizer import QuantizationAnnotation
@@ -24,7 +24,7 @@ class SkipAnnotateDataMovementOps(Pass):
     """Make a mutable buffer share the qparams of what is written into it.
 
     Runs after a quantizer's ``annotate`` (``PassQuantizer(after_annotate=[...])``). For
-    every annotated data-movement op (:data:`passes._quantization_utils.DATA_MOVEMENT_OPS`:
+    every annotated data-movement op (:data:`passes._data_movement.DATA_MOVEMENT_OPS`:
     ``index_copy``, ``index_put``, ``copy_``, the ``*_scatter`` ops, views) that reads a
     marked mutable buffer:
 

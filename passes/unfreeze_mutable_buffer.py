@@ -9,19 +9,22 @@ from torch.fx import GraphModule, Node
 
 from pass_manager import GRAPH_MODULE, Pass, PassResult
 
-from ._buffers import INITIAL_META, MUTABLE_BUFFER_META
-from ._quantization_utils import (
-    DATA_MOVEMENT_OPS,
-    FrozenRead,
-    buffer_attr_nodes,
-    frozen_buffer_reads,
-)
-from .conditions import NoFrozenMutableBuffers
+from ._buffers import INITIAL_META, MUTABLE_BUFFER_META, buffer_nodes
+from ._data_movement import DATA_MOVEMENT_OPS
+from ._frozen_reads import FrozenRead, NoFrozenMutableBuffers, frozen_buffer_reads
 
 __all__ = ["UnfreezeMutableBuffer"]
 
 _QUANTIZE = torch.ops.quantized_decomposed.quantize_per_tensor.default
 _BUFFER_META = (MUTABLE_BUFFER_META, INITIAL_META, "tensor_meta", "val")
+
+
+def _buffer_attr_nodes(gm: GraphModule) -> dict[str, Node]:
+    """The first ``get_attr`` node of each buffer, by FQN."""
+    found: dict[str, Node] = {}
+    for node, fqn in buffer_nodes(gm).items():
+        found.setdefault(fqn, node)
+    return found
 
 
 @dataclass(frozen=True, repr=False)
@@ -61,7 +64,7 @@ class UnfreezeMutableBuffer(Pass):
     def call(self, program: GraphModule) -> PassResult:
         found = frozen_buffer_reads(program, self.name)
         notes = []
-        buffers = buffer_attr_nodes(program)
+        buffers = _buffer_attr_nodes(program)
         for frozen in found:
             notes.append(self._unfreeze(program, frozen, buffers.get(frozen.read.fqn)))
         if found:

@@ -7,15 +7,14 @@ delegate that updates them. ``delegates(ep)`` lists the delegates, ``program_sta
 reads every buffer of a running program by FQN, wherever it lives.
 """
 
-from .errors import BufferAliasingError, BufferConsumptionError, DelegationError, PartitionError
-from .lower_partitions import Delegate, delegates, to_delegate
-from .lowering import (
+from .delegate_runtime import (
     REFERENCE_BACKEND,
     LoweredBackendModule,
     call_delegate,
     is_delegate_call,
     is_delegate_output,
 )
+from .errors import BufferAliasingError, BufferConsumptionError, DelegationError, PartitionError
 from .ownership import program_state
 from .partitioners import (
     DELEGATION_TAG,
@@ -24,6 +23,7 @@ from .partitioners import (
     Partitioner,
     tagged_partitions,
 )
+from .partitions_to_delegates import Delegate, delegates, to_delegate
 
 __all__ = [
     "DELEGATION_TAG",

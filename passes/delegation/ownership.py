@@ -25,9 +25,17 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import Node
 
-from .lowering import LoweredBackendModule, is_delegate_call, is_delegate_output
+from pass_manager import Condition
 
-__all__ = ["BufferOwnership", "buffer_ownership", "program_state", "unconsumed_buffer_mutations"]
+from .delegate_runtime import LoweredBackendModule, is_delegate_call, is_delegate_output
+
+__all__ = [
+    "BufferMutationsInDelegates",
+    "BufferOwnership",
+    "buffer_ownership",
+    "program_state",
+    "unconsumed_buffer_mutations",
+]
 
 
 @dataclass
@@ -182,6 +190,15 @@ def unconsumed_buffer_mutations(program: Any) -> list[str]:
         for v in buffer_ownership(program)
         if v.consumable
     ]
+
+
+BufferMutationsInDelegates = Condition(
+    "BufferMutationsInDelegates",
+    unconsumed_buffer_mutations,
+    doc="Every buffer that exactly one delegate mutates, and nothing else reads, is owned by "
+    "that delegate: a BUFFER input and BUFFER_MUTATION output of its sub-program, absent "
+    "from the top-level signature.",
+)
 
 
 def program_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from torch.export import ExportedProgram
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase, create_op_support
 
-from .lowering import is_delegate_call, is_delegate_output
+from .delegate_runtime import is_delegate_call, is_delegate_output
 
 __all__ = [
     "DELEGATION_TAG",

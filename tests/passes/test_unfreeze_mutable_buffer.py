@@ -19,7 +19,7 @@ from benchmarks.quantizers import Accumulator, accumulator_inputs
 from pass_manager import PassFailedError, PassManager, ProgramFormError, assert_same_behaviour
 from pass_manager.program import program_text
 from passes import MarkMutableBuffers, UnfreezeMutableBuffer, conditions
-from passes._quantization_utils import AmbiguousFrozenBufferError
+from passes.errors import AmbiguousFrozenBufferError
 from passes.examples import xnnpack_quantizer
 from passes.quantization import PassQuantizer
 

@@ -1,4 +1,6 @@
-"""The delegate call: a higher-order operator, the lowered module, and a reference backend.
+"""The delegate at run time: the ``call_delegate`` operator, the lowered module, a backend.
+
+The transform that creates delegate calls is :mod:`passes.delegation.partitions_to_delegates`.
 
 A lowered partition appears in the top-level graph as::
 
@@ -51,10 +53,18 @@ __all__ = [
     "call_delegate",
     "is_delegate_call",
     "is_delegate_output",
+    "lowered_module_name",
     "run_subprogram",
 ]
 
 REFERENCE_BACKEND = "reference_cpu"
+
+
+def lowered_module_name(root: torch.nn.Module, index: int = 0) -> str:
+    """The first free attribute name ``lowered_module_{i}`` on ``root``, from ``i = index``."""
+    while hasattr(root, f"lowered_module_{index}"):
+        index += 1
+    return f"lowered_module_{index}"
 
 
 def run_subprogram(program: ExportedProgram, args: Sequence[Any]) -> tuple[Any, ...]:
@@ -208,10 +218,7 @@ def _call_delegate_trace(mode: ProxyTorchDispatchMode, lowered_module: LoweredBa
         (n for n, m in root.named_children() if m is lowered_module), None
     )
     if name is None:
-        index = 0
-        while hasattr(root, f"lowered_module_{index}"):
-            index += 1
-        name = f"lowered_module_{index}"
+        name = lowered_module_name(root)
         root.register_module(name, lowered_module)
 
     def unwrap(value: Any) -> Any:

@@ -42,16 +42,19 @@ from torch.export.graph_signature import (
 from torch.fx.passes.tools_common import stable_topological_sort
 from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, validate_partition
 
+from pass_manager import graph_module_of
+
+from .._buffer_conditions import Functional
 from .._buffers import call_graph_names, placeholder_specs, rename_call_graph
-from ..conditions import Functional
-from .errors import DelegationError, PartitionError
-from .lowering import (
+from .delegate_runtime import (
     REFERENCE_BACKEND,
     LoweredBackendModule,
     call_delegate,
     is_delegate_call,
     is_delegate_output,
+    lowered_module_name,
 )
+from .errors import DelegationError, PartitionError
 from .partitioners import DELEGATION_TAG, Partitioner, tagged_partitions
 from .subprogram import input_spec, make_program, output_spec
 
@@ -68,12 +71,6 @@ def _with_getitems(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
             members.update(dict.fromkeys(node.users))
     order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
     return sorted(members, key=order.__getitem__)
-
-
-def _fresh_name(gm: torch.fx.GraphModule, index: int) -> str:
-    while hasattr(gm, f"lowered_module_{index}"):
-        index += 1
-    return f"lowered_module_{index}"
 
 
 def _lower_partition(
@@ -119,7 +116,7 @@ def _lower_partition(
     outputs = [(n, output_spec(n, OutputKind.USER_OUTPUT)) for n in returned]
     program = make_program(sub_gm, inputs, outputs, state, constants, ep.verifiers)
 
-    name = _fresh_name(gm, index)
+    name = lowered_module_name(gm, index)
     gm.add_submodule(name, LoweredBackendModule(program, tag, backend_id))
     with gm.graph.inserting_after(nodes[-1]):
         attr = gm.graph.get_attr(name)
@@ -268,7 +265,7 @@ class Delegate:
 
 def delegates(program: Any) -> list[Delegate]:
     """The delegate calls of an ExportedProgram or GraphModule, in graph order."""
-    gm = program.graph_module if isinstance(program, ExportedProgram) else program
+    gm = graph_module_of(program)
     found = []
     for node in gm.graph.nodes:
         if is_delegate_call(node):

@@ -1,0 +1,82 @@
+"""The conditions on a program's state: every mutated buffer is marked, nothing writes in place.
+
+Defined beside the shared buffer view (:mod:`passes._buffers`) their checks read;
+:mod:`passes.conditions` re-exports them for users.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.export import ExportedProgram
+
+from pass_manager import Condition, graph_module_of, graph_of
+
+from ._aliasing import written_nodes
+from ._buffers import (
+    BUFFER,
+    INITIAL_META,
+    MUTABLE_BUFFER_META,
+    MUTABLE_INPUT_META,
+    USER_INPUT,
+    find_mutations,
+    hop_writes,
+    trailing_write_backs,
+)
+
+__all__ = ["Functional", "MutableBuffersMarked"]
+
+
+def _unmarked_mutable_buffers(program: Any) -> list[str]:
+    scan = find_mutations(program)
+    violations = []
+    for state, writers in scan.writers.items():
+        key = {BUFFER: MUTABLE_BUFFER_META, USER_INPUT: MUTABLE_INPUT_META}.get(state.kind)
+        if key is None:
+            continue
+        written_by = ", ".join(n.name for n in writers if n is not None)
+        for node in scan.nodes_of(state):
+            if node.meta.get(key) != state.name:
+                violations.append(
+                    f"{node.name}: {state.kind} {state.name!r} is written by {written_by} "
+                    f"but not marked (meta[{key!r}])"
+                )
+            elif state.kind == BUFFER and node.meta.get(INITIAL_META) is None:
+                violations.append(f"{node.name}: buffer {state.name!r} has no initial value kept")
+    return violations
+
+
+MutableBuffersMarked = Condition(
+    "MutableBuffersMarked",
+    _unmarked_mutable_buffers,
+    doc="Every buffer the program writes (in place, through views, by a trailing copy_ or a "
+    "BUFFER_MUTATION output) has meta['mutable_buffer'] = its FQN and a kept initial value "
+    "on each of its nodes; every mutated user input has meta['mutable_user_input'].",
+)
+
+
+def _in_place_writes(program: Any) -> list[str]:
+    is_ep = isinstance(program, ExportedProgram)
+    allowed = set() if is_ep else set(trailing_write_backs(program))
+    violations = []
+    for node in graph_of(program).nodes:
+        if node in allowed:
+            continue
+        written = written_nodes(node)
+        if written:
+            names = ", ".join(n.name for n in written)
+            violations.append(f"{node.name}: {node.target} writes its argument(s) {names}")
+        elif node.op == "call_method" and str(node.target).endswith("_"):
+            violations.append(f"{node.name}: in-place method {node.target!r}")
+        elif (hop := hop_writes(node, graph_module_of(program))) is not None:
+            violations.append(f"{node.name}: {hop.reason}")
+    return violations
+
+
+Functional = Condition(
+    "Functional",
+    _in_place_writes,
+    doc="No node writes to any of its arguments, except the trailing aten.copy_(state, value) "
+    "write-backs of the GraphModule form; state updates of an ExportedProgram are "
+    "BUFFER_MUTATION / USER_INPUT_MUTATION outputs.",
+)

@@ -1,0 +1,207 @@
+"""Finding the constants ``convert_pt2e(fold_quantize=True)`` folded out of buffer reads.
+
+torchao's constant folding turns ``quantize(buffer)`` into a ``_frozen_param*`` attribute
+when it does not recognise the buffer as mutable; :func:`frozen_buffer_reads` matches each
+such constant with the read it stands for. ``UnfreezeMutableBuffer`` rewrites them and the
+``NoFrozenMutableBuffers`` condition (defined here, beside its check) verifies none is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.ao.quantization.fx._decomposed  # defines the quantized_decomposed ops
+from torch.fx import GraphModule, Node
+
+from pass_manager import Condition, graph_module_of
+
+from ._buffer_reads import OBSERVED_READS_META, BufferRead
+from ._buffers import BUFFER, MUTABLE_BUFFER_META, find_mutations
+from .errors import AmbiguousFrozenBufferError
+
+__all__ = [
+    "FROZEN_PREFIX",
+    "FrozenRead",
+    "NoFrozenMutableBuffers",
+    "frozen_buffer_reads",
+    "frozen_nodes",
+]
+
+qd = torch.ops.quantized_decomposed
+
+FROZEN_PREFIX = "_frozen_param"
+"""Name prefix of the attributes torchao's constant folding creates."""
+
+_QUANTIZE = qd.quantize_per_tensor.default
+_DEQUANTIZE_OPS = (qd.dequantize_per_tensor.default, qd.dequantize_per_tensor.tensor)
+
+
+@dataclass
+class FrozenRead:
+    """A frozen constant standing for a quantized read of a mutable buffer."""
+
+    node: Node
+    read: BufferRead
+    qparams: tuple
+
+
+def _qparams(dequantize: Node) -> tuple | None:
+    if dequantize.target is not qd.dequantize_per_tensor.default:
+        return None
+    scale, zero_point, qmin, qmax, dtype = dequantize.args[1:6]
+    return float(scale), int(zero_point), int(qmin), int(qmax), dtype
+
+
+def _observer_agrees(observer: torch.nn.Module | None, qparams: tuple) -> bool:
+    if observer is None or not hasattr(observer, "calculate_qparams"):
+        return True
+    try:
+        scale, zero_point = observer.calculate_qparams()
+    except (RuntimeError, ValueError, AttributeError):
+        return True
+    if scale.numel() != 1:
+        return False
+    return bool(torch.isclose(scale.float().reshape(()), torch.tensor(qparams[0]), rtol=1e-6)) and (
+        int(zero_point.reshape(())) == qparams[1]
+    )
+
+
+def _candidate_reads(gm: GraphModule) -> list[BufferRead]:
+    """The buffer reads a frozen constant may stand for.
+
+    Recorded reads (see ``PassQuantizer``) carry their views and observer; a marked buffer
+    without a record, or every buffer the graph writes when nothing is marked, is a
+    candidate as a direct read.
+    """
+    recorded: dict[str, list[BufferRead]] = {}
+    marked: set[str] = set()
+    for node in gm.graph.nodes:
+        if MUTABLE_BUFFER_META in node.meta:
+            marked.add(node.meta[MUTABLE_BUFFER_META])
+        for read in node.meta.get(OBSERVED_READS_META, ()):
+            known = recorded.setdefault(read.fqn, [])
+            if read not in known:
+                known.append(read)
+    if not marked:
+        marked = {s.name for s in find_mutations(gm).writers if s.kind == BUFFER}
+    reads = [r for fqn in sorted(recorded) for r in recorded[fqn]]
+    reads.extend(BufferRead(fqn, ()) for fqn in sorted(marked - set(recorded)))
+    return reads
+
+
+def _buffer_value(gm: GraphModule, fqn: str) -> torch.Tensor | None:
+    try:
+        return gm.get_buffer(fqn)
+    except AttributeError:
+        return None
+
+
+def frozen_nodes(gm: GraphModule) -> list[Node]:
+    """The ``get_attr`` nodes of constants torchao's folding created (``_frozen_param*``)."""
+    return [
+        n for n in gm.graph.nodes
+        if n.op == "get_attr" and str(n.target).rsplit(".", 1)[-1].startswith(FROZEN_PREFIX)
+    ]
+
+
+def frozen_buffer_reads(
+    gm: GraphModule,
+    pass_name: str,
+    on_ambiguous: Callable[[Node, list[str]], None] | None = None,
+) -> list[FrozenRead]:
+    """Every frozen constant that is a quantized read of a mutable buffer, with its read.
+
+    Exact when the reads were recorded at prepare time (``PassQuantizer``): the constant
+    stands for the read whose observer fed the same consumer nodes, with the same qparams.
+    Otherwise a constant matches a read when quantizing the buffer's current value (seen
+    through the read's views) with the qparams of the constant's dequantize gives exactly
+    the constant. Zero matches: a real constant. Several:
+    :class:`AmbiguousFrozenBufferError` (or ``on_ambiguous``).
+    """
+    reads = _candidate_reads(gm)
+    found = []
+    for node in frozen_nodes(gm):
+        constant = getattr(gm, str(node.target), None)
+        users = list(node.users)
+        if not isinstance(constant, torch.Tensor) or not users:
+            continue
+        if not all(u.target in _DEQUANTIZE_OPS and u.args[0] is node for u in users):
+            continue
+        params = {_qparams(u) for u in users}
+        if len(params) != 1 or None in params:
+            continue
+        qparams = params.pop()
+        consumers = {c.name for u in users for c in u.users}
+        # Recorded provenance first: the observer that watched a buffer read fed exactly
+        # these consumer nodes, and its qparams are the constant's.
+        matches = [r for r in reads if r.consumers & consumers
+                   and _observer_agrees(r.observer, qparams) and _same_shape(gm, r, constant)]
+        if not matches:
+            unrecorded = [r for r in reads if not r.consumers]
+            matches = _matching_reads(gm, unrecorded, constant, qparams)
+        names = sorted({m.describe() for m in matches})
+        if len(names) > 1:
+            if on_ambiguous is None:
+                raise AmbiguousFrozenBufferError(pass_name, node.name, names)
+            on_ambiguous(node, names)
+            continue
+        if matches:
+            found.append(FrozenRead(node, matches[0], qparams))
+    return found
+
+
+def _same_shape(gm: GraphModule, read: BufferRead, constant: torch.Tensor) -> bool:
+    value = _buffer_value(gm, read.fqn)
+    if value is None:
+        return False
+    try:
+        with torch.no_grad():
+            return read.replay(value).shape == constant.shape
+    except RuntimeError:
+        return False
+
+
+def _matching_reads(
+    gm: GraphModule, reads: Iterable[BufferRead], constant: torch.Tensor, qparams: tuple
+) -> list[BufferRead]:
+    scale, zero_point, qmin, qmax, dtype = qparams
+    matches = []
+    for read in reads:
+        value = _buffer_value(gm, read.fqn)
+        if value is None or not _observer_agrees(read.observer, qparams):
+            continue
+        with torch.no_grad():
+            try:
+                value = read.replay(value)
+            except RuntimeError:
+                continue
+            if value.shape != constant.shape or not value.is_floating_point():
+                continue
+            quantized = _QUANTIZE(value, scale, zero_point, qmin, qmax, dtype)
+        if quantized.dtype == constant.dtype and torch.equal(quantized, constant):
+            matches.append(read)
+    return matches
+
+
+def _frozen_buffer_reads(program: Any) -> list[str]:
+    ambiguous: list[str] = []
+    found = frozen_buffer_reads(
+        graph_module_of(program),
+        "NoFrozenMutableBuffers",
+        on_ambiguous=lambda node, names: ambiguous.append(
+            f"{node.name}: frozen constant {node.target!r} may stand for {', '.join(names)}"
+        ),
+    )
+    return [f"{f.node.name}: frozen constant {f.node.target!r} is a quantized read of "
+            f"{f.read.describe()}" for f in found] + ambiguous
+
+
+NoFrozenMutableBuffers = Condition(
+    "NoFrozenMutableBuffers",
+    _frozen_buffer_reads,
+    doc="No constant that torchao's folding made (_frozen_param*) stands for a read of a "
+    "mutable buffer: every read of a buffer reads its current value.",
+)
