@@ -28,13 +28,29 @@ import torch
 from pass_manager import PassFailedError, PassManager, first_difference, run_program
 from passes import InplaceToFunctional, MarkMutableBuffers, UnsupportedMutationError
 
-__all__ = ["Chooser", "FuzzModule", "RandomChooser", "check_program", "generate_program", "main"]
+__all__ = ["Chooser", "FuzzModule", "RandomChooser", "check_against_torch", "check_program",
+           "generate_program", "main"]
 
-BUFFERS = {"b0": (4, 6), "b1": (6,), "b2": (2, 3, 4), "h": (6,)}
-DTYPES = {"h": torch.float16}  # in-place updates cast their result back to the buffer's dtype
+BUFFERS = {"b0": (4, 6), "b1": (6,), "b2": (2, 3, 4), "h": (6,), "m": (6,)}
+# in-place updates cast their result back to the buffer's dtype; "m" takes bitwise ops
+DTYPES = {"h": torch.float16, "m": torch.int64}
 INPUTS = {"x": (4, 6), "y": (6,)}
 WRITES = ("add_", "mul_", "sub_", "copy_", "fill_", "clamp_", "zero_", "setitem", "add_out",
-          "index_copy_", "masked_fill_")
+          "index_copy_", "masked_fill_", "pow_", "addcmul_", "lerp_", "scatter_",
+          "scatter_add_", "index_add_", "copy_cast", "copy_broadcast", "custom_scale_",
+          "nograd_add_")
+INT_WRITES = ("ior", "iand", "ixor", "ilshift", "add_", "mul_", "copy_", "fill_", "zero_")
+
+
+@torch.library.custom_op("mbp_fuzz::scale_", mutates_args=("t",))
+def _custom_scale_(t: torch.Tensor, factor: float) -> None:
+    """A custom in-place op with no registered functional variant (auto_functionalized)."""
+    t.mul_(factor)
+
+
+@_custom_scale_.register_fake
+def _(t, factor):
+    return None
 
 
 class Chooser(Protocol):
@@ -85,6 +101,15 @@ def apply_view(t: torch.Tensor, view: tuple) -> torch.Tensor:
         return t.unbind(dim)[index]
     if kind == "detach":
         return t.detach()
+    if kind == "movedim":
+        return t.movedim(*args)
+    if kind == "swapaxes":
+        return t.swapaxes(*args)
+    if kind == "chunk":
+        chunks, dim, index = args
+        return t.chunk(chunks, dim)[index]
+    if kind == "as_strided":  # addressed in the root's storage (every root holds >= 6)
+        return t.as_strided(*args)
     raise ValueError(kind)
 
 
@@ -93,8 +118,11 @@ def _random_view(ch: Chooser, t: torch.Tensor) -> tuple | None:
     options = ["detach", "unsqueeze"]
     if nd >= 1 and t.numel() > 0:
         options += ["slice", "select", "narrow", "split", "unbind"]
+    if nd >= 1 and t.numel() > 0:
+        options += ["chunk"]
     if nd >= 2:
-        options += ["transpose", "permute", "diagonal"]
+        options += ["transpose", "permute", "diagonal", "movedim", "swapaxes"]
+    options.append("as_strided")
     if nd == 2:
         options.append("t")
     if t.is_contiguous() and nd != 1:
@@ -123,6 +151,13 @@ def _random_view(ch: Chooser, t: torch.Tensor) -> tuple | None:
         return kind, ch.integer(0, nd)
     if kind == "diagonal":
         return kind, ch.integer(-1, 1)
+    if kind == "chunk":
+        chunks = ch.integer(1, max(size, 1))
+        return kind, chunks, dim, ch.integer(0, len(torch.empty(size).chunk(chunks)) - 1)
+    if kind in ("movedim", "swapaxes"):
+        return kind, dim, ch.integer(0, nd - 1)
+    if kind == "as_strided":
+        return kind, *ch.choice([((2, 2), (1, 1), 0), ((3,), (2,), 1), ((2,), (1,), 4)])
     return (kind,)
 
 
@@ -133,7 +168,8 @@ def generate_program(ch: Chooser, max_steps: int = 8) -> list[tuple]:
               for name, shape in {**BUFFERS, **INPUTS}.items()}
     steps: list[tuple] = []
     for i in range(ch.integer(1, max_steps)):
-        kind = ch.choice(["view", "view", "write", "write", "write", "read", "temp"])
+        kind = ch.choice(["view", "view", "write", "write", "write", "read", "temp",
+                          "return_view"])
         handle = f"h{i}"
         base = ch.choice(sorted(shapes))
         if kind == "temp":
@@ -141,7 +177,7 @@ def generate_program(ch: Chooser, max_steps: int = 8) -> list[tuple]:
             shapes[handle] = torch.empty_like(shapes[base])
         elif kind == "view":
             views, t = [], shapes[base]
-            for _ in range(ch.integer(1, 3)):
+            for _ in range(ch.integer(1, 4)):
                 view = _random_view(ch, t)
                 views.append(view)
                 t = apply_view(t, view)
@@ -149,8 +185,10 @@ def generate_program(ch: Chooser, max_steps: int = 8) -> list[tuple]:
             shapes[handle] = t
         elif kind == "read":
             steps.append(("read", base))
+        elif kind == "return_view":  # returned as is: an output aliasing state
+            steps.append(("return_view", base))
         else:
-            op = ch.choice(WRITES)
+            op = ch.choice(INT_WRITES if shapes[base].dtype == torch.int64 else WRITES)
             same_shape = [n for n in sorted(shapes) if shapes[n].shape == shapes[base].shape
                           and shapes[n].dtype == shapes[base].dtype]
             kinds = ["scalar", "xsum"] + ["handle"] * bool(same_shape)
@@ -187,6 +225,8 @@ class FuzzModule(torch.nn.Module):
                 env[step[1]] = t
             elif step[0] == "read":
                 outputs.append(env[step[1]] * 1)
+            elif step[0] == "return_view":
+                outputs.append(env[step[1]])
             else:
                 _write(env[step[1]], step[2], step[3], env, x)
         self.count.add_(1)
@@ -202,7 +242,34 @@ def _write(target: torch.Tensor, op: str, rhs: tuple, env: dict, x: torch.Tensor
         value = x.flatten()[: target.numel()].view(target.shape)
     else:
         value = env[rhs[1]]
-    if op == "add_":
+    if target.dtype == torch.int64:
+        _int_write(target, op, value)
+        return
+    tensor = value if isinstance(value, torch.Tensor) else torch.full_like(target, value)
+    if op == "pow_":
+        target.pow_(2) if not isinstance(value, torch.Tensor) else target.pow_(
+            torch.full_like(target, 2.0))
+    elif op == "addcmul_":
+        target.addcmul_(tensor, tensor, value=0.5)
+    elif op == "lerp_":
+        target.lerp_(tensor.to(target.dtype).expand_as(target), 0.3)
+    elif op in ("scatter_", "scatter_add_", "index_add_") and target.dim() >= 1:
+        row = target.narrow(0, 0, 1)
+        source = torch.full_like(row, 1.5)
+        if op == "index_add_":
+            target.index_add_(0, torch.tensor([target.shape[0] - 1]), source)
+        else:
+            getattr(target, op)(0, torch.zeros(row.shape, dtype=torch.int64), source)
+    elif op == "copy_cast":  # float64 source: copy_ converts
+        target.copy_(tensor.to(torch.float64))
+    elif op == "copy_broadcast" and target.dim() >= 1:  # one row broadcast over the target
+        target.copy_(x.flatten()[: target.shape[-1]])
+    elif op == "custom_scale_":
+        torch.ops.mbp_fuzz.scale_(target, 1.5)
+    elif op == "nograd_add_":
+        with torch.no_grad():
+            target.add_(value)
+    elif op == "add_":
         target.add_(value)
     elif op == "mul_":
         target.mul_(value)
@@ -230,6 +297,32 @@ def _write(target: torch.Tensor, op: str, rhs: tuple, env: dict, x: torch.Tensor
         target.neg_()
 
 
+def _int_write(target: torch.Tensor, op: str, value: Any) -> None:
+    """Bitwise in-place operators (the __i*__ overloads) and a few others on int64 state."""
+    if isinstance(value, torch.Tensor):
+        value = (value * 10).to(torch.int64).expand_as(target)
+    else:
+        value = 3
+    if op == "ior":
+        target |= value
+    elif op == "iand":
+        target &= value
+    elif op == "ixor":
+        target ^= value
+    elif op == "ilshift":
+        target <<= 1
+    elif op == "add_":
+        target.add_(value)
+    elif op == "mul_":
+        target.mul_(value)
+    elif op == "copy_":
+        target.copy_(value if isinstance(value, torch.Tensor) else torch.tensor(value))
+    elif op == "fill_":
+        target.fill_(7)
+    else:
+        target.zero_()
+
+
 def _calls(seed: int, n: int = 4) -> list[tuple]:
     generator = torch.Generator().manual_seed(seed + 1000)
     return [tuple(torch.randn(s, generator=generator) for s in INPUTS.values()) for _ in range(n)]
@@ -238,16 +331,25 @@ def _calls(seed: int, n: int = 4) -> list[tuple]:
 def check_program(steps: list[tuple], seed: int = 0) -> str:
     """Outcome of one program: "transformed", "unchanged", "rejected: <kind>",
     "invalid: <why>" (eager or export refuses it), "mismatch: ..." or "crash: ..."."""
+    return check_against_torch(steps, seed, torch_too=False)[0]
+
+
+def check_against_torch(steps: list[tuple], seed: int = 0,
+                        torch_too: bool = True) -> tuple[str, str | None]:
+    """The outcome of the passes (see check_program) and of ``run_decompositions({})`` on
+    the same exported program: "ok", "mismatch: ..." or "crash: ..." (None when the
+    program is invalid or ``torch_too`` is False)."""
     calls = _calls(seed)
     module = FuzzModule(steps, seed)
     try:
         expected = run_program(module, calls)
     except RuntimeError as e:
-        return f"invalid: eager {str(e).splitlines()[0][:60]}"
+        return f"invalid: eager {str(e).splitlines()[0][:60]}", None
     try:
         ep = torch.export.export(copy.deepcopy(module), copy.deepcopy(calls[0]))
     except Exception as e:  # noqa: BLE001 - export refusing a program is not under test
-        return f"invalid: export {type(e).__name__}"
+        return f"invalid: export {type(e).__name__}", None
+    reference = _torch_outcome(copy.deepcopy(ep), expected, calls) if torch_too else None
     outcome = "unchanged"
     for program in (ep, ep.module()):
         try:
@@ -255,16 +357,26 @@ def check_program(steps: list[tuple], seed: int = 0) -> str:
         except PassFailedError as e:
             cause = e.__cause__
             if isinstance(cause, UnsupportedMutationError):
-                return f"rejected: {cause.kind}"
-            return f"crash: {type(cause).__name__}: {cause}"
+                return f"rejected: {cause.kind}", reference
+            return f"crash: {type(cause).__name__}: {cause}", reference
         except Exception as e:  # noqa: BLE001 - any other escape is a crash to report
-            return f"crash: {type(e).__name__}: {e}"
+            return f"crash: {type(e).__name__}: {e}", reference
         difference = first_difference(expected, run_program(result.program, calls))
         if difference:
-            return f"mismatch: {type(program).__name__}: {difference}"
+            return f"mismatch: {type(program).__name__}: {difference}", reference
         if result.report.records[-1].modified:
             outcome = "transformed"
-    return outcome
+    return outcome, reference
+
+
+def _torch_outcome(ep: torch.export.ExportedProgram, expected: Any, calls: list) -> str:
+    try:
+        decomposed = ep.run_decompositions({})
+        actual = run_program(decomposed, calls)
+    except Exception as e:  # noqa: BLE001 - torch's own failures are counted
+        return f"crash: {type(e).__name__}"
+    difference = first_difference(expected, actual)
+    return f"mismatch: {difference}" if difference else "ok"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,29 +384,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--programs", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=8)
+    parser.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run run_decompositions({}) on each program and count "
+                             "its wrong results and crashes")
     args = parser.parse_args(argv)
     # Deep-copying thousands of exported programs repeats torch's own LeafSpec deprecation
     # warning; it says nothing about the programs checked.
     warnings.filterwarnings("ignore", category=FutureWarning)
     counts: collections.Counter = collections.Counter()
+    torch_counts: collections.Counter = collections.Counter()
     failures = []
     start = time.perf_counter()
     for i in range(args.programs):
         seed = args.seed + i
         steps = generate_program(RandomChooser(seed), args.max_steps)
-        outcome = check_program(steps, seed)
+        outcome, reference = check_against_torch(steps, seed, torch_too=args.torch)
         counts[outcome.split(":")[0] if not outcome.startswith(("rejected", "invalid"))
                else outcome] += 1
+        if reference is not None:
+            torch_counts[reference if reference == "ok" else reference.split(":")[0]] += 1
+            torch_counts[f"{reference.split(':')[0]} (ours {outcome.split(':')[0]})"] += 1
         if outcome.startswith(("mismatch", "crash")):
             failures.append((seed, outcome, steps))
     elapsed = time.perf_counter() - start
-    print(f"checked {args.programs} programs in {elapsed:.0f} s")
+    valid = sum(n for k, n in counts.items() if not k.startswith("invalid"))
+    print(f"checked {args.programs} programs in {elapsed:.0f} s ({valid} valid)")
     for key in ("transformed", "unchanged"):
-        print(f"  {key:<28} {counts.pop(key, 0)}")
+        share = f" ({100 * counts[key] / valid:.1f}%)" if valid else ""
+        print(f"  {key:<28} {counts.pop(key, 0)}{share}")
     for key in ("mismatch", "crash"):
         print(f"  {key:<28} {counts.pop(key, 0)}")
     for key in sorted(counts):
         print(f"  {key:<28} {counts[key]}")
+    if torch_counts:
+        print("run_decompositions({}) on the same valid programs:")
+        for key in sorted(torch_counts):
+            print(f"  {key:<28} {torch_counts[key]}")
     for seed, outcome, steps in failures[:10]:
         print(f"\nseed {seed}: {outcome}\n  steps: {steps}")
     return 1 if failures else 0

@@ -35,6 +35,7 @@ __all__ = [
     "argument_value",
     "list_view_argument",
     "may_overlap",
+    "overlaps_itself",
     "schema_of",
     "view_base_index",
     "written_arguments",
@@ -339,6 +340,20 @@ def _elements(val: torch.Tensor) -> torch.Tensor:
     for size, stride in zip(val.shape, val.stride()):
         index = index.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
     return index.flatten()
+
+
+def overlaps_itself(node: Node) -> bool:
+    """Whether a view may address one storage element at two positions (an ``as_strided``
+    view with overlapping strides): a write through it has no functional equivalent.
+    True when it cannot be proven otherwise."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return True
+    layout = _layout(val)
+    if not all(isinstance(x, int) for x in layout) or val.numel() > _ENUMERATION_LIMIT:
+        return True
+    elements = _elements(val)
+    return elements.unique().numel() < elements.numel()
 
 
 def may_overlap(a: Node, b: Node) -> bool:

@@ -12,7 +12,7 @@ from torch.fx import Node
 
 from pass_manager import PassManagerError
 
-from ._aliasing import Alias, may_overlap
+from ._aliasing import STORAGE_VIEWS, Alias, may_overlap, overlaps_itself
 from ._buffers import CONSTANT, PARAMETER, State
 from ._view_inverse import write_back_reason
 
@@ -71,6 +71,12 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
             reason = write_back_reason(view)
             if reason is not None:
                 raise UnsupportedMutationError(node, reason, "no-write-back")
+        for view in alias.chain:
+            # Its write-back would store an element once per position, old and new values.
+            if view.target in STORAGE_VIEWS and overlaps_itself(view):
+                raise UnsupportedMutationError(
+                    node, f"{w.name} is written through {view.name}, which addresses some "
+                          "storage elements more than once (overlapping strides)", "overlap")
         for other in inputs:
             same = aliases[other]
             if other is not w and same.root is alias.root and same != alias and (

@@ -34,10 +34,14 @@ def test_functionalized_programs_behave_like_eager(data):
 
 
 def test_fuzz_command_reports_counts(capsys):
-    assert main(["--programs", "12", "--seed", "7"]) == 0
+    assert main(["--programs", "12", "--seed", "7", "--no-torch"]) == 0
     report = capsys.readouterr().out
     assert "checked 12 programs" in report
     assert "mismatch                     0" in report
+    assert "run_decompositions" not in report
+    assert main(["--programs", "2", "--seed", "7"]) == 0  # next to torch's own result
+    report = capsys.readouterr().out
+    assert "run_decompositions({}) on the same valid programs:" in report
 
 
 def test_regression_write_through_transpose_keeps_eager_memory_layout():

@@ -417,3 +417,21 @@ def test_state_written_under_no_grad():
     for program in (ep, gm):
         # the writing region is inlined; the region that writes nothing stays as it was
         assert targets(program).count(torch.ops.higher_order.wrap_with_set_grad_enabled) == 1
+
+
+class WriteThroughOverlappingStrided(nn.Module):
+    """Found by the fuzzer: a write through (a row of) an as_strided view whose strides
+    address one element twice has no functional equivalent."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(6.0))
+
+    def forward(self, x):
+        self.b[1:].as_strided((2, 2), (1, 1), 0)[0].add_(x[:2])
+        return self.b * 1
+
+
+def test_write_through_self_overlapping_as_strided_is_refused():
+    error = refused_in_both_forms(WriteThroughOverlappingStrided, _calls((6,)), "overlap")
+    assert "more than once" in error.reason
