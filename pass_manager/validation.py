@@ -169,21 +169,25 @@ def run_program(
     inputs: Any,
     calls: int | None = None,
     state: StateReader = _default_state,
+    on_call: Callable[[int], None] | None = None,
 ) -> Trace:
     """Call a deep copy of ``program`` once per call's inputs; the caller's state is untouched.
 
     ``inputs`` is one call's inputs (repeated ``calls`` times) or a list of them; each is an
     argument tuple, an ``(args, kwargs)`` pair or a keyword mapping (see :func:`call_inputs`).
+    ``on_call(index)`` runs after each call (progress reports).
     """
     module = _runnable(program)
     trace = Trace()
-    for args, kwargs in call_inputs(inputs, calls):
+    for index, (args, kwargs) in enumerate(call_inputs(inputs, calls)):
         args, kwargs = copy.deepcopy((args, kwargs))
         with torch.no_grad():
             out = module(*args, **kwargs)
         trace.outputs.append(_snapshot(out))
         trace.buffers.append(state(module))
         trace.inputs.append(_snapshot((args, kwargs)))
+        if on_call is not None:
+            on_call(index)
     return trace
 
 

@@ -1,35 +1,34 @@
 """Command line: ``python -m passes run [package.module:factory] [options]``.
 
-The factory returns ``(module, example_inputs)`` or ``(module, example_inputs, steps)``
-where ``steps`` holds one argument tuple per decode call (default: the example inputs,
-repeated). Without a factory the built-in seeded KV-cache decoder is used.
+The factory returns ``(module, example_inputs[, steps])`` (v1) or a mapping with
+``module``, ``example_args``, ``example_kwargs``, ``steps``, ``dynamic_shapes`` and
+``export`` (v2; see :mod:`passes.model_spec`). Without a factory the built-in seeded
+KV-cache decoder is used. Exit status: 0 every check passed, 1 a check failed, 2 the model
+could not be loaded (or exported), 3 the flow failed (a short report says where).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import io
 import json
 import logging
 import sys
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pass_manager import PassManagerError, parse_pipeline
 
+from .model_spec import EXPORT_MODES, Exported, ModelError, ModelSpec, export_program, model_spec
+
 DEFAULT_MODEL = "passes.examples:decoder_job"
+LOAD_FAILED, FLOW_FAILED = 2, 3
 
 
-class ModelError(Exception):
-    """The MODEL argument does not name a usable factory; the message is one line for the user."""
-
-
-def load_model(spec: str, steps: int) -> tuple[torch.nn.Module, tuple, list[tuple]]:
+def load_model(spec: str, steps: int) -> ModelSpec:
+    """Import ``package.module:factory``, call it and read its result; ModelError otherwise."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ModelError(f"MODEL must look like package.module:factory, got {spec!r}")
@@ -46,32 +45,20 @@ def load_model(spec: str, steps: int) -> tuple[torch.nn.Module, tuple, list[tupl
         made = factory()
     except Exception as e:
         raise ModelError(f"{spec}() failed: {type(e).__name__}: {e}") from e
-    if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise ModelError(
-            f"{spec}() must return (module, example_inputs) or (module, example_inputs, steps), "
-            f"got {type(made).__name__}"
-        )
-    model, example = made[0], made[1]
-    if not isinstance(model, torch.nn.Module) or not isinstance(example, tuple):
-        raise ModelError(f"{spec}() must return an nn.Module and a tuple of example inputs")
-    per_step = list(made[2]) if len(made) == 3 else [example] * steps
-    return model.eval(), example, [tuple(s) for s in per_step[:steps]]
+    return model_spec(made, spec, steps)
 
 
-def _check_exportable(model: torch.nn.Module, example: tuple, spec: str) -> None:
-    import copy
-
-    # A failing export prints its partial graph to stderr and logs warnings; the one-line
-    # error below says what the user needs, so both are held back.
-    logging.disable(logging.CRITICAL)
+def _export(model: ModelSpec, spec: str, mode: str | None) -> Exported:
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            torch.export.export(copy.deepcopy(model), copy.deepcopy(example))
-    except Exception as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ModelError(f"{spec} is not exportable: {type(e).__name__}: {first_line}") from e
-    finally:
-        logging.disable(logging.NOTSET)
+        return export_program(
+            model.module,
+            model.example_args,
+            model.example_kwargs,
+            dynamic_shapes=model.dynamic_shapes,
+            mode=mode or model.export,
+        )
+    except ModelError as e:
+        raise ModelError(f"{spec} is not exportable: {e}") from e
 
 
 def _print_section(title: str, body: str) -> None:
@@ -85,6 +72,7 @@ def _quiet_import_noise() -> None:
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
 
 
 def _quantizer_factory(name: str) -> Any:
@@ -94,54 +82,79 @@ def _quantizer_factory(name: str) -> Any:
     return AnnotateEveryOpQuantizer if name == "every-op" else xnnpack_quantizer
 
 
+def _print_report(result: Any) -> None:
+    if result.notes:
+        _print_section("notes", "\n".join(result.notes))
+    _print_section("pass plan", result.plan)
+    if result.reports:
+        _print_section("passes", result.pass_table())
+    if result.delegate_summary:
+        _print_section("delegates", "\n".join(result.delegate_summary))
+    if result.step_errors:
+        _print_section("decode", result.decode_table())
+    if result.checks:
+        _print_section(
+            "checks",
+            "\n".join(
+                f"{'PASS' if c.passed else 'FAIL'}  {c.name}: {c.detail}" for c in result.checks
+            ),
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     spec = args.model or DEFAULT_MODEL
-    # Before the model's module is imported: it may import torchao (the default does).
     _quiet_import_noise()
     try:
         pipeline = parse_pipeline(args.pipeline) if args.pipeline else None
     except PassManagerError as e:
         print(f"error: --pipeline: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return LOAD_FAILED
     try:
-        model, example, steps = load_model(spec, args.steps)
-        _check_exportable(model, example, spec)
+        model = load_model(spec, args.steps)
+        exported = _export(model, spec, args.export)
     except ModelError as e:
+        if args.traceback:
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    from .flow import run_flow
+        return LOAD_FAILED
+    from .flow import FlowError, run_model
 
     print(
-        f"model: {spec} ({sum(p.numel() for p in model.parameters())} parameters), "
-        f"{len(steps)} decode steps",
+        f"model: {spec} ({sum(p.numel() for p in model.module.parameters())} parameters), "
+        f"{len(model.steps)} decode steps, exported {exported.mode}",
         flush=True,
     )
-    result = run_flow(
-        model,
-        example,
-        steps,
-        quantize=not args.skip_quantization,
-        delegate=not args.skip_delegation,
-        quantizer_factory=_quantizer_factory(args.quantizer),
-        log=lambda line: print(line, flush=True),
-        pipeline=pipeline,
-    )
-    _print_section("pass plan", result.plan)
-    _print_section("passes", result.pass_table())
-    if result.delegate_summary:
-        _print_section("delegates", "\n".join(result.delegate_summary))
-    _print_section("decode", result.decode_table())
-    _print_section(
-        "checks",
-        "\n".join(f"{'PASS' if c.passed else 'FAIL'}  {c.name}: {c.detail}" for c in result.checks),
-    )
-    if args.dot:
+    try:
+        result = run_model(
+            model,
+            exported=exported,
+            quantize=not args.skip_quantization,
+            delegate=not args.skip_delegation,
+            quantizer_factory=_quantizer_factory(args.quantizer),
+            log=lambda line: print(line, flush=True),
+            pipeline=pipeline,
+        )
+    except FlowError as e:
+        result = e.result
+        _print_report(result)
+        if args.traceback:
+            traceback.print_exception(e.__cause__ or e)
+        hint = "" if args.traceback else "\n(--traceback shows the full trace)"
+        _print_section("failed", "\n".join(e.failure.lines()) + hint)
+        _write_outputs(args, result)
+        return FLOW_FAILED
+    _print_report(result)
+    _write_outputs(args, result)
+    return 0 if result.ok else 1
+
+
+def _write_outputs(args: argparse.Namespace, result: Any) -> None:
+    if args.dot and result.dot:
         Path(args.dot).write_text(result.dot)
         print(f"wrote the pass DAG to {args.dot}")
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
         print(f"wrote the report to {args.json}")
-    return 0 if result.ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,10 +175,19 @@ def main(argv: list[str] | None = None) -> int:
         help="run this pipeline instead of the functionalization stage, e.g. "
         "'MarkMutableBuffers,InplaceToFunctional' (registered pass names, options in {})",
     )
+    run_parser.add_argument(
+        "--export",
+        choices=EXPORT_MODES,
+        default=None,
+        help="force torch.export's mode (default: the factory's, else strict, else non-strict)",
+    )
     run_parser.add_argument("--skip-quantization", action="store_true")
     run_parser.add_argument("--skip-delegation", action="store_true")
     run_parser.add_argument("--dot", metavar="FILE", help="write the pass DAG as Graphviz DOT")
     run_parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    run_parser.add_argument(
+        "--traceback", action="store_true", help="show the full trace when something fails"
+    )
     args = parser.parse_args(argv)
     return run(args)
 

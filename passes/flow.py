@@ -3,170 +3,131 @@
 export -> MarkMutableBuffers -> InplaceToFunctional -> pt2e quantization through
 PassQuantizer (SkipAnnotateDataMovementOps) -> calibrate -> reset_mutable_buffers ->
 convert -> UnfreezeMutableBuffer -> to_delegate + ConsumeBufferMutationsInDelegate ->
-decode, next to the same model quantized without the passes, both compared with fp32 eager.
+decode, next to the same model quantized by torchao's flow without the passes, all compared
+with fp32 eager. Every call may take keyword inputs; a failing stage raises
+:class:`~passes.flow_result.FlowError` with what was found so far.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from pass_manager import PassManager, Report, run_program
-from pass_manager.validation import Trace, first_difference
+from pass_manager import PassManager
+from pass_manager.validation import (
+    Trace,
+    as_call,
+    buffer_errors,
+    call_inputs,
+    copy_program,
+    first_difference,
+    output_errors,
+    run_program,
+)
 
+from ._flow_quantization import RESET, WITH_PASSES, quantize_both_ways
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from .delegation import AllNodePartitioner, delegates, to_delegate
 from .delegation.ownership import program_state
 from .examples import xnnpack_quantizer
+from .flow_result import Check, FlowError, FlowResult, failure_of
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
+from .model_spec import Exported, ModelSpec, export_program
+from .quantized_graphs import buffer_grid, describe_op_difference, output_grid, quantized_ops
 from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
 
-__all__ = ["Check", "FlowResult", "run_flow"]
+__all__ = ["Check", "FlowError", "FlowResult", "run_flow", "run_model"]
 
 Log = Callable[[str], None]
-# A quantized buffer within 5% of its fp32 magnitude is within 8-bit quantization error
-# accumulated over a decode (one uint8 step of a min/max range is ~0.4% of it).
-BUFFER_TOLERANCE = 0.05
-
-
-@dataclass
-class Check:
-    name: str
-    passed: bool
-    detail: str
-
-
-@dataclass
-class FlowResult:
-    plan: str = ""
-    dot: str = ""
-    reports: list[tuple[str, Report]] = field(default_factory=list)
-    delegate_summary: list[str] = field(default_factory=list)
-    step_errors: dict[str, list[float]] = field(default_factory=dict)
-    buffer_errors: dict[str, dict[str, float]] = field(default_factory=dict)
-    checks: list[Check] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(c.passed for c in self.checks)
-
-    def pass_table(self) -> str:
-        merged = Report()
-        for stage, report in self.reports:
-            for record in report.records:
-                merged.records.append(copy.copy(record))
-                merged.records[-1].name = f"{stage}: {record.name}"
-            merged.warnings += report.warnings
-        return merged.table()
-
-    def decode_table(self) -> str:
-        names = list(self.step_errors)
-        header = "step  " + "  ".join(f"{n:>28}" for n in names)
-        steps = max((len(v) for v in self.step_errors.values()), default=0)
-        rows = [
-            f"{s:>4}  " + "  ".join(f"{self.step_errors[n][s]:>28.6f}" for n in names)
-            for s in range(steps)
-        ]
-        lines = ["max abs output error vs fp32 eager, per decode step", header, *rows]
-        for name, errors in self.buffer_errors.items():
-            worst = max(errors, key=errors.get, default=None)
-            if worst is not None:
-                lines.append(
-                    f"{name}: worst buffer error {errors[worst]:.2%} of the fp32 value ({worst})"
-                )
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return {
-            "plan": self.plan,
-            "passes": {stage: report.to_dict() for stage, report in self.reports},
-            "delegates": self.delegate_summary,
-            "step_errors": self.step_errors,
-            "buffer_errors": self.buffer_errors,
-            "checks": [c.__dict__ for c in self.checks],
-            "ok": self.ok,
-        }
-
-
-def _step_errors(reference: Trace, trace: Trace) -> list[float]:
-    errors = []
-    for expected, actual in zip(reference.outputs, trace.outputs):
-        worst = 0.0
-        for e, a in zip(expected, actual):
-            if isinstance(e, torch.Tensor):
-                worst = max(worst, (e.double() - a.double()).abs().max().item())
-        errors.append(worst)
-    return errors
-
-
-def _buffer_errors(reference: Trace, trace: Trace) -> dict[str, float]:
-    """Per buffer: worst abs error over all calls, relative to the fp32 buffer's largest value."""
-    worst: dict[str, float] = {}
-    for expected, actual in zip(reference.buffers, trace.buffers):
-        for name, value in expected.items():
-            if name not in actual or not value.is_floating_point():
-                continue
-            scale = max(value.abs().max().item(), 1e-12)
-            error = (value.double() - actual[name].double()).abs().max().item() / scale
-            worst[name] = max(worst.get(name, 0.0), error)
-    return worst
-
-
-def _calibrate(prepared: torch.nn.Module, steps: Sequence[tuple]) -> None:
-    with torch.no_grad():
-        for args in steps:
-            prepared(*copy.deepcopy(args))
+# Export may reorder float arithmetic (a fused or decomposed op): the exported program is
+# compared with eager within float rounding, the passes' programs with theirs exactly.
+EXPORT_RTOL, EXPORT_ATOL = 1e-4, 1e-5
 
 
 class _Stages:
-    """Runs the stages in order, logging each with its duration so long steps show progress."""
+    """Runs the stages in order, logging each with its duration; a failure becomes FlowError."""
 
-    def __init__(self, log: Log):
+    def __init__(self, log: Log, result: FlowResult):
         self.log = log
+        self.result = result
+        self.title = ""
 
     def __call__(self, title: str, fn: Callable[[], Any]) -> Any:
+        self.title = title
         self.log(f"[{title}] ...")
         start = time.perf_counter()
-        value = fn()
+        try:
+            value = fn()
+        except FlowError:
+            raise
+        except Exception as e:
+            self.result.failure = failure_of(title, e)
+            raise FlowError(self.result.failure, self.result) from e
         self.log(f"[{title}] done in {time.perf_counter() - start:.2f} s")
         return value
+
+    def progress(self, calls: int) -> Callable[[int], None]:
+        """A per-call callback logging ``step i/n`` with the time since the previous one."""
+        last = [time.perf_counter()]
+
+        def step(index: int) -> None:
+            now = time.perf_counter()
+            self.log(f"  [{self.title}] step {index + 1}/{calls} ({now - last[0]:.2f} s)")
+            last[0] = now
+
+        return step
+
+    def run(self, program: Any, steps: list, **options: Any) -> Trace:
+        return run_program(program, steps, on_call=self.progress(len(steps)), **options)
+
+    def calibrate(self, prepared: torch.nn.Module, calls: list) -> None:
+        step = self.progress(len(calls))
+        with torch.no_grad():
+            for index, (args, kwargs) in enumerate(copy_program(calls)):
+                prepared(*args, **kwargs)
+                step(index)
 
 
 def run_flow(
     model: torch.nn.Module,
-    example_inputs: tuple,
-    steps: Sequence[tuple],
+    example_inputs: Any = (),
+    steps: Sequence[Any] = (),
     *,
+    example_kwargs: dict[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+    export: str | None = None,
+    exported: Exported | None = None,
     quantize: bool = True,
     delegate: bool = True,
     quantizer_factory: Callable[[], Any] = xnnpack_quantizer,
-    calibration: Sequence[tuple] | None = None,
+    calibration: Sequence[Any] | None = None,
     log: Log = print,
     pipeline: PassManager | None = None,
 ) -> FlowResult:
-    """Run the flow; ``steps`` holds one argument tuple per decode call.
+    """Run the flow; ``steps`` holds one call's inputs per decode call.
 
-    ``calibration`` (default: ``steps``) is what the quantized programs are calibrated on.
+    A call's inputs are an argument tuple, an ``(args, kwargs)`` pair or a keyword mapping.
+    The model is exported with ``example_inputs`` (and ``example_kwargs``,
+    ``dynamic_shapes``) as :func:`passes.model_spec.export_program` does, in ``export`` mode
+    ("strict" / "non-strict"; default: strict, else non-strict), unless ``exported`` is
+    given. ``calibration`` (default: ``steps``) is what the quantized programs are
+    calibrated on. torchao's flow without the passes is the one users get today: the
+    functional form from ``run_decompositions({})``, quantized by the same quantizer.
     ``pipeline`` replaces the functionalization stage (MarkMutableBuffers,
     InplaceToFunctional), e.g. ``parse_pipeline(text)`` from ``--pipeline``.
-    The program quantized without the passes is the one users get today: the functional
-    form from ``run_decompositions({})``, quantized by the same quantizer.
+    Raises :class:`FlowError` (with the partial result) when a stage fails.
     """
-    calibration = list(steps) if calibration is None else list(calibration)
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    from . import reset_mutable_buffers
-    from .quantization import PassQuantizer
-
-    stage = _Stages(log)
+    args, kwargs = as_call(example_inputs)
+    kwargs = {**kwargs, **(example_kwargs or {})}
+    steps = call_inputs(list(steps) or [(args, kwargs)])
+    calibration = steps if calibration is None else call_inputs(list(calibration))
     result = FlowResult()
+    stage = _Stages(log, result)
     functionalize = pipeline or PassManager([MarkMutableBuffers(), InplaceToFunctional()])
     # The stages run as separate pipelines around torchao's calls; their union is the DAG
     # that fixes the order, which is what the plan shows.
@@ -182,80 +143,48 @@ def run_flow(
     result.plan = every_pass.explain()
     result.dot = every_pass.to_dot()
 
-    eager = stage("fp32 eager decode", lambda: run_program(model, steps))
-    exported = stage(
-        "export", lambda: torch.export.export(copy.deepcopy(model), copy.deepcopy(example_inputs))
+    def export_(module: torch.nn.Module, mode: str | None) -> Exported:
+        return export_program(module, args, kwargs, dynamic_shapes=dynamic_shapes, mode=mode)
+
+    eager = stage("fp32 eager decode", lambda: stage.run(model, steps))
+    if exported is None:
+        exported = stage("export", lambda: export_(model, export))
+    if exported.note:
+        result.notes.append(exported.note)
+    mode = exported.mode
+    exported_trace = stage(
+        "decode the exported program", lambda: stage.run(exported.program, steps)
     )
-    functional = stage("functionalize", lambda: functionalize.run(exported))
+    _check_export(result, mode, eager, exported_trace)
+    functional = stage("functionalize", lambda: functionalize.run(copy_program(exported.program)))
     result.reports.append(("functionalize", functional.report))
     program: Any = functional.program
-    _check_same(result, "functional program matches fp32 eager", eager, run_program(program, steps))
+    functional_trace = stage("decode the functional program", lambda: stage.run(program, steps))
+    _check_same(
+        result, "functional program matches the exported program", exported_trace, functional_trace
+    )
 
     if quantize:
-
-        def quantize_without_passes() -> torch.nn.Module:
-            ep = torch.export.export(copy.deepcopy(model), copy.deepcopy(example_inputs))
-            prepared = prepare_pt2e(ep.run_decompositions({}).module(), quantizer_factory())
-            _calibrate(prepared, calibration)
-            return convert_pt2e(prepared)
-
-        plain = stage("quantize without the passes", quantize_without_passes)
-        plain_trace = run_program(plain, steps)
-        result.step_errors["quantized, no passes"] = _step_errors(eager, plain_trace)
-        result.buffer_errors["quantized, no passes"] = _buffer_errors(eager, plain_trace)
-
-        def quantize_with_passes() -> torch.nn.Module:
-            quantizer = PassQuantizer(
-                quantizer_factory(),
-                transform=[MarkMutableBuffers()],
-                after_annotate=[SkipAnnotateDataMovementOps()],
-            )
-            prepared = prepare_pt2e(functional.program.module(), quantizer)
-            for title, report in zip(("before annotation", "after annotation"), quantizer.reports):
-                result.reports.append((title, report))
-            _calibrate(prepared, calibration)
-            reset_mutable_buffers(prepared)
-            converted = convert_pt2e(prepared)
-            unfrozen = PassManager([UnfreezeMutableBuffer()]).run(converted)
-            result.reports.append(("after convert", unfrozen.report))
-            return unfrozen.program
-
-        quantized = stage("quantize with the passes", quantize_with_passes)
-        quantized_trace = run_program(quantized, steps)
-        errors = _step_errors(eager, quantized_trace)
-        result.step_errors["quantized, with passes"] = errors
-        buffer_errors = _buffer_errors(eager, quantized_trace)
-        result.buffer_errors["quantized, with passes"] = buffer_errors
-        worst_name = max(buffer_errors, key=buffer_errors.get, default="")
-        worst = buffer_errors.get(worst_name, 0.0)
-        result.checks.append(
-            Check(
-                f"quantized buffers track fp32 within {BUFFER_TOLERANCE:.0%}",
-                worst <= BUFFER_TOLERANCE,
-                f"worst {worst_name or 'buffer'}: {worst:.2%} of its fp32 magnitude",
-            )
+        traces, converted = quantize_both_ways(
+            stage, exported.program, functional.program, quantizer_factory, calibration, steps
         )
-        plain_worst = max(result.step_errors["quantized, no passes"])
-        result.checks.append(
-            Check(
-                "the passes do not make the quantized decode worse",
-                max(errors) <= plain_worst + 1e-6,
-                f"worst step error {max(errors):.6f} with the passes, {plain_worst:.6f} without",
-            )
-        )
+        for name, trace in traces.items():
+            result.step_errors[name] = output_errors(eager, trace)
+            result.buffer_errors[name] = _relative_buffer_errors(eager, trace)
+        _quantization_checks(result, eager, traces, converted)
+        quantized = converted[WITH_PASSES]
         if delegate:
-            reexported = stage(
-                "re-export the quantized program",
-                lambda: torch.export.export(quantized, copy.deepcopy(example_inputs)),
+            reexported = stage("re-export the quantized program", lambda: export_(quantized, mode))
+            refunctional = stage(
+                "functionalize again", lambda: functionalize.run(reexported.program)
             )
-            refunctional = stage("functionalize again", lambda: functionalize.run(reexported))
             result.reports.append(("functionalize quantized", refunctional.report))
             program = refunctional.program
         else:
             program = quantized
-        reference = quantized_trace
+        reference = traces[WITH_PASSES]
     else:
-        reference = eager
+        reference = functional_trace
 
     if delegate:
         lowered = stage("to_delegate", lambda: to_delegate(program, AllNodePartitioner()))
@@ -269,15 +198,136 @@ def run_flow(
             owned = ", ".join(sorted(info.owned_buffers)) or "none"
             result.delegate_summary.append(f"{info.tag}: owns {owned}")
         final = stage(
-            "decode the lowered program", lambda: run_program(program, steps, state=program_state)
+            "decode the lowered program", lambda: stage.run(program, steps, state=program_state)
         )
         _check_same(result, "delegated program matches its input program", reference, final)
         name = "full pipeline" if quantize else "fp32 pipeline"
-        result.step_errors[name] = _step_errors(eager, final)
-        result.buffer_errors[name] = _buffer_errors(eager, final)
+        result.step_errors[name] = output_errors(eager, final)
+        result.buffer_errors[name] = _relative_buffer_errors(eager, final)
     elif not quantize:
-        result.step_errors["fp32 pipeline"] = _step_errors(eager, run_program(program, steps))
+        result.step_errors["fp32 pipeline"] = output_errors(eager, functional_trace)
     return result
+
+
+def run_model(model: ModelSpec, **options: Any) -> FlowResult:
+    """:func:`run_flow` on what a factory returned (see :func:`passes.model_spec.model_spec`)."""
+    return run_flow(
+        model.module,
+        model.example_args,
+        model.steps,
+        example_kwargs=model.example_kwargs,
+        dynamic_shapes=model.dynamic_shapes,
+        export=model.export,
+        **options,
+    )
+
+
+def _check_export(result: FlowResult, mode: str, eager: Trace, exported: Trace) -> None:
+    """The exported program against eager, on the buffers it kept.
+
+    Export drops buffers the forward never reads (Hugging Face's ``original_inv_freq``):
+    they are named in the detail, not counted as a difference.
+    """
+    kept = set(exported.buffers[0]) if exported.buffers else set()
+    dropped = sorted(set(eager.buffers[0]) - kept) if eager.buffers else []
+    restricted = Trace(
+        eager.outputs,
+        [{n: v for n, v in b.items() if n in kept} for b in eager.buffers],
+        eager.inputs,
+    )
+    difference = first_difference(restricted, exported, EXPORT_ATOL, EXPORT_RTOL)
+    worst = max(output_errors(restricted, exported), default=0.0)
+    detail = difference or (
+        "outputs and buffers equal" if worst == 0 else f"max abs output difference {worst:.3g}"
+    )
+    if dropped:
+        detail += f"; export dropped unused buffers: {', '.join(dropped)}"
+    result.checks.append(
+        Check(
+            f"exported program ({mode}) matches fp32 eager within float rounding",
+            difference is None,
+            detail,
+        )
+    )
+
+
+def _relative_buffer_errors(reference: Trace, trace: Trace) -> dict[str, float]:
+    """Per buffer: worst abs error over all calls, relative to the fp32 buffer's largest value."""
+    worst: dict[str, float] = {}
+    for call, errors in enumerate(buffer_errors(reference, trace)):
+        for name, error in errors.items():
+            scale = max(reference.buffers[call][name].abs().max().item(), 1e-12)
+            worst[name] = max(worst.get(name, 0.0), error / scale)
+    return worst
+
+
+def _worst_abs(reference: Trace, trace: Trace) -> dict[str, float]:
+    worst: dict[str, float] = {}
+    for errors in buffer_errors(reference, trace):
+        for name, error in errors.items():
+            worst[name] = max(worst.get(name, 0.0), error)
+    return worst
+
+
+def _quantization_checks(
+    result: FlowResult, eager: Trace, traces: dict[str, Trace], converted: dict[str, Any]
+) -> None:
+    """The passes must do no worse than torchao's flow with the caches reset by hand.
+
+    Both are compared with fp32 eager; the passes may differ from it by one step of the
+    quantization grid the compared values live on (the buffer's or the output's qparams),
+    which is the resolution at which two quantized programs can be told apart.
+    """
+    with_passes, by_hand = _worst_abs(eager, traces[WITH_PASSES]), _worst_abs(eager, traces[RESET])
+    grids = buffer_grid(converted[WITH_PASSES])
+    worse = {
+        name: (error, by_hand[name], grids.get(name, 0.0))
+        for name, error in with_passes.items()
+        if name in by_hand and error > by_hand[name] + grids.get(name, 0.0) + 1e-6
+    }
+    relative = result.buffer_errors[WITH_PASSES]
+    worst_name = max(relative, key=relative.get, default="")
+    detail = (
+        f"8-bit error itself (information): worst {worst_name or 'buffer'} "
+        f"{relative.get(worst_name, 0.0):.2%} of its fp32 magnitude with the passes, "
+        f"{result.buffer_errors[RESET].get(worst_name, 0.0):.2%} without"
+    )
+    if worse:
+        name, (error, theirs, grid) = next(iter(worse.items()))
+        detail = (
+            f"{name}: worst abs error {error:.6g} with the passes vs {theirs:.6g} without "
+            f"(grid step {grid:.3g}); " + detail
+        )
+    result.checks.append(
+        Check(
+            "quantized buffers: the passes do no worse than torchao's flow with the caches "
+            "reset by hand",
+            not worse,
+            detail,
+        )
+    )
+
+    mine, theirs = max(result.step_errors[WITH_PASSES]), max(result.step_errors[RESET])
+    grid = output_grid(converted[WITH_PASSES])
+    detail = (
+        f"worst step error {mine:.6f} with the passes, {theirs:.6f} without "
+        f"(caches reset by hand in both; output grid step {grid:.3g})"
+    )
+    differences = describe_op_difference(
+        quantized_ops(converted[WITH_PASSES]), quantized_ops(converted[RESET])
+    )
+    if differences:
+        detail += (
+            f"; the two flows quantized different graphs ({differences}), so part of the "
+            "difference comes from what was quantized, not from the state"
+        )
+    result.checks.append(
+        Check(
+            "the passes do not make the quantized decode worse",
+            mine <= theirs + grid + 1e-6,
+            detail,
+        )
+    )
 
 
 def _check_same(result: FlowResult, name: str, expected: Trace, actual: Trace) -> None:

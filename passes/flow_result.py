@@ -1,0 +1,151 @@
+"""What the main job found: checks, per-step errors, pass reports, and a failure's summary.
+
+A :class:`FlowResult` fills up stage by stage; when a stage fails, :class:`FlowError`
+carries the partial result and a short summary (stage, pass, node, reason) read from the
+error chain, so the command line prints a few lines and what was done so far instead of a
+traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pass_manager import Report
+
+__all__ = ["Check", "Failure", "FlowError", "FlowResult", "failure_of"]
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class Failure:
+    """Where the flow stopped and why, in a few words each."""
+
+    stage: str
+    reason: str
+    pass_name: str | None = None
+    node: str | None = None
+
+    def lines(self) -> list[str]:
+        lines = [f"stage:  {self.stage}"]
+        if self.pass_name:
+            lines.append(f"pass:   {self.pass_name}")
+        if self.node:
+            lines.append(f"node:   {self.node}")
+        lines.append(f"reason: {self.reason}")
+        return lines
+
+
+@dataclass
+class FlowResult:
+    plan: str = ""
+    dot: str = ""
+    notes: list[str] = field(default_factory=list)
+    reports: list[tuple[str, Report]] = field(default_factory=list)
+    delegate_summary: list[str] = field(default_factory=list)
+    step_errors: dict[str, list[float]] = field(default_factory=dict)
+    buffer_errors: dict[str, dict[str, float]] = field(default_factory=dict)
+    checks: list[Check] = field(default_factory=list)
+    failure: Failure | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None and all(c.passed for c in self.checks)
+
+    def pass_table(self) -> str:
+        merged = Report()
+        for stage, report in self.reports:
+            for record in report.records:
+                merged.records.append(copy.copy(record))
+                merged.records[-1].name = f"{stage}: {record.name}"
+            merged.warnings += report.warnings
+        return merged.table()
+
+    def decode_table(self) -> str:
+        names = list(self.step_errors)
+        widths = [max(len(n), 10) for n in names]
+        header = "step  " + "  ".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
+        steps = max((len(v) for v in self.step_errors.values()), default=0)
+        rows = []
+        for s in range(steps):
+            cells = [
+                f"{errors[s]:>{w}.6f}" if s < len(errors) else " " * w
+                for errors, w in zip(self.step_errors.values(), widths, strict=True)
+            ]
+            rows.append(f"{s:>4}  " + "  ".join(cells))
+        lines = ["max abs output error vs fp32 eager, per decode step", header, *rows]
+        for name, errors in self.buffer_errors.items():
+            worst = max(errors, key=errors.get, default=None)
+            if worst is not None:
+                lines.append(
+                    f"{name}: worst buffer error {errors[worst]:.2%} of the fp32 value ({worst})"
+                )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "plan": self.plan,
+            "notes": self.notes,
+            "passes": {stage: report.to_dict() for stage, report in self.reports},
+            "delegates": self.delegate_summary,
+            "step_errors": self.step_errors,
+            "buffer_errors": self.buffer_errors,
+            "checks": [c.__dict__ for c in self.checks],
+            "failure": None if self.failure is None else self.failure.__dict__,
+            "ok": self.ok,
+        }
+
+
+class FlowError(Exception):
+    """A stage of the flow failed; ``result`` holds what the stages before it found."""
+
+    def __init__(self, failure: Failure, result: FlowResult):
+        self.failure = failure
+        self.result = result
+        super().__init__("; ".join(failure.lines()))
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _node_name(value: Any) -> str | None:
+    if isinstance(value, torch.fx.Node):
+        return value.name
+    return value if isinstance(value, str) and value else None
+
+
+def failure_of(stage: str, error: BaseException) -> Failure:
+    """Read the pass, node and reason out of an error and the errors it was raised from.
+
+    The library's errors carry them as attributes (``pass_name``, ``node``, ``reason``,
+    ``violations``); the innermost error gives the reason, else its type and first line.
+    """
+    chain = _chain(error)
+    pass_name = next((e.pass_name for e in chain if getattr(e, "pass_name", None)), None)
+    nodes = [_node_name(getattr(e, "node", None)) for e in chain]
+    node = next((n for n in nodes if n), None)
+    if node is None:
+        violations = next((e.violations for e in chain if getattr(e, "violations", None)), [])
+        node = violations[0] if violations else None
+    innermost = chain[-1]
+    reason = getattr(innermost, "reason", None) or _first_line(innermost)
+    return Failure(stage, f"{type(innermost).__name__}: {reason}", pass_name, node)

@@ -1,0 +1,191 @@
+"""What the main job runs on: a model factory's result, and how the model is exported.
+
+A factory (``python -m passes run package.module:factory``) returns either
+
+* v1: ``(module, example_inputs)`` or ``(module, example_inputs, steps)``, ``steps`` holding
+  one argument tuple per decode call; or
+* v2: a mapping with ``module``, ``example_args`` (a tuple, default ``()``),
+  ``example_kwargs`` (a mapping, optional), ``steps`` (a list of argument tuples or
+  ``(args, kwargs)`` pairs, optional), ``dynamic_shapes`` (optional, as
+  ``torch.export.export`` takes them) and ``export`` (optional: ``"strict"`` or
+  ``"non-strict"``).
+
+Without steps the example call is repeated. The module may be an ``nn.Module`` or the
+module of an exported program (``ep.module()``).
+
+Export happens the way model owners export (Hugging Face's and ExecuTorch's recipes):
+under ``torch.no_grad()`` and strict (TorchDynamo) unless told otherwise. Strict is tried
+first because it is the mode that sees a model's state as it is: non-strict tracing lifts
+tensors reached through plain Python objects (Hugging Face's ``StaticCache`` layers) as
+constants, so a KV cache becomes a constant the program writes, which no pass can make
+functional. When strict export fails (code TorchDynamo cannot trace), the model is exported
+non-strict and the report says why; ``export="strict"`` / ``"non-strict"`` forces one mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pass_manager.validation import Call, as_call, copy_program
+
+__all__ = [
+    "EXPORT_MODES",
+    "ExportError",
+    "Exported",
+    "ModelError",
+    "ModelSpec",
+    "export_program",
+    "model_spec",
+]
+
+EXPORT_MODES = ("strict", "non-strict")
+_V2_KEYS = {"module", "example_args", "example_kwargs", "steps", "dynamic_shapes", "export"}
+
+
+class ModelError(Exception):
+    """A factory's result is not a usable model; the message is one line for the user."""
+
+
+class ExportError(ModelError):
+    """``torch.export`` failed in every mode tried; the message is one line per mode."""
+
+
+@dataclass
+class ModelSpec:
+    """A model and the calls it is exported with and decoded on."""
+
+    module: torch.nn.Module
+    example_args: tuple = ()
+    example_kwargs: dict[str, Any] = field(default_factory=dict)
+    steps: list[Call] = field(default_factory=list)
+    dynamic_shapes: Any = None
+    export: str | None = None
+
+    @property
+    def example(self) -> Call:
+        return self.example_args, self.example_kwargs
+
+
+@dataclass
+class Exported:
+    """An exported program, the mode that produced it, and why when it is not the first tried."""
+
+    program: torch.export.ExportedProgram
+    mode: str
+    note: str = ""
+
+
+def model_spec(made: Any, name: str, steps: int) -> ModelSpec:
+    """Read a factory's result (v1 tuple or v2 mapping) into a :class:`ModelSpec`.
+
+    ``steps`` is how many decode calls to keep; without steps of its own the example call is
+    repeated that many times. Raises :class:`ModelError` naming what is wrong.
+    """
+    if isinstance(made, Mapping):
+        spec = _from_mapping(made, name)
+    elif isinstance(made, tuple) and len(made) in (2, 3):
+        if not isinstance(made[1], tuple):
+            raise ModelError(f"{name}() must return an nn.Module and a tuple of example inputs")
+        spec = ModelSpec(made[0], made[1], steps=_calls(made[2], name) if len(made) == 3 else [])
+    else:
+        raise ModelError(
+            f"{name}() must return (module, example_inputs), (module, example_inputs, steps) "
+            f"or a mapping with 'module' and 'example_args', got {type(made).__name__}"
+        )
+    if not isinstance(spec.module, torch.nn.Module):
+        raise ModelError(f"{name}() must return an nn.Module, got {type(spec.module).__name__}")
+    # The module of an exported program refuses eval(); it is in inference form already.
+    with contextlib.suppress(NotImplementedError):
+        spec.module.eval()
+    spec.steps = (spec.steps or [spec.example] * steps)[:steps]
+    return spec
+
+
+def _from_mapping(made: Mapping, name: str) -> ModelSpec:
+    unknown = sorted(set(made) - _V2_KEYS)
+    if unknown:
+        raise ModelError(
+            f"{name}() returned unknown keys {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(sorted(_V2_KEYS))}"
+        )
+    if "module" not in made:
+        raise ModelError(f"{name}() returned a mapping without 'module'")
+    args = made.get("example_args", ())
+    kwargs = made.get("example_kwargs") or {}
+    if not isinstance(args, tuple) or not isinstance(kwargs, Mapping):
+        raise ModelError(f"{name}(): 'example_args' must be a tuple and 'example_kwargs' a mapping")
+    mode = made.get("export")
+    if mode is not None and mode not in EXPORT_MODES:
+        raise ModelError(f"{name}(): 'export' must be one of {EXPORT_MODES}, got {mode!r}")
+    return ModelSpec(
+        made["module"],
+        args,
+        dict(kwargs),
+        steps=_calls(made.get("steps") or [], name),
+        dynamic_shapes=made.get("dynamic_shapes"),
+        export=mode,
+    )
+
+
+def _calls(steps: Any, name: str) -> list[Call]:
+    if not isinstance(steps, Sequence) or isinstance(steps, (str, bytes)):
+        raise ModelError(f"{name}(): steps must be a list of calls, got {type(steps).__name__}")
+    return [as_call(step) for step in steps]
+
+
+def export_program(
+    module: torch.nn.Module,
+    args: tuple = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    dynamic_shapes: Any = None,
+    mode: str | None = None,
+) -> Exported:
+    """Export a copy of ``module`` under ``torch.no_grad()``: strict, else non-strict.
+
+    ``mode`` forces one of :data:`EXPORT_MODES`. Raises :class:`ExportError` with the first
+    line of each failure.
+    """
+    modes = [mode] if mode else list(EXPORT_MODES)
+    failures = []
+    for attempt in modes:
+        try:
+            program = _export(module, args, dict(kwargs or {}), dynamic_shapes, attempt)
+        except Exception as e:  # noqa: BLE001 - every export failure is reported, one line each
+            failures.append(f"{attempt}: {type(e).__name__}: {_first_line(e)}")
+            continue
+        note = f"exported {attempt} ({failures[0]})" if failures else ""
+        return Exported(program, attempt, note)
+    raise ExportError("; ".join(failures))
+
+
+def _export(
+    module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, mode: str
+) -> torch.export.ExportedProgram:
+    # A failing export prints its partial graph to stderr and logs warnings; the one-line
+    # error says what the user needs, so both are held back.
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
+            return torch.export.export(
+                copy_program(module),
+                copy.deepcopy(args),
+                copy.deepcopy(kwargs),
+                dynamic_shapes=dynamic_shapes,
+                strict=mode == "strict",
+            )
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""

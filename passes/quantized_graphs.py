@@ -1,0 +1,119 @@
+"""What a converted (pt2e-quantized) program quantized: grids of its state and outputs, its ops.
+
+The main job's quantization checks compare two quantized flows. Their tolerances come from
+the programs themselves: one step of the quantization grid (the ``scale`` of the
+quantize/dequantize pair) of the values a buffer holds or an output carries. And when two
+flows quantized different graphs, :func:`quantized_ops` says which ops differ, so a check can
+explain itself instead of blaming the state.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+__all__ = ["buffer_grid", "describe_op_difference", "output_grid", "quantized_ops"]
+
+# How far back from a buffer write or an output to look for the quantized value it carries:
+# far enough to pass the data-movement ops between a dequantize and a cache write
+# (index_copy, a view, the write-back copy).
+_HOPS = 4
+
+
+def _is_qdq(node: Node) -> bool:
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.namespace == "quantized_decomposed"
+        and node.target.__name__.split(".")[0] in ("quantize_per_tensor", "dequantize_per_tensor")
+    )
+
+
+def _scale(gm: GraphModule, node: Node) -> float:
+    scale: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("scale")
+    if isinstance(scale, Node) and scale.op == "get_attr":
+        scale = getattr(gm, str(scale.target))
+    if isinstance(scale, torch.Tensor):
+        return float(scale.max().item()) if scale.numel() else 0.0
+    return float(scale) if isinstance(scale, (int, float)) else 0.0
+
+
+def _grid_near(gm: GraphModule, start: list[Node]) -> float:
+    """The largest q/dq scale within a few producer hops of ``start`` (0.0 when none)."""
+    best, frontier, seen = 0.0, list(start), set(start)
+    for _ in range(_HOPS):
+        following = []
+        for node in frontier:
+            if _is_qdq(node):
+                best = max(best, _scale(gm, node))
+            for arg in node.all_input_nodes:
+                if arg not in seen:
+                    seen.add(arg)
+                    following.append(arg)
+        frontier = following
+    return best
+
+
+def buffer_grid(gm: GraphModule) -> dict[str, float]:
+    """Per buffer FQN: one step of the grid its reads are quantized on or its writes carry."""
+    grids: dict[str, float] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        name = str(node.target)
+        near = [user for user in node.users if _is_qdq(user)]
+        writes = [
+            user
+            for user in node.users
+            if user.op == "call_function" and "copy_" in str(user.target) and user.args[0] is node
+        ]
+        grid = max(
+            (_scale(gm, q) for q in near),
+            default=0.0,
+        )
+        for write in writes:
+            grid = max(grid, _grid_near(gm, [a for a in write.all_input_nodes if a is not node]))
+        if grid:
+            grids[name] = max(grids.get(name, 0.0), grid)
+    return grids
+
+
+def output_grid(gm: GraphModule) -> float:
+    """One step of the grid the program's outputs are quantized on (0.0 when they are not)."""
+    outputs = [n for n in gm.graph.nodes if n.op == "output"]
+    return _grid_near(gm, [a for out in outputs for a in out.all_input_nodes])
+
+
+def quantized_ops(gm: GraphModule) -> Counter[str]:
+    """How many times each op runs on a dequantized input (what the quantizer annotated)."""
+    ops: Counter[str] = Counter()
+    for node in gm.graph.nodes:
+        if not _is_qdq(node) or "dequantize" not in str(node.target):
+            continue
+        for user in node.users:
+            if user.op == "call_function" and not _is_qdq(user):
+                ops[_op_name(user.target)] += 1
+    return ops
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name().replace("::", ".")
+    return str(getattr(target, "__name__", target))
+
+
+def describe_op_difference(mine: Counter[str], theirs: Counter[str]) -> str:
+    """ "only with the passes: ...; only without: ..." or "" when both quantized the same ops."""
+
+    def listing(counter: Counter[str]) -> str:
+        return ", ".join(f"{op} x{n}" for op, n in sorted(counter.items()))
+
+    parts = []
+    if mine - theirs:
+        parts.append(f"quantized only with the passes: {listing(mine - theirs)}")
+    if theirs - mine:
+        parts.append(f"only without: {listing(theirs - mine)}")
+    return "; ".join(parts)
