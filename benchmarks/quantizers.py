@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.fx import GraphModule
@@ -19,6 +20,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 from torchao.quantization.pt2e.quantizer import Quantizer
 
 from pass_manager import PassManager
+from pass_manager.validation import buffer_errors, output_errors, run_program
 from passes import InplaceToFunctional, MarkMutableBuffers, reset_mutable_buffers
 from passes.quantization import PassQuantizer
 from passes.skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
@@ -33,6 +35,7 @@ __all__ = [
     "prepare_and_calibrate",
     "quantize",
 ]
+
 
 class Accumulator(torch.nn.Module):
     """Keeps a decaying running sum in a buffer updated by a compute op (``add_``).
@@ -165,20 +168,16 @@ class Decode:
         return max(step[name] for step in self.buffer_errors)
 
 
-def decode(reference: torch.nn.Module, program: torch.nn.Module, inputs: Sequence[tuple]) -> Decode:
-    """Call deep copies of both once per input tuple; compare outputs and buffers by FQN."""
-    reference, program = copy.deepcopy(reference), copy.deepcopy(program)
-    result = Decode()
-    with torch.no_grad():
-        for args in inputs:
-            expected = reference(*copy.deepcopy(args))
-            actual = program(*copy.deepcopy(args))
-            result.output_errors.append((expected - actual).abs().max().item())
-            buffers = dict(program.named_buffers())
-            errors = {}
-            for name, value in reference.named_buffers():
-                errors[name] = (value - buffers[name]).abs().max().item()
-                scale = value.abs().max().item()
-                result.buffer_scale[name] = max(result.buffer_scale.get(name, 0.0), scale)
-            result.buffer_errors.append(errors)
-    return result
+def decode(reference: torch.nn.Module, program: torch.nn.Module, inputs: Sequence[Any]) -> Decode:
+    """Run deep copies of both once per call (``pass_manager.run_program``) and measure.
+
+    Outputs and buffers are compared by FQN with ``output_errors`` / ``buffer_errors``;
+    ``buffer_scale`` is each floating-point buffer's largest fp32 magnitude over the calls.
+    """
+    expected, actual = run_program(reference, inputs), run_program(program, inputs)
+    scale: dict[str, float] = {}
+    for buffers in expected.buffers:
+        for name, value in buffers.items():
+            if value.is_floating_point():
+                scale[name] = max(scale.get(name, 0.0), value.abs().max().item())
+    return Decode(output_errors(expected, actual), buffer_errors(expected, actual), scale)

@@ -56,9 +56,10 @@ class _Stages:
         self.log = log
         self.result = result
         self.title = ""
+        self.calls: tuple[int, int] | None = None  # (calls done, calls planned) in this stage
 
     def __call__(self, title: str, fn: Callable[[], Any]) -> Any:
-        self.title = title
+        self.title, self.calls = title, None
         self.log(f"[{title}] ...")
         start = time.perf_counter()
         try:
@@ -66,7 +67,10 @@ class _Stages:
         except FlowError:
             raise
         except Exception as e:
-            self.result.failure = failure_of(title, e)
+            where = title
+            if self.calls is not None and self.calls[0] < self.calls[1]:
+                where += f" (call {self.calls[0] + 1} of {self.calls[1]})"
+            self.result.failure = failure_of(where, e)
             raise FlowError(self.result.failure, self.result) from e
         self.log(f"[{title}] done in {time.perf_counter() - start:.2f} s")
         return value
@@ -74,8 +78,10 @@ class _Stages:
     def progress(self, calls: int) -> Callable[[int], None]:
         """A per-call callback logging ``step i/n`` with the time since the previous one."""
         last = [time.perf_counter()]
+        self.calls = (0, calls)
 
         def step(index: int) -> None:
+            self.calls = (index + 1, calls)
             now = time.perf_counter()
             self.log(f"  [{self.title}] step {index + 1}/{calls} ({now - last[0]:.2f} s)")
             last[0] = now

@@ -147,5 +147,11 @@ def failure_of(stage: str, error: BaseException) -> Failure:
         violations = next((e.violations for e in chain if getattr(e, "violations", None)), [])
         node = violations[0] if violations else None
     innermost = chain[-1]
-    reason = getattr(innermost, "reason", None) or _first_line(innermost)
-    return Failure(stage, f"{type(innermost).__name__}: {reason}", pass_name, node)
+    said = getattr(innermost, "reason", None) or _first_line(innermost)
+    reason = f"{type(innermost).__name__}: {said}"
+    if "Guard failed" in reason:
+        reason += (
+            " (the program was exported for the example's shapes; a factory gives other shapes "
+            "per call with 'dynamic_shapes')"
+        )
+    return Failure(stage, reason, pass_name, node)

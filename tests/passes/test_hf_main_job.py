@@ -185,3 +185,17 @@ def test_factory_v2_mistakes_are_load_errors():
     assert len(spec.steps) == 3 and all(
         kwargs == {} and torch.equal(args[0], torch.ones(1, 8)) for args, kwargs in spec.steps
     )
+
+
+def test_a_decode_outside_the_exported_shapes_names_the_call_and_dynamic_shapes():
+    def prefill_without_dynamic_shapes():
+        spec = hf_models.llama_prefill_then_decode()
+        del spec["dynamic_shapes"]
+        return spec
+
+    with pytest.raises(FlowError) as info:
+        flow_on(prefill_without_dynamic_shapes, quantize=False, delegate=False)
+    failure = info.value.failure
+    # The 4-token prefill ran; the first 1-token decode call broke the export's guard.
+    assert failure.stage == f"decode the exported program (call 2 of {STEPS})"
+    assert "Guard failed" in failure.reason and "dynamic_shapes" in failure.reason
