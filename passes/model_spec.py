@@ -10,8 +10,8 @@ A factory (``python -m passes run package.module:factory``) returns either
   ``torch.export.export`` takes them) and ``export`` (optional: ``"strict"`` or
   ``"non-strict"``).
 
-Without steps the example call is repeated. The module may be an ``nn.Module`` or the
-module of an exported program (``ep.module()``).
+Without steps the example call is repeated. The module may be an ``nn.Module``, the
+module of an exported program (``ep.module()``) or the exported program itself.
 
 Export happens the way model owners export (Hugging Face's and ExecuTorch's recipes):
 under ``torch.no_grad()`` and strict (TorchDynamo) unless told otherwise. Strict is tried
@@ -100,6 +100,8 @@ def model_spec(made: Any, name: str, steps: int) -> ModelSpec:
             f"{name}() must return (module, example_inputs), (module, example_inputs, steps) "
             f"or a mapping with 'module' and 'example_args', got {type(made).__name__}"
         )
+    if isinstance(spec.module, torch.export.ExportedProgram):
+        spec.module = spec.module.module()
     if not isinstance(spec.module, torch.nn.Module):
         raise ModelError(f"{name}() must return an nn.Module, got {type(spec.module).__name__}")
     # The module of an exported program refuses eval(); it is in inference form already.

@@ -139,6 +139,43 @@ def llama_exported_module() -> dict:
     return {"module": program.module(), "example_kwargs": calls[0][1], "steps": calls}
 
 
+def t5_decoder() -> dict:
+    """A T5 decoder step (HF's seq2seq ExecuTorch recipe): self-attention cache written,
+    cross-attention over a fixed encoder output."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    from transformers.integrations.executorch import (
+        Seq2SeqLMDecoderExportableModuleWithStaticCache,
+    )
+
+    config = T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+    )
+    model = _seeded(lambda: T5ForConditionalGeneration(config)).eval()
+    module = Seq2SeqLMDecoderExportableModuleWithStaticCache(
+        model, max_static_cache_length=MAX_CACHE, batch_size=1
+    )
+    encoded = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(0))
+    steps = [
+        (
+            (),
+            {
+                "decoder_input_ids": kwargs["input_ids"],
+                "encoder_hidden_states": encoded,
+                "cache_position": kwargs["cache_position"],
+            },
+        )
+        for _, kwargs in decode_steps(STEPS)
+    ]
+    return {"module": module, "example_kwargs": steps[0][1], "steps": steps}
+
+
 class NoGradState(torch.nn.Module):
     """Keeps a running mean and a step counter, written under ``torch.no_grad()``."""
 

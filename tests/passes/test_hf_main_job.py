@@ -76,6 +76,7 @@ def test_hf_llama_functional_program_matches_eager_over_six_steps():
     [
         hf_models.qwen3,
         hf_models.gemma3,
+        hf_models.t5_decoder,
         hf_models.llama_prefill_then_decode,
         hf_models.no_grad_state,
     ],
@@ -199,3 +200,14 @@ def test_a_decode_outside_the_exported_shapes_names_the_call_and_dynamic_shapes(
     # The 4-token prefill ran; the first 1-token decode call broke the export's guard.
     assert failure.stage == f"decode the exported program (call 2 of {STEPS})"
     assert "Guard failed" in failure.reason and "dynamic_shapes" in failure.reason
+
+
+def test_a_factory_may_return_an_exported_program_or_its_module():
+    model = hf_models.NoGradState()
+    example = (torch.ones(1, 8),)
+    program = torch.export.export(copy.deepcopy(model), example)
+    for module in (program, program.module()):
+        spec = model_spec({"module": module, "example_args": example}, "f", 2)
+        assert isinstance(spec.module, torch.fx.GraphModule)  # eval() was not called on it
+        exported = export_program(spec.module, spec.example_args)
+        assert_same_behaviour(model, exported.program, [example] * 3)
