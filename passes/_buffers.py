@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ __all__ = [
     "call_graph_names",
     "find_mutations",
     "hop_writes",
+    "initial_copy",
     "mutable_buffers",
     "named_input_specs",
     "placeholder_specs",
@@ -57,7 +59,8 @@ MUTABLE_BUFFER_META = "mutable_buffer"
 MUTABLE_INPUT_META = "mutable_user_input"
 """``node.meta`` key on a mutated user input's placeholder; the value is the input's name."""
 INITIAL_META = "mutable_buffer_initial"
-"""``node.meta`` key holding the copy of a mutable buffer taken when it was first marked."""
+"""``node.meta`` key holding the copy of a mutable buffer taken when it was first marked
+(for a buffer filled with one value, that value expanded to the buffer's shape)."""
 
 BUFFER, USER_INPUT, PARAMETER, CONSTANT = "buffer", "user_input", "parameter", "constant"
 
@@ -165,6 +168,42 @@ def buffer_tensor(program: Any, fqn: str) -> torch.Tensor:
     return _resolve_attr(program, fqn)[2]
 
 
+# Integer dtypes of each element size: a fill is detected on the bits, so -0.0 vs 0.0 and
+# NaN payloads count as different values and a reset restores them bit for bit.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fill_value(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The one value every element of ``tensor`` holds (a 0-dim copy), or None."""
+    if tensor.numel() == 0 or tensor.is_complex() or tensor.is_quantized or (
+        tensor.layout != torch.strided or tensor.device.type == "meta"
+    ):
+        return None
+    bits = tensor if not (tensor.is_floating_point() or tensor.dtype == torch.bool) else (
+        tensor.view(_BITS[tensor.element_size()]) if tensor.element_size() in _BITS else None)
+    if bits is None:
+        return None
+    first, last = bits[(0,) * bits.dim()], bits[(-1,) * bits.dim()]
+    if not torch.equal(first, last):  # the usual non-fill is seen without reading everything
+        return None
+    low, high = torch.aminmax(bits)  # one read of the data and no temporary of its size
+    return tensor[(0,) * tensor.dim()].clone() if torch.equal(low, high) else None
+
+
+def initial_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """What a reset needs to restore ``tensor``'s current value exactly, without a full copy
+    where one value fills it (the usual zeros of a KV cache).
+
+    A filled buffer is kept as its one value expanded to the buffer's shape (stride 0, one
+    element of memory); any other buffer is cloned. Either compares, copies and deep-copies
+    like the buffer's value.
+    """
+    with torch.no_grad():
+        tensor = tensor.detach()
+        fill = _fill_value(tensor)
+        return tensor.clone() if fill is None else fill.expand(tensor.shape)
+
+
 @dataclass
 class Mutations:
     """The result of scanning a program: state nodes, who writes what, what could not be read.
@@ -187,7 +226,15 @@ class Mutations:
     writing_nodes: list[Node] = field(default_factory=list)
 
     def nodes_of(self, state: State) -> list[Node]:
-        return [n for n, s in self.states.items() if s == state]
+        return self._nodes_by_state.get(state, [])
+
+    @functools.cached_property
+    def _nodes_by_state(self) -> dict[State, list[Node]]:
+        # Built once: asked per written state, a scan of all states each time is quadratic.
+        grouped: dict[State, list[Node]] = {}
+        for node, state in self.states.items():
+            grouped.setdefault(state, []).append(node)
+        return grouped
 
 
 def _subgraph_written(sub: torch.fx.GraphModule) -> list[int] | None:
@@ -303,7 +350,8 @@ class MutableBuffer:
         kind: ``"buffer"`` or ``"user_input"``.
         nodes: names of the nodes that denote it (placeholder or get_attr).
         writers: names of the nodes that write it, in graph order.
-        initial: the copy taken when ``MarkMutableBuffers`` first saw it (None for inputs).
+        initial: the value ``MarkMutableBuffers`` first saw (None for inputs): a copy, or
+            for a buffer filled with one value that value expanded to the buffer's shape.
     """
 
     fqn: str
@@ -354,7 +402,8 @@ def reset_mutable_buffers(program: Any) -> list[str]:
     """Restore every marked buffer to the value it had when it was first marked.
 
     Returns the FQNs restored. Calibration and test runs otherwise leave their state
-    (a filled KV cache, an advanced counter) in the program's buffers.
+    (a filled KV cache, an advanced counter) in the program's buffers. A buffer that was
+    filled with one value (zeros) is refilled from that value: its kept copy is one element.
     """
     restored = []
     for fqn, info in _marked(program).items():

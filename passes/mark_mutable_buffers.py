@@ -16,6 +16,7 @@ from ._buffers import (
     USER_INPUT,
     buffer_tensor,
     find_mutations,
+    initial_copy,
 )
 
 __all__ = ["MarkMutableBuffers"]
@@ -29,8 +30,9 @@ class MarkMutableBuffers(Pass):
     through any chain of views back to the buffer: in-place ops, ``out=`` variants,
     trailing ``copy_`` write-backs, and ``BUFFER_MUTATION`` outputs of functional programs.
     Mutated user inputs get ``meta["mutable_user_input"] = name`` instead. The first time
-    a buffer is marked, a copy of its value is kept in ``meta["mutable_buffer_initial"]``
-    for :func:`passes.reset_mutable_buffers`.
+    a buffer is marked, its value is kept in ``meta["mutable_buffer_initial"]`` for
+    :func:`passes.reset_mutable_buffers`: a buffer filled with one value (a KV cache's
+    zeros) keeps only that value, expanded to its shape; any other buffer is cloned.
 
     Example (GraphModule form)::
 
@@ -56,7 +58,7 @@ class MarkMutableBuffers(Pass):
             kept = next((n.meta[INITIAL_META] for n in nodes
                          if n.meta.get(INITIAL_META) is not None), None)
             if state.kind == BUFFER and kept is None:
-                kept = buffer_tensor(program, state.name).detach().clone()
+                kept = initial_copy(buffer_tensor(program, state.name))
             key = MUTABLE_BUFFER_META if state.kind == BUFFER else MUTABLE_INPUT_META
             for node in nodes:
                 if node.meta.get(key) != state.name:

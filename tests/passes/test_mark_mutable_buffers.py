@@ -141,3 +141,59 @@ def test_marks_survive_torchao_prepare_and_convert(zoo):
     converted = convert_pt2e(prepared)
     info = mutable_buffers(converted)
     assert set(info) == caches and all(v.writers for v in info.values())
+
+
+class _FilledAndNot(torch.nn.Module):
+    """A zero cache, a cache of 3s, a random state, a counter and a buffer of +0.0/-0.0
+    (equal values, different bits): every one is written each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("zeros", torch.zeros(2, 8, 4))
+        self.register_buffer("threes", torch.full((8, 4), 3.0))
+        self.register_buffer("noise", torch.randn(8, 4, generator=torch.Generator().manual_seed(0)))
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("signed_zeros", torch.tensor([0.0, -0.0, 0.0]))
+
+    def forward(self, x, pos):
+        self.zeros.index_copy_(1, pos, x.expand(2, 1, 4))
+        self.threes.mul_(x.mean())
+        self.noise.add_(x[0])
+        self.step.add_(1)
+        self.signed_zeros.add_(1.0)
+        return self.zeros.sum(1) + self.threes.sum() + self.noise.sum() + self.signed_zeros.sum()
+
+
+def _bits(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+@pytest.mark.parametrize("form", ["exported", "module"])
+def test_reset_keeps_a_filled_buffer_as_one_value_and_restores_every_buffer_exactly(form):
+    eager = _FilledAndNot()
+    calls = [(torch.randn(1, 1, 4), torch.tensor([i])) for i in range(4)]
+    ep = torch.export.export(copy.deepcopy(eager), calls[0])
+    program = PassManager([MarkMutableBuffers()]).run(ep if form == "exported" else ep.module())
+    program = program.program
+    info = mutable_buffers(program)
+    state = program.state_dict if form == "exported" else dict(program.named_buffers())
+    first = {fqn: state[fqn].clone() for fqn in info}
+    # What is stored: the fills are one element each, broadcast to the buffer's shape ...
+    for fqn in ("zeros", "threes", "step"):
+        kept = info[fqn].initial
+        assert kept.shape == state[fqn].shape and all(s == 0 for s in kept.stride())
+        assert kept.untyped_storage().nbytes() == kept.element_size()
+    # ... the others (random values, +0.0 next to -0.0) are full copies of their own.
+    for fqn in ("noise", "signed_zeros"):
+        kept = info[fqn].initial
+        assert kept.untyped_storage().nbytes() == state[fqn].untyped_storage().nbytes()
+        assert kept.untyped_storage().data_ptr() != state[fqn].untyped_storage().data_ptr()
+    run = program.module() if form == "exported" else program
+    for args in calls[:3]:
+        run(*args)
+    assert all(not torch.equal(_bits(state[fqn]), _bits(first[fqn])) for fqn in info)
+    assert sorted(reset_mutable_buffers(program)) == sorted(first)
+    for fqn, value in first.items():
+        assert torch.equal(_bits(state[fqn]), _bits(value)), fqn
+    # After the reset the program runs like a fresh eager module again.
+    assert_same_behaviour(eager, run, calls, calls=4)
