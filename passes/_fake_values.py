@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, Node, map_arg
@@ -60,23 +59,32 @@ def _fake_key(node: Node, args: Any, kwargs: Any) -> tuple | None:
     """
     if view_base_index(node) is not None or not isinstance(node.target, torch._ops.OpOverload):
         return None
-    leaves = []
-    for leaf in pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor):
-            meta = (tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device)
-            if not all(isinstance(d, int) for d in (*meta[0], *meta[1])):
-                return None
-            leaves.append(meta)
-        elif isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            return None
-        else:
-            leaves.append((type(leaf), leaf))
     try:
-        key = (node.target, pytree.tree_structure((args, kwargs)), tuple(leaves))
+        key = (node.target, _key_of(args), _key_of(kwargs))
         hash(key)
-    except TypeError:
+    except (TypeError, _Dynamic):
         return None
     return key
+
+
+class _Dynamic(Exception):
+    """A symbolic size, stride or scalar: no static cache key."""
+
+
+def _key_of(value: Any) -> Any:
+    # A hand-rolled flatten: pytree's generic one costs more than the dispatch it saves.
+    if isinstance(value, torch.Tensor):
+        meta = (tuple(value.shape), value.stride())
+        if not all(isinstance(d, int) for d in (*meta[0], *meta[1])):
+            raise _Dynamic
+        return (*meta, value.dtype, value.device)
+    if isinstance(value, (tuple, list)):
+        return (type(value), *(_key_of(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, *((k, _key_of(v)) for k, v in value.items()))
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise _Dynamic
+    return (type(value), value)
 
 
 def _fresh_fake(mode: Any, like: Any) -> Any:

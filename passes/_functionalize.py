@@ -175,10 +175,15 @@ class Rewrite(StorageReads, ProgramEnd):
     def _remap(self, node: Node) -> None:
         if not any(a in self.value for a in node.all_input_nodes):
             return
+        old_inputs = node.all_input_nodes
         args, kwargs = map_arg((node.args, node.kwargs), self.resolve)
         self._set_args(node, args, kwargs)
-        if node.target in MAYBE_VIEWS and "val" in node.meta:
+        if node.target in MAYBE_VIEWS and "val" in node.meta and not (
+            self.aliases[node].root is node and _same_metadata(old_inputs, node.all_input_nodes)
+        ):
             # Whether it is a view is read from storage sharing: keep that true of its new input.
+            # A copy (reshape of an expanded cache) of inputs with unchanged metadata stays a
+            # copy with the same metadata, so its value needs no new fake dispatch.
             self.fake_changes.append((node, node.meta["val"]))
             self._infer(node, node)
 
@@ -344,6 +349,23 @@ def _same_layout(a: Node, b: Node) -> bool:
         return True
     strides = (*va.stride(), *vb.stride())
     return not all(isinstance(x, int) for x in strides) or va.stride() == vb.stride()
+
+
+def _same_metadata(old: list[Node], new: list[Node]) -> bool:
+    """Inputs whose fake values agree in everything but storage (static shapes only)."""
+    if len(old) != len(new):
+        return False
+    for a, b in zip(old, new):
+        va, vb = a.meta.get("val"), b.meta.get("val")
+        if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+            return False
+        ma = (*va.shape, *va.stride(), va.storage_offset())
+        mb = (*vb.shape, *vb.stride(), vb.storage_offset())
+        if not all(isinstance(x, int) for x in ma) or ma != mb or (
+            (va.dtype, va.device) != (vb.dtype, vb.device)
+        ):
+            return False
+    return True
 
 
 def _is_contiguous(node: Node) -> bool:
