@@ -126,3 +126,18 @@ class AllNodePartitioner(OpSupportPartitioner):
 
     def __init__(self, *, tag_prefix: str = "delegate"):
         super().__init__(lambda node: True, tag_prefix=tag_prefix)
+
+    def __call__(self, ep: ExportedProgram) -> dict[str, list[torch.fx.Node]]:
+        nodes = [n for n in ep.graph.nodes if n.op == "call_function"]
+        if any(is_delegate_call(n) or is_delegate_output(n) for n in nodes):
+            # Earlier delegates stay outside: torch's partitioner keeps the rest cycle-free.
+            return super().__call__(ep)
+        # Every computing node in one group has only placeholders, get_attrs and the output
+        # outside it, so it cannot form a cycle. Torch's partitioner would reach the same
+        # group by merging node by node, with a downstream search per merge that is
+        # quadratic in the graph's size.
+        for node in ep.graph.nodes:
+            node.meta.pop(DELEGATION_TAG, None)
+        for node in nodes:
+            node.meta[DELEGATION_TAG] = f"{self.tag_prefix}_0"
+        return tagged_partitions(ep)

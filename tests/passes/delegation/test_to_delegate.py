@@ -79,6 +79,29 @@ def test_all_node_partitioner_makes_one_partition(decoder):
     assert list(partitions) == ["delegate_0"] and partitions["delegate_0"] == compute
 
 
+class _TwoIndependentUpdates(nn.Module):
+    """Two computations that share no node: a counter update and an unrelated output."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(3))
+
+    def forward(self, x, y):
+        self.count.add_(x)
+        return self.count * 2, y.sin()
+
+
+def test_all_node_partitioner_groups_unconnected_computations_in_one_delegate():
+    eager = _TwoIndependentUpdates()
+    calls = [(torch.randn(3), torch.randn(2)) for _ in range(CALLS)]
+    ep = torch.export.export(copy.deepcopy(eager), calls[0]).run_decompositions({})
+    lowered = to_delegate(ep, AllNodePartitioner())
+    assert [d.tag for d in delegates(lowered)] == ["delegate_0"]
+    assert not [n for n in lowered.graph.nodes if n.op == "call_function"
+                and n.target not in (call_delegate, operator.getitem)]
+    assert_same_behaviour(eager, lowered, calls)
+
+
 @pytest.mark.parametrize(
     "partitioner",
     [AllNodePartitioner(), OpSupportPartitioner([aten.index_copy])],
