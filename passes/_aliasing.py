@@ -92,6 +92,9 @@ class _OpFacts:
     result_written: bool  # ... and whether that argument is written (an in-place op)
     list_views_of: int | None  # the argument a list of views aliases (split, unbind)
     results_alias: tuple[int | None, ...]  # per result of a multi-result op
+    maybe_view: bool  # in MAYBE_VIEWS
+    hidden_writes: tuple[int, tuple[int, ...]] | None  # an entry of HIDDEN_WRITES
+    no_write_unless: int | None  # an entry of NO_WRITE_UNLESS
 
 
 @functools.cache
@@ -117,13 +120,29 @@ def _facts(op: torch._ops.OpOverload) -> _OpFacts:
         list_views_of=list_views_of,
         results_alias=tuple(aliased_by(r.alias_info) for r in schema.returns)
         if len(schema.returns) > 1 else (),
+        maybe_view=op in MAYBE_VIEWS,
+        hidden_writes=HIDDEN_WRITES.get(op),
+        no_write_unless=NO_WRITE_UNLESS.get(op),
     )
 
 
+# Facts by the operator's id: an OpOverload hashes in Python, and the scans ask for the
+# facts of every node several times. The op itself is kept so that its id stays its own.
+_FACTS_BY_ID: dict[int, tuple[torch._ops.OpOverload, _OpFacts]] = {}
+
+
 def _facts_of(node: Node) -> _OpFacts | None:
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        return _facts(node.target)
-    return None
+    if node.op != "call_function":
+        return None
+    target = node.target
+    entry = _FACTS_BY_ID.get(id(target))
+    if entry is not None and entry[0] is target:
+        return entry[1]
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    facts = _facts(target)
+    _FACTS_BY_ID[id(target)] = (target, facts)
+    return facts
 
 
 def argument_value(node: Node, schema: torch.FunctionSchema, i: int) -> Any:
@@ -176,12 +195,14 @@ def written_arguments(node: Node) -> list[tuple[int, Node]]:
     if facts is None:
         return []
     written = facts.written
-    flag = NO_WRITE_UNLESS.get(node.target)
+    flag = facts.no_write_unless
     if flag is not None and argument_value(node, facts.schema, flag) is False:
         return []
-    hidden = HIDDEN_WRITES.get(node.target)
+    hidden = facts.hidden_writes
     if hidden is not None and argument_value(node, facts.schema, hidden[0]) is True:
         written = hidden[1]
+    if not written:
+        return []
     return [(i, n) for i in written for n in _nodes_in(argument_value(node, facts.schema, i))]
 
 
@@ -212,7 +233,7 @@ def aliased_argument(node: Node) -> tuple[int, Node, bool] | None:
     value = argument_value(node, facts.schema, facts.result_of)
     if not isinstance(value, Node):
         return None
-    if node.target in MAYBE_VIEWS and _shares_storage(node, value) is False:
+    if facts.maybe_view and _shares_storage(node, value) is False:
         return None
     return facts.result_of, value, facts.result_written
 

@@ -41,15 +41,19 @@ class FakeValues:
         args, kwargs = map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
         key = _fake_key(node, args, kwargs)
         if key in self._cache:
-            val = _fresh_fake(self.mode, self._cache[key])
+            like, tensor_meta = self._cache[key]
+            val = _fresh_fake(self.mode, like)
         else:
             with self.mode:
                 val = node.target(*args, **kwargs)
+            tensor_meta = (_extract_tensor_metadata(val) if isinstance(val, torch.Tensor)
+                           else None)
             if key is not None:
-                self._cache[key] = val
+                # TensorMetadata is an immutable tuple: nodes with equal metadata share it.
+                self._cache[key] = (val, tensor_meta)
         node.meta["val"] = val
-        if isinstance(val, torch.Tensor):
-            node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+        if tensor_meta is not None:
+            node.meta["tensor_meta"] = tensor_meta
 
 
 def _fake_key(node: Node, args: Any, kwargs: Any) -> tuple | None:
