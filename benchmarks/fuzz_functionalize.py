@@ -387,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
                         help="also run run_decompositions({}) on each program and count "
                              "its wrong results and crashes")
+    parser.add_argument("--progress", type=int, default=0,
+                        help="report progress to stderr every N programs")
     args = parser.parse_args(argv)
     # Deep-copying thousands of exported programs repeats torch's own LeafSpec deprecation
     # warning; it says nothing about the programs checked.
@@ -406,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
             torch_counts[f"{reference.split(':')[0]} (ours {outcome.split(':')[0]})"] += 1
         if outcome.startswith(("mismatch", "crash")):
             failures.append((seed, outcome, steps))
+        if args.progress and (i + 1) % args.progress == 0:
+            print(f"  ... {i + 1} programs, {time.perf_counter() - start:.0f} s, "
+                  f"{sum(counts[k] for k in ('mismatch', 'crash'))} mismatches/crashes",
+                  file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - start
     valid = sum(n for k, n in counts.items() if not k.startswith("invalid"))
     print(f"checked {args.programs} programs in {elapsed:.0f} s ({valid} valid)")
