@@ -26,9 +26,10 @@ class UnsupportedMutationError(PassManagerError):
         node: the name of the node at fault.
         reason: why it cannot be rewritten.
         kind: a short category: "overlap", "no-variant", "no-write-back",
-            "writes-parameter", "opaque", "fake-failure", "out-resize" or "storage" (an op
-            reading a written tensor's storage, such as ``as_strided``, whose root is not
-            a contiguous tensor owning all of its storage).
+            "writes-parameter", "opaque", "fake-failure", "relayout" (a shape/stride change
+            of state, of a view or of a tensor read through earlier views) or "storage" (an
+            op reading a written tensor's storage, such as ``as_strided``, whose root is
+            not a contiguous tensor owning all of its storage).
     """
 
     def __init__(self, node: Node, reason: str, kind: str):

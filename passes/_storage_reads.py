@@ -28,6 +28,10 @@ class StorageReads:
         stands for that storage: refused when the root is not exactly its own storage."""
         root = self.aliases[view].root
         cur = self.cur.get(root, root)
+        if root in self.relaid:
+            raise UnsupportedMutationError(
+                node, f"it reads the storage of {root.name}, whose shape/strides a write "
+                      "changed", "storage")
         for tensor in (root.meta.get("val"), cur.meta.get("val")):
             if not whole_storage(tensor):
                 raise UnsupportedMutationError(

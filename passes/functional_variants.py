@@ -38,6 +38,7 @@ from ._aliasing import argument_value
 from ._mutation_checks import UnsupportedMutationError
 
 __all__ = [
+    "METADATA_VIEWS",
     "FunctionalVariant",
     "functional_variant",
     "register_functional_variant",
@@ -48,6 +49,18 @@ __all__ = [
 _METADATA_MUTATIONS = frozenset({"resize_", "resize_as_", "set_", "as_strided_", "t_",
                                  "transpose_", "squeeze_", "unsqueeze_", "swapdims_",
                                  "swapaxes_"})
+_aten = torch.ops.aten
+METADATA_VIEWS = {
+    _aten.unsqueeze_.default: _aten.unsqueeze.default,
+    _aten.squeeze_.default: _aten.squeeze.default,
+    _aten.squeeze_.dim: _aten.squeeze.dim,
+    _aten.squeeze_.dims: _aten.squeeze.dims,
+    _aten.t_.default: _aten.t.default,
+    _aten.transpose_.default: _aten.transpose.int,
+    _aten.swapdims_.default: _aten.swapdims.default,
+    _aten.swapaxes_.default: _aten.swapaxes.default,
+}
+"""Metadata mutations of an intermediate and the view op giving its new shape (a rename)."""
 # In-place ops that change no value (only autograd metadata): they rewrite to nothing.
 _VALUE_PRESERVING = frozenset({"detach_", "requires_grad_"})
 

@@ -435,3 +435,56 @@ class WriteThroughOverlappingStrided(nn.Module):
 def test_write_through_self_overlapping_as_strided_is_refused():
     error = refused_in_both_forms(WriteThroughOverlappingStrided, _calls((6,)), "overlap")
     assert "more than once" in error.reason
+
+
+# -- pattern 5: out= resizing fresh tensors, shape-changing in-place ops on intermediates --
+class Relayouts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(2, 3))
+
+    def forward(self, x):
+        total = torch.add(x, 1, out=torch.empty(()))  # resized to x's shape
+        low, high = torch.empty(0), torch.empty(0)
+        torch.aminmax(x, dim=0, out=(low, high))
+        t = x * 2
+        t.unsqueeze_(0)
+        t.add_(1)
+        u = x + 1
+        u.t_()
+        u.mul_(2)
+        v = (x - 1).unsqueeze(0) * 1
+        v.squeeze_(0)
+        v.transpose_(0, 1)
+        self.b.add_(t[0] + u.t() + v.t())
+        return total, low + high, t, u, v
+
+
+def test_out_resize_and_metadata_mutations_of_intermediates():
+    ep, gm = functionalize_both_forms(Relayouts, _calls((2, 3)))
+    for program in (ep, gm):
+        assert not {aten.unsqueeze_.default, aten.t_.default, aten.add.out} & set(targets(program))
+
+
+class BufferUnsqueezedInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(3))
+
+    def forward(self, x):
+        self.b.unsqueeze_(0)
+        return self.b + x
+
+
+class ViewedThenTransposedInPlace(nn.Module):
+    def forward(self, x):
+        t = x * 2
+        row = t[0]
+        t.t_()
+        t.add_(1)
+        return row * 1, t
+
+
+def test_relayout_of_state_or_of_a_viewed_tensor_is_refused():
+    refused_in_both_forms(BufferUnsqueezedInPlace, _calls((3,)), "relayout")
+    refused_in_both_forms(ViewedThenTransposedInPlace, _calls((2, 3)), "relayout")
