@@ -238,7 +238,8 @@ class Mutations:
 
 
 def _subgraph_written(sub: torch.fx.GraphModule) -> list[int] | None:
-    """Positions of the subgraph's placeholders it writes (None: it writes something else)."""
+    """Positions of the subgraph's placeholders it writes (None: it writes something else
+    that is not its own: an attribute)."""
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     aliases, _ = alias_map(sub.graph.nodes)
     roots = set()
@@ -246,6 +247,8 @@ def _subgraph_written(sub: torch.fx.GraphModule) -> list[int] | None:
         roots.update(aliases[w].root for w in written_nodes(node) if w in aliases)
         nested = _hop_operands_written(node, sub)
         roots.update(aliases[w].root for w in nested or () if w in aliases)
+    # A tensor the subgraph allocates itself is local: writing it is no program mutation.
+    roots = {r for r in roots if r.op != "call_function"}
     if not roots:
         return []
     if not roots <= set(placeholders):

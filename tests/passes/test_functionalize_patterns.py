@@ -488,3 +488,45 @@ class ViewedThenTransposedInPlace(nn.Module):
 def test_relayout_of_state_or_of_a_viewed_tensor_is_refused():
     refused_in_both_forms(BufferUnsqueezedInPlace, _calls((3,)), "relayout")
     refused_in_both_forms(ViewedThenTransposedInPlace, _calls((2, 3)), "relayout")
+
+
+# -- pattern 3: writes local to a higher-order op's subgraph -------------------------------
+def _positive_branch(x):
+    y = x * 2
+    y.add_(1)  # a tensor the branch allocates: no program mutation
+    return y
+
+
+def _negative_branch(x):
+    y = x - 1
+    y.mul_(3)
+    return y
+
+
+def _map_body(row):
+    z = row.clone()
+    z[0].add_(2)
+    return z
+
+
+class LocalWritesInSubgraphs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(3))
+
+    def forward(self, x):
+        from torch._higher_order_ops.map import map as hop_map
+
+        out = torch.cond(x.sum() > 0, _positive_branch, _negative_branch, (x,))
+        mapped = hop_map(_map_body, x.view(3, 1))
+        self.b.add_(out)
+        return self.b * 1, mapped
+
+
+def test_writes_local_to_cond_and_map_subgraphs():
+    calls = [(torch.randn(3, generator=torch.Generator().manual_seed(i)) * (-1) ** i,)
+             for i in range(4)]  # both branches taken
+    ep, gm = functionalize_both_forms(LocalWritesInSubgraphs, calls)
+    for program in (ep, gm):
+        assert torch.ops.higher_order.cond in targets(program)
+        assert aten.add_.Tensor not in targets(program)
