@@ -43,7 +43,7 @@ from ._buffers import (
     trailing_write_backs,
 )
 from ._fake_values import FakeValues
-from ._functionalize_end import VALUE_META, ProgramEnd
+from ._functionalize_end import VALUE_META, ProgramEnd, fresh_like
 from ._grad_regions import inline_grad_regions
 from ._mutation_checks import UnsupportedMutationError, check_opaque, check_write
 from ._storage_reads import StorageReads
@@ -90,7 +90,9 @@ class Rewrite(StorageReads, ProgramEnd):
         self.has_writes = bool(self.skipped) or any(
             str(n.target).endswith("_") or "writes" in reason
             for n, reason in self.opaque.items() if n not in self.skipped)
-        self.has_writes |= any(n not in write_backs for n in scan.writing_nodes)
+        self.has_writes |= any(n not in write_backs for n in scan.writing_nodes) or any(
+            isinstance(a, Node) and a.target is aten.copy.default and fresh_like(a.args[1], a)
+            for _, a in self.mutation_outputs)
         self.fake = FakeValues(self.graph)
         self.cur: dict[Node, Node] = {}
         self.version: dict[Node, int] = {}
@@ -245,6 +247,15 @@ class Rewrite(StorageReads, ProgramEnd):
 
     def _rewrite(self, node: Node, writes: list[tuple[int, Node]]) -> None:
         if self._relayout(node, writes):
+            return
+        written = writes[0][1]  # an original node (the arguments are current values)
+        if node.target is aten.copy_.default and not self.aliases[written].chain and (
+            fresh_like(node.args[1], written)
+        ):  # a whole tensor overwritten by a fresh value: it now is that value
+            self._write(node, written, node.args[1])
+            root = self.aliases[written].root
+            self.value[node] = (self.cur[root], self.version[root])
+            self.dead.append(node)
             return
         variant = functional_variant(node.target)
         if isinstance(variant, str):

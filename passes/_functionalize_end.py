@@ -17,7 +17,7 @@ from torch.export.graph_signature import (
 )
 from torch.fx import Node, map_arg
 
-from ._aliasing import view_base_index
+from ._aliasing import MAYBE_VIEWS, view_base_index
 from ._buffers import (
     BUFFER,
     INITIAL_META,
@@ -28,12 +28,29 @@ from ._buffers import (
     rename_call_graph,
 )
 
-__all__ = ["VALUE_META", "ProgramEnd"]
+__all__ = ["VALUE_META", "ProgramEnd", "fresh_like"]
 
 aten = torch.ops.aten
 VALUE_META = frozenset({"val", "tensor_meta", MUTABLE_BUFFER_META, MUTABLE_INPUT_META,
                         INITIAL_META})
 """Meta describing a node's value, or marking a state node: never copied onto new nodes."""
+
+
+def fresh_like(src: Any, dst: Node) -> bool:
+    """Whether ``src`` is a fresh tensor (no view of anything) with ``dst``'s shape and
+    dtype: then ``copy(dst, src)`` equals ``src``, and ``dst.copy_(src)`` makes ``dst``
+    hold exactly ``src``. Re-exported programs keep one such whole-buffer copy per
+    mutated buffer; ``run_decompositions`` drops them, and so does this pass."""
+    if not isinstance(src, Node) or src.op != "call_function" or src.target in MAYBE_VIEWS:
+        return False
+    if view_base_index(src) is not None or (
+        src.target is operator.getitem and isinstance(src.args[0], Node)
+        and view_base_index(src.args[0]) is not None
+    ):
+        return False
+    a, b = src.meta.get("val"), dst.meta.get("val")
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
+        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device)
 
 
 class ProgramEnd:
@@ -52,6 +69,8 @@ class ProgramEnd:
                 state = self.states[root]
                 if state.kind == kind and self.version.get(root, 0) > 0:
                     final = self.cur[root]
+                    if final.target is aten.copy.default and fresh_like(final.args[1], final):
+                        final = final.args[1]  # a whole-state copy: hand on its source
                     if final.op in ("placeholder", "get_attr"):
                         # The final value is another piece of state: copy it, or writing
                         # the states back one after another would read an updated one.

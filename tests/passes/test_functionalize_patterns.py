@@ -530,3 +530,41 @@ def test_writes_local_to_cond_and_map_subgraphs():
     for program in (ep, gm):
         assert torch.ops.higher_order.cond in targets(program)
         assert aten.add_.Tensor not in targets(program)
+
+
+# -- pattern 8: whole-buffer copies left after re-export -----------------------------------
+class CacheAndEma(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 3))
+        self.register_buffer("ema", torch.zeros(3))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(0, pos, x)
+        self.ema.copy_(self.ema * 0.5 + x[0])
+        return self.cache.sum(0) + self.ema
+
+
+def test_re_exported_program_has_no_whole_buffer_copies_and_delegates_own_the_cache():
+    from passes import ConsumeBufferMutationsInDelegate
+    from passes.delegation import OpSupportPartitioner, delegates, program_state, to_delegate
+
+    calls = [(torch.randn(1, 3, generator=torch.Generator().manual_seed(i)), torch.tensor([i]))
+             for i in range(4)]
+    pipeline = [MarkMutableBuffers(), InplaceToFunctional()]
+    first = PassManager(pipeline).run(torch.export.export(CacheAndEma(), calls[0])).program
+    # Re-exporting the functional program gives one copy_(buffer, new value) per buffer.
+    again = torch.export.export(first.module(), copy.deepcopy(calls[0]))
+    assert targets(again).count(aten.copy_.default) == 2
+    for program in (again, again.module()):
+        result = PassManager(pipeline).run(copy.deepcopy(program)).program
+        assert_same_behaviour(CacheAndEma(), result, calls, calls=4)
+        assert aten.copy.default not in targets(result)  # no full copy of the cache
+    result = PassManager(pipeline).run(again).program
+    outputs = result.graph.output_node().args[0]
+    assert [n.target for n in outputs[:2]] == [aten.index_copy.default, aten.add.Tensor]
+    # A partitioner delegating only the cache update hands the cache to that delegate.
+    lowered = to_delegate(result, OpSupportPartitioner([aten.index_copy.default]))
+    consumed = PassManager([ConsumeBufferMutationsInDelegate()]).run(lowered).program
+    assert [sorted(d.owned_buffers) for d in delegates(consumed)] == [["cache"]]
+    assert_same_behaviour(CacheAndEma(), consumed, calls, state=program_state)
