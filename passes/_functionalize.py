@@ -64,6 +64,7 @@ class Rewrite(StorageReads, ProgramEnd):
         self.is_ep = isinstance(program, ExportedProgram)
         self.gm = graph_module_of(program)
         self.graph = self.gm.graph
+        _repair_use_lists(self.graph)
         # no_grad regions that write state are inlined first (logged for undo/commit).
         inlined = inline_grad_regions(self.gm)
         self.skipped = set(inlined.dead)
@@ -103,7 +104,8 @@ class Rewrite(StorageReads, ProgramEnd):
         self.new_nodes: list[Node] = inlined.new_nodes
         self.arg_changes: list[tuple[Node, tuple, dict]] = inlined.arg_changes
         self.fake_changes: list[tuple[Node, Any]] = []
-        self.dead: list[Node] = inlined.dead
+        self.dead: list[Node] = []
+        self.inlined_dead = inlined.dead  # erased first: they read nodes that die too
         self.order = {n: i for i, n in enumerate(self.graph.nodes)}
         self.relaid: set[Node] = set()  # roots whose shape/strides a write changed
         self.stale: list[Node] = []  # original nodes whose users now read a new node
@@ -418,3 +420,13 @@ def _same_metadata(old: list[Node], new: list[Node]) -> bool:
 def _is_contiguous(node: Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.is_contiguous()
+
+
+def _repair_use_lists(graph: torch.fx.Graph) -> None:
+    """Record every use in its input's ``users``: torch.export can leave a graph where a
+    node reads an input whose ``users`` misses it (seen around no_grad regions), and
+    re-wiring such a node then fails inside FX. Adds bookkeeping only, no graph change."""
+    for node in graph.nodes:
+        for arg in node.all_input_nodes:
+            if node not in arg.users:
+                arg.users[node] = None

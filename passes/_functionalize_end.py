@@ -113,6 +113,8 @@ class ProgramEnd:
 
     def commit(self) -> None:
         candidates = []
+        for node in reversed(self.inlined_dead):
+            self.graph.erase_node(node)
         for node in reversed(self.stale):  # before the dead nodes they may still read
             if not node.users:
                 candidates.extend(node.all_input_nodes)

@@ -51,3 +51,14 @@ def test_regression_write_through_transpose_keeps_eager_memory_layout():
              ("view", "h5", "x", (("t",),)), ("write", "h5", "masked_fill_", ("scalar",)),
              ("write", "h5", "setitem", ("xsum",))]
     assert check_program(steps, seed=301866) == "transformed"
+
+
+def test_regression_export_graph_with_a_missing_use_and_a_no_grad_write():
+    # Found by the fuzzer: export left full_like_1 out of index_add_'s users (next to a
+    # no_grad region), and re-wiring it failed inside FX; the region's operand then had to
+    # outlive the in-place node it reads.
+    steps = [("return_view", "b1"), ("write", "x", "lerp_", ("xsum",)),
+             ("write", "b2", "index_add_", ("xslice",)), ("return_view", "h"),
+             ("return_view", "m"), ("write", "b2", "nograd_add_", ("scalar",)),
+             ("view", "h6", "h", (("select", 0, 4), ("unsqueeze", 0))), ("temp", "h7", "h6")]
+    assert check_program(steps, seed=2029) == "transformed"
