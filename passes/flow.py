@@ -10,8 +10,9 @@ with fp32 eager. Every call may take keyword inputs; a failing stage raises
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -75,6 +76,17 @@ class _Stages:
         self.log(f"[{title}] done in {time.perf_counter() - start:.2f} s")
         return value
 
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """Between stages (the checks), a failure is a FlowError too, named after the stage."""
+        try:
+            yield
+        except FlowError:
+            raise
+        except Exception as e:
+            self.result.failure = failure_of(f"checks after {self.title or 'setup'}", e)
+            raise FlowError(self.result.failure, self.result) from e
+
     def progress(self, calls: int) -> Callable[[int], None]:
         """A per-call callback logging ``step i/n`` with the time since the previous one."""
         last = [time.perf_counter()]
@@ -134,93 +146,101 @@ def run_flow(
     calibration = steps if calibration is None else call_inputs(list(calibration))
     result = FlowResult()
     stage = _Stages(log, result)
-    functionalize = pipeline or PassManager([MarkMutableBuffers(), InplaceToFunctional()])
-    # The stages run as separate pipelines around torchao's calls; their union is the DAG
-    # that fixes the order, which is what the plan shows.
-    every_pass = PassManager(
-        [
-            MarkMutableBuffers(),
-            InplaceToFunctional(),
-            SkipAnnotateDataMovementOps(),
-            UnfreezeMutableBuffer(),
-            ConsumeBufferMutationsInDelegate(),
-        ]
-    )
-    result.plan = every_pass.explain()
-    result.dot = every_pass.to_dot()
-
-    def export_(module: torch.nn.Module, mode: str | None) -> Exported:
-        return export_program(module, args, kwargs, dynamic_shapes=dynamic_shapes, mode=mode)
-
-    eager = stage("fp32 eager decode", lambda: stage.run(model, steps))
-    if exported is None:
-        exported = stage("export", lambda: export_(model, export))
-    if exported.note:
-        result.notes.append(exported.note)
-    mode = exported.mode
-    exported_trace = stage(
-        "decode the exported program", lambda: stage.run(exported.program, steps)
-    )
-    _check_export(result, mode, eager, exported_trace)
-    functional = stage("functionalize", lambda: functionalize.run(copy_program(exported.program)))
-    result.reports.append(("functionalize", functional.report))
-    program: Any = functional.program
-    functional_trace = stage("decode the functional program", lambda: stage.run(program, steps))
-    _check_same(
-        result, "functional program matches the exported program", exported_trace, functional_trace
-    )
-
-    if quantize:
-        traces, converted = quantize_both_ways(
-            stage, exported.program, functional.program, quantizer_factory, calibration, steps
+    with stage.guarded():
+        functionalize = pipeline or PassManager([MarkMutableBuffers(), InplaceToFunctional()])
+        # The stages run as separate pipelines around torchao's calls; their union is the DAG
+        # that fixes the order, which is what the plan shows.
+        every_pass = PassManager(
+            [
+                MarkMutableBuffers(),
+                InplaceToFunctional(),
+                SkipAnnotateDataMovementOps(),
+                UnfreezeMutableBuffer(),
+                ConsumeBufferMutationsInDelegate(),
+            ]
         )
-        for name, trace in traces.items():
-            result.step_errors[name] = output_errors(eager, trace)
-            result.buffer_errors[name] = _relative_buffer_errors(eager, trace)
-        _quantization_checks(result, eager, traces, converted)
-        quantized = converted[WITH_PASSES]
-        if delegate:
-            reexported = stage("re-export the quantized program", lambda: export_(quantized, mode))
-            refunctional = stage(
-                "functionalize again", lambda: functionalize.run(reexported.program)
-            )
-            result.reports.append(("functionalize quantized", refunctional.report))
-            program = refunctional.program
-        else:
-            program = quantized
-        reference = traces[WITH_PASSES]
-    else:
-        reference = functional_trace
+        result.plan = every_pass.explain()
+        result.dot = every_pass.to_dot()
 
-    if delegate:
-        lowered = stage("to_delegate", lambda: to_delegate(program, AllNodePartitioner()))
-        consumed = stage(
-            "consume buffer mutations",
-            lambda: PassManager([ConsumeBufferMutationsInDelegate()]).run(lowered),
+        def export_(module: torch.nn.Module, mode: str | None) -> Exported:
+            return export_program(module, args, kwargs, dynamic_shapes=dynamic_shapes, mode=mode)
+
+        eager = stage("fp32 eager decode", lambda: stage.run(model, steps))
+        if exported is None:
+            exported = stage("export", lambda: export_(model, export))
+        if exported.note:
+            result.notes.append(exported.note)
+        mode = exported.mode
+        exported_trace = stage(
+            "decode the exported program", lambda: stage.run(exported.program, steps)
         )
-        result.reports.append(("delegation", consumed.report))
-        program = consumed.program
-        for info in delegates(program):
-            owned = ", ".join(sorted(info.owned_buffers)) or "none"
-            result.delegate_summary.append(f"{info.tag}: owns {owned}")
-        final = stage(
-            "decode the lowered program", lambda: stage.run(program, steps, state=program_state)
+        _check_export(result, mode, eager, exported_trace)
+        functional = stage(
+            "functionalize", lambda: functionalize.run(copy_program(exported.program))
         )
-        # Constants torchao or export lifted into buffers of the quantized module (a
-        # cross-attention's lifted tensors) are no state of the model: compare the model's.
-        model_state = set(eager.buffers[0]) if eager.buffers else set()
+        result.reports.append(("functionalize", functional.report))
+        program: Any = functional.program
+        functional_trace = stage("decode the functional program", lambda: stage.run(program, steps))
         _check_same(
             result,
-            "delegated program matches its input program",
-            _restricted(reference, model_state),
-            _restricted(final, model_state),
+            "functional program matches the exported program",
+            exported_trace,
+            functional_trace,
         )
-        name = "full pipeline" if quantize else "fp32 pipeline"
-        result.step_errors[name] = output_errors(eager, final)
-        result.buffer_errors[name] = _relative_buffer_errors(eager, final)
-    elif not quantize:
-        result.step_errors["fp32 pipeline"] = output_errors(eager, functional_trace)
-    return result
+
+        if quantize:
+            traces, converted = quantize_both_ways(
+                stage, exported.program, functional.program, quantizer_factory, calibration, steps
+            )
+            for name, trace in traces.items():
+                result.step_errors[name] = output_errors(eager, trace)
+                result.buffer_errors[name] = _relative_buffer_errors(eager, trace)
+            _quantization_checks(result, eager, traces, converted)
+            quantized = converted[WITH_PASSES]
+            if delegate:
+                reexported = stage(
+                    "re-export the quantized program", lambda: export_(quantized, mode)
+                )
+                refunctional = stage(
+                    "functionalize again", lambda: functionalize.run(reexported.program)
+                )
+                result.reports.append(("functionalize quantized", refunctional.report))
+                program = refunctional.program
+            else:
+                program = quantized
+            reference = traces[WITH_PASSES]
+        else:
+            reference = functional_trace
+
+        if delegate:
+            lowered = stage("to_delegate", lambda: to_delegate(program, AllNodePartitioner()))
+            consumed = stage(
+                "consume buffer mutations",
+                lambda: PassManager([ConsumeBufferMutationsInDelegate()]).run(lowered),
+            )
+            result.reports.append(("delegation", consumed.report))
+            program = consumed.program
+            for info in delegates(program):
+                owned = ", ".join(sorted(info.owned_buffers)) or "none"
+                result.delegate_summary.append(f"{info.tag}: owns {owned}")
+            final = stage(
+                "decode the lowered program", lambda: stage.run(program, steps, state=program_state)
+            )
+            # Constants torchao or export lifted into buffers of the quantized module (a
+            # cross-attention's lifted tensors) are no state of the model: compare the model's.
+            model_state = set(eager.buffers[0]) if eager.buffers else set()
+            _check_same(
+                result,
+                "delegated program matches its input program",
+                _restricted(reference, model_state),
+                _restricted(final, model_state),
+            )
+            name = "full pipeline" if quantize else "fp32 pipeline"
+            result.step_errors[name] = output_errors(eager, final)
+            result.buffer_errors[name] = _relative_buffer_errors(eager, final)
+        elif not quantize:
+            result.step_errors["fp32 pipeline"] = output_errors(eager, functional_trace)
+        return result
 
 
 def run_model(model: ModelSpec, **options: Any) -> FlowResult:

@@ -211,3 +211,17 @@ def test_a_factory_may_return_an_exported_program_or_its_module():
         assert isinstance(spec.module, torch.fx.GraphModule)  # eval() was not called on it
         exported = export_program(spec.module, spec.example_args)
         assert_same_behaviour(model, exported.program, [example] * 3)
+
+
+def test_a_failure_between_stages_is_a_flow_error_too(monkeypatch):
+    from passes import flow
+
+    def broken_checks(*args):
+        raise KeyError("value_cache_9")
+
+    monkeypatch.setattr(flow, "_quantization_checks", broken_checks)
+    with pytest.raises(FlowError) as info:
+        flow_on(hf_models.no_grad_state, delegate=False)
+    assert info.value.failure.stage == "checks after decode quantized, with passes"
+    assert info.value.failure.reason == "KeyError: 'value_cache_9'"
+    assert info.value.result.step_errors  # what was measured before stays in the result
