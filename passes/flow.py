@@ -195,7 +195,8 @@ def run_flow(
             for name, trace in traces.items():
                 result.step_errors[name] = output_errors(eager, trace)
                 result.buffer_errors[name] = _relative_buffer_errors(eager, trace)
-            _quantization_checks(result, eager, traces, converted)
+            if RESET in traces:
+                _quantization_checks(result, eager, traces, converted)
             quantized = converted[WITH_PASSES]
             if delegate:
                 reexported = stage(

@@ -225,3 +225,26 @@ def test_a_failure_between_stages_is_a_flow_error_too(monkeypatch):
     assert info.value.failure.stage == "checks after decode quantized, with passes"
     assert info.value.failure.reason == "KeyError: 'value_cache_9'"
     assert info.value.result.step_errors  # what was measured before stays in the result
+
+
+def test_torchao_failing_on_its_own_skips_only_the_comparisons_with_it():
+    calls = []
+
+    def quantizer_failing_once():
+        calls.append(1)
+        if len(calls) == 1:  # the flow without the passes asks first
+            raise RuntimeError("torchao cannot quantize this model")
+        return AnnotateEveryOpQuantizer()
+
+    spec = model_spec(hf_models.no_grad_state(), "no_grad_state", STEPS)
+    result = run_model(
+        spec, quantizer_factory=quantizer_failing_once, delegate=False, log=lambda line: None
+    )
+    assert result.ok and len(calls) == 2
+    assert "torchao's flow without the passes failed" in result.notes[0]
+    assert "torchao cannot quantize this model" in result.notes[0]
+    assert list(result.step_errors) == ["quantized, with passes"]
+    assert [c.name for c in result.checks] == [
+        "exported program (strict) matches fp32 eager within float rounding",
+        "functional program matches the exported program",
+    ]
