@@ -10,6 +10,7 @@ error as ``diff`` and ``unrestored``; the message is rendered from them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "InPlaceContractError",
@@ -47,6 +48,9 @@ class PassManagerError(Exception):
             nothing, or not rolled back).
         unrestored: fully-qualified names of tensors the pass wrote in place whose old
             data was not kept, so the rollback could not restore them.
+        report: the run's :class:`Report` up to and including the failed pass (its record
+            has ``error`` set, and the statistics the error carried), or None when the
+            error did not come from a run.
     """
 
     def __init__(self, message: str, *, pass_name: str | None = None, index: int | None = None):
@@ -56,6 +60,7 @@ class PassManagerError(Exception):
         self.rolled_back = False
         self.diff = ""
         self.unrestored: list[str] = []
+        self.report: Any = None
 
     def __str__(self) -> str:
         text = super().__str__()

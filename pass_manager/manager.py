@@ -134,7 +134,11 @@ class PassManager(Pass):
     def call(self, program: Any) -> PassResult:
         result = self.run(program)
         notes = [f"{r.name}: {n}" for r in result.report.records for n in r.notes]
-        return PassResult(result.program, result.modified, notes)
+        statistics: dict[str, Any] = {}
+        for r in result.report.records:  # a group counts what its passes counted, summed
+            for key, value in r.statistics.items():
+                statistics[f"{r.name}: {key}"] = statistics.get(f"{r.name}: {key}", 0) + value
+        return PassResult(result.program, result.modified, notes, statistics)
 
     def __repr__(self) -> str:
         return f"PassManager({self.plan()!r})"

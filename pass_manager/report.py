@@ -24,6 +24,14 @@ class PassRecord:
     checked: list[str] = field(default_factory=list)
     cached: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # What the pass counted (its PassResult.statistics), by description.
+    statistics: dict[str, int | float] = field(default_factory=dict)
+    # "Type: first line of the message" when the pass failed (and was rolled back).
+    error: str = ""
+
+
+def _count(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:.4g}"
 
 
 @dataclass
@@ -49,7 +57,7 @@ class Report:
                 f"{r.wall_time * 1e3:.2f}",
                 f"{r.check_time * 1e3:.2f}",
                 f"{r.nodes_before} -> {r.nodes_after}",
-                "yes" if r.modified else "no",
+                "FAILED" if r.error else "yes" if r.modified else "no",
             )
             for r in self.records
         ]
@@ -59,8 +67,24 @@ class Report:
         lines += [fmt.format(*row) for row in rows]
         for r in self.records:
             lines += [f"  {r.name}: {note}" for note in r.notes]
+            lines += [f"  {r.name} failed: {r.error}"] if r.error else []
+        lines += self.statistics_lines()
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def statistics_lines(self) -> list[str]:
+        """Per pass that counted anything: its counters, one per line (MLIR style)."""
+        lines = []
+        for r in self.records:
+            if not r.statistics:
+                continue
+            place = str(r.index) + (f".{r.iteration}" if r.iteration else "")
+            if not lines:
+                lines.append("statistics:")
+            lines.append(f"  #{place} {r.name}")
+            width = max(len(_count(v)) for v in r.statistics.values())
+            lines += [f"    {_count(v):>{width}}  {key}" for key, v in r.statistics.items()]
+        return lines
 
     def __str__(self) -> str:
         return self.table()

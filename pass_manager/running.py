@@ -83,20 +83,28 @@ def _providers_hint(condition: Condition) -> str:
     return f"No pass in this pipeline provides it; add one of: {', '.join(sorted(names))}."
 
 
-def _unpack(out: Any, program: Any) -> tuple[Any, bool | None, list[str]]:
-    """A pass's return value -> (program, claimed modified, notes)."""
+def _unpack(out: Any, program: Any) -> tuple[Any, bool | None, list[str], dict[str, Any]]:
+    """A pass's return value -> (program, claimed modified, notes, statistics)."""
     if out is None:
-        return program, None, []
+        return program, None, [], {}
     if isinstance(out, PassResult):
-        return out.program, out.modified, list(out.notes)
+        return out.program, out.modified, list(out.notes), dict(out.statistics)
     if isinstance(out, TorchPassResult):
         gm = out.graph_module
         if program_form(program) == "ExportedProgram" and gm is not program.graph_module:
-            return program._update(gm, program.graph_signature), out.modified, []
-        return (program if gm is graph_module_of(program) else gm), out.modified, []
+            return program._update(gm, program.graph_signature), out.modified, [], {}
+        return (program if gm is graph_module_of(program) else gm), out.modified, [], {}
     if isinstance(out, (torch.fx.GraphModule, torch.export.ExportedProgram)):
-        return out, None, []
+        return out, None, [], {}
     raise TypeError(f"a pass returned {type(out).__name__}; expected PassResult, a program or None")
+
+
+def _error_statistics(error: BaseException) -> dict[str, Any]:
+    """Statistics an exception carries (``error.statistics``), or its cause's."""
+    for e in (error, error.__cause__):
+        if isinstance(getattr(e, "statistics", None), dict):
+            return e.statistics
+    return {}
 
 
 class _RunState:
@@ -150,7 +158,14 @@ class Runner:
             changed_this_round = False
             for index, p in enumerate(self.passes):
                 record = PassRecord(p.name, index, iteration)
-                program = self._run_pass(p, index, program, state, record)
+                try:
+                    program = self._run_pass(p, index, program, state, record)
+                except PassManagerError as e:
+                    # The report so far, ending with the failed pass, travels with the
+                    # error (the outermost pipeline's, when groups nest).
+                    report.records.append(record)
+                    e.report = report
+                    raise
                 report.records.append(record)
                 changed_this_round |= record.modified
             any_change |= changed_this_round
@@ -180,7 +195,8 @@ class Runner:
             before = state.fingerprint or fingerprint(program)
             snapshot = Snapshot(program, copy_state=p.writes_state)
             out = self._call(p, index, program)
-            current, record.claimed_modified, record.notes = _unpack(out, program)
+            unpacked = _unpack(out, program)
+            current, record.claimed_modified, record.notes, record.statistics = unpacked
             if not p.writes_state and (written := snapshot.written()):
                 raise StateWriteError(p.name, index, written)
             state.fingerprint = self._measure(p, index, program, current, before, record)
@@ -193,6 +209,9 @@ class Runner:
                 p.name, index, f"{type(e).__name__}: {e}"
             )
             error._from_runner = True
+            # A refusal the pass counted (``error.statistics``) is a statistic of its record.
+            record.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            record.statistics = dict(_error_statistics(e) or record.statistics)
             if snapshot is not None:
                 self._roll_back(p, snapshot, current, error)
             for instrument in reversed(self.instruments):

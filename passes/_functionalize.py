@@ -12,6 +12,7 @@ mutation output (ExportedProgram) or a trailing ``copy_`` (GraphModule): see
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from typing import Any
 
 import torch
@@ -115,6 +116,7 @@ class Rewrite(StorageReads, ProgramEnd):
         self.call_graph_names = call_graph_names(program) if self.is_ep else set()
         self.boundary: dict[str, Node] = {}
         self.notes: list[str] = []
+        self.statistics: Counter[str] = Counter()  # what the rewrite did, for the report
 
     # -- building blocks --------------------------------------------------------------
     def emit(self, like: Node, target: Any, *args: Any, **kwargs: Any) -> Node:
@@ -262,6 +264,8 @@ class Rewrite(StorageReads, ProgramEnd):
         variant = functional_variant(node.target)
         if isinstance(variant, str):
             raise UnsupportedMutationError(node, variant, "no-variant")
+        op = getattr(node.target, "overloadpacket", node.target)
+        self.statistics[f"in-place ops rewritten: {op}"] += 1
         if variant.expand is not None:
             results = variant.expand(
                 lambda target, *a, **kw: self.emit(node, target, *a, **kw), node)
@@ -377,6 +381,7 @@ class Rewrite(StorageReads, ProgramEnd):
         root, chain = alias.root, alias.chain
         view_value = new
         if chain:
+            self.statistics["writes through a view written back into their base"] += 1
             bases = self._view_values(root, chain[: -len(view_steps(chain)[-1])])
             new = write_back_chain(
                 lambda target, *a, **kw: self.emit(writer, target, *a, **kw), chain, bases, new)

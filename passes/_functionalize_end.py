@@ -76,6 +76,8 @@ class ProgramEnd:
                         # the states back one after another would read an updated one.
                         final = self.emit(self.last_writer[root], aten.clone.default, final)
                     finals.append((state, root, final))
+                    kinds = "buffers" if kind == BUFFER else "user inputs"
+                    self.statistics[f"mutated {kinds} written back"] += 1
         if self.is_ep:
             user = [(spec, map_arg(arg, self.resolve)) for spec, arg in self.other_outputs]
             for (_, old), (_, new) in zip(self.other_outputs, user):

@@ -36,6 +36,8 @@ class UnsupportedMutationError(PassManagerError):
         self.node = node.name
         self.reason = reason
         self.kind = kind
+        # A refusal is a statistic of the failed pass (see PassManagerError.report).
+        self.statistics = {f"refused: {kind}": 1}
         super().__init__(
             f"InplaceToFunctional cannot rewrite node {node.name} ({node.target}): {reason}. "
             "The program was left unchanged.",

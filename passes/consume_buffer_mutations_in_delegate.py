@@ -44,6 +44,20 @@ def _storage_key(tensor: Any) -> tuple[int, int] | None:
     return storage.data_ptr(), storage.nbytes()
 
 
+# The reasons ``buffer_ownership`` gives, by a phrase each contains (the reason itself
+# names nodes and delegates, which would make every buffer its own statistic).
+_REASON_KINDS = (
+    ("computed outside any delegate", "update computed outside any delegate"),
+    ("mutated in", "mutated in several delegates"),
+    ("part of its update", "update partly computed outside delegates"),
+    ("read outside", "read outside its delegate"),
+)
+
+
+def _reason_kind(reason: str) -> str:
+    return next((kind for phrase, kind in _REASON_KINDS if phrase in reason), reason)
+
+
 @dataclass(frozen=True, repr=False)
 class ConsumeBufferMutationsInDelegate(Pass):
     """Move every mutable buffer that exactly one delegate updates into that delegate.
@@ -94,14 +108,18 @@ class ConsumeBufferMutationsInDelegate(Pass):
             v = refused[0]
             raise BufferConsumptionError(v.fqn, v.partitions, v.reason, self.name)
         consumed = [v for v in verdicts if v.consumable]
+        statistics = {"buffers moved into a delegate": len(consumed)}
+        for v in kept:
+            key = f"buffers kept at the top level: {_reason_kind(v.reason or '')}"
+            statistics[key] = statistics.get(key, 0) + 1
         if not consumed:
-            return PassResult(program, False, notes)
+            return PassResult(program, False, notes, statistics)
         self._check_aliasing(program, consumed)
         new_program = self._consume(program, consumed)
         for v in consumed:
             shared = " (and returns its new value as a user output)" if self._value_kept(v) else ""
             notes.append(f"moved {v.fqn!r} into delegate {v.mutated_by[0]!r}{shared}")
-        return PassResult(new_program, True, notes)
+        return PassResult(new_program, True, notes, statistics)
 
     # -- checks, before anything changes ------------------------------------------------
     def _check_aliasing(self, ep: ExportedProgram, consumed: list[BufferOwnership]) -> None:

@@ -59,4 +59,4 @@ class InplaceToFunctional(Pass):
             rewrite.undo()
             raise
         rewrite.commit()
-        return PassResult(program, True, rewrite.notes)
+        return PassResult(program, True, rewrite.notes, rewrite.statistics)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +50,12 @@ class MarkMutableBuffers(Pass):
         scan = find_mutations(program)
         notes = [f"cannot see through {o.node.name}: {o.reason}" for o in scan.opaque]
         changed = False
+        statistics: Counter[str] = Counter()
+        if scan.opaque:
+            statistics["opaque nodes not seen through"] = len(scan.opaque)
         for state, writers in scan.writers.items():
             if state.kind not in (BUFFER, USER_INPUT):
+                statistics[f"written {state.kind}s (not marked)"] += 1
                 notes.append(f"{state.kind} {state.name!r} is written by "
                              f"{', '.join(n.name for n in writers if n is not None)}")
                 continue
@@ -60,6 +65,8 @@ class MarkMutableBuffers(Pass):
             if state.kind == BUFFER and kept is None:
                 kept = initial_copy(buffer_tensor(program, state.name))
             key = MUTABLE_BUFFER_META if state.kind == BUFFER else MUTABLE_INPUT_META
+            statistics["mutable buffers marked" if state.kind == BUFFER
+                       else "mutated user inputs marked"] += 1
             for node in nodes:
                 if node.meta.get(key) != state.name:
                     node.meta[key] = state.name
@@ -67,4 +74,4 @@ class MarkMutableBuffers(Pass):
                 if state.kind == BUFFER and node.meta.get(INITIAL_META) is not kept:
                     node.meta[INITIAL_META] = kept
                     changed = True
-        return PassResult(program, changed, notes)
+        return PassResult(program, changed, notes, statistics)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -81,6 +82,7 @@ class SkipAnnotateDataMovementOps(Pass):
         gm = graph_module_of(program)
         shared: set[Node] = set()
         notes: list[str] = []
+        statistics: Counter[str] = Counter()
         for node in gm.graph.nodes:
             annotation = node.meta.get(ANNOTATION_META)
             packet = getattr(node.target, "overloadpacket", None)
@@ -91,11 +93,13 @@ class SkipAnnotateDataMovementOps(Pass):
             fqn = buffer_of(destination)
             if fqn is None and not buffer_inputs:
                 continue
-            self._rewrite(node, annotation, buffer_inputs, self._ops[packet], shared)
+            self._rewrite(node, annotation, buffer_inputs, self._ops[packet], shared, statistics)
             output = "shares the written value's qparams" if node in shared else "is not quantized"
+            statistics["outputs sharing qparams" if node in shared
+                       else "outputs left unquantized"] += 1
             notes.append(f"{node.name}: buffer {fqn or buffer_of(buffer_inputs[0])!r} is not "
                          f"observed; the result {output}")
-        return PassResult(program, bool(notes), notes)
+        return PassResult(program, bool(notes), notes, statistics)
 
     @staticmethod
     def _rewrite(
@@ -104,6 +108,7 @@ class SkipAnnotateDataMovementOps(Pass):
         buffer_inputs: list[Node],
         value_index: int | None,
         shared: set[Node],
+        statistics: Counter[str],
     ) -> None:
         # Imported here: importing torchao is slow and noisy, and `import passes` should not.
         from torchao.quantization.pt2e.quantizer import SharedQuantizationSpec
@@ -112,8 +117,10 @@ class SkipAnnotateDataMovementOps(Pass):
         for arg in buffer_inputs:
             if arg in shared:
                 qspecs[arg] = SharedQuantizationSpec(arg)
+                statistics["buffer input annotations shared"] += 1
             else:
                 del qspecs[arg]
+                statistics["buffer input annotations removed"] += 1
         output = None
         if value_index is None:
             viewed = node.args[0] if node.args else None

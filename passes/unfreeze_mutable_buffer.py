@@ -65,15 +65,21 @@ class UnfreezeMutableBuffer(Pass):
         found = frozen_buffer_reads(program, self.name)
         notes = []
         buffers = _buffer_attr_nodes(program)
+        rewired = 0
         for frozen in found:
-            notes.append(self._unfreeze(program, frozen, buffers.get(frozen.read.fqn)))
+            note, count = self._unfreeze(program, frozen, buffers.get(frozen.read.fqn))
+            notes.append(note)
+            rewired += count
+        statistics = {"frozen buffer reads unfrozen": len(found)} if found else {}
+        if rewired:
+            statistics["data-movement writes re-wired into the buffer"] = rewired
         if found:
             program.graph.lint()
             _drop_unused_frozen(program, {str(f.node.target) for f in found})
-        return PassResult(program, bool(found), notes)
+        return PassResult(program, bool(found), notes, statistics)
 
     @staticmethod
-    def _unfreeze(gm: GraphModule, frozen: FrozenRead, known: Node | None) -> str:
+    def _unfreeze(gm: GraphModule, frozen: FrozenRead, known: Node | None) -> tuple[str, int]:
         graph, node, read = gm.graph, frozen.node, frozen.read
         with graph.inserting_before(node):
             buffer = graph.get_attr(read.fqn)
@@ -103,7 +109,7 @@ class UnfreezeMutableBuffer(Pass):
         note = f"{node.name}: {node.target} -> live quantized read of {read.describe()}"
         if rewired:
             note += f"; {', '.join(rewired)} now write(s) into the buffer itself"
-        return note
+        return note, len(rewired)
 
 
 def _drop_unused_frozen(gm: GraphModule, targets: set[str]) -> None:
