@@ -3,11 +3,13 @@
 Passes declare the conditions they require, provide and preserve; the manager orders
 them (a networkx DAG), checks conditions before and after each pass with caching,
 measures whether a pass changed the program, and rolls back a pass that fails.
-Timing, validation and diffs are instruments (hooks) around that loop. A pipeline
+Timing, validation, diffs, printing the program around passes and crash reproducers
+are instruments (hooks) around that loop. A pipeline
 prints as text (``PassManager.pipeline_text()``) and parses back (``parse_pipeline``).
 This package never imports ``passes``.
 """
 
+from .archive import load_program, save_program
 from .conditions import ALL_CONDITIONS, Condition
 from .errors import (
     InPlaceContractError,
@@ -23,8 +25,10 @@ from .errors import (
 from .instrumentation import ClaimCheck, Instrumentation, PrintDiff, SemanticValidation, Timing
 from .manager import PassManager, parse_pipeline
 from .pass_base import Pass, PassResult, as_pass, function_pass, known_passes
+from .printing import PrintIR
 from .program import EXPORTED_PROGRAM, GRAPH_MODULE, graph_module_of, graph_of
 from .report import PassRecord, Report
+from .reproducer import Reproducer, load_reproducer, replay
 from .running import RunResult
 from .validation import assert_same_behaviour, first_difference, run_program
 
@@ -46,8 +50,10 @@ __all__ = [
     "PostconditionError",
     "PreconditionError",
     "PrintDiff",
+    "PrintIR",
     "ProgramFormError",
     "Report",
+    "Reproducer",
     "RunResult",
     "SemanticValidation",
     "SemanticsError",
@@ -60,6 +66,10 @@ __all__ = [
     "graph_module_of",
     "graph_of",
     "known_passes",
+    "load_program",
+    "load_reproducer",
     "parse_pipeline",
+    "replay",
     "run_program",
+    "save_program",
 ]

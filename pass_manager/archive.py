@@ -182,7 +182,7 @@ def _reduce(obj: Any, pickler: Any) -> Any:
 class _Pickler(pickle.Pickler):
     """torch.save subclasses this (adding its persistent_id for tensor data)."""
 
-    dropped: list[str] = []  # noqa: RUF012 - replaced per save by save_program
+    dropped: list[str] = []
 
     def reducer_override(self, obj: Any) -> Any:
         return _reduce(obj, self)

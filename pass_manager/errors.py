@@ -51,6 +51,7 @@ class PassManagerError(Exception):
         report: the run's :class:`Report` up to and including the failed pass (its record
             has ``error`` set, and the statistics the error carried), or None when the
             error did not come from a run.
+        reproducer: the folder a ``reproducer_dir`` run wrote for this failure, or None.
     """
 
     def __init__(self, message: str, *, pass_name: str | None = None, index: int | None = None):
@@ -61,6 +62,7 @@ class PassManagerError(Exception):
         self.diff = ""
         self.unrestored: list[str] = []
         self.report: Any = None
+        self.reproducer: Any = None  # the reproducer folder written for this failure
 
     def __str__(self) -> str:
         text = super().__str__()
@@ -73,6 +75,8 @@ class PassManagerError(Exception):
                 "\nNot restored: tensors written in place by the pass (their old values "
                 f"were not kept): {', '.join(self.unrestored)}"
             )
+        if self.reproducer is not None:
+            text += f"\nReproducer: {self.reproducer} (python -m pass_manager replay FOLDER)"
         return text
 
 

@@ -3,14 +3,16 @@
 The manager holds the options and the plan; the loop itself is ``running.Runner``
 (require -> snapshot -> call -> measure -> provide), and everything around it is an
 instrument: timing, the "unmodified" claim check (``strict``), semantic validation
-(``validate``), diff printing (``print_diff``) and whatever the user adds.
+(``validate``), diff printing (``print_diff``), printing the program around passes
+(``print_before`` ...), crash reproducers (``reproducer_dir``) and whatever the user adds.
 ``pipeline_text()`` prints the plan as text and :func:`parse_pipeline` reads it back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
@@ -19,6 +21,8 @@ from .instrumentation import Instrumentation, PrintDiff, SemanticValidation
 from .pass_base import Pass, PassResult, as_pass
 from .pipeline_text import format_pipeline, parse_passes
 from .planning import Plan, build_plan
+from .printing import PrintIR
+from .reproducer import Reproducer
 from .running import Runner, RunResult, default_instruments
 from .validation import StateReader, call_inputs
 
@@ -48,6 +52,16 @@ class PassManager(Pass):
             state a delegate owns.
         instruments: extra Instrumentation objects (hooks around every pass).
         print_diff: print a unified diff of the program after every changing pass.
+        print_before, print_after: names of passes (or True: every pass) to print the
+            program before / after (MLIR's ``-print-ir-before`` / ``-after``).
+        print_after_change: print the program after every pass that changed it.
+        print_after_failure: print what a failing pass had changed, and the rolled-back
+            program.
+        print_to: where those go: a text stream (default stdout) or a folder path, one
+            file per dump.
+        reproducer_dir: when a pass fails, write a reproducer folder under this path
+            (the program before the pass, its pipeline text, validation inputs, the error
+            and versions); ``python -m pass_manager replay FOLDER`` reruns the pass.
 
     Example:
         >>> result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(ep)
@@ -70,6 +84,12 @@ class PassManager(Pass):
         validation_state: StateReader | None = None,
         instruments: Iterable[Instrumentation] = (),
         print_diff: bool = False,
+        print_before: bool | Iterable[str] = (),
+        print_after: bool | Iterable[str] = (),
+        print_after_change: bool = False,
+        print_after_failure: bool = False,
+        print_to: TextIO | str | Path | None = None,
+        reproducer_dir: str | Path | None = None,
         name: str | None = None,
     ):
         if max_iterations < 1:
@@ -83,11 +103,19 @@ class PassManager(Pass):
         self.instruments: list[Instrumentation] = [*default_instruments(strict), *instruments]
         if print_diff:
             self.instruments.append(PrintDiff())
+        if print_before or print_after or print_after_change or print_after_failure:
+            self.instruments.append(PrintIR(
+                print_before, print_after, print_after_change, print_after_failure, print_to
+            ))
+        validation = None
         if validate is not None:
             calls = validation_calls or (3 if isinstance(validate, tuple) else None)
-            self.instruments.append(
-                SemanticValidation(call_inputs(validate, calls), atol, rtol, validation_state)
+            validation = SemanticValidation(
+                call_inputs(validate, calls), atol, rtol, validation_state
             )
+            self.instruments.append(validation)
+        if reproducer_dir is not None:
+            self.instruments.append(Reproducer(reproducer_dir, validation, strict))
         self._name = name
 
     # -- a PassManager is itself a pass, so pipelines nest as groups -------------------

@@ -125,6 +125,8 @@ class Runner:
         max_iterations: repeat until no pass changes the program, at most this often.
         name: what to call the pipeline in an error about the program it was given.
         plan: the plan's explanation, for the report.
+        start: the place of the first pass in the plan (a replay runs one pass of a
+            longer plan under its original number).
     """
 
     def __init__(
@@ -135,8 +137,10 @@ class Runner:
         max_iterations: int = 1,
         name: str = "PassManager",
         plan: str = "",
+        start: int = 0,
     ):
         self.passes = list(passes)
+        self.start = start
         self.instruments = list(instruments)
         self.max_iterations = max_iterations
         self.name = name
@@ -156,7 +160,7 @@ class Runner:
         any_change = False
         for iteration in range(self.max_iterations):
             changed_this_round = False
-            for index, p in enumerate(self.passes):
+            for index, p in enumerate(self.passes, self.start):
                 record = PassRecord(p.name, index, iteration)
                 try:
                     program = self._run_pass(p, index, program, state, record)
