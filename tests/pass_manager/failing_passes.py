@@ -9,7 +9,7 @@ import torch
 
 from pass_manager import Pass, PassResult, graph_module_of
 
-__all__ = ["AddToSub", "FailAfterRewrite"]
+__all__ = ["AddToSub", "FailAfterRewrite", "Nothing"]
 
 aten = torch.ops.aten
 
@@ -40,3 +40,11 @@ class AddToSub(Pass):
 
     def call(self, program: Any) -> PassResult:
         return PassResult(program, _add_to_sub(program))
+
+
+@dataclass(frozen=True, repr=False)
+class Nothing(Pass):
+    """Changes nothing (puts a failing pass at another place than the first)."""
+
+    def call(self, program: Any) -> PassResult:
+        return PassResult(program, False)

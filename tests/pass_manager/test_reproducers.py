@@ -1,0 +1,164 @@
+"""A failing pass leaves a reproducer folder; ``python -m pass_manager replay`` reruns it."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pass_manager import (
+    PassFailedError,
+    PassManager,
+    PassManagerError,
+    SemanticsError,
+    load_program,
+    load_reproducer,
+    run_program,
+)
+from pass_manager.program import program_text
+
+from .conftest import Accumulate
+from .failing_passes import AddToSub, FailAfterRewrite, Nothing
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _replay(folder, *extra):
+    return subprocess.run(
+        [sys.executable, "-m", "pass_manager", "replay", str(folder), *extra],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+
+
+def _program(form):
+    ep = torch.export.export(Accumulate(), (torch.ones(4),))
+    return ep if form == "ExportedProgram" else ep.module()
+
+
+@pytest.mark.parametrize("form", ["ExportedProgram", "GraphModule"])
+def test_failing_pass_writes_a_folder_that_replays_the_error(form, tmp_path):
+    program = _program(form)
+    before = program_text(program)
+    manager = PassManager([FailAfterRewrite(message="boom")], reproducer_dir=tmp_path)
+    with pytest.raises(PassFailedError) as info:
+        manager.run(program)
+    folder = info.value.reproducer
+    assert folder is not None and folder.parent == tmp_path
+    assert f"Reproducer: {folder}" in str(info.value)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["pipeline"] == "FailAfterRewrite{message='boom'}"
+    assert manifest["form"] == form and manifest["replayable"]
+    assert manifest["error_type"] == "pass_manager.errors.PassFailedError"
+    assert "RuntimeError: boom" in manifest["error_message"]
+    assert manifest["versions"]["torch"] == torch.__version__
+    assert "RuntimeError: boom" in (folder / "error.txt").read_text()
+    # The saved program is the one the pass was given (rolled back), and still runs.
+    saved = load_program(folder / "program.pt")
+    assert isinstance(saved, torch.export.ExportedProgram) == (form == "ExportedProgram")
+    assert program_text(saved) == before
+    x = [(torch.ones(4),), (torch.full((4,), 2.0),)]
+    expected, actual = run_program(program, x), run_program(saved, x)
+    assert all(torch.equal(a, b) for a, b in zip(expected.outputs[-1], actual.outputs[-1],
+                                                 strict=True))
+
+    replayed = _replay(folder)
+    assert replayed.returncode == 1, replayed.stderr
+    assert "PassFailedError: pass #0 FailAfterRewrite failed: RuntimeError: boom" in replayed.stdout
+    assert "reproduced: the recorded error" in replayed.stdout
+
+
+def test_replay_keeps_the_pass_place_and_the_validation_reference(tmp_path):
+    """A pass that silently computes something else fails validation; the replay compares
+    with the reference from before the pipeline, which the folder holds."""
+    manager = PassManager([Nothing(), AddToSub()], reproducer_dir=tmp_path,
+                          validate=(torch.ones(4),))
+    with pytest.raises(SemanticsError) as info:
+        manager.run(_program("GraphModule"))
+    folder = info.value.reproducer
+    assert (folder / "validation.pt").exists()
+    reproduction = load_reproducer(folder)
+    with pytest.raises(SemanticsError) as again:
+        reproduction.run()
+    assert str(again.value) == json.loads((folder / "manifest.json").read_text())["error_message"]
+    assert "pass #1 AddToSub" in str(again.value)
+    replayed = _replay(folder)
+    assert replayed.returncode == 1 and "reproduced: the recorded error" in replayed.stdout
+
+
+def test_replay_of_a_fixed_pass_exits_zero_and_an_unreadable_folder_two(tmp_path):
+    with pytest.raises(PassManagerError) as info:
+        PassManager([FailAfterRewrite()], reproducer_dir=tmp_path).run(_program("ExportedProgram"))
+    folder = info.value.reproducer
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["pipeline"] = "AddToSub"  # "the fix": a pass that does not raise
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    fixed = _replay(folder)
+    assert fixed.returncode == 0 and "no longer fails" in fixed.stdout
+    assert _replay(tmp_path / "missing").returncode == 2
+
+
+def test_replay_pdb_stops_at_the_pass_exception(tmp_path):
+    with pytest.raises(PassManagerError) as info:
+        PassManager([FailAfterRewrite()], reproducer_dir=tmp_path).run(_program("GraphModule"))
+    debugged = subprocess.run(
+        [sys.executable, "-m", "pass_manager", "replay", str(info.value.reproducer), "--pdb"],
+        input="p self.message\nq\n", capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert debugged.returncode == 1
+    assert "'deliberate failure'" in debugged.stdout  # pdb evaluated inside FailAfterRewrite.call
+
+
+_MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import resource, sys
+    import torch
+    from pass_manager import PassManager, PassManagerError
+    from tests.pass_manager.failing_passes import FailAfterRewrite, Nothing
+
+    class Big(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.ones(25 * 2**20))  # 100 MiB
+
+        def forward(self, x):
+            return self.cache[:4] + x
+
+    def peak():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    model = Big()
+    if sys.argv[2] == "ExportedProgram":
+        program = torch.export.export(model, (torch.ones(4),))
+    else:
+        program = torch.fx.symbolic_trace(model)
+    PassManager([Nothing()]).run(program)  # warm up the manager
+    before = peak()
+    try:
+        PassManager([FailAfterRewrite()], reproducer_dir=sys.argv[1]).run(program)
+    except PassManagerError as e:
+        folder = e.reproducer
+    grown = peak() - before
+    copy = bytes(memoryview(model.cache.numpy()))  # the measure sees one copy of the state
+    print(grown, peak() - before - grown, (folder / "program.pt").stat().st_size)
+    """
+)
+
+
+@pytest.mark.parametrize("form", ["ExportedProgram", "GraphModule"])
+def test_reproducer_of_a_large_program_keeps_no_second_copy_of_its_state(form, tmp_path):
+    script = tmp_path / "big.py"
+    script.write_text(_MEMORY_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out"), form],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    grown, copy_grown, written = (int(v) for v in done.stdout.split())
+    mib = 2**20
+    assert written > 100 * mib  # the state is in the folder
+    assert copy_grown > 90 * mib  # a copy of the state would be seen
+    assert grown < 25 * mib  # and writing the folder made none
