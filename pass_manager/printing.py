@@ -77,7 +77,7 @@ class PrintIR(Instrumentation):
             folder = Path(self.to)
             folder.mkdir(parents=True, exist_ok=True)
             safe = "".join(c if c.isalnum() else "_" for c in record.name)
-            slug = when.lower().replace(" ", "-")
+            slug = when.lower().removesuffix(" of").replace(" ", "-")
             (folder / f"{self._count:03d}-{record.index}-{safe}-{slug}.txt").write_text(text)
         else:
             (self.to or sys.stdout).write(text)
