@@ -1,4 +1,4 @@
-"""print_before / print_after / print_after_change / print_after_failure, to a stream or a folder."""
+"""print_before, print_after, print_after_change, print_after_failure: to a stream or folder."""
 
 import io
 
