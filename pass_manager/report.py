@@ -56,7 +56,7 @@ class Report:
                 r.name,
                 f"{r.wall_time * 1e3:.2f}",
                 f"{r.check_time * 1e3:.2f}",
-                f"{r.nodes_before} -> {r.nodes_after}",
+                f"{r.nodes_before} -> {r.nodes_before if r.error else r.nodes_after}",
                 "FAILED" if r.error else "yes" if r.modified else "no",
             )
             for r in self.records

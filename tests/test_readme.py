@@ -23,3 +23,6 @@ def test_readme_examples_run(capsys):
     assert "ReluToClamp(floor=0.5) ReluToClamp{floor=0.5}" in out  # a pass as a value, as text
     assert "'layers.1.attn.v_cache'" in out  # the quick start's delegate owns the caches
     assert len(namespace["decoded"]) == 4
+    # "When a pass goes wrong": the failed pass's statistics, its dump, a reproducer.
+    assert "refused: writes-parameter" in out and "IR Dump After Failure of" in out
+    assert "reproduced: the recorded error" in out

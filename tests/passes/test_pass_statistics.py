@@ -76,6 +76,7 @@ def test_a_refusal_is_a_statistic_of_the_failed_pass_in_the_error_report(paramet
     assert failed.statistics == {"refused: writes-parameter": 1}
     assert failed.error.startswith("PassFailedError:")
     assert "FAILED" in report.table()
+    assert 0 < failed.wall_time < 60  # timed up to the rollback
 
 
 def test_a_group_sums_what_its_passes_counted():
