@@ -104,8 +104,9 @@ def _print_report(result: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     spec = args.model or DEFAULT_MODEL
     _quiet_import_noise()
+    pass_options = _pass_options(args)
     try:
-        pipeline = parse_pipeline(args.pipeline) if args.pipeline else None
+        pipeline = parse_pipeline(args.pipeline, **pass_options) if args.pipeline else None
     except PassManagerError as e:
         print(f"error: --pipeline: {str(e).splitlines()[0]}", file=sys.stderr)
         return LOAD_FAILED
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             quantizer_factory=_quantizer_factory(args.quantizer),
             log=lambda line: print(line, flush=True),
             pipeline=pipeline,
+            pass_options=pass_options,
         )
     except FlowError as e:
         result = e.result
@@ -146,6 +148,24 @@ def run(args: argparse.Namespace) -> int:
     _print_report(result)
     _write_outputs(args, result)
     return 0 if result.ok else 1
+
+
+def _pass_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The debugging flags as PassManager options, for every pipeline the job runs."""
+    options: dict[str, Any] = {}
+    if args.print_before:
+        options["print_before"] = args.print_before
+    if args.print_after:
+        options["print_after"] = args.print_after
+    if args.print_after_change:
+        options["print_after_change"] = True
+    if args.print_after_failure:
+        options["print_after_failure"] = True
+    if args.print_to:
+        options["print_to"] = args.print_to
+    if args.reproducer_dir:
+        options["reproducer_dir"] = args.reproducer_dir
+    return options
 
 
 def _write_outputs(args: argparse.Namespace, result: Any) -> None:
@@ -188,6 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument(
         "--traceback", action="store_true", help="show the full trace when something fails"
     )
+    debug = run_parser.add_argument_group("when a pass goes wrong")
+    debug.add_argument("--print-before", metavar="PASS", action="append",
+                       help="print the program before this pass (repeatable)")
+    debug.add_argument("--print-after", metavar="PASS", action="append",
+                       help="print the program after this pass (repeatable)")
+    debug.add_argument("--print-after-change", action="store_true",
+                       help="print the program after every pass that changed it")
+    debug.add_argument("--print-after-failure", action="store_true",
+                       help="print what a failing pass changed, and the rolled-back program")
+    debug.add_argument("--print-to", metavar="DIR",
+                       help="write those dumps to DIR, one file each (default: stdout)")
+    debug.add_argument("--reproducer-dir", metavar="DIR",
+                       help="when a pass fails, write a reproducer folder under DIR "
+                       "(rerun it with python -m pass_manager replay FOLDER)")
     args = parser.parse_args(argv)
     return run(args)
 

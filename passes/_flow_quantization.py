@@ -39,12 +39,14 @@ def quantize_both_ways(
     quantizer_factory: Callable[[], Any],
     calibration: list,
     steps: list,
+    pass_options: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Trace], dict[str, Any]]:
     """Quantize ``exported`` without the passes and ``functional`` with them; decode each.
 
     ``stage`` is the flow's stage runner (titles, timing, per-step progress). Returns the
     decode traces and the converted programs by flow name; when torchao's flow fails on
-    its own, only the flow with the passes (and a note saying why).
+    its own, only the flow with the passes (and a note saying why). ``pass_options`` are
+    PassManager options for the passes' pipelines.
     """
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -68,13 +70,16 @@ def quantize_both_ways(
             quantizer_factory(),
             transform=[MarkMutableBuffers()],
             after_annotate=[SkipAnnotateDataMovementOps()],
+            **(pass_options or {}),
         )
         prepared = prepare_pt2e(copy_program(functional).module(), quantizer)
         for title, report in zip(("before annotation", "after annotation"), quantizer.reports):
             stage.result.reports.append((title, report))
         stage.calibrate(prepared, calibration)
         reset_mutable_buffers(prepared)
-        unfrozen = PassManager([UnfreezeMutableBuffer()]).run(convert_pt2e(prepared))
+        unfrozen = PassManager([UnfreezeMutableBuffer()], **(pass_options or {})).run(
+            convert_pt2e(prepared)
+        )
         stage.result.reports.append(("after convert", unfrozen.report))
         converted[WITH_PASSES] = unfrozen.program
 

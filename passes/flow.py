@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -126,6 +126,7 @@ def run_flow(
     calibration: Sequence[Any] | None = None,
     log: Log = print,
     pipeline: PassManager | None = None,
+    pass_options: Mapping[str, Any] | None = None,
 ) -> FlowResult:
     """Run the flow; ``steps`` holds one call's inputs per decode call.
 
@@ -138,6 +139,8 @@ def run_flow(
     functional form from ``run_decompositions({})``, quantized by the same quantizer.
     ``pipeline`` replaces the functionalization stage (MarkMutableBuffers,
     InplaceToFunctional), e.g. ``parse_pipeline(text)`` from ``--pipeline``.
+    ``pass_options`` are PassManager options for the pipelines the flow builds itself
+    (the main job's ``--print-after``, ``--reproducer-dir`` ...).
     Raises :class:`FlowError` (with the partial result) when a stage fails.
     """
     args, kwargs = as_call(example_inputs)
@@ -147,7 +150,10 @@ def run_flow(
     result = FlowResult()
     stage = _Stages(log, result)
     with stage.guarded():
-        functionalize = pipeline or PassManager([MarkMutableBuffers(), InplaceToFunctional()])
+        options = dict(pass_options or {})
+        functionalize = pipeline or PassManager(
+            [MarkMutableBuffers(), InplaceToFunctional()], **options
+        )
         # The stages run as separate pipelines around torchao's calls; their union is the DAG
         # that fixes the order, which is what the plan shows.
         every_pass = PassManager(
@@ -190,7 +196,8 @@ def run_flow(
 
         if quantize:
             traces, converted = quantize_both_ways(
-                stage, exported.program, functional.program, quantizer_factory, calibration, steps
+                stage, exported.program, functional.program, quantizer_factory, calibration, steps,
+                options,
             )
             for name, trace in traces.items():
                 result.step_errors[name] = output_errors(eager, trace)
@@ -217,7 +224,7 @@ def run_flow(
             lowered = stage("to_delegate", lambda: to_delegate(program, AllNodePartitioner()))
             consumed = stage(
                 "consume buffer mutations",
-                lambda: PassManager([ConsumeBufferMutationsInDelegate()]).run(lowered),
+                lambda: PassManager([ConsumeBufferMutationsInDelegate()], **options).run(lowered),
             )
             result.reports.append(("delegation", consumed.report))
             program = consumed.program

@@ -34,6 +34,7 @@ class Failure:
     reason: str
     pass_name: str | None = None
     node: str | None = None
+    reproducer: str | None = None  # the folder a --reproducer-dir run wrote
 
     def lines(self) -> list[str]:
         lines = [f"stage:  {self.stage}"]
@@ -42,6 +43,8 @@ class Failure:
         if self.node:
             lines.append(f"node:   {self.node}")
         lines.append(f"reason: {self.reason}")
+        if self.reproducer:
+            lines.append(f"reproducer: {self.reproducer} (python -m pass_manager replay FOLDER)")
         return lines
 
 
@@ -154,4 +157,5 @@ def failure_of(stage: str, error: BaseException) -> Failure:
             " (the program was exported for the example's shapes; a factory gives other shapes "
             "per call with 'dynamic_shapes')"
         )
-    return Failure(stage, reason, pass_name, node)
+    reproducer = next((e.reproducer for e in chain if getattr(e, "reproducer", None)), None)
+    return Failure(stage, reason, pass_name, node, str(reproducer) if reproducer else None)

@@ -62,6 +62,7 @@ class PassQuantizer(Quantizer):
         quantizer: Quantizer,
         transform: Sequence[Any] = (),
         after_annotate: Sequence[Any] = (),
+        **options: Any,
     ):
         super().__init__()
         if not isinstance(quantizer, Quantizer):
@@ -69,9 +70,14 @@ class PassQuantizer(Quantizer):
                 f"PassQuantizer wraps a torchao Quantizer, got {type(quantizer).__name__}"
             )
         self.quantizer = quantizer
-        self.transform = PassManager(list(transform), name="transform") if transform else None
+        # ``options`` are PassManager options for both pipelines (e.g. print_after,
+        # reproducer_dir).
+        self.transform = (
+            PassManager(list(transform), name="transform", **options) if transform else None
+        )
         self.after_annotate = (
-            PassManager(list(after_annotate), name="after_annotate") if after_annotate else None
+            PassManager(list(after_annotate), name="after_annotate", **options)
+            if after_annotate else None
         )
         self.reports: list[Report] = []
 

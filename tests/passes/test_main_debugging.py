@@ -1,0 +1,50 @@
+"""The main job's debugging flags: statistics in its table and --json, --print-after and
+friends, and --reproducer-dir for a pass that fails inside the job."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args, module="passes", command="run"):
+    return subprocess.run(
+        [sys.executable, "-m", module, command, *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+
+
+def test_statistics_and_printing_in_the_main_job(tmp_path):
+    report = tmp_path / "report.json"
+    done = _run("tests.passes.main_job_models:one_layer_decoder", "--steps", "2",
+                "--skip-quantization", "--print-after", "InplaceToFunctional",
+                "--print-before", "MarkMutableBuffers", "--json", str(report))
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "IR Dump Before MarkMutableBuffers (#0)" in out
+    assert "IR Dump After InplaceToFunctional (#1)" in out
+    table = out.split("== passes")[1]
+    assert "statistics:" in table and "in-place ops rewritten: aten.index_copy_" in table
+    assert "buffers moved into a delegate" in table
+    data = json.loads(report.read_text())
+    records = data["passes"]["functionalize"]["records"]
+    assert records[0]["statistics"]["mutable buffers marked"] == 2  # the k and v caches
+    assert records[1]["statistics"]["in-place ops rewritten: aten.index_copy_"] == 2
+
+
+def test_a_pass_failing_in_the_main_job_leaves_a_reproducer(tmp_path):
+    dumps = tmp_path / "ir"
+    done = _run("tests.passes.failing_models:writes_parameter", "--steps", "2",
+                "--reproducer-dir", str(tmp_path / "repro"), "--print-after-failure",
+                "--print-to", str(dumps))
+    assert done.returncode == 3, done.stdout + done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("reproducer: "))
+    folder = Path(line.split()[1])
+    assert folder.parent == tmp_path / "repro"
+    assert [p.name for p in dumps.iterdir()] == ["001-1-InplaceToFunctional-after-failure.txt"]
+    replayed = _run(str(folder), module="pass_manager", command="replay")
+    assert replayed.returncode == 1
+    assert "UnsupportedMutationError" in replayed.stdout
+    assert "reproduced: the recorded error" in replayed.stdout
