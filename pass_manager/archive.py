@@ -192,7 +192,9 @@ def _resolve(value: Any, nodes: dict[str, Node], seen: set[int]) -> Any:
     """``value`` with every _NodeRef replaced by the node of that name (in place where
     the container is mutable; meta holds dicts, lists, tuples and dataclasses)."""
     if isinstance(value, _NodeRef):
-        return nodes[value.name]
+        # Meta may name a node no longer in the graph (torchao leaves annotations naming
+        # nodes convert_pt2e erased): that reference stays a _NodeRef, stale as it was.
+        return nodes.get(value.name, value)
     if isinstance(value, (str, int, float, bool, type(None), torch.Tensor)) or id(value) in seen:
         return value
     seen.add(id(value))
