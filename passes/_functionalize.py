@@ -49,7 +49,7 @@ from ._grad_regions import inline_grad_regions
 from ._mutation_checks import UnsupportedMutationError, check_opaque, check_write
 from ._storage_reads import StorageReads
 from ._view_inverse import view_steps, write_back_chain
-from .functional_variants import METADATA_VIEWS, functional_variant
+from .functional_variants import functional_variant
 
 __all__ = ["Rewrite"]
 
@@ -327,39 +327,6 @@ class Rewrite(StorageReads, ProgramEnd):
             self.value[node] = (self._view_values(alias.root, alias.chain)[-1],
                                 self.version[alias.root])
         self.dead.append(node)
-
-    def _check_relayout(self, node: Node, written: Node, what: str) -> None:
-        """A tensor whose shape or strides change: fine for an intermediate no earlier view
-        reads (later readers read the new value); refused for state and viewed tensors."""
-        alias = self.aliases[written]
-        earlier = [n for n, a in self.aliases.items() if a.root is alias.root and a.chain
-                   and self.order[n] < self.order[node] and n.op == "call_function"
-                   and view_base_index(n) is not None]
-        if alias.chain or alias.root in self.states or earlier:
-            why = (f"{written.name} is program state" if alias.root in self.states else
-                   f"{alias.root.name} is read through views taken before" if not alias.chain
-                   else f"{written.name} is a view of {alias.root.name}")
-            raise UnsupportedMutationError(
-                node, f"{what} changes the shape/strides of {written.name}, and {why}",
-                "relayout")
-        self.relaid.add(alias.root)
-
-    def _relayout(self, node: Node, writes: list[tuple[int, Node]]) -> bool:
-        """A metadata mutation (unsqueeze_, t_, ...) of an intermediate: its view op."""
-        view = METADATA_VIEWS.get(node.target)
-        if view is None:
-            return False
-        (_, written), = writes
-        self._check_relayout(node, written, str(node.target))
-        args = (self.resolve(written), *node.args[1:])
-        new = self.emit(node, view, *args, **node.kwargs)
-        root = self.aliases[written].root
-        self.cur[root] = new
-        self.version[root] += 1
-        self.last_writer[root] = node
-        self.value[node] = (new, self.version[root])
-        self.dead.append(node)
-        return True
 
     def _conform(self, node: Node, written: Node, new: Node) -> Node:
         """Cast the functional result to the written tensor's dtype, as the in-place op does."""
