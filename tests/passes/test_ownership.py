@@ -1,0 +1,124 @@
+"""Buffer ownership: one analysis, the same verdicts on a tagged and on a lowered program.
+
+``tagged_buffer_ownership`` (what ``passes.executorch.BufferOwningPartitioner`` reads,
+before ExecuTorch lowers) and ``buffer_ownership`` (what
+``ConsumeBufferMutationsInDelegate`` reads, after ``to_delegate``) must agree on every
+buffer for every partitioning: which partition owns it, who mutates it, and why not.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from benchmarks.models import kv_decoder
+from passes.delegation import (
+    DELEGATION_TAG,
+    AllNodePartitioner,
+    OpSupportPartitioner,
+    to_delegate,
+)
+from passes.delegation.ownership import buffer_ownership, tagged_buffer_ownership
+
+aten = torch.ops.aten
+
+
+def _by_op(tags):
+    """Tag each op of ``tags`` (an OpOverloadPacket -> tag) with its own partition."""
+
+    def partition(ep):
+        for node in ep.graph.nodes:
+            packet = getattr(node.target, "overloadpacket", None)
+            if node.op == "call_function" and packet in tags:
+                node.meta[DELEGATION_TAG] = tags[packet]
+
+    return partition
+
+
+PARTITIONERS = {
+    "everything": AllNodePartitioner(),
+    "cache_update": OpSupportPartitioner([aten.index_copy]),
+    "mul": OpSupportPartitioner([aten.mul]),
+    "add": OpSupportPartitioner([aten.add]),
+    "add+sin": OpSupportPartitioner([aten.add, aten.sin]),
+    "mul|add": _by_op({aten.mul: "reads", aten.add: "updates"}),
+}
+
+
+class SharedReader(torch.nn.Module):
+    """One buffer read by two ops and updated by a third: partitions decide who owns it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(4))
+
+    def forward(self, x):
+        seen = self.acc * 2
+        self.acc.add_(x)
+        return seen - self.acc.sin()
+
+
+def _verdict_rows(verdicts, word):
+    return [
+        (v.fqn, v.owner_tag, v.mutated_by, v.partitions,
+         None if v.reason is None else v.reason.replace(word, "<partition>"))
+        for v in verdicts
+    ]
+
+
+CASES = [
+    ("decoder", "everything"),
+    ("decoder", "cache_update"),
+    ("decoder", "mul"),
+    ("shared", "everything"),
+    ("shared", "mul"),
+    ("shared", "add"),
+    ("shared", "add+sin"),
+    ("shared", "mul|add"),
+]
+
+
+def _program(model: str):
+    if model == "decoder":
+        module, example = kv_decoder(2)
+    else:
+        module, example = SharedReader(), (torch.ones(4),)
+    return torch.export.export(copy.deepcopy(module), example).run_decompositions({})
+
+
+@pytest.mark.parametrize(("model", "partitioning"), CASES)
+def test_tagged_and_lowered_verdicts_agree(model, partitioning):
+    ep = _program(model)
+    partitioner = PARTITIONERS[partitioning]
+    tagged = copy.deepcopy(ep)
+    partitioner(tagged)
+    lowered = to_delegate(ep, partitioner)
+    expected = _verdict_rows(buffer_ownership(lowered), "delegate")
+    assert _verdict_rows(tagged_buffer_ownership(tagged), "partition") == expected
+    owned = {row[0] for row in expected if row[1] is not None}
+    assert owned == OWNED[model, partitioning]
+
+
+OWNED = {
+    ("decoder", "everything"): {f"layers.{i}.attn.{c}_cache" for i in range(2) for c in "kv"},
+    ("decoder", "cache_update"): {f"layers.{i}.attn.{c}_cache" for i in range(2) for c in "kv"},
+    ("decoder", "mul"): set(),
+    ("shared", "everything"): {"acc"},
+    ("shared", "mul"): set(),
+    ("shared", "add"): set(),  # the mul outside reads the old value
+    ("shared", "add+sin"): set(),
+    ("shared", "mul|add"): set(),
+}
+
+
+def test_reasons_name_the_partitions():
+    ep = _program("shared")
+    PARTITIONERS["mul|add"](ep)
+    (verdict,) = tagged_buffer_ownership(ep)
+    assert verdict.owner_tag is None
+    assert verdict.mutated_by == ["updates"] and verdict.partitions == ["reads", "updates"]
+    assert verdict.reason == (
+        "it is read outside the partition that mutates it, by partition 'reads'"
+    )
