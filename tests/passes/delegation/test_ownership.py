@@ -13,7 +13,6 @@ import copy
 import pytest
 import torch
 
-from benchmarks.models import kv_decoder
 from passes.delegation import (
     DELEGATION_TAG,
     AllNodePartitioner,
@@ -21,6 +20,7 @@ from passes.delegation import (
     to_delegate,
 )
 from passes.delegation.ownership import buffer_ownership, tagged_buffer_ownership
+from passes.examples import kv_decoder
 
 aten = torch.ops.aten
 
