@@ -33,6 +33,7 @@ __all__ = [
     "alias_map",
     "aliased_argument",
     "argument_value",
+    "aten_op",
     "list_view_argument",
     "may_overlap",
     "overlaps_itself",
@@ -59,10 +60,23 @@ class OpaqueNode:
     reason: str
 
 
+def aten_op(node: Node) -> torch._ops.OpOverload | None:
+    """The ATen op a ``call_function`` node runs, also under a dialect that wraps it.
+
+    ExecuTorch's Edge dialect calls ``EdgeOpOverload`` objects: not OpOverloads, but each
+    holds the ATen op it runs in ``_op``, whose schema says what it writes and aliases.
+    """
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        target = getattr(target, "_op", None)
+    return target if isinstance(target, torch._ops.OpOverload) else None
+
+
 def schema_of(node: Node) -> torch.FunctionSchema | None:
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema
-    return None
+    op = aten_op(node)
+    return None if op is None else op._schema
 
 
 _aten = torch.ops.aten
@@ -138,9 +152,10 @@ def _facts_of(node: Node) -> _OpFacts | None:
     entry = _FACTS_BY_ID.get(id(target))
     if entry is not None and entry[0] is target:
         return entry[1]
-    if not isinstance(target, torch._ops.OpOverload):
+    op = aten_op(node)  # also an Edge op's ATen op
+    if op is None:
         return None
-    facts = _facts(target)
+    facts = _facts(op)
     _FACTS_BY_ID[id(target)] = (target, facts)
     return facts
 
