@@ -9,11 +9,15 @@ MODEL ?=
 
 .PHONY: test run bench lint clean
 
+# ExecuTorch (the `executorch` extra) is installed with --no-deps: its own requirements
+# would pull ~20 packages it never imports here and must not move torch/torchao; the extra
+# holds what it does import (see setup.cfg).
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip -c constraints.txt
 	$(PIP) install --quiet -c constraints.txt torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e '.[test]'
+	$(PIP) install --quiet -c constraints.txt -e '.[test,executorch]'
+	$(PIP) install --quiet -c constraints.txt --no-deps executorch
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -1,0 +1,84 @@
+"""ExecuTorch integration (the optional ``executorch`` extra): buffer ownership in
+ExecuTorch's own lowering, our passes in its flow, and decoding on its runtime.
+
+Nothing here imports ExecuTorch until a name that needs it is used, so
+``import passes.executorch`` always works; without the extra, using
+``BufferOwningPartitioner`` raises :class:`ExecuTorchMissingError` saying how to install it.
+
+Example:
+    >>> from passes.executorch import BufferOwningPartitioner
+    >>> lowered = to_edge_transform_and_lower(ep, partitioner=[BufferOwningPartitioner(p)])
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from pass_manager import PassManagerError
+
+__all__ = [
+    "INSTALL_HINT",
+    "BufferOwningPartitioner",
+    "ExecuTorchMissingError",
+    "available",
+    "decode_on_runtime",
+    "executorch_state",
+]
+
+EXECUTORCH_VERSION = "1.5.1"
+# ExecuTorch's wheel requires ~20 packages it never imports for lowering or its runtime
+# (coremltools, pandas, scikit-learn, hydra, ...) and would let pip move torch/torchao,
+# so it is installed alone; the few modules it does import come from the extra.
+INSTALL_HINT = (
+    f"pip install -c constraints.txt --no-deps executorch=={EXECUTORCH_VERSION} && "
+    "pip install -c constraints.txt -e '.[executorch]'   (or: make test, which does both)"
+)
+
+# Public name -> the submodule that defines it (each imports ExecuTorch at its top).
+_LAZY = {
+    "BufferOwningPartitioner": "partitioner",
+    "executorch_state": "partitioner",
+    "decode_on_runtime": "runtime",
+}
+
+
+class ExecuTorchMissingError(PassManagerError, ImportError):
+    """The optional ExecuTorch extra is not installed (or cannot be imported)."""
+
+    def __init__(self, wanted: str, cause: BaseException):
+        self.wanted = wanted
+        self.cause = f"{type(cause).__name__}: {cause}"
+        PassManagerError.__init__(
+            self,
+            f"{wanted} needs ExecuTorch {EXECUTORCH_VERSION} ({self.cause}); install it with: "
+            + INSTALL_HINT,
+            pass_name=wanted,
+        )
+
+
+def import_executorch(wanted: str) -> None:
+    """Import ExecuTorch's lowering API or raise :class:`ExecuTorchMissingError`."""
+    try:
+        importlib.import_module("executorch.exir")
+    except ImportError as e:
+        raise ExecuTorchMissingError(wanted, e) from e
+
+
+def available() -> bool:
+    """Whether the ExecuTorch extra can be imported here."""
+    try:
+        import_executorch("passes.executorch")
+    except ExecuTorchMissingError:
+        return False
+    return True
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import_executorch(name)
+    module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
+    value = getattr(module, name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,246 @@
+"""BufferOwningPartitioner: ExecuTorch partitioning that gives each delegate the buffers it owns.
+
+ExecuTorch decides buffer ownership with ``tag_mutated_buffer``: a mutated buffer goes to
+the smallest tag among its readers. That fails where our ``ConsumeBufferMutationsInDelegate``
+succeeds: a buffer also returned as a user output (an assertion in ``to_backend``), an
+update whose new value is read outside the delegate (a crash erasing a used getitem), a
+buffer mutated in two partitions (a spec violation), and a buffer read in two
+partitions but mutated in one (a silently wrong program). The wrapper runs any ExecuTorch
+partitioner, then re-decides ownership with the same analysis as
+``ConsumeBufferMutationsInDelegate`` (:func:`passes.delegation.ownership.tagged_buffer_ownership`):
+a buffer exactly one partition mutates and reads is tagged into it; any other stays at the
+top level and a note says why (``strict=True``: :class:`BufferConsumptionError`).
+
+ExecuTorch lets a partitioner change tags only, so the rewrite an owned buffer needs when
+its new value is used elsewhere (returned, or read by ops outside the delegate) happens in
+``transform_for_pre_decomposition``, the hook ``to_edge_transform_and_lower`` runs first:
+those uses read a copy of the new value, a distinct node that ``partition`` tags into the
+owning delegate, so the delegate returns it as an ordinary output.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from executorch.exir.backend.partitioner import Partitioner, PartitionResult
+from torch.export import ExportedProgram
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+from torch.fx import Node
+
+from ..delegation.errors import BufferConsumptionError
+from ..delegation.ownership import BufferOwnership, tagged_buffer_ownership
+from ..delegation.partitioners import DELEGATION_TAG
+
+__all__ = ["BufferOwningPartitioner", "executorch_state", "separate_new_buffer_values"]
+
+PASS_NAME = "BufferOwningPartitioner"
+# Marks the copies ``separate_new_buffer_values`` inserts; ExecuTorch keeps node meta
+# through its decompositions, and the op name is checked too (a clone under any dialect).
+COPY_META = "buffer_owning_copy"
+
+
+def _is_value_copy(node: Node) -> bool:
+    name = str(getattr(node.target, "__name__", node.target))
+    return node.op == "call_function" and "clone" in name and len(node.all_input_nodes) == 1
+
+
+def _functional(ep: ExportedProgram) -> ExportedProgram:
+    """``ep`` with every buffer update a ``BUFFER_MUTATION`` output (our passes, no re-trace)."""
+    from pass_manager import PassManager
+
+    from ..conditions import Functional
+    from ..inplace_to_functional import InplaceToFunctional
+    from ..mark_mutable_buffers import MarkMutableBuffers
+
+    if not Functional.check(ep):
+        return ep
+    # The passes rewrite in place: give them a graph of their own (state stays shared).
+    gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
+    gm.meta.update(ep.graph_module.meta)
+    work = ep._update(gm, copy.deepcopy(ep.graph_signature))
+    return PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(work).program
+
+
+def separate_new_buffer_values(ep: ExportedProgram) -> ExportedProgram:
+    """A copy of ``ep`` in which a buffer's new value is written back and nothing else.
+
+    Every other use of it (a user output, an op) reads a clone, so a delegate owning the
+    buffer can hand the value out as an ordinary output. Semantics are unchanged; the
+    state tensors are shared with ``ep``, which is not modified.
+    """
+    ep = _functional(ep)
+    specs = list(ep.graph_signature.output_specs)
+    returned = list(ep.graph.output_node().args[0])
+    mutation_slots = {i for i, s in enumerate(specs) if s.kind == OutputKind.BUFFER_MUTATION}
+    needs_copy = []
+    for index in sorted(mutation_slots):
+        value = returned[index]
+        other_slots = [i for i, a in enumerate(returned) if a is value and i != index]
+        if len(value.users) > 1 or other_slots:
+            needs_copy.append((specs[index].target, value.name))
+    if not needs_copy:
+        return ep
+    gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
+    gm.meta.update(ep.graph_module.meta)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    output = gm.graph.output_node()
+    returned = list(output.args[0])
+    for fqn, name in needs_copy:
+        value = nodes[name]
+        with gm.graph.inserting_after(value):
+            clone = gm.graph.call_function(torch.ops.aten.clone.default, (value,))
+        clone.meta.update(
+            {k: v for k, v in value.meta.items() if k in ("val", "tensor_meta", "stack_trace",
+                                                         "nn_module_stack", "source_fn_stack")}
+        )
+        clone.meta[COPY_META] = fqn
+        keep = (output, clone)
+        value.replace_all_uses_with(clone, delete_user_cb=lambda user, keep=keep: user not in keep)
+        for i, arg in enumerate(returned):
+            if arg is value and specs[i].kind != OutputKind.BUFFER_MUTATION:
+                returned[i] = clone
+                specs[i] = OutputSpec(specs[i].kind, TensorArgument(clone.name), specs[i].target)
+    output.args = (tuple(returned),)
+    gm.graph.lint()
+    gm.recompile()
+    signature = ExportGraphSignature(list(ep.graph_signature.input_specs), specs)
+    return ep._update(gm, signature)
+
+
+class BufferOwningPartitioner(Partitioner):
+    """An ExecuTorch partitioner wrapping ``partitioner`` that decides buffer ownership.
+
+    Args:
+        partitioner: any ExecuTorch ``Partitioner`` (``AllNodePartitioner``,
+            ``XnnpackPartitioner``, a backend's own); it tags the nodes, this decides which
+            mutable buffers each partition owns.
+        strict: raise :class:`BufferConsumptionError` (naming the buffer and the partitions)
+            instead of keeping a buffer that a partition mutates at the top level.
+
+    After each ``partition`` call, ``notes`` says what happened to every mutable buffer
+    and ``ownership`` holds the verdicts (:class:`BufferOwnership`).
+
+    Example:
+        >>> wrapped = BufferOwningPartitioner(XnnpackPartitioner())
+        >>> to_edge_transform_and_lower(ep, partitioner=[wrapped])
+    """
+
+    def __init__(self, partitioner: Partitioner, strict: bool = False):
+        super().__init__(getattr(partitioner, "spec", {}))
+        self.partitioner = partitioner
+        self.strict = strict
+        self.notes: list[str] = []
+        self.ownership: list[BufferOwnership] = []
+
+    def __repr__(self) -> str:
+        return f"{PASS_NAME}({self.partitioner!r}, strict={self.strict})"
+
+    def ops_to_not_decompose(
+        self, ep: ExportedProgram
+    ) -> tuple[list[torch._ops.OpOverload], Callable[[Node], bool] | None]:
+        return self.partitioner.ops_to_not_decompose(ep)
+
+    def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
+        program = self.partitioner.transform_for_pre_decomposition(exported_program)
+        return separate_new_buffer_values(program)
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        graph = exported_program.graph
+        before = {node: node.meta.get(DELEGATION_TAG) for node in graph.nodes}
+        result = self.partitioner.partition(exported_program)
+        program = result.tagged_exported_program
+        verdicts = tagged_buffer_ownership(program)
+        owned = []
+        for verdict in verdicts:
+            if verdict.consumable:
+                copies = self._value_copies(verdict)
+                if copies is None:
+                    verdict.reason = self._unreturnable(verdict)
+                    verdict.owner_tag = None
+                else:
+                    owned.append((verdict, copies))
+        refused = [v for v in verdicts if not v.consumable and v.mutated_by]
+        if self.strict and refused:
+            self._restore(graph, before)
+            v = refused[0]
+            raise BufferConsumptionError(v.fqn, v.partitions, v.reason, PASS_NAME)
+        notes = []
+        for verdict in verdicts:
+            if not verdict.consumable:
+                # ExecuTorch reads ownership from the placeholder's tag; untagged stays on top.
+                verdict.placeholder.meta.pop(DELEGATION_TAG, None)
+                notes.append(f"kept {verdict.fqn!r} at the top level: {verdict.reason}")
+        for verdict, copies in owned:
+            verdict.placeholder.meta[DELEGATION_TAG] = verdict.owner_tag
+            for node in copies:
+                node.meta[DELEGATION_TAG] = verdict.owner_tag
+            copied = copies or [u for u in verdict.value.users if _is_value_copy(u)]
+            shared = " (and returns its new value as an ordinary output)" if copied else ""
+            notes.append(f"{verdict.fqn!r} owned by partition {verdict.owner_tag!r}{shared}")
+        self.notes, self.ownership = notes, verdicts
+        return PartitionResult(program, result.partition_tags)
+
+    @staticmethod
+    def _value_copies(verdict: BufferOwnership) -> list[Node] | None:
+        """The copies carrying the new value out of the owner, or None if another use does."""
+        tag = verdict.owner_tag
+        output = verdict.value.graph.output_node()
+        returned = output.args[0]
+        if sum(1 for arg in returned if arg is verdict.value) > 1:
+            return None
+        outside = [
+            u for u in verdict.value.users
+            if u is not output and u.meta.get(DELEGATION_TAG) != tag
+        ]
+        if not all(_is_value_copy(u) for u in outside):
+            return None
+        return outside
+
+    @staticmethod
+    def _unreturnable(verdict: BufferOwnership) -> str:
+        users = ", ".join(sorted(u.name for u in verdict.value.users if u.op != "output"))
+        return (
+            f"its new value {verdict.value.name} is also used outside partition "
+            f"{verdict.owner_tag!r} ({users or 'returned'}), which ExecuTorch cannot lower for "
+            "an owned buffer; lower with to_edge_transform_and_lower, whose "
+            "transform_for_pre_decomposition hook gives those uses a copy"
+        )
+
+    @staticmethod
+    def _restore(graph: torch.fx.Graph, before: dict[Node, Any]) -> None:
+        for node in graph.nodes:
+            tag = before.get(node)
+            if tag is None:
+                node.meta.pop(DELEGATION_TAG, None)
+            else:
+                node.meta[DELEGATION_TAG] = tag
+
+
+def executorch_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every buffer of a program lowered by ExecuTorch, by FQN: its own and its delegates'.
+
+    A state reader for :func:`pass_manager.assert_same_behaviour` on
+    ``lowered.exported_program()``: a buffer a delegate owns lives in that delegate's
+    original program (which ExecuTorch's Python execution of the delegate updates).
+    """
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    state = {name: buf.detach().clone() for name, buf in module.named_buffers()}
+    for sub in module.modules():
+        if isinstance(sub, LoweredBackendModule):
+            owned = sub.original_module
+            for spec in owned.graph_signature.input_specs:
+                if spec.kind == InputKind.BUFFER and spec.target in owned.state_dict:
+                    state[spec.target] = owned.state_dict[spec.target].detach().clone()
+                elif spec.kind == InputKind.BUFFER and spec.target in owned.constants:
+                    state[spec.target] = owned.constants[spec.target].detach().clone()
+    return state

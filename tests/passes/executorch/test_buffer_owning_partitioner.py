@@ -1,0 +1,171 @@
+"""BufferOwningPartitioner: ExecuTorch's own lowering, made correct where it is not alone.
+
+Each case goes through ExecuTorch's ``to_edge_transform_and_lower`` twice: with the
+partitioner alone (the failure ExecuTorch 1.5.1 has today is asserted, so the case is
+known to be a real one) and wrapped. The wrapped program is run with
+``lowered.exported_program().module()`` (ExecuTorch's demo backend runs its delegates in
+Python) for 4 calls and compared with an eager deep copy: outputs and every buffer,
+wherever it lives (top level or the delegate that owns it).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from executorch.exir import to_edge, to_edge_transform_and_lower
+from executorch.exir.backend.backend_api import to_backend
+from torch._export.verifier import SpecViolationError
+
+from pass_manager import assert_same_behaviour, run_program
+from passes.delegation import BufferConsumptionError
+from passes.examples import decode_inputs, kv_decoder
+from passes.executorch import BufferOwningPartitioner, executorch_state
+from passes.executorch.partitioner import separate_new_buffer_values
+
+from .cases import (
+    CALLS,
+    DEMO_BACKEND,
+    OpPartitioner,
+    ReturnsBuffer,
+    SharedReader,
+    TwoWriters,
+    everything,
+    vector_inputs,
+)
+
+CACHES = ["layers.0.attn.k_cache", "layers.0.attn.v_cache"]
+# ExecuTorch's Edge decompositions (e.g. of the attention's softmax) round a little
+# differently from eager, far below any real difference.
+ATOL = 1e-5
+
+
+def _decoder():
+    model, _ = kv_decoder(1)
+    return model, decode_inputs(model.cfg, CALLS, start=2)
+
+
+def _vector(cls):
+    return lambda: (cls(), vector_inputs())
+
+
+# name -> (model and inputs, partitioner, what ExecuTorch alone does, owner of each buffer)
+CASES = {
+    "user_output": (_vector(ReturnsBuffer), everything,
+                    (AssertionError, "currently not supported"), {"acc": DEMO_BACKEND}),
+    "cache_update_only": (_decoder, lambda: OpPartitioner({"index_put": "update"}),
+                          (RuntimeError, "Tried to erase Node"), dict.fromkeys(CACHES, "update")),
+    "two_partitions_mutate": (_vector(TwoWriters), lambda: OpPartitioner({"add": "a", "mul": "b"}),
+                              (SpecViolationError, "does not point to a buffer"), {}),
+    "read_in_two_mutated_in_one": (_vector(SharedReader),
+                                   lambda: OpPartitioner({"mul": "a", "add": "b"}), "wrong", {}),
+    "whole_kv_cache": (_decoder, everything, "correct", dict.fromkeys(CACHES, DEMO_BACKEND)),
+}
+KEPT_REASONS = {
+    "two_partitions_mutate": "it is mutated in 2 partitions (a, b)",
+    "read_in_two_mutated_in_one": "it is read outside the partition that mutates it, by "
+                                  "partition 'a'",
+}
+
+
+def _lower(model, inputs, partitioner):
+    ep = torch.export.export(copy.deepcopy(model), inputs[0])
+    return to_edge_transform_and_lower(ep, partitioner=[partitioner]).exported_program()
+
+
+def owners(lowered) -> dict[str, str]:
+    """FQN -> tag of the delegate owning it (its sub-program reads and writes it back)."""
+    found = {}
+    for node in lowered.graph.nodes:
+        if node.op == "get_attr" and node.target.startswith("lowered_module"):
+            module = getattr(lowered.graph_module, node.target)
+            sig = module.original_module.graph_signature
+            consumed = set(sig.inputs_to_buffers.values())
+            assert consumed >= set(sig.buffers_to_mutate.values())
+            tag = module.backend_id if module.backend_id != DEMO_BACKEND else None
+            for fqn in sig.buffers_to_mutate.values():
+                found[fqn] = tag or _partition_tag(module)
+    assert set(found).isdisjoint(lowered.graph_signature.buffers_to_mutate.values())
+    return found
+
+
+def _partition_tag(module) -> str:
+    # The demo backend keeps no tag; the partition name is the one the test's partitioner used.
+    tags = {n.meta.get("delegation_tag") for n in module.original_module.graph.nodes} - {None}
+    return tags.pop() if len(tags) == 1 else DEMO_BACKEND
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_executorch_alone(case):
+    make, partitioner, failure, _ = CASES[case]
+    model, inputs = make()
+    if isinstance(failure, tuple):
+        error, message = failure
+        with pytest.raises(error, match=message):
+            _lower(model, inputs, partitioner())
+        return
+    lowered = _lower(model, inputs, partitioner())
+    actual = run_program(lowered, inputs, state=executorch_state).outputs
+    expected = run_program(model, inputs).outputs
+    worst = max(float((a[0] - b[0]).abs().max()) for a, b in zip(actual, expected))
+    assert worst <= ATOL if failure == "correct" else worst > 0.1
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_wrapped_lowering_is_correct(case):
+    make, partitioner, _, expected_owners = CASES[case]
+    model, inputs = make()
+    wrapper = BufferOwningPartitioner(partitioner())
+    lowered = _lower(model, inputs, wrapper)
+    assert_same_behaviour(model, lowered, inputs, atol=ATOL, state=executorch_state)
+    found = owners(lowered)
+    assert set(found) == set(expected_owners)
+    if case == "cache_update_only":
+        assert found == expected_owners
+        assert all("returns its new value" in note for note in wrapper.notes)
+    assert len(wrapper.notes) == len(wrapper.ownership) == max(1, len(expected_owners))
+    if case in KEPT_REASONS:
+        (verdict,) = wrapper.ownership
+        assert verdict.reason == KEPT_REASONS[case]
+        assert wrapper.notes == [f"kept 'acc' at the top level: {KEPT_REASONS[case]}"]
+
+
+@pytest.mark.parametrize("case", sorted(KEPT_REASONS))
+def test_strict_names_buffer_and_partitions(case):
+    make, partitioner, _, _ = CASES[case]
+    model, inputs = make()
+    edge = to_edge(torch.export.export(copy.deepcopy(model), inputs[0])).exported_program()
+    tags_before = {n.name: n.meta.get("delegation_tag") for n in edge.graph.nodes}
+    with pytest.raises(BufferConsumptionError) as info:
+        BufferOwningPartitioner(partitioner(), strict=True).partition(edge)
+    assert info.value.buffer == "acc"
+    assert info.value.partitions == ["a", "b"]
+    assert info.value.pass_name == "BufferOwningPartitioner"
+    assert "'a'" in str(info.value) and info.value.reason == KEPT_REASONS[case]
+    assert {n.name: n.meta.get("delegation_tag") for n in edge.graph.nodes} == tags_before
+
+
+def test_new_value_uses_read_a_copy():
+    """The pre-decomposition rewrite: same behaviour, the user output a distinct node."""
+    model, inputs = ReturnsBuffer(), vector_inputs()
+    ep = torch.export.export(copy.deepcopy(model), inputs[0])
+    rewritten = separate_new_buffer_values(ep)
+    returned = rewritten.graph.output_node().args[0]
+    assert len(returned) == 2 and returned[0] is not returned[1]
+    assert returned[1].target is torch.ops.aten.clone.default
+    assert_same_behaviour(model, rewritten, inputs)
+    assert len(ep.graph.output_node().args[0]) == 1  # the input program is left as it was
+
+
+def test_to_backend_without_the_rewrite_keeps_the_buffer_correct():
+    """Called through to_backend (no pre-decomposition hook), a buffer whose new value is
+    returned cannot be owned: it stays at the top level, with the reason, and is correct."""
+    model, inputs = ReturnsBuffer(), vector_inputs()
+    edge = to_edge(torch.export.export(copy.deepcopy(model), inputs[0]))
+    wrapper = BufferOwningPartitioner(everything())
+    lowered = to_backend(edge.exported_program(), wrapper)
+    (verdict,) = wrapper.ownership
+    assert verdict.owner_tag is None and "also used outside partition" in verdict.reason
+    assert owners(lowered) == {}
+    assert_same_behaviour(model, lowered, inputs, atol=ATOL, state=executorch_state)
