@@ -20,8 +20,7 @@ from passes import InplaceToFunctional, MarkMutableBuffers
 from passes.conditions import Functional
 from passes.examples import decode_inputs, kv_decoder
 from passes.executorch import BufferOwningPartitioner, executorch_state
-
-from .cases import CALLS, everything
+from passes.executorch.cases import CALLS, everything
 
 ATOL = 1e-5  # Edge decompositions round slightly differently from eager
 
