@@ -41,7 +41,7 @@ def _outcome(model: torch.nn.Module, inputs: list[tuple], partitioner: Any) -> t
     try:
         lowered = _lower(model, inputs[0], partitioner)
     except Exception as e:  # noqa: BLE001 - what ExecuTorch raises is the measurement
-        first = str(e).strip().splitlines()[0][:70]
+        first = str(e).strip().splitlines()[0][:70].replace("|", "/")
         return f"{type(e).__name__}: {first}", None
     got = run_program(lowered, inputs).outputs
     want = run_program(model, inputs).outputs

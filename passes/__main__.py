@@ -110,6 +110,13 @@ def run(args: argparse.Namespace) -> int:
     except PassManagerError as e:
         print(f"error: --pipeline: {str(e).splitlines()[0]}", file=sys.stderr)
         return LOAD_FAILED
+    if args.runtime == "executorch":
+        from .executorch import INSTALL_HINT, available
+
+        if not available():
+            print("error: --runtime executorch needs the executorch extra; install it with: "
+                  + INSTALL_HINT, file=sys.stderr)
+            return FLOW_FAILED
     try:
         model = load_model(spec, args.steps)
         exported = _export(model, spec, args.export)
@@ -122,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(
         f"model: {spec} ({sum(p.numel() for p in model.module.parameters())} parameters), "
-        f"{len(model.steps)} decode steps, exported {exported.mode}",
+        f"{len(model.steps)} decode steps, exported {exported.mode}, runtime {args.runtime}",
         flush=True,
     )
     try:
@@ -135,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
             log=lambda line: print(line, flush=True),
             pipeline=pipeline,
             pass_options=pass_options,
+            runtime=args.runtime,
         )
     except FlowError as e:
         result = e.result
@@ -200,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=EXPORT_MODES,
         default=None,
         help="force torch.export's mode (default: the factory's, else strict, else non-strict)",
+    )
+    run_parser.add_argument(
+        "--runtime",
+        choices=("python", "executorch"),
+        default="python",
+        help="also decode on ExecuTorch's runtime (XNNPACK + BufferOwningPartitioner, .pte, "
+        "pybind runtime); needs the executorch extra",
     )
     run_parser.add_argument("--skip-quantization", action="store_true")
     run_parser.add_argument("--skip-delegation", action="store_true")

@@ -127,6 +127,7 @@ def run_flow(
     log: Log = print,
     pipeline: PassManager | None = None,
     pass_options: Mapping[str, Any] | None = None,
+    runtime: str = "python",
 ) -> FlowResult:
     """Run the flow; ``steps`` holds one call's inputs per decode call.
 
@@ -141,6 +142,8 @@ def run_flow(
     InplaceToFunctional), e.g. ``parse_pipeline(text)`` from ``--pipeline``.
     ``pass_options`` are PassManager options for the pipelines the flow builds itself
     (the main job's ``--print-after``, ``--reproducer-dir`` ...).
+    ``runtime="executorch"`` also decodes the fp32 and quantized programs on ExecuTorch's
+    runtime (:func:`passes.executorch.runtime.flow_stage`; needs the executorch extra).
     Raises :class:`FlowError` (with the partial result) when a stage fails.
     """
     args, kwargs = as_call(example_inputs)
@@ -186,6 +189,8 @@ def run_flow(
         )
         result.reports.append(("functionalize", functional.report))
         program: Any = functional.program
+        # Later stages run the functional program's module, which shares its buffers.
+        fp32_program = copy_program(program) if runtime == "executorch" else None
         functional_trace = stage("decode the functional program", lambda: stage.run(program, steps))
         _check_same(
             result,
@@ -248,6 +253,11 @@ def run_flow(
             result.buffer_errors[name] = _relative_buffer_errors(eager, final)
         elif not quantize:
             result.step_errors["fp32 pipeline"] = output_errors(eager, functional_trace)
+        if runtime == "executorch":
+            from .executorch.runtime import flow_stage
+
+            programs = [("fp32", fp32_program)] + ([("quantized", quantized)] if quantize else [])
+            flow_stage(result, stage, programs, tuple(args), steps, eager)
         return result
 
 

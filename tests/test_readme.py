@@ -26,3 +26,4 @@ def test_readme_examples_run(capsys):
     # "When a pass goes wrong": the failed pass's statistics, its dump, a reproducer.
     assert "refused: writes-parameter" in out and "IR Dump After Failure of" in out
     assert "reproduced: the recorded error" in out
+    assert len(namespace["decoded_on_et"]) == 4  # the ExecuTorch example decoded too

@@ -83,3 +83,28 @@ def test_quantized_decode_on_the_runtime(job):
     expected = run_program(quantized, steps)
     decoded = decode_on_runtime(quantized, example, steps)
     assert max(_worst_per_step(expected, decoded.trace)) <= grid
+
+
+def test_main_job_on_the_executorch_runtime(capsys):
+    from passes.__main__ import main
+
+    status = main(["run", "tests.passes.main_job_models:one_layer_decoder", "--steps", "3",
+                   "--runtime", "executorch", "--skip-quantization", "--skip-delegation"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "runtime executorch" in out
+    header = next(line for line in out.splitlines() if line.startswith("step "))
+    assert "fp32 on executorch" in header
+    assert "PASS  ExecuTorch runtime decodes the fp32 program like Python (within 1e-5)" in out
+    assert "executorch fp32: " in out and "XNNPACK delegate(s)" in out
+
+
+def test_main_job_without_the_extra_says_how_to_install(monkeypatch, capsys):
+    import passes.executorch
+    from passes.__main__ import main
+
+    monkeypatch.setattr(passes.executorch, "available", lambda: False)
+    status = main(["run", "--runtime", "executorch"])
+    err = capsys.readouterr().err
+    assert status == 3
+    assert "needs the executorch extra" in err and "--no-deps executorch==1.5.1" in err
