@@ -125,6 +125,11 @@ class BufferOwningPartitioner(Partitioner):
             mutable buffers each partition owns.
         strict: raise :class:`BufferConsumptionError` (naming the buffer and the partitions)
             instead of keeping a buffer that a partition mutates at the top level.
+        own_buffers: whether the backends can own mutable buffers. ``None`` (default): a
+            backend can if the wrapped partitioner gave any of its partitions a mutable
+            buffer (as stateful backends' partitioners do, e.g. with ExecuTorch's
+            ``tag_mutated_buffer``); XNNPACK's gives none, and an XNNPACK delegate handed a
+            buffer to update crashes the runtime, so its buffers stay at the top level.
 
     After each ``partition`` call, ``notes`` says what happened to every mutable buffer
     and ``ownership`` holds the verdicts (:class:`BufferOwnership`).
@@ -134,15 +139,19 @@ class BufferOwningPartitioner(Partitioner):
         >>> to_edge_transform_and_lower(ep, partitioner=[wrapped])
     """
 
-    def __init__(self, partitioner: Partitioner, strict: bool = False):
+    def __init__(
+        self, partitioner: Partitioner, strict: bool = False, own_buffers: bool | None = None
+    ):
         super().__init__(getattr(partitioner, "spec", {}))
         self.partitioner = partitioner
         self.strict = strict
+        self.own_buffers = own_buffers
         self.notes: list[str] = []
         self.ownership: list[BufferOwnership] = []
 
     def __repr__(self) -> str:
-        return f"{PASS_NAME}({self.partitioner!r}, strict={self.strict})"
+        return (f"{PASS_NAME}({self.partitioner!r}, strict={self.strict}, "
+                f"own_buffers={self.own_buffers})")
 
     def ops_to_not_decompose(
         self, ep: ExportedProgram
@@ -159,8 +168,16 @@ class BufferOwningPartitioner(Partitioner):
         result = self.partitioner.partition(exported_program)
         program = result.tagged_exported_program
         verdicts = tagged_buffer_ownership(program)
+        stateful = self._stateful_backends(verdicts, result.partition_tags)
         owned = []
         for verdict in verdicts:
+            backend = self._backend(result.partition_tags, verdict.owner_tag)
+            if verdict.consumable and backend not in stateful:
+                verdict.reason = (
+                    f"partition {verdict.owner_tag!r} runs on {backend}, whose partitioner gives "
+                    "its delegates no mutable buffers (own_buffers=True overrides)"
+                )
+                verdict.owner_tag = None
             if verdict.consumable:
                 copies = self._value_copies(verdict)
                 if copies is None:
@@ -188,6 +205,23 @@ class BufferOwningPartitioner(Partitioner):
             notes.append(f"{verdict.fqn!r} owned by partition {verdict.owner_tag!r}{shared}")
         self.notes, self.ownership = notes, verdicts
         return PartitionResult(program, result.partition_tags)
+
+    @staticmethod
+    def _backend(partition_tags: dict[str, Any], tag: str | None) -> str | None:
+        spec = partition_tags.get(tag) if tag is not None else None
+        return getattr(spec, "backend_id", None)
+
+    def _stateful_backends(
+        self, verdicts: list[BufferOwnership], partition_tags: dict[str, Any]
+    ) -> set[str | None]:
+        """Backends whose delegates may own buffers: all, none, or those given one."""
+        backends = {self._backend(partition_tags, tag) for tag in partition_tags}
+        if self.own_buffers is not None:
+            return backends if self.own_buffers else set()
+        return {
+            self._backend(partition_tags, v.placeholder.meta.get(DELEGATION_TAG))
+            for v in verdicts if v.placeholder.meta.get(DELEGATION_TAG) in partition_tags
+        }
 
     @staticmethod
     def _value_copies(verdict: BufferOwnership) -> list[Node] | None:

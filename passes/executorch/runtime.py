@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-from executorch.exir import to_edge_transform_and_lower
+from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 from executorch.exir.backend.partitioner import Partitioner
+from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 from executorch.extension.pybindings import portable_lib
 from torch.export import ExportedProgram
 
@@ -60,7 +61,13 @@ def lower_to_pte(
             1 for n in lowered.exported_program().graph.nodes
             if n.op == "get_attr" and n.target.startswith("lowered_module")
         )
-        return lowered.to_executorch().buffer, wrapper, count
+        # ExecuTorch serializes only the shape of a mutated buffer unless asked: the runtime
+        # must start from the program's state (e.g. a reset cache, a non-zero counter).
+        sig = lowered.exported_program().graph_signature
+        mutated = set(sig.buffers_to_mutate.values())
+        names = [name for name, fqn in sig.inputs_to_buffers.items() if fqn in mutated]
+        config = ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(names)])
+        return lowered.to_executorch(config).buffer, wrapper, count
 
 
 def decode_on_runtime(

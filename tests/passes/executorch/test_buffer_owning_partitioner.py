@@ -168,3 +168,13 @@ def test_to_backend_without_the_rewrite_keeps_the_buffer_correct():
     assert verdict.owner_tag is None and "also used outside partition" in verdict.reason
     assert owners(lowered) == {}
     assert_same_behaviour(model, lowered, inputs, atol=ATOL, state=executorch_state)
+
+
+def test_own_buffers_false_keeps_every_buffer_at_the_top_level():
+    make, partitioner, _, _ = CASES["whole_kv_cache"]
+    model, inputs = make()
+    wrapper = BufferOwningPartitioner(partitioner(), own_buffers=False)
+    lowered = _lower(model, inputs, wrapper)
+    assert owners(lowered) == {}
+    assert all("gives its delegates no mutable buffers" in note for note in wrapper.notes)
+    assert_same_behaviour(model, lowered, inputs, atol=ATOL, state=executorch_state)

@@ -30,6 +30,7 @@ from passes.executorch.runtime import output_grid
 from passes.quantization import PassQuantizer
 
 STEPS = 5
+CALLS = 4
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +109,30 @@ def test_main_job_without_the_extra_says_how_to_install(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert status == 3
     assert "needs the executorch extra" in err and "--no-deps executorch==1.5.1" in err
+
+
+class Counter(torch.nn.Module):
+    """State with a non-zero initial value, updated by an op XNNPACK runs (add)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.arange(4.0) + 1)
+
+    def forward(self, x):
+        self.acc.add_(x)
+        return self.acc * 2
+
+
+def test_xnnpack_delegates_never_get_a_buffer_and_initial_state_is_kept():
+    """XNNPACK's partitioner gives its delegates no mutable buffer (an XNNPACK delegate
+    handed one crashes the runtime): the wrapper keeps it at the top level, says why, and
+    the runtime starts from the buffer's real initial value."""
+    model = Counter()
+    steps = [(torch.full((4,), float(i)),) for i in range(CALLS)]
+    python = run_program(model, steps)
+    decoded = decode_on_runtime(model, steps[0], steps)
+    assert decoded.delegates == 1
+    (note,) = decoded.notes
+    assert note.startswith("kept 'acc' at the top level: partition ") and "XnnpackBackend" in note
+    for expected, actual in zip(python.outputs, decoded.trace.outputs):
+        torch.testing.assert_close(actual[0], expected[0], rtol=0, atol=0)
