@@ -160,7 +160,9 @@ class BufferOwningPartitioner(Partitioner):
 
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
         program = self.partitioner.transform_for_pre_decomposition(exported_program)
-        return separate_new_buffer_values(program)
+        # The copies only serve a delegate that owns the buffer; where none will, skip them
+        # (otherwise they stay as one extra copy per such update on the top level).
+        return program if self.own_buffers is False else separate_new_buffer_values(program)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         graph = exported_program.graph
