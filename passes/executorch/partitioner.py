@@ -43,12 +43,11 @@ from ..delegation.partitioners import DELEGATION_TAG
 __all__ = ["BufferOwningPartitioner", "executorch_state", "separate_new_buffer_values"]
 
 PASS_NAME = "BufferOwningPartitioner"
-# Marks the copies ``separate_new_buffer_values`` inserts; ExecuTorch keeps node meta
-# through its decompositions, and the op name is checked too (a clone under any dialect).
-COPY_META = "buffer_owning_copy"
 
 
 def _is_value_copy(node: Node) -> bool:
+    """A clone of one value, in any dialect (the copies ``separate_new_buffer_values`` adds
+    become ``_clone_dim_order`` in Edge; any other clone is as pure, so it may move too)."""
     name = str(getattr(node.target, "__name__", node.target))
     return node.op == "call_function" and "clone" in name and len(node.all_input_nodes) == 1
 
@@ -86,7 +85,7 @@ def separate_new_buffer_values(ep: ExportedProgram) -> ExportedProgram:
         value = returned[index]
         other_slots = [i for i, a in enumerate(returned) if a is value and i != index]
         if len(value.users) > 1 or other_slots:
-            needs_copy.append((specs[index].target, value.name))
+            needs_copy.append(value.name)
     if not needs_copy:
         return ep
     gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
@@ -94,7 +93,7 @@ def separate_new_buffer_values(ep: ExportedProgram) -> ExportedProgram:
     nodes = {n.name: n for n in gm.graph.nodes}
     output = gm.graph.output_node()
     returned = list(output.args[0])
-    for fqn, name in needs_copy:
+    for name in needs_copy:
         value = nodes[name]
         with gm.graph.inserting_after(value):
             clone = gm.graph.call_function(torch.ops.aten.clone.default, (value,))
@@ -102,7 +101,6 @@ def separate_new_buffer_values(ep: ExportedProgram) -> ExportedProgram:
             {k: v for k, v in value.meta.items() if k in ("val", "tensor_meta", "stack_trace",
                                                          "nn_module_stack", "source_fn_stack")}
         )
-        clone.meta[COPY_META] = fqn
         keep = (output, clone)
         value.replace_all_uses_with(clone, delete_user_cb=lambda user, keep=keep: user not in keep)
         for i, arg in enumerate(returned):
