@@ -18,7 +18,8 @@ from torch.fx.passes.infra.pass_manager import PassManager as TorchPassManager
 
 from pass_manager import Condition, PassManager, function_pass
 from pass_manager.benchmarking import time_call
-from pass_manager.program import Snapshot, fingerprint
+from pass_manager.program import fingerprint
+from pass_manager.snapshot import Snapshot
 
 OPS = (torch.ops.aten.relu.default, torch.ops.aten.neg.default, torch.ops.aten.sin.default)
 

@@ -4,14 +4,13 @@
 * ``ExportedProgram`` (``torch.export.export``): a graph module plus a graph signature
   and a state dict.
 
-This module fingerprints a program (to measure whether a pass changed it), snapshots
-and restores it (to roll back a failing pass), and renders it as text for diffs.
+This module tells the forms apart, fingerprints a program (a digest for comparing two
+programs; the manager measures change against its snapshot instead, see ``snapshot``)
+and renders a program as text for diffs.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import difflib
 import hashlib
 from typing import Any, NamedTuple
@@ -23,7 +22,6 @@ __all__ = [
     "EXPORTED_PROGRAM",
     "GRAPH_MODULE",
     "Fingerprint",
-    "Snapshot",
     "fingerprint",
     "graph_module_of",
     "graph_of",
@@ -159,204 +157,3 @@ def text_diff(
             tofile=after_name,
         )
     )
-
-
-# Meta entries that hold values or immutable provenance: kept by reference in snapshots
-# (the meta dict itself is copied, so replacing them is still undone).
-_SHARED_META = frozenset(
-    {
-        "val",
-        "tensor_meta",
-        "example_value",
-        "stack_trace",
-        "from_node",
-        "seq_nr",
-        "torch_fn",
-        "original_aten",
-        "unbacked_bindings",
-    }
-)
-
-
-def _snapshot_meta(meta: dict) -> dict:
-    return {k: (v if k in _SHARED_META else _snapshot_value(v, 1)) for k, v in meta.items()}
-
-
-def _snapshot_value(value: Any, depth: int = 0) -> Any:
-    """Copy containers and dataclasses in node meta; keep tensors and opaque objects as is."""
-    if depth > 4 or isinstance(value, (torch.Tensor, torch.fx.Node)):
-        return value
-    if isinstance(value, dict):
-        return type(value)((k, _snapshot_value(v, depth + 1)) for k, v in value.items())
-    if isinstance(value, list):
-        return [_snapshot_value(v, depth + 1) for v in value]
-    if isinstance(value, set):
-        return set(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        clone = copy.copy(value)
-        for f in dataclasses.fields(value):
-            try:
-                object.__setattr__(
-                    clone, f.name, _snapshot_value(getattr(value, f.name), depth + 1)
-                )
-            except AttributeError:
-                continue
-        return clone
-    return value
-
-
-class _GraphRecord:
-    """The nodes of a graph as plain records; a graph is rebuilt from them only on demand.
-
-    Recording reads each node's fields (args are immutable containers of nodes, kept by
-    reference); rebuilding maps the old nodes to new ones. Recording is cheap because a
-    rollback is rare, and rebuilding is only paid when one happens.
-    """
-
-    def __init__(self, graph: torch.fx.Graph):
-        self._tracer_cls = graph._tracer_cls
-        self._codegen = copy.deepcopy(graph._codegen)
-        self._nodes = [
-            (
-                node,
-                node.name,
-                node.op,
-                node.target,
-                node.args,
-                node.kwargs,
-                node.type,
-                _snapshot_meta(node.meta),
-            )
-            for node in graph.nodes
-        ]
-
-    def rebuild(self) -> torch.fx.Graph:
-        graph = torch.fx.Graph(tracer_cls=self._tracer_cls)
-        env: dict[torch.fx.Node, torch.fx.Node] = {}
-        for old, name, op, target, args, kwargs, type_, meta in self._nodes:
-            new = graph.create_node(
-                op,
-                target,
-                torch.fx.node.map_arg(args, env.__getitem__),
-                torch.fx.node.map_arg(kwargs, env.__getitem__),
-                name=name,
-                type_expr=type_,
-            )
-            new.meta = _snapshot_meta(meta)
-            env[old] = new
-        graph._codegen = copy.deepcopy(self._codegen)
-        return graph
-
-
-class Snapshot:
-    """Everything a pass can change, captured so that :meth:`restore` undoes it exactly.
-
-    Captured: the graph (nodes, args, node meta), every submodule's attributes, the
-    identity and version counter of every tensor (buffers, tensor attributes, parameters,
-    an ExportedProgram's state), the graph module's ``meta`` and, for an ExportedProgram,
-    its graph signature, state dict, constants and call graph. Tensor *contents* are
-    copied only with ``copy_state=True`` (a pass declaring ``writes_state``): a KV cache
-    is not cloned before every pass. A tensor whose version counter moved without a copy
-    is listed by :meth:`written` and :meth:`unrestorable_changes`, never silently kept.
-    """
-
-    def __init__(self, program: Any, copy_state: bool = True):
-        self.program = program
-        gm = graph_module_of(program)
-        self._gm = gm
-        self._graph = _GraphRecord(gm.graph)
-        self._module_dicts = {}
-        # id -> (name, tensor, copy of its data or None, version)
-        self._tensors: dict[int, tuple[str, torch.Tensor, torch.Tensor | None, int]] = {}
-
-        def record(name: str, tensor: torch.Tensor, copy_data: bool) -> None:
-            if id(tensor) not in self._tensors:
-                data = tensor.detach().clone() if copy_data else None
-                self._tensors[id(tensor)] = (name, tensor, data, tensor._version)
-
-        for name, module in gm.named_modules():
-            self._module_dicts[name] = (
-                module,
-                dict(module.__dict__),
-                dict(getattr(module, "_buffers", {})),
-                dict(getattr(module, "_parameters", {})),
-                dict(getattr(module, "_modules", {})),
-            )
-            prefix = f"{name}." if name else ""
-            for key, buf in getattr(module, "_buffers", {}).items():
-                if buf is not None:
-                    record(prefix + key, buf, copy_state)
-            for key, value in module.__dict__.items():
-                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                    record(prefix + key, value, copy_state)
-            # Parameters are never copied (they are the bulk of a model): a pass that
-            # writes one in place cannot be rolled back, and the error says so.
-            for key, param in getattr(module, "_parameters", {}).items():
-                if param is not None:
-                    record(prefix + key, param, False)
-        self._gm_meta = _snapshot_value(dict(gm.meta))
-        self._ep_state = None
-        if isinstance(program, ExportedProgram):
-            self._ep_state = {
-                "_graph_signature": copy.deepcopy(program._graph_signature),
-                "_state_dict": dict(program._state_dict),
-                "_constants": dict(program._constants),
-                "_module_call_graph": copy.deepcopy(program._module_call_graph),
-                "_range_constraints": dict(program._range_constraints),
-                "_verifiers": list(program._verifiers),
-            }
-            for key, value in program._state_dict.items():
-                if isinstance(value, torch.Tensor):
-                    record(key, value, copy_state and not isinstance(value, torch.nn.Parameter))
-            for key, value in program._constants.items():
-                if isinstance(value, torch.Tensor):
-                    record(key, value, copy_state)
-
-    @property
-    def text(self) -> str:
-        """The program as it was, as text (rendered only when a diff is asked for)."""
-        text = str(self._graph.rebuild())
-        if self._ep_state is not None:
-            text += "\n" + str(self._ep_state["_graph_signature"])
-        return text
-
-    def written(self) -> list[str]:
-        """Tensors whose data was written in place since the snapshot (version counter)."""
-        return sorted(
-            name for name, tensor, _, version in self._tensors.values()
-            if tensor._version != version
-        )
-
-    def unrestorable_changes(self) -> list[str]:
-        """Tensors written in place whose old data was not copied, so cannot come back."""
-        return sorted(
-            name for name, tensor, data, version in self._tensors.values()
-            if data is None and tensor._version != version
-        )
-
-    def restore(self) -> None:
-        gm = self._gm
-        for module, attrs, buffers, params, modules in self._module_dicts.values():
-            module.__dict__.clear()
-            module.__dict__.update(attrs)
-            module._buffers.clear()
-            module._buffers.update(buffers)
-            module._parameters.clear()
-            module._parameters.update(params)
-            module._modules.clear()
-            module._modules.update(modules)
-        for _, tensor, data, version in self._tensors.values():
-            if data is not None and tensor._version != version:
-                with torch.no_grad():
-                    tensor.copy_(data)
-        gm.graph = self._graph.rebuild()
-        gm.meta.clear()
-        gm.meta.update(_snapshot_value(self._gm_meta))
-        gm.recompile()
-        if self._ep_state is not None:
-            program = self.program
-            for key, value in self._ep_state.items():
-                setattr(
-                    program, key, copy.copy(value) if isinstance(value, (dict, list)) else value
-                )
-            program._graph_module = gm

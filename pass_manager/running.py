@@ -1,11 +1,11 @@
 """The core loop: for each planned pass, require -> snapshot -> call -> measure -> provide.
 
 * require: the program form, then every required condition (cached results reused).
-* snapshot: what a rollback needs (``program.Snapshot``); tensor data is copied only
+* snapshot: what a rollback needs (``snapshot.Snapshot``); tensor data is copied only
   for a pass declaring ``writes_state``, and an undeclared write is a StateWriteError.
 * call: the pass; whatever it raises becomes a typed, rolled-back error.
-* measure: did it change the program (a fingerprint), did it keep its ``in_place``
-  contract; recompile only if the code changed.
+* measure: did it change the program (compared with the snapshot by identity), did it
+  keep its ``in_place`` contract; recompile only if the nodes changed.
 * provide: drop cached results the pass did not preserve, check what it provides.
 
 Everything else (timing, the "unmodified" claim check, semantic validation, diffs,
@@ -34,19 +34,11 @@ from .errors import (
     StateWriteError,
 )
 from .instrumentation import ClaimCheck, Instrumentation, Timing
-from .program import (
-    Fingerprint,
-    Snapshot,
-    fingerprint,
-    graph_module_of,
-    node_count,
-    program_form,
-    program_text,
-    text_diff,
-)
+from .program import graph_module_of, node_count, program_form, program_text, text_diff
 from .registry import registered_passes
 from .report import PassRecord, Report
 from .result import PassResult
+from .snapshot import Snapshot
 
 __all__ = ["RunResult", "Runner", "default_instruments", "run_alone"]
 
@@ -112,8 +104,6 @@ class _RunState:
 
     def __init__(self) -> None:
         self.holds: set[Condition] = set()
-        # Each pass's "after" fingerprint is the next pass's "before": computed once.
-        self.fingerprint: Fingerprint | None = None
 
 
 class Runner:
@@ -196,14 +186,13 @@ class Runner:
                 instrument.before_pass(p, program, record)
             record.nodes_before = node_count(program)
             self._require(p, index, program, state, record)
-            before = state.fingerprint or fingerprint(program)
             snapshot = Snapshot(program, copy_state=p.writes_state)
             out = self._call(p, index, program)
             unpacked = _unpack(out, program)
             current, record.claimed_modified, record.notes, record.statistics = unpacked
             if not p.writes_state and (written := snapshot.written()):
                 raise StateWriteError(p.name, index, written)
-            state.fingerprint = self._measure(p, index, program, current, before, record)
+            self._measure(p, index, program, current, snapshot, record)
             self._provide(p, index, current, state, record)
             for instrument in reversed(self.instruments):
                 instrument.after_pass(p, current, record)
@@ -253,9 +242,9 @@ class Runner:
         index: int,
         program: Any,
         new_program: Any,
-        before: Fingerprint,
+        snapshot: Snapshot,
         record: PassRecord,
-    ) -> Fingerprint:
+    ) -> None:
         form = program_form(program)
         if new_program is not program and program_form(new_program) != form:
             raise PassFailedError(
@@ -266,18 +255,17 @@ class Runner:
             raise InPlaceContractError(
                 p.name, index, "declares in_place = True but returned a different program object"
             )
-        after = fingerprint(new_program)
-        record.modified = after != before
+        change = snapshot.compare(new_program)
+        record.modified = change.anything
         if in_place is False and new_program is program and record.modified:
             raise InPlaceContractError(
                 p.name, index,
                 "declares in_place = False (returns a new program) but changed the program "
                 "it was given",
             )
-        if after.code != before.code:
+        if change.structure:
             graph_module_of(new_program).recompile()
         record.nodes_after = node_count(new_program)
-        return after
 
     def _provide(
         self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord

@@ -25,6 +25,7 @@ from torch.export.graph_signature import InputKind, InputSpec, OutputKind, Tenso
 from torch.fx import Node
 
 from pass_manager import graph_module_of
+from pass_manager.analysis import cached
 
 from ._aliasing import Alias, OpaqueNode, alias_map, written_nodes
 
@@ -290,7 +291,17 @@ def hop_writes(node: Node, gm: torch.nn.Module) -> OpaqueNode | None:
 
 
 def find_mutations(program: Any) -> Mutations:
-    """Scan the graph: every state node, every node writing (through any view) to state."""
+    """Scan the graph: every state node, every node writing (through any view) to state.
+
+    The scan is cached (``pass_manager.analysis``) while the graph's nodes and signature
+    are unchanged, so MarkMutableBuffers, the MutableBuffersMarked check and
+    InplaceToFunctional share one scan. It reads no node meta but ``val``. The result is
+    shared: read it, do not change it.
+    """
+    return cached(program, "find_mutations", _scan_mutations)
+
+
+def _scan_mutations(program: Any) -> Mutations:
     gm = graph_module_of(program)
     states = state_nodes(program)
     first: dict[State, Node] = {}

@@ -1,0 +1,202 @@
+"""Pass-manager overhead per pass: ``PassManager([p]).run(prog)`` against the bare pass.
+
+For each of the five passes, on the 32-layer decoder and on a decoder with 256 MiB of KV
+cache (16 layers, dim 512, 4,096 positions): the bare cost is ``p.call(prog)`` plus the
+``recompile()`` its result needs (InplaceToFunctional; UnfreezeMutableBuffer when it
+changed something); the managed cost is building ``PassManager([p])`` and running it
+(conditions checked, snapshot, change detection, recompile). Each is timed ``--repeat``
+times on fresh copies (copying is not timed); the table gives the medians, min-of-runs and
+the managed/bare ratio of both (target <= 1.10). ``--memory`` also measures, in a child
+process per pass, the peak RSS the managed run adds on the big-state decoder, against the
+program's buffer bytes (target <= 5%).
+
+    python -m benchmarks.bench_manager_overhead [--repeat 7] [--memory] [--only 32-layer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pass_manager import PassManager, graph_module_of
+from pass_manager.benchmarking import Timings, time_call
+from passes import (
+    ConsumeBufferMutationsInDelegate,
+    InplaceToFunctional,
+    MarkMutableBuffers,
+    SkipAnnotateDataMovementOps,
+    UnfreezeMutableBuffer,
+)
+from passes.delegation import AllNodePartitioner, to_delegate
+from passes.examples import AnnotateEveryOpQuantizer, kv_decoder
+
+__all__ = ["PROGRAMS", "inputs_for", "main"]
+
+PROGRAMS: dict[str, dict[str, Any]] = {
+    "32-layer": {"n_layers": 32},
+    "256MiB-state": {"n_layers": 16, "dim": 512, "max_seq": 4096},
+}
+PASSES: dict[str, Callable[[], Any]] = {
+    "MarkMutableBuffers": MarkMutableBuffers,
+    "InplaceToFunctional": InplaceToFunctional,
+    "SkipAnnotateDataMovementOps": SkipAnnotateDataMovementOps,
+    "UnfreezeMutableBuffer": UnfreezeMutableBuffer,
+    "ConsumeBufferMutationsInDelegate": ConsumeBufferMutationsInDelegate,
+}
+
+
+def _annotated(functional: Any) -> torch.fx.GraphModule:
+    """The graph SkipAnnotateDataMovementOps sees: marked, annotated by a QNN-style quantizer."""
+    gm = copy.deepcopy(functional).module()
+    quantizer = AnnotateEveryOpQuantizer()
+    gm = quantizer.transform_for_annotation(gm)
+    MarkMutableBuffers().call(gm)
+    quantizer.annotate(gm)
+    return gm
+
+
+def _converted(functional: Any, example: tuple) -> torch.fx.GraphModule:
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    prepared = prepare_pt2e(copy.deepcopy(functional).module(), AnnotateEveryOpQuantizer())
+    with torch.no_grad():
+        prepared(*example)
+    return convert_pt2e(prepared)
+
+
+def inputs_for(config: dict[str, Any]) -> tuple[dict[str, Callable[[], Any]], int]:
+    """Per pass, a factory of fresh input programs; and the program's buffer bytes."""
+    model, example = kv_decoder(**config)
+    ep = torch.export.export(model, example)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in ep.state_dict.values()
+                       if not isinstance(b, torch.nn.Parameter))
+    marked = copy.deepcopy(ep)
+    MarkMutableBuffers().call(marked)
+    functional = copy.deepcopy(marked)
+    InplaceToFunctional().call(functional)
+    functional.graph_module.recompile()
+    lowered = to_delegate(copy.deepcopy(functional), AllNodePartitioner())
+    converted = _converted(functional, example)
+    return {
+        "MarkMutableBuffers": lambda: copy.deepcopy(ep),
+        "InplaceToFunctional": lambda: copy.deepcopy(marked),
+        "SkipAnnotateDataMovementOps": lambda: _annotated(functional),
+        "UnfreezeMutableBuffer": lambda: copy.deepcopy(converted),
+        "ConsumeBufferMutationsInDelegate": lambda: copy.deepcopy(lowered),
+    }, buffer_bytes
+
+
+def bare(pass_: Any, program: Any) -> Any:
+    """The pass alone, plus the recompile its result needs to run."""
+    out = pass_.call(program)
+    result = out.program if out is not None else program
+    if isinstance(pass_, (InplaceToFunctional, UnfreezeMutableBuffer)) and out.modified:
+        graph_module_of(result).recompile()
+    return result
+
+
+def managed(make_pass: Callable[[], Any], program: Any) -> Any:
+    return PassManager([make_pass()]).run(program).program
+
+
+def measure(name: str, repeat: int) -> list[dict[str, Any]]:
+    factories, _ = inputs_for(PROGRAMS[name])
+    rows = []
+    for pass_name, make_pass in PASSES.items():
+        make_input = factories[pass_name]
+        # Interleave bare and managed runs so load on the machine hits both alike.
+        b, m = Timings("bare"), Timings("managed")
+        run_bare = lambda p, make=make_pass: bare(make(), p)  # noqa: E731
+        run_managed = lambda p, make=make_pass: managed(make, p)  # noqa: E731
+        for _ in range(repeat):
+            b.samples += time_call("bare", run_bare, make_input, 1).samples
+            m.samples += time_call("managed", run_managed, make_input, 1).samples
+            gc.collect()
+        rows.append({
+            "program": name, "pass": pass_name,
+            "bare_ms": b.median * 1e3, "managed_ms": m.median * 1e3,
+            "ratio_median": m.median / b.median, "ratio_min": m.min / b.min,
+        })
+    return rows
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _peak_child(pass_name: str, mode: str) -> None:
+    """In a child process: the peak RSS one run adds over the resident input program."""
+    factories, buffer_bytes = inputs_for(PROGRAMS["256MiB-state"])
+    program = factories[pass_name]()
+    del factories
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # reset the peak (VmHWM) to the current RSS
+    base = _rss_kib("VmRSS")
+    if mode == "managed":
+        managed(PASSES[pass_name], program)
+    else:
+        bare(PASSES[pass_name](), program)
+    extra = (_rss_kib("VmHWM") - base) * 1024
+    print(json.dumps({"extra": extra, "buffer_bytes": buffer_bytes}))
+
+
+def measure_memory() -> list[dict[str, Any]]:
+    rows = []
+    for pass_name in PASSES:
+        row: dict[str, Any] = {"pass": pass_name}
+        for mode in ("bare", "managed"):
+            done = subprocess.run(
+                [sys.executable, "-m", "benchmarks.bench_manager_overhead", "--peak-child",
+                 pass_name, mode], capture_output=True, text=True, check=True,
+            )
+            data = json.loads(done.stdout.strip().splitlines()[-1])
+            row[f"{mode}_extra_mib"] = data["extra"] / 2**20
+            row["buffer_mib"] = data["buffer_bytes"] / 2**20
+        row["manager_extra_pct"] = (
+            100 * (row["managed_extra_mib"] - row["bare_extra_mib"]) / row["buffer_mib"]
+        )
+        row["managed_extra_pct"] = 100 * row["managed_extra_mib"] / row["buffer_mib"]
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--only", choices=sorted(PROGRAMS), action="append")
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--peak-child", nargs=2, metavar=("PASS", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.peak_child:
+        _peak_child(*args.peak_child)
+        return
+    print(f"{'program':<14} {'pass':<34} {'bare ms':>9} {'managed ms':>11} "
+          f"{'ratio (median)':>15} {'ratio (min)':>12}")
+    for name in args.only or PROGRAMS:
+        for r in measure(name, args.repeat):
+            print(f"{r['program']:<14} {r['pass']:<34} {r['bare_ms']:>9.1f} "
+                  f"{r['managed_ms']:>11.1f} {r['ratio_median']:>15.3f} {r['ratio_min']:>12.3f}",
+                  flush=True)
+    if args.memory:
+        print(f"\npeak extra RSS on the 256MiB-state decoder ({'MiB'}):")
+        print(f"{'pass':<34} {'buffers':>8} {'bare':>8} {'managed':>8} {'manager %':>10}")
+        for r in measure_memory():
+            print(f"{r['pass']:<34} {r['buffer_mib']:>8.0f} {r['bare_extra_mib']:>8.1f} "
+                  f"{r['managed_extra_mib']:>8.1f} {r['manager_extra_pct']:>9.2f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Analyses cached per program, valid while what they read of the program is unchanged.
+
+A pass and the conditions around it often compute the same analysis: MarkMutableBuffers
+scans the graph for writes, and its guarantee MutableBuffersMarked scans again to check
+the marks; InplaceToFunctional's requirement scans what the pass then scans. With
+:func:`cached` the analysis is computed once and returned again while a :class:`Stamp` of
+what it depends on still matches (LLVM's analysis manager, with invalidation measured
+rather than declared):
+
+* every node of the graph, in order: the node object, its op and name, and the identity
+  of its target, args, kwargs and ``meta["val"]`` (assigning ``node.args`` always makes
+  a new tuple, so any rewrite of a node is seen);
+* for an ExportedProgram, its graph signature (kind, argument and target of every spec)
+  and the names in its state dict and constants; for a GraphModule, the buffer and
+  parameter names of every submodule.
+
+Node meta other than ``val`` is not stamped: an analysis must not read it. The stamp
+holds references to what it compares by identity, so no identity is recycled while it
+lives. A cached value is shared: treat it as read-only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch.export import ExportedProgram
+
+from .program import graph_module_of
+
+__all__ = ["Stamp", "cached", "invalidate"]
+
+T = TypeVar("T")
+
+_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _node_records(graph: torch.fx.Graph) -> tuple[list[tuple], list[Any]]:
+    records, refs = [], []
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        records.append((n, n.op, n.name, id(n.target), id(n._args), id(n._kwargs), id(val)))
+        refs.append((n.target, n._args, n._kwargs, val))
+    return records, refs
+
+
+def _signature_token(program: Any) -> tuple:
+    if not isinstance(program, ExportedProgram):
+        gm = program
+        return tuple(
+            (name, tuple(m._buffers), tuple(m._parameters)) for name, m in gm.named_modules()
+        )
+    signature = program.graph_signature
+    specs = tuple(
+        (s.kind, getattr(s.arg, "name", repr(s.arg)), s.target)
+        for s in (*signature.input_specs, *signature.output_specs)
+    )
+    return specs, tuple(program.state_dict), tuple(program.constants)
+
+
+class Stamp:
+    """What an analysis of ``program`` depends on, to tell later whether it still holds."""
+
+    __slots__ = ("_graph", "_records", "_refs", "_signature")
+
+    def __init__(self, program: Any):
+        graph = graph_module_of(program).graph
+        self._graph = graph
+        self._records, self._refs = _node_records(graph)
+        self._signature = _signature_token(program)
+
+    def nodes_match(self, graph: torch.fx.Graph) -> bool:
+        """Whether ``graph`` has the stamped nodes, in order, with the same fields."""
+        return graph is self._graph and _node_records(graph)[0] == self._records
+
+    def matches(self, program: Any) -> bool:
+        return (
+            self.nodes_match(graph_module_of(program).graph)
+            and _signature_token(program) == self._signature
+        )
+
+
+def cached(program: Any, key: str, compute: Callable[[Any], T]) -> T:
+    """``compute(program)``, or the value computed earlier if its stamp still matches."""
+    gm = graph_module_of(program)
+    entries = _cache.setdefault(gm, {})
+    hit = entries.get(key)
+    if hit is not None and hit[0].matches(program):
+        return hit[1]
+    stamp = Stamp(program)
+    value = compute(program)
+    entries[key] = (stamp, value)
+    return value
+
+
+def invalidate(program: Any) -> None:
+    """Forget every analysis of ``program`` (e.g. after changing what no stamp covers)."""
+    _cache.pop(graph_module_of(program), None)
