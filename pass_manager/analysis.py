@@ -14,7 +14,9 @@ rather than declared):
   and the names in its state dict and constants; for a GraphModule, the buffer and
   parameter names of every submodule.
 
-Node meta other than ``val`` is not stamped: an analysis must not read it. The stamp
+Node meta other than ``val`` and tensor data are not stamped: an analysis that reads
+them passes ``depends``, a function returning a token of what it reads (wrap objects in
+:class:`Same` to compare them by identity). The stamp
 holds references to what it compares by identity, so no identity is recycled while it
 lives. A cached value is shared: treat it as read-only.
 """
@@ -30,7 +32,7 @@ from torch.export import ExportedProgram
 
 from .program import graph_module_of
 
-__all__ = ["Stamp", "cached", "invalidate"]
+__all__ = ["Same", "Stamp", "cached", "invalidate"]
 
 T = TypeVar("T")
 
@@ -60,16 +62,33 @@ def _signature_token(program: Any) -> tuple:
     return specs, tuple(program.state_dict), tuple(program.constants)
 
 
+class Same:
+    """A token part equal only to a token holding the very same object (kept alive)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 class Stamp:
     """What an analysis of ``program`` depends on, to tell later whether it still holds."""
 
-    __slots__ = ("_graph", "_records", "_refs", "_signature")
+    __slots__ = ("_depends", "_extra", "_graph", "_records", "_refs", "_signature")
 
-    def __init__(self, program: Any):
+    def __init__(self, program: Any, depends: Callable[[Any], Any] | None = None):
         graph = graph_module_of(program).graph
         self._graph = graph
         self._records, self._refs = _node_records(graph)
         self._signature = _signature_token(program)
+        self._depends = depends
+        self._extra = depends(program) if depends is not None else None
 
     def nodes_match(self, graph: torch.fx.Graph) -> bool:
         """Whether ``graph`` has the stamped nodes, in order, with the same fields."""
@@ -79,17 +98,27 @@ class Stamp:
         return (
             self.nodes_match(graph_module_of(program).graph)
             and _signature_token(program) == self._signature
+            and (self._depends is None or self._depends(program) == self._extra)
         )
 
 
-def cached(program: Any, key: str, compute: Callable[[Any], T]) -> T:
-    """``compute(program)``, or the value computed earlier if its stamp still matches."""
+def cached(
+    program: Any,
+    key: str,
+    compute: Callable[[Any], T],
+    depends: Callable[[Any], Any] | None = None,
+) -> T:
+    """``compute(program)``, or the value computed earlier if its stamp still matches.
+
+    ``depends(program)`` (optional) returns a token of what else the analysis reads
+    (node meta, tensor data); the cached value is reused only while it compares equal.
+    """
     gm = graph_module_of(program)
     entries = _cache.setdefault(gm, {})
     hit = entries.get(key)
     if hit is not None and hit[0].matches(program):
         return hit[1]
-    stamp = Stamp(program)
+    stamp = Stamp(program, depends)
     value = compute(program)
     entries[key] = (stamp, value)
     return value

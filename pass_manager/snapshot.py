@@ -108,9 +108,12 @@ def _same(value: Any, recorded: Any, depth: int = 0) -> bool:
     if type(value) is not type(recorded) or depth > 4:
         return False
     if isinstance(value, dict):
-        return len(value) == len(recorded) and all(
-            _same(v, recorded.get(k, _MISSING), depth + 1) for k, v in value.items()
-        )
+        if len(value) != len(recorded):
+            return False
+        # Fast path (C loops): same keys, same objects in the same order.
+        if all(map(operator.is_, value.values(), recorded.values())):
+            return list(value) == list(recorded)
+        return all(_same(v, recorded.get(k, _MISSING), depth + 1) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return len(value) == len(recorded) and all(
             _same(a, b, depth + 1) for a, b in zip(value, recorded, strict=True)
@@ -131,6 +134,14 @@ def _same(value: Any, recorded: Any, depth: int = 0) -> bool:
         return False
 
 
+def _equal(a: Any, b: Any) -> bool:
+    """Equal values assigned anew (``node.args = tuple(node.args)``) are no change."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot compare (tensors) count as changed
+        return False
+
+
 class _Meta:
     """A meta dict: its entries by reference, and copies of its mutable containers."""
 
@@ -148,7 +159,7 @@ class _Meta:
         # change: conservative), then the copied containers compared by content.
         if len(meta) != len(refs) or not all(map(operator.is_, meta.values(), refs.values())):
             return False
-        return meta.keys() == refs.keys() and all(
+        return list(meta) == list(refs) and all(
             _same(meta[k], c) for k, c in self.copies.items()
         )
 
@@ -181,9 +192,9 @@ class _GraphRecord:
         ):
             if (
                 node is not old
-                or node._args is not args
-                or node._kwargs is not kwargs
-                or node.target is not target
+                or (node._args is not args and not _equal(node._args, args))
+                or (node._kwargs is not kwargs and not _equal(node._kwargs, kwargs))
+                or (node.target is not target and not _equal(node.target, target))
                 or node.name != name
                 or node.op != op
                 or node.type is not type_

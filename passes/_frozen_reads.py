@@ -17,6 +17,7 @@ import torch.ao.quantization.fx._decomposed  # defines the quantized_decomposed 
 from torch.fx import GraphModule, Node
 
 from pass_manager import Condition, graph_module_of
+from pass_manager.analysis import Same, cached
 
 from ._buffer_reads import OBSERVED_READS_META, BufferRead
 from ._buffers import BUFFER, MUTABLE_BUFFER_META, find_mutations
@@ -120,9 +121,38 @@ def frozen_buffer_reads(
     through the read's views) with the qparams of the constant's dequantize gives exactly
     the constant. Zero matches: a real constant. Several:
     :class:`AmbiguousFrozenBufferError` (or ``on_ambiguous``).
+
+    The scan is cached (``pass_manager.analysis``) while the graph, the marks and the
+    tensors it reads are unchanged, so UnfreezeMutableBuffer and NoFrozenMutableBuffers
+    share it.
     """
+    found, ambiguous = cached(gm, "frozen_buffer_reads", _scan_frozen, _frozen_scan_inputs)
+    for node, names in ambiguous:
+        if on_ambiguous is None:
+            raise AmbiguousFrozenBufferError(pass_name, node.name, names)
+        on_ambiguous(node, names)
+    return list(found)
+
+
+def _frozen_scan_inputs(gm: GraphModule) -> tuple:
+    """What the frozen-read scan reads besides the graph: marks, records, tensor data."""
+    marks = tuple(
+        (Same(n), n.meta.get(MUTABLE_BUFFER_META),
+         tuple(map(Same, n.meta.get(OBSERVED_READS_META, ()))))
+        for n in gm.graph.nodes
+        if MUTABLE_BUFFER_META in n.meta or OBSERVED_READS_META in n.meta
+    )
+    constants = [getattr(gm, str(n.target), None) for n in frozen_nodes(gm)]
+    tensors = tuple(
+        (Same(t), t._version) for t in (*gm.buffers(), *constants) if isinstance(t, torch.Tensor)
+    )
+    return marks, tensors
+
+
+def _scan_frozen(gm: GraphModule) -> tuple[list[FrozenRead], list[tuple[Node, list[str]]]]:
     reads = _candidate_reads(gm)
-    found = []
+    found: list[FrozenRead] = []
+    ambiguous: list[tuple[Node, list[str]]] = []
     for node in frozen_nodes(gm):
         constant = getattr(gm, str(node.target), None)
         users = list(node.users)
@@ -144,13 +174,10 @@ def frozen_buffer_reads(
             matches = _matching_reads(gm, unrecorded, constant, qparams)
         names = sorted({m.describe() for m in matches})
         if len(names) > 1:
-            if on_ambiguous is None:
-                raise AmbiguousFrozenBufferError(pass_name, node.name, names)
-            on_ambiguous(node, names)
-            continue
-        if matches:
+            ambiguous.append((node, names))
+        elif matches:
             found.append(FrozenRead(node, matches[0], qparams))
-    return found
+    return found, ambiguous
 
 
 def _same_shape(gm: GraphModule, read: BufferRead, constant: torch.Tensor) -> bool:

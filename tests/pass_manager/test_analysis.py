@@ -1,0 +1,103 @@
+"""Cached analyses are reused only while what they read is unchanged, and the manager's
+change measure (against its snapshot) sees every kind of change."""
+
+import pytest
+import torch
+
+from pass_manager import PassFailedError, PassManager, PassResult, function_pass, graph_of
+from pass_manager.analysis import Same, cached
+
+from .conftest import targets
+
+
+class Counted:
+    """An analysis (the op of every node) that counts how often it is computed."""
+
+    def __init__(self):
+        self.runs = 0
+
+    def __call__(self, program):
+        self.runs += 1
+        return [str(n.target) for n in graph_of(program).nodes]
+
+
+def relu_node(program):
+    return targets(program, "relu")[0]
+
+
+def test_a_cached_analysis_is_reused_while_the_program_is_unchanged(traced):
+    analysis = Counted()
+    first = cached(traced, "ops", analysis)
+    relu_node(traced).meta["note"] = "meta other than val is not read"
+    assert cached(traced, "ops", analysis) is first and analysis.runs == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda p: setattr(relu_node(p), "target", torch.abs),
+        lambda p: setattr(relu_node(p), "args", tuple(relu_node(p).args)),  # a new tuple
+        lambda p: relu_node(p).meta.__setitem__("val", object()),
+        lambda p: graph_of(p).create_node("call_function", torch.neg, (relu_node(p),)),
+        lambda p: p.register_buffer("extra", torch.zeros(1)),
+    ],
+    ids=["target", "args", "val", "new-node", "new-buffer"],
+)
+def test_any_change_of_what_the_stamp_covers_recomputes(traced, change):
+    analysis = Counted()
+    cached(traced, "ops", analysis)
+    change(traced)
+    cached(traced, "ops", analysis)
+    assert analysis.runs == 2
+
+
+def test_a_signature_change_recomputes_for_an_exported_program(exported):
+    analysis = Counted()
+    cached(exported, "ops", analysis)
+    exported.graph_signature.output_specs[-1].arg.name = "renamed"
+    cached(exported, "ops", analysis)
+    assert analysis.runs == 2
+
+
+def test_what_an_analysis_declares_it_reads_is_part_of_its_stamp(traced):
+    analysis = Counted()
+
+    def depends(program):
+        return relu_node(program).meta.get("mark"), Same(program.acc), program.acc._version
+
+    cached(traced, "ops", analysis, depends)
+    cached(traced, "ops", analysis, depends)
+    assert analysis.runs == 1
+    relu_node(traced).meta["mark"] = "x"
+    cached(traced, "ops", analysis, depends)
+    traced.acc.add_(1)
+    cached(traced, "ops", analysis, depends)
+    assert analysis.runs == 3
+
+
+def test_a_nested_meta_edit_is_a_measured_change_and_is_rolled_back(traced):
+    relu_node(traced).meta["custom"] = {"tags": ["a"]}
+
+    def edits_nested(program):
+        relu_node(program).meta["custom"]["tags"].append("b")
+        return PassResult(program, False)
+
+    result = PassManager([function_pass(edits_nested, in_place=True)]).run(traced)
+    assert result.modified and result.report.warnings  # measured, though it claimed not
+
+    def edits_then_fails(program):
+        edits_nested(program)
+        raise RuntimeError("boom")
+
+    with pytest.raises(PassFailedError):
+        PassManager([edits_then_fails]).run(traced)
+    assert relu_node(traced).meta["custom"] == {"tags": ["a", "b"]}  # as before that pass
+
+
+def test_reassigning_equal_args_is_no_change(traced):
+    def same_args(program):
+        for node in graph_of(program).nodes:
+            node.args = tuple(node.args)
+
+    result = PassManager([function_pass(same_args)]).run(traced)
+    assert not result.modified
