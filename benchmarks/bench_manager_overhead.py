@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import gc
 import json
 import subprocess
@@ -72,26 +73,35 @@ def _converted(functional: Any, example: tuple) -> torch.fx.GraphModule:
     return convert_pt2e(prepared)
 
 
-def inputs_for(config: dict[str, Any]) -> tuple[dict[str, Callable[[], Any]], int]:
-    """Per pass, a factory of fresh input programs; and the program's buffer bytes."""
+def inputs_for(
+    config: dict[str, Any], only: str | None = None
+) -> tuple[dict[str, Callable[[], Any]], int]:
+    """Per pass (or only ``only``), a factory of fresh input programs; the buffer bytes."""
     model, example = kv_decoder(**config)
     ep = torch.export.export(model, example)
     buffer_bytes = sum(b.numel() * b.element_size() for b in ep.state_dict.values()
                        if not isinstance(b, torch.nn.Parameter))
+    if only == "MarkMutableBuffers":
+        return {only: lambda: copy.deepcopy(ep)}, buffer_bytes
     marked = copy.deepcopy(ep)
     MarkMutableBuffers().call(marked)
+    if only == "InplaceToFunctional":
+        return {only: lambda: copy.deepcopy(marked)}, buffer_bytes
     functional = copy.deepcopy(marked)
     InplaceToFunctional().call(functional)
     functional.graph_module.recompile()
-    lowered = to_delegate(copy.deepcopy(functional), AllNodePartitioner())
-    converted = _converted(functional, example)
-    return {
+    factories: dict[str, Callable[[], Any]] = {
         "MarkMutableBuffers": lambda: copy.deepcopy(ep),
         "InplaceToFunctional": lambda: copy.deepcopy(marked),
         "SkipAnnotateDataMovementOps": lambda: _annotated(functional),
-        "UnfreezeMutableBuffer": lambda: copy.deepcopy(converted),
-        "ConsumeBufferMutationsInDelegate": lambda: copy.deepcopy(lowered),
-    }, buffer_bytes
+    }
+    if only in (None, "UnfreezeMutableBuffer"):
+        converted = _converted(functional, example)
+        factories["UnfreezeMutableBuffer"] = lambda: copy.deepcopy(converted)
+    if only in (None, "ConsumeBufferMutationsInDelegate"):
+        lowered = to_delegate(copy.deepcopy(functional), AllNodePartitioner())
+        factories["ConsumeBufferMutationsInDelegate"] = lambda: copy.deepcopy(lowered)
+    return factories, buffer_bytes
 
 
 def bare(pass_: Any, program: Any) -> Any:
@@ -138,10 +148,12 @@ def _rss_kib(field: str) -> int:
 
 def _peak_child(pass_name: str, mode: str) -> None:
     """In a child process: the peak RSS one run adds over the resident input program."""
-    factories, buffer_bytes = inputs_for(PROGRAMS["256MiB-state"])
+    factories, buffer_bytes = inputs_for(PROGRAMS["256MiB-state"], only=pass_name)
     program = factories[pass_name]()
     del factories
     gc.collect()
+    # Give freed memory back to the system first, so the peak counts new memory only.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # reset the peak (VmHWM) to the current RSS
     base = _rss_kib("VmRSS")

@@ -7,18 +7,16 @@ the marks; InplaceToFunctional's requirement scans what the pass then scans. Wit
 what it depends on still matches (LLVM's analysis manager, with invalidation measured
 rather than declared):
 
-* every node of the graph, in order: the node object, its op and name, and the identity
-  of its target, args, kwargs and ``meta["val"]`` (assigning ``node.args`` always makes
-  a new tuple, so any rewrite of a node is seen);
+* every node of the graph, in order: the node object, its op, name, target, args, kwargs
+  and ``meta["val"]`` (held by reference, compared identity first, then by value);
 * for an ExportedProgram, its graph signature (kind, argument and target of every spec)
   and the names in its state dict and constants; for a GraphModule, the buffer and
   parameter names of every submodule.
 
 Node meta other than ``val`` and tensor data are not stamped: an analysis that reads
 them passes ``depends``, a function returning a token of what it reads (wrap objects in
-:class:`Same` to compare them by identity). The stamp
-holds references to what it compares by identity, so no identity is recycled while it
-lives. A cached value is shared: treat it as read-only.
+:class:`Same` to compare them by identity). The stamp holds what it compares, so no
+identity is recycled while it lives. A cached value is shared: treat it as read-only.
 """
 
 from __future__ import annotations
@@ -39,13 +37,16 @@ T = TypeVar("T")
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _node_records(graph: torch.fx.Graph) -> tuple[list[tuple], list[Any]]:
-    records, refs = [], []
-    for n in graph.nodes:
-        val = n.meta.get("val")
-        records.append((n, n.op, n.name, id(n.target), id(n._args), id(n._kwargs), id(val)))
-        refs.append((n.target, n._args, n._kwargs, val))
-    return records, refs
+def _node_records(graph: torch.fx.Graph) -> list[tuple]:
+    return [(n, n.op, n.name, n.target, n._args, n._kwargs, n.meta.get("val")) for n in graph.nodes]
+
+
+def _same_records(a: list[tuple], b: list[tuple]) -> bool:
+    """Compared in C, identity first; a value that cannot compare (a fake tensor) differs."""
+    try:
+        return a == b
+    except Exception:  # noqa: BLE001 - e.g. a replaced fake tensor: the stamp does not match
+        return False
 
 
 def _signature_token(program: Any) -> tuple:
@@ -80,19 +81,19 @@ class Same:
 class Stamp:
     """What an analysis of ``program`` depends on, to tell later whether it still holds."""
 
-    __slots__ = ("_depends", "_extra", "_graph", "_records", "_refs", "_signature")
+    __slots__ = ("_depends", "_extra", "_graph", "_records", "_signature")
 
     def __init__(self, program: Any, depends: Callable[[Any], Any] | None = None):
         graph = graph_module_of(program).graph
         self._graph = graph
-        self._records, self._refs = _node_records(graph)
+        self._records = _node_records(graph)
         self._signature = _signature_token(program)
         self._depends = depends
         self._extra = depends(program) if depends is not None else None
 
     def nodes_match(self, graph: torch.fx.Graph) -> bool:
         """Whether ``graph`` has the stamped nodes, in order, with the same fields."""
-        return graph is self._graph and _node_records(graph)[0] == self._records
+        return graph is self._graph and _same_records(_node_records(graph), self._records)
 
     def matches(self, program: Any) -> bool:
         return (

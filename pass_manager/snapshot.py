@@ -12,15 +12,13 @@ those records: no node is printed or hashed. :meth:`Snapshot.restore` undoes the
 from __future__ import annotations
 
 import copy
-import dataclasses
-import operator
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature
 
+from .copying import MISSING, copy_value, equal, is_container, same, shallow
 from .program import graph_module_of
 
 __all__ = ["Change", "Snapshot"]
@@ -45,170 +43,68 @@ _SHARED_META = frozenset(
         "unbacked_bindings",
     }
 )
-# Kept by reference: immutable values, and objects a pass replaces but does not edit.
-_IMMUTABLE = (
-    str, int, float, bool, tuple, frozenset, type(None), torch.Tensor, torch.fx.Node,
-    pytree.TreeSpec,
-)
-_MISSING = object()
+def _fields(node: torch.fx.Node) -> tuple:
+    return (node, node.name, node.op, node.target, node._args, node._kwargs, node.type)
 
 
-def _mutable_fields(value: Any) -> tuple[str, ...] | None:
-    """The field names of a mutable dataclass instance; None for anything else (a frozen
-    dataclass, such as a quantization spec, cannot be edited in place: kept by reference)."""
-    cls = type(value)
-    names = _FIELDS.get(cls, _MISSING)
-    if names is _MISSING:
-        params = getattr(cls, "__dataclass_params__", None)
-        mutable = params is not None and not params.frozen and cls is not type
-        names = tuple(f.name for f in dataclasses.fields(cls)) if mutable else None
-        _FIELDS[cls] = names
-    return names
-
-
-_FIELDS: dict[type, Any] = {}
-
-
-def _frozen(value: Any) -> bool:
-    params = getattr(type(value), "__dataclass_params__", None)
-    return params is not None and params.frozen
-
-
-def _is_container(value: Any) -> bool:
-    return isinstance(value, (dict, list, set)) or _mutable_fields(value) is not None
-
-
-def _copy_value(value: Any, depth: int = 0) -> Any:
-    """Copy containers and mutable dataclasses; keep everything else by reference."""
-    if depth > 4 or isinstance(value, _IMMUTABLE):
-        return value
-    if isinstance(value, dict):
-        if all(isinstance(v, _IMMUTABLE) or _frozen(v) for v in value.values()):
-            return value.copy()
-        return type(value)((k, _copy_value(v, depth + 1)) for k, v in value.items())
-    if isinstance(value, list):
-        return [_copy_value(v, depth + 1) for v in value]
-    if isinstance(value, set):
-        return set(value)
-    names = _mutable_fields(value)
-    if names is not None:
-        clone = copy.copy(value) if not hasattr(value, "__dict__") else _shallow(value)
-        for name in names:
-            field_value = getattr(value, name, _MISSING)
-            if field_value is not _MISSING and not isinstance(field_value, _IMMUTABLE):
-                object.__setattr__(clone, name, _copy_value(field_value, depth + 1))
-        return clone
-    return value
-
-
-def _same(value: Any, recorded: Any, depth: int = 0) -> bool:
-    """Whether ``value`` still equals the copy ``recorded`` (identity first, then structure)."""
-    if value is recorded:
-        return True
-    if type(value) is not type(recorded) or depth > 4:
-        return False
-    if isinstance(value, dict):
-        if len(value) != len(recorded):
-            return False
-        # Fast path (C loops): same keys, same objects in the same order.
-        if all(map(operator.is_, value.values(), recorded.values())):
-            return list(value) == list(recorded)
-        return all(_same(v, recorded.get(k, _MISSING), depth + 1) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return len(value) == len(recorded) and all(
-            _same(a, b, depth + 1) for a, b in zip(value, recorded, strict=True)
-        )
-    if isinstance(value, set):
-        return value == recorded
-    names = _mutable_fields(value)
-    if names is not None:
-        return all(
-            _same(getattr(value, n, _MISSING), getattr(recorded, n, _MISSING), depth + 1)
-            for n in names
-        )
-    if isinstance(value, (torch.Tensor, torch.fx.Node)):
-        return False
+def _equal_lists(a: list, b: list) -> bool:
+    """``a == b`` compared in C (identity first); values that cannot compare: not equal."""
     try:
-        return bool(value == recorded)
-    except Exception:  # noqa: BLE001 - an object that cannot compare counts as changed
+        return a == b
+    except Exception:  # noqa: BLE001 - e.g. fake tensors, whose truth value is undefined
         return False
-
-
-def _equal(a: Any, b: Any) -> bool:
-    """Equal values assigned anew (``node.args = tuple(node.args)``) are no change."""
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - values that cannot compare (tensors) count as changed
-        return False
-
-
-class _Meta:
-    """A meta dict: its entries by reference, and copies of its mutable containers."""
-
-    __slots__ = ("copies", "refs")
-
-    def __init__(self, meta: dict, shared: frozenset = _SHARED_META):
-        self.refs = dict(meta)
-        self.copies = {
-            k: _copy_value(v) for k, v in self.refs.items() if k not in shared and _is_container(v)
-        }
-
-    def same_as(self, meta: dict) -> bool:
-        refs = self.refs
-        # Same keys in the same order with the same objects (a re-inserted key counts as a
-        # change: conservative), then the copied containers compared by content.
-        if len(meta) != len(refs) or not all(map(operator.is_, meta.values(), refs.values())):
-            return False
-        return list(meta) == list(refs) and all(
-            _same(meta[k], c) for k, c in self.copies.items()
-        )
-
-    def rebuilt(self) -> dict:
-        meta = dict(self.refs)
-        meta.update((k, _copy_value(v)) for k, v in self.copies.items())
-        return meta
 
 
 class _GraphRecord:
-    """The nodes of a graph as plain records; a graph is rebuilt from them only on demand."""
+    """The nodes of a graph as plain records; a graph is rebuilt from them only on demand.
+
+    Per node: its fields and its meta entries, by reference (built and compared in C
+    loops), and copies of the mutable containers in its meta, if any.
+    """
 
     def __init__(self, graph: torch.fx.Graph):
         self.graph = graph
         self._tracer_cls = graph._tracer_cls
         self._codegen = copy.copy(graph._codegen)
-        self._nodes = [
-            (node, node.name, node.op, node.target, node.args, node.kwargs, node.type,
-             _Meta(node.meta))
-            for node in graph.nodes
-        ]
+        nodes = list(graph.nodes)
+        self._fields = [_fields(n) for n in nodes]
+        self._meta = [dict(n.meta) for n in nodes]
+        # Most nodes hold only shared entries (values, provenance): nothing to copy.
+        self._copies = {
+            n: {k: copy_value(v) for k, v in n.meta.items()
+                if k not in _SHARED_META and is_container(v)}
+            for n in nodes if not _SHARED_META.issuperset(n.meta)
+        }
 
     def structure_changed(self, graph: torch.fx.Graph) -> bool:
-        if graph is not self.graph or len(graph.nodes) != len(self._nodes):
+        if graph is not self.graph or len(graph.nodes) != len(self._fields):
             return True
         if graph._codegen.__dict__ != self._codegen.__dict__:
             return True
-        for node, (old, name, op, target, args, kwargs, type_, _) in zip(
-            graph.nodes, self._nodes, strict=True
-        ):
-            if (
-                node is not old
-                or (node._args is not args and not _equal(node._args, args))
-                or (node._kwargs is not kwargs and not _equal(node._kwargs, kwargs))
-                or (node.target is not target and not _equal(node.target, target))
-                or node.name != name
-                or node.op != op
-                or node.type is not type_
-            ):
-                return True
-        return False
+        current = [_fields(n) for n in graph.nodes]
+        if _equal_lists(current, self._fields):
+            return False
+        # Equal values assigned anew (``node.args = tuple(node.args)``) are no change.
+        return not all(
+            now[0] is old[0] and all(a is b or equal(a, b) for a, b in zip(now, old, strict=True))
+            for now, old in zip(current, self._fields, strict=True)
+        )
 
     def meta_changed(self) -> bool:
-        return any(not meta.same_as(node.meta) for node, *_, meta in self._nodes)
+        nodes = [f[0] for f in self._fields]
+        if not _equal_lists([n.meta for n in nodes], self._meta):
+            return True
+        return not all(
+            same(n.meta.get(k, MISSING), c)
+            for n, copies in self._copies.items() for k, c in copies.items()
+        )
 
     def rebuild(self) -> torch.fx.Graph:
         graph = torch.fx.Graph(tracer_cls=self._tracer_cls)
         env: dict[torch.fx.Node, torch.fx.Node] = {}
-        for old, name, op, target, args, kwargs, type_, meta in self._nodes:
+        for (old, name, op, target, args, kwargs, type_), items in zip(
+            self._fields, self._meta, strict=True
+        ):
             new = graph.create_node(
                 op,
                 target,
@@ -217,24 +113,18 @@ class _GraphRecord:
                 name=name,
                 type_expr=type_,
             )
-            new.meta = meta.rebuilt()
+            new.meta = dict(items)  # a copy: the record may be restored again
+            new.meta.update((k, copy_value(v)) for k, v in self._copies.get(old, {}).items())
             env[old] = new
         graph._codegen = copy.copy(self._codegen)
         return graph
 
 
-def _shallow(obj: Any) -> Any:
-    """A shallow copy of a plain (``__dict__``) object, without ``copy.copy``'s overhead."""
-    clone = object.__new__(type(obj))
-    clone.__dict__.update(obj.__dict__)
-    return clone
-
-
 def _copy_signature(signature: ExportGraphSignature) -> ExportGraphSignature:
     # Specs and their arguments are mutable dataclasses: copy them, share the rest.
     def spec(s: Any) -> Any:
-        clone = _shallow(s)
-        clone.arg = _shallow(s.arg)
+        clone = shallow(s)
+        clone.arg = shallow(s.arg)
         return clone
 
     return ExportGraphSignature(
@@ -245,9 +135,9 @@ def _copy_signature(signature: ExportGraphSignature) -> ExportGraphSignature:
 def _copy_call_graph(entries: list) -> list:
     copied = []
     for entry in entries:
-        clone = _shallow(entry)
+        clone = shallow(entry)
         if entry.signature is not None:
-            clone.signature = _copy_value(entry.signature)
+            clone.signature = copy_value(entry.signature)
         copied.append(clone)
     return copied
 
@@ -305,7 +195,10 @@ class Snapshot:
             for key, param in params.items():
                 if param is not None:
                     record(prefix + key, param, False)
-        self._gm_meta = _Meta(gm.meta, shared=frozenset())
+        self._gm_meta = (
+            tuple(gm.meta.items()),
+            {k: copy_value(v) for k, v in gm.meta.items() if is_container(v)},
+        )
         self._ep_state = None
         if isinstance(program, ExportedProgram):
             self._ep_state = {
@@ -332,8 +225,12 @@ class Snapshot:
         return Change(False, self._state_changed(program))
 
     def _state_changed(self, program: Any) -> bool:
-        if self.written() or self._graph.meta_changed() or not self._gm_meta.same_as(
-            self._gm.meta
+        items, copies = self._gm_meta
+        if (
+            self.written()
+            or self._graph.meta_changed()
+            or not _equal_lists(list(self._gm.meta.items()), list(items))
+            or not all(same(self._gm.meta.get(k, MISSING), c) for k, c in copies.items())
         ):
             return True
         modules = dict(self._gm.named_modules())
@@ -352,10 +249,10 @@ class Snapshot:
             return program is not self.program
         state = self._ep_state
         return not (
-            _same(program._graph_signature, state["_graph_signature"])
+            same(program._graph_signature, state["_graph_signature"])
             and _tensor_ids(program._state_dict) == _tensor_ids(state["_state_dict"])
             and _tensor_ids(program._constants) == _tensor_ids(state["_constants"])
-            and _same(program._module_call_graph, state["_module_call_graph"])
+            and same(program._module_call_graph, state["_module_call_graph"])
             and program._range_constraints == state["_range_constraints"]
             and program._verifiers == state["_verifiers"]
         )
@@ -400,7 +297,9 @@ class Snapshot:
                     tensor.copy_(data)
         gm.graph = self._graph.rebuild()
         gm.meta.clear()
-        gm.meta.update(self._gm_meta.rebuilt())
+        items, copies = self._gm_meta
+        gm.meta.update(items)
+        gm.meta.update((k, copy_value(v)) for k, v in copies.items())
         gm.recompile()
         if self._ep_state is not None:
             program = self.program
