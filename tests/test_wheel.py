@@ -1,0 +1,72 @@
+"""The wheel holds everything the main job needs: build it, install it into a fresh
+virtualenv, and run ``python -m passes run`` away from the checkout.
+
+The virtualenv reuses this interpreter's torch / torchao (a ``.pth`` line pointing at its
+site-packages) instead of downloading them; the package itself comes only from the wheel,
+which the test checks before running the job.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ("setup.cfg", "pyproject.toml", "README.md", "pass_manager", "passes")
+
+
+def run(*command: str | Path, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [str(c) for c in command], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, f"{command} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def build_wheel(tmp_path: Path) -> Path:
+    # A copy of the sources, so the build's build/ and *.egg-info stay out of the checkout.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in SOURCES:
+        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
+        copy(ROOT / name, source / name)
+    for cache in source.rglob("__pycache__"):
+        shutil.rmtree(cache)
+    dist = tmp_path / "dist"
+    # This interpreter's setuptools builds it: no network, no isolated build env.
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+        "--no-index", "--quiet", "-w", dist, source, cwd=tmp_path)
+    (wheel,) = dist.glob("*.whl")
+    return wheel
+
+
+def fresh_venv_with_project_torch(path: Path) -> Path:
+    venv.EnvBuilder(with_pip=False).create(path)
+    python = path / "bin" / "python"
+    site = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+               cwd=path).stdout.strip()
+    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    # Plain path lines: torch and friends become importable, but not the .pth files of this
+    # environment (its editable install of the package would hide the wheel's copy).
+    (Path(site) / "project_site_packages.pth").write_text("\n".join(sorted(ours)) + "\n")
+    return python
+
+
+def test_wheel_runs_the_main_job_outside_the_checkout(tmp_path):
+    wheel = build_wheel(tmp_path)
+    python = fresh_venv_with_project_torch(tmp_path / "venv")
+    run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
+        "--quiet", wheel, cwd=tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    where = run(python, "-c", "import passes, pass_manager; print(passes.__file__); "
+                "print(pass_manager.__file__)", cwd=elsewhere).stdout.split()
+    assert all(Path(f).is_relative_to(tmp_path / "venv") for f in where), where
+
+    done = run(python, "-m", "passes", "run", "--steps", "2", cwd=elsewhere, timeout=900)
+    assert "== checks" in done.stdout
+    assert "FAIL" not in done.stdout.split("== checks")[1]
