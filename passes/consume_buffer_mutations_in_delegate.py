@@ -10,7 +10,6 @@ rules are in :mod:`passes.delegation.ownership`), and reports why it kept the ot
 from __future__ import annotations
 
 import copy
-import operator
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +18,6 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import (
     ExportGraphSignature,
-    InputKind,
-    OutputKind,
 )
 from torch.fx import Node
 
@@ -28,11 +25,11 @@ from pass_manager import EXPORTED_PROGRAM, Pass, PassResult
 
 from ._aliasing import alias_map
 from ._buffer_conditions import Functional
-from .delegation.delegate_runtime import LoweredBackendModule
+from .delegation.buffer_handover import Handover, hand_over_buffers
 from .delegation.errors import BufferAliasingError, BufferConsumptionError
 from .delegation.ownership import BufferMutationsInDelegates, BufferOwnership, buffer_ownership
 from .delegation.partitions_to_delegates import delegates
-from .delegation.subprogram import input_spec, make_program, output_spec
+from .delegation.subprogram import user_input_nodes
 
 __all__ = ["ConsumeBufferMutationsInDelegate"]
 
@@ -117,7 +114,7 @@ class ConsumeBufferMutationsInDelegate(Pass):
         self._check_aliasing(program, consumed)
         new_program = self._consume(program, consumed)
         for v in consumed:
-            shared = " (and returns its new value as a user output)" if self._value_kept(v) else ""
+            shared = " (and returns its new value as a user output)" if v.value_kept else ""
             notes.append(f"moved {v.fqn!r} into delegate {v.mutated_by[0]!r}{shared}")
         return PassResult(new_program, True, notes, statistics)
 
@@ -144,7 +141,7 @@ class ConsumeBufferMutationsInDelegate(Pass):
             module = v.owner.graph.owning_module.get_submodule(v.owner.args[0].target)
             sub = module.program
             position = list(v.owner.args[1:]).index(v.placeholder)
-            placeholder = self._user_inputs(sub)[position]
+            placeholder = user_input_nodes(sub)[position]
             if v.owner not in alias_maps:
                 alias_maps[v.owner] = alias_map(sub.graph.nodes)[0]
             aliases = alias_maps[v.owner]
@@ -158,19 +155,6 @@ class ConsumeBufferMutationsInDelegate(Pass):
                         self.name,
                     )
 
-    @staticmethod
-    def _user_inputs(sub: ExportedProgram) -> list[Node]:
-        kinds = {s.arg.name: s.kind for s in sub.graph_signature.input_specs}
-        return [n for n in sub.graph.nodes
-                if n.op == "placeholder" and kinds[n.name] == InputKind.USER_INPUT]
-
-    @staticmethod
-    def _value_kept(v: BufferOwnership) -> bool:
-        """Whether the new value is still needed outside the delegate (besides the mutation)."""
-        output = v.value.graph.output_node()
-        uses = sum(1 for arg in output.args[0] if arg is v.value)
-        return any(u is not output for u in v.value.users) or uses > 1
-
     # -- the rewrite, on a copy ---------------------------------------------------------
     def _consume(self, ep: ExportedProgram, consumed: list[BufferOwnership]) -> ExportedProgram:
         gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
@@ -179,8 +163,17 @@ class ConsumeBufferMutationsInDelegate(Pass):
         by_owner: dict[str, list[BufferOwnership]] = defaultdict(list)
         for v in consumed:
             by_owner[v.owner.name].append(v)
+        top_specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
         for owner_name, owned in by_owner.items():
-            self._move_into(gm, nodes[owner_name], owned, nodes, ep)
+            handovers = []
+            for v in owned:
+                persistent = bool(top_specs[v.placeholder.name].persistent)
+                tensor = (ep.state_dict if persistent else ep.constants)[v.fqn]
+                argument = nodes[v.placeholder.name]
+                handovers.append(
+                    Handover(v.fqn, argument, v.value.args[1], tensor, persistent, v.value_kept)
+                )
+            hand_over_buffers(gm, nodes[owner_name], handovers)
         dropped_outputs = {v.output_index for v in consumed}
         output = gm.graph.output_node()
         output.args = (tuple(a for i, a in enumerate(output.args[0]) if i not in dropped_outputs),)
@@ -202,57 +195,3 @@ class ConsumeBufferMutationsInDelegate(Pass):
             state_dict={k: t for k, t in ep.state_dict.items() if k not in targets},
             constants={k: t for k, t in ep.constants.items() if k not in targets},
         )
-
-    def _move_into(
-        self,
-        gm: torch.fx.GraphModule,
-        call: Node,
-        owned: list[BufferOwnership],
-        nodes: dict[str, Node],
-        ep: ExportedProgram,
-    ) -> None:
-        old = gm.get_submodule(call.args[0].target)
-        sub = old.program
-        sub_gm = torch.fx.GraphModule(sub.graph_module, copy.deepcopy(sub.graph))
-        sub_nodes = {n.name: n for n in sub_gm.graph.nodes}
-        specs = {s.arg.name: s for s in sub.graph_signature.input_specs}
-        inputs = {sub_nodes[name]: spec for name, spec in specs.items()}
-        user_inputs = [sub_nodes[n.name] for n in self._user_inputs(sub)]
-        state, constants = dict(sub.state_dict), dict(sub.constants)
-        call_args = list(call.args[1:])
-        returned = sub_gm.graph.output_node().args[0]
-        out_specs = list(sub.graph_signature.output_specs)
-        pairs = list(zip(returned, out_specs))
-        mutations = [(n, s) for n, s in pairs if s.kind == OutputKind.BUFFER_MUTATION]
-        results = [(n, s) for n, s in pairs if s.kind != OutputKind.BUFFER_MUTATION]
-        dropped_results = set()
-        top_specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
-        for v in owned:
-            placeholder = user_inputs[call_args.index(nodes[v.placeholder.name])]
-            persistent = top_specs[v.placeholder.name].persistent
-            inputs[placeholder] = input_spec(placeholder, InputKind.BUFFER, v.fqn, persistent)
-            if persistent:
-                state[v.fqn] = ep.state_dict[v.fqn]
-            else:
-                constants[v.fqn] = ep.constants[v.fqn]
-            result_index = v.value.args[1]
-            new_value = results[result_index][0]
-            mutations.append((new_value, output_spec(new_value, OutputKind.BUFFER_MUTATION, v.fqn)))
-            if not self._value_kept(v):
-                dropped_results.add(result_index)
-        consumed_inputs = {nodes[v.placeholder.name] for v in owned}
-        kept = [i for i in range(len(results)) if i not in dropped_results]
-        program = make_program(
-            sub_gm, inputs, mutations + [results[i] for i in kept], state, constants, sub.verifiers
-        )
-        setattr(gm, call.args[0].target,
-                LoweredBackendModule(program, old.tag, old.backend_id, old.compile_specs))
-
-        call.args = (call.args[0], *(a for a in call_args if a not in consumed_inputs))
-        renumber = {old_index: new_index for new_index, old_index in enumerate(kept)}
-        for user in list(call.users):
-            if user.target is operator.getitem and user.args[1] in renumber:
-                user.args = (call, renumber[user.args[1]])
-        old_vals = call.meta.get("val")
-        if isinstance(old_vals, tuple):
-            call.meta["val"] = tuple(old_vals[i] for i in kept)

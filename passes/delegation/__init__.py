@@ -3,10 +3,12 @@
 ``to_delegate(ep, partitioner)`` turns each tagged partition into a delegate call whose
 sub-program is an ExportedProgram run by a reference CPU backend;
 :class:`passes.ConsumeBufferMutationsInDelegate` then moves mutable buffers into the
-delegate that updates them. ``delegates(ep)`` lists the delegates, ``program_state``
-reads every buffer of a running program by FQN, wherever it lives.
+delegate that updates them, through :func:`hand_over_buffers`. ``delegates(ep)`` lists
+the delegates, ``program_state`` reads every buffer of a running program by FQN, wherever
+it lives.
 """
 
+from .buffer_handover import Handover, hand_over_buffers
 from .delegate_runtime import (
     REFERENCE_BACKEND,
     LoweredBackendModule,
@@ -33,12 +35,14 @@ __all__ = [
     "BufferConsumptionError",
     "Delegate",
     "DelegationError",
+    "Handover",
     "LoweredBackendModule",
     "OpSupportPartitioner",
     "PartitionError",
     "Partitioner",
     "call_delegate",
     "delegates",
+    "hand_over_buffers",
     "is_delegate_call",
     "is_delegate_output",
     "program_state",

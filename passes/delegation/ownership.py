@@ -36,6 +36,7 @@ from pass_manager import Condition
 
 from .delegate_runtime import LoweredBackendModule, is_delegate_call, is_delegate_output
 from .partitioners import DELEGATION_TAG
+from .subprogram import user_input_nodes
 
 __all__ = [
     "BufferMutationsInDelegates",
@@ -69,6 +70,13 @@ class BufferOwnership:
     @property
     def consumable(self) -> bool:
         return self.reason is None
+
+    @property
+    def value_kept(self) -> bool:
+        """Whether the top level uses the new value besides writing it back."""
+        output = self.value.graph.output_node()
+        uses = sum(1 for arg in output.args[0] if arg is self.value)
+        return any(u is not output for u in self.value.users) or uses > 1
 
 
 class _Partitioning(Protocol):
@@ -121,10 +129,7 @@ class _Lowered:
     def deps(self, call: Node) -> list[set[int]]:
         if call not in self._deps:
             program = call.graph.owning_module.get_submodule(call.args[0].target).program
-            kinds = {s.arg.name: s.kind for s in program.graph_signature.input_specs}
-            placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
-            user_inputs = [p for p in placeholders if kinds[p.name] == InputKind.USER_INPUT]
-            position = {n: i for i, n in enumerate(user_inputs)}
+            position = {n: i for i, n in enumerate(user_input_nodes(program))}
             returned = program.graph.output_node().args[0]
             self._deps[call] = [
                 {position[a] for a in _reach(node, lambda n: n.all_input_nodes) | {node}

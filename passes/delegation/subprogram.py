@@ -26,7 +26,7 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
-__all__ = ["Output", "input_spec", "make_program", "output_spec"]
+__all__ = ["Output", "input_spec", "make_program", "output_spec", "user_input_nodes"]
 
 # An output of a sub-program: the node it returns and the spec describing it.
 Output = tuple[torch.fx.Node, OutputSpec]
@@ -47,6 +47,13 @@ def input_spec(node: torch.fx.Node, kind: InputKind, target: str | None = None,
 
 def output_spec(node: torch.fx.Node, kind: OutputKind, target: str | None = None) -> OutputSpec:
     return OutputSpec(kind=kind, arg=TensorArgument(name=node.name), target=target)
+
+
+def user_input_nodes(program: ExportedProgram) -> list[torch.fx.Node]:
+    """The user-input placeholders of ``program``, in order: a delegate call's arguments."""
+    kinds = {s.arg.name: s.kind for s in program.graph_signature.input_specs}
+    return [n for n in program.graph.nodes
+            if n.op == "placeholder" and kinds[n.name] == InputKind.USER_INPUT]
 
 
 def make_program(
