@@ -61,7 +61,7 @@ class Report:
             )
             for r in self.records
         ]
-        widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+        widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
         lines += [fmt.format(*row) for row in rows]

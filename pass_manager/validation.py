@@ -222,10 +222,10 @@ def first_difference(
     """Describe the first output, buffer or input that differs, or None if all agree."""
     if len(expected.outputs) != len(actual.outputs):
         return f"{len(expected.outputs)} calls vs {len(actual.outputs)}"
-    for call, (exp_out, act_out) in enumerate(zip(expected.outputs, actual.outputs)):
+    for call, (exp_out, act_out) in enumerate(zip(expected.outputs, actual.outputs, strict=True)):
         if len(exp_out) != len(act_out):
             return f"call {call}: {len(exp_out)} outputs vs {len(act_out)}"
-        for i, (a, b) in enumerate(zip(exp_out, act_out)):
+        for i, (a, b) in enumerate(zip(exp_out, act_out, strict=True)):
             diff = _value_difference(a, b, atol, rtol)
             if diff:
                 return f"call {call}: output {i}: {diff}"
@@ -237,7 +237,7 @@ def first_difference(
             diff = _tensor_difference(exp_buf[name], act_buf[name], atol, rtol)
             if diff:
                 return f"call {call}: buffer {name!r}: {diff}"
-        for i, (a, b) in enumerate(zip(expected.inputs[call], actual.inputs[call])):
+        for i, (a, b) in enumerate(zip(expected.inputs[call], actual.inputs[call], strict=True)):
             diff = _value_difference(a, b, atol, rtol)
             if diff:
                 return f"call {call}: input {i} after the call: {diff}"

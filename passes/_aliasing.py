@@ -355,7 +355,7 @@ def _extent(val: torch.Tensor) -> tuple[Any, Any] | None:
     """First and last storage element a strided tensor touches (None: sign of a symbolic
     stride unknown)."""
     low = high = val.storage_offset()
-    for size, stride in zip(val.shape, val.stride()):
+    for size, stride in zip(val.shape, val.stride(), strict=True):
         span = (size - 1) * stride
         if _known(stride >= 0):
             high = high + span
@@ -373,7 +373,7 @@ _ENUMERATION_LIMIT = 1 << 22
 def _elements(val: torch.Tensor) -> torch.Tensor:
     """The storage offsets of every element of a view with static layout."""
     index = torch.tensor(val.storage_offset(), dtype=torch.int64)
-    for size, stride in zip(val.shape, val.stride()):
+    for size, stride in zip(val.shape, val.stride(), strict=True):
         index = index.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
     return index.flatten()
 
@@ -404,7 +404,7 @@ def may_overlap(a: Node, b: Node) -> bool:
     if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
         return True
     la, lb = _layout(va), _layout(vb)
-    if va.dim() == vb.dim() and all(_known(x == y) for x, y in zip(la, lb)):
+    if va.dim() == vb.dim() and all(_known(x == y) for x, y in zip(la, lb, strict=True)):
         return False
     if _known(va.numel() == 0) or _known(vb.numel() == 0):
         return False

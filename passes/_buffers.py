@@ -124,7 +124,7 @@ def placeholder_specs(program: ExportedProgram) -> list[tuple[Node, InputSpec]]:
     (``input`` -> ``input_1``) and leaves the signature naming the old one.
     """
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
-    return list(zip(placeholders, program.graph_signature.input_specs))
+    return list(zip(placeholders, program.graph_signature.input_specs, strict=True))
 
 
 def named_input_specs(program: ExportedProgram) -> list[InputSpec]:
@@ -327,7 +327,7 @@ def _scan_mutations(program: Any) -> Mutations:
     if isinstance(program, ExportedProgram):
         outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
         by_name = {n.name: n for n in gm.graph.nodes}
-        for spec, value in zip(program.graph_signature.output_specs, outputs):
+        for spec, value in zip(program.graph_signature.output_specs, outputs, strict=True):
             if spec.kind == OutputKind.BUFFER_MUTATION:
                 state = State(BUFFER, spec.target)
             elif spec.kind == OutputKind.USER_INPUT_MUTATION:

@@ -73,7 +73,8 @@ def quantize_both_ways(
             **(pass_options or {}),
         )
         prepared = prepare_pt2e(copy_program(functional).module(), quantizer)
-        for title, report in zip(("before annotation", "after annotation"), quantizer.reports):
+        titles = ("before annotation", "after annotation")
+        for title, report in zip(titles, quantizer.reports, strict=True):
             stage.result.reports.append((title, report))
         stage.calibrate(prepared, calibration)
         reset_mutable_buffers(prepared)

@@ -80,7 +80,8 @@ class Rewrite(StorageReads, ProgramEnd):
         self.mutation_outputs: list[tuple[State, Any]] = []
         self.other_outputs: list[tuple[OutputSpec, Any]] = []
         if self.is_ep:
-            for spec, arg in zip(program.graph_signature.output_specs, self.output.args[0]):
+            specs = program.graph_signature.output_specs
+            for spec, arg in zip(specs, self.output.args[0], strict=True):
                 if spec.kind in _MUTATION_OUTPUTS:
                     state = State(_MUTATION_OUTPUTS[spec.kind], spec.target)
                     self.mutation_outputs.append((state, arg))
@@ -272,7 +273,7 @@ class Rewrite(StorageReads, ProgramEnd):
             n_returns = len(node.target._schema.returns)
             if n_returns:
                 self.value[node] = (results[0], 0)
-            for (_, w), new in zip(writes, results[n_returns:]):
+            for (_, w), new in zip(writes, results[n_returns:], strict=True):
                 self._write(node, w, self._conform(node, w, new))
             self.dead.append(node)
             return
@@ -319,8 +320,11 @@ class Rewrite(StorageReads, ProgramEnd):
                 self.value[node] = (result(0), 0)
             elif returns:
                 self.value[node] = (call, 0)
-            new_values = [self._conform(node, w, new) for (_, w), new in zip(writes, new_values)]
-        for (_, w), new in zip(writes, new_values):
+            new_values = [
+                self._conform(node, w, new)
+                for (_, w), new in zip(writes, new_values, strict=True)
+            ]
+        for (_, w), new in zip(writes, new_values, strict=True):
             self._write(node, w, new)
         if variant.returns_written and len(returns) == 1:
             alias = self.aliases[node]  # the written view, with eager's layout

@@ -80,7 +80,7 @@ class ProgramEnd:
                     self.statistics[f"mutated {kinds} written back"] += 1
         if self.is_ep:
             user = [(spec, map_arg(arg, self.resolve)) for spec, arg in self.other_outputs]
-            for (_, old), (_, new) in zip(self.other_outputs, user):
+            for (_, old), (_, new) in zip(self.other_outputs, user, strict=True):
                 if isinstance(old, Node) and isinstance(new, Node):
                     self.boundary[old.name] = new
             outputs = [final for _, _, final in finals] + [arg for _, arg in user]

@@ -59,7 +59,7 @@ def inline_grad_regions(gm: GraphModule) -> InlinedRegions:
         if sub is None:
             continue
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        copied: dict[Node, Node] = dict(zip(placeholders, node.args[2:]))
+        copied: dict[Node, Node] = dict(zip(placeholders, node.args[2:], strict=True))
         before = set(graph.nodes)
         with graph.inserting_before(node):
             results = graph.graph_copy(sub.graph, copied)

@@ -87,7 +87,7 @@ def run_subprogram(program: ExportedProgram, args: Sequence[Any]) -> tuple[Any, 
     outputs = program.graph_module(*flat)
     user_outputs = []
     with torch.no_grad():
-        for spec, value in zip(signature.output_specs, outputs):
+        for spec, value in zip(signature.output_specs, outputs, strict=True):
             if spec.kind == OutputKind.BUFFER_MUTATION:
                 state = program.state_dict.get(spec.target)
                 if state is None:
@@ -194,7 +194,7 @@ def _output_values(lowered_module: LoweredBackendModule) -> list[Any]:
     values = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in output.args[0]]
     return [
         value
-        for value, spec in zip(values, program.graph_signature.output_specs)
+        for value, spec in zip(values, program.graph_signature.output_specs, strict=True)
         if spec.kind != OutputKind.BUFFER_MUTATION
     ]
 

@@ -134,7 +134,7 @@ class _Lowered:
             self._deps[call] = [
                 {position[a] for a in _reach(node, lambda n: n.all_input_nodes) | {node}
                  if a in position}
-                for node, spec in zip(returned, program.graph_signature.output_specs)
+                for node, spec in zip(returned, program.graph_signature.output_specs, strict=True)
                 if spec.kind != OutputKind.BUFFER_MUTATION
             ]
         return self._deps[call]

@@ -99,7 +99,7 @@ def _lower_partition(
     )
     sub_placeholders = [n for n in sub_gm.graph.nodes if n.op == "placeholder"]
     inputs, state, constants, call_args, absorbed = {}, {}, {}, [], []
-    for ph, orig in zip(sub_placeholders, orig_inputs):
+    for ph, orig in zip(sub_placeholders, orig_inputs, strict=True):
         spec = specs.get(orig.name) if orig.op == "placeholder" else None
         if spec is not None and spec.kind in _OWNABLE and all(u in members for u in orig.users):
             inputs[ph] = input_spec(ph, spec.kind, spec.target)
@@ -198,7 +198,7 @@ def to_delegate(
     output_specs = [
         dataclasses.replace(spec, arg=TensorArgument(name=node.name))
         if isinstance(spec.arg, TensorArgument) else spec
-        for spec, node in zip(work.graph_signature.output_specs, returned)
+        for spec, node in zip(work.graph_signature.output_specs, returned, strict=True)
     ]
     signature = ExportGraphSignature([specs[name] for name in placeholders], output_specs)
     work._module_call_graph = rename_call_graph(ep.module_call_graph, renames)

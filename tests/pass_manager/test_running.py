@@ -41,7 +41,7 @@ def relu_to_abs(program):
 class ReluToAbs(Pass):
     """Replaces relu with abs (a real rewrite used to exercise the manager)."""
 
-    provides = {NoRelu}
+    provides = frozenset({NoRelu})
 
     def call(self, program):
         changed = False
@@ -121,8 +121,8 @@ def test_changing_pass_invalidates_what_it_does_not_preserve(traced):
         return None
 
     class Rewrite(ReluToAbs):
-        provides = set()
-        preserves = {kept}
+        provides = frozenset()
+        preserves = frozenset({kept})
 
     @function_pass(requires={kept, dropped})
     def consume(program):

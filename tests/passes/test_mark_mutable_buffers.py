@@ -105,7 +105,7 @@ def test_pipeline_requiring_marks_fails_clearly_without_the_pass(zoo):
     from pass_manager import Pass
 
     class NeedsMarks(Pass):
-        requires = {conditions.MutableBuffersMarked}
+        requires = frozenset({conditions.MutableBuffersMarked})
 
         def call(self, program):
             return None

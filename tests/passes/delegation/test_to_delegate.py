@@ -119,7 +119,7 @@ def test_lowered_program_keeps_buffer_updates_at_top_level(decoder, partitioner)
     buffers = [s.target for s in sig.input_specs if s.kind == InputKind.BUFFER]
     assert sorted(buffers) == sorted(f"layers.{i}.attn.{c}_cache" for i in range(2) for c in "kv")
     outputs = lowered.graph.output_node().args[0]
-    returned = dict(zip((s.arg.name for s in sig.output_specs), outputs))
+    returned = dict(zip((s.arg.name for s in sig.output_specs), outputs, strict=True))
     for spec in sig.output_specs:
         if spec.kind == OutputKind.BUFFER_MUTATION:
             value = returned[spec.arg.name]
