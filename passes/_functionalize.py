@@ -380,7 +380,7 @@ def _same_metadata(old: list[Node], new: list[Node]) -> bool:
     """Inputs whose fake values agree in everything but storage (static shapes only)."""
     if len(old) != len(new):
         return False
-    for a, b in zip(old, new):
+    for a, b in zip(old, new, strict=True):
         va, vb = a.meta.get("val"), b.meta.get("val")
         if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
             return False
