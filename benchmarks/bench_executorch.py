@@ -45,7 +45,10 @@ def _outcome(model: torch.nn.Module, inputs: list[tuple], partitioner: Any) -> t
         return f"{type(e).__name__}: {first}", None
     got = run_program(lowered, inputs).outputs
     want = run_program(model, inputs).outputs
-    diffs = [max(float((a - b).abs().max()) for a, b in zip(g, w)) for g, w in zip(got, want)]
+    diffs = [
+        max(float((a - b).abs().max()) for a, b in zip(g, w, strict=True))
+        for g, w in zip(got, want, strict=True)
+    ]
     verdict = "correct" if max(diffs) <= 1e-5 else "WRONG"
     return f"{verdict}, max diff per call " + " ".join(f"{d:.2g}" for d in diffs), lowered
 

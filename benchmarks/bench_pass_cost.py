@@ -363,7 +363,7 @@ def _plot(rows: list[Row]) -> str:
     nodes = [r.nodes for r in family]
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for color, name in zip(colors, PASSES):
+    for color, name in zip(colors, PASSES, strict=False):  # more colours than passes
         ax.plot(nodes, [r.managed[name].min * 1e3 for r in family], "o-", color=color,
                 label=f"{name} (managed)")
         ax.plot(nodes, [r.bare[name].min * 1e3 for r in family], "s--", color=color,

@@ -25,7 +25,7 @@ import io
 import pickle
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -182,7 +182,8 @@ def _reduce(obj: Any, pickler: Any) -> Any:
 class _Pickler(pickle.Pickler):
     """torch.save subclasses this (adding its persistent_id for tensor data)."""
 
-    dropped: list[str] = []
+    # torch.save builds the pickler itself: save_program hands it the list through the class.
+    dropped: ClassVar[list[str]] = []
 
     def reducer_override(self, obj: Any) -> Any:
         return _reduce(obj, self)
@@ -254,7 +255,8 @@ def save_program(program: Any, path: str | Path) -> list[str]:
     Returns what could not be stored ("node.meta['key'] (type)"): those entries are
     missing from the loaded program. Tensor data is written from the tensors' memory.
     """
-    dropped: list[str] = []
+    # torch.save builds the pickler itself: save_program hands it the list through the class.
+    dropped: ClassVar[list[str]] = []
     _Pickler.dropped = dropped
     try:
         torch.save(program, str(path), pickle_module=_PICKLE_MODULE, pickle_protocol=_PROTOCOL)

@@ -107,7 +107,7 @@ def test_executorch_alone(case):
     lowered = _lower(model, inputs, partitioner())
     actual = run_program(lowered, inputs, state=executorch_state).outputs
     expected = run_program(model, inputs).outputs
-    worst = max(float((a[0] - b[0]).abs().max()) for a, b in zip(actual, expected))
+    worst = max(float((a[0] - b[0]).abs().max()) for a, b in zip(actual, expected, strict=True))
     assert worst <= ATOL if failure == "correct" else worst > 0.1
 
 

@@ -45,8 +45,8 @@ def job():
 def _worst_per_step(expected, actual) -> list[float]:
     assert len(expected.outputs) == len(actual.outputs) == STEPS
     return [
-        max(float((e - a).abs().max()) for e, a in zip(exp, act))
-        for exp, act in zip(expected.outputs, actual.outputs)
+        max(float((e - a).abs().max()) for e, a in zip(exp, act, strict=True))
+        for exp, act in zip(expected.outputs, actual.outputs, strict=True)
     ]
 
 
@@ -62,7 +62,7 @@ def test_fp32_decode_on_the_runtime(job):
     # The caches are state: later steps attend to earlier ones (step outputs would match a
     # stateless program only if every step saw empty caches).
     fresh = [run_program(functional, [args]).outputs[0] for args in steps]
-    later = zip(fresh[1:], decoded.trace.outputs[1:])
+    later = zip(fresh[1:], decoded.trace.outputs[1:], strict=True)
     assert any(float((f[0] - d[0]).abs().max()) > 1e-3 for f, d in later)
 
 
@@ -134,5 +134,5 @@ def test_xnnpack_delegates_never_get_a_buffer_and_initial_state_is_kept():
     assert decoded.delegates == 1
     (note,) = decoded.notes
     assert note.startswith("kept 'acc' at the top level: partition ") and "XnnpackBackend" in note
-    for expected, actual in zip(python.outputs, decoded.trace.outputs):
+    for expected, actual in zip(python.outputs, decoded.trace.outputs, strict=True):
         torch.testing.assert_close(actual[0], expected[0], rtol=0, atol=0)

@@ -28,7 +28,7 @@ ATOL = 1e-5  # Edge decompositions round slightly differently from eager
 class RecordEdgeOps(Pass):
     """Needs a functional program; records the ops it saw."""
 
-    requires = {Functional}
+    requires = frozenset({Functional})
     in_place = True
 
     def __init__(self) -> None:
