@@ -136,7 +136,7 @@ def flow_stage(
     and a check that the runtime's outputs match the Python program's at every step:
     within 1e-5 in fp32, within one step of the output's quantization grid when quantized.
     """
-    from ..flow import Check
+    from ..flow_result import Check
 
     for name, program in programs:
         python = run_program(program, list(steps))
