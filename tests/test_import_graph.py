@@ -98,6 +98,17 @@ def test_package_never_imports_benchmarks_or_tests():
     assert not bad, "\n".join(bad)
 
 
+def test_no_test_module_imports_another_test_module():
+    """Shared test helpers live in a conftest or a helper module, never in a test module."""
+    graph = import_graph(ROOT, ("tests",))
+    bad = sorted(
+        f"{module} imports {target}"
+        for module, target in graph.edges
+        if target.rsplit(".", 1)[-1].startswith("test_")
+    )
+    assert not bad, "\n".join(bad)
+
+
 def test_walker_sees_function_local_and_relative_imports(tmp_path):
     package = tmp_path / "pkg"
     (package / "sub").mkdir(parents=True)

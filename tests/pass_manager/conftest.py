@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pass_manager import Condition, graph_of
+from pass_manager import Condition, Pass, PassResult, graph_of
 
 
 class Accumulate(torch.nn.Module):
@@ -44,3 +44,20 @@ HasMul = Condition(
     lambda p: [] if targets(p, "mul") else ["no mul node in the graph"],
     doc="a mul exists",
 )
+
+
+class ReluToAbs(Pass):
+    """Replaces relu with abs (a real rewrite used to exercise the manager)."""
+
+    provides = frozenset({NoRelu})
+
+    def call(self, program):
+        changed = False
+        for node in graph_of(program).nodes:
+            if node.op == "call_function" and node.target in (
+                torch.relu,
+                torch.ops.aten.relu.default,
+            ):
+                node.target = torch.abs if node.target is torch.relu else torch.ops.aten.abs.default
+                changed = True
+        return PassResult(program, changed)

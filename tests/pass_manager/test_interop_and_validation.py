@@ -10,8 +10,7 @@ from torch.fx.passes.infra.pass_manager import PassManager as TorchPassManager
 
 from pass_manager import PassManager, PassResult, SemanticsError, function_pass, graph_of
 
-from .conftest import targets
-from .test_running import ReluToAbs
+from .conftest import ReluToAbs, targets
 
 
 class TorchStyleNegToAbs(PassBase):

@@ -7,7 +7,6 @@ from pass_manager import (
     ALL_CONDITIONS,
     Condition,
     Instrumentation,
-    Pass,
     PassFailedError,
     PassManager,
     PassResult,
@@ -17,7 +16,7 @@ from pass_manager import (
     graph_of,
 )
 
-from .conftest import HasMul, NoRelu, targets
+from .conftest import HasMul, NoRelu, ReluToAbs, targets
 
 
 class CountingCondition(Condition):
@@ -36,23 +35,6 @@ class CountingCondition(Condition):
 def relu_to_abs(program):
     for node in targets(program, "relu"):
         node.target = torch.ops.aten.abs.default if node.op == "call_function" else node.target
-
-
-class ReluToAbs(Pass):
-    """Replaces relu with abs (a real rewrite used to exercise the manager)."""
-
-    provides = frozenset({NoRelu})
-
-    def call(self, program):
-        changed = False
-        for node in graph_of(program).nodes:
-            if node.op == "call_function" and node.target in (
-                torch.relu,
-                torch.ops.aten.relu.default,
-            ):
-                node.target = torch.abs if node.target is torch.relu else torch.ops.aten.abs.default
-                changed = True
-        return PassResult(program, changed)
 
 
 def test_run_returns_same_form_with_report(exported, traced):
