@@ -30,7 +30,6 @@ import gc
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ import torch
 
 from benchmarks.llama_shaped import export_llama, llama_inputs, llama_shaped
 from pass_manager import PassManager, function_pass, graph_module_of
+from pass_manager.benchmarking import Timings
 from passes import (
     ConsumeBufferMutationsInDelegate,
     InplaceToFunctional,
@@ -64,16 +64,10 @@ FUNCTIONALIZE, PIPELINE, DECOMP = ("functionalize (PassManager)", "whole pipelin
 
 
 @dataclass
-class Cost:
-    samples: list[float] = field(default_factory=list)
+class Cost(Timings):
+    """CPU-time samples of one measured thing (see ``_timed``), shown as "min (median)" ms."""
 
-    @property
-    def min(self) -> float:
-        return min(self.samples)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.samples)
+    name: str = ""
 
     def cell(self) -> str:
         return f"{self.min * 1e3:.1f} ({self.median * 1e3:.1f})"
