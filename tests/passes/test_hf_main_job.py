@@ -8,9 +8,6 @@ observers); the CLI's default quantizer runs in test_main.py on the built-in dec
 
 import copy
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,19 +20,9 @@ from passes.flow import FlowError, run_model
 from passes.model_spec import export_program, model_spec
 
 from . import hf_models
+from .main_job_cli import run_main
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
-
-
-def run_main(*args, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "passes", "run", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def flow_on(factory, export=None, **options):

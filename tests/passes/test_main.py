@@ -1,23 +1,10 @@
 """The main job: `python -m passes run` on the smallest decoder, and its failure paths."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_main(*args, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "passes", "run", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from .main_job_cli import run_main
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,6 @@
 """Built-in passes as pipeline text: every one round-trips with non-default options, and the
 main job runs a pipeline given as text."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,7 +13,8 @@ from passes import (
     UnfreezeMutableBuffer,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+from .main_job_cli import run_main
+
 aten = torch.ops.aten
 
 BUILT_INS = [
@@ -87,11 +84,6 @@ def test_parsed_pipeline_runs_like_the_built_one():
     assert_same_behaviour(model, result.program, inputs)
 
 
-def run_main(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "passes", "run", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
 
 
 def test_main_job_runs_a_pipeline_given_as_text():

@@ -1,0 +1,21 @@
+"""Runs the main job (``python -m passes run``) as a user does: a subprocess from the checkout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["ROOT", "run_main"]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_main(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "passes", "run", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
