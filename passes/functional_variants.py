@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from torch._higher_order_ops.auto_functionalize import (
 )
 from torch._ops import OpOverload
 from torch.fx import Node
-from torchgen.model import FunctionSchema
+from torchgen.model import FunctionSchema, OperatorName
 
 from ._aliasing import argument_value
 from ._mutation_checks import UnsupportedMutationError
@@ -131,11 +132,28 @@ def _core_signature(op: OpOverload) -> tuple | None:
     """torchgen's normalization of a schema, equal across an op's in-place, out= and
     functional versions: no overload name, no out= arguments, no alias annotations, written
     arguments the op does not return turned into results."""
+    # torchgen reads list defaults without spaces ("int[] dims=[0,1]"); torch prints them
+    # with ("[0, 1]").
+    text = re.sub(r"=\[[^\]]*\]", lambda m: m.group(0).replace(" ", ""), str(op._schema))
     try:
-        sig = FunctionSchema.parse(str(op._schema)).signature()
+        sig = FunctionSchema.parse(text).signature()
     except Exception:  # noqa: BLE001 - a custom schema torchgen cannot read has no match
         return None
     return sig.arguments, sig.returns
+
+
+def _named_signature(op: OpOverload) -> tuple | None:
+    """The core signature's arguments as a set of (name, type), and its returns: equal
+    for counterparts that order their arguments differently (``polygamma_(self, n)`` /
+    ``polygamma(n, self)``), name the tensor ``input`` (``alpha_dropout``) or give an
+    argument another default (``bernoulli_.float`` / ``bernoulli.p``)."""
+    core = _core_signature(op)
+    if core is None:
+        return None
+    arguments, returns = core
+    names = frozenset(("self" if a.name == "input" else a.name, str(a.type))
+                      for a in arguments.flat_all)
+    return names, returns
 
 
 def _is_functional(op: OpOverload | None) -> bool:
@@ -145,26 +163,50 @@ def _is_functional(op: OpOverload | None) -> bool:
 
 
 @functools.cache
-def _default_variant(op: OpOverload) -> OpOverload | None:
+def _default_variant(op: OpOverload) -> tuple[OpOverload, bool] | None:
     """The overload, among the ops named like ``op``'s functional version (``add_`` ->
     ``add``, ``__iand__`` -> ``__and__``, ``add.out`` -> ``add``, ``_foo`` ->
-    ``_foo_functional``), whose normalized schema equals ``op``'s. Matching on the whole
-    schema, not on the overload name, pairs ``pow_.Scalar`` with ``pow.Tensor_Scalar``."""
+    ``_foo_functional``), whose normalized schema equals ``op``'s, and False; else one
+    whose arguments only differ in order, names or defaults (then bound by name), and True.
+    Matching on the whole schema, not on the overload name, pairs ``pow_.Scalar`` with
+    ``pow.Tensor_Scalar``."""
     wanted = _core_signature(op)
     if wanted is None:
         return None
     namespace = op._schema.name.split("::")[0]
-    base = FunctionSchema.parse(str(op._schema)).name.name
+    base = OperatorName.parse(op._schema.name.split("::")[-1]).name
     name = f"__{base.base}__" if base.dunder_method else base.base
+    candidates = []
     for candidate_name in (name, f"{base.base}_functional"):
         packet = getattr(getattr(torch.ops, namespace), candidate_name, None)
-        if packet is None:
-            continue
-        for overload in packet.overloads():
-            found = getattr(packet, overload)
-            if found is not op and _is_functional(found) and _core_signature(found) == wanted:
-                return found
+        if packet is not None:
+            candidates += [getattr(packet, o) for o in packet.overloads()]
+    candidates = [c for c in candidates if c is not op and _is_functional(c)]
+    for found in candidates:
+        if _core_signature(found) == wanted:
+            return found, False
+    named = _named_signature(op)
+    for found in candidates:
+        if _named_signature(found) == named:
+            return found, True
     return None
+
+
+def _by_name(functional: OpOverload, out_args: tuple[str, ...]) -> Callable:
+    """The call of ``functional`` with the mutating node's arguments bound by name."""
+    def arguments(node: Node) -> tuple[tuple, dict]:
+        schema = node.target._schema
+        values = {("self" if a.name == "input" else a.name): argument_value(node, schema, i)
+                  for i, a in enumerate(schema.arguments) if a.name not in out_args}
+        args, kwargs = [], {}
+        for a in functional._schema.arguments:
+            value = values["self" if a.name == "input" else a.name]
+            if a.kwarg_only:
+                kwargs[a.name] = value
+            else:
+                args.append(value)
+        return tuple(args), kwargs
+    return arguments
 
 
 def _batch_norm_arguments(node: Node) -> tuple[tuple, dict]:
@@ -261,7 +303,13 @@ def functional_variant(op: Callable) -> FunctionalVariant | str:
         return FunctionalVariant(None, out_args, True)
     if op in _BUILT_IN and op not in _REGISTRY:
         return _BUILT_IN[op]
-    functional = _REGISTRY.get(op) or _default_variant(op)
+    functional = _REGISTRY.get(op)
+    derived = None if functional is not None else _default_variant(op)
+    if derived is not None:
+        functional, by_name = derived
+        if by_name:
+            return FunctionalVariant(functional, out_args, _returns_written(schema),
+                                     _by_name(functional, out_args))
     if functional is None:
         fallback = _auto_functionalized(op)
         if fallback is not None:

@@ -155,11 +155,51 @@ def test_every_derivable_inplace_aten_op_behaves_like_itself_after_the_rewrite(f
     assert len(checked) >= 125
     for op in (aten.pow_.Scalar, aten.pow_.Tensor, aten.__ior__.Tensor, aten.__iand__.Scalar,
                aten.__ixor__.Tensor, aten.__ilshift__.Tensor, aten.lerp_.Scalar,
-               aten.addcmul_.default, aten.masked_fill_.Scalar, aten.lt_.Tensor):
+               aten.addcmul_.default, aten.masked_fill_.Scalar, aten.lt_.Tensor,
+               aten.polygamma_.default):
         assert op in checked
-    # What remains without a variant changes shapes/strides (pattern 5) or takes its
-    # arguments in another order (polygamma_); TorchScript-only copy_ overloads and
+    # What remains without a variant changes shapes/strides (pattern 5: a user input's
+    # shape change cannot be a mutation output); TorchScript-only copy_ overloads and
     # fill_diagonal_ (composite: export decomposes it) have none.
     assert {str(op).split(".")[1] for op in refused} <= {
         "resize_as_", "t_", "squeeze_", "unsqueeze_", "transpose_", "swapdims_", "swapaxes_",
-        "polygamma_", "copy_", "fill_diagonal_"}
+        "copy_", "fill_diagonal_"}
+
+
+def test_counterparts_binding_arguments_by_name():
+    """A counterpart ordering (``polygamma(n, self)``), naming (``alpha_dropout(input)``)
+    or defaulting (``bernoulli.p``) its arguments differently is called by name; list
+    defaults torch prints with spaces (``rot90.out``, ``fft_fft2.out``) are read too."""
+    pairs = {
+        aten.polygamma_.default: aten.polygamma.default,
+        aten.alpha_dropout_.default: aten.alpha_dropout.default,
+        aten.feature_dropout_.default: aten.feature_dropout.default,
+        aten.bernoulli_.float: aten.bernoulli.p,
+        aten.rot90.out: aten.rot90.default,
+        aten.fft_fft2.out: aten.fft_fft2.default,
+    }
+    for op, functional in pairs.items():
+        variant = functional_variant(op)
+        assert isinstance(variant, FunctionalVariant), variant
+        assert variant.functional is functional, op
+    x = torch.rand(3, 4) + 0.5
+    calls = {
+        aten.polygamma_.default: ((x, 2), {}),
+        aten.rot90.out: ((x, 1, [0, 1]), {"out": torch.zeros(4, 3)}),
+        aten.fft_fft2.out: ((x.to(torch.complex64),),
+                            {"out": torch.zeros(3, 4, dtype=torch.complex64)}),
+        aten.bernoulli_.float: ((torch.zeros(3, 4), 1.0), {}),
+        aten.feature_dropout_.default: ((torch.ones(3, 4), 0.0, True), {}),
+    }
+    for op, (args, kwargs) in calls.items():
+        gm, inputs = _graph_of(op, args, kwargs)
+        for fake_values in (False, True):
+            program = copy.deepcopy(gm)
+            if fake_values:
+                FakeTensorProp(program).propagate(*inputs)
+            result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+                program).program
+            assert op not in [n.target for n in result.graph.nodes], op
+            difference = first_difference(run_program(gm, [inputs] * 4),
+                                          run_program(result, [inputs] * 4))
+            assert difference is None, f"{op}: {difference}"
