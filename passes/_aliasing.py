@@ -34,10 +34,12 @@ __all__ = [
     "aliased_argument",
     "argument_value",
     "aten_op",
+    "in_dialect_of",
     "list_view_argument",
     "may_overlap",
     "overlaps_itself",
     "schema_of",
+    "target_of",
     "view_base_index",
     "written_arguments",
     "written_nodes",
@@ -72,6 +74,29 @@ def aten_op(node: Node) -> torch._ops.OpOverload | None:
     if not isinstance(target, torch._ops.OpOverload):
         target = getattr(target, "_op", None)
     return target if isinstance(target, torch._ops.OpOverload) else None
+
+
+def target_of(node: Node) -> Any:
+    """What a node calls, an Edge-dialect op read as the ATen op it wraps: compare this,
+    not ``node.target``, against sets of ATen ops, so programs after ``to_edge`` match."""
+    target = node.target
+    if node.op == "call_function" and not isinstance(target, torch._ops.OpOverload):
+        wrapped = getattr(target, "_op", None)
+        if isinstance(wrapped, torch._ops.OpOverload):
+            return wrapped
+    return target
+
+
+def in_dialect_of(like: Node, target: Any) -> Any:
+    """``target`` (an ATen op) as the dialect of ``like`` calls it: the Edge op wrapping it
+    when ``like`` calls an Edge op, so a rewrite keeps an ExecuTorch program in its dialect."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten" or (
+        target_of(like) is like.target
+    ):
+        return target
+    from executorch.exir.dialects._ops import ops as exir_ops  # only Edge programs get here
+
+    return getattr(getattr(exir_ops.edge.aten, target._opname), target._overloadname)
 
 
 def schema_of(node: Node) -> torch.FunctionSchema | None:
@@ -326,7 +351,7 @@ def alias_map(
         if found is not None and found[1] in aliases:
             _, arg, written = found
             source = aliases[arg]
-            if node.target in STORAGE_VIEWS:
+            if target_of(node) in STORAGE_VIEWS:
                 # Addressed in its input's storage, not in its input: a view of the root.
                 aliases[node] = Alias(source.root, (node,))
             else:

@@ -31,7 +31,9 @@ from ._aliasing import (
     METADATA_QUERIES,
     STORAGE_READERS,
     STORAGE_VIEWS,
+    in_dialect_of,
     schema_of,
+    target_of,
     view_base_index,
     written_arguments,
 )
@@ -122,7 +124,7 @@ class Rewrite(StorageReads, ProgramEnd):
     # -- building blocks --------------------------------------------------------------
     def emit(self, like: Node, target: Any, *args: Any, **kwargs: Any) -> Node:
         with self.graph.inserting_before(self.cursor):
-            node = self.graph.call_function(target, args, kwargs)
+            node = self.graph.call_function(in_dialect_of(like, target), args, kwargs)
         self.new_nodes.append(node)
         node.meta.update((k, v) for k, v in like.meta.items() if k not in VALUE_META)
         self._infer(node, like)
@@ -162,7 +164,7 @@ class Rewrite(StorageReads, ProgramEnd):
         return values
 
     def _replay(self, view: Node, base: Node) -> Node:
-        if view.target in STORAGE_VIEWS:  # ``base`` is the storage root's current value
+        if target_of(view) in STORAGE_VIEWS:  # ``base`` is the storage root's current value
             size, stride = view.args[1:3]
             offset = self._storage_offset(view, view, view.meta.get("val"))
             return self.emit(view, aten.as_strided.default, base, size, stride, offset)
@@ -187,7 +189,7 @@ class Rewrite(StorageReads, ProgramEnd):
         old_inputs = node.all_input_nodes
         args, kwargs = map_arg((node.args, node.kwargs), self.resolve)
         self._set_args(node, args, kwargs)
-        if node.target in MAYBE_VIEWS and "val" in node.meta and not (
+        if target_of(node) in MAYBE_VIEWS and "val" in node.meta and not (
             self.aliases[node].root is node and _same_metadata(old_inputs, node.all_input_nodes)
         ):
             # Whether it is a view is read from storage sharing: keep that true of its new input.
@@ -239,9 +241,10 @@ class Rewrite(StorageReads, ProgramEnd):
             self._rewrite(node, writes)
         else:
             check_opaque(node, self.opaque.get(node), self.aliases, self.roots, self.states)
-            if node.target in METADATA_QUERIES:
+            target = target_of(node)
+            if target in METADATA_QUERIES:
                 self._layout_query(node)
-            elif node.target in STORAGE_VIEWS or node.target in STORAGE_READERS:
+            elif target in STORAGE_VIEWS or target in STORAGE_READERS:
                 if not self._storage_reader(node):
                     self._remap(node)
             else:
@@ -254,7 +257,7 @@ class Rewrite(StorageReads, ProgramEnd):
         if self._relayout(node, writes):
             return
         written = writes[0][1]  # an original node (the arguments are current values)
-        if node.target is aten.copy_.default and not self.aliases[written].chain and (
+        if target_of(node) is aten.copy_.default and not self.aliases[written].chain and (
             fresh_like(node.args[1], written)
         ):  # a whole tensor overwritten by a fresh value: it now is that value
             self._write(node, written, node.args[1])
@@ -262,7 +265,7 @@ class Rewrite(StorageReads, ProgramEnd):
             self.value[node] = (self.cur[root], self.version[root])
             self.dead.append(node)
             return
-        variant = functional_variant(node.target)
+        variant = functional_variant(target_of(node))
         if isinstance(variant, str):
             raise UnsupportedMutationError(node, variant, "no-variant")
         op = getattr(node.target, "overloadpacket", node.target)

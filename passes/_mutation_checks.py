@@ -12,7 +12,7 @@ from torch.fx import Node
 
 from pass_manager import PassManagerError
 
-from ._aliasing import STORAGE_VIEWS, Alias, may_overlap, overlaps_itself
+from ._aliasing import STORAGE_VIEWS, Alias, may_overlap, overlaps_itself, target_of
 from ._buffers import CONSTANT, PARAMETER, State
 from ._view_inverse import write_back_reason
 
@@ -76,7 +76,7 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
                 raise UnsupportedMutationError(node, reason, "no-write-back")
         for view in alias.chain:
             # Its write-back would store an element once per position, old and new values.
-            if view.target in STORAGE_VIEWS and overlaps_itself(view):
+            if target_of(view) in STORAGE_VIEWS and overlaps_itself(view):
                 raise UnsupportedMutationError(
                     node, f"{w.name} is written through {view.name}, which addresses some "
                           "storage elements more than once (overlapping strides)", "overlap")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.fx import Node, map_arg
 
-from ._aliasing import STORAGE_VIEWS, argument_value, view_base_index
+from ._aliasing import STORAGE_VIEWS, argument_value, target_of, view_base_index
 from ._mutation_checks import UnsupportedMutationError
 from .functional_variants import METADATA_VIEWS
 
@@ -91,13 +91,13 @@ class StorageReads:
         alias = self.aliases.get(source)
         if alias is None or self.cur.get(alias.root, alias.root) is alias.root:
             return False
-        if node.target in STORAGE_VIEWS:
+        if target_of(node) in STORAGE_VIEWS:
             ver = self.version[alias.root]
             self.value[node] = (self._view_values(alias.root, (node,))[-1], ver)
             self.stale.append(node)
             return True
         # as_strided_copy(input, size, stride, offset=input's offset)
-        schema = node.target._schema
+        schema = target_of(node)._schema
         offset = argument_value(node, schema, 3)
         if offset is None:
             offset = self._storage_offset(node, source, source.meta.get("val"))

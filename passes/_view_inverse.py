@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch.fx import Node
 
-from ._aliasing import STORAGE_VIEWS, argument_value
+from ._aliasing import STORAGE_VIEWS, argument_value, target_of
 
 __all__ = ["Emit", "write_back", "write_back_reason"]
 
@@ -25,7 +25,7 @@ Emit = Callable[..., Node]
 
 def _args(node: Node) -> list:
     """Arguments after ``self``, with kwargs and schema defaults filled in."""
-    schema = node.target._schema
+    schema = target_of(node)._schema
     return [argument_value(node, schema, i) for i in range(1, len(schema.arguments))]
 
 
@@ -67,13 +67,13 @@ _WRITABLE_VIEWS = STORAGE_VIEWS | _SCATTERS.keys() | _RESHAPES | _IDENTITIES | _
 
 def write_back_reason(view: Node) -> str | None:
     """None if a write through ``view`` can be written back into its base, else why not."""
-    target = view.target
+    target = target_of(view)
     if target is operator.getitem:
         source = view.args[0]
-        if isinstance(source, Node) and source.target in _LIST_VIEWS:
+        if isinstance(source, Node) and target_of(source) in _LIST_VIEWS:
             flat = [x for a in _args(source) for x in (a if isinstance(a, (list, tuple)) else [a])]
             static = isinstance(view.args[1], int) and not any(isinstance(x, Node) for x in flat)
-            if source.target is aten.chunk.default:
+            if target_of(source) is aten.chunk.default:
                 static = static and _shape(source.args[0]) is not None
             return None if static else f"writes through {view.name}, a symbolic split"
         return f"writes through {source} (getitem of a non-view)"
@@ -89,7 +89,7 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
     ``base`` is the current value of the view's base; for ``getitem`` of a split/unbind,
     ``base`` is the current value of the split's input.
     """
-    target = view.target
+    target = target_of(view)
     if target is operator.getitem:
         return _write_back_item(emit, view.args[0], view.args[1], base, value)
     if target in _SCATTERS:
@@ -132,7 +132,7 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
 
 
 def _write_back_item(emit: Emit, split: Node, index: int, base: Node, value: Node) -> Node:
-    target = split.target
+    target = target_of(split)
     args = _args(split)
     if target is aten.unbind.int:
         return emit(aten.select_scatter.default, base, value, args[0], index)

@@ -1,0 +1,83 @@
+"""InplaceToFunctional on Edge-dialect programs (issue 10): ExecuTorch's ``EdgeOpOverload``
+is not an ``OpOverload``; its ATen op is read through ``passes._aliasing.target_of``, so
+views, storage views and writes are recognised, and the rewrite emits Edge ops.
+
+``to_edge`` functionalizes by itself, so an Edge program holding writes is made here by
+calling each ATen op of an exported (non-functional) program through its Edge op. Both
+forms, 4 calls, outputs and buffers compared with eager."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from executorch.exir import to_edge
+from executorch.exir.dialects._ops import ops as exir_ops
+from executorch.exir.dialects.edge._ops import EdgeOpOverload
+from torch import nn
+
+from pass_manager import PassManager, assert_same_behaviour, graph_of
+from passes import InplaceToFunctional, MarkMutableBuffers, conditions, mutable_buffers
+
+
+def _in_edge_dialect(gm: torch.fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+            target.namespace == "aten"
+        ):
+            node.target = getattr(getattr(exir_ops.edge.aten, target._opname),
+                                  target._overloadname)
+    gm.recompile()
+
+
+class StridedReadsOfAWrittenRow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(8.0).reshape(2, 4))
+
+    def forward(self, x):
+        row = self.b[1]
+        row.add_(x)
+        whole = self.b.as_strided((2, 2), (1, 1), 0)  # a storage view of the buffer
+        return row.as_strided((2, 2), (1, 1), 0) * 1, whole * 1, self.b[0].t() * 1
+
+
+class StridedReadOfAWrittenBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(8.0).reshape(2, 4))
+
+    def forward(self, x):
+        self.b[1].add_(x)
+        return self.b.as_strided((2, 2), (1, 1), 1) * 1
+
+
+def test_writes_and_storage_views_in_edge_dialect_programs_are_functionalized():
+    calls = [(torch.randn(4),) for _ in range(4)]
+    ep = torch.export.export(StridedReadsOfAWrittenRow(), calls[0])
+    _in_edge_dialect(ep.graph_module)
+    module = ep.module()
+    _in_edge_dialect(module)
+    for program in (ep, module):
+        result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+            copy.deepcopy(program)).program
+        assert not conditions.Functional.check(result)
+        assert_same_behaviour(StridedReadsOfAWrittenRow(), result, calls, calls=4)
+        rewritten = [n.target for n in graph_of(result).nodes if n.op == "call_function"
+                     and not isinstance(n.target, EdgeOpOverload)]
+        # Only the GraphModule form's trailing write-back is an ATen op.
+        assert [str(t) for t in rewritten if "getitem" not in str(t)] == (
+            [] if program is ep else ["aten.copy_.default"])
+
+
+def test_to_edge_program_is_already_functional_and_its_state_is_found():
+    # (to_edge's own functionalization gets StridedReadsOfAWrittenRow wrong: its
+    # as_strided_copy of the fresh row reads that row, not the buffer's storage.)
+    calls = [(torch.randn(4),) for _ in range(4)]
+    edge = to_edge(torch.export.export(StridedReadOfAWrittenBuffer(), calls[0]))
+    program = copy.deepcopy(edge.exported_program())
+    result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program)
+    assert set(mutable_buffers(result.program)) == {"b"}
+    assert not conditions.Functional.check(result.program)
+    assert_same_behaviour(StridedReadOfAWrittenBuffer(), result.program, calls, calls=4)
