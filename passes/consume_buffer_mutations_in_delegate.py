@@ -51,6 +51,23 @@ _REASON_KINDS = (
 )
 
 
+def _old_value_outputs(call: Node) -> dict[Node, Node]:
+    """Per argument of a delegate call, the first result of the delegate that is (a view
+    of) that argument's value as passed in: one walk per delegate, not one per buffer."""
+    sub = call.graph.owning_module.get_submodule(call.args[0].target).program
+    aliases = alias_map(sub.graph.nodes)[0]
+    first_view: dict[Node, Node] = {}
+    for node in sub.graph.output_node().args[0]:
+        alias = aliases.get(node) if isinstance(node, Node) else None
+        if alias is not None:
+            first_view.setdefault(alias.root, node)
+    first_input: dict[Node, Node] = {}  # an argument passed twice is read as the first
+    for arg, placeholder in zip(call.args[1:], user_input_nodes(sub), strict=True):
+        if isinstance(arg, Node):
+            first_input.setdefault(arg, placeholder)
+    return {arg: first_view[p] for arg, p in first_input.items() if p in first_view}
+
+
 def _reason_kind(reason: str) -> str:
     return next((kind for phrase, kind in _REASON_KINDS if phrase in reason), reason)
 
@@ -129,7 +146,7 @@ class ConsumeBufferMutationsInDelegate(Pass):
                 key = _storage_key(tensor)
                 if key is not None:
                     holders[key].append(prefix + name)
-        alias_maps: dict[Node, dict] = {}
+        old_values: dict[Node, dict[Node, Node]] = {}  # per delegate call, read once
         for v in consumed:
             tag = v.mutated_by[0]
             tensor = ep.state_dict.get(v.fqn, ep.constants.get(v.fqn))
@@ -138,22 +155,16 @@ class ConsumeBufferMutationsInDelegate(Pass):
                 raise BufferAliasingError(
                     v.fqn, tag, f"its tensor shares storage with {', '.join(others)}", self.name
                 )
-            module = v.owner.graph.owning_module.get_submodule(v.owner.args[0].target)
-            sub = module.program
-            position = list(v.owner.args[1:]).index(v.placeholder)
-            placeholder = user_input_nodes(sub)[position]
-            if v.owner not in alias_maps:
-                alias_maps[v.owner] = alias_map(sub.graph.nodes)[0]
-            aliases = alias_maps[v.owner]
-            for node in sub.graph.output_node().args[0]:
-                alias = aliases.get(node) if isinstance(node, Node) else None
-                if alias is not None and alias.root is placeholder:
-                    raise BufferAliasingError(
-                        v.fqn, tag,
-                        f"delegate output {node.name} is (a view of) the buffer's value before "
-                        "the update, which an in-place update inside the delegate would change",
-                        self.name,
-                    )
+            if v.owner not in old_values:
+                old_values[v.owner] = _old_value_outputs(v.owner)
+            node = old_values[v.owner].get(v.placeholder)
+            if node is not None:
+                raise BufferAliasingError(
+                    v.fqn, tag,
+                    f"delegate output {node.name} is (a view of) the buffer's value before "
+                    "the update, which an in-place update inside the delegate would change",
+                    self.name,
+                )
 
     # -- the rewrite, on a copy ---------------------------------------------------------
     def _consume(self, ep: ExportedProgram, consumed: list[BufferOwnership]) -> ExportedProgram:

@@ -70,8 +70,11 @@ def hand_over_buffers(
     mutations = [(n, s) for n, s in pairs if s.kind == OutputKind.BUFFER_MUTATION]
     results = [(n, s) for n, s in pairs if s.kind != OutputKind.BUFFER_MUTATION]
     dropped_results = set()
+    position: dict[Node, int] = {}  # the first position of each argument, as list.index
+    for j, arg in enumerate(call_args):
+        position.setdefault(arg, j)
     for handover in handovers:
-        placeholder = user_inputs[call_args.index(handover.argument)]
+        placeholder = user_inputs[position[handover.argument]]
         inputs[placeholder] = input_spec(
             placeholder, InputKind.BUFFER, handover.fqn, handover.persistent
         )

@@ -23,7 +23,7 @@ partition then also returns the new value as an ordinary output.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -66,6 +66,7 @@ class BufferOwnership:
     partitions: list[str] = field(default_factory=list)
     mutated_by: list[str] = field(default_factory=list)
     reason: str | None = None
+    returned: int = 1  # how many outputs of the top level are ``value``
 
     @property
     def consumable(self) -> bool:
@@ -75,8 +76,7 @@ class BufferOwnership:
     def value_kept(self) -> bool:
         """Whether the top level uses the new value besides writing it back."""
         output = self.value.graph.output_node()
-        uses = sum(1 for arg in output.args[0] if arg is self.value)
-        return any(u is not output for u in self.value.users) or uses > 1
+        return any(u is not output for u in self.value.users) or self.returned > 1
 
 
 class _Partitioning(Protocol):
@@ -98,15 +98,24 @@ def _delegate_of(node: Node) -> Node | None:
     return node.args[0] if is_delegate_output(node) else None
 
 
-def _reach(start: Node, step: Callable[[Node], Iterable[Node]]) -> set[Node]:
-    seen: set[Node] = set()
-    stack = list(step(start))
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(step(node))
-    return seen
+def _members(bits: int) -> list[int]:
+    """The indices of the set bits of ``bits``, lowest first."""
+    found = []
+    while bits:
+        low = bits & -bits
+        found.append(low.bit_length() - 1)
+        bits ^= low
+    return found
+
+
+@dataclass
+class _Call:
+    """What the data flow needs of one delegate call, read once from its sub-program."""
+
+    tag: str
+    deps: list[set[int]]  # result i -> the argument positions it depends on
+    positions: dict[Node, list[int]]  # argument node -> its positions in the call
+    dependents: dict[int, list[Node]]  # argument position -> getitems of dependent results
 
 
 class _Lowered:
@@ -120,24 +129,43 @@ class _Lowered:
     word = "delegate"
 
     def __init__(self) -> None:
-        self._deps: dict[Node, list[set[int]]] = {}
+        self._calls: dict[Node, _Call] = {}
 
-    def partition(self, node: Node) -> str | None:
-        call = node if is_delegate_call(node) else _delegate_of(node)
-        return None if call is None else _tag(call)
-
-    def deps(self, call: Node) -> list[set[int]]:
-        if call not in self._deps:
+    def _call(self, call: Node) -> _Call:
+        info = self._calls.get(call)
+        if info is None:
             program = call.graph.owning_module.get_submodule(call.args[0].target).program
-            position = {n: i for i, n in enumerate(user_input_nodes(program))}
+            position = {n: 1 << i for i, n in enumerate(user_input_nodes(program))}
+            # Which user inputs each sub-program node depends on, as bits, in one walk.
+            depends: dict[Node, int] = {}
+            for node in program.graph.nodes:
+                bits = position.get(node, 0)
+                for arg in node.all_input_nodes:
+                    bits |= depends[arg]
+                depends[node] = bits
             returned = program.graph.output_node().args[0]
-            self._deps[call] = [
-                {position[a] for a in _reach(node, lambda n: n.all_input_nodes) | {node}
-                 if a in position}
+            deps = [
+                set(_members(depends.get(node, 0)))
                 for node, spec in zip(returned, program.graph_signature.output_specs, strict=True)
                 if spec.kind != OutputKind.BUFFER_MUTATION
             ]
-        return self._deps[call]
+            positions: dict[Node, list[int]] = defaultdict(list)
+            for j, arg in enumerate(call.args[1:]):
+                if isinstance(arg, Node):
+                    positions[arg].append(j)
+            dependents: dict[int, list[Node]] = defaultdict(list)
+            for result in call.users:
+                for j in deps[result.args[1]]:
+                    dependents[j].append(result)
+            info = self._calls[call] = _Call(_tag(call), deps, positions, dependents)
+        return info
+
+    def partition(self, node: Node) -> str | None:
+        call = node if is_delegate_call(node) else _delegate_of(node)
+        return None if call is None else self._call(call).tag
+
+    def deps(self, call: Node) -> list[set[int]]:
+        return self._call(call).deps
 
     def inputs(self, node: Node) -> list[Node]:
         call = _delegate_of(node)
@@ -147,14 +175,16 @@ class _Lowered:
         return [] if is_delegate_call(node) else list(node.all_input_nodes)
 
     def users(self, node: Node) -> list[Node]:
+        if is_delegate_call(node):
+            return []
         found = []
         for user in node.users:
             found.append(user)
             if is_delegate_call(user):
-                positions = {j for j, a in enumerate(user.args[1:]) if a is node}
-                deps = self.deps(user)
-                found += [g for g in user.users if deps[g.args[1]] & positions]
-        return [] if is_delegate_call(node) else found
+                info = self._call(user)
+                found += dict.fromkeys(
+                    g for j in info.positions[node] for g in info.dependents[j])
+        return found
 
 
 class _Tagged:
@@ -179,11 +209,47 @@ class _Tagged:
         return list(node.users)
 
 
-def _decide(verdict: BufferOwnership, flow: _Partitioning) -> None:
+def _update_paths(
+    graph: torch.fx.Graph, flow: _Partitioning, ends: list[tuple[Node, Node]]
+) -> list[list[Node]]:
+    """Per ``(placeholder, value)`` pair: the nodes on a path from the placeholder to the
+    value (the value included, the placeholder not), in graph order.
+
+    One forward and one backward walk for all pairs at once: each node carries, as the
+    bits of an int, the pairs whose placeholder reaches it and those whose value it reaches
+    (a walk per buffer would make the analysis quadratic in the size of a decoder). Flow
+    edges run forward in graph order, so graph order is a topological order for both.
+    """
+    starts: dict[Node, int] = defaultdict(int)
+    finals: dict[Node, int] = defaultdict(int)
+    for i, (placeholder, value) in enumerate(ends):
+        starts[placeholder] |= 1 << i
+        finals[value] |= 1 << i
+    nodes = list(graph.nodes)
+    reached: dict[Node, int] = defaultdict(int)  # pairs whose placeholder reaches the node
+    for node in nodes:
+        bits = reached.get(node, 0) | starts.get(node, 0)
+        if bits:
+            for user in flow.users(node):
+                reached[user] |= bits
+    reaching: dict[Node, int] = defaultdict(int)  # pairs whose value the node reaches
+    for node in reversed(nodes):
+        bits = reaching.get(node, 0) | finals.get(node, 0)
+        if bits:
+            for source in flow.inputs(node):
+                reaching[source] |= bits
+    paths: list[list[Node]] = [[] for _ in ends]
+    for node in nodes:
+        on = reached.get(node, 0) & (reaching.get(node, 0) | finals.get(node, 0))
+        for i in _members(on):
+            paths[i].append(node)
+    return paths
+
+
+def _decide(verdict: BufferOwnership, flow: _Partitioning, path: list[Node]) -> None:
     """Fill in the verdict on one buffer: the shared rules of both program forms."""
     placeholder, value = verdict.placeholder, verdict.value
     producer = flow.partition(value)
-    path = _reach(placeholder, flow.users) & (_reach(value, flow.inputs) | {value})
     mutating = {p for p in map(flow.partition, path) if p is not None}
     if producer is not None:
         mutating.add(producer)
@@ -221,13 +287,16 @@ def _verdicts(ep: ExportedProgram, flow: _Partitioning) -> list[BufferOwnership]
         if spec.kind == InputKind.BUFFER
     }
     returned = ep.graph.output_node().args[0]
-    verdicts = []
-    for index, spec in enumerate(signature.output_specs):
-        if spec.kind != OutputKind.BUFFER_MUTATION:
-            continue
-        verdict = BufferOwnership(spec.target, buffer_nodes[spec.target], index, returned[index])
-        _decide(verdict, flow)
-        verdicts.append(verdict)
+    times = Counter(a for a in returned if isinstance(a, Node))
+    verdicts = [
+        BufferOwnership(spec.target, buffer_nodes[spec.target], index, returned[index],
+                        returned=times[returned[index]])
+        for index, spec in enumerate(signature.output_specs)
+        if spec.kind == OutputKind.BUFFER_MUTATION
+    ]
+    paths = _update_paths(ep.graph, flow, [(v.placeholder, v.value) for v in verdicts])
+    for verdict, path in zip(verdicts, paths, strict=True):
+        _decide(verdict, flow, path)
     return verdicts
 
 

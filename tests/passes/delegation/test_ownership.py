@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import copy
 
+import networkx as nx
 import pytest
 import torch
 
+from pass_manager import assert_same_behaviour
+from passes import ConsumeBufferMutationsInDelegate
 from passes.delegation import (
     DELEGATION_TAG,
     AllNodePartitioner,
     OpSupportPartitioner,
+    ownership,
+    program_state,
     to_delegate,
 )
 from passes.delegation.ownership import buffer_ownership, tagged_buffer_ownership
@@ -122,3 +127,80 @@ def test_reasons_name_the_partitions():
     assert verdict.reason == (
         "it is read outside the partition that mutates it, by partition 'reads'"
     )
+
+
+class ManyBuffers(torch.nn.Module):
+    """``groups`` x four buffers, one per ownership verdict: updated by one op (``own``), read
+    before its update (``read``), updated by two ops (``two``), updated by an op few
+    partitioners take (``sin``)."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+        for i in range(groups):
+            for kind in ("own", "read", "two", "sin"):
+                self.register_buffer(f"{kind}{i}", torch.zeros(4))
+
+    def forward(self, x):
+        out = x
+        for i in range(self.groups):
+            own, read, two, sin = (getattr(self, f"{k}{i}") for k in ("own", "read", "two", "sin"))
+            own.add_(out)
+            seen = read * 2
+            read.add_(x)
+            two.mul_(2)
+            two.add_(out)
+            sin.sin_()
+            out = out + own + seen + two + sin
+        return out
+
+
+def _reference_paths(ep, flow, verdicts):
+    """The update paths as one graph search per buffer (networkx): what ``_update_paths``
+    computes for all buffers in one walk."""
+    forward, backward = nx.DiGraph(), nx.DiGraph()
+    for node in ep.graph.nodes:
+        forward.add_node(node)
+        backward.add_node(node)
+        forward.add_edges_from((node, user) for user in flow.users(node))
+        backward.add_edges_from((node, source) for source in flow.inputs(node))
+    return [
+        nx.descendants(forward, v.placeholder)
+        & (nx.descendants(backward, v.value) | {v.value})
+        for v in verdicts
+    ]
+
+
+MANY_PARTITIONERS = {
+    "everything": AllNodePartitioner(),
+    "add": OpSupportPartitioner([aten.add]),
+    "mul|add": _by_op({aten.mul: "reads", aten.add: "updates"}),
+    "add+mul": OpSupportPartitioner([aten.add, aten.mul]),
+}
+
+
+@pytest.mark.parametrize("partitioning", sorted(MANY_PARTITIONERS))
+def test_many_buffers_get_the_verdicts_of_one_search_per_buffer(partitioning):
+    groups = 12
+    ep = torch.export.export(ManyBuffers(groups), (torch.ones(4),)).run_decompositions({})
+    partitioner = MANY_PARTITIONERS[partitioning]
+    tagged = copy.deepcopy(ep)
+    partitioner(tagged)
+    lowered = to_delegate(copy.deepcopy(ep), partitioner)
+    for program, flow in ((tagged, ownership._Tagged(DELEGATION_TAG)),
+                          (lowered, ownership._Lowered())):
+        verdicts = ownership._verdicts(program, flow)
+        assert len(verdicts) == 4 * groups
+        ends = [(v.placeholder, v.value) for v in verdicts]
+        paths = [set(p) for p in ownership._update_paths(program.graph, flow, ends)]
+        assert paths == _reference_paths(program, flow, verdicts)
+    lowered_rows = _verdict_rows(buffer_ownership(lowered), "delegate")
+    assert _verdict_rows(tagged_buffer_ownership(tagged), "partition") == lowered_rows
+    owned = {fqn for fqn, owner, *_ in lowered_rows if owner is not None}
+    expected_kinds = {"everything": ("own", "read", "two", "sin"), "add": ("own",),
+                      "mul|add": ("own",), "add+mul": ("own", "read", "two")}[partitioning]
+    assert owned == {f"{k}{i}" for k in expected_kinds for i in range(groups)}
+    # The lowered program, with the buffers handed over, still behaves as eager does.
+    consumed = ConsumeBufferMutationsInDelegate().call(copy.deepcopy(lowered)).program
+    assert_same_behaviour(ManyBuffers(groups), consumed, [(torch.rand(4),) for _ in range(3)],
+                          state=program_state)
