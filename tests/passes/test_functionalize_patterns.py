@@ -5,52 +5,20 @@ leaves the program unchanged."""
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
-from pass_manager import PassManager, assert_same_behaviour, graph_of
-from pass_manager.program import program_text
-from passes import InplaceToFunctional, MarkMutableBuffers, UnsupportedMutationError, conditions
+from pass_manager import PassManager, assert_same_behaviour
+from passes import InplaceToFunctional, MarkMutableBuffers
+
+from .functionalize_checks import (
+    _calls,
+    functionalize_both_forms,
+    refused_in_both_forms,
+    targets,
+)
 
 aten = torch.ops.aten
-
-
-def _calls(*shapes, n=4, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn(s, generator=gen) for s in shapes) for _ in range(n)]
-
-
-def functionalize_both_forms(factory, calls, **export_kwargs):
-    """Export ``factory()``, functionalize both forms, compare 4 calls with eager; returns
-    the two functional programs."""
-    ep = torch.export.export(factory(), copy.deepcopy(calls[0]), **export_kwargs)
-    results = []
-    for program in (ep, ep.module()):
-        result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
-            copy.deepcopy(program)).program
-        assert not conditions.Functional.check(result)
-        assert_same_behaviour(factory(), result, calls, calls=4)
-        results.append(result)
-    results[0].validate()
-    return results
-
-
-def refused_in_both_forms(factory, calls, kind):
-    ep = torch.export.export(factory(), copy.deepcopy(calls[0]))
-    for program in (ep, ep.module()):
-        marked = PassManager([MarkMutableBuffers()]).run(copy.deepcopy(program)).program
-        before = program_text(marked)
-        with pytest.raises(UnsupportedMutationError) as info:
-            InplaceToFunctional().call(marked)
-        assert info.value.kind == kind
-        assert info.value.node in str(info.value) and "InplaceToFunctional" in str(info.value)
-        assert program_text(marked) == before
-    return info.value
-
-
-def targets(program):
-    return [n.target for n in graph_of(program).nodes if n.op == "call_function"]
 
 
 # -- pattern 9: ops reading a written view's storage --------------------------------------
@@ -476,18 +444,9 @@ class BufferUnsqueezedInPlace(nn.Module):
         return self.b + x
 
 
-class ViewedThenTransposedInPlace(nn.Module):
-    def forward(self, x):
-        t = x * 2
-        row = t[0]
-        t.t_()
-        t.add_(1)
-        return row * 1, t
-
-
-def test_relayout_of_state_or_of_a_viewed_tensor_is_refused():
+def test_relayout_of_state_is_refused():
+    # A viewed tensor's relayout is a view now: test_functionalize_metadata.py.
     refused_in_both_forms(BufferUnsqueezedInPlace, _calls((3,)), "relayout")
-    refused_in_both_forms(ViewedThenTransposedInPlace, _calls((2, 3)), "relayout")
 
 
 # -- pattern 3: writes local to a higher-order op's subgraph -------------------------------
