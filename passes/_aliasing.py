@@ -347,6 +347,12 @@ def alias_map(
             continue
         if node.op in ("call_module", "call_method") and node.target != "_guards_fn":
             opaque.append(OpaqueNode(node, f"{node.op} {node.target!r} has no schema"))
+        if target_of(node) is _aten.set_.source_Tensor:
+            # The tensor becomes its source: later writes to it write the source's storage.
+            source = argument_value(node, _aten.set_.source_Tensor._schema, 1)
+            if source in aliases:
+                aliases[node] = aliases[source]
+                continue
         found = aliased_argument(node)
         if found is not None and found[1] in aliases:
             _, arg, written = found

@@ -48,6 +48,7 @@ from ._buffers import (
 from ._fake_values import FakeValues
 from ._functionalize_end import VALUE_META, ProgramEnd, fresh_like
 from ._grad_regions import inline_grad_regions
+from ._metadata_mutations import normalize_metadata_mutations
 from ._mutation_checks import UnsupportedMutationError, check_opaque, check_write
 from ._storage_reads import StorageReads
 from ._view_inverse import view_steps, write_back_chain
@@ -70,7 +71,12 @@ class Rewrite(StorageReads, ProgramEnd):
         _repair_use_lists(self.graph)
         # no_grad regions that write state are inlined first (logged for undo/commit).
         inlined = inline_grad_regions(self.gm)
-        self.skipped = set(inlined.dead)
+        self.fake = FakeValues(self.graph)
+        # Metadata mutations become views / renames first (logged for undo/commit too).
+        metadata = normalize_metadata_mutations(program, self.gm, self.fake)
+        self.refused_metadata = metadata.refused
+        self.state_views = metadata.state_views
+        self.skipped = set(inlined.dead) | set(metadata.dead)
         scan = find_mutations(program)
         self.states = scan.states
         self.state_root: dict[State, Node] = {}
@@ -92,26 +98,29 @@ class Rewrite(StorageReads, ProgramEnd):
         # A program whose only writes are trailing write-backs is functional already.
         write_backs = set() if self.is_ep else set(trailing_write_backs(program))
         self.roots = {self.state_root[s] for s, _ in self.mutation_outputs} | scan.written_roots
-        self.has_writes = bool(self.skipped) or any(
+        self.roots |= set(self.state_views)
+        self.has_writes = bool(self.skipped) or bool(self.refused_metadata) or any(
             str(n.target).endswith("_") or "writes" in reason
             for n, reason in self.opaque.items() if n not in self.skipped)
         self.has_writes |= any(n not in write_backs for n in scan.writing_nodes) or any(
             isinstance(a, Node) and a.target is aten.copy.default and fresh_like(a.args[1], a)
             for _, a in self.mutation_outputs)
-        self.fake = FakeValues(self.graph)
         self.cur: dict[Node, Node] = {}
         self.version: dict[Node, int] = {}
         self.value: dict[Node, tuple[Node, int]] = {}
         self.memo: dict[tuple, Node] = {}
         self.last_writer: dict[Node, Node] = {}
         self.multi_results: dict[Node, list[Node | None]] = {}
-        self.new_nodes: list[Node] = inlined.new_nodes
-        self.arg_changes: list[tuple[Node, tuple, dict]] = inlined.arg_changes
+        self.new_nodes: list[Node] = inlined.new_nodes + metadata.new_nodes
+        self.arg_changes: list[tuple[Node, tuple, dict]] = (
+            inlined.arg_changes + metadata.arg_changes)
         self.fake_changes: list[tuple[Node, Any]] = []
         self.dead: list[Node] = []
-        self.inlined_dead = inlined.dead  # erased first: they read nodes that die too
+        # Erased first: they read nodes that die too.
+        self.inlined_dead = inlined.dead + metadata.dead
         self.order = {n: i for i, n in enumerate(self.graph.nodes)}
-        self.relaid: set[Node] = set()  # roots whose shape/strides a write changed
+        # Roots whose shape/strides a write changed: their storage order is not eager's.
+        self.relaid: set[Node] = set(self.state_views)
         self.stale: list[Node] = []  # original nodes whose users now read a new node
         self.cursor: Node = self.output
         self.new_signature: ExportGraphSignature | None = None
@@ -234,6 +243,8 @@ class Rewrite(StorageReads, ProgramEnd):
                 self.boundary[node.name] = self.resolve(node)
 
     def _visit(self, node: Node) -> None:
+        if node in self.refused_metadata:
+            raise UnsupportedMutationError(node, self.refused_metadata[node], "relayout")
         writes = written_arguments(node)
         if writes:
             check_write(node, [w for _, w in writes], self.aliases, self.states)
@@ -254,8 +265,6 @@ class Rewrite(StorageReads, ProgramEnd):
             self._track(node, alias.root)
 
     def _rewrite(self, node: Node, writes: list[tuple[int, Node]]) -> None:
-        if self._relayout(node, writes):
-            return
         written = writes[0][1]  # an original node (the arguments are current values)
         if target_of(node) is aten.copy_.default and not self.aliases[written].chain and (
             fresh_like(node.args[1], written)

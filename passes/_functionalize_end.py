@@ -57,6 +57,16 @@ class ProgramEnd:
     """The output, undo and commit of a Rewrite (mixed into Rewrite)."""
 
     def _finish(self, output: Node) -> None:
+        for root, form in self.state_views.items():
+            # State whose strides changed in place, not its shape: its caller reads the
+            # object's logical value, which is written back (as torch's functionalization
+            # does). Unwritten, that value still reads the state's own storage: copy it.
+            final = self.resolve(form)
+            if self.version.get(root, 0) == 0:
+                final = self.emit(form, aten.clone.default, final)
+            self.cur[root] = final
+            self.version[root] = self.version.get(root, 0) + 1
+            self.last_writer[root] = form
         for state, arg in self.mutation_outputs:
             root = self.state_root[state]
             if isinstance(arg, Node) and self.resolve(arg) is not root:

@@ -4,8 +4,9 @@ A written view's new value is a fresh tensor with its own storage. ``as_strided`
 ``_reshape_alias``, ``as_strided_copy``) of it would address that storage, whereas eager
 addresses the base's: such ops are re-addressed in the storage root's new value, at their
 absolute offset. Stride / storage-offset queries read an original node's layout, which a
-write never changes. A shape/stride change of an intermediate (``unsqueeze_``, ``t_``, an
-``out=`` resize) is a rename to its new value. Part of :class:`passes._functionalize.Rewrite`.
+write never changes. An ``out=`` resize of an intermediate is a rename to its new value
+(metadata mutations such as ``unsqueeze_`` are views by then: ``_metadata_mutations``).
+Part of :class:`passes._functionalize.Rewrite`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from torch.fx import Node, map_arg
 
 from ._aliasing import STORAGE_VIEWS, argument_value, target_of, view_base_index
 from ._mutation_checks import UnsupportedMutationError
-from .functional_variants import METADATA_VIEWS
 
 __all__ = ["StorageReads", "whole_storage"]
 
@@ -41,23 +41,6 @@ class StorageReads:
                 node, f"{what} changes the shape/strides of {written.name}, and {why}",
                 "relayout")
         self.relaid.add(alias.root)
-
-    def _relayout(self, node: Node, writes: list[tuple[int, Node]]) -> bool:
-        """A metadata mutation (unsqueeze_, t_, ...) of an intermediate: its view op."""
-        view = METADATA_VIEWS.get(node.target)
-        if view is None:
-            return False
-        (_, written), = writes
-        self._check_relayout(node, written, str(node.target))
-        args = (self.resolve(written), *node.args[1:])
-        new = self.emit(node, view, *args, **node.kwargs)
-        root = self.aliases[written].root
-        self.cur[root] = new
-        self.version[root] += 1
-        self.last_writer[root] = node
-        self.value[node] = (new, self.version[root])
-        self.dead.append(node)
-        return True
 
     def _storage_offset(self, node: Node, view: Node, val: Any) -> int:
         """``val``'s offset in the storage of ``view``'s root, whose current value then

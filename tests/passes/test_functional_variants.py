@@ -14,6 +14,8 @@ from pass_manager import PassManager, first_difference, run_program
 from passes import InplaceToFunctional, MarkMutableBuffers
 from passes.functional_variants import FunctionalVariant, functional_variant
 
+from .functionalize_checks import _calls, functionalize_both_forms, targets
+
 aten = torch.ops.aten
 
 
@@ -203,3 +205,23 @@ def test_counterparts_binding_arguments_by_name():
             difference = first_difference(run_program(gm, [inputs] * 4),
                                           run_program(result, [inputs] * 4))
             assert difference is None, f"{op}: {difference}"
+
+
+class CounterpartsByNameInAModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(3, 4))
+        self.register_buffer("turned", torch.zeros(4, 3))
+
+    def forward(self, x):
+        y = x.abs() + 0.5
+        y.polygamma_(1)
+        self.acc.add_(y)
+        torch.ops.aten.rot90.out(self.acc, 1, [0, 1], out=self.turned)
+        return self.turned * 2
+
+
+def test_counterparts_binding_arguments_by_name_in_both_program_forms():
+    ep, gm = functionalize_both_forms(CounterpartsByNameInAModule, _calls((3, 4)))
+    for program in (ep, gm):
+        assert not {aten.polygamma_.default, aten.rot90.out} & set(targets(program))

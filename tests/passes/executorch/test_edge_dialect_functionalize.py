@@ -43,6 +43,39 @@ class StridedReadsOfAWrittenRow(nn.Module):
         return row.as_strided((2, 2), (1, 1), 0) * 1, whole * 1, self.b[0].t() * 1
 
 
+class MetadataMutationsOfViews(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(2, 3))
+
+    def forward(self, x):
+        row = self.b[1]
+        row.unsqueeze_(0)  # an Edge unsqueeze_ of a view: a view, written back into b
+        row.add_(x)
+        t = x * 2
+        t.as_strided_((2,), (2,))
+        t.mul_(3)
+        return t * 1, self.b * 1
+
+
+def test_metadata_mutations_in_edge_dialect_programs_become_edge_views():
+    calls = [(torch.randn(3),) for _ in range(4)]
+    ep = torch.export.export(MetadataMutationsOfViews(), calls[0])
+    _in_edge_dialect(ep.graph_module)
+    module = ep.module()
+    _in_edge_dialect(module)
+    for program in (ep, module):
+        result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+            copy.deepcopy(program)).program
+        assert_same_behaviour(MetadataMutationsOfViews(), result, calls, calls=4)
+        names = {str(n.target).split(":")[0] for n in graph_of(result).nodes
+                 if n.op == "call_function"}
+        assert not {"<EdgeOpOverload: aten.unsqueeze_.default>",
+                    "<EdgeOpOverload: aten.as_strided_.default>"} & names
+        assert all(isinstance(n.target, EdgeOpOverload) for n in graph_of(result).nodes
+                   if n.op == "call_function" and "unsqueeze" in str(n.target))
+
+
 class StridedReadOfAWrittenBuffer(nn.Module):
     def __init__(self):
         super().__init__()
