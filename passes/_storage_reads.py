@@ -72,6 +72,11 @@ class StorageReads:
         """
         source = node.args[0]
         alias = self.aliases.get(source)
+        if alias is not None and alias.root in self.state_views:
+            # Its storage is laid out as eager's only until the first call has ended.
+            raise UnsupportedMutationError(
+                node, f"it reads the storage of {alias.root.name}, whose strides a metadata "
+                      "mutation changes, so its storage order is not eager's", "storage")
         if alias is None or self.cur.get(alias.root, alias.root) is alias.root:
             return False
         if target_of(node) in STORAGE_VIEWS:

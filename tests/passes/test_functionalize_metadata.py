@@ -267,3 +267,38 @@ def test_shape_change_of_state_is_refused_as_torch_fails(factory, shape):
     # torch's program lists the mutation with the new shape and fails when called.
     failure = _torch_functionalization_fails(factory, _calls(shape))
     assert "size" in failure or "shape" in failure
+
+
+class StorageReadOfATransposedBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(4.0).reshape(2, 2))
+
+    def forward(self, x):
+        s = self.b.as_strided((2,), (1,), 1) * 1  # from the 2nd call eager's storage is b.t()'s
+        self.b.t_()
+        self.b.add_(x)
+        return s, self.b * 1
+
+
+class ResizeGrowsAViewedTensor(nn.Module):
+    def forward(self, x):
+        t = x * 1
+        v = t[:2]
+        t.resize_(8)  # the grown storage stays shared with v
+        t[4:].zero_()
+        t[:2].add_(1)
+        return v * 1, t[:4] * 1
+
+
+def test_storage_reads_of_restrided_state_and_grown_viewed_storage_are_refused():
+    calls = _calls((2, 2))
+    error = refused_in_both_forms(StorageReadOfATransposedBuffer, calls, "storage")
+    assert "whose strides a metadata mutation changes" in error.reason
+    # torch's program returns a wrong value from the second call on.
+    assert "call 1: output 0" in _torch_functionalization_fails(
+        StorageReadOfATransposedBuffer, calls)
+    error = refused_in_both_forms(ResizeGrowsAViewedTensor, _calls((4,)), "relayout")
+    assert "grows the storage" in error.reason
+    assert "resize a view tensor to a larger size" in _torch_functionalization_fails(
+        ResizeGrowsAViewedTensor, _calls((4,)))
