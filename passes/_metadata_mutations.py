@@ -179,7 +179,8 @@ def _normalize(gm: GraphModule, mutation: Node, objects: dict[Node, Node],
             return f"{target} with memory_format={args[2]}"
         fits = _fits(source, size, objects)
         if fits is None:
-            return f"{target} of a tensor whose storage size or new size is not static"
+            return (f"{target} may grow the storage of {source.name}, whose size is not known "
+                    "(a view, or symbolic sizes); torch refuses to grow a view as well")
         if fits:
             new = (aten.as_strided.default, (source, size, _contiguous_strides(size)))
         else:
