@@ -129,6 +129,8 @@ class Rewrite(StorageReads, ProgramEnd):
         self.boundary: dict[str, Node] = {}
         self.notes: list[str] = []
         self.statistics: Counter[str] = Counter()  # what the rewrite did, for the report
+        self.statistics.update(f"metadata mutations as views or renames: {m.target}"
+                               for m in metadata.dead)
 
     # -- building blocks --------------------------------------------------------------
     def emit(self, like: Node, target: Any, *args: Any, **kwargs: Any) -> Node:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from pass_manager import assert_same_behaviour, first_difference, run_program
-from passes import MarkMutableBuffers, mutable_buffers
+from pass_manager import PassManager, assert_same_behaviour, first_difference, run_program
+from passes import InplaceToFunctional, MarkMutableBuffers, mutable_buffers
 
 from .functionalize_checks import (
     _calls,
@@ -68,6 +68,11 @@ class ResizeIntermediates(nn.Module):
 def test_resize_of_intermediates():
     ep, gm = functionalize_both_forms(ResizeIntermediates, _calls((4,)))
     _no_metadata_ops(ep, gm)
+    program = torch.export.export(ResizeIntermediates(), _calls((4,))[0])
+    report = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program).report
+    statistics = report.records[-1].statistics
+    assert statistics["metadata mutations as views or renames: aten.resize_.default"] == 2
+    assert statistics["metadata mutations as views or renames: aten.resize_as_.default"] == 1
     _torch_functionalization_works(ResizeIntermediates, _calls((4,)))
 
 
