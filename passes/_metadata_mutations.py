@@ -6,7 +6,7 @@ later use of that object (the op's result, and the nodes naming the object befor
 then reads it with the new metadata. As a value, that is a view of what the object held:
 ``t.unsqueeze_(0)`` is ``unsqueeze(t, 0)``, ``t.as_strided_(...)`` is ``as_strided(t,
 ...)``, ``t.resize_(size)`` within the storage is ``as_strided(t, size, contiguous
-strides)``; ``t.set_(src)`` makes the object ``src``. Written that way, later writes go
+strides)``; ``t.set_(src)`` makes it ``alias(src)``. Written that way, later writes go
 through the ordinary view write-backs, and views taken before the change keep reading the
 same storage. A ``resize_`` growing past the storage is a fresh ``resize`` (torch's own
 functional form) when nothing else views that storage.
@@ -162,7 +162,9 @@ def _normalize(gm: GraphModule, mutation: Node, objects: dict[Node, Node],
     elif target is aten.as_strided_.default:
         new = (aten.as_strided.default, (source, *args[1:]))
     elif target is _SET:
-        new = args[1]  # the object is now the source tensor itself
+        # Another tensor object sharing the source's storage and metadata: a later metadata
+        # change of it leaves the source as it is.
+        new = (aten.alias.default, (args[1],))
     elif target is _SET_AT:
         _, src, offset, size, stride = args
         if not stride:

@@ -156,6 +156,27 @@ def test_set_of_intermediates_renames_them_to_the_source():
     assert {"b", "y"} <= set(mutable_buffers(marked.program))
 
 
+class SetThenRestride(nn.Module):
+    """A tensor set_ to the buffer shares its storage, not its identity: unsqueezing it
+    leaves the buffer's shape alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(3))
+
+    def forward(self, x):
+        t = x * 2
+        t.set_(self.b)
+        t.unsqueeze_(0)
+        t.add_(x)
+        return t * 1, self.b * 1
+
+
+def test_set_then_a_metadata_mutation_changes_only_the_renamed_tensor():
+    ep, gm = functionalize_both_forms(SetThenRestride, _calls((3,)))
+    _no_metadata_ops(ep, gm)
+
+
 class SetBuffer(nn.Module):
     def __init__(self):
         super().__init__()
