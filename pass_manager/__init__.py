@@ -13,6 +13,7 @@ from .archive import load_program, save_program
 from .conditions import ALL_CONDITIONS, Condition
 from .errors import (
     InPlaceContractError,
+    MetaEditError,
     PassFailedError,
     PassManagerError,
     PipelineError,
@@ -40,6 +41,7 @@ __all__ = [
     "Condition",
     "InPlaceContractError",
     "Instrumentation",
+    "MetaEditError",
     "Pass",
     "PassFailedError",
     "PassManager",

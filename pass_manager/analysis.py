@@ -56,8 +56,9 @@ def _signature_token(program: Any) -> tuple:
             (name, tuple(m._buffers), tuple(m._parameters)) for name, m in gm.named_modules()
         )
     signature = program.graph_signature
+    # The argument's name, or (an argument without one) its repr, rendered only then.
     specs = tuple(
-        (s.kind, getattr(s.arg, "name", repr(s.arg)), s.target)
+        (s.kind, s.arg.name if hasattr(s.arg, "name") else repr(s.arg), s.target)
         for s in (*signature.input_specs, *signature.output_specs)
     )
     return specs, tuple(program.state_dict), tuple(program.constants)

@@ -14,6 +14,7 @@ from typing import Any
 
 __all__ = [
     "InPlaceContractError",
+    "MetaEditError",
     "PassFailedError",
     "PassManagerError",
     "PipelineError",
@@ -180,3 +181,17 @@ class SemanticsError(PassManagerError):
             pass_name=pass_name,
             index=index,
         )
+
+
+class MetaEditError(PassFailedError):
+    """A pass declaring ``edits_meta_in_place = False`` edited an object held in node meta
+    in place (found under ``PassManager(strict=True)``); ``edited`` names ``node: key``."""
+
+    def __init__(self, pass_name: str, index: int | None, edited: Sequence[str]):
+        super().__init__(
+            pass_name,
+            index,
+            "edited meta objects in place while declaring edits_meta_in_place = False "
+            f"(replace them instead: node.meta[key] = new): {', '.join(edited)}",
+        )
+        self.edited = list(edited)

@@ -38,7 +38,9 @@ class PassManager(Pass):
         reorder: order by dependencies (default); with False, keep the list order and
             raise PipelineError when a requirement is provided only later.
         strict: a pass that claims "unmodified" but changed the program is an error
-            (rolled back) instead of a report warning.
+            (rolled back) instead of a report warning; and a pass declaring
+            ``edits_meta_in_place = False`` is checked: its snapshot copies the meta
+            objects anyway, and an in-place edit of one is a MetaEditError.
         max_iterations: repeat the pipeline until no pass changes the program, at most
             this many times (1 = run once); hitting the bound is a report warning.
         validate: example inputs (one argument tuple, or one tuple per call) to check
@@ -159,6 +161,10 @@ class PassManager(Pass):
     def writes_state(self) -> bool:
         return any(p.writes_state for p in self.plan())
 
+    @property
+    def edits_meta_in_place(self) -> bool:
+        return any(p.edits_meta_in_place for p in self.plan())
+
     def call(self, program: Any) -> PassResult:
         result = self.run(program)
         notes = [f"{r.name}: {n}" for r in result.report.records for n in r.notes]
@@ -205,6 +211,7 @@ class PassManager(Pass):
             self.instruments,
             max_iterations=self.max_iterations,
             name=self.name,
+            strict=self.strict,
             plan=self.explain(),
         )
         return runner.run(program)

@@ -3,8 +3,10 @@
 A pass declares, as class attributes, what it ``requires`` before it runs, what it
 ``provides`` after, what it ``preserves`` (conditions that hold afterwards if they held
 before; everything else is invalidated when the pass changes the program), whether it
-rewrites the program it is given (``in_place``) and whether it writes tensor data
-(``writes_state``). The manager checks every declaration; the pass only implements
+rewrites the program it is given (``in_place``), whether it writes tensor data
+(``writes_state``) and whether it edits objects held in node meta in place
+(``edits_meta_in_place``). The manager checks every declaration (the last one with
+``strict=True``); the pass only implements
 ``call``. Options are dataclass fields, so a pass prints as ``Name(option=value)`` and
 as pipeline text ``Name{option=value}``.
 """
@@ -62,6 +64,14 @@ class Pass:
     # Whether the pass writes tensor data (buffer contents) in place; only then does the
     # manager copy the state it would need to roll such a write back.
     writes_state: ClassVar[bool] = False
+    # Whether the pass may edit an object held in node meta (or the graph module's meta)
+    # in place -- set a field of a quantization annotation, append to a list -- instead of
+    # replacing it (``node.meta[key] = new``). Only then does the manager copy every such
+    # object before the pass so that a rollback undoes the edit; a pass declaring False
+    # gets a snapshot that shares them (much cheaper on annotated graphs). Under
+    # ``PassManager(strict=True)`` an in-place edit by a pass declaring False is a
+    # MetaEditError.
+    edits_meta_in_place: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -107,6 +117,7 @@ class _CallablePass(Pass):
     _unregistered = True
     in_place = None
     writes_state = True
+    edits_meta_in_place = True
 
     def __init__(self, fn: Callable[[Any], Any], name: str):
         self._fn = fn
@@ -155,6 +166,7 @@ def function_pass(
     accepts: tuple[str, ...] = (GRAPH_MODULE, EXPORTED_PROGRAM),
     in_place: bool | None = None,
     writes_state: bool = False,
+    edits_meta_in_place: bool = True,
     name: str | None = None,
 ) -> Any:
     """Turn ``fn(program) -> PassResult | program | None`` into a Pass with conditions.
@@ -177,6 +189,7 @@ def function_pass(
             "accepts": tuple(accepts),
             "in_place": in_place,
             "writes_state": writes_state,
+            "edits_meta_in_place": edits_meta_in_place,
             "call": lambda self, program: func(program),
             "__doc__": func.__doc__,
             "__module__": getattr(func, "__module__", __name__),

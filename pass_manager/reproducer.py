@@ -180,7 +180,7 @@ class Reproduction:
         m = self.manifest
         runner = Runner(
             self.passes, [*self.instruments, *extra], name=m["pass"],
-            start=0 if m["group"] else m["index"],
+            start=0 if m["group"] else m["index"], strict=m["strict"],
         )
         return runner.run(self.program)
 

@@ -2,7 +2,9 @@
 
 * require: the program form, then every required condition (cached results reused).
 * snapshot: what a rollback needs (``snapshot.Snapshot``); tensor data is copied only
-  for a pass declaring ``writes_state``, and an undeclared write is a StateWriteError.
+  for a pass declaring ``writes_state``, and an undeclared write is a StateWriteError;
+  objects held in node meta are copied unless the pass declares
+  ``edits_meta_in_place = False`` (``strict`` copies them anyway and checks the claim).
 * call: the pass; whatever it raises becomes a typed, rolled-back error.
 * measure: did it change the program (compared with the snapshot by identity), did it
   keep its ``in_place`` contract; recompile only if the nodes changed.
@@ -26,6 +28,7 @@ from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 from .conditions import Condition, as_condition_set
 from .errors import (
     InPlaceContractError,
+    MetaEditError,
     PassFailedError,
     PassManagerError,
     PostconditionError,
@@ -117,6 +120,8 @@ class Runner:
         plan: the plan's explanation, for the report.
         start: the place of the first pass in the plan (a replay runs one pass of a
             longer plan under its original number).
+        strict: check ``edits_meta_in_place = False`` declarations (copy the meta objects
+            anyway; an in-place edit is a MetaEditError).
     """
 
     def __init__(
@@ -128,8 +133,10 @@ class Runner:
         name: str = "PassManager",
         plan: str = "",
         start: int = 0,
+        strict: bool = False,
     ):
         self.passes = list(passes)
+        self.strict = strict
         self.start = start
         self.instruments = list(instruments)
         self.max_iterations = max_iterations
@@ -186,12 +193,17 @@ class Runner:
                 instrument.before_pass(p, program, record)
             record.nodes_before = node_count(program)
             self._require(p, index, program, state, record)
-            snapshot = Snapshot(program, copy_state=p.writes_state)
+            edits_meta = getattr(p, "edits_meta_in_place", True)
+            snapshot = Snapshot(
+                program, copy_state=p.writes_state, copy_meta_values=edits_meta or self.strict
+            )
             out = self._call(p, index, program)
             unpacked = _unpack(out, program)
             current, record.claimed_modified, record.notes, record.statistics = unpacked
             if not p.writes_state and (written := snapshot.written()):
                 raise StateWriteError(p.name, index, written)
+            if not edits_meta and self.strict and (edited := snapshot.edited_in_place()):
+                raise MetaEditError(p.name, index, edited)
             self._measure(p, index, program, current, snapshot, record)
             self._provide(p, index, current, state, record)
             for instrument in reversed(self.instruments):

@@ -12,6 +12,7 @@ those records: no node is printed or hashed. :meth:`Snapshot.restore` undoes the
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any, NamedTuple
 
 import torch
@@ -43,8 +44,8 @@ _SHARED_META = frozenset(
         "unbacked_bindings",
     }
 )
-def _fields(node: torch.fx.Node) -> tuple:
-    return (node, node.name, node.op, node.target, node._args, node._kwargs, node.type)
+def _fields(nodes: list[torch.fx.Node]) -> list[tuple]:
+    return [(n.name, n.op, n.target, n._args, n._kwargs, n.type) for n in nodes]
 
 
 def _equal_lists(a: list, b: list) -> bool:
@@ -58,52 +59,65 @@ def _equal_lists(a: list, b: list) -> bool:
 class _GraphRecord:
     """The nodes of a graph as plain records; a graph is rebuilt from them only on demand.
 
-    Per node: its fields and its meta entries, by reference (built and compared in C
-    loops), and copies of the mutable containers in its meta, if any.
+    Per node: the node, its fields and its meta entries, by reference (built and compared
+    in C loops); with ``copy_values``, also copies of the mutable objects its meta holds
+    (the objects a pass may edit in place), else none.
     """
 
-    def __init__(self, graph: torch.fx.Graph):
+    def __init__(self, graph: torch.fx.Graph, copy_values: bool = True):
         self.graph = graph
         self._tracer_cls = graph._tracer_cls
         self._codegen = copy.copy(graph._codegen)
         nodes = list(graph.nodes)
-        self._fields = [_fields(n) for n in nodes]
-        self._meta = [dict(n.meta) for n in nodes]
+        self._nodes = nodes
+        self._fields = _fields(nodes)
+        self._meta = list(map(dict.copy, [n.meta for n in nodes]))
         # Most nodes hold only shared entries (values, provenance): nothing to copy.
         self._copies = {
-            n: {k: copy_value(v) for k, v in n.meta.items()
+            i: {k: copy_value(v) for k, v in n.meta.items()
                 if k not in _SHARED_META and is_container(v)}
-            for n in nodes if not _SHARED_META.issuperset(n.meta)
-        }
+            for i, n in enumerate(nodes) if not _SHARED_META.issuperset(n.meta)
+        } if copy_values else {}
 
     def structure_changed(self, graph: torch.fx.Graph) -> bool:
-        if graph is not self.graph or len(graph.nodes) != len(self._fields):
+        if graph is not self.graph or len(graph.nodes) != len(self._nodes):
+            return True
+        nodes = list(graph.nodes)
+        if nodes != self._nodes:  # Node equality is identity: a C loop
             return True
         if graph._codegen.__dict__ != self._codegen.__dict__:
             return True
-        current = [_fields(n) for n in graph.nodes]
+        current = _fields(nodes)
         if _equal_lists(current, self._fields):
             return False
         # Equal values assigned anew (``node.args = tuple(node.args)``) are no change.
         return not all(
-            now[0] is old[0] and all(a is b or equal(a, b) for a, b in zip(now, old, strict=True))
+            all(a is b or equal(a, b) for a, b in zip(now, old, strict=True))
             for now, old in zip(current, self._fields, strict=True)
         )
 
     def meta_changed(self) -> bool:
-        nodes = [f[0] for f in self._fields]
+        nodes = self._nodes
         if not _equal_lists([n.meta for n in nodes], self._meta):
             return True
         return not all(
-            same(n.meta.get(k, MISSING), c)
-            for n, copies in self._copies.items() for k, c in copies.items()
+            same(nodes[i].meta.get(k, MISSING), c)
+            for i, copies in self._copies.items() for k, c in copies.items()
         )
+
+    def edited_in_place(self) -> list[str]:
+        """``node: key`` of each meta object (as it was before) whose contents changed."""
+        return [
+            f"{self._nodes[i].name}: meta[{k!r}]"
+            for i, copies in self._copies.items() for k, c in copies.items()
+            if not same(self._meta[i][k], c)
+        ]
 
     def rebuild(self) -> torch.fx.Graph:
         graph = torch.fx.Graph(tracer_cls=self._tracer_cls)
         env: dict[torch.fx.Node, torch.fx.Node] = {}
-        for (old, name, op, target, args, kwargs, type_), items in zip(
-            self._fields, self._meta, strict=True
+        for i, (old, (name, op, target, args, kwargs, type_), items) in enumerate(
+            zip(self._nodes, self._fields, self._meta, strict=True)
         ):
             new = graph.create_node(
                 op,
@@ -114,22 +128,60 @@ class _GraphRecord:
                 type_expr=type_,
             )
             new.meta = dict(items)  # a copy: the record may be restored again
-            new.meta.update((k, copy_value(v)) for k, v in self._copies.get(old, {}).items())
+            new.meta.update((k, copy_value(v)) for k, v in self._copies.get(i, {}).items())
             env[old] = new
         graph._codegen = copy.copy(self._codegen)
         return graph
 
 
-def _copy_signature(signature: ExportGraphSignature) -> ExportGraphSignature:
-    # Specs and their arguments are mutable dataclasses: copy them, share the rest.
-    def spec(s: Any) -> Any:
-        clone = shallow(s)
-        clone.arg = shallow(s.arg)
-        return clone
+class _SignatureRecord:
+    """A graph signature: its spec lists, and each spec's and argument's fields, copied
+    shallowly (C dict copies); compared and restored in place, copied only for a diff."""
 
-    return ExportGraphSignature(
-        [spec(s) for s in signature.input_specs], [spec(s) for s in signature.output_specs]
-    )
+    def __init__(self, signature: ExportGraphSignature):
+        self.signature = signature
+        self.inputs = list(signature.input_specs)
+        self.outputs = list(signature.output_specs)
+        specs = self.inputs + self.outputs
+        self.fields = [dict(vars(s)) for s in specs]
+        self.args = [s.arg for s in specs]
+        self.arg_fields = [dict(vars(a)) for a in self.args]
+
+    def changed(self, signature: ExportGraphSignature) -> bool:
+        if signature is not self.signature:  # a new signature: compare by value
+            return not same(signature, self.rebuilt())
+        specs = [*signature.input_specs, *signature.output_specs]
+        return not (
+            len(signature.input_specs) == len(self.inputs)
+            and _equal_lists(specs, self.inputs + self.outputs)
+            and _equal_lists([vars(s) for s in specs], self.fields)
+            and _equal_lists([vars(s.arg) for s in specs], self.arg_fields)
+        )
+
+    def rebuilt(self) -> ExportGraphSignature:
+        """A copy of the signature as recorded."""
+        args = {}
+        for arg, fields in zip(self.args, self.arg_fields, strict=True):
+            clone = object.__new__(type(arg))
+            clone.__dict__.update(fields)
+            args[id(arg)] = clone
+        specs = []
+        for spec, fields in zip(self.inputs + self.outputs, self.fields, strict=True):
+            clone = object.__new__(type(spec))
+            clone.__dict__.update(fields)
+            clone.arg = args[id(fields["arg"])]
+            specs.append(clone)
+        return ExportGraphSignature(specs[: len(self.inputs)], specs[len(self.inputs):])
+
+    def restore(self) -> ExportGraphSignature:
+        """The recorded signature object, its lists, specs and arguments as recorded."""
+        for obj, fields in (*zip(self.inputs + self.outputs, self.fields, strict=True),
+                            *zip(self.args, self.arg_fields, strict=True)):
+            obj.__dict__.clear()
+            obj.__dict__.update(fields)
+        self.signature.input_specs = list(self.inputs)
+        self.signature.output_specs = list(self.outputs)
+        return self.signature
 
 
 def _copy_call_graph(entries: list) -> list:
@@ -146,6 +198,15 @@ def _tensor_ids(mapping: dict) -> list[tuple[str, int]]:
     return [(k, id(v)) for k, v in mapping.items()]
 
 
+def _same_items(now: dict, then: dict) -> bool:
+    """The same keys, in order, with the very same objects (C loops)."""
+    return (
+        len(now) == len(then)
+        and all(map(operator.is_, now.values(), then.values()))
+        and list(now) == list(then)
+    )
+
+
 class Change(NamedTuple):
     """What a pass changed: ``structure`` (nodes, so the code) and ``anything`` at all."""
 
@@ -160,34 +221,51 @@ class Snapshot:
     ``writes_state``): a KV cache is not cloned before every pass. A tensor whose version
     counter moved without a copy is listed by :meth:`written` and
     :meth:`unrestorable_changes`, never silently kept.
+
+    Meta: every node's meta dict and the graph module's meta are copied shallowly, so a
+    pass that adds, replaces or removes entries (``node.meta[key] = new``) is undone. The
+    mutable objects those entries hold (a quantization annotation, a list, a dict) are
+    copied only with ``copy_meta_values=True``, the default and what the manager does for
+    every pass that does not declare ``edits_meta_in_place = False``: a pass that edits
+    such an object in place is undone too. Without the copies, rollback is exact for a
+    pass that replaces meta objects instead of editing them (the declaration's contract;
+    ``PassManager(strict=True)`` copies anyway and checks it, see :meth:`edited_in_place`).
     """
 
-    def __init__(self, program: Any, copy_state: bool = True):
+    def __init__(self, program: Any, copy_state: bool = True, copy_meta_values: bool = True):
         self.program = program
         gm = graph_module_of(program)
         self._gm = gm
-        self._graph = _GraphRecord(gm.graph)
+        self._graph = _GraphRecord(gm.graph, copy_meta_values)
         self._modules = []
-        # id -> (name, tensor, copy of its data or None, version)
-        self._tensors: dict[int, tuple[str, torch.Tensor, torch.Tensor | None, int]] = {}
+        # Parallel lists, one entry per distinct tensor: its name, the tensor, its version
+        # counter, and (by index) a copy of its data when the pass may write it.
+        self._names: list[str] = []
+        self._tensors: list[torch.Tensor] = []
+        self._data: dict[int, torch.Tensor] = {}
+        seen: set[int] = set()
 
         def record(name: str, tensor: torch.Tensor, copy_data: bool) -> None:
-            if id(tensor) not in self._tensors:
-                data = tensor.detach().clone() if copy_data else None
-                self._tensors[id(tensor)] = (name, tensor, data, tensor._version)
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                if copy_data:
+                    self._data[len(self._tensors)] = tensor.detach().clone()
+                self._names.append(name)
+                self._tensors.append(tensor)
 
         for name, module in gm.named_modules():
             attrs = dict(module.__dict__)
-            tensor_attrs = {k: v for k, v in attrs.items() if isinstance(v, torch.Tensor)}
+            tensor_keys = [k for k, v in attrs.items() if isinstance(v, torch.Tensor)]
             buffers, params = dict(module._buffers), dict(module._parameters)
             self._modules.append(
-                (module, attrs, tensor_attrs, buffers, params, dict(module._modules))
+                (module, attrs, tensor_keys, buffers, params, dict(module._modules))
             )
             prefix = f"{name}." if name else ""
             for key, buf in buffers.items():
                 if buf is not None:
                     record(prefix + key, buf, copy_state)
-            for key, value in tensor_attrs.items():
+            for key in tensor_keys:
+                value = attrs[key]
                 if not isinstance(value, torch.nn.Parameter):
                     record(prefix + key, value, copy_state)
             # Parameters are never copied (they are the bulk of a model): a pass that
@@ -197,12 +275,13 @@ class Snapshot:
                     record(prefix + key, param, False)
         self._gm_meta = (
             tuple(gm.meta.items()),
-            {k: copy_value(v) for k, v in gm.meta.items() if is_container(v)},
+            {k: copy_value(v) for k, v in gm.meta.items() if is_container(v)}
+            if copy_meta_values else {},
         )
         self._ep_state = None
         if isinstance(program, ExportedProgram):
             self._ep_state = {
-                "_graph_signature": _copy_signature(program._graph_signature),
+                "_graph_signature": _SignatureRecord(program._graph_signature),
                 "_state_dict": dict(program._state_dict),
                 "_constants": dict(program._constants),
                 "_module_call_graph": _copy_call_graph(program._module_call_graph),
@@ -215,6 +294,7 @@ class Snapshot:
             for key, value in program._constants.items():
                 if isinstance(value, torch.Tensor):
                     record(key, value, copy_state)
+        self._versions = [t._version for t in self._tensors]
 
     # -- what changed ------------------------------------------------------------------
     def compare(self, program: Any) -> Change:
@@ -233,23 +313,13 @@ class Snapshot:
             or not all(same(self._gm.meta.get(k, MISSING), c) for k, c in copies.items())
         ):
             return True
-        modules = dict(self._gm.named_modules())
-        if len(modules) != len(self._modules):
+        if self._modules_changed():
             return True
-        for module, _, tensor_attrs, buffers, params, submodules in self._modules:
-            current = {k: v for k, v in module.__dict__.items() if isinstance(v, torch.Tensor)}
-            if (
-                _tensor_ids(current) != _tensor_ids(tensor_attrs)
-                or _tensor_ids(module._buffers) != _tensor_ids(buffers)
-                or _tensor_ids(module._parameters) != _tensor_ids(params)
-                or _tensor_ids(module._modules) != _tensor_ids(submodules)
-            ):
-                return True
         if self._ep_state is None:
             return program is not self.program
         state = self._ep_state
         return not (
-            same(program._graph_signature, state["_graph_signature"])
+            not state["_graph_signature"].changed(program._graph_signature)
             and _tensor_ids(program._state_dict) == _tensor_ids(state["_state_dict"])
             and _tensor_ids(program._constants) == _tensor_ids(state["_constants"])
             and same(program._module_call_graph, state["_module_call_graph"])
@@ -257,18 +327,53 @@ class Snapshot:
             and program._verifiers == state["_verifiers"]
         )
 
+    def _modules_changed(self) -> bool:
+        """A buffer, parameter, submodule or tensor attribute added, removed or replaced.
+
+        Every submodule added is registered in a recorded module's ``_modules``, so the
+        recorded modules are all that needs looking at.
+        """
+        for module, attrs, tensor_keys, buffers, params, submodules in self._modules:
+            now = module.__dict__
+            if (
+                not _same_items(module._buffers, buffers)
+                or not _same_items(module._parameters, params)
+                or not _same_items(module._modules, submodules)
+                or not all(now.get(k) is attrs[k] for k in tensor_keys)
+            ):
+                return True
+            # Attributes added or removed (rare): only tensors count (recompiling adds code).
+            if list(now) != list(attrs) and [
+                k for k, v in now.items() if isinstance(v, torch.Tensor)
+            ] != tensor_keys:
+                return True
+        return False
+
     def written(self) -> list[str]:
         """Tensors whose data was written in place since the snapshot (version counter)."""
+        versions = [t._version for t in self._tensors]
+        if versions == self._versions:
+            return []
         return sorted(
-            name for name, tensor, _, version in self._tensors.values()
-            if tensor._version != version
+            self._names[i] for i, (now, then) in enumerate(zip(versions, self._versions,
+                                                                 strict=True))
+            if now != then
         )
+
+    def edited_in_place(self) -> list[str]:
+        """Meta objects the pass edited in place (needs ``copy_meta_values=True``): what a
+        pass declaring ``edits_meta_in_place = False`` must not do."""
+        items, copies = self._gm_meta
+        edited = [f"graph module meta[{k!r}]" for k, c in copies.items()
+                  if not same(dict(items)[k], c)]
+        return self._graph.edited_in_place() + edited
 
     def unrestorable_changes(self) -> list[str]:
         """Tensors written in place whose old data was not copied, so cannot come back."""
         return sorted(
-            name for name, tensor, data, version in self._tensors.values()
-            if data is None and tensor._version != version
+            self._names[i] for i, (tensor, version) in enumerate(zip(self._tensors,
+                                                                     self._versions, strict=True))
+            if i not in self._data and tensor._version != version
         )
 
     # -- undo ----------------------------------------------------------------------------
@@ -277,7 +382,7 @@ class Snapshot:
         """The program as it was, as text (rendered only when a diff is asked for)."""
         text = str(self._graph.rebuild())
         if self._ep_state is not None:
-            text += "\n" + str(self._ep_state["_graph_signature"])
+            text += "\n" + str(self._ep_state["_graph_signature"].rebuilt())
         return text
 
     def restore(self) -> None:
@@ -291,10 +396,10 @@ class Snapshot:
             module._parameters.update(params)
             module._modules.clear()
             module._modules.update(modules)
-        for _, tensor, data, version in self._tensors.values():
-            if data is not None and tensor._version != version:
+        for i, data in self._data.items():
+            if self._tensors[i]._version != self._versions[i]:
                 with torch.no_grad():
-                    tensor.copy_(data)
+                    self._tensors[i].copy_(data)
         gm.graph = self._graph.rebuild()
         gm.meta.clear()
         items, copies = self._gm_meta
@@ -304,7 +409,7 @@ class Snapshot:
         if self._ep_state is not None:
             program = self.program
             state = self._ep_state
-            program._graph_signature = _copy_signature(state["_graph_signature"])
+            program._graph_signature = state["_graph_signature"].restore()
             program._module_call_graph = _copy_call_graph(state["_module_call_graph"])
             for key in ("_state_dict", "_constants", "_range_constraints", "_verifiers"):
                 setattr(program, key, copy.copy(state[key]))

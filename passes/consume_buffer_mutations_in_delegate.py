@@ -110,6 +110,7 @@ class ConsumeBufferMutationsInDelegate(Pass):
     preserves = frozenset({Functional})
     accepts = (EXPORTED_PROGRAM,)
     in_place = False
+    edits_meta_in_place = False  # its input is left untouched
 
     strict: bool = False
 

@@ -48,6 +48,7 @@ class InplaceToFunctional(Pass):
     requires = frozenset({MutableBuffersMarked})
     provides = frozenset({Functional})
     preserves = frozenset({MutableBuffersMarked})
+    edits_meta_in_place = False  # new nodes get new meta; existing entries are replaced
 
     def call(self, program: Any) -> PassResult:
         rewrite = Rewrite(program)

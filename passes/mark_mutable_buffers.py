@@ -45,6 +45,7 @@ class MarkMutableBuffers(Pass):
 
     provides = frozenset({MutableBuffersMarked})
     preserves = ALL_CONDITIONS  # only node meta changes
+    edits_meta_in_place = False  # sets meta entries, never edits the objects they hold
 
     def call(self, program: Any) -> PassResult:
         scan = find_mutations(program)

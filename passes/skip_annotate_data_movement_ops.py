@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +19,14 @@ if TYPE_CHECKING:
     from torchao.quantization.pt2e.quantizer import QuantizationAnnotation
 
 __all__ = ["SkipAnnotateDataMovementOps"]
+
+
+def _replaced(node: Node, annotation: QuantizationAnnotation) -> QuantizationAnnotation:
+    """A copy of ``annotation`` (with its own input map) put in its place in ``node.meta``."""
+    new = copy.copy(annotation)
+    new.input_qspec_map = dict(annotation.input_qspec_map)
+    node.meta[ANNOTATION_META] = new
+    return new
 
 
 @dataclass(frozen=True, repr=False)
@@ -55,6 +64,9 @@ class SkipAnnotateDataMovementOps(Pass):
     requires = frozenset({MutableBuffersMarked})
     provides = frozenset({DataMovementNotAnnotated})
     preserves = frozenset({MutableBuffersMarked, Functional})  # only annotations change
+    # Each rewritten annotation is a new object in node.meta, never the quantizer's edited
+    # in place: the manager's rollback snapshot need not copy all the annotations.
+    edits_meta_in_place = False
 
     extra_ops: tuple = ()
 
@@ -93,6 +105,7 @@ class SkipAnnotateDataMovementOps(Pass):
             fqn = buffer_of(destination)
             if fqn is None and not buffer_inputs:
                 continue
+            annotation = _replaced(node, annotation)
             self._rewrite(node, annotation, buffer_inputs, self._ops[packet], shared, statistics)
             output = "shares the written value's qparams" if node in shared else "is not quantized"
             statistics["outputs sharing qparams" if node in shared

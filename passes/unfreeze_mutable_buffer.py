@@ -60,6 +60,7 @@ class UnfreezeMutableBuffer(Pass):
 
     provides = frozenset({NoFrozenMutableBuffers})
     accepts = (GRAPH_MODULE,)
+    edits_meta_in_place = False  # only the new nodes' meta is filled
 
     def call(self, program: GraphModule) -> PassResult:
         found = frozen_buffer_reads(program, self.name)
