@@ -56,3 +56,17 @@ def test_consume_returns_a_new_program_and_leaves_its_input_working():
     assert program_text(lowered) == before
     assert_same_behaviour(reference, lowered, INPUTS, state=program_state)
     assert_same_behaviour(Cache(), result.program, INPUTS, state=program_state)
+
+
+def test_passes_declaring_no_in_place_meta_edits_make_none():
+    """Under strict=True the manager copies meta objects anyway and checks the declaration,
+    on each pass's real input (the overhead benchmark's, at two layers)."""
+    from benchmarks.bench_manager_overhead import PASSES, inputs_for
+
+    factories, _ = inputs_for({"n_layers": 2})
+    for name, make_pass in PASSES.items():
+        assert make_pass().edits_meta_in_place is False, name
+        strict = PassManager([make_pass()], strict=True).run(factories[name]())
+        loose = PassManager([make_pass()]).run(factories[name]())
+        assert strict.modified == loose.modified, name
+        assert program_text(strict.program) == program_text(loose.program), name
