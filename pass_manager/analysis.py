@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 from torch.export import ExportedProgram
 
-from .program import graph_module_of
+from .program import graph_module_of, modules_of
 
 __all__ = ["Same", "Stamp", "cached", "invalidate"]
 
@@ -53,7 +53,7 @@ def _signature_token(program: Any) -> tuple:
     if not isinstance(program, ExportedProgram):
         gm = program
         return tuple(
-            (name, tuple(m._buffers), tuple(m._parameters)) for name, m in gm.named_modules()
+            (name, tuple(m._buffers), tuple(m._parameters)) for name, m in modules_of(gm)
         )
     signature = program.graph_signature
     # The argument's name, or (an argument without one) its repr, rendered only then.

@@ -21,8 +21,9 @@ __all__ = ["MISSING", "copy_value", "equal", "is_container", "same", "shallow"]
 MISSING = object()
 
 # Kept by reference: immutable values, and objects a pass replaces but does not edit.
+# (torch._C.TensorBase: every tensor, checked without torch.Tensor's slower Python instance check.)
 _IMMUTABLE = (
-    str, int, float, bool, tuple, frozenset, type(None), torch.Tensor, torch.fx.Node,
+    str, int, float, bool, tuple, frozenset, type(None), torch._C.TensorBase, torch.fx.Node,
     pytree.TreeSpec,
 )
 
@@ -100,7 +101,7 @@ def same(value: Any, recorded: Any, depth: int = 0) -> bool:
             same(getattr(value, n, MISSING), getattr(recorded, n, MISSING), depth + 1)
             for n in names
         )
-    if isinstance(value, (torch.Tensor, torch.fx.Node)):
+    if isinstance(value, (torch._C.TensorBase, torch.fx.Node)):
         return False
     try:
         return bool(value == recorded)

@@ -40,8 +40,16 @@ class Placement:
 
 @dataclass
 class Plan:
-    graph: nx.DiGraph
     placements: list[Placement]
+    _graph: nx.DiGraph | None = None
+    _planned: Sequence[Any] = ()
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The pass/condition DAG (built on first use when the list order was the plan)."""
+        if self._graph is None:
+            self._graph = _dependency_graph(self._planned)
+        return self._graph
 
     @property
     def passes(self) -> list[Any]:
@@ -98,17 +106,10 @@ def build_plan(passes: Sequence[Any], *, reorder: bool = True) -> Plan:
     """Order ``passes``; raise PipelineError on a cycle, an impossible placement or two
     conditions sharing a name."""
     _check_condition_names(passes)
-    graph = nx.DiGraph()
-    for index, p in enumerate(passes):
-        graph.add_node(_pass_key(index, p), kind="pass", label=p.name, index=index, pass_=p)
-    for index, p in enumerate(passes):
-        own = _pass_key(index, p)
-        for c in p.provided - p.required:
-            graph.add_node(_condition_key(c), kind="condition", label=c.name, condition=c)
-            graph.add_edge(own, _condition_key(c))
-        for c in p.required:
-            graph.add_node(_condition_key(c), kind="condition", label=c.name, condition=c)
-            graph.add_edge(_condition_key(c), own)
+    plan = _list_order_plan(passes)
+    if plan is not None:
+        return plan
+    graph = _dependency_graph(passes)
 
     if not nx.is_directed_acyclic_graph(graph):
         cycle = [graph.nodes[u]["label"] for u, _ in nx.find_cycle(graph)]
@@ -156,4 +157,42 @@ def build_plan(passes: Sequence[Any], *, reorder: bool = True) -> Plan:
             placement.after.extend((graph.nodes[u]["label"], c.name) for u in earlier)
         placed.add(node)
         placements.append(placement)
-    return Plan(graph, placements)
+    return Plan(placements, graph, passes)
+
+
+def _dependency_graph(passes: Sequence[Any]) -> nx.DiGraph:
+    graph = nx.DiGraph()
+    for index, p in enumerate(passes):
+        graph.add_node(_pass_key(index, p), kind="pass", label=p.name, index=index, pass_=p)
+    for index, p in enumerate(passes):
+        own = _pass_key(index, p)
+        for c in p.provided - p.required:
+            graph.add_node(_condition_key(c), kind="condition", label=c.name, condition=c)
+            graph.add_edge(own, _condition_key(c))
+        for c in p.required:
+            graph.add_node(_condition_key(c), kind="condition", label=c.name, condition=c)
+            graph.add_edge(_condition_key(c), own)
+    return graph
+
+
+def _list_order_plan(passes: Sequence[Any]) -> Plan | None:
+    """The plan when every requirement is provided only by passes listed before it (or by
+    none): then the list order is the DAG's order, with no cycle, whether or not passes
+    may be reordered; None otherwise. Most pipelines are so; no graph is built for them."""
+    providers: dict[Condition, list[int]] = {}
+    for index, p in enumerate(passes):
+        for c in p.provided - p.required:
+            providers.setdefault(c, []).append(index)
+    placements = []
+    for index, p in enumerate(passes):
+        placement = Placement(p, index)
+        for c in sorted(p.required, key=lambda c: c.name):
+            found = providers.get(c)
+            if not found:
+                placement.unprovided.append(c.name)
+            elif found[-1] < index:
+                placement.after.extend((passes[q].name, c.name) for q in found)
+            else:
+                return None
+        placements.append(placement)
+    return Plan(placements, None, passes)

@@ -25,6 +25,7 @@ __all__ = [
     "fingerprint",
     "graph_module_of",
     "graph_of",
+    "modules_of",
     "node_count",
     "program_form",
     "program_text",
@@ -73,6 +74,19 @@ def graph_module_of(program: Any) -> torch.fx.GraphModule:
 
 def graph_of(program: Any) -> torch.fx.Graph:
     return graph_module_of(program).graph
+
+
+def modules_of(gm: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every module under ``gm`` once, by qualified name (``named_modules`` without its
+    chain of generators, which costs as much as the rest of a snapshot on deep trees)."""
+    found = [("", gm)]
+    seen = {id(gm)}
+    for prefix, module in found:  # grows while it is walked: breadth first
+        for key, sub in module._modules.items():
+            if sub is not None and id(sub) not in seen:
+                seen.add(id(sub))
+                found.append((f"{prefix}.{key}" if prefix else key, sub))
+    return found
 
 
 def node_count(program: Any) -> int:

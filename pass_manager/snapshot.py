@@ -12,6 +12,7 @@ those records: no node is printed or hashed. :meth:`Snapshot.restore` undoes the
 from __future__ import annotations
 
 import copy
+import itertools
 import operator
 from typing import Any, NamedTuple
 
@@ -20,7 +21,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature
 
 from .copying import MISSING, copy_value, equal, is_container, same, shallow
-from .program import graph_module_of
+from .program import graph_module_of, modules_of
 
 __all__ = ["Change", "Snapshot"]
 
@@ -198,13 +199,35 @@ def _tensor_ids(mapping: dict) -> list[tuple[str, int]]:
     return [(k, id(v)) for k, v in mapping.items()]
 
 
-def _same_items(now: dict, then: dict) -> bool:
-    """The same keys, in order, with the very same objects (C loops)."""
-    return (
-        len(now) == len(then)
-        and all(map(operator.is_, now.values(), then.values()))
-        and list(now) == list(then)
-    )
+# Every tensor (parameters, fake and functional tensors) derives from the C base class;
+# checking against it skips torch.Tensor's Python-level instance check (9x slower).
+_TENSOR = torch._C.TensorBase
+
+
+def _tensor_keys(attrs: dict) -> list[str]:
+    """The names of the tensor-valued attributes (in C loops)."""
+    return list(itertools.compress(attrs, map(isinstance, attrs.values(),
+                                              itertools.repeat(_TENSOR))))
+
+
+_END = object()
+
+
+def _module_refs(records: list) -> tuple[list, list]:
+    """What identifies each recorded module's registered state, flat: the keys and objects
+    of its buffers, parameters, submodules and tensor attributes; and its attribute names."""
+    refs: list = []
+    keys: list = []
+    for module, _, tensor_keys, *_ in records:
+        for registered in (module._buffers, module._parameters, module._modules):
+            refs.extend(registered)
+            refs.extend(registered.values())
+            refs.append(_END)
+        attrs = module.__dict__
+        refs.extend([attrs.get(k) for k in tensor_keys])
+        keys.extend(attrs)
+        keys.append(_END)
+    return refs, keys
 
 
 class Change(NamedTuple):
@@ -253,12 +276,12 @@ class Snapshot:
                 self._names.append(name)
                 self._tensors.append(tensor)
 
-        for name, module in gm.named_modules():
-            attrs = dict(module.__dict__)
-            tensor_keys = [k for k, v in attrs.items() if isinstance(v, torch.Tensor)]
-            buffers, params = dict(module._buffers), dict(module._parameters)
+        for name, module in modules_of(gm):
+            attrs = module.__dict__.copy()
+            tensor_keys = _tensor_keys(attrs)
+            buffers, params = module._buffers.copy(), module._parameters.copy()
             self._modules.append(
-                (module, attrs, tensor_keys, buffers, params, dict(module._modules))
+                (module, attrs, tensor_keys, buffers, params, module._modules.copy())
             )
             prefix = f"{name}." if name else ""
             for key, buf in buffers.items():
@@ -273,6 +296,7 @@ class Snapshot:
             for key, param in params.items():
                 if param is not None:
                     record(prefix + key, param, False)
+        self._module_refs, self._module_keys = _module_refs(self._modules)
         self._gm_meta = (
             tuple(gm.meta.items()),
             {k: copy_value(v) for k, v in gm.meta.items() if is_container(v)}
@@ -289,10 +313,10 @@ class Snapshot:
                 "_verifiers": list(program._verifiers),
             }
             for key, value in program._state_dict.items():
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, _TENSOR):
                     record(key, value, copy_state and not isinstance(value, torch.nn.Parameter))
             for key, value in program._constants.items():
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, _TENSOR):
                     record(key, value, copy_state)
         self._versions = [t._version for t in self._tensors]
 
@@ -333,21 +357,18 @@ class Snapshot:
         Every submodule added is registered in a recorded module's ``_modules``, so the
         recorded modules are all that needs looking at.
         """
-        for module, attrs, tensor_keys, buffers, params, submodules in self._modules:
-            now = module.__dict__
-            if (
-                not _same_items(module._buffers, buffers)
-                or not _same_items(module._parameters, params)
-                or not _same_items(module._modules, submodules)
-                or not all(now.get(k) is attrs[k] for k in tensor_keys)
-            ):
-                return True
-            # Attributes added or removed (rare): only tensors count (recompiling adds code).
-            if list(now) != list(attrs) and [
-                k for k, v in now.items() if isinstance(v, torch.Tensor)
-            ] != tensor_keys:
-                return True
-        return False
+        refs, keys = _module_refs(self._modules)
+        if len(refs) != len(self._module_refs) or not all(
+            map(operator.is_, refs, self._module_refs)
+        ):
+            return True
+        if keys == self._module_keys:
+            return False
+        # Attributes added or removed (rare): only tensors count (recompiling adds code).
+        return any(
+            _tensor_keys(module.__dict__) != tensor_keys
+            for module, _, tensor_keys, *_ in self._modules
+        )
 
     def written(self) -> list[str]:
         """Tensors whose data was written in place since the snapshot (version counter)."""
