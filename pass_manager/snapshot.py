@@ -20,7 +20,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature
 
-from .copying import MISSING, copy_value, equal, is_container, same, shallow
+from .copying import MISSING, copy_value, equal, is_container, same
 from .program import graph_module_of, modules_of
 
 __all__ = ["Change", "Snapshot"]
@@ -185,14 +185,60 @@ class _SignatureRecord:
         return self.signature
 
 
-def _copy_call_graph(entries: list) -> list:
-    copied = []
-    for entry in entries:
-        clone = shallow(entry)
-        if entry.signature is not None:
-            clone.signature = copy_value(entry.signature)
-        copied.append(clone)
-    return copied
+_LEAVES = (str, int, float, bool, type(None))
+
+
+def _walked(obj: Any) -> bool:
+    """A dataclass instance with a ``__dict__`` (argument specs, call signatures)."""
+    return hasattr(type(obj), "__dataclass_fields__") and hasattr(obj, "__dict__")
+
+
+class _ObjectsRecord:
+    """A list of dataclass instances and the lists and dataclass instances they hold (to
+    ``depth`` levels), each with a shallow copy of its contents: compared in C loops and
+    restored in place.
+
+    Used for the module call graph: one entry per module of the exported model, whose
+    signature holds lists of argument dataclasses.
+    """
+
+    def __init__(self, roots: list, depth: int = 3):
+        # The roots (module call entries) first, in one C-speed pass: most of them hold
+        # nothing more to walk (a signature only at the top module).
+        self.items: list[tuple[Any, Any]] = [(roots, roots.copy())]
+        self.items += [(root, root.__dict__.copy()) for root in roots]
+        seen = {id(obj) for obj, _ in self.items}
+        stack = [(value, depth) for _, contents in self.items[1:]
+                 for value in contents.values() if not isinstance(value, _LEAVES)]
+        while stack:
+            obj, left = stack.pop()
+            if id(obj) in seen:
+                continue
+            if isinstance(obj, list):
+                contents: Any = obj.copy()
+                children = obj
+            elif _walked(obj):
+                contents = obj.__dict__.copy()
+                children = contents.values()
+            else:
+                continue
+            seen.add(id(obj))
+            self.items.append((obj, contents))
+            if left:
+                stack.extend((child, left - 1) for child in children)
+
+    def changed(self) -> bool:
+        now = [obj.copy() if isinstance(obj, list) else obj.__dict__ for obj, _ in self.items]
+        return not _equal_lists(now, [contents for _, contents in self.items])
+
+    def restore(self) -> None:
+        for obj, contents in self.items:
+            if isinstance(obj, list):
+                obj[:] = contents
+            else:
+                obj.__dict__.clear()
+                obj.__dict__.update(contents)
+
 
 
 def _tensor_ids(mapping: dict) -> list[tuple[str, int]]:
@@ -308,16 +354,24 @@ class Snapshot:
                 "_graph_signature": _SignatureRecord(program._graph_signature),
                 "_state_dict": dict(program._state_dict),
                 "_constants": dict(program._constants),
-                "_module_call_graph": _copy_call_graph(program._module_call_graph),
+                "_module_call_graph": program._module_call_graph,
+                "_call_graph_record": _ObjectsRecord(program._module_call_graph),
                 "_range_constraints": dict(program._range_constraints),
                 "_verifiers": list(program._verifiers),
             }
-            for key, value in program._state_dict.items():
-                if isinstance(value, _TENSOR):
-                    record(key, value, copy_state and not isinstance(value, torch.nn.Parameter))
-            for key, value in program._constants.items():
-                if isinstance(value, _TENSOR):
-                    record(key, value, copy_state)
+            if copy_state:
+                for key, value in program._state_dict.items():
+                    if isinstance(value, _TENSOR):
+                        record(key, value, not isinstance(value, torch.nn.Parameter))
+                for key, value in program._constants.items():
+                    if isinstance(value, _TENSOR):
+                        record(key, value, True)
+            else:  # only identities and versions: in bulk (a tensor may be listed twice)
+                for mapping in (program._state_dict, program._constants):
+                    keys = list(itertools.compress(mapping, map(
+                        isinstance, mapping.values(), itertools.repeat(_TENSOR))))
+                    self._names += keys
+                    self._tensors += map(mapping.__getitem__, keys)
         self._versions = [t._version for t in self._tensors]
 
     # -- what changed ------------------------------------------------------------------
@@ -346,7 +400,8 @@ class Snapshot:
             not state["_graph_signature"].changed(program._graph_signature)
             and _tensor_ids(program._state_dict) == _tensor_ids(state["_state_dict"])
             and _tensor_ids(program._constants) == _tensor_ids(state["_constants"])
-            and same(program._module_call_graph, state["_module_call_graph"])
+            and program._module_call_graph is state["_module_call_graph"]
+            and not state["_call_graph_record"].changed()
             and program._range_constraints == state["_range_constraints"]
             and program._verifiers == state["_verifiers"]
         )
@@ -431,7 +486,8 @@ class Snapshot:
             program = self.program
             state = self._ep_state
             program._graph_signature = state["_graph_signature"].restore()
-            program._module_call_graph = _copy_call_graph(state["_module_call_graph"])
+            state["_call_graph_record"].restore()
+            program._module_call_graph = state["_module_call_graph"]
             for key in ("_state_dict", "_constants", "_range_constraints", "_verifiers"):
                 setattr(program, key, copy.copy(state[key]))
             program._graph_module = gm

@@ -184,3 +184,27 @@ def test_failing_pass_that_built_a_new_exported_program_leaves_the_input_intact(
     assert all("rebuilt" not in n.meta for n in exported.graph.nodes)
     assert exported.graph_module.graph.owning_module is exported.graph_module
     assert exported.module()(torch.ones(4)).shape == (4,)
+
+
+def test_rollback_restores_the_signature_and_module_call_graph_edited_in_place(exported):
+    before = state_of(exported)
+    call_graph = repr(exported.module_call_graph)
+    signature_object = exported.graph_signature
+
+    def edits_then_fails(gm):
+        signature = exported.graph_signature
+        signature.input_specs[0].arg.name = "renamed"
+        signature.output_specs.append(copy.copy(signature.output_specs[-1]))
+        entry = exported.module_call_graph[0]
+        entry.fqn = "elsewhere"
+        entry.signature.inputs.clear()
+        entry.signature.forward_arg_names = ["nothing"]
+        exported._module_call_graph = []
+        raise RuntimeError("boom")
+
+    with pytest.raises(PassFailedError):
+        PassManager([edits_then_fails]).run(exported)
+    assert_same_state(before, state_of(exported))
+    assert repr(exported.module_call_graph) == call_graph
+    assert exported.graph_signature is signature_object
+    assert exported.module()(torch.ones(4)).shape == (4,)
