@@ -183,7 +183,12 @@ def _normalize(gm: GraphModule, mutation: Node, objects: dict[Node, Node],
         if fits is None:
             return (f"{target} may grow the storage of {source.name}, whose size is not known "
                     "(a view, or symbolic sizes); torch refuses to grow a view as well")
-        if fits:
+        val = source.meta.get("val")
+        if fits and isinstance(val, torch.Tensor) and val.is_contiguous() and (
+            list(val.shape) == list(size)
+        ):  # to its own size: no change, and no storage view (they restrict the rewrite)
+            new = (aten.alias.default, (source,))
+        elif fits:
             new = (aten.as_strided.default, (source, size, _contiguous_strides(size)))
         else:
             reason = _viewed(source, mutation, objects, order)
