@@ -103,7 +103,7 @@ class Rewrite(StorageReads, ProgramEnd):
             str(n.target).endswith("_") or "writes" in reason
             for n, reason in self.opaque.items() if n not in self.skipped)
         self.has_writes |= any(n not in write_backs for n in scan.writing_nodes) or any(
-            isinstance(a, Node) and a.target is aten.copy.default and fresh_like(a.args[1], a)
+            isinstance(a, Node) and target_of(a) is aten.copy.default and fresh_like(a.args[1], a)
             for _, a in self.mutation_outputs)
         self.cur: dict[Node, Node] = {}
         self.version: dict[Node, int] = {}

@@ -17,7 +17,7 @@ from torch.export.graph_signature import (
 )
 from torch.fx import Node, map_arg
 
-from ._aliasing import MAYBE_VIEWS, view_base_index
+from ._aliasing import MAYBE_VIEWS, target_of, view_base_index
 from ._buffers import (
     BUFFER,
     INITIAL_META,
@@ -41,7 +41,7 @@ def fresh_like(src: Any, dst: Node) -> bool:
     dtype: then ``copy(dst, src)`` equals ``src``, and ``dst.copy_(src)`` makes ``dst``
     hold exactly ``src``. Re-exported programs keep one such whole-buffer copy per
     mutated buffer; ``run_decompositions`` drops them, and so does this pass."""
-    if not isinstance(src, Node) or src.op != "call_function" or src.target in MAYBE_VIEWS:
+    if not isinstance(src, Node) or src.op != "call_function" or target_of(src) in MAYBE_VIEWS:
         return False
     if view_base_index(src) is not None or (
         src.target is operator.getitem and isinstance(src.args[0], Node)
@@ -79,7 +79,7 @@ class ProgramEnd:
                 state = self.states[root]
                 if state.kind == kind and self.version.get(root, 0) > 0:
                     final = self.cur[root]
-                    if final.target is aten.copy.default and fresh_like(final.args[1], final):
+                    if target_of(final) is aten.copy.default and fresh_like(final.args[1], final):
                         final = final.args[1]  # a whole-state copy: hand on its source
                     if final.op in ("placeholder", "get_attr"):
                         # The final value is another piece of state: copy it, or writing
