@@ -26,10 +26,12 @@ class UnsupportedMutationError(PassManagerError):
         node: the name of the node at fault.
         reason: why it cannot be rewritten.
         kind: a short category: "overlap", "no-variant", "no-write-back",
-            "writes-parameter", "opaque", "fake-failure", "relayout" (a shape/stride change
-            of state, of a view or of a tensor read through earlier views) or "storage" (an
-            op reading a written tensor's storage, such as ``as_strided``, whose root is
-            not a contiguous tensor owning all of its storage).
+            "writes-parameter", "opaque", "fake-failure", "relayout" (a shape change or
+            ``set_`` of program state, a ``resize_`` growing a view's or a viewed
+            tensor's storage, an ``out=`` resize of state or of a viewed tensor) or
+            "storage" (an op reading a written tensor's storage, such as ``as_strided``,
+            whose root is not a contiguous tensor owning all of its storage, or program
+            state whose strides a metadata mutation changes).
     """
 
     def __init__(self, node: Node, reason: str, kind: str):
