@@ -41,8 +41,10 @@ class InplaceToFunctional(Pass):
 
     Raises:
         UnsupportedMutationError: an op with no known functional variant, a write to a
-            parameter or constant, a write through a view with no write-back, or a
-            written tensor that may partially overlap another argument.
+            parameter or constant, a write through a view with no write-back, a
+            written tensor that may partially overlap another argument, or a metadata
+            mutation (``unsqueeze_``, ``resize_``, ``set_``, ...) changing the shape of
+            program state (those of intermediates and views become views or renames).
     """
 
     requires = frozenset({MutableBuffersMarked})
