@@ -5,7 +5,8 @@ cache (16 layers, dim 512, 4,096 positions): the bare cost is ``p.call(prog)`` p
 ``recompile()`` its result needs (InplaceToFunctional; UnfreezeMutableBuffer when it
 changed something); the managed cost is building ``PassManager([p])`` and running it
 (conditions checked, snapshot, change detection, recompile). Each is timed ``--repeat``
-times on fresh copies (copying is not timed); the table gives the medians, min-of-runs and
+times on fresh copies (copying is not timed), in CPU time of this process after a garbage
+collection, bare and managed interleaved; the table gives the medians, min-of-runs and
 the managed/bare ratio of both (target <= 1.10). ``--memory`` also measures, in a child
 process per pass, the peak RSS the managed run adds on the big-state decoder, against the
 program's buffer bytes (target <= 5%).
@@ -22,6 +23,7 @@ import gc
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -127,9 +129,14 @@ def measure(name: str, repeat: int) -> list[dict[str, Any]]:
         run_bare = lambda p, make=make_pass: bare(make(), p)  # noqa: E731
         run_managed = lambda p, make=make_pass: managed(make, p)  # noqa: E731
         for _ in range(repeat):
-            b.samples += time_call("bare", run_bare, make_input, 1).samples
-            m.samples += time_call("managed", run_managed, make_input, 1).samples
-            gc.collect()
+            # CPU time, each run after a collection: on a shared machine wall time mostly
+            # measures the other processes, and a collection one run triggers and the other
+            # does not is noise of the order of the small passes' whole cost.
+            for timings, run in ((b, run_bare), (m, run_managed)):
+                gc.collect()
+                timings.samples += time_call(
+                    timings.name, run, make_input, 1, clock=time.process_time
+                ).samples
         rows.append({
             "program": name, "pass": pass_name,
             "bare_ms": b.median * 1e3, "managed_ms": m.median * 1e3,
