@@ -22,7 +22,8 @@ identity is recycled while it lives. A cached value is shared: treat it as read-
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -30,15 +31,73 @@ from torch.export import ExportedProgram
 
 from .program import graph_module_of, modules_of
 
-__all__ = ["Same", "Stamp", "cached", "invalidate"]
+__all__ = ["Same", "Stamp", "cached", "invalidate", "node_fields", "unchanged"]
 
 T = TypeVar("T")
 
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _node_records(graph: torch.fx.Graph) -> list[tuple]:
-    return [(n, n.op, n.name, n.target, n._args, n._kwargs, n.meta.get("val")) for n in graph.nodes]
+def node_fields(nodes: list[torch.fx.Node]) -> list[tuple]:
+    """Per node, the fields that make the program's code: name, op, target, args, kwargs and
+    type (the manager's snapshot compares the same records)."""
+    return [(n.name, n.op, n.target, n._args, n._kwargs, n.type) for n in nodes]
+
+
+class _Measure:
+    """One measurement of a graph's nodes: the nodes, their fields, their fake values, and
+    the program's signature token (the last two taken when first asked for)."""
+
+    __slots__ = ("fields", "graph", "nodes", "signature", "vals")
+
+    def __init__(self, graph: torch.fx.Graph, nodes: list | None = None,
+                 fields: list | None = None):
+        self.graph = graph
+        self.nodes = list(graph.nodes) if nodes is None else nodes
+        self.fields = node_fields(self.nodes) if fields is None else fields
+        self.vals: list | None = None
+        self.signature: tuple | None = None
+
+    def values(self) -> list:
+        if self.vals is None:
+            self.vals = [n.meta.get("val") for n in self.nodes]
+        return self.vals
+
+    def signature_token(self, program: Any) -> tuple:
+        if self.signature is None:
+            self.signature = _signature_token(program)
+        return self.signature
+
+
+# Graphs known not to change for a while (the manager checking conditions), by id: their
+# nodes are measured once for every stamp made or matched meanwhile (see ``unchanged``).
+_unchanged: dict[int, _Measure] = {}
+
+
+@contextmanager
+def unchanged(graph: torch.fx.Graph, nodes: list | None = None,
+              fields: list | None = None) -> Iterator[None]:
+    """Declare that ``graph`` (and its program) does not change inside the block.
+
+    Stamps made or matched inside share one measurement of its nodes instead of taking
+    one each: the manager wraps its condition checks in this, passing the node records
+    it has just measured for its snapshot (``nodes`` and ``fields``, as
+    :func:`node_fields`). A condition's check must not change the program.
+    """
+    previous = _unchanged.get(id(graph))
+    _unchanged[id(graph)] = _Measure(graph, nodes, fields)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _unchanged[id(graph)]
+        else:
+            _unchanged[id(graph)] = previous
+
+
+def _measure(graph: torch.fx.Graph) -> _Measure:
+    found = _unchanged.get(id(graph))
+    return found if found is not None and found.graph is graph else _Measure(graph)
 
 
 def _same_records(a: list[tuple], b: list[tuple]) -> bool:
@@ -82,24 +141,35 @@ class Same:
 class Stamp:
     """What an analysis of ``program`` depends on, to tell later whether it still holds."""
 
-    __slots__ = ("_depends", "_extra", "_graph", "_records", "_signature")
+    __slots__ = ("_depends", "_extra", "_graph", "_nodes", "_records", "_signature", "_vals")
 
     def __init__(self, program: Any, depends: Callable[[Any], Any] | None = None):
         graph = graph_module_of(program).graph
+        measure = _measure(graph)
         self._graph = graph
-        self._records = _node_records(graph)
-        self._signature = _signature_token(program)
+        self._nodes = measure.nodes
+        self._records = measure.fields
+        self._vals = measure.values()
+        self._signature = measure.signature_token(program)
         self._depends = depends
         self._extra = depends(program) if depends is not None else None
 
     def nodes_match(self, graph: torch.fx.Graph) -> bool:
         """Whether ``graph`` has the stamped nodes, in order, with the same fields."""
-        return graph is self._graph and _same_records(_node_records(graph), self._records)
+        if graph is not self._graph:
+            return False
+        measure = _measure(graph)
+        return (
+            measure.nodes == self._nodes  # Node equality is identity: a C loop
+            and _same_records(measure.fields, self._records)
+            and _same_records(measure.values(), self._vals)
+        )
 
     def matches(self, program: Any) -> bool:
         return (
             self.nodes_match(graph_module_of(program).graph)
-            and _signature_token(program) == self._signature
+            and _measure(graph_module_of(program).graph).signature_token(program)
+            == self._signature
             and (self._depends is None or self._depends(program) == self._extra)
         )
 

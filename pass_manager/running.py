@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
+from .analysis import unchanged
 from .conditions import Condition, as_condition_set
 from .errors import (
     InPlaceContractError,
@@ -192,11 +193,15 @@ class Runner:
             for instrument in self.instruments:
                 instrument.before_pass(p, program, record)
             record.nodes_before = node_count(program)
-            self._require(p, index, program, state, record)
             edits_meta = getattr(p, "edits_meta_in_place", True)
-            snapshot = Snapshot(
+            taken = Snapshot(
                 program, copy_state=p.writes_state, copy_meta_values=edits_meta or self.strict
             )
+            # The checks share the snapshot's measurement of the nodes (conditions do not
+            # change the program); nothing to roll back if a requirement fails.
+            with unchanged(*taken.measured(program, after=False)):
+                self._require(p, index, program, state, record)
+            snapshot = taken
             out = self._call(p, index, program)
             unpacked = _unpack(out, program)
             current, record.claimed_modified, record.notes, record.statistics = unpacked
@@ -205,7 +210,8 @@ class Runner:
             if not edits_meta and self.strict and (edited := snapshot.edited_in_place()):
                 raise MetaEditError(p.name, index, edited)
             self._measure(p, index, program, current, snapshot, record)
-            self._provide(p, index, current, state, record)
+            with unchanged(*snapshot.measured(current, after=True)):
+                self._provide(p, index, current, state, record)
             for instrument in reversed(self.instruments):
                 instrument.after_pass(p, current, record)
             return current

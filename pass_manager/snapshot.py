@@ -20,6 +20,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature
 
+from .analysis import node_fields
 from .copying import MISSING, copy_value, equal, is_container, same
 from .program import graph_module_of, modules_of
 
@@ -45,10 +46,6 @@ _SHARED_META = frozenset(
         "unbacked_bindings",
     }
 )
-def _fields(nodes: list[torch.fx.Node]) -> list[tuple]:
-    return [(n.name, n.op, n.target, n._args, n._kwargs, n.type) for n in nodes]
-
-
 def _equal_lists(a: list, b: list) -> bool:
     """``a == b`` compared in C (identity first); values that cannot compare: not equal."""
     try:
@@ -67,11 +64,12 @@ class _GraphRecord:
 
     def __init__(self, graph: torch.fx.Graph, copy_values: bool = True):
         self.graph = graph
+        self.after: tuple[list, list] | None = None  # the nodes and fields compared last
         self._tracer_cls = graph._tracer_cls
         self._codegen = copy.copy(graph._codegen)
         nodes = list(graph.nodes)
         self._nodes = nodes
-        self._fields = _fields(nodes)
+        self._fields = node_fields(nodes)
         self._meta = list(map(dict.copy, [n.meta for n in nodes]))
         # Most nodes hold only shared entries (values, provenance): nothing to copy.
         self._copies = {
@@ -88,7 +86,8 @@ class _GraphRecord:
             return True
         if graph._codegen.__dict__ != self._codegen.__dict__:
             return True
-        current = _fields(nodes)
+        current = node_fields(nodes)
+        self.after = (nodes, current)
         if _equal_lists(current, self._fields):
             return False
         # Equal values assigned anew (``node.args = tuple(node.args)``) are no change.
@@ -373,6 +372,19 @@ class Snapshot:
                     self._names += keys
                     self._tensors += map(mapping.__getitem__, keys)
         self._versions = [t._version for t in self._tensors]
+
+    def measured(self, program: Any, after: bool) -> tuple[torch.fx.Graph, list | None,
+                                                           list | None]:
+        """The graph of ``program`` and its node records as this snapshot measured them
+        (before the pass, or after it when :meth:`compare` got that far), for
+        ``analysis.unchanged``."""
+        graph = graph_module_of(program).graph
+        record = self._graph
+        if not after:
+            return graph, record._nodes, record._fields
+        if record.after is not None and graph is record.graph:
+            return graph, *record.after
+        return graph, None, None
 
     # -- what changed ------------------------------------------------------------------
     def compare(self, program: Any) -> Change:

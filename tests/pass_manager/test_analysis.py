@@ -109,3 +109,47 @@ def test_reassigning_equal_args_is_no_change(traced):
 
     result = PassManager([function_pass(same_args)]).run(traced)
     assert not result.modified
+
+
+def test_stamps_inside_an_unchanged_block_share_one_measure_and_still_see_later_changes(traced):
+    from pass_manager.analysis import unchanged
+
+    analysis = Counted()
+    measured = []
+    graph = graph_of(traced)
+    with unchanged(graph):
+        import pass_manager.analysis as module
+
+        original = module.node_fields
+        module.node_fields = lambda nodes: measured.append(1) or original(nodes)
+        try:
+            cached(traced, "ops", analysis)
+            cached(traced, "ops", analysis)
+            cached(traced, "other", Counted())
+        finally:
+            module.node_fields = original
+    assert analysis.runs == 1 and measured == []  # measured once, on entering the block
+    relu_node(traced).target = torch.abs  # outside the block: measured again
+    cached(traced, "ops", analysis)
+    assert analysis.runs == 2
+
+
+def test_the_manager_checks_a_guarantee_with_the_scan_its_pass_made(exported):
+    """MarkMutableBuffers' scan serves its guarantee MutableBuffersMarked: one scan a run."""
+    import passes._buffers as buffers
+    from passes import MarkMutableBuffers
+
+    scans = []
+    original = buffers._scan_mutations
+
+    def counted(program):
+        scans.append(1)
+        return original(program)
+
+    buffers._scan_mutations = counted
+    try:
+        result = PassManager([MarkMutableBuffers()]).run(exported)
+    finally:
+        buffers._scan_mutations = original
+    assert result.modified and result.report.records[0].checked == ["MutableBuffersMarked"]
+    assert len(scans) == 1
