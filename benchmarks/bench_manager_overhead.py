@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> str:
         _peak_child(*args.peak_child)
         return ""
     lines = [
-        f"## Pass-manager overhead per pass (wall ms: median of {args.repeat} interleaved runs)",
+        f"## Pass-manager overhead per pass (CPU ms: median of {args.repeat} interleaved runs)",
         "",
         "bare = `p.call(program)` + the `recompile()` its result needs; managed = "
         "`PassManager([p]).run(program)` (conditions, snapshot, change detection, recompile). "
