@@ -205,11 +205,12 @@ class Runner:
             out = self._call(p, index, program)
             unpacked = _unpack(out, program)
             current, record.claimed_modified, record.notes, record.statistics = unpacked
-            if not p.writes_state and (written := snapshot.written()):
+            written = snapshot.written()
+            if written and not p.writes_state:
                 raise StateWriteError(p.name, index, written)
             if not edits_meta and self.strict and (edited := snapshot.edited_in_place()):
                 raise MetaEditError(p.name, index, edited)
-            self._measure(p, index, program, current, snapshot, record)
+            self._measure(p, index, program, current, snapshot, record, written)
             with unchanged(*snapshot.measured(current, after=True)):
                 self._provide(p, index, current, state, record)
             for instrument in reversed(self.instruments):
@@ -262,6 +263,7 @@ class Runner:
         new_program: Any,
         snapshot: Snapshot,
         record: PassRecord,
+        written: list[str],
     ) -> None:
         form = program_form(program)
         if new_program is not program and program_form(new_program) != form:
@@ -273,7 +275,7 @@ class Runner:
             raise InPlaceContractError(
                 p.name, index, "declares in_place = True but returned a different program object"
             )
-        change = snapshot.compare(new_program)
+        change = snapshot.compare(new_program, written)
         record.modified = change.anything
         if in_place is False and new_program is program and record.modified:
             raise InPlaceContractError(

@@ -12,8 +12,11 @@ those records: no node is printed or hashed. :meth:`Snapshot.restore` undoes the
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import operator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
@@ -46,6 +49,25 @@ _SHARED_META = frozenset(
         "unbacked_bindings",
     }
 )
+@contextmanager
+def _no_collection() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a record is built or compared.
+
+    A record is thousands of small tuples, dicts and lists, none of them in a cycle; with
+    the collector running, they trigger several young-generation collections, each of
+    which brings a (on a program's heap, slow) full collection closer. Paused, they cost
+    at most one, when the collector runs next.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _equal_lists(a: list, b: list) -> bool:
     """``a == b`` compared in C (identity first); values that cannot compare: not equal."""
     try:
@@ -301,6 +323,10 @@ class Snapshot:
     """
 
     def __init__(self, program: Any, copy_state: bool = True, copy_meta_values: bool = True):
+        with _no_collection():
+            self._record(program, copy_state, copy_meta_values)
+
+    def _record(self, program: Any, copy_state: bool, copy_meta_values: bool) -> None:
         self.program = program
         gm = graph_module_of(program)
         self._gm = gm
@@ -387,17 +413,22 @@ class Snapshot:
         return graph, None, None
 
     # -- what changed ------------------------------------------------------------------
-    def compare(self, program: Any) -> Change:
-        """What differs between ``program`` (the pass's result) and the snapshot."""
-        gm = graph_module_of(program)
-        if gm is not self._gm or self._graph.structure_changed(gm.graph):
-            return Change(True, True)
-        return Change(False, self._state_changed(program))
+    def compare(self, program: Any, written: list[str] | None = None) -> Change:
+        """What differs between ``program`` (the pass's result) and the snapshot.
 
-    def _state_changed(self, program: Any) -> bool:
+        ``written``: what :meth:`written` returned just before, if the caller has it
+        (reading every tensor's version counter again costs as much as the rest).
+        """
+        gm = graph_module_of(program)
+        with _no_collection():
+            if gm is not self._gm or self._graph.structure_changed(gm.graph):
+                return Change(True, True)
+            return Change(False, self._state_changed(program, written))
+
+    def _state_changed(self, program: Any, written: list[str] | None) -> bool:
         items, copies = self._gm_meta
         if (
-            self.written()
+            (self.written() if written is None else written)
             or self._graph.meta_changed()
             or not _equal_lists(list(self._gm.meta.items()), list(items))
             or not all(same(self._gm.meta.get(k, MISSING), c) for k, c in copies.items())
