@@ -389,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
                              "its wrong results and crashes")
     parser.add_argument("--progress", type=int, default=0,
                         help="report progress to stderr every N programs")
+    parser.add_argument("--log", type=argparse.FileType("w"), default=None,
+                        help="write one line per program (seed, ours, torch's) to this file, "
+                             "so a long run's partial results survive an interruption")
     args = parser.parse_args(argv)
     # Deep-copying thousands of exported programs repeats torch's own LeafSpec deprecation
     # warning; it says nothing about the programs checked.
@@ -406,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         if reference is not None:
             torch_counts[reference if reference == "ok" else reference.split(":")[0]] += 1
             torch_counts[f"{reference.split(':')[0]} (ours {outcome.split(':')[0]})"] += 1
+        if args.log:
+            print(f"{seed}\t{outcome}\t{reference}", file=args.log, flush=True)
         if outcome.startswith(("mismatch", "crash")):
             failures.append((seed, outcome, steps))
         if args.progress and (i + 1) % args.progress == 0:
