@@ -527,3 +527,82 @@ def test_re_exported_program_has_no_whole_buffer_copies_and_delegates_own_the_ca
     consumed = PassManager([ConsumeBufferMutationsInDelegate()]).run(lowered).program
     assert [sorted(d.owned_buffers) for d in delegates(consumed)] == [["cache"]]
     assert_same_behaviour(CacheAndEma(), consumed, calls, state=program_state)
+
+
+class WhileLoopLocalWrites(nn.Module):
+    """A while_loop body writing only tensors it allocates; the state is written outside."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(3))
+
+    def forward(self, x):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        def cond_fn(i, acc):
+            return i < 3
+
+        def body_fn(i, acc):
+            t = acc * 0.5
+            t.add_(1)
+            t[0].mul_(2)  # a write through a view of the local tensor
+            return i + 1, t
+
+        _, acc = while_loop(cond_fn, body_fn, (torch.tensor(0), x))
+        self.b.add_(acc)
+        return acc, self.b * 1
+
+
+def test_writes_local_to_a_while_loop_body():
+    calls = _calls((3,))
+    for strict in (False, True):
+        ep, gm = functionalize_both_forms(WhileLoopLocalWrites, calls, strict=strict)
+        for program in (ep, gm):
+            assert torch.ops.higher_order.while_loop in targets(program)
+            assert aten.add_.Tensor not in targets(program)
+
+
+class CondWritesBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(3))
+
+    def forward(self, x):
+        def writes(x):
+            self.b.add_(x)
+            return x * 2
+
+        return torch.cond(x.sum() > 0, writes, lambda x: x - 1, (x,))
+
+
+class WhileLoopWritesBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(3))
+
+    def forward(self, x):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        def body_fn(i, acc):
+            self.b.add_(acc)
+            return i + 1, acc + 1
+
+        return while_loop(lambda i, acc: i < 3, body_fn, (torch.tensor(0), x))[1]
+
+
+@pytest.mark.parametrize("factory", [CondWritesBuffer, WhileLoopWritesBuffer])
+def test_writes_to_captured_state_in_cond_or_while_loop_are_refused_like_torch(factory):
+    """Export accepts these only under no_grad (and refuses a map body writing captured
+    state at all); run_decompositions({}) then fails on them, so we refuse too."""
+    calls = _calls((3,))
+    with torch.no_grad():
+        ep = torch.export.export(factory(), copy.deepcopy(calls[0]))
+    with pytest.raises(Exception, match="is not functional"):
+        copy.deepcopy(ep).run_decompositions({})
+    for program in (ep, ep.module()):
+        marked = PassManager([MarkMutableBuffers()]).run(copy.deepcopy(program)).program
+        before = program_text(marked)
+        with pytest.raises(UnsupportedMutationError) as info:
+            InplaceToFunctional().call(marked)
+        assert info.value.kind == "opaque" and "inside its subgraph" in str(info.value)
+        assert program_text(marked) == before
