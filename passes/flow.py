@@ -29,12 +29,11 @@ from pass_manager.validation import (
     run_program,
 )
 
+from ._flow_delegation import delegation_stages, ownable_by_cache_updates
 from ._flow_quantization import RESET, WITH_PASSES, quantize_both_ways
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
-from .delegation import AllNodePartitioner, delegates, to_delegate
-from .delegation.ownership import program_state
 from .examples import xnnpack_quantizer
-from .flow_result import Check, FlowError, FlowResult, failure_of
+from .flow_result import Check, FlowError, FlowResult, check_same, failure_of, restricted
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
 from .model_spec import Exported, ModelSpec, export_program
@@ -192,13 +191,14 @@ def run_flow(
         # Later stages run the functional program's module, which shares its buffers.
         fp32_program = copy_program(program) if runtime == "executorch" else None
         functional_trace = stage("decode the functional program", lambda: stage.run(program, steps))
-        _check_same(
+        check_same(
             result,
             "functional program matches the exported program",
             exported_trace,
             functional_trace,
         )
 
+        before_rewrite: int | None = None  # caches ownable before the re-export's copies go
         if quantize:
             traces, converted = quantize_both_ways(
                 stage, exported.program, functional.program, quantizer_factory, calibration, steps,
@@ -214,6 +214,9 @@ def run_flow(
                 reexported = stage(
                     "re-export the quantized program", lambda: export_(quantized, mode)
                 )
+                # What a cache-update-only partitioner could own before InplaceToFunctional
+                # turns the re-export's whole-buffer copies back into the updates.
+                before_rewrite = ownable_by_cache_updates(reexported.program)
                 refunctional = stage(
                     "functionalize again", lambda: functionalize.run(reexported.program)
                 )
@@ -226,27 +229,8 @@ def run_flow(
             reference = functional_trace
 
         if delegate:
-            lowered = stage("to_delegate", lambda: to_delegate(program, AllNodePartitioner()))
-            consumed = stage(
-                "consume buffer mutations",
-                lambda: PassManager([ConsumeBufferMutationsInDelegate()], **options).run(lowered),
-            )
-            result.reports.append(("delegation", consumed.report))
-            program = consumed.program
-            for info in delegates(program):
-                owned = ", ".join(sorted(info.owned_buffers)) or "none"
-                result.delegate_summary.append(f"{info.tag}: owns {owned}")
-            final = stage(
-                "decode the lowered program", lambda: stage.run(program, steps, state=program_state)
-            )
-            # Constants torchao or export lifted into buffers of the quantized module (a
-            # cross-attention's lifted tensors) are no state of the model: compare the model's.
-            model_state = set(eager.buffers[0]) if eager.buffers else set()
-            _check_same(
-                result,
-                "delegated program matches its input program",
-                _restricted(reference, model_state),
-                _restricted(final, model_state),
+            final = delegation_stages(
+                stage, result, program, steps, (eager, reference), before_rewrite, options
             )
             name = "full pipeline" if quantize else "fp32 pipeline"
             result.step_errors[name] = output_errors(eager, final)
@@ -282,9 +266,9 @@ def _check_export(result: FlowResult, mode: str, eager: Trace, exported: Trace) 
     """
     kept = set(exported.buffers[0]) if exported.buffers else set()
     dropped = sorted(set(eager.buffers[0]) - kept) if eager.buffers else []
-    restricted = _restricted(eager, kept)
-    difference = first_difference(restricted, exported, EXPORT_ATOL, EXPORT_RTOL)
-    worst = max(output_errors(restricted, exported), default=0.0)
+    kept_only = restricted(eager, kept)
+    difference = first_difference(kept_only, exported, EXPORT_ATOL, EXPORT_RTOL)
+    worst = max(output_errors(kept_only, exported), default=0.0)
     detail = difference or (
         "outputs and buffers equal" if worst == 0 else f"max abs output difference {worst:.3g}"
     )
@@ -376,14 +360,3 @@ def _quantization_checks(
             detail,
         )
     )
-
-
-def _restricted(trace: Trace, names: set[str]) -> Trace:
-    """The trace with only the buffers named (outputs and inputs as they are)."""
-    buffers = [{n: v for n, v in state.items() if n in names} for state in trace.buffers]
-    return Trace(trace.outputs, buffers, trace.inputs)
-
-
-def _check_same(result: FlowResult, name: str, expected: Trace, actual: Trace) -> None:
-    difference = first_difference(expected, actual)
-    result.checks.append(Check(name, difference is None, difference or "outputs and buffers equal"))

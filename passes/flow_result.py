@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from pass_manager import Report
+from pass_manager.validation import Trace, first_difference
 
-__all__ = ["Check", "Failure", "FlowError", "FlowResult", "failure_of"]
+__all__ = ["Check", "Failure", "FlowError", "FlowResult", "check_same", "failure_of", "restricted"]
 
 
 @dataclass
@@ -55,6 +56,8 @@ class FlowResult:
     notes: list[str] = field(default_factory=list)
     reports: list[tuple[str, Report]] = field(default_factory=list)
     delegate_summary: list[str] = field(default_factory=list)
+    # caches owned by the cache-update-only partitioner's delegates (see passes.flow)
+    cache_update_delegation: dict[str, Any] = field(default_factory=dict)
     step_errors: dict[str, list[float]] = field(default_factory=dict)
     buffer_errors: dict[str, dict[str, float]] = field(default_factory=dict)
     checks: list[Check] = field(default_factory=list)
@@ -100,6 +103,7 @@ class FlowResult:
             "notes": self.notes,
             "passes": {stage: report.to_dict() for stage, report in self.reports},
             "delegates": self.delegate_summary,
+            "cache_update_delegation": self.cache_update_delegation,
             "step_errors": self.step_errors,
             "buffer_errors": self.buffer_errors,
             "checks": [c.__dict__ for c in self.checks],
@@ -159,3 +163,15 @@ def failure_of(stage: str, error: BaseException) -> Failure:
         )
     reproducer = next((e.reproducer for e in chain if getattr(e, "reproducer", None)), None)
     return Failure(stage, reason, pass_name, node, str(reproducer) if reproducer else None)
+
+
+def restricted(trace: Trace, names: set[str]) -> Trace:
+    """The trace with only the buffers named (outputs and inputs as they are)."""
+    buffers = [{n: v for n, v in state.items() if n in names} for state in trace.buffers]
+    return Trace(trace.outputs, buffers, trace.inputs)
+
+
+def check_same(result: FlowResult, name: str, expected: Trace, actual: Trace) -> None:
+    """Add a check to ``result``: ``actual`` equals ``expected`` exactly."""
+    difference = first_difference(expected, actual)
+    result.checks.append(Check(name, difference is None, difference or "outputs and buffers equal"))
