@@ -2,8 +2,9 @@
 
 The job lowers its final program twice. ``AllNodePartitioner`` puts every computing node
 into one delegate. A *cache-update-only* partitioner delegates nothing but the cache
-updates (``index_put`` / ``index_copy``), as a backend that keeps only the KV cache in
-its own memory would: whether its delegates can own the caches shows whether each
+updates (``index_put`` / ``index_copy``, with the quantize/dequantize of their results in a
+quantized program), as a backend that keeps only the KV cache in its own memory would:
+whether its delegates can own the caches shows whether each
 cache's update is visible to a partitioner. Re-exporting a converted (quantized) program
 hides it: export writes each cache back with a whole-buffer ``aten.copy(cache, new)``
 computed outside any delegate, and InplaceToFunctional turns that copy back into the
@@ -20,28 +21,56 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
+from torch.fx import Node
 
 from pass_manager import PassManager, Report
 from pass_manager.validation import Trace
 
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
-from .delegation import AllNodePartitioner, OpSupportPartitioner, delegates, to_delegate
+from .delegation import AllNodePartitioner, delegates, to_delegate
 from .delegation.ownership import program_state, tagged_buffer_ownership
-from .delegation.partitioners import DELEGATION_TAG, Partitioner
+from .delegation.partitioners import DELEGATION_TAG, Partitioner, tagged_partitions
 from .flow_result import FlowResult, check_same, restricted
 
-__all__ = ["CACHE_UPDATE_OPS", "Delegated", "cache_update_partitioner", "delegate_stage",
+__all__ = ["CACHE_UPDATE_OPS", "CacheUpdatePartitioner", "Delegated", "delegate_stage",
            "delegation_stages", "ownable_by_cache_updates"]
 
 aten = torch.ops.aten
 # The functional cache updates a decoder's index_put_ / index_copy_ (or cache[..., pos] = v)
 # become after functionalization.
 CACHE_UPDATE_OPS = (aten.index_put.default, aten.index_copy.default)
+_QDQ = ("quantize_per_tensor", "dequantize_per_tensor")
 
 
-def cache_update_partitioner() -> OpSupportPartitioner:
-    """A partitioner delegating only the cache updates (``index_put`` / ``index_copy``)."""
-    return OpSupportPartitioner(CACHE_UPDATE_OPS, tag_prefix="cache_update")
+def _is_qdq_of(user: Node, node: Node) -> bool:
+    target = user.target
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "quantized_decomposed"
+            and target._opname in _QDQ and user.args[0] is node)
+
+
+def _quantized_result(node: Node) -> list[Node]:
+    """The quantize nodes reading ``node``'s result and the dequantize nodes reading those."""
+    found: list[Node] = []
+    for quantize in (u for u in node.users if _is_qdq_of(u, node)):
+        found += [quantize, *(u for u in quantize.users if _is_qdq_of(u, quantize))]
+    return found
+
+
+class CacheUpdatePartitioner:
+    """Tags each cache update (``index_put`` / ``index_copy``) with the quantize/dequantize
+    of its result, one partition per update: what a backend running only the cache updates
+    (in a quantized program, the quantized updates) delegates. Outside inputs only feed the
+    update itself (the others read the update or constants), so a group forms no cycle."""
+
+    def __call__(self, ep: ExportedProgram) -> dict[str, list[Node]]:
+        for node in ep.graph.nodes:
+            node.meta.pop(DELEGATION_TAG, None)
+        updates = [n for n in ep.graph.nodes
+                   if n.op == "call_function" and n.target in CACHE_UPDATE_OPS]
+        for index, update in enumerate(updates):
+            for node in (update, *_quantized_result(update)):
+                node.meta[DELEGATION_TAG] = f"cache_update_{index}"
+        return tagged_partitions(ep)
 
 
 def _mutated_buffers(ep: ExportedProgram) -> int:
@@ -52,7 +81,7 @@ def ownable_by_cache_updates(ep: ExportedProgram) -> int:
     """How many of ``ep``'s mutated buffers the cache-update-only partitioner's delegates
     could own, read on the tagged program without lowering it (the tags are removed)."""
     try:
-        cache_update_partitioner()(ep)
+        CacheUpdatePartitioner()(ep)
         return sum(v.consumable for v in tagged_buffer_ownership(ep))
     finally:
         for node in ep.graph.nodes:
@@ -108,7 +137,7 @@ def delegation_stages(
     for tag, owned in everything.owned.items():
         result.delegate_summary.append(f"{tag}: owns {', '.join(owned) or 'none'}")
     caches = delegate_stage(
-        stage, program, cache_update_partitioner(), " (cache updates only)", options
+        stage, program, CacheUpdatePartitioner(), " (cache updates only)", options
     )
     # Its report stays out of the pass table (one note per moved cache, twice over): the
     # summary line and the JSON report say what it did.

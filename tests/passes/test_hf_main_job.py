@@ -124,12 +124,20 @@ def test_cli_runs_hf_llama_through_the_whole_flow(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
-    assert "exported strict" in out and "FAIL" not in out and out.count("PASS") == 5
+    assert "exported strict" in out and "FAIL" not in out and out.count("PASS") == 6
     assert f"[quantize with the passes] step {STEPS}/{STEPS}" in out  # calibration progress
     assert f"[decode the lowered program] step {STEPS}/{STEPS}" in out
     assert "key_cache_0" in out.split("== delegates")[1]
     data = json.loads(report.read_text())
     assert data["ok"] is True and data["failure"] is None
+    # Issue 10, pattern 8 on HF's static cache, quantized by the every-op quantizer: after
+    # re-export, a partitioner delegating only the (quantized) cache updates gives every
+    # K/V cache to a delegate; before InplaceToFunctional, the whole-buffer copies hid them.
+    caches = data["cache_update_delegation"]
+    assert (caches["owned"], caches["owned_before_copy_rewrite"]) == (4, 0)
+    assert sorted(b for owned in caches["delegates"].values() for b in owned) == [
+        "key_cache_0", "key_cache_1", "value_cache_0", "value_cache_1"]
+    assert "PASS  program with cache-update delegates matches its input program" in out
 
 
 def test_cli_failure_after_loading_is_a_short_report_with_status_3():

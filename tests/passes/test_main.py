@@ -57,7 +57,7 @@ def test_main_job_on_one_layer_decoder(tmp_path):
     assert caches["owned_before_copy_rewrite"] == 0
     assert (caches["owned"], caches["mutated"]) == (2, 2)
     assert caches["delegates"] == {
-        "cache_update_0": ["layers.0.attn.k_cache", "layers.0.attn.v_cache"]}
+        "cache_update_0": ["layers.0.attn.k_cache"], "cache_update_1": ["layers.0.attn.v_cache"]}
     assert "delegate(s) own 2 of 2 mutated buffers (0 on the re-exported" in out
     assert "PASS  program with cache-update delegates matches its input program" in out
 
