@@ -71,8 +71,13 @@ def test_hf_llama_functional_program_matches_eager_over_six_steps():
 def test_flow_passes_every_check(factory):
     result = flow_on(factory)
     assert result.ok, "\n".join(f"{c.name}: {c.detail}" for c in result.checks)
-    assert len(result.checks) == 5
+    assert len(result.checks) == 6
     assert result.delegate_summary and "none" not in result.delegate_summary[0]
+    # A partitioner delegating only the cache updates (and their quantize/dequantize) owns
+    # each layer's K and V cache after re-export (the cache lengths are updated outside).
+    caches = result.cache_update_delegation
+    expected = 0 if factory is hf_models.no_grad_state else 4
+    assert (caches["owned"], caches["owned_before_copy_rewrite"]) == (expected, 0)
     assert len(result.step_errors["full pipeline"]) == STEPS
 
 
