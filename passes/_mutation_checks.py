@@ -78,7 +78,9 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
                 raise UnsupportedMutationError(node, reason, "no-write-back")
         for view in alias.chain:
             # Its write-back would store an element once per position, old and new values.
-            if target_of(view) in STORAGE_VIEWS and overlaps_itself(view):
+            # A view of it addressing each element once is written back from its own
+            # layout instead (_view_inverse.write_back_chain).
+            if target_of(view) in STORAGE_VIEWS and overlaps_itself(view) and overlaps_itself(w):
                 raise UnsupportedMutationError(
                     node, f"{w.name} is written through {view.name}, which addresses some "
                           "storage elements more than once (overlapping strides)", "overlap")

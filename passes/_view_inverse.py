@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch.fx import Node
 
-from ._aliasing import STORAGE_VIEWS, argument_value, target_of
+from ._aliasing import STORAGE_VIEWS, argument_value, overlaps_itself, target_of
 
 __all__ = ["Emit", "write_back", "write_back_reason"]
 
@@ -168,6 +168,14 @@ def write_back_chain(emit: Emit, chain: tuple[Node, ...], bases: list[Node], val
     ``bases[k]`` is the current value of ``chain[:k]`` (``bases[0]`` is the root's), for
     every ``k`` at which a step starts.
     """
+    if any(target_of(v) in STORAGE_VIEWS and overlaps_itself(v) for v in chain[:-1]):
+        # Step by step, the overlapping as_strided view would store an element once per
+        # position it has there. The end of the chain addresses each element once
+        # (_mutation_checks): it is itself a strided view of the root, absolute like every
+        # storage view, and is written back in one step from its own layout.
+        final = chain[-1].meta["val"]
+        return emit(aten.as_strided_scatter.default, bases[0], value, list(final.shape),
+                    list(final.stride()), final.storage_offset())
     start = len(chain)
     for step in reversed(view_steps(chain)):
         start -= len(step)

@@ -388,8 +388,42 @@ def test_state_written_under_no_grad():
 
 
 class WriteThroughOverlappingStrided(nn.Module):
-    """Found by the fuzzer: a write through (a row of) an as_strided view whose strides
-    address one element twice has no functional equivalent."""
+    """Found by the fuzzer: a write through an as_strided view whose strides address one
+    element twice has no functional equivalent (its write-back would store that element's
+    old and new values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(6.0))
+
+    def forward(self, x):
+        self.b[1:].as_strided((2, 2), (1, 1), 0).add_(x[:4].view(2, 2))
+        return self.b * 1
+
+
+def test_write_through_self_overlapping_as_strided_is_refused():
+    error = refused_in_both_forms(WriteThroughOverlappingStrided, _calls((6,)), "overlap")
+    assert "more than once" in error.reason
+
+
+class WriteThroughAViewOfOverlappingStrided(nn.Module):
+    """Found by the fuzzer (seed 743): a view of an overlapping as_strided view that
+    addresses each element once (here a diagonal of a swapped view) is written back from
+    its own layout, as run_decompositions does."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("c", torch.arange(24.0).reshape(4, 6))
+
+    def forward(self, x):
+        view = self.c.as_strided((2, 2), (1, 1), 0).swapaxes(1, 1).diagonal(1).unsqueeze(1)
+        view.sub_(x[:1].view(1, 1))
+        return self.c.as_strided((2, 2), (1, 1), 0) * 1
+
+
+class WriteThroughARowOfOverlappingStrided(WriteThroughAViewOfOverlappingStrided):
+    """A row of an overlapping as_strided view of a slice (torch's functionalization bans
+    an as_strided in the middle of a written view chain; the row is written back exactly)."""
 
     def __init__(self):
         super().__init__()
@@ -397,12 +431,16 @@ class WriteThroughOverlappingStrided(nn.Module):
 
     def forward(self, x):
         self.b[1:].as_strided((2, 2), (1, 1), 0)[0].add_(x[:2])
-        return self.b * 1
+        return self.b * 1, super().forward(x)
 
 
-def test_write_through_self_overlapping_as_strided_is_refused():
-    error = refused_in_both_forms(WriteThroughOverlappingStrided, _calls((6,)), "overlap")
-    assert "more than once" in error.reason
+def test_write_through_a_view_of_an_overlapping_as_strided_view():
+    calls = _calls((6,))
+    functionalize_both_forms(WriteThroughAViewOfOverlappingStrided, calls)
+    functionalize_both_forms(WriteThroughARowOfOverlappingStrided, calls)
+    ep = torch.export.export(WriteThroughAViewOfOverlappingStrided(), calls[0])
+    assert_same_behaviour(WriteThroughAViewOfOverlappingStrided(),
+                          ep.run_decompositions({}), calls, calls=4)
 
 
 # -- pattern 5: out= resizing fresh tensors, shape-changing in-place ops on intermediates --
