@@ -8,6 +8,7 @@ mutable state. Each is an :class:`UnsupportedMutationError` naming the node and 
 
 from __future__ import annotations
 
+import torch
 from torch.fx import Node
 
 from pass_manager import PassManagerError
@@ -17,6 +18,10 @@ from ._buffers import CONSTANT, PARAMETER, State
 from ._view_inverse import write_back_reason
 
 __all__ = ["UnsupportedMutationError", "check_opaque", "check_write"]
+
+aten = torch.ops.aten
+# In-place writes storing one value, independent of the old ones, at every position.
+_UNIFORM_WRITES = frozenset({aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default})
 
 
 class UnsupportedMutationError(PassManagerError):
@@ -79,8 +84,10 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
         for view in alias.chain:
             # Its write-back would store an element once per position, old and new values.
             # A view of it addressing each element once is written back from its own
-            # layout instead (_view_inverse.write_back_chain).
-            if target_of(view) in STORAGE_VIEWS and overlaps_itself(view) and overlaps_itself(w):
+            # layout instead (_view_inverse.write_back_chain); a fill stores one value at
+            # every position, so each element gets it whichever position stores it last.
+            if (target_of(view) in STORAGE_VIEWS and overlaps_itself(view)
+                    and overlaps_itself(w) and target_of(node) not in _UNIFORM_WRITES):
                 raise UnsupportedMutationError(
                     node, f"{w.name} is written through {view.name}, which addresses some "
                           "storage elements more than once (overlapping strides)", "overlap")

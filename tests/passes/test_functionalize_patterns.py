@@ -434,6 +434,30 @@ class WriteThroughARowOfOverlappingStrided(WriteThroughAViewOfOverlappingStrided
         return self.b * 1, super().forward(x)
 
 
+class FillThroughOverlappingStrided(nn.Module):
+    """Found by the fuzzer (seed 1843): fill_ / zero_ store one value at every position of
+    an overlapping as_strided view, so its write-back is exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(24.0).reshape(2, 3, 4))
+        self.register_buffer("c", torch.arange(6.0))
+
+    def forward(self, x):
+        window = self.b.as_strided((2, 2), (1, 1), 0)
+        window.permute(1, 0).fill_(x.sum())  # a 0-dim tensor value
+        self.c.as_strided((3, 2), (1, 1), 1).zero_()
+        return window * 1, self.b * 1, self.c * 1
+
+
+def test_fill_through_an_overlapping_as_strided_view():
+    calls = _calls((6,))
+    functionalize_both_forms(FillThroughOverlappingStrided, calls)
+    ep = torch.export.export(FillThroughOverlappingStrided(), calls[0])
+    assert_same_behaviour(FillThroughOverlappingStrided(),
+                          ep.run_decompositions({}), calls, calls=4)
+
+
 def test_write_through_a_view_of_an_overlapping_as_strided_view():
     calls = _calls((6,))
     functionalize_both_forms(WriteThroughAViewOfOverlappingStrided, calls)
