@@ -5,11 +5,13 @@ leaves the program unchanged."""
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
 from pass_manager import PassManager, assert_same_behaviour
-from passes import InplaceToFunctional, MarkMutableBuffers
+from pass_manager.program import program_text
+from passes import InplaceToFunctional, MarkMutableBuffers, UnsupportedMutationError
 
 from .functionalize_checks import (
     _calls,
