@@ -3,11 +3,15 @@
 ``base.<view>(...)`` mutated to ``value`` makes the base ``<view>_scatter(base, value, ...)``
 (slice, select, diagonal; as_strided and _reshape_alias address the storage root) or the
 inverse view of ``value`` when the view is a pure re-indexing of every element (transpose,
-permute, unsqueeze, view/reshape, alias).
+permute, unsqueeze, view/reshape, alias). ``real``/``imag`` scatter into the base's real
+view; an ``expand`` that broadcasts nothing is a reshape; an ``unfold`` whose windows do
+not overlap places its windows with ``unfold_backward`` and keeps the base where no window
+reaches.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 
@@ -59,8 +63,10 @@ _INVERSES = {
     aten.view_as_real.default: lambda view, value: (aten.view_as_complex.default, value),
     aten.view_as_complex.default: lambda view, value: (aten.view_as_real.default, value),
 }
-_OTHERS = frozenset({aten.narrow.default, aten.transpose.int, aten.t.default,
-                     aten.permute.default, aten.unsqueeze.default, aten.view.dtype,
+_COMPLEX_PARTS = {aten.real.default: 0, aten.imag.default: 1}
+_OTHERS = frozenset({aten.unfold.default, *_COMPLEX_PARTS, aten.narrow.default,
+                     aten.transpose.int, aten.t.default, aten.permute.default,
+                     aten.unsqueeze.default, aten.view.dtype, aten.expand.default,
                      *_INVERSES})
 _WRITABLE_VIEWS = STORAGE_VIEWS | _SCATTERS.keys() | _RESHAPES | _IDENTITIES | _OTHERS | _LIST_VIEWS
 
@@ -77,6 +83,23 @@ def write_back_reason(view: Node) -> str | None:
                 static = static and _shape(source.args[0]) is not None
             return None if static else f"writes through {view.name}, a symbolic split"
         return f"writes through {source} (getitem of a non-view)"
+    if target is aten.unfold.default:
+        _, size, step = _args(view)
+        shape = _shape(view.args[0])
+        static = shape is not None and all(isinstance(s, int) for s in shape)
+        if not (static and isinstance(size, int) and isinstance(step, int) and step >= size):
+            return (f"writes through {view.name} = unfold with overlapping windows or "
+                    f"symbolic sizes (size {size}, step {step})")
+        return None
+    if target is aten.expand.default:
+        # Eager refuses writes through a broadcasting expand (elements addressed twice); one
+        # that only adds leading size-1 dims is a reshape.
+        shape, base_shape = _shape(view), _shape(view.args[0])
+        if shape is not None and base_shape is not None and all(
+                isinstance(s, int) for s in (*shape, *base_shape)) and math.prod(
+                shape) == math.prod(base_shape):
+            return None
+        return f"writes through {view.name} = expand, which broadcasts or has symbolic sizes"
     if target in _WRITABLE_VIEWS:
         return None
     return (f"writes through the view {view.name} = {target}, which has no write-back into "
@@ -100,6 +123,12 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         size, stride = _args(view)[:2]
         return emit(aten.as_strided_scatter.default, base, value, size, stride,
                     view.meta["val"].storage_offset())
+    if target in _COMPLEX_PARTS:
+        parts = emit(aten.view_as_real.default, base)
+        return emit(aten.view_as_complex.default, emit(
+            aten.select_scatter.default, parts, value, -1, _COMPLEX_PARTS[target]))
+    if target is aten.unfold.default:
+        return _write_back_windows(emit, view, base, value)
     if target is aten.narrow.default:
         dim, start, length = _args(view)
         end = start + length if isinstance(start, int) and isinstance(length, int) else emit(
@@ -125,10 +154,23 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         return emit(aten.view.dtype, value, base.meta["val"].dtype)
     if target in _IDENTITIES:
         return value
+    if target is aten.expand.default:
+        return emit(aten.reshape.default, value, list(_shape(view.args[0])))
     shape = _shape(base)
     if shape is not None and all(isinstance(s, int) for s in shape):
         return emit(aten.reshape.default, value, list(shape))
     return emit(aten.reshape_as.default, value, base)
+
+
+def _write_back_windows(emit: Emit, view: Node, base: Node, value: Node) -> Node:
+    # Windows do not overlap (write_back_reason), so unfold_backward only places values;
+    # the same placement of ones marks which elements a window reaches.
+    dim, size, step = _args(view)
+    sizes = list(_shape(view.args[0]))
+    placed = emit(aten.unfold_backward.default, value, sizes, dim, size, step)
+    reached = emit(aten.unfold_backward.default, emit(aten.ones_like.default, value),
+                   sizes, dim, size, step)
+    return emit(aten.where.self, emit(aten.ne.Scalar, reached, 0), placed, base)
 
 
 def _write_back_item(emit: Emit, split: Node, index: int, base: Node, value: Node) -> Node:

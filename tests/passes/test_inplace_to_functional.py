@@ -99,16 +99,6 @@ def test_runs_without_any_re_trace(zoo, monkeypatch):
     assert functionalize(ep).modified
 
 
-class UnfoldWrite(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("b", torch.arange(8.0))
-
-    def forward(self, x):
-        self.b.unfold(0, 2, 2).add_(x)
-        return self.b * 1
-
-
 def _assert_rejected(program, kind, node):
     before = program_text(program)
     with pytest.raises(UnsupportedMutationError) as info:
@@ -127,12 +117,6 @@ def test_parameter_write_is_a_typed_error_and_program_unchanged(form, parameter_
     with pytest.raises(PassFailedError) as info:  # through the manager: same error, chained
         PassManager([InplaceToFunctional()]).run(program)
     assert isinstance(info.value.__cause__, UnsupportedMutationError)
-
-
-def test_write_through_view_without_inverse_is_rejected():
-    ep = torch.export.export(UnfoldWrite(), (torch.ones(4, 2),))
-    error = _assert_rejected(ep.module(), "no-write-back", "add_")
-    assert "unfold" in error.reason
 
 
 def test_possible_partial_overlap_is_rejected():
