@@ -31,6 +31,23 @@ def _in_edge_dialect(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _functionalized_edge_forms(factory, calls):
+    """Both forms of ``factory()``'s program in Edge dialect, each with its functionalized
+    copy compared with eager over 4 calls: ``[(program, result), ...]``."""
+    ep = torch.export.export(factory(), calls[0])
+    _in_edge_dialect(ep.graph_module)
+    module = ep.module()
+    _in_edge_dialect(module)
+    pairs = []
+    for program in (ep, module):
+        result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+            copy.deepcopy(program)).program
+        assert not conditions.Functional.check(result)
+        assert_same_behaviour(factory(), result, calls, calls=4)
+        pairs.append((program, result))
+    return pairs
+
+
 class StridedReadsOfAWrittenRow(nn.Module):
     def __init__(self):
         super().__init__()
@@ -60,14 +77,7 @@ class MetadataMutationsOfViews(nn.Module):
 
 def test_metadata_mutations_in_edge_dialect_programs_become_edge_views():
     calls = [(torch.randn(3),) for _ in range(4)]
-    ep = torch.export.export(MetadataMutationsOfViews(), calls[0])
-    _in_edge_dialect(ep.graph_module)
-    module = ep.module()
-    _in_edge_dialect(module)
-    for program in (ep, module):
-        result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
-            copy.deepcopy(program)).program
-        assert_same_behaviour(MetadataMutationsOfViews(), result, calls, calls=4)
+    for _, result in _functionalized_edge_forms(MetadataMutationsOfViews, calls):
         names = {str(n.target).split(":")[0] for n in graph_of(result).nodes
                  if n.op == "call_function"}
         assert not {"<EdgeOpOverload: aten.unsqueeze_.default>",
@@ -88,20 +98,13 @@ class StridedReadOfAWrittenBuffer(nn.Module):
 
 def test_writes_and_storage_views_in_edge_dialect_programs_are_functionalized():
     calls = [(torch.randn(4),) for _ in range(4)]
-    ep = torch.export.export(StridedReadsOfAWrittenRow(), calls[0])
-    _in_edge_dialect(ep.graph_module)
-    module = ep.module()
-    _in_edge_dialect(module)
-    for program in (ep, module):
-        result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
-            copy.deepcopy(program)).program
-        assert not conditions.Functional.check(result)
-        assert_same_behaviour(StridedReadsOfAWrittenRow(), result, calls, calls=4)
+    pairs = _functionalized_edge_forms(StridedReadsOfAWrittenRow, calls)
+    for index, (_, result) in enumerate(pairs):
         rewritten = [n.target for n in graph_of(result).nodes if n.op == "call_function"
                      and not isinstance(n.target, EdgeOpOverload)]
         # Only the GraphModule form's trailing write-back is an ATen op.
         assert [str(t) for t in rewritten if "getitem" not in str(t)] == (
-            [] if program is ep else ["aten.copy_.default"])
+            [] if index == 0 else ["aten.copy_.default"])
 
 
 def test_to_edge_program_is_already_functional_and_its_state_is_found():
