@@ -78,5 +78,5 @@ Functional = Condition(
     _in_place_writes,
     doc="No node writes to any of its arguments, except the trailing aten.copy_(state, value) "
     "write-backs of the GraphModule form; state updates of an ExportedProgram are "
-    "BUFFER_MUTATION / USER_INPUT_MUTATION outputs.",
+    "PARAMETER_MUTATION / BUFFER_MUTATION / USER_INPUT_MUTATION outputs.",
 )

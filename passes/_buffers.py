@@ -35,6 +35,7 @@ __all__ = [
     "INITIAL_META",
     "MUTABLE_BUFFER_META",
     "MUTABLE_INPUT_META",
+    "MUTATION_OUTPUT_KINDS",
     "PARAMETER",
     "USER_INPUT",
     "MutableBuffer",
@@ -64,6 +65,12 @@ INITIAL_META = "mutable_buffer_initial"
 (for a buffer filled with one value, that value expanded to the buffer's shape)."""
 
 BUFFER, USER_INPUT, PARAMETER, CONSTANT = "buffer", "user_input", "parameter", "constant"
+MUTATION_OUTPUT_KINDS = {
+    OutputKind.PARAMETER_MUTATION: PARAMETER,
+    OutputKind.BUFFER_MUTATION: BUFFER,
+    OutputKind.USER_INPUT_MUTATION: USER_INPUT,
+}
+"""The kind of state each mutation output of an ExportedProgram's signature updates."""
 
 
 @dataclass(frozen=True)
@@ -328,12 +335,9 @@ def _scan_mutations(program: Any) -> Mutations:
         outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
         by_name = {n.name: n for n in gm.graph.nodes}
         for spec, value in zip(program.graph_signature.output_specs, outputs, strict=True):
-            if spec.kind == OutputKind.BUFFER_MUTATION:
-                state = State(BUFFER, spec.target)
-            elif spec.kind == OutputKind.USER_INPUT_MUTATION:
-                state = State(USER_INPUT, spec.target)
-            else:
+            if spec.kind not in MUTATION_OUTPUT_KINDS:
                 continue
+            state = State(MUTATION_OUTPUT_KINDS[spec.kind], spec.target)
             node = value if isinstance(value, Node) else by_name.get(spec.arg.name)
             writers.setdefault(state, []).append(node)
     return Mutations(states, writers, opaque, aliases, written_roots, writing_nodes)

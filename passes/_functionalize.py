@@ -19,7 +19,6 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import (
     ExportGraphSignature,
-    OutputKind,
     OutputSpec,
 )
 from torch.fx import Node, map_arg
@@ -38,8 +37,7 @@ from ._aliasing import (
     written_arguments,
 )
 from ._buffers import (
-    BUFFER,
-    USER_INPUT,
+    MUTATION_OUTPUT_KINDS,
     State,
     call_graph_names,
     find_mutations,
@@ -57,7 +55,6 @@ from .functional_variants import functional_variant
 __all__ = ["Rewrite"]
 
 aten = torch.ops.aten
-_MUTATION_OUTPUTS = {OutputKind.BUFFER_MUTATION: BUFFER, OutputKind.USER_INPUT_MUTATION: USER_INPUT}
 
 
 class Rewrite(StorageReads, ProgramEnd):
@@ -90,8 +87,8 @@ class Rewrite(StorageReads, ProgramEnd):
         if self.is_ep:
             specs = program.graph_signature.output_specs
             for spec, arg in zip(specs, self.output.args[0], strict=True):
-                if spec.kind in _MUTATION_OUTPUTS:
-                    state = State(_MUTATION_OUTPUTS[spec.kind], spec.target)
+                if spec.kind in MUTATION_OUTPUT_KINDS:
+                    state = State(MUTATION_OUTPUT_KINDS[spec.kind], spec.target)
                     self.mutation_outputs.append((state, arg))
                 else:
                     self.other_outputs.append((spec, arg))

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch.export.graph_signature import (
     ExportGraphSignature,
-    OutputKind,
     OutputSpec,
     TensorArgument,
 )
@@ -23,6 +22,8 @@ from ._buffers import (
     INITIAL_META,
     MUTABLE_BUFFER_META,
     MUTABLE_INPUT_META,
+    MUTATION_OUTPUT_KINDS,
+    PARAMETER,
     USER_INPUT,
     named_input_specs,
     rename_call_graph,
@@ -34,6 +35,8 @@ aten = torch.ops.aten
 VALUE_META = frozenset({"val", "tensor_meta", MUTABLE_BUFFER_META, MUTABLE_INPUT_META,
                         INITIAL_META})
 """Meta describing a node's value, or marking a state node: never copied onto new nodes."""
+_OUTPUT_KIND = {kind: output for output, kind in MUTATION_OUTPUT_KINDS.items()}
+_PLURAL = {PARAMETER: "parameters", BUFFER: "buffers", USER_INPUT: "user inputs"}
 
 
 def fresh_like(src: Any, dst: Node) -> bool:
@@ -73,8 +76,9 @@ class ProgramEnd:
                 self.cur[root] = self.resolve(arg)
                 self.version[root] += 1
                 self.last_writer[root] = arg
-        finals = []  # buffers, then user inputs, each in input order: run_decompositions' order
-        for kind in (BUFFER, USER_INPUT):
+        # Parameters, buffers, then user inputs, each in input order: run_decompositions'.
+        finals = []
+        for kind in (PARAMETER, BUFFER, USER_INPUT):
             for root in self.state_root.values():
                 state = self.states[root]
                 if state.kind == kind and self.version.get(root, 0) > 0:
@@ -86,17 +90,15 @@ class ProgramEnd:
                         # the states back one after another would read an updated one.
                         final = self.emit(self.last_writer[root], aten.clone.default, final)
                     finals.append((state, root, final))
-                    kinds = "buffers" if kind == BUFFER else "user inputs"
-                    self.statistics[f"mutated {kinds} written back"] += 1
+                    self.statistics[f"mutated {_PLURAL[kind]} written back"] += 1
         if self.is_ep:
             user = [(spec, map_arg(arg, self.resolve)) for spec, arg in self.other_outputs]
             for (_, old), (_, new) in zip(self.other_outputs, user, strict=True):
                 if isinstance(old, Node) and isinstance(new, Node):
                     self.boundary[old.name] = new
             outputs = [final for _, _, final in finals] + [arg for _, arg in user]
-            specs = [OutputSpec(OutputKind.BUFFER_MUTATION if s.kind == BUFFER
-                                else OutputKind.USER_INPUT_MUTATION,
-                                TensorArgument(name=f.name), s.name) for s, _, f in finals]
+            specs = [OutputSpec(_OUTPUT_KIND[s.kind], TensorArgument(name=f.name), s.name)
+                     for s, _, f in finals]
             specs += [_respec(spec, arg) for spec, arg in user]
             self._set_args(output, (tuple(outputs),), {})
             self.new_signature = ExportGraphSignature(

@@ -1,9 +1,9 @@
 """What InplaceToFunctional refuses to rewrite, and the typed error that says so.
 
-Refused: a write to a parameter or constant, a write through a view with no write-back,
-a written tensor that may partially overlap another argument of the same op, and an
-opaque node (no schema, or a higher-order op writing inside its subgraph) that receives
-mutable state. Each is an :class:`UnsupportedMutationError` naming the node and the reason.
+Refused: a write to a lifted constant (torch refuses it too), a write through a view with
+no write-back, a written tensor that may partially overlap another argument of the same
+op, and an opaque node (no schema, or a higher-order op writing inside its subgraph) that
+receives mutable state. Each is an :class:`UnsupportedMutationError` naming the node and the reason.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.fx import Node
 from pass_manager import PassManagerError
 
 from ._aliasing import STORAGE_VIEWS, Alias, may_overlap, overlaps_itself, target_of
-from ._buffers import CONSTANT, PARAMETER, State
+from ._buffers import CONSTANT, State
 from ._view_inverse import write_back_reason
 
 __all__ = ["UnsupportedMutationError", "check_opaque", "check_write"]
@@ -31,7 +31,7 @@ class UnsupportedMutationError(PassManagerError):
         node: the name of the node at fault.
         reason: why it cannot be rewritten.
         kind: a short category: "overlap", "no-variant", "no-write-back",
-            "writes-parameter", "opaque", "fake-failure", "relayout" (a shape change or
+            "writes-constant", "opaque", "fake-failure", "relayout" (a shape change or
             ``set_`` of program state, a ``resize_`` growing a view's or a viewed
             tensor's storage, an ``out=`` resize of state or of a viewed tensor) or
             "storage" (an op reading a written tensor's storage, such as ``as_strided``,
@@ -74,9 +74,12 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
     for w in written:
         alias = aliases[w]
         state = states.get(alias.root)
-        if state is not None and state.kind in (PARAMETER, CONSTANT):
+        if state is not None and state.kind == CONSTANT:
+            # A constant is not program state: a write to it cannot be an output of the
+            # program (torch's functionalization refuses it too: "register it as buffer").
             raise UnsupportedMutationError(
-                node, f"it writes the {state.kind} {state.name!r}", "writes-parameter")
+                node, f"it writes the constant {state.name!r}; register it as a buffer",
+                "writes-constant")
         for view in alias.chain:
             reason = write_back_reason(view)
             if reason is not None:

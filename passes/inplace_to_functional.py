@@ -21,9 +21,10 @@ class InplaceToFunctional(Pass):
     A write through a view is written back into its base (``slice_scatter``,
     ``select_scatter``, ``diagonal_scatter``, ``as_strided_scatter`` or the inverse view);
     a later read of any view of that base, taken before or after the write, reads the
-    new value. Program state ends as ``BUFFER_MUTATION`` / ``USER_INPUT_MUTATION`` outputs
-    (ExportedProgram, ordered as ``run_decompositions({})`` orders them) or as one
-    trailing ``aten.copy_(state, final)`` per mutated buffer or input (GraphModule). No
+    new value. Program state ends as ``PARAMETER_MUTATION`` / ``BUFFER_MUTATION`` /
+    ``USER_INPUT_MUTATION`` outputs (ExportedProgram, ordered as ``run_decompositions({})``
+    orders them) or as one trailing ``aten.copy_(state, final)`` per mutated parameter,
+    buffer or input (GraphModule). A write to a lifted constant is refused. No
     re-tracing: one walk over the graph, fake tensors evaluated only for new nodes.
     Like every Pass, ``call`` leaves ``recompile()`` to the PassManager (or to the caller).
 

@@ -24,6 +24,6 @@ def test_readme_examples_run(capsys):
     assert "'layers.1.attn.v_cache'" in out  # the quick start's delegate owns the caches
     assert len(namespace["decoded"]) == 4
     # "When a pass goes wrong": the failed pass's statistics, its dump, a reproducer.
-    assert "refused: writes-parameter" in out and "IR Dump After Failure of" in out
+    assert "refused: writes-constant" in out and "IR Dump After Failure of" in out
     assert "reproduced: the recorded error" in out
     assert len(namespace["decoded_on_et"]) == 4  # the ExecuTorch example decoded too

@@ -94,6 +94,10 @@ def _lower_partition(
         )
     members = dict.fromkeys(nodes)
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
+    # A parameter the program writes stays top-level state: its PARAMETER_MUTATION output
+    # must name a parameter input of the top-level program.
+    written = {s.target for s in ep.graph_signature.output_specs
+               if s.kind == OutputKind.PARAMETER_MUTATION}
     sub_gm, orig_inputs, orig_outputs = fuse_as_graphmodule(
         gm, nodes, f"delegate_{index}", members, always_return_tuple=True
     )
@@ -101,7 +105,8 @@ def _lower_partition(
     inputs, state, constants, call_args, absorbed = {}, {}, {}, [], []
     for ph, orig in zip(sub_placeholders, orig_inputs, strict=True):
         spec = specs.get(orig.name) if orig.op == "placeholder" else None
-        if spec is not None and spec.kind in _OWNABLE and all(u in members for u in orig.users):
+        if (spec is not None and spec.kind in _OWNABLE and spec.target not in written
+                and all(u in members for u in orig.users)):
             inputs[ph] = input_spec(ph, spec.kind, spec.target)
             store = state if spec.kind == InputKind.PARAMETER else constants
             store[spec.target] = (ep.state_dict if spec.kind == InputKind.PARAMETER

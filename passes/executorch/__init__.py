@@ -21,6 +21,7 @@ __all__ = [
     "INSTALL_HINT",
     "BufferOwningPartitioner",
     "ExecuTorchMissingError",
+    "ParameterMutationOnExecuTorchError",
     "available",
     "decode_on_runtime",
     "executorch_state",
@@ -54,6 +55,30 @@ class ExecuTorchMissingError(PassManagerError, ImportError):
             f"{wanted} needs ExecuTorch {EXECUTORCH_VERSION} ({self.cause}); install it with: "
             + INSTALL_HINT,
             pass_name=wanted,
+        )
+
+
+class ParameterMutationOnExecuTorchError(PassManagerError):
+    """The program writes a parameter, which ExecuTorch's runtime would not keep.
+
+    ExecuTorch 1.5.1 serializes parameters as constants: a ``PARAMETER_MUTATION`` becomes
+    one more output of the method and the parameter keeps its old value at the next call
+    (with torch's own functionalization as with ours). Registering the tensor as a buffer
+    makes it state the runtime keeps.
+
+    Attributes:
+        parameters: the FQNs of the written parameters.
+    """
+
+    def __init__(self, parameters: list[str]):
+        self.parameters = parameters
+        names = ", ".join(repr(p) for p in parameters)
+        super().__init__(
+            f"the program writes the parameter(s) {names}; ExecuTorch's runtime would "
+            "return the new value as an extra output and keep the old one, so every call "
+            "after the first would be wrong. Register them as buffers "
+            "(module.register_buffer) to keep them as state on the device",
+            pass_name="lower_to_pte",
         )
 
 

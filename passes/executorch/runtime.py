@@ -23,6 +23,7 @@ from torch.export import ExportedProgram
 
 from pass_manager.validation import Trace, call_inputs, run_program
 
+from . import ParameterMutationOnExecuTorchError
 from .partitioner import BufferOwningPartitioner
 
 __all__ = ["RuntimeDecode", "decode_on_runtime", "flow_stage", "lower_to_pte", "output_grid"]
@@ -50,7 +51,12 @@ def _exported(program: Any, example_inputs: tuple) -> ExportedProgram:
 def lower_to_pte(
     program: Any, example_inputs: tuple, partitioner: Partitioner | None = None
 ) -> tuple[bytes, BufferOwningPartitioner, int]:
-    """``program`` (ExportedProgram or module) as a ``.pte`` buffer, the wrapper used, delegates."""
+    """``program`` (ExportedProgram or module) as a ``.pte`` buffer, the wrapper used, delegates.
+
+    Raises:
+        ParameterMutationOnExecuTorchError: ``program`` writes a parameter, which the
+            runtime would not keep between calls.
+    """
     wrapper = BufferOwningPartitioner(partitioner or XnnpackPartitioner())
     # ExecuTorch's emitter writes buffers back in place; with autograd on, parameters that
     # require grad make those writes illegal.
@@ -61,9 +67,11 @@ def lower_to_pte(
             1 for n in lowered.exported_program().graph.nodes
             if n.op == "get_attr" and n.target.startswith("lowered_module")
         )
+        sig = lowered.exported_program().graph_signature
+        if sig.parameters_to_mutate:
+            raise ParameterMutationOnExecuTorchError(sorted(sig.parameters_to_mutate.values()))
         # ExecuTorch serializes only the shape of a mutated buffer unless asked: the runtime
         # must start from the program's state (e.g. a reset cache, a non-zero counter).
-        sig = lowered.exported_program().graph_signature
         mutated = set(sig.buffers_to_mutate.values())
         names = [name for name, fqn in sig.inputs_to_buffers.items() if fqn in mutated]
         config = ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(names)])

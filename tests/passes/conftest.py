@@ -134,7 +134,7 @@ class NoMutation(nn.Module):
 
 
 class WritesParameter(nn.Module):
-    """Writes a parameter in place: the passes must refuse or report it, never mark it."""
+    """Writes a parameter in place: functionalized like torch does, reported, never marked."""
 
     def __init__(self):
         super().__init__()
@@ -193,3 +193,22 @@ def mutation_model(request):
 def parameter_writer():
     """The ExportedProgram of a module that writes one of its parameters in place."""
     return torch.export.export(WritesParameter(), (torch.ones(3),))
+
+
+class WritesConstant(nn.Module):
+    """Writes a plain tensor attribute, lifted by export as a constant: torch's
+    functionalization and ours both refuse it."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = torch.ones(3)
+
+    def forward(self, x):
+        self.c.add_(x)
+        return self.c * 2
+
+
+@pytest.fixture
+def constant_writer():
+    """The ExportedProgram of a module that writes a lifted constant in place."""
+    return torch.export.export(WritesConstant(), (torch.ones(3),))

@@ -1,17 +1,20 @@
-"""A model factory the main job cannot functionalize: it writes a parameter in place."""
+"""A model factory the main job cannot functionalize: it writes a constant in place."""
 
 import torch
 
 
-class ScaleWeights(torch.nn.Module):
+class ScaleConstant(torch.nn.Module):
+    """Writes a plain tensor attribute, which export lifts as a constant, not a buffer:
+    neither torch's functionalization nor ours can make that write an output."""
+
     def __init__(self):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+        self.scale = torch.ones(4)
 
     def forward(self, x):
-        self.weight.mul_(x)
-        return self.weight + 1
+        self.scale.mul_(x)
+        return self.scale + 1
 
 
-def writes_parameter():
-    return ScaleWeights(), (torch.full((4,), 2.0),)
+def writes_constant():
+    return ScaleConstant(), (torch.full((4,), 2.0),)

@@ -18,16 +18,19 @@ def _calls(*shapes, n=4, seed=0):
     return [tuple(torch.randn(s, generator=gen) for s in shapes) for _ in range(n)]
 
 
-def functionalize_both_forms(factory, calls, **export_kwargs):
-    """Export ``factory()``, functionalize both forms, compare 4 calls with eager; returns
-    the two functional programs."""
+def functionalize_both_forms(factory, calls, state=None, **export_kwargs):
+    """Export ``factory()``, functionalize both forms, compare 4 calls with eager (and the
+    state ``state`` reads, buffers by default); returns the two functional programs."""
     ep = torch.export.export(factory(), copy.deepcopy(calls[0]), **export_kwargs)
     results = []
     for program in (ep, ep.module()):
         result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
             copy.deepcopy(program)).program
         assert not conditions.Functional.check(result)
-        assert_same_behaviour(factory(), result, calls, calls=4)
+        if state is None:
+            assert_same_behaviour(factory(), result, calls, calls=4)
+        else:
+            assert_same_behaviour(factory(), result, calls, calls=4, state=state)
         results.append(result)
     results[0].validate()
     return results

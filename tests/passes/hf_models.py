@@ -200,11 +200,12 @@ def no_grad_state() -> dict:
 
 
 class WritesItsWeight(torch.nn.Module):
-    """Adapts its weight in place at every call: state the passes refuse to functionalize."""
+    """Adapts a plain tensor attribute in place at every call: export lifts it as a
+    constant, whose write neither torch's functionalization nor the passes can express."""
 
     def __init__(self):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+        self.weight = torch.ones(4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.weight.mul_(0.9)

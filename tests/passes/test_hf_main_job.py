@@ -112,7 +112,7 @@ def test_a_model_the_passes_cannot_handle_stops_with_its_partial_result():
         "InplaceToFunctional",
         "mul_",
     )
-    assert "parameter 'weight'" in failure.reason
+    assert "constant 'weight'" in failure.reason
     assert info.value.result.checks[0].name.startswith("exported program")
 
 
@@ -154,7 +154,8 @@ def test_cli_failure_after_loading_is_a_short_report_with_status_3():
         "stage:  functionalize",
         "pass:   InplaceToFunctional",
         "node:   mul_",
-        "reason: UnsupportedMutationError: it writes the parameter 'weight'",
+        "reason: UnsupportedMutationError: it writes the constant 'weight'; register it as a "
+        "buffer",
     ]
     assert "== checks" in done.stdout  # the partial report comes first
     traced = run_main("tests.passes.hf_models:unsupported", "--steps", "2", "--traceback")

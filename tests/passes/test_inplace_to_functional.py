@@ -110,10 +110,10 @@ def _assert_rejected(program, kind, node):
 
 
 @pytest.mark.parametrize("form", ["exported", "module"])
-def test_parameter_write_is_a_typed_error_and_program_unchanged(form, parameter_writer):
-    ep = parameter_writer
+def test_constant_write_is_a_typed_error_and_program_unchanged(form, constant_writer):
+    ep = constant_writer
     program = ep if form == "exported" else ep.module()
-    _assert_rejected(program, "writes-parameter", "add_")
+    _assert_rejected(program, "writes-constant", "add_")
     with pytest.raises(PassFailedError) as info:  # through the manager: same error, chained
         PassManager([InplaceToFunctional()]).run(program)
     assert isinstance(info.value.__cause__, UnsupportedMutationError)

@@ -36,7 +36,7 @@ def test_statistics_and_printing_in_the_main_job(tmp_path):
 
 def test_a_pass_failing_in_the_main_job_leaves_a_reproducer(tmp_path):
     dumps = tmp_path / "ir"
-    done = _run("tests.passes.failing_models:writes_parameter", "--steps", "2",
+    done = _run("tests.passes.failing_models:writes_constant", "--steps", "2",
                 "--reproducer-dir", str(tmp_path / "repro"), "--print-after-failure",
                 "--print-to", str(dumps))
     assert done.returncode == 3, done.stdout + done.stderr

@@ -67,13 +67,13 @@ def test_functionalization_counts_marks_rewrites_and_write_backs(form):
     assert result.report.to_dict()["records"][1]["statistics"] == functionalize.statistics
 
 
-def test_a_refusal_is_a_statistic_of_the_failed_pass_in_the_error_report(parameter_writer):
+def test_a_refusal_is_a_statistic_of_the_failed_pass_in_the_error_report(constant_writer):
     with pytest.raises(PassManagerError) as info:
-        PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(parameter_writer)
+        PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(constant_writer)
     report = info.value.report
     assert [r.name for r in report.records] == ["MarkMutableBuffers", "InplaceToFunctional"]
     failed = report.records[-1]
-    assert failed.statistics == {"refused: writes-parameter": 1}
+    assert failed.statistics == {"refused: writes-constant": 1}
     assert failed.error.startswith("PassFailedError:")
     assert "FAILED" in report.table()
     assert 0 < failed.wall_time < 60  # timed up to the rollback

@@ -16,8 +16,9 @@ from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.operator_support import create_op_support
 
-from pass_manager import PassManagerError, assert_same_behaviour
+from pass_manager import PassManager, PassManagerError, assert_same_behaviour
 from pass_manager.program import program_text
+from passes import ConsumeBufferMutationsInDelegate, InplaceToFunctional, MarkMutableBuffers
 from passes.delegation import (
     DELEGATION_TAG,
     AllNodePartitioner,
@@ -100,6 +101,53 @@ def test_all_node_partitioner_groups_unconnected_computations_in_one_delegate():
     assert not [n for n in lowered.graph.nodes if n.op == "call_function"
                 and n.target not in (call_delegate, operator.getitem)]
     assert_same_behaviour(eager, lowered, calls)
+
+
+class _DecaysItsWeight(nn.Module):
+    """Writes a frozen parameter in place (a PARAMETER_MUTATION once functional) and a
+    buffer from it; a second parameter is only read."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0, 1, 4), requires_grad=False)
+        self.bias = nn.Parameter(torch.ones(4), requires_grad=False)
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x):
+        self.weight.mul_(0.5).add_(x)
+        self.total.add_(self.weight)
+        return self.weight * 2 + self.total + self.bias
+
+
+def _weight_and_buffers(module):
+    state = program_state(module)
+    state["weight"] = module.get_parameter("weight").detach().clone()
+    return state
+
+
+@pytest.mark.parametrize("functionalize", ["passes", "run_decompositions"])
+def test_a_written_parameter_stays_top_level_state(functionalize):
+    eager = _DecaysItsWeight()
+    calls = [(torch.randn(4),) for _ in range(CALLS)]
+    ep = torch.export.export(copy.deepcopy(eager), calls[0])
+    if functionalize == "passes":
+        ep = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(ep).program
+    else:
+        ep = ep.run_decompositions({})
+    lowered = to_delegate(ep, AllNodePartitioner())
+    lowered.validate()
+    # The read-only parameter moves into the delegate; the written one cannot, because
+    # the top level returns its new value as a PARAMETER_MUTATION.
+    params = [s.target for s in lowered.graph_signature.input_specs
+              if s.kind == InputKind.PARAMETER]
+    assert params == ["weight"]
+    assert [(s.kind, s.target) for s in lowered.graph_signature.output_specs][:2] == [
+        (OutputKind.PARAMETER_MUTATION, "weight"), (OutputKind.BUFFER_MUTATION, "total")]
+    assert_same_behaviour(eager, lowered, calls, state=_weight_and_buffers)
+    consumed = PassManager([ConsumeBufferMutationsInDelegate()]).run(lowered).program
+    (delegate,) = delegates(consumed)
+    assert list(delegate.owned_buffers) == ["total"]
+    assert_same_behaviour(eager, consumed, calls, state=_weight_and_buffers)
 
 
 @pytest.mark.parametrize(

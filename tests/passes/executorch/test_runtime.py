@@ -25,7 +25,7 @@ from passes import (
     reset_mutable_buffers,
 )
 from passes.examples import decoder_job, xnnpack_quantizer
-from passes.executorch import decode_on_runtime
+from passes.executorch import ParameterMutationOnExecuTorchError, decode_on_runtime
 from passes.executorch.runtime import output_grid
 from passes.quantization import PassQuantizer
 
@@ -136,3 +136,32 @@ def test_xnnpack_delegates_never_get_a_buffer_and_initial_state_is_kept():
     assert note.startswith("kept 'acc' at the top level: partition ") and "XnnpackBackend" in note
     for expected, actual in zip(python.outputs, decoded.trace.outputs, strict=True):
         torch.testing.assert_close(actual[0], expected[0], rtol=0, atol=0)
+
+
+class _DecaysItsWeight(torch.nn.Module):
+    def __init__(self, as_buffer: bool):
+        super().__init__()
+        weight = torch.linspace(0, 1, 4)
+        if as_buffer:
+            self.register_buffer("weight", weight)
+        else:
+            self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x):
+        self.weight.mul_(0.5).add_(x)
+        return self.weight * 2
+
+
+def test_a_written_parameter_is_refused_before_the_runtime_gets_it_wrong():
+    steps = [(torch.randn(4),) for _ in range(STEPS)]
+    functional = {}
+    for as_buffer in (False, True):
+        functional[as_buffer] = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+            torch.export.export(_DecaysItsWeight(as_buffer), steps[0])).program
+    with pytest.raises(ParameterMutationOnExecuTorchError) as info:
+        decode_on_runtime(functional[False], steps[0], steps)
+    assert info.value.parameters == ["weight"] and "register_buffer" in str(info.value)
+    # The advice works: as a buffer, the runtime keeps the state from call to call.
+    decoded = decode_on_runtime(functional[True], steps[0], steps)
+    expected = run_program(_DecaysItsWeight(True), steps)
+    assert max(_worst_per_step(expected, decoded.trace)) <= 1e-6
