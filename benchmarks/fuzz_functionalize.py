@@ -1,10 +1,11 @@
 """Differential fuzzing of MarkMutableBuffers + InplaceToFunctional against eager PyTorch.
 
-Generates small programs over a few buffers and inputs that mix in-place ops, views
-(taken before and after writes) and reads; exports each, runs the two passes on both
-program forms and compares 4 successive calls with the eager module (outputs, buffers and
-mutated inputs, exactly). Prints how many programs were checked, transformed, rejected
-(by reason) and mismatched; the exit status is non-zero on any mismatch or crash.
+Generates small programs over a few buffers, a frozen parameter and inputs that mix
+in-place ops, views (taken before and after writes) and reads; exports each, runs the two
+passes on both program forms and compares 4 successive calls with the eager module
+(outputs, buffers, the parameter and mutated inputs, exactly). Prints how many programs
+were checked, transformed, rejected (by reason) and mismatched; the exit status is
+non-zero on any mismatch or crash.
 
     python -m benchmarks.fuzz_functionalize --programs 2000 --seed 0
 
@@ -35,6 +36,7 @@ BUFFERS = {"b0": (4, 6), "b1": (6,), "b2": (2, 3, 4), "h": (6,), "m": (6,)}
 # in-place updates cast their result back to the buffer's dtype; "m" takes bitwise ops
 DTYPES = {"h": torch.float16, "m": torch.int64}
 INPUTS = {"x": (4, 6), "y": (6,)}
+PARAMETERS = {"p": (6,)}  # frozen (requires_grad=False): torch functionalizes its writes
 WRITES = ("add_", "mul_", "sub_", "copy_", "fill_", "clamp_", "zero_", "setitem", "add_out",
           "index_copy_", "masked_fill_", "pow_", "addcmul_", "lerp_", "scatter_",
           "scatter_add_", "index_add_", "copy_cast", "copy_broadcast", "custom_scale_",
@@ -165,7 +167,7 @@ def generate_program(ch: Chooser, max_steps: int = 8) -> list[tuple]:
     """A list of steps: ("view", handle, base, views), ("write", handle, op, rhs),
     ("read", handle), ("temp", handle, base)."""
     shapes = {name: torch.empty(shape, device="meta", dtype=DTYPES.get(name, torch.float32))
-              for name, shape in {**BUFFERS, **INPUTS}.items()}
+              for name, shape in {**BUFFERS, **PARAMETERS, **INPUTS}.items()}
     steps: list[tuple] = []
     for i in range(ch.integer(1, max_steps)):
         kind = ch.choice(["view", "view", "write", "write", "write", "read", "temp",
@@ -209,10 +211,13 @@ class FuzzModule(torch.nn.Module):
             self.register_buffer(
                 name, torch.randn(shape, generator=generator).to(DTYPES.get(name, torch.float32)))
         self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+        for name, shape in PARAMETERS.items():
+            setattr(self, name, torch.nn.Parameter(torch.randn(shape, generator=generator),
+                                                   requires_grad=False))
         self.steps = steps
 
     def forward(self, x: torch.Tensor, y: torch.Tensor):
-        env = {name: getattr(self, name) for name in BUFFERS}
+        env = {name: getattr(self, name) for name in (*BUFFERS, *PARAMETERS)}
         env.update(x=x, y=y)
         outputs = []
         for step in self.steps:
@@ -323,6 +328,13 @@ def _int_write(target: torch.Tensor, op: str, value: Any) -> None:
         target.zero_()
 
 
+def program_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers and the parameters: both are state the programs write."""
+    state = {name: t.detach().clone() for name, t in module.named_buffers()}
+    state.update({name: t.detach().clone() for name, t in module.named_parameters()})
+    return state
+
+
 def _calls(seed: int, n: int = 4) -> list[tuple]:
     generator = torch.Generator().manual_seed(seed + 1000)
     return [tuple(torch.randn(s, generator=generator) for s in INPUTS.values()) for _ in range(n)]
@@ -342,7 +354,7 @@ def check_against_torch(steps: list[tuple], seed: int = 0,
     calls = _calls(seed)
     module = FuzzModule(steps, seed)
     try:
-        expected = run_program(module, calls)
+        expected = run_program(module, calls, state=program_state)
     except RuntimeError as e:
         return f"invalid: eager {str(e).splitlines()[0][:60]}", None
     try:
@@ -361,7 +373,8 @@ def check_against_torch(steps: list[tuple], seed: int = 0,
             return f"crash: {type(cause).__name__}: {cause}", reference
         except Exception as e:  # noqa: BLE001 - any other escape is a crash to report
             return f"crash: {type(e).__name__}: {e}", reference
-        difference = first_difference(expected, run_program(result.program, calls))
+        difference = first_difference(
+            expected, run_program(result.program, calls, state=program_state))
         if difference:
             return f"mismatch: {type(program).__name__}: {difference}", reference
         if result.report.records[-1].modified:
@@ -372,7 +385,7 @@ def check_against_torch(steps: list[tuple], seed: int = 0,
 def _torch_outcome(ep: torch.export.ExportedProgram, expected: Any, calls: list) -> str:
     try:
         decomposed = ep.run_decompositions({})
-        actual = run_program(decomposed, calls)
+        actual = run_program(decomposed, calls, state=program_state)
     except Exception as e:  # noqa: BLE001 - torch's own failures are counted
         return f"crash: {type(e).__name__}"
     difference = first_difference(expected, actual)

@@ -62,3 +62,11 @@ def test_regression_export_graph_with_a_missing_use_and_a_no_grad_write():
              ("return_view", "m"), ("write", "b2", "nograd_add_", ("scalar",)),
              ("view", "h6", "h", (("select", 0, 4), ("unsqueeze", 0))), ("temp", "h7", "h6")]
     assert check_program(steps, seed=2029) == "transformed"
+
+
+def test_writes_to_a_frozen_parameter_through_views_are_functionalized():
+    # The generator's frozen parameter "p": written through a strided slice and whole, read
+    # and returned as a view; torch's functionalization makes these PARAMETER_MUTATIONs.
+    steps = [("view", "h0", "p", (("slice", 0, 1, 5, 2),)), ("write", "h0", "add_", ("xsum",)),
+             ("read", "p"), ("write", "p", "mul_", ("handle", "y")), ("return_view", "p")]
+    assert check_program(steps, seed=5) == "transformed"
