@@ -18,6 +18,7 @@ from ._buffers import (
     INITIAL_META,
     MUTABLE_BUFFER_META,
     MUTABLE_INPUT_META,
+    PARAMETER,
     USER_INPUT,
     find_mutations,
     hop_writes,
@@ -31,7 +32,8 @@ def _unmarked_mutable_buffers(program: Any) -> list[str]:
     scan = find_mutations(program)
     violations = []
     for state, writers in scan.writers.items():
-        key = {BUFFER: MUTABLE_BUFFER_META, USER_INPUT: MUTABLE_INPUT_META}.get(state.kind)
+        key = {BUFFER: MUTABLE_BUFFER_META, PARAMETER: MUTABLE_BUFFER_META,
+               USER_INPUT: MUTABLE_INPUT_META}.get(state.kind)
         if key is None:
             continue
         written_by = ", ".join(n.name for n in writers if n is not None)
@@ -41,16 +43,18 @@ def _unmarked_mutable_buffers(program: Any) -> list[str]:
                     f"{node.name}: {state.kind} {state.name!r} is written by {written_by} "
                     f"but not marked (meta[{key!r}])"
                 )
-            elif state.kind == BUFFER and node.meta.get(INITIAL_META) is None:
-                violations.append(f"{node.name}: buffer {state.name!r} has no initial value kept")
+            elif state.kind != USER_INPUT and node.meta.get(INITIAL_META) is None:
+                violations.append(
+                    f"{node.name}: {state.kind} {state.name!r} has no initial value kept")
     return violations
 
 
 MutableBuffersMarked = Condition(
     "MutableBuffersMarked",
     _unmarked_mutable_buffers,
-    doc="Every buffer the program writes (in place, through views, by a trailing copy_ or a "
-    "BUFFER_MUTATION output) has meta['mutable_buffer'] = its FQN and a kept initial value "
+    doc="Every buffer or parameter the program writes (in place, through views, by a "
+    "trailing copy_ or a BUFFER_MUTATION / PARAMETER_MUTATION output) has "
+    "meta['mutable_buffer'] = its FQN and a kept initial value "
     "on each of its nodes; every mutated user input has meta['mutable_user_input'].",
 )
 

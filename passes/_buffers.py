@@ -365,7 +365,8 @@ class MutableBuffer:
 
     Attributes:
         fqn: the buffer's fully-qualified name (for a user input, the input's name).
-        kind: ``"buffer"`` or ``"user_input"``.
+        kind: ``"buffer"``, ``"parameter"`` (a parameter the program writes) or
+            ``"user_input"``.
         nodes: names of the nodes that denote it (placeholder or get_attr).
         writers: names of the nodes that write it, in graph order.
         initial: the value ``MarkMutableBuffers`` first saw (None for inputs): a copy, or
@@ -409,6 +410,8 @@ def _marked(program: Any) -> dict[str, MutableBuffer]:
             name = node.meta.get(key)
             if name is None:
                 continue
+            if name not in found and kind == BUFFER and _is_parameter(program, name):
+                kind = PARAMETER
             entry = found.setdefault(name, MutableBuffer(name, kind))
             entry.nodes.append(node.name)
             if entry.initial is None and node.meta.get(INITIAL_META) is not None:
@@ -416,16 +419,24 @@ def _marked(program: Any) -> dict[str, MutableBuffer]:
     return found
 
 
+def _is_parameter(program: Any, fqn: str) -> bool:
+    try:
+        return isinstance(buffer_tensor(program, fqn), torch.nn.Parameter)
+    except (KeyError, AttributeError):  # no longer held (e.g. folded away by a conversion)
+        return False
+
+
 def reset_mutable_buffers(program: Any) -> list[str]:
     """Restore every marked buffer to the value it had when it was first marked.
 
     Returns the FQNs restored. Calibration and test runs otherwise leave their state
-    (a filled KV cache, an advanced counter) in the program's buffers. A buffer that was
-    filled with one value (zeros) is refilled from that value: its kept copy is one element.
+    (a filled KV cache, an advanced counter) in the program's buffers, and in the
+    parameters it writes, which are restored too. A buffer that was filled with one value
+    (zeros) is refilled from that value: its kept copy is one element.
     """
     restored = []
     for fqn, info in _marked(program).items():
-        if info.kind != BUFFER or info.initial is None:
+        if info.kind == USER_INPUT or info.initial is None:
             continue
         with torch.no_grad():
             buffer_tensor(program, fqn).copy_(info.initial)

@@ -20,7 +20,7 @@ from pass_manager import Condition, graph_module_of
 from pass_manager.analysis import Same, cached
 
 from ._buffer_reads import OBSERVED_READS_META, BufferRead
-from ._buffers import BUFFER, MUTABLE_BUFFER_META, find_mutations
+from ._buffers import BUFFER, MUTABLE_BUFFER_META, PARAMETER, find_mutations
 from .errors import AmbiguousFrozenBufferError
 
 __all__ = [
@@ -87,17 +87,20 @@ def _candidate_reads(gm: GraphModule) -> list[BufferRead]:
             if read not in known:
                 known.append(read)
     if not marked:
-        marked = {s.name for s in find_mutations(gm).writers if s.kind == BUFFER}
+        marked = {s.name for s in find_mutations(gm).writers if s.kind in (BUFFER, PARAMETER)}
     reads = [r for fqn in sorted(recorded) for r in recorded[fqn]]
     reads.extend(BufferRead(fqn, ()) for fqn in sorted(marked - set(recorded)))
     return reads
 
 
 def _buffer_value(gm: GraphModule, fqn: str) -> torch.Tensor | None:
-    try:
-        return gm.get_buffer(fqn)
-    except AttributeError:
-        return None
+    """The live value of a mutable buffer or written parameter."""
+    for get in (gm.get_buffer, gm.get_parameter):
+        try:
+            return get(fqn)
+        except AttributeError:
+            continue
+    return None
 
 
 def frozen_nodes(gm: GraphModule) -> list[Node]:
@@ -144,7 +147,8 @@ def _frozen_scan_inputs(gm: GraphModule) -> tuple:
     )
     constants = [getattr(gm, str(n.target), None) for n in frozen_nodes(gm)]
     tensors = tuple(
-        (Same(t), t._version) for t in (*gm.buffers(), *constants) if isinstance(t, torch.Tensor)
+        (Same(t), t._version) for t in (*gm.buffers(), *gm.parameters(), *constants)
+        if isinstance(t, torch.Tensor)
     )
     return marks, tensors
 

@@ -14,6 +14,7 @@ from ._buffers import (
     INITIAL_META,
     MUTABLE_BUFFER_META,
     MUTABLE_INPUT_META,
+    PARAMETER,
     USER_INPUT,
     buffer_tensor,
     find_mutations,
@@ -21,6 +22,9 @@ from ._buffers import (
 )
 
 __all__ = ["MarkMutableBuffers"]
+
+_STATISTIC = {BUFFER: "mutable buffers marked", PARAMETER: "written parameters marked",
+              USER_INPUT: "mutated user inputs marked"}
 
 
 @dataclass(frozen=True, repr=False)
@@ -30,10 +34,13 @@ class MarkMutableBuffers(Pass):
     A write is read from operator schemas (an argument annotated ``Tensor(a!)``), followed
     through any chain of views back to the buffer: in-place ops, ``out=`` variants,
     trailing ``copy_`` write-backs, and ``BUFFER_MUTATION`` outputs of functional programs.
-    Mutated user inputs get ``meta["mutable_user_input"] = name`` instead. The first time
-    a buffer is marked, its value is kept in ``meta["mutable_buffer_initial"]`` for
-    :func:`passes.reset_mutable_buffers`: a buffer filled with one value (a KV cache's
-    zeros) keeps only that value, expanded to its shape; any other buffer is cloned.
+    A parameter the program writes (one not requiring grad, or any under ``no_grad``) is
+    state too and gets the same mark (``mutable_buffers`` reports its kind as
+    ``"parameter"``). Mutated user inputs get ``meta["mutable_user_input"] = name``
+    instead. The first time a buffer is marked, its value is kept in
+    ``meta["mutable_buffer_initial"]`` for :func:`passes.reset_mutable_buffers`: a buffer
+    filled with one value (a KV cache's zeros) keeps only that value, expanded to its
+    shape; any other buffer is cloned. Written constants are reported, not marked.
 
     Example (GraphModule form)::
 
@@ -55,24 +62,25 @@ class MarkMutableBuffers(Pass):
         if scan.opaque:
             statistics["opaque nodes not seen through"] = len(scan.opaque)
         for state, writers in scan.writers.items():
-            if state.kind not in (BUFFER, USER_INPUT):
+            if state.kind not in _STATISTIC:
                 statistics[f"written {state.kind}s (not marked)"] += 1
                 notes.append(f"{state.kind} {state.name!r} is written by "
                              f"{', '.join(n.name for n in writers if n is not None)}")
                 continue
             nodes = scan.nodes_of(state)
+            # A written parameter is state like a buffer: the same mark, the same kept value.
+            stored = state.kind in (BUFFER, PARAMETER)
             kept = next((n.meta[INITIAL_META] for n in nodes
                          if n.meta.get(INITIAL_META) is not None), None)
-            if state.kind == BUFFER and kept is None:
+            if stored and kept is None:
                 kept = initial_copy(buffer_tensor(program, state.name))
-            key = MUTABLE_BUFFER_META if state.kind == BUFFER else MUTABLE_INPUT_META
-            statistics["mutable buffers marked" if state.kind == BUFFER
-                       else "mutated user inputs marked"] += 1
+            key = MUTABLE_BUFFER_META if stored else MUTABLE_INPUT_META
+            statistics[_STATISTIC[state.kind]] += 1
             for node in nodes:
                 if node.meta.get(key) != state.name:
                     node.meta[key] = state.name
                     changed = True
-                if state.kind == BUFFER and node.meta.get(INITIAL_META) is not kept:
+                if stored and node.meta.get(INITIAL_META) is not kept:
                     node.meta[INITIAL_META] = kept
                     changed = True
         return PassResult(program, changed, notes, statistics)

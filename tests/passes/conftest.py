@@ -134,7 +134,7 @@ class NoMutation(nn.Module):
 
 
 class WritesParameter(nn.Module):
-    """Writes a parameter in place: functionalized like torch does, reported, never marked."""
+    """Writes a parameter in place: marked like a buffer, functionalized like torch does."""
 
     def __init__(self):
         super().__init__()

@@ -94,11 +94,31 @@ def test_functional_program_is_read_from_its_signature(zoo):
     assert {k: v.kind for k, v in info.items()} == {"buf": "buffer", "y": "user_input"}
 
 
-def test_parameter_write_is_reported_not_marked(parameter_writer):
+@pytest.mark.parametrize("form", ["exported", "module"])
+def test_a_written_parameter_is_marked_and_reset_like_a_buffer(parameter_writer, form):
+    # torch lists it as a PARAMETER_MUTATION: state the program writes, like a buffer.
     ep = parameter_writer
-    result = PassManager([MarkMutableBuffers()]).run(ep)
+    program = ep if form == "exported" else ep.module()
+    assert conditions.MutableBuffersMarked.check(program)  # unmarked: a violation
+    result = PassManager([MarkMutableBuffers()]).run(program)
+    (info,) = mutable_buffers(result.program).values()
+    assert (info.fqn, info.kind, info.writers) == ("w", "parameter", ["add_"])
+    assert result.report.records[0].statistics == {"written parameters marked": 1}
+    assert not conditions.MutableBuffersMarked.check(result.program)
+    marked = result.program
+    module = marked.module() if form == "exported" else marked
+    initial = module.w.detach().clone()
+    module(torch.ones(3))  # an ExportedProgram's module() shares its parameters
+    assert not torch.equal(module.w, initial)
+    assert reset_mutable_buffers(marked) == ["w"]
+    assert torch.equal(module.w, initial)
+
+
+def test_a_written_constant_is_reported_not_marked(constant_writer):
+    result = PassManager([MarkMutableBuffers()]).run(constant_writer)
     assert mutable_buffers(result.program) == {}
-    assert any("parameter 'w'" in note for note in result.report.records[0].notes)
+    assert result.report.records[0].statistics == {"written constants (not marked)": 1}
+    assert any("constant 'c'" in note for note in result.report.records[0].notes)
 
 
 def test_pipeline_requiring_marks_fails_clearly_without_the_pass(zoo):

@@ -18,7 +18,13 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 from benchmarks.quantizers import Accumulator, accumulator_inputs
 from pass_manager import PassFailedError, PassManager, ProgramFormError, assert_same_behaviour
 from pass_manager.program import program_text
-from passes import MarkMutableBuffers, UnfreezeMutableBuffer, conditions
+from passes import (
+    InplaceToFunctional,
+    MarkMutableBuffers,
+    UnfreezeMutableBuffer,
+    conditions,
+    reset_mutable_buffers,
+)
 from passes.errors import AmbiguousFrozenBufferError
 from passes.examples import xnnpack_quantizer
 from passes.quantization import PassQuantizer
@@ -151,6 +157,53 @@ def test_nothing_frozen_is_a_no_op():
     program = copy.deepcopy(unfolded)
     result = PassManager([UnfreezeMutableBuffer()]).run(program)
     assert not result.modified
+
+
+class ParameterAccumulator(nn.Module):
+    """The running state is a frozen parameter written in place (a PARAMETER_MUTATION),
+    read through an op the quantizer annotates: torchao folds that read like a weight."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+        self.acc = nn.Parameter(torch.randn(1, dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        out = self.out(y + self.acc * 0.5)
+        self.acc.mul_(0.5).add_(y)
+        return out
+
+
+def parameter_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {"acc": module.get_parameter("acc").detach().clone()}
+
+
+def test_a_written_parameter_is_reset_after_calibration_and_its_folded_read_unfrozen():
+    model = ParameterAccumulator().eval()
+    gm = torch.export.export(copy.deepcopy(model), CALLS[0]).module()
+    quantizer = PassQuantizer(xnnpack_quantizer(),
+                              transform=[MarkMutableBuffers(), InplaceToFunctional()])
+    prepared = prepare_pt2e(gm, quantizer)
+    initial = model.acc.detach().clone()
+    with torch.no_grad():
+        for args in CALLS:
+            prepared(*args)
+    assert not torch.equal(prepared.get_parameter("acc"), initial)  # calibration wrote it
+    assert reset_mutable_buffers(prepared) == ["acc"]
+    assert torch.equal(prepared.get_parameter("acc"), initial)
+    folded = convert_pt2e(copy.deepcopy(prepared), fold_quantize=True)
+    unfolded = convert_pt2e(copy.deepcopy(prepared), fold_quantize=False)
+    assert conditions.NoFrozenMutableBuffers.check(folded)  # acc's read is a constant now
+    with pytest.raises(AssertionError):
+        assert_same_behaviour(unfolded, folded, CALLS, state=parameter_state)
+    result = PassManager([UnfreezeMutableBuffer()]).run(folded)
+    assert result.report.records[0].statistics == {"frozen buffer reads unfrozen": 1}
+    assert_same_behaviour(unfolded, result.program, CALLS, state=parameter_state)
+    # And the quantized program follows the fp32 model's state, call after call.
+    assert_same_behaviour(model, result.program, CALLS, atol=0.2, state=parameter_state)
 
 
 class FrozenCacheInput(nn.Module):
