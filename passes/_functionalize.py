@@ -81,6 +81,7 @@ class Rewrite(StorageReads, ProgramEnd):
             self.state_root.setdefault(state, node)
         self.aliases = scan.aliases
         self.opaque = {o.node: o.reason for o in scan.opaque}
+        self.writing_nodes = scan.writing_nodes
         self.output = next(n for n in reversed(self.graph.nodes) if n.op == "output")
         self.mutation_outputs: list[tuple[State, Any]] = []
         self.other_outputs: list[tuple[OutputSpec, Any]] = []
@@ -217,8 +218,26 @@ class Rewrite(StorageReads, ProgramEnd):
             self.memo.setdefault((root, self.aliases[node].chain, ver), node)
 
     # -- the walk ---------------------------------------------------------------------
+    def _to_visit(self) -> list[Node]:
+        """The nodes the walk must visit, in graph order: writers, opaque and refused
+        nodes, every node of a written root (tracked) and every reader of those or of a
+        writer's results (re-wired). Any other node reads nothing a write changes, and the
+        walk would leave it as it is: on a decoder that is most of the graph."""
+        tracked = [n for n, a in self.aliases.items() if a.root in self.roots]
+        frontier = [*tracked, *self.writing_nodes]
+        visit = {*frontier, *self.opaque, *self.refused_metadata}
+        for node in frontier:
+            visit.update(node.users)
+        for node in self.writing_nodes:  # a multi-result writer's getitems get new values
+            for user in node.users:
+                visit.update(user.users)
+        if self.call_graph_names:
+            visit.update(n for n in self.order if n.name in self.call_graph_names)
+        visit.add(self.output)
+        return sorted(visit, key=self.order.__getitem__)
+
     def run(self) -> None:
-        for node in list(self.graph.nodes):
+        for node in self._to_visit():
             self.cursor = node
             if node in self.skipped:  # an inlined region, erased on commit
                 continue
