@@ -194,6 +194,8 @@ def _fill_value(tensor: torch.Tensor) -> torch.Tensor | None:
     first, last = bits[(0,) * bits.dim()], bits[(-1,) * bits.dim()]
     if not torch.equal(first, last):  # the usual non-fill is seen without reading everything
         return None
+    if not bits.any():  # all bits zero (the usual KV cache): one cheaper read than aminmax
+        return tensor[(0,) * tensor.dim()].clone()
     low, high = torch.aminmax(bits)  # one read of the data and no temporary of its size
     return tensor[(0,) * tensor.dim()].clone() if torch.equal(low, high) else None
 
@@ -289,7 +291,10 @@ def _hop_operands_written(node: Node, gm: torch.nn.Module) -> list[Node] | None:
 
 def hop_writes(node: Node, gm: torch.nn.Module) -> OpaqueNode | None:
     """A higher-order op whose subgraph writes: its writes are not rewritten from outside."""
-    written = _hop_operands_written(node, gm)
+    return _hop_opaque(node, _hop_operands_written(node, gm))
+
+
+def _hop_opaque(node: Node, written: list[Node] | None) -> OpaqueNode | None:
     if written == []:
         return None
     what = "something" if written is None else ", ".join(n.name for n in written)
@@ -318,14 +323,15 @@ def _scan_mutations(program: Any) -> Mutations:
     written_roots: set[Node] = set()
     writing_nodes: list[Node] = []
     for node in gm.graph.nodes:
-        hop = hop_writes(node, gm)
+        nested = _hop_operands_written(node, gm)  # read once: each read re-scans subgraphs
+        hop = _hop_opaque(node, nested)
         if hop is not None:
             opaque.append(hop)
         written = written_nodes(node)
         if written:
             writing_nodes.append(node)
             written_roots.update(aliases[w].root for w in written if w in aliases)
-        for target in written + (_hop_operands_written(node, gm) or []):
+        for target in written + (nested or []):
             state = states.get(aliases[target].root) if target in aliases else None
             if state is not None:
                 writers.setdefault(state, [])

@@ -190,13 +190,18 @@ class Rewrite(StorageReads, ProgramEnd):
 
     def _set_args(self, node: Node, args: tuple, kwargs: dict) -> None:
         self.arg_changes.append((node, node.args, node.kwargs))
-        node.args, node.kwargs = args, kwargs
+        # Each assignment re-links every input's use list: assign only what changed.
+        if args is not node.args:
+            node.args = args
+        if kwargs is not node.kwargs:
+            node.kwargs = kwargs
 
     def _remap(self, node: Node) -> None:
         if not any(a in self.value for a in node.all_input_nodes):
             return
         old_inputs = node.all_input_nodes
-        args, kwargs = map_arg((node.args, node.kwargs), self.resolve)
+        args = _resolved(node.args, self.resolve)
+        kwargs = _resolved(node.kwargs, self.resolve) if node.kwargs else node.kwargs
         self._set_args(node, args, kwargs)
         if target_of(node) in MAYBE_VIEWS and "val" in node.meta and not (
             self.aliases[node].root is node and _same_metadata(old_inputs, node.all_input_nodes)
@@ -396,6 +401,21 @@ class Rewrite(StorageReads, ProgramEnd):
         self.last_writer[root] = writer
         if chain and _same_layout(view_value, written):
             self.memo[(root, chain, self.version[root])] = view_value
+
+def _resolved(value: Any, resolve: Any) -> Any:
+    """``map_arg(value, resolve)``, or ``value`` itself when no node in it resolves to
+    another one (so the caller can tell an unchanged argument by identity)."""
+    changed = False
+
+    def step(node: Node) -> Node:
+        nonlocal changed
+        new = resolve(node)
+        changed = changed or new is not node
+        return new
+
+    new = map_arg(value, step)
+    return new if changed else value
+
 
 def _same_layout(a: Node, b: Node) -> bool:
     """Same strides (True when unknown: no fake values or symbolic strides)."""
