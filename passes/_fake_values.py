@@ -20,16 +20,28 @@ from ._aliasing import view_base_index
 
 __all__ = ["FakeValues"]
 
+_UNKNOWN = object()
+
 
 class FakeValues:
     """Computes ``meta["val"]`` / ``meta["tensor_meta"]`` with the graph's own fake mode."""
 
     def __init__(self, graph: Graph):
-        self.mode = detect_fake_mode(
-            [n.meta["val"] for n in graph.nodes
-             if n.op in ("placeholder", "get_attr") and "val" in n.meta]
-        )
+        self._graph = graph
+        self._mode: Any = _UNKNOWN
         self._cache: dict[tuple, Any] = {}
+
+    @property
+    def mode(self) -> Any:
+        """The graph's fake mode (None without fake values), found on first use."""
+        if self._mode is _UNKNOWN:
+            inputs = [n.meta["val"] for n in self._graph.nodes
+                      if n.op in ("placeholder", "get_attr") and "val" in n.meta]
+            # One fake tensor names the mode: detecting it on every input costs a pytree
+            # walk of all of them (a graph's inputs share one mode).
+            first = next((v for v in inputs if isinstance(v, FakeTensor)), None)
+            self._mode = detect_fake_mode(inputs if first is None else [first])
+        return self._mode
 
     def infer(self, node: Node) -> None:
         """Set the node's fake value; skipped when the graph carries no fake values.

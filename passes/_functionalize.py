@@ -11,6 +11,7 @@ mutation output (ExportedProgram) or a trailing ``copy_`` (GraphModule): see
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import Counter
 from typing import Any
@@ -116,7 +117,6 @@ class Rewrite(StorageReads, ProgramEnd):
         self.dead: list[Node] = []
         # Erased first: they read nodes that die too.
         self.inlined_dead = inlined.dead + metadata.dead
-        self.order = {n: i for i, n in enumerate(self.graph.nodes)}
         # Roots whose shape/strides a write changed: their storage order is not eager's.
         self.relaid: set[Node] = set(self.state_views)
         self.stale: list[Node] = []  # original nodes whose users now read a new node
@@ -129,6 +129,12 @@ class Rewrite(StorageReads, ProgramEnd):
         self.statistics: Counter[str] = Counter()  # what the rewrite did, for the report
         self.statistics.update(f"metadata mutations as views or renames: {m.target}"
                                for m in metadata.dead)
+
+    @functools.cached_property
+    def order(self) -> dict[Node, int]:
+        """Graph positions, asked only about a relayout: nodes inserted since keep the
+        original nodes' relative order."""
+        return {n: i for i, n in enumerate(self.graph.nodes)}
 
     # -- building blocks --------------------------------------------------------------
     def emit(self, like: Node, target: Any, *args: Any, **kwargs: Any) -> Node:
@@ -237,9 +243,9 @@ class Rewrite(StorageReads, ProgramEnd):
             for user in node.users:
                 visit.update(user.users)
         if self.call_graph_names:
-            visit.update(n for n in self.order if n.name in self.call_graph_names)
+            visit.update(n for n in self.graph.nodes if n.name in self.call_graph_names)
         visit.add(self.output)
-        return sorted(visit, key=self.order.__getitem__)
+        return [n for n in self.graph.nodes if n in visit]
 
     def run(self) -> None:
         for node in self._to_visit():

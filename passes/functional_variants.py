@@ -25,6 +25,7 @@ import operator
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch._higher_order_ops.auto_functionalize import (
@@ -66,6 +67,9 @@ METADATA_VIEWS = {
 _VALUE_PRESERVING = frozenset({"detach_", "requires_grad_"})
 
 _REGISTRY: dict[OpOverload, Callable] = {}
+# functional_variant's answers: a model repeats a few ops per layer. Cleared when the
+# registry changes, the only input besides the op.
+_ANSWERS: dict[Any, FunctionalVariant | str] = {}
 
 
 @dataclass(frozen=True)
@@ -109,10 +113,12 @@ def register_functional_variant(op: OpOverload, functional: Callable) -> None:
     if not op._schema.is_mutable:
         raise ValueError(f"{op} writes none of its arguments; it needs no functional variant")
     _REGISTRY[op] = functional
+    _ANSWERS.clear()
 
 
 def unregister_functional_variant(op: OpOverload) -> None:
     _REGISTRY.pop(op, None)
+    _ANSWERS.clear()
 
 
 def _returns_written(schema: torch.FunctionSchema) -> bool:
@@ -293,6 +299,16 @@ def _auto_functionalized(op: OpOverload) -> FunctionalVariant | None:
 
 def functional_variant(op: Callable) -> FunctionalVariant | str:
     """The functional variant of a mutating op, or a string saying why there is none."""
+    try:
+        answer = _ANSWERS.get(op)
+    except TypeError:  # an unhashable callable
+        return _functional_variant(op)
+    if answer is None:
+        answer = _ANSWERS[op] = _functional_variant(op)
+    return answer
+
+
+def _functional_variant(op: Callable) -> FunctionalVariant | str:
     if not isinstance(op, OpOverload):
         return f"{op!r} is not an operator with a schema"
     schema = op._schema
