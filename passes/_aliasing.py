@@ -134,6 +134,7 @@ class _OpFacts:
     maybe_view: bool  # in MAYBE_VIEWS
     hidden_writes: tuple[int, tuple[int, ...]] | None  # an entry of HIDDEN_WRITES
     no_write_unless: int | None  # an entry of NO_WRITE_UNLESS
+    fresh: bool  # no result aliases an argument: the op's value is new storage
 
 
 @functools.cache
@@ -150,6 +151,8 @@ def _facts(op: torch._ops.OpOverload) -> _OpFacts:
     result_of = aliased_by(schema.returns[0].alias_info) if len(schema.returns) == 1 else None
     list_views_of = next((i for i, a in enumerate(args) if a.alias_info is not None
                           and "*" in a.alias_info.after_set and not a.alias_info.is_write), None)
+    results_alias = tuple(aliased_by(r.alias_info) for r in schema.returns) if len(
+        schema.returns) > 1 else ()
     return _OpFacts(
         schema=schema,
         written=tuple(i for i, a in enumerate(args)
@@ -157,11 +160,12 @@ def _facts(op: torch._ops.OpOverload) -> _OpFacts:
         result_of=result_of,
         result_written=result_of is not None and args[result_of].alias_info.is_write,
         list_views_of=list_views_of,
-        results_alias=tuple(aliased_by(r.alias_info) for r in schema.returns)
-        if len(schema.returns) > 1 else (),
+        results_alias=results_alias,
         maybe_view=op in MAYBE_VIEWS,
         hidden_writes=HIDDEN_WRITES.get(op),
         no_write_unless=NO_WRITE_UNLESS.get(op),
+        fresh=result_of is None and list_views_of is None
+        and all(i is None for i in results_alias),
     )
 
 
@@ -326,6 +330,10 @@ def alias_map(
     multi: dict[Node, tuple[str, list]] = {}
     opaque: list[OpaqueNode] = []
     for node in nodes:
+        facts = _facts_of(node)
+        if facts is not None and facts.fresh:  # most nodes: nothing below applies
+            aliases[node] = Alias(node)
+            continue
         if node.op in ("placeholder", "get_attr"):
             aliases[node] = Alias(canonical.get(node, node))
             continue

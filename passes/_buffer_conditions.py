@@ -10,7 +10,7 @@ from typing import Any
 
 from torch.export import ExportedProgram
 
-from pass_manager import Condition, graph_module_of, graph_of
+from pass_manager import Condition, graph_module_of
 
 from ._aliasing import written_nodes
 from ._buffers import (
@@ -63,7 +63,8 @@ def _in_place_writes(program: Any) -> list[str]:
     is_ep = isinstance(program, ExportedProgram)
     allowed = set() if is_ep else set(trailing_write_backs(program))
     violations = []
-    for node in graph_of(program).nodes:
+    gm = graph_module_of(program)
+    for node in gm.graph.nodes:
         if node in allowed:
             continue
         written = written_nodes(node)
@@ -72,7 +73,7 @@ def _in_place_writes(program: Any) -> list[str]:
             violations.append(f"{node.name}: {node.target} writes its argument(s) {names}")
         elif node.op == "call_method" and str(node.target).endswith("_"):
             violations.append(f"{node.name}: in-place method {node.target!r}")
-        elif (hop := hop_writes(node, graph_module_of(program))) is not None:
+        elif (hop := hop_writes(node, gm)) is not None:
             violations.append(f"{node.name}: {hop.reason}")
     return violations
 

@@ -182,7 +182,7 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _fill_value(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The one value every element of ``tensor`` holds (a 0-dim copy), or None."""
+    """The one value every element of ``tensor`` holds (a 0-dim tensor), or None."""
     if tensor.numel() == 0 or tensor.is_complex() or tensor.is_quantized or (
         tensor.layout != torch.strided or tensor.device.type == "meta"
     ):
@@ -191,13 +191,19 @@ def _fill_value(tensor: torch.Tensor) -> torch.Tensor | None:
         tensor.view(_BITS[tensor.element_size()]) if tensor.element_size() in _BITS else None)
     if bits is None:
         return None
-    first, last = bits[(0,) * bits.dim()], bits[(-1,) * bits.dim()]
-    if not torch.equal(first, last):  # the usual non-fill is seen without reading everything
-        return None
-    if not bits.any():  # all bits zero (the usual KV cache): one cheaper read than aminmax
-        return tensor[(0,) * tensor.dim()].clone()
+    if tensor.numel() > _SMALL:  # the usual non-fill is seen without reading everything
+        first, last = bits[(0,) * bits.dim()], bits[(-1,) * bits.dim()]
+        if not torch.equal(first, last):
+            return None
+    if not bits.any():  # every bit zero (the usual KV cache): +0.0, False or 0
+        return tensor.new_zeros(())
     low, high = torch.aminmax(bits)  # one read of the data and no temporary of its size
     return tensor[(0,) * tensor.dim()].clone() if torch.equal(low, high) else None
+
+
+# Buffers up to this many elements are read whole at once: peeking at two elements first
+# costs more than reading them (a model has a few such buffers per layer).
+_SMALL = 1 << 16
 
 
 def initial_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -208,10 +214,9 @@ def initial_copy(tensor: torch.Tensor) -> torch.Tensor:
     element of memory); any other buffer is cloned. Either compares, copies and deep-copies
     like the buffer's value.
     """
-    with torch.no_grad():
-        tensor = tensor.detach()
-        fill = _fill_value(tensor)
-        return tensor.clone() if fill is None else fill.expand(tensor.shape)
+    tensor = tensor.detach()  # the copies below record no autograd history
+    fill = _fill_value(tensor)
+    return tensor.clone() if fill is None else fill.expand(tensor.shape)
 
 
 @dataclass
