@@ -37,6 +37,7 @@ __all__ = [
     "in_dialect_of",
     "list_view_argument",
     "may_overlap",
+    "may_write",
     "overlaps_itself",
     "schema_of",
     "target_of",
@@ -248,6 +249,14 @@ def written_arguments(node: Node) -> list[tuple[int, Node]]:
     if not written:
         return []
     return [(i, n) for i in written for n in _nodes_in(argument_value(node, facts.schema, i))]
+
+
+def may_write(node: Node) -> bool:
+    """Whether the node's op may write an argument, read from its schema alone: False
+    for most nodes, without binding any argument (a quick filter before
+    :func:`written_arguments`). Higher-order ops are not covered (their subgraphs write)."""
+    facts = _facts_of(node)
+    return facts is not None and bool(facts.written or facts.hidden_writes)
 
 
 def written_nodes(node: Node) -> list[Node]:

@@ -27,7 +27,7 @@ from torch.fx import Node
 from pass_manager import graph_module_of
 from pass_manager.analysis import cached
 
-from ._aliasing import Alias, OpaqueNode, alias_map, written_nodes
+from ._aliasing import Alias, OpaqueNode, alias_map, may_write, written_nodes
 
 __all__ = [
     "BUFFER",
@@ -328,6 +328,8 @@ def _scan_mutations(program: Any) -> Mutations:
     written_roots: set[Node] = set()
     writing_nodes: list[Node] = []
     for node in gm.graph.nodes:
+        if not (may_write(node) or isinstance(node.target, torch._ops.HigherOrderOperator)):
+            continue  # most nodes: nothing below applies
         nested = _hop_operands_written(node, gm)  # read once: each read re-scans subgraphs
         hop = _hop_opaque(node, nested)
         if hop is not None:

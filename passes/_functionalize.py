@@ -324,15 +324,14 @@ class Rewrite(StorageReads, ProgramEnd):
             self.value[node] = (self.resolve(node.args[0]), self.version[root])
             self.dead.append(node)
             return
-        schema = node.target._schema
+        n_returns, ret_of = _returns_of(node.target)
         if variant.arguments is not None:
             args, kwargs = variant.arguments(node)
         else:
             args = node.args
             kwargs = {k: v for k, v in node.kwargs.items() if k not in variant.out_args}
         call = self.emit(node, variant.functional, *args, **kwargs)
-        returns = schema.returns
-        n_results = len(returns) + (0 if variant.returns_written else len(writes))
+        n_results = n_returns + (0 if variant.returns_written else len(writes))
         single = variant.picks is None and (isinstance(call.meta.get("val"), torch.Tensor) or (
             "val" not in call.meta and n_results == 1))
 
@@ -342,24 +341,17 @@ class Rewrite(StorageReads, ProgramEnd):
             return self.emit(node, operator.getitem, call, variant.picks[i] if variant.picks else i)
 
         if variant.returns_written:
-            ret_of = {}
-            for j, ret in enumerate(returns):
-                for i, arg in enumerate(schema.arguments):
-                    if arg.alias_info and ret.alias_info and (
-                        arg.alias_info.before_set & ret.alias_info.before_set
-                    ):
-                        ret_of[i] = j
-            results = [result(j) for j in range(len(returns))]
+            results = [result(j) for j in range(n_returns)]
             for i, w in writes:
                 results[ret_of[i]] = self._conform(node, w, results[ret_of[i]])
             new_values = [results[ret_of[i]] for i, _ in writes]
-            if len(returns) > 1:
+            if n_returns > 1:
                 self.multi_results[node] = results
         else:
-            new_values = [result(len(returns) + k) for k in range(len(writes))]
-            if len(returns) == 1:
+            new_values = [result(n_returns + k) for k in range(len(writes))]
+            if n_returns == 1:
                 self.value[node] = (result(0), 0)
-            elif returns:
+            elif n_returns:
                 self.value[node] = (call, 0)
             new_values = [
                 self._conform(node, w, new)
@@ -367,7 +359,7 @@ class Rewrite(StorageReads, ProgramEnd):
             ]
         for (_, w), new in zip(writes, new_values, strict=True):
             self._write(node, w, new)
-        if variant.returns_written and len(returns) == 1:
+        if variant.returns_written and n_returns == 1:
             alias = self.aliases[node]  # the written view, with eager's layout
             self.value[node] = (self._view_values(alias.root, alias.chain)[-1],
                                 self.version[alias.root])
@@ -407,6 +399,21 @@ class Rewrite(StorageReads, ProgramEnd):
         self.last_writer[root] = writer
         if chain and _same_layout(view_value, written):
             self.memo[(root, chain, self.version[root])] = view_value
+
+@functools.cache
+def _returns_of(op: Any) -> tuple[int, dict[int, int]]:
+    """An op's number of results, and which result aliases each argument it aliases (read
+    once per op: a schema's argument list is rebuilt on every access)."""
+    schema = op._schema
+    ret_of = {}
+    for j, ret in enumerate(schema.returns):
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info and ret.alias_info and (
+                arg.alias_info.before_set & ret.alias_info.before_set
+            ):
+                ret_of[i] = j
+    return len(schema.returns), ret_of
+
 
 def _resolved(value: Any, resolve: Any) -> Any:
     """``map_arg(value, resolve)``, or ``value`` itself when no node in it resolves to

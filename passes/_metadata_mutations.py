@@ -31,6 +31,7 @@ from ._aliasing import (
     aliased_argument,
     argument_value,
     in_dialect_of,
+    may_write,
     target_of,
     view_base_index,
 )
@@ -73,7 +74,7 @@ def normalize_metadata_mutations(program: Any, gm: GraphModule,
     amounts to, inferring the fake values of new nodes with ``fake``."""
     log = MetadataMutations()
     nodes = [n for n in gm.graph.nodes
-             if n.op == "call_function" and target_of(n) in METADATA_MUTATIONS]
+             if may_write(n) and target_of(n) in METADATA_MUTATIONS]  # each writes its self
     if not nodes:
         return log
     states = state_nodes(program)
