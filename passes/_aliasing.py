@@ -192,12 +192,27 @@ def _facts_of(node: Node) -> _OpFacts | None:
 
 def argument_value(node: Node, schema: torch.FunctionSchema, i: int) -> Any:
     """The value bound to schema argument ``i`` (positional, keyword or default)."""
-    arg = schema.arguments[i]
-    if i < len(node.args) and not arg.kwarg_only:
+    name, kwarg_only, default = _arguments(schema)[i]
+    if i < len(node.args) and not kwarg_only:
         return node.args[i]
-    if arg.name in node.kwargs:
-        return node.kwargs[arg.name]
-    return arg.default_value if arg.has_default_value() else None
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return list(default) if isinstance(default, list) else default
+
+
+# (name, kwarg_only, default) of each argument, by the schema's id: ``schema.arguments``
+# builds new Argument objects on every access. The schema is kept so its id stays its own.
+_ARGUMENTS: dict[int, tuple[torch.FunctionSchema, tuple[tuple[str, bool, Any], ...]]] = {}
+
+
+def _arguments(schema: torch.FunctionSchema) -> tuple[tuple[str, bool, Any], ...]:
+    entry = _ARGUMENTS.get(id(schema))
+    if entry is None or entry[0] is not schema:
+        entry = (schema, tuple(
+            (a.name, a.kwarg_only, a.default_value if a.has_default_value() else None)
+            for a in schema.arguments))
+        _ARGUMENTS[id(schema)] = entry
+    return entry[1]
 
 
 def _nodes_in(value) -> list[Node]:
@@ -280,7 +295,10 @@ def aliased_argument(node: Node) -> tuple[int, Node, bool] | None:
     False for a view. Ops that only may alias (``reshape``, ``to``) count as views when the
     fake tensors say they share storage, or when there is no fake tensor to ask.
     """
-    facts = _facts_of(node)
+    return _aliased(node, _facts_of(node))
+
+
+def _aliased(node: Node, facts: _OpFacts | None) -> tuple[int, Node, bool] | None:
     if facts is None or facts.result_of is None:
         return None
     value = argument_value(node, facts.schema, facts.result_of)
@@ -305,13 +323,12 @@ def view_base_index(node: Node) -> int | None:
     return facts.result_of if facts.result_of is not None else facts.list_views_of
 
 
-def _multi_alias(node: Node) -> tuple[str, list] | None:
+def _multi_alias(node: Node, facts: _OpFacts | None) -> tuple[str, list] | None:
     """Ops with several results aliasing arguments.
 
     ``("views", [arg])`` for list-of-views ops (split, unbind: ``Tensor(a -> *)``) and
     ``("returns", [arg or None per result])`` for tuple results that alias written args.
     """
-    facts = _facts_of(node)
     if facts is None:
         return None
     if facts.list_views_of is not None:
@@ -370,7 +387,7 @@ def alias_map(
             if source in aliases:
                 aliases[node] = aliases[source]
                 continue
-        found = aliased_argument(node)
+        found = _aliased(node, facts)
         if found is not None and found[1] in aliases:
             _, arg, written = found
             source = aliases[arg]
@@ -380,7 +397,7 @@ def alias_map(
             else:
                 aliases[node] = source if written else Alias(source.root, (*source.chain, node))
             continue
-        info = _multi_alias(node)
+        info = _multi_alias(node, facts)
         if info is not None:
             multi[node] = info
         aliases[node] = Alias(node)
