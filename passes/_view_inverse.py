@@ -50,8 +50,21 @@ _RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshap
 _IDENTITIES = frozenset({aten.alias.default, aten.detach.default, aten.to.dtype,
                          aten.to.device, aten.to.dtype_layout, aten.to.other,
                          aten.contiguous.default, aten.lift_fresh.default})
+# hsplit / vsplit / dsplit are tensor_split along a fixed dim (hsplit: 0 for 1-D input).
+_DIRECTIONAL_SPLITS = {
+    aten.hsplit.int: (aten.tensor_split.sections, lambda ndim: 0 if ndim == 1 else 1),
+    aten.hsplit.array: (aten.tensor_split.indices, lambda ndim: 0 if ndim == 1 else 1),
+    aten.vsplit.int: (aten.tensor_split.sections, lambda ndim: 0),
+    aten.vsplit.array: (aten.tensor_split.indices, lambda ndim: 0),
+    aten.dsplit.int: (aten.tensor_split.sections, lambda ndim: 2),
+    aten.dsplit.array: (aten.tensor_split.indices, lambda ndim: 2),
+}
 _LIST_VIEWS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
-                         aten.chunk.default})
+                         aten.chunk.default, aten.tensor_split.sections,
+                         aten.tensor_split.indices, *_DIRECTIONAL_SPLITS})
+# List views whose pieces' bounds depend on the split input's length.
+_SIZED_BY_INPUT = frozenset({aten.chunk.default, aten.tensor_split.sections, aten.hsplit.int,
+                             aten.vsplit.int, aten.dsplit.int})
 # Views that re-index every element: a write through one is written back by its inverse.
 _INVERSES = {
     aten.movedim.int: lambda view, value, source, destination: (
@@ -79,7 +92,7 @@ def write_back_reason(view: Node) -> str | None:
         if isinstance(source, Node) and target_of(source) in _LIST_VIEWS:
             flat = [x for a in _args(source) for x in (a if isinstance(a, (list, tuple)) else [a])]
             static = isinstance(view.args[1], int) and not any(isinstance(x, Node) for x in flat)
-            if target_of(source) is aten.chunk.default:
+            if target_of(source) in _SIZED_BY_INPUT:
                 static = static and _shape(source.args[0]) is not None
             return None if static else f"writes through {view.name}, a symbolic split"
         return f"writes through {source} (getitem of a non-view)"
@@ -176,6 +189,9 @@ def _write_back_windows(emit: Emit, view: Node, base: Node, value: Node) -> Node
 def _write_back_item(emit: Emit, split: Node, index: int, base: Node, value: Node) -> Node:
     target = target_of(split)
     args = _args(split)
+    if target in _DIRECTIONAL_SPLITS:
+        target, dim_of = _DIRECTIONAL_SPLITS[target]
+        args = [*args, dim_of(len(_shape(base)))]
     if target is aten.unbind.int:
         return emit(aten.select_scatter.default, base, value, args[0], index)
     if target is aten.split.Tensor:
@@ -183,6 +199,18 @@ def _write_back_item(emit: Emit, split: Node, index: int, base: Node, value: Nod
         sizes = None
     elif target is aten.split_with_sizes.default:
         sizes, dim = args
+    elif target is aten.tensor_split.indices:
+        # piece i is slice(indices[i-1], indices[i]) (torch's own definition): unsorted
+        # indices give empty or overlapping pieces, so bounds come from the indices, not sizes
+        indices, dim = args
+        bounds = [0, *indices, None]
+        return emit(aten.slice_scatter.default, base, value, dim, bounds[index],
+                    bounds[index + 1])
+    elif target is aten.tensor_split.sections:
+        # the first (length % sections) pieces are one longer
+        sections, dim = args
+        short, longer = divmod(_shape(base)[dim], sections)
+        sizes = [short + (i < longer) for i in range(sections)]
     else:
         chunks, dim = args
         length = _shape(base)[dim]

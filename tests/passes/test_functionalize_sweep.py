@@ -1,0 +1,74 @@
+"""Shapes found by sweeping the mutation cases of torch's own test suites (test_export,
+test_functionalization, test_aotdispatch) where InplaceToFunctional refused a program that
+``run_decompositions({})`` functionalizes correctly (issue 10). Each is exported, converted
+in both forms, called 4 times and compared with eager; torch's result is checked too."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pass_manager import assert_same_behaviour
+
+from .functionalize_checks import _calls, functionalize_both_forms, targets
+
+
+def _torch_agrees(factory, calls):
+    ep = torch.export.export(factory(), copy.deepcopy(calls[0]))
+    assert_same_behaviour(factory(), ep.run_decompositions({}), calls, calls=4)
+
+
+class TensorSplitPieces(nn.Module):
+    """Writes through pieces of tensor_split (sections, unsorted indices whose pieces are
+    empty or overlap, a negative dim) and of hsplit / vsplit / dsplit, which export keeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(14.0).reshape(7, 2))
+        self.register_buffer("c", torch.arange(6.0))
+        self.register_buffer("d", torch.arange(16.0).reshape(4, 4))
+        self.register_buffer("e", torch.arange(16.0).reshape(2, 2, 4))
+
+    def forward(self, x):
+        p, q, r = torch.tensor_split(self.b, 3)  # rows 3, 2, 2
+        p[1].add_(x)
+        q.mul_(2)
+        r[-1].copy_(p[0])
+        first, empty, rest = torch.tensor_split(self.c, [4, 1])  # c[:4], c[4:1], c[1:]
+        first.add_(1)
+        rest.mul_(2)
+        empty.add_(5)
+        left, right = self.d.hsplit(2)
+        _top, bottom = self.d.vsplit([1])
+        left.add_(1)
+        bottom[0].mul_(x.sum())
+        near, far = self.e.dsplit(2)
+        far.sub_(1)
+        _head, tail = torch.tensor_split(self.d[0], [-1])  # negative index, 1-D row
+        tail.mul_(-1)
+        halves = self.c.hsplit(2)  # hsplit of a 1-D tensor splits dim 0
+        halves[1].add_(10)
+        return first * 1, rest * 1, right * 1, near + 0
+
+
+class InputTensorSplit(nn.Module):
+    def forward(self, x, y):
+        a, b = torch.tensor_split(x, [-2], dim=1)
+        b.add_(y)
+        a[:, 0].mul_(3)
+        top, bottom = x.vsplit(2)
+        bottom.mul_(0.5)
+        return top * 1
+
+
+@pytest.mark.parametrize("factory,shapes", [
+    (TensorSplitPieces, [(2,)]),
+    (InputTensorSplit, [(4, 6), (4, 2)]),
+])
+def test_writes_through_tensor_split_and_directional_splits(factory, shapes):
+    calls = _calls(*shapes)
+    _torch_agrees(factory, calls)
+    for program in functionalize_both_forms(factory, calls):
+        # the pieces' new values are written back with slice_scatter
+        assert torch.ops.aten.slice_scatter.default in targets(program)
