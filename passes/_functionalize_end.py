@@ -60,6 +60,7 @@ class ProgramEnd:
     """The output, undo and commit of a Rewrite (mixed into Rewrite)."""
 
     def _finish(self, output: Node) -> None:
+        own = self._own_coordinates(output)
         for root, form in self.state_views.items():
             # State whose strides changed in place, not its shape: its caller reads the
             # object's logical value, which is written back (as torch's functionalization
@@ -91,6 +92,11 @@ class ProgramEnd:
                         final = self.emit(self.last_writer[root], aten.clone.default, final)
                     finals.append((state, root, final))
                     self.statistics[f"mutated {_PLURAL[kind]} written back"] += 1
+        for root, value in own.items():
+            # Returned aliases of that state replay chains that start from the state in
+            # its own coordinates (through the metadata view), not from its logical value.
+            self.cur[root] = value
+            self.version[root] += 1
         if self.is_ep:
             user = [(spec, map_arg(arg, self.resolve)) for spec, arg in self.other_outputs]
             for (_, old), (_, new) in zip(self.other_outputs, user, strict=True):
@@ -116,6 +122,19 @@ class ProgramEnd:
                 copy.meta["val"] = root.meta["val"]
             self.notes.append(f"{state.kind} {state.name!r} written back by {copy.name}")
         self._set_args(output, returned, output.kwargs)
+
+    def _own_coordinates(self, output: Node) -> dict[Node, Node]:
+        """For state whose strides a metadata mutation changed and that a user output
+        aliases: its current value in its own coordinates (a copy when unwritten, since the
+        GraphModule form writes the logical value back into it)."""
+        returned = {self.aliases[a].root for a in output.all_input_nodes if a in self.aliases}
+        own = {}
+        for root in self.state_views.keys() & returned:
+            if self.version.get(root, 0):
+                own[root] = self.cur[root]
+            else:
+                own[root] = self.emit(root, aten.clone.default, root)
+        return own
 
     def undo(self) -> None:
         for node, args, kwargs in reversed(self.arg_changes):

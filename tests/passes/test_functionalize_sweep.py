@@ -72,3 +72,55 @@ def test_writes_through_tensor_split_and_directional_splits(factory, shapes):
     for program in functionalize_both_forms(factory, calls):
         # the pieces' new values are written back with slice_scatter
         assert torch.ops.aten.slice_scatter.default in targets(program)
+
+
+class ReturnsTransposedState(nn.Module):
+    """Returned aliases of state whose strides (not shape) change in place: the chains of
+    the returned views start from the state in its own coordinates. Replayed on the state's
+    logical final value, they transposed it twice: a wrong result in both forms."""
+
+    def forward(self, c, d, x):
+        v = d.view(4)  # taken before the metadata mutation
+        c.t_()
+        c.mul_(x)
+        d.t_()
+        d.add_(1)
+        return c, c[0], c.diagonal(1), v, d.t()
+
+
+class ReturnsTransposedBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(9.0).reshape(3, 3))
+
+    def forward(self, x):
+        self.b.t_()
+        self.b.mul_(x)
+        return self.b[0], self.b
+
+
+@pytest.mark.parametrize("factory,shapes", [
+    (ReturnsTransposedState, [(3, 3), (2, 2), (3,)]),
+    (ReturnsTransposedBuffer, [(3,)]),
+])
+def test_returned_aliases_of_state_transposed_in_place(factory, shapes):
+    calls = _calls(*shapes)
+    _torch_agrees(factory, calls)
+    for program in functionalize_both_forms(factory, calls):
+        assert torch.ops.aten.t_.default not in targets(program)
+
+
+class ReturnsUnwrittenTransposedInput(nn.Module):
+    def forward(self, c):
+        c.t_()
+        return c.view(2, 2), c
+
+
+def test_returned_alias_of_an_unwritten_transposed_input():
+    """torch fails here (run_decompositions asserts on the mutation count); the pass
+    returns eager's values: the transposed input's logical value is written back."""
+    calls = _calls((2, 2))
+    ep = torch.export.export(ReturnsUnwrittenTransposedInput(), copy.deepcopy(calls[0]))
+    with pytest.raises(AssertionError, match="num_mutated_inp_runtime_indices"):
+        ep.run_decompositions({})
+    functionalize_both_forms(ReturnsUnwrittenTransposedInput, calls)
