@@ -106,12 +106,22 @@ def schema_of(node: Node) -> torch.FunctionSchema | None:
 
 
 _aten = torch.ops.aten
+_DROPOUTS = frozenset({_aten.dropout.default, _aten.feature_dropout.default,
+                       _aten.alpha_dropout.default, _aten.feature_alpha_dropout.default})
+UNANNOTATED_MAYBE_VIEWS = frozenset({
+    _aten.type_as.default, _aten.sum_to_size.default, _aten.atleast_1d.default,
+    _aten.atleast_2d.default, _aten.atleast_3d.default, *_DROPOUTS,
+})
+"""Ops whose schema declares no alias but that return ``self`` (or a view of it) when
+they have nothing to do: ``type_as`` of the same dtype, ``atleast_2d`` of a 2-D tensor, a
+dropout with ``train=False`` or ``p=0``. Eager writes through such a result write
+``self``; read as views of their first argument when they share its storage."""
 MAYBE_VIEWS = frozenset({
     _aten.reshape.default, _aten.reshape_as.default, _aten.flatten.using_ints,
     _aten.to.dtype, _aten.to.device, _aten.to.dtype_layout, _aten.to.other,
-    _aten.contiguous.default, _aten.type_as.default,
+    _aten.contiguous.default, *UNANNOTATED_MAYBE_VIEWS,
 })
-"""Ops annotated ``Tensor(a)`` that return a view only sometimes (a copy otherwise)."""
+"""Ops that return a view only sometimes (a copy otherwise)."""
 
 STORAGE_VIEWS = frozenset({_aten.as_strided.default, _aten._reshape_alias.default})
 """Views addressed in their input's *storage* (sizes, strides, an absolute offset), so
@@ -150,6 +160,8 @@ def _facts(op: torch._ops.OpOverload) -> _OpFacts:
                      and a.alias_info.before_set & info.before_set), None)
 
     result_of = aliased_by(schema.returns[0].alias_info) if len(schema.returns) == 1 else None
+    if op in UNANNOTATED_MAYBE_VIEWS:
+        result_of = 0
     list_views_of = next((i for i, a in enumerate(args) if a.alias_info is not None
                           and "*" in a.alias_info.after_set and not a.alias_info.is_write), None)
     results_alias = tuple(aliased_by(r.alias_info) for r in schema.returns) if len(
@@ -159,7 +171,8 @@ def _facts(op: torch._ops.OpOverload) -> _OpFacts:
         written=tuple(i for i, a in enumerate(args)
                       if a.alias_info is not None and a.alias_info.is_write),
         result_of=result_of,
-        result_written=result_of is not None and args[result_of].alias_info.is_write,
+        result_written=result_of is not None and args[result_of].alias_info is not None
+        and args[result_of].alias_info.is_write,
         list_views_of=list_views_of,
         results_alias=results_alias,
         maybe_view=op in MAYBE_VIEWS,
@@ -304,9 +317,19 @@ def _aliased(node: Node, facts: _OpFacts | None) -> tuple[int, Node, bool] | Non
     value = argument_value(node, facts.schema, facts.result_of)
     if not isinstance(value, Node):
         return None
-    if facts.maybe_view and _shares_storage(node, value) is False:
+    if facts.maybe_view and _shares_storage(node, value) is False and not (
+            _dropout_is_identity(node)):
         return None
     return facts.result_of, value, facts.result_written
+
+
+def _dropout_is_identity(node: Node) -> bool:
+    """A dropout that returns its input itself (``train=False`` or ``p=0``); its fake
+    result is a copy, so storage sharing does not tell."""
+    if aten_op(node) not in _DROPOUTS:
+        return False
+    _, p, train = (argument_value(node, _aten.dropout.default._schema, i) for i in range(3))
+    return train is False or (isinstance(p, (int, float)) and p == 0)
 
 
 def list_view_argument(node: Node) -> int | None:

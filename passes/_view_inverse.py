@@ -46,7 +46,10 @@ _SCATTERS = {
 _RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                        aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
                        aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default,
-                       aten.reshape_as.default})
+                       aten.reshape_as.default, aten.type_as.default, aten.sum_to_size.default,
+                       aten.atleast_1d.default, aten.atleast_2d.default, aten.atleast_3d.default,
+                       aten.dropout.default, aten.feature_dropout.default,
+                       aten.alpha_dropout.default, aten.feature_alpha_dropout.default})
 _IDENTITIES = frozenset({aten.alias.default, aten.detach.default, aten.to.dtype,
                          aten.to.device, aten.to.dtype_layout, aten.to.other,
                          aten.contiguous.default, aten.lift_fresh.default})

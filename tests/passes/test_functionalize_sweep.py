@@ -124,3 +124,45 @@ def test_returned_alias_of_an_unwritten_transposed_input():
     with pytest.raises(AssertionError, match="num_mutated_inp_runtime_indices"):
         ep.run_decompositions({})
     functionalize_both_forms(ReturnsUnwrittenTransposedInput, calls)
+
+
+class WritesThroughOpsReturningSelf(nn.Module):
+    """Ops whose schema declares no alias but that return ``self`` when they have nothing
+    to do: eager's writes through their results write the state. Read as fresh tensors,
+    those writes were dropped: a wrong result (run_decompositions({}) drops them too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(6.0).reshape(2, 3))
+        self.register_buffer("c", torch.arange(3.0))
+
+    def forward(self, x):
+        same = self.b.type_as(x)  # same dtype: self
+        self.b.add_(1)  # ... so `same` sees this write
+        same.mul_(x[:3])
+        torch.nn.functional.dropout(self.b, 0.5, training=False).sub_(0.5)
+        self.b.sum_to_size(2, 3)[1].add_(x[3:])
+        torch.atleast_2d(self.c)[0, 1:].add_(x[:2])  # a view of a 1-D buffer
+        other = self.c.type_as(x.double())  # another dtype: a copy, its write stays local
+        other.add_(100)
+        return same, other
+
+
+class InputsThroughOpsReturningSelf(nn.Module):
+    def forward(self, a, x):
+        torch.nn.functional.alpha_dropout(a, 0.2, training=False).mul_(2)
+        torch.atleast_3d(a)[..., 0].add_(x)
+        return a.type_as(x) * 1
+
+
+@pytest.mark.parametrize("factory,shapes", [
+    (WritesThroughOpsReturningSelf, [(6,)]),
+    (InputsThroughOpsReturningSelf, [(2, 3), (3,)]),
+])
+def test_writes_through_ops_that_return_self_without_declaring_it(factory, shapes):
+    calls = _calls(*shapes)
+    functionalize_both_forms(factory, calls)
+    if factory is WritesThroughOpsReturningSelf:
+        reference = torch.export.export(factory(), copy.deepcopy(calls[0]))
+        with pytest.raises(AssertionError, match="max abs diff"):
+            assert_same_behaviour(factory(), reference.run_decompositions({}), calls, calls=4)
