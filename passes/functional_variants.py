@@ -21,6 +21,7 @@ A functional variant takes the op's arguments (without the ``out=`` ones) and re
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import re
 from collections.abc import Callable
@@ -250,6 +251,34 @@ def _instance_norm(emit: Callable[..., Node], node: Node) -> list[Node]:
               for t in (new_mean, new_var))]
 
 
+def _fill_diagonal(emit: Callable[..., Node], node: Node) -> list[Node]:
+    """fill_diagonal_ (composite in eager, kept by export) as an index_fill of the
+    flattened value: the main diagonal is every (sum of contiguous strides)-th element;
+    wrap=True continues past the square in a tall contiguous matrix, as eager's storage
+    walk does (refused for other layouts, whose storage walk leaves the logical diagonal)."""
+    aten = torch.ops.aten
+    x, value, wrap = (argument_value(node, node.target._schema, i) for i in range(3))
+    val = x.meta.get("val")
+    shape = list(val.shape) if isinstance(val, torch.Tensor) else [None]
+    if not all(isinstance(d, int) for d in shape) or len(shape) < 2:
+        raise UnsupportedMutationError(
+            node, "fill_diagonal_ needs the tensor's static shape", "no-variant")
+    step = sum(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    count = min(shape)
+    if wrap and len(shape) == 2 and shape[0] > shape[1] + 1:
+        if not val.is_contiguous():
+            raise UnsupportedMutationError(
+                node, "fill_diagonal_(wrap=True) of a non-contiguous tall matrix walks its "
+                      "storage, not its logical elements", "no-variant")
+        count = -(-math.prod(shape) // step)
+    index = emit(aten.arange.start_step, 0, count * step, step, dtype=torch.long,
+                 device=val.device)
+    flat = emit(aten.index_fill.int_Scalar, emit(aten.reshape.default, x, [-1]), 0, index,
+                value)
+    new = emit(aten.reshape.default, flat, shape)
+    return [new, new]
+
+
 # Ops that write in training mode without saying so (see _aliasing.HIDDEN_WRITES): their
 # functional form returns (output, save_mean, save_invstd, new running_mean, new running_var).
 _BUILT_IN = {
@@ -265,6 +294,8 @@ _BUILT_IN = {
     torch.ops.aten.fused_moving_avg_obs_fake_quant.default: FunctionalVariant(
         torch.ops.aten._fused_moving_avg_obs_fq_helper_functional.default, (), False,
         _positional_arguments, (0, 2, 3, 4, 5)),
+    torch.ops.aten.fill_diagonal_.default: FunctionalVariant(
+        None, (), True, expand=_fill_diagonal),
     # In training mode (dropout_ with train=False writes nothing, see _aliasing).
     torch.ops.aten.dropout_.default: FunctionalVariant(
         torch.ops.aten.dropout.default, (), True, _positional_arguments),

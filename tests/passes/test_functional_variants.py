@@ -146,6 +146,10 @@ def test_every_derivable_inplace_aten_op_behaves_like_itself_after_the_rewrite(f
             result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
                 copy.deepcopy(gm)).program
         except Exception as e:  # noqa: BLE001 - reported below with the op's name
+            if not fake_values and op is aten.fill_diagonal_.default and (
+                    "static shape" in str(e)):
+                refused.append(str(op))  # its diagonal depends on the shape
+                continue
             failures.append(f"{op}: {type(e).__name__}: {e}"[:200])
             continue
         difference = first_difference(run_program(gm, [inputs] * 4),
@@ -161,11 +165,11 @@ def test_every_derivable_inplace_aten_op_behaves_like_itself_after_the_rewrite(f
                aten.polygamma_.default):
         assert op in checked
     # What remains without a variant changes shapes/strides (pattern 5: a user input's
-    # shape change cannot be a mutation output); TorchScript-only copy_ overloads and
-    # fill_diagonal_ (composite: export decomposes it) have none.
+    # shape change cannot be a mutation output); TorchScript-only copy_ overloads have none;
+    # fill_diagonal_ needs fake values (a static shape).
     assert {str(op).split(".")[1] for op in refused} <= {
         "resize_as_", "t_", "squeeze_", "unsqueeze_", "transpose_", "swapdims_", "swapaxes_",
-        "copy_", "fill_diagonal_"}
+        "copy_", *(() if fake_values else ("fill_diagonal_",))}
 
 
 def test_counterparts_binding_arguments_by_name():

@@ -166,3 +166,33 @@ def test_writes_through_ops_that_return_self_without_declaring_it(factory, shape
         reference = torch.export.export(factory(), copy.deepcopy(calls[0]))
         with pytest.raises(AssertionError, match="max abs diff"):
             assert_same_behaviour(factory(), reference.run_decompositions({}), calls, calls=4)
+
+
+class FillDiagonal(nn.Module):
+    """fill_diagonal_ (kept by export, no functional twin in ATen) on square, wide, tall
+    (wrapping or not), 3-D and transposed/sliced views of state."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("wide", torch.zeros(3, 5))
+        self.register_buffer("tall", torch.zeros(7, 2))
+        self.register_buffer("cube", torch.zeros(3, 3, 3))
+
+    def forward(self, x, y):
+        self.wide.add_(x.sum()).fill_diagonal_(-1.0)
+        self.tall.fill_diagonal_(2.0, wrap=True)
+        self.cube.fill_diagonal_(9.0)
+        y.t().fill_diagonal_(5.0)
+        y[1:].fill_diagonal_(7.0)
+        return self.wide + 0, y * 1
+
+
+def test_fill_diagonal():
+    """run_decompositions({}) handles the buffers but fails on the views of the input
+    (it decomposes fill_diagonal_ into an as_strided view, which it cannot write through)."""
+    calls = _calls((3,), (4, 3))
+    ep = torch.export.export(FillDiagonal(), copy.deepcopy(calls[0]))
+    with pytest.raises(RuntimeError, match="as_strided"):
+        ep.run_decompositions({})
+    for program in functionalize_both_forms(FillDiagonal, calls):
+        assert torch.ops.aten.fill_diagonal_.default not in targets(program)
