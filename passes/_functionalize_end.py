@@ -143,6 +143,7 @@ class ProgramEnd:
             node.meta["val"] = val
         for node in reversed(self.new_nodes):
             self.graph.erase_node(node)
+        self.inlined.undo_bodies(self.gm)  # regions given a functional body
 
     def commit(self) -> None:
         candidates = []

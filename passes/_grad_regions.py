@@ -1,26 +1,36 @@
-"""Inlining the ``torch.no_grad()`` regions that write state, before functionalization.
+"""Grad-mode and autocast regions that write state, before functionalization.
 
 Export wraps a region run under another grad mode in the higher-order op
-``wrap_with_set_grad_enabled(enabled, body, *operands)``. Grad mode changes no value a
-region computes, only what autograd records, and ``run_decompositions`` inlines these
-regions too; a region whose body writes state (an EMA update, an SSM state cache written
-under ``no_grad``) is inlined so its writes are functionalized like any other. Regions
-that write nothing are left as they are.
+``wrap_with_set_grad_enabled(enabled, body, *operands)``, and an autocast region in
+``wrap_with_autocast(device, dtype, enabled, cache, body, *operands)``. Grad mode changes no
+value a region computes, only what autograd records, and ``run_decompositions`` inlines these
+regions too; a grad region whose body writes state (an EMA update, an SSM state cache written
+under ``no_grad``) is inlined so its writes are functionalized like any other. Autocast
+changes values (it casts the inputs of matmuls and the like), so an autocast region that
+writes state keeps its body, functionalized inside: the body returns the new value of each
+operand it wrote, and the region is followed by a ``copy_`` of it into the operand, which
+the functionalization then treats as any top-level write (``run_decompositions`` inlines the
+region with its casts made explicit; the values are the same). Regions that write nothing
+are left as they are.
 """
 
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
 
-from ._buffers import hop_writes
+from ._buffers import hop_writes, trailing_write_backs
+from ._mutation_checks import UnsupportedMutationError
 
 __all__ = ["InlinedRegions", "inline_grad_regions"]
 
 _SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
+_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
+_BODY_INDEX = {_SET_GRAD: 1, _AUTOCAST: 4}
 
 
 @dataclass
@@ -30,6 +40,16 @@ class InlinedRegions:
     new_nodes: list[Node] = field(default_factory=list)
     arg_changes: list[tuple[Node, tuple, dict]] = field(default_factory=list)
     dead: list[Node] = field(default_factory=list)
+    # regions whose body was replaced by its functional form: (attribute, old body), and
+    # the region nodes' old fake values
+    replaced_bodies: list[tuple[str, GraphModule]] = field(default_factory=list)
+    meta_changes: list[tuple[Node, object]] = field(default_factory=list)
+
+    def undo_bodies(self, gm: GraphModule) -> None:
+        for name, body in reversed(self.replaced_bodies):
+            setattr(gm, name, body)
+        for node, val in reversed(self.meta_changes):
+            node.meta["val"] = val
 
 
 def _inlinable(node: Node, gm: GraphModule) -> GraphModule | None:
@@ -50,13 +70,81 @@ def _inlinable(node: Node, gm: GraphModule) -> GraphModule | None:
     return sub
 
 
+def _functional_body(node: Node, gm: GraphModule) -> tuple[GraphModule, list[int]] | None:
+    """A copy of a state-writing region's body, functionalized, returning after its own
+    results the new value of each operand it writes, and those operands' positions; None
+    when the body's writes cannot be functionalized (the region stays, and is refused)."""
+    from ._functionalize import Rewrite  # the same rewrite, applied to the body
+
+    body = node.args[_BODY_INDEX[node.target]]
+    sub = getattr(gm, str(body.target), None) if isinstance(body, Node) else None
+    if not isinstance(sub, GraphModule) or hop_writes(node, gm) is None or len(body.users) != 1:
+        return None
+    if not all(u.target is operator.getitem and isinstance(u.args[1], int) for u in node.users):
+        return None
+    new = copy.deepcopy(sub)
+    try:
+        rewrite = Rewrite(new)
+        rewrite.run()
+    except UnsupportedMutationError:
+        return None
+    rewrite.commit()
+    backs = trailing_write_backs(new)
+    placeholders = [n for n in new.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in reversed(new.graph.nodes) if n.op == "output")
+    results = output.args[0]
+    if not backs or any(b.args[0] not in placeholders for b in backs) or not isinstance(
+            results, (tuple, list)):
+        return None
+    output.args = ((*results, *(b.args[1] for b in backs)),)
+    positions = [placeholders.index(b.args[0]) for b in backs]
+    for back in backs:
+        new.graph.erase_node(back)
+    new.recompile()
+    return new, positions
+
+
+def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions) -> None:
+    """Give a state-writing region a functional body; write its new values back after it."""
+    made = _functional_body(node, gm)
+    val = node.meta.get("val")
+    if made is None or not isinstance(val, (tuple, list)):
+        return
+    new, positions = made
+    index = _BODY_INDEX[node.target]
+    operands = node.args[index + 1:]
+    written = [operands[i] for i in positions]
+    if not all(isinstance(w, Node) for w in written) or len(set(written)) < len(written):
+        return
+    name = str(node.args[index].target)
+    log.replaced_bodies.append((name, getattr(gm, name)))
+    setattr(gm, name, new)
+    finals = next(n for n in reversed(new.graph.nodes) if n.op == "output").args[0][len(val):]
+    log.meta_changes.append((node, val))
+    node.meta["val"] = type(val)((*val, *(f.meta.get("val") for f in finals)))
+    graph = gm.graph
+    kept = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+    with graph.inserting_before(node.next):
+        for k, (target, final) in enumerate(zip(written, finals, strict=True)):
+            item = graph.call_function(operator.getitem, (node, len(val) + k))
+            back = graph.call_function(torch.ops.aten.copy_.default, (target, item))
+            for made_node, value in ((item, final.meta.get("val")), (back, target.meta.get("val"))):
+                made_node.meta.update(kept)
+                if value is not None:
+                    made_node.meta["val"] = value
+            log.new_nodes += [item, back]
+
+
 def inline_grad_regions(gm: GraphModule) -> InlinedRegions:
-    """Replace each state-writing grad-mode region by its body's nodes."""
+    """Replace each state-writing grad-mode region by its body's nodes; give each other
+    state-writing region (autocast, or holding nested higher-order ops) a functional body."""
     log = InlinedRegions()
     graph = gm.graph
     for node in list(graph.nodes):
         sub = _inlinable(node, gm)
         if sub is None:
+            if node.op == "call_function" and node.target in _BODY_INDEX:
+                _functionalize_region(node, gm, log)
             continue
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         copied: dict[Node, Node] = dict(zip(placeholders, node.args[2:], strict=True))

@@ -233,3 +233,101 @@ def test_cond_writing_captured_state_in_a_no_grad_block_is_refused_like_torch(st
             InplaceToFunctional().call(marked)
         assert info.value.kind == "opaque" and "inside its subgraph" in str(info.value)
         assert program_text(marked) == before
+
+
+# -- autocast regions: export keeps them (autocast changes values), with their writes ------
+class AutocastWritesState(nn.Module):
+    """A bf16-autocast region writing a buffer (also through a view, and read after the
+    write inside the region) and a user input; run_decompositions inlines it with its casts
+    explicit, the pass functionalizes the body and writes its new values back after it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("acc", torch.zeros(4, 3))
+
+    def forward(self, x, seen):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.lin(x)  # bf16 under autocast
+            self.acc.add_(y.float())
+            self.acc[0].mul_(0.5)
+            total = self.acc.sum()
+            seen.add_(y.float().mean(0))
+        return y.float() + self.acc, total
+
+
+def test_autocast_region_writing_state_is_functionalized_inside():
+    calls = _calls((4, 3), (3,))
+    ep = torch.export.export(AutocastWritesState(), copy.deepcopy(calls[0]))
+    assert torch.ops.higher_order.wrap_with_autocast in targets(ep)
+    reference = _torch_agrees(AutocastWritesState, ep, calls)
+    functional_ep, gm = functionalize_both_forms(AutocastWritesState, calls)
+    assert sorted(functional_ep.graph_signature.buffers_to_mutate.values()) == sorted(
+        reference.graph_signature.buffers_to_mutate.values()) == ["acc"]
+    assert list(functional_ep.graph_signature.user_inputs_to_mutate.values()) == ["seen"]
+    for program in (functional_ep, gm):
+        # the region stays (its casts matter), with a body that writes nothing
+        assert torch.ops.higher_order.wrap_with_autocast in targets(program)
+        module = program.graph_module if hasattr(program, "graph_module") else program
+        for sub in module.modules():
+            if sub is not module and isinstance(sub, torch.fx.GraphModule):
+                assert not [n for n in sub.graph.nodes if str(n.target).endswith("_.Tensor")]
+
+
+class AutocastShapeChangeOfState(nn.Module):
+    """A metadata mutation of a buffer inside an autocast region: refused in the body, the
+    region is then refused as a whole, and the program is left as it was."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(3))
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            self.b.unsqueeze_(0)
+            self.b.add_(x)
+        return x * 2
+
+
+def test_autocast_region_whose_body_cannot_be_functionalized_is_refused_unchanged():
+    calls = _calls((3,))
+    ep = torch.export.export(AutocastShapeChangeOfState(), copy.deepcopy(calls[0]))
+    for program in (ep, ep.module()):
+        marked = PassManager([MarkMutableBuffers()]).run(copy.deepcopy(program)).program
+        before = program_text(marked)
+        with pytest.raises(UnsupportedMutationError) as info:
+            InplaceToFunctional().call(marked)
+        assert info.value.kind == "opaque" and "inside its subgraph" in str(info.value)
+        assert program_text(marked) == before
+
+
+class AutocastThenFailingWrite(nn.Module):
+    """The autocast region is functionalizable, a later write is not: on the refusal the
+    region's body and fake values are restored with the rest of the program."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(6.0))
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            self.b.add_(x)
+        self.b.as_strided((3, 2), (1, 1)).add_(1)  # addresses elements twice: refused
+        return self.b * 1
+
+
+def test_refusal_after_a_functionalized_autocast_region_restores_its_body():
+    calls = _calls((6,))
+    ep = torch.export.export(AutocastThenFailingWrite(), copy.deepcopy(calls[0]))
+    for program in (ep, ep.module()):
+        marked = PassManager([MarkMutableBuffers()]).run(copy.deepcopy(program)).program
+        before = program_text(marked)
+        module = marked.graph_module if hasattr(marked, "graph_module") else marked
+        bodies = {name: sub.code for name, sub in module.named_children()
+                  if isinstance(sub, torch.fx.GraphModule)}
+        with pytest.raises(UnsupportedMutationError):
+            InplaceToFunctional().call(marked)
+        assert program_text(marked) == before
+        assert {name: sub.code for name, sub in module.named_children()
+                if isinstance(sub, torch.fx.GraphModule)} == bodies
