@@ -89,7 +89,7 @@ def normalize_metadata_mutations(program: Any, gm: GraphModule,
     for obj, mutations in by_object.items():
         is_state = obj in canonical
         if is_state:
-            reason = _state_reason(obj, mutations, states, canonical)
+            reason = _state_reason(obj, mutations, states, canonical, order)
             if reason is not None:
                 log.refused.update((m, reason) for m in mutations)
                 continue
@@ -113,15 +113,30 @@ def _objects(graph: torch.fx.Graph) -> dict[Node, Node]:
     return objects
 
 
+def _restores_itself(obj: Node, mutations: list[Node], order: dict[Node, int]) -> bool:
+    """Whether the last of the mutations is ``set_`` back to the state itself: an alias of
+    it taken before the first mutation (``a_old = alias(a); a.set_(b); a.set_(a_old)``), so
+    the object ends as it began and is only renamed in between, as torch functionalizes it."""
+    last = mutations[-1]
+    if target_of(last) is not _SET:
+        return False
+    source = argument_value(last, _SET._schema, 1)
+    while isinstance(source, Node) and target_of(source) in (
+            aten.alias.default, aten.detach.default) and order[source] < order[mutations[0]]:
+        source = source.args[0]
+    return source is obj and _same_layout(obj, argument_value(last, _SET._schema, 1))
+
+
 def _state_reason(obj: Node, mutations: list[Node], states: dict[Node, State],
-                  canonical: dict[Node, Node]) -> str | None:
+                  canonical: dict[Node, Node], order: dict[Node, int]) -> str | None:
     """Why the metadata change of a user input or buffer cannot be expressed, or None."""
     before, after = obj.meta.get("val"), mutations[-1].meta.get("val")
     if states[obj].kind in (PARAMETER, CONSTANT):
         return f"it changes the {states[obj].kind} {states[obj].name!r}"
     if sum(1 for n in canonical if canonical[n] is canonical[obj]) > 1:
         return f"it changes the metadata of {obj.name}, which the graph reads by several nodes"
-    if any(target_of(m) in (_SET, _SET_AT) for m in mutations):
+    if any(target_of(m) in (_SET, _SET_AT) for m in mutations) and not _restores_itself(
+            obj, mutations, order):
         return (f"it makes the program state {obj.name} another tensor; torch's "
                 "functionalization refuses set_ on graph inputs as well")
     if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):

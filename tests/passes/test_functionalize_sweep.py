@@ -11,7 +11,7 @@ from torch import nn
 
 from pass_manager import assert_same_behaviour
 
-from .functionalize_checks import _calls, functionalize_both_forms, targets
+from .functionalize_checks import _calls, functionalize_both_forms, refused_in_both_forms, targets
 
 
 def _torch_agrees(factory, calls):
@@ -196,3 +196,35 @@ def test_fill_diagonal():
         ep.run_decompositions({})
     for program in functionalize_both_forms(FillDiagonal, calls):
         assert torch.ops.aten.fill_diagonal_.default not in targets(program)
+
+
+class SetBackToItself(nn.Module):
+    """torch's aot_dispatch case: ``set_`` of an input to another tensor and back to an
+    alias of itself taken before, so the input ends as it began (torch functionalizes it),
+    here with writes while it is the other tensor (they write that one) and after."""
+
+    def forward(self, a, x):
+        other = x * 2
+        a_old = torch.ops.aten.alias.default(a)
+        a.set_(other)
+        a.mul_(3)  # writes `other`
+        a.set_(a_old)
+        a[0].add_(other.sum())
+        return a + other
+
+
+class SetToAnotherTensor(nn.Module):
+    def forward(self, a, x):
+        a.set_(x * 2)
+        return a + 1
+
+
+def test_set_back_to_itself():
+    calls = _calls((3, 3), (3, 3))
+    ep = torch.export.export(SetBackToItself(), copy.deepcopy(calls[0]))
+    with pytest.raises(RuntimeError, match="frozen storage"):  # torch fails on the writes
+        ep.run_decompositions({})
+    for program in functionalize_both_forms(SetBackToItself, calls):
+        assert torch.ops.aten.set_.source_Tensor not in targets(program)
+    # set_ to another tensor for good stays refused, as torch refuses it
+    refused_in_both_forms(SetToAnotherTensor, calls, "relayout")
