@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule, Node
 
+from ._aliasing import alias_map
 from ._buffers import hop_writes, trailing_write_backs
 from ._mutation_checks import UnsupportedMutationError
 
@@ -70,10 +71,29 @@ def _inlinable(node: Node, gm: GraphModule) -> GraphModule | None:
     return sub
 
 
-def _functional_body(node: Node, gm: GraphModule) -> tuple[GraphModule, list[int]] | None:
+def _written_results(sub: GraphModule) -> dict[int, Node] | None:
+    """The body's results that are its (written) placeholders themselves, e.g. the result of
+    an in-place op on one: result index -> placeholder. None when a result is a view of a
+    placeholder (its functional form would not alias the operand, and is not regenerated)."""
+    aliases, _ = alias_map(sub.graph.nodes)
+    results = next(n for n in reversed(sub.graph.nodes) if n.op == "output").args[0]
+    found = {}
+    for k, result in enumerate(results if isinstance(results, (tuple, list)) else ()):
+        alias = aliases.get(result) if isinstance(result, Node) else None
+        if alias is None or alias.root.op != "placeholder":
+            continue
+        if alias.chain:
+            return None
+        found[k] = alias.root
+    return found
+
+
+def _functional_body(node: Node, gm: GraphModule) -> tuple[GraphModule, list[int],
+                                                            dict[int, int]] | None:
     """A copy of a state-writing region's body, functionalized, returning after its own
-    results the new value of each operand it writes, and those operands' positions; None
-    when the body's writes cannot be functionalized (the region stays, and is refused)."""
+    results the new value of each operand it writes; those operands' positions; and which
+    results were written operands themselves (result index -> operand position). None when
+    the body's writes cannot be functionalized (the region stays, and is refused)."""
     from ._functionalize import Rewrite  # the same rewrite, applied to the body
 
     body = node.args[_BODY_INDEX[node.target]]
@@ -82,6 +102,10 @@ def _functional_body(node: Node, gm: GraphModule) -> tuple[GraphModule, list[int
         return None
     if not all(u.target is operator.getitem and isinstance(u.args[1], int) for u in node.users):
         return None
+    same = _written_results(sub)
+    if same is None:
+        return None
+    old_placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     new = copy.deepcopy(sub)
     try:
         rewrite = Rewrite(new)
@@ -98,10 +122,13 @@ def _functional_body(node: Node, gm: GraphModule) -> tuple[GraphModule, list[int
         return None
     output.args = ((*results, *(b.args[1] for b in backs)),)
     positions = [placeholders.index(b.args[0]) for b in backs]
+    same = {k: old_placeholders.index(p) for k, p in same.items()}
+    if not set(same.values()) <= set(positions):
+        return None  # a result is an operand the body does not write: not rewired here
     for back in backs:
         new.graph.erase_node(back)
     new.recompile()
-    return new, positions
+    return new, positions, same
 
 
 def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions) -> None:
@@ -110,7 +137,7 @@ def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions) -> N
     val = node.meta.get("val")
     if made is None or not isinstance(val, (tuple, list)):
         return
-    new, positions = made
+    new, positions, same = made
     index = _BODY_INDEX[node.target]
     operands = node.args[index + 1:]
     written = [operands[i] for i in positions]
@@ -124,15 +151,27 @@ def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions) -> N
     node.meta["val"] = type(val)((*val, *(f.meta.get("val") for f in finals)))
     graph = gm.graph
     kept = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+    backs = {}
     with graph.inserting_before(node.next):
         for k, (target, final) in enumerate(zip(written, finals, strict=True)):
             item = graph.call_function(operator.getitem, (node, len(val) + k))
-            back = graph.call_function(torch.ops.aten.copy_.default, (target, item))
+            back = backs[positions[k]] = graph.call_function(
+                torch.ops.aten.copy_.default, (target, item))
             for made_node, value in ((item, final.meta.get("val")), (back, target.meta.get("val"))):
                 made_node.meta.update(kept)
                 if value is not None:
                     made_node.meta["val"] = value
             log.new_nodes += [item, back]
+    # A result that was a written operand itself (an in-place op's result) is now its new
+    # value, a fresh tensor: its readers read the operand, as written back, so that later
+    # writes through it still reach the operand.
+    for item in list(node.users):
+        if item.args[1] in same:
+            back = backs[same[item.args[1]]]
+            for user in list(item.users):
+                log.arg_changes.append((user, user.args, user.kwargs))
+                user.args, user.kwargs = torch.fx.map_arg(
+                    (user.args, user.kwargs), lambda a, old=item, new=back: new if a is old else a)
 
 
 def inline_grad_regions(gm: GraphModule) -> InlinedRegions:

@@ -331,3 +331,37 @@ def test_refusal_after_a_functionalized_autocast_region_restores_its_body():
         assert program_text(marked) == before
         assert {name: sub.code for name, sub in module.named_children()
                 if isinstance(sub, torch.fx.GraphModule)} == bodies
+
+
+class AutocastInsideNoGrad(nn.Module):
+    """The one no_grad region holding a higher-order op that torch 2.13's export makes: an
+    autocast block inside it (the autocast region is made after the grad regions). The
+    autocast region returns the buffer it wrote (copy_'s result), which the no_grad region
+    then writes again: that result must stay the buffer once the body is functional."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("buf", torch.zeros(4, 3))
+
+    def forward(self, x):
+        y = self.lin(x)
+        with torch.no_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                z = self.lin(y)
+                self.buf.copy_(z.float())
+            self.buf.mul_(2)
+        return y + self.buf
+
+
+def test_no_grad_region_holding_an_autocast_region():
+    """Non-strict: strict export's program of this module fails when called (a dtype
+    assertion it leaves in the body), before any pass."""
+    calls = _calls((4, 3))
+    ep = _export(AutocastInsideNoGrad, calls, strict=False)
+    regions = [n for n in ep.graph.nodes if n.target is _SET_GRAD]
+    body = getattr(ep.graph_module, regions[0].args[1].target)
+    assert torch.ops.higher_order.wrap_with_autocast in targets(body)
+    _torch_agrees(AutocastInsideNoGrad, ep, calls)
+    functionalize_both_forms(AutocastInsideNoGrad, calls)
