@@ -68,7 +68,7 @@ class Rewrite(StorageReads, ProgramEnd):
         self.graph = self.gm.graph
         _repair_use_lists(self.graph)
         # no_grad regions that write state are inlined first (logged for undo/commit).
-        inlined = self.inlined = inline_grad_regions(self.gm)
+        inlined = self.inlined = inline_grad_regions(self.gm, Rewrite)
         self.fake = FakeValues(self.graph)
         # Metadata mutations become views / renames first (logged for undo/commit too).
         metadata = normalize_metadata_mutations(program, self.gm, self.fake)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import copy
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -88,14 +90,12 @@ def _written_results(sub: GraphModule) -> dict[int, Node] | None:
     return found
 
 
-def _functional_body(node: Node, gm: GraphModule) -> tuple[GraphModule, list[int],
-                                                            dict[int, int]] | None:
+def _functional_body(node: Node, gm: GraphModule, rewrite_of: Callable[[GraphModule], Any]
+                     ) -> tuple[GraphModule, list[int], dict[int, int]] | None:
     """A copy of a state-writing region's body, functionalized, returning after its own
     results the new value of each operand it writes; those operands' positions; and which
     results were written operands themselves (result index -> operand position). None when
     the body's writes cannot be functionalized (the region stays, and is refused)."""
-    from ._functionalize import Rewrite  # the same rewrite, applied to the body
-
     body = node.args[_BODY_INDEX[node.target]]
     sub = getattr(gm, str(body.target), None) if isinstance(body, Node) else None
     if not isinstance(sub, GraphModule) or hop_writes(node, gm) is None or len(body.users) != 1:
@@ -108,7 +108,7 @@ def _functional_body(node: Node, gm: GraphModule) -> tuple[GraphModule, list[int
     old_placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     new = copy.deepcopy(sub)
     try:
-        rewrite = Rewrite(new)
+        rewrite = rewrite_of(new)
         rewrite.run()
     except UnsupportedMutationError:
         return None
@@ -131,9 +131,10 @@ def _functional_body(node: Node, gm: GraphModule) -> tuple[GraphModule, list[int
     return new, positions, same
 
 
-def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions) -> None:
+def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions,
+                          rewrite_of: Callable[[GraphModule], Any]) -> None:
     """Give a state-writing region a functional body; write its new values back after it."""
-    made = _functional_body(node, gm)
+    made = _functional_body(node, gm, rewrite_of)
     val = node.meta.get("val")
     if made is None or not isinstance(val, (tuple, list)):
         return
@@ -174,16 +175,20 @@ def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions) -> N
                     (user.args, user.kwargs), lambda a, old=item, new=back: new if a is old else a)
 
 
-def inline_grad_regions(gm: GraphModule) -> InlinedRegions:
+def inline_grad_regions(gm: GraphModule,
+                        rewrite_of: Callable[[GraphModule], Any]) -> InlinedRegions:
     """Replace each state-writing grad-mode region by its body's nodes; give each other
-    state-writing region (autocast, or holding nested higher-order ops) a functional body."""
+    state-writing region (autocast, or holding nested higher-order ops) a functional body.
+
+    ``rewrite_of(body)`` is the functionalization to apply to a body: an object with
+    ``run()`` (raising UnsupportedMutationError) and ``commit()`` (the caller's Rewrite)."""
     log = InlinedRegions()
     graph = gm.graph
     for node in list(graph.nodes):
         sub = _inlinable(node, gm)
         if sub is None:
             if node.op == "call_function" and node.target in _BODY_INDEX:
-                _functionalize_region(node, gm, log)
+                _functionalize_region(node, gm, log, rewrite_of)
             continue
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         copied: dict[Node, Node] = dict(zip(placeholders, node.args[2:], strict=True))
