@@ -10,7 +10,8 @@ from pass_manager import PassManager, assert_same_behaviour, graph_of
 from pass_manager.program import program_text
 from passes import InplaceToFunctional, MarkMutableBuffers, UnsupportedMutationError, conditions
 
-__all__ = ["_calls", "functionalize_both_forms", "refused_in_both_forms", "targets"]
+__all__ = ["_calls", "functionalize_both_forms", "refused_in_both_forms",
+           "refused_in_both_forms_of", "targets"]
 
 
 def _calls(*shapes, n=4, seed=0):
@@ -37,7 +38,14 @@ def functionalize_both_forms(factory, calls, state=None, **export_kwargs):
 
 
 def refused_in_both_forms(factory, calls, kind):
+    """Export ``factory()`` and check :func:`refused_in_both_forms_of` on it."""
     ep = torch.export.export(factory(), copy.deepcopy(calls[0]))
+    return refused_in_both_forms_of(ep, kind)
+
+
+def refused_in_both_forms_of(ep, kind):
+    """Marked, both forms of ``ep`` are refused with ``kind`` and left unchanged; returns
+    the last error."""
     for program in (ep, ep.module()):
         marked = PassManager([MarkMutableBuffers()]).run(copy.deepcopy(program)).program
         before = program_text(marked)

@@ -24,6 +24,7 @@ from passes import (
     mutable_buffers,
 )
 
+from .failing_models import ScaleConstant
 from .functionalize_checks import _calls, functionalize_both_forms
 
 
@@ -119,18 +120,6 @@ def test_parameter_requiring_grad_written_under_no_grad():
                               state=parameters_and_buffers)
     assert [(s.kind, s.target) for s in results[0].graph_signature.output_specs] == [
         (s.kind, s.target) for s in decomposed.graph_signature.output_specs]
-
-
-class ScaleConstant(nn.Module):
-    """Writes a plain tensor attribute, which export lifts as a constant, not a buffer."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = torch.ones(4)
-
-    def forward(self, x):
-        self.scale.mul_(x)
-        return self.scale + 1
 
 
 def test_constant_write_is_refused_as_torch_refuses_it():
