@@ -52,6 +52,20 @@ class UnsupportedMutationError(PassManagerError):
         )
 
 
+def _is_uniform_write(node: Node) -> bool:
+    """A fill, or a ``copy_`` of one element (or of an expand of one element) broadcast to
+    every position: one value stored everywhere, whichever position stores it last."""
+    if target_of(node) in _UNIFORM_WRITES:
+        return True
+    if target_of(node) is not aten.copy_.default or len(node.args) < 2:
+        return False
+    source = node.args[1]
+    value = source.meta.get("val") if isinstance(source, Node) else None
+    return isinstance(value, torch.Tensor) and all(
+        (isinstance(size, int) and size == 1) or (isinstance(stride, int) and stride == 0)
+        for size, stride in zip(value.shape, value.stride(), strict=True))
+
+
 def check_opaque(node: Node, reason: str | None, aliases: dict[Node, Alias], roots: set[Node],
                  states: dict[Node, State]) -> None:
     """An opaque node (no schema) must neither write nor receive mutable state."""
@@ -90,7 +104,7 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
             # layout instead (_view_inverse.write_back_chain); a fill stores one value at
             # every position, so each element gets it whichever position stores it last.
             if (target_of(view) in STORAGE_VIEWS and overlaps_itself(view)
-                    and overlaps_itself(w) and target_of(node) not in _UNIFORM_WRITES):
+                    and overlaps_itself(w) and not _is_uniform_write(node)):
                 raise UnsupportedMutationError(
                     node, f"{w.name} is written through {view.name}, which addresses some "
                           "storage elements more than once (overlapping strides)", "overlap")

@@ -460,6 +460,31 @@ def test_fill_through_an_overlapping_as_strided_view():
                           ep.run_decompositions({}), calls, calls=4)
 
 
+class CopyOneValueThroughOverlappingStrided(nn.Module):
+    """Found by the fuzzer (seed 2338): copy_ of a 0-dim value, or of an expand of one
+    element, stores one value at every position of an overlapping view, like fill_; a
+    copy_ of a full tensor through it stays refused (tested above with add_)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(6.0))
+        self.register_buffer("m", torch.arange(6))
+
+    def forward(self, x):
+        self.b.as_strided((2, 2), (1, 1), 0).copy_(x.sum())
+        window = self.m.as_strided((2, 2), (1, 1), 1)[0:2]
+        window.copy_((x.sum() * 10).to(torch.int64).expand_as(window))
+        return self.b * 1, self.m * 1
+
+
+def test_copy_of_one_value_through_an_overlapping_as_strided_view():
+    calls = _calls((6,))
+    functionalize_both_forms(CopyOneValueThroughOverlappingStrided, calls)
+    ep = torch.export.export(CopyOneValueThroughOverlappingStrided(), calls[0])
+    assert_same_behaviour(CopyOneValueThroughOverlappingStrided(),
+                          ep.run_decompositions({}), calls, calls=4)
+
+
 def test_write_through_a_view_of_an_overlapping_as_strided_view():
     calls = _calls((6,))
     functionalize_both_forms(WriteThroughAViewOfOverlappingStrided, calls)
