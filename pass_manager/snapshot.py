@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import itertools
-import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -26,6 +24,7 @@ from torch.export.graph_signature import ExportGraphSignature
 from .analysis import node_fields
 from .copying import MISSING, copy_value, equal, is_container, same
 from .program import graph_module_of, modules_of
+from .state_record import TENSOR, ModulesRecord, TensorsRecord
 
 __all__ = ["Change", "Snapshot"]
 
@@ -266,37 +265,6 @@ def _tensor_ids(mapping: dict) -> list[tuple[str, int]]:
     return [(k, id(v)) for k, v in mapping.items()]
 
 
-# Every tensor (parameters, fake and functional tensors) derives from the C base class;
-# checking against it skips torch.Tensor's Python-level instance check (9x slower).
-_TENSOR = torch._C.TensorBase
-
-
-def _tensor_keys(attrs: dict) -> list[str]:
-    """The names of the tensor-valued attributes (in C loops)."""
-    return list(itertools.compress(attrs, map(isinstance, attrs.values(),
-                                              itertools.repeat(_TENSOR))))
-
-
-_END = object()
-
-
-def _module_refs(records: list) -> tuple[list, list]:
-    """What identifies each recorded module's registered state, flat: the keys and objects
-    of its buffers, parameters, submodules and tensor attributes; and its attribute names."""
-    refs: list = []
-    keys: list = []
-    for module, _, tensor_keys, *_ in records:
-        for registered in (module._buffers, module._parameters, module._modules):
-            refs.extend(registered)
-            refs.extend(registered.values())
-            refs.append(_END)
-        attrs = module.__dict__
-        refs.extend([attrs.get(k) for k in tensor_keys])
-        keys.extend(attrs)
-        keys.append(_END)
-    return refs, keys
-
-
 class Change(NamedTuple):
     """What a pass changed: ``structure`` (nodes, so the code) and ``anything`` at all."""
 
@@ -331,43 +299,9 @@ class Snapshot:
         gm = graph_module_of(program)
         self._gm = gm
         self._graph = _GraphRecord(gm.graph, copy_meta_values)
-        self._modules = []
-        # Parallel lists, one entry per distinct tensor: its name, the tensor, its version
-        # counter, and (by index) a copy of its data when the pass may write it.
-        self._names: list[str] = []
-        self._tensors: list[torch.Tensor] = []
-        self._data: dict[int, torch.Tensor] = {}
-        seen: set[int] = set()
-
-        def record(name: str, tensor: torch.Tensor, copy_data: bool) -> None:
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                if copy_data:
-                    self._data[len(self._tensors)] = tensor.detach().clone()
-                self._names.append(name)
-                self._tensors.append(tensor)
-
-        for name, module in modules_of(gm):
-            attrs = module.__dict__.copy()
-            tensor_keys = _tensor_keys(attrs)
-            buffers, params = module._buffers.copy(), module._parameters.copy()
-            self._modules.append(
-                (module, attrs, tensor_keys, buffers, params, module._modules.copy())
-            )
-            prefix = f"{name}." if name else ""
-            for key, buf in buffers.items():
-                if buf is not None:
-                    record(prefix + key, buf, copy_state)
-            for key in tensor_keys:
-                value = attrs[key]
-                if not isinstance(value, torch.nn.Parameter):
-                    record(prefix + key, value, copy_state)
-            # Parameters are never copied (they are the bulk of a model): a pass that
-            # writes one in place cannot be rolled back, and the error says so.
-            for key, param in params.items():
-                if param is not None:
-                    record(prefix + key, param, False)
-        self._module_refs, self._module_keys = _module_refs(self._modules)
+        self._modules = ModulesRecord(modules_of(gm))
+        tensors = self._modules.tensors()
+        named = self._modules.named_tensors
         self._gm_meta = (
             tuple(gm.meta.items()),
             {k: copy_value(v) for k, v in gm.meta.items() if is_container(v)}
@@ -384,20 +318,13 @@ class Snapshot:
                 "_range_constraints": dict(program._range_constraints),
                 "_verifiers": list(program._verifiers),
             }
-            if copy_state:
-                for key, value in program._state_dict.items():
-                    if isinstance(value, _TENSOR):
-                        record(key, value, not isinstance(value, torch.nn.Parameter))
-                for key, value in program._constants.items():
-                    if isinstance(value, _TENSOR):
-                        record(key, value, True)
-            else:  # only identities and versions: in bulk (a tensor may be listed twice)
-                for mapping in (program._state_dict, program._constants):
-                    keys = list(itertools.compress(mapping, map(
-                        isinstance, mapping.values(), itertools.repeat(_TENSOR))))
-                    self._names += keys
-                    self._tensors += map(mapping.__getitem__, keys)
-        self._versions = [t._version for t in self._tensors]
+            # Its state (the tensors the graph module does not hold), after the modules'.
+            extra = [(key, value, not isinstance(value, torch.nn.Parameter))
+                     for mapping in (program._state_dict, program._constants)
+                     for key, value in mapping.items() if isinstance(value, TENSOR)]
+            tensors += [t for _, t, _ in extra]
+            named = lambda modules=self._modules.named_tensors: modules() + extra  # noqa: E731
+        self._state = TensorsRecord(tensors, named, copy_state)
 
     def measured(self, program: Any, after: bool) -> tuple[torch.fx.Graph, list | None,
                                                            list | None]:
@@ -450,34 +377,11 @@ class Snapshot:
         )
 
     def _modules_changed(self) -> bool:
-        """A buffer, parameter, submodule or tensor attribute added, removed or replaced.
-
-        Every submodule added is registered in a recorded module's ``_modules``, so the
-        recorded modules are all that needs looking at.
-        """
-        refs, keys = _module_refs(self._modules)
-        if len(refs) != len(self._module_refs) or not all(
-            map(operator.is_, refs, self._module_refs)
-        ):
-            return True
-        if keys == self._module_keys:
-            return False
-        # Attributes added or removed (rare): only tensors count (recompiling adds code).
-        return any(
-            _tensor_keys(module.__dict__) != tensor_keys
-            for module, _, tensor_keys, *_ in self._modules
-        )
+        return self._modules.changed()
 
     def written(self) -> list[str]:
         """Tensors whose data was written in place since the snapshot (version counter)."""
-        versions = [t._version for t in self._tensors]
-        if versions == self._versions:
-            return []
-        return sorted(
-            self._names[i] for i, (now, then) in enumerate(zip(versions, self._versions,
-                                                                 strict=True))
-            if now != then
-        )
+        return self._state.written()
 
     def edited_in_place(self) -> list[str]:
         """Meta objects the pass edited in place (needs ``copy_meta_values=True``): what a
@@ -489,11 +393,7 @@ class Snapshot:
 
     def unrestorable_changes(self) -> list[str]:
         """Tensors written in place whose old data was not copied, so cannot come back."""
-        return sorted(
-            self._names[i] for i, (tensor, version) in enumerate(zip(self._tensors,
-                                                                     self._versions, strict=True))
-            if i not in self._data and tensor._version != version
-        )
+        return self._state.unrestorable()
 
     # -- undo ----------------------------------------------------------------------------
     @property
@@ -506,19 +406,8 @@ class Snapshot:
 
     def restore(self) -> None:
         gm = self._gm
-        for module, attrs, _, buffers, params, modules in self._modules:
-            module.__dict__.clear()
-            module.__dict__.update(attrs)
-            module._buffers.clear()
-            module._buffers.update(buffers)
-            module._parameters.clear()
-            module._parameters.update(params)
-            module._modules.clear()
-            module._modules.update(modules)
-        for i, data in self._data.items():
-            if self._tensors[i]._version != self._versions[i]:
-                with torch.no_grad():
-                    self._tensors[i].copy_(data)
+        self._modules.restore()
+        self._state.restore()
         gm.graph = self._graph.rebuild()
         gm.meta.clear()
         items, copies = self._gm_meta
