@@ -12,6 +12,7 @@ process per pass, the peak RSS the managed run adds on the big-state decoder, ag
 program's buffer bytes (target <= 5%).
 
     python -m benchmarks.bench_manager_overhead [--repeat 7] [--memory] [--only 32-layer]
+        [--pass SkipAnnotateDataMovementOps]
 """
 
 from __future__ import annotations
@@ -119,10 +120,14 @@ def managed(make_pass: Callable[[], Any], program: Any) -> Any:
     return PassManager([make_pass()]).run(program).program
 
 
-def measure(name: str, repeat: int) -> list[dict[str, Any]]:
-    factories, _ = inputs_for(PROGRAMS[name])
+def measure(name: str, repeat: int, passes: list[str] | None = None) -> list[dict[str, Any]]:
+    """The rows of program ``name``: every pass, or only those in ``passes``."""
+    only = passes[0] if passes and len(passes) == 1 else None
+    factories, _ = inputs_for(PROGRAMS[name], only=only)
     rows = []
     for pass_name, make_pass in PASSES.items():
+        if passes and pass_name not in passes:
+            continue
         make_input = factories[pass_name]
         # Interleave bare and managed runs so load on the machine hits both alike.
         b, m = Timings("bare"), Timings("managed")
@@ -198,6 +203,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--only", choices=sorted(PROGRAMS), action="append")
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--pass", dest="passes", choices=sorted(PASSES), action="append",
+                        help="measure only this pass (repeatable)")
     parser.add_argument("--peak-child", nargs=2, metavar=("PASS", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.peak_child:
@@ -215,7 +222,7 @@ def main(argv: list[str] | None = None) -> str:
     ]
     print("\n".join(lines), flush=True)
     for name in args.only or PROGRAMS:
-        for r in measure(name, args.repeat):
+        for r in measure(name, args.repeat, args.passes):
             lines.append(f"| {r['program']} | {r['pass']} | {r['bare_ms']:.1f} "
                          f"| {r['managed_ms']:.1f} | {r['ratio_median']:.3f}x "
                          f"| {r['ratio_min']:.3f}x |")

@@ -24,7 +24,7 @@ from torch.export.graph_signature import ExportGraphSignature
 from .analysis import node_fields
 from .copying import MISSING, copy_value, equal, is_container, same
 from .program import graph_module_of, modules_of
-from .state_record import TENSOR, ModulesRecord, TensorsRecord
+from .state_record import TENSOR, ModulesRecord, TensorsRecord, same_dicts
 
 __all__ = ["Change", "Snapshot"]
 
@@ -164,9 +164,9 @@ class _SignatureRecord:
         self.inputs = list(signature.input_specs)
         self.outputs = list(signature.output_specs)
         specs = self.inputs + self.outputs
-        self.fields = [dict(vars(s)) for s in specs]
+        self.fields = list(map(dict.copy, map(vars, specs)))
         self.args = [s.arg for s in specs]
-        self.arg_fields = [dict(vars(a)) for a in self.args]
+        self.arg_fields = list(map(dict.copy, map(vars, self.args)))
 
     def changed(self, signature: ExportGraphSignature) -> bool:
         if signature is not self.signature:  # a new signature: compare by value
@@ -175,7 +175,7 @@ class _SignatureRecord:
         return not (
             len(signature.input_specs) == len(self.inputs)
             and _equal_lists(specs, self.inputs + self.outputs)
-            and _equal_lists([vars(s) for s in specs], self.fields)
+            and _equal_lists(list(map(vars, specs)), self.fields)
             and _equal_lists([vars(s.arg) for s in specs], self.arg_fields)
         )
 
@@ -261,8 +261,9 @@ class _ObjectsRecord:
 
 
 
-def _tensor_ids(mapping: dict) -> list[tuple[str, int]]:
-    return [(k, id(v)) for k, v in mapping.items()]
+def _same_entries(mapping: dict, recorded: dict) -> bool:
+    """The same keys in the same order, holding the very same objects (C loops)."""
+    return same_dicts([mapping], [recorded])
 
 
 class Change(NamedTuple):
@@ -368,8 +369,8 @@ class Snapshot:
         state = self._ep_state
         return not (
             not state["_graph_signature"].changed(program._graph_signature)
-            and _tensor_ids(program._state_dict) == _tensor_ids(state["_state_dict"])
-            and _tensor_ids(program._constants) == _tensor_ids(state["_constants"])
+            and _same_entries(program._state_dict, state["_state_dict"])
+            and _same_entries(program._constants, state["_constants"])
             and program._module_call_graph is state["_module_call_graph"]
             and not state["_call_graph_record"].changed()
             and program._range_constraints == state["_range_constraints"]
