@@ -22,6 +22,7 @@ from .errors import (
     ProgramFormError,
     SemanticsError,
     StateWriteError,
+    UndeclaredEditError,
 )
 from .instrumentation import ClaimCheck, Instrumentation, PrintDiff, SemanticValidation, Timing
 from .manager import PassManager, parse_pipeline
@@ -61,6 +62,7 @@ __all__ = [
     "SemanticsError",
     "StateWriteError",
     "Timing",
+    "UndeclaredEditError",
     "as_pass",
     "assert_same_behaviour",
     "first_difference",

@@ -46,17 +46,23 @@ def node_fields(nodes: list[torch.fx.Node]) -> list[tuple]:
 
 class _Measure:
     """One measurement of a graph's nodes: the nodes, their fields, their fake values, and
-    the program's signature token (the last two taken when first asked for)."""
+    the program's signature token (the last three taken when first asked for)."""
 
-    __slots__ = ("fields", "graph", "nodes", "signature", "vals")
+    __slots__ = ("_fields", "graph", "nodes", "signature", "vals")
 
     def __init__(self, graph: torch.fx.Graph, nodes: list | None = None,
                  fields: list | None = None):
         self.graph = graph
         self.nodes = list(graph.nodes) if nodes is None else nodes
-        self.fields = node_fields(self.nodes) if fields is None else fields
+        self._fields = fields
         self.vals: list | None = None
         self.signature: tuple | None = None
+
+    @property
+    def fields(self) -> list[tuple]:
+        if self._fields is None:
+            self._fields = node_fields(self.nodes)
+        return self._fields
 
     def values(self) -> list:
         if self.vals is None:

@@ -23,6 +23,7 @@ __all__ = [
     "ProgramFormError",
     "SemanticsError",
     "StateWriteError",
+    "UndeclaredEditError",
 ]
 
 
@@ -195,3 +196,19 @@ class MetaEditError(PassFailedError):
             f"(replace them instead: node.meta[key] = new): {', '.join(edited)}",
         )
         self.edited = list(edited)
+
+
+class UndeclaredEditError(PassFailedError):
+    """A pass declaring ``edits_only_meta_keys`` changed something else: other meta keys,
+    nodes, arguments, modules, tensors or the signature (found under
+    ``PassManager(strict=True)``, or nodes added or removed in any mode). ``edits`` names
+    what changed; what the meta-only record could not undo is in ``unrestored``."""
+
+    def __init__(self, pass_name: str, index: int | None, edits: Sequence[str]):
+        super().__init__(
+            pass_name,
+            index,
+            "changed more than the node meta keys it declares in edits_only_meta_keys: "
+            + "; ".join(edits),
+        )
+        self.edits = list(edits)

@@ -4,8 +4,9 @@ A pass declares, as class attributes, what it ``requires`` before it runs, what 
 ``provides`` after, what it ``preserves`` (conditions that hold afterwards if they held
 before; everything else is invalidated when the pass changes the program), whether it
 rewrites the program it is given (``in_place``), whether it writes tensor data
-(``writes_state``) and whether it edits objects held in node meta in place
-(``edits_meta_in_place``). The manager checks every declaration (the last one with
+(``writes_state``), whether it edits objects held in node meta in place
+(``edits_meta_in_place``) and whether it changes nothing but some node meta keys
+(``edits_only_meta_keys``). The manager checks every declaration (the last one with
 ``strict=True``); the pass only implements
 ``call``. Options are dataclass fields, so a pass prints as ``Name(option=value)`` and
 as pipeline text ``Name{option=value}``.
@@ -72,6 +73,13 @@ class Pass:
     # ``PassManager(strict=True)`` an in-place edit by a pass declaring False is a
     # MetaEditError.
     edits_meta_in_place: ClassVar[bool] = True
+    # The node meta keys the pass sets, replaces or removes, when that is ALL it changes
+    # (no node, argument, module, tensor, signature or graph-module meta): a marking or
+    # annotating pass. The manager then records only those entries for a rollback (the
+    # full snapshot costs more than such a pass) and recompiles nothing. Nodes added or
+    # removed are an UndeclaredEditError; ``PassManager(strict=True)`` takes the full
+    # snapshot and checks the whole claim. None: the pass may change anything.
+    edits_only_meta_keys: ClassVar[frozenset[str] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -118,6 +126,7 @@ class _CallablePass(Pass):
     in_place = None
     writes_state = True
     edits_meta_in_place = True
+    edits_only_meta_keys = None
 
     def __init__(self, fn: Callable[[Any], Any], name: str):
         self._fn = fn
@@ -167,6 +176,7 @@ def function_pass(
     in_place: bool | None = None,
     writes_state: bool = False,
     edits_meta_in_place: bool = True,
+    edits_only_meta_keys: Iterable[str] | None = None,
     name: str | None = None,
 ) -> Any:
     """Turn ``fn(program) -> PassResult | program | None`` into a Pass with conditions.
@@ -190,6 +200,8 @@ def function_pass(
             "in_place": in_place,
             "writes_state": writes_state,
             "edits_meta_in_place": edits_meta_in_place,
+            "edits_only_meta_keys": (None if edits_only_meta_keys is None
+                                     else frozenset(edits_only_meta_keys)),
             "call": lambda self, program: func(program),
             "__doc__": func.__doc__,
             "__module__": getattr(func, "__module__", __name__),

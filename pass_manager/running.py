@@ -4,7 +4,9 @@
 * snapshot: what a rollback needs (``snapshot.Snapshot``); tensor data is copied only
   for a pass declaring ``writes_state``, and an undeclared write is a StateWriteError;
   objects held in node meta are copied unless the pass declares
-  ``edits_meta_in_place = False`` (``strict`` copies them anyway and checks the claim).
+  ``edits_meta_in_place = False`` (``strict`` copies them anyway and checks the claim);
+  a pass declaring ``edits_only_meta_keys`` gets a record of those entries only
+  (``meta_snapshot``; ``strict`` takes the full snapshot and checks the claim).
 * call: the pass; whatever it raises becomes a typed, rolled-back error.
 * measure: did it change the program (compared with the snapshot by identity), did it
   keep its ``in_place`` contract; recompile only if the nodes changed.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +39,10 @@ from .errors import (
     PreconditionError,
     ProgramFormError,
     StateWriteError,
+    UndeclaredEditError,
 )
 from .instrumentation import ClaimCheck, Instrumentation, Timing
+from .meta_snapshot import MetaKeysSnapshot, undeclared_edits
 from .program import graph_module_of, node_count, program_form, program_text, text_diff
 from .registry import registered_passes
 from .report import PassRecord, Report
@@ -187,32 +192,44 @@ class Runner:
     def _run_pass(
         self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord
     ) -> Any:
-        snapshot: Snapshot | None = None
+        snapshot: Any = None
         current = program
         try:
             for instrument in self.instruments:
                 instrument.before_pass(p, program, record)
             record.nodes_before = node_count(program)
             edits_meta = getattr(p, "edits_meta_in_place", True)
-            taken = Snapshot(
-                program, copy_state=p.writes_state, copy_meta_values=edits_meta or self.strict
-            )
+            meta_keys = getattr(p, "edits_only_meta_keys", None)
+            if meta_keys is not None and not self.strict:
+                taken: Any = MetaKeysSnapshot(program, meta_keys)
+            else:
+                taken = Snapshot(
+                    program, copy_state=p.writes_state, copy_meta_values=edits_meta or self.strict
+                )
             # The checks share the snapshot's measurement of the nodes (conditions do not
-            # change the program); nothing to roll back if a requirement fails.
-            with unchanged(*taken.measured(program, after=False)):
-                self._require(p, index, program, state, record)
-            snapshot = taken
-            out = self._call(p, index, program)
-            unpacked = _unpack(out, program)
-            current, record.claimed_modified, record.notes, record.statistics = unpacked
-            written = snapshot.written()
-            if written and not p.writes_state:
-                raise StateWriteError(p.name, index, written)
-            if not edits_meta and self.strict and (edited := snapshot.edited_in_place()):
-                raise MetaEditError(p.name, index, edited)
-            self._measure(p, index, program, current, snapshot, record, written)
-            with unchanged(*snapshot.measured(current, after=True)):
-                self._provide(p, index, current, state, record)
+            # change the program); nothing to roll back if a requirement fails. A pass
+            # changing only meta keys other than the fake values does not change what a
+            # stamp measures either: the checks and the pass share one measurement.
+            once = isinstance(taken, MetaKeysSnapshot) and "val" not in meta_keys
+            with unchanged(*taken.measured(program, after=False)) if once else nullcontext():
+                with nullcontext() if once else unchanged(*taken.measured(program, after=False)):
+                    self._require(p, index, program, state, record)
+                snapshot = taken
+                out = self._call(p, index, program)
+                unpacked = _unpack(out, program)
+                current, record.claimed_modified, record.notes, record.statistics = unpacked
+                written = snapshot.written()
+                if written and not p.writes_state:
+                    raise StateWriteError(p.name, index, written)
+                if not edits_meta and self.strict and (edited := snapshot.edited_in_place()):
+                    raise MetaEditError(p.name, index, edited)
+                if meta_keys is not None and (
+                    edits := self._undeclared(snapshot, current, meta_keys)
+                ):
+                    raise UndeclaredEditError(p.name, index, edits)
+                self._measure(p, index, program, current, snapshot, record, written)
+                with nullcontext() if once else unchanged(*snapshot.measured(current, after=True)):
+                    self._provide(p, index, current, state, record)
             for instrument in reversed(self.instruments):
                 instrument.after_pass(p, current, record)
             return current
@@ -254,6 +271,11 @@ class Runner:
             provided_here = any(condition in q.provided for q in self.passes)
             hint = "" if provided_here else _providers_hint(condition)
             raise PreconditionError(p.name, index, condition.name, violations, hint=hint)
+
+    def _undeclared(self, snapshot: Any, program: Any, keys: frozenset[str]) -> list[str]:
+        if isinstance(snapshot, MetaKeysSnapshot):
+            return snapshot.added_or_removed_nodes(program)
+        return undeclared_edits(snapshot, program, keys)  # strict: the full record
 
     def _measure(
         self,
@@ -319,7 +341,7 @@ class Runner:
         return None
 
     @staticmethod
-    def _roll_back(p: Any, snapshot: Snapshot, current: Any, error: PassManagerError) -> None:
+    def _roll_back(p: Any, snapshot: Any, current: Any, error: PassManagerError) -> None:
         if not error.diff:
             error.diff = text_diff(
                 snapshot.text, program_text(current), "before " + p.name, "after " + p.name

@@ -354,15 +354,19 @@ class Snapshot:
             return Change(False, self._state_changed(program, written))
 
     def _state_changed(self, program: Any, written: list[str] | None) -> bool:
+        if (self.written() if written is None else written) or self._graph.meta_changed():
+            return True
+        return self.outside_nodes_changed(program)
+
+    def outside_nodes_changed(self, program: Any) -> bool:
+        """Whether anything but the nodes and their meta changed: the graph module's meta,
+        the modules and, for an ExportedProgram, its signature, state and call graph."""
         items, copies = self._gm_meta
         if (
-            (self.written() if written is None else written)
-            or self._graph.meta_changed()
-            or not _equal_lists(list(self._gm.meta.items()), list(items))
+            not _equal_lists(list(self._gm.meta.items()), list(items))
             or not all(same(self._gm.meta.get(k, MISSING), c) for k, c in copies.items())
+            or self._modules_changed()
         ):
-            return True
-        if self._modules_changed():
             return True
         if self._ep_state is None:
             return program is not self.program

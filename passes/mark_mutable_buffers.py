@@ -53,6 +53,8 @@ class MarkMutableBuffers(Pass):
     provides = frozenset({MutableBuffersMarked})
     preserves = ALL_CONDITIONS  # only node meta changes
     edits_meta_in_place = False  # sets meta entries, never edits the objects they hold
+    # ...and nothing else: the manager's rollback record is these entries alone.
+    edits_only_meta_keys = frozenset({MUTABLE_BUFFER_META, MUTABLE_INPUT_META, INITIAL_META})
 
     def call(self, program: Any) -> PassResult:
         scan = find_mutations(program)

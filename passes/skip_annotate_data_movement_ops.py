@@ -67,6 +67,8 @@ class SkipAnnotateDataMovementOps(Pass):
     # Each rewritten annotation is a new object in node.meta, never the quantizer's edited
     # in place: the manager's rollback snapshot need not copy all the annotations.
     edits_meta_in_place = False
+    # ...and they are all it changes: the manager's rollback record is these entries alone.
+    edits_only_meta_keys = frozenset({ANNOTATION_META})
 
     extra_ops: tuple = ()
 

@@ -1,0 +1,114 @@
+"""The snapshot of a pass that declares it edits only some node-meta keys.
+
+A pass that only annotates (marks state, rewrites quantization annotations) declares
+``edits_only_meta_keys``: the meta keys it may set, replace or remove, and nothing else of
+the program. A rollback then needs only those entries, one list per key: recording every
+module, tensor and node field (:class:`~pass_manager.snapshot.Snapshot`) would cost more
+than such a pass. The declaration is trusted, as ``edits_meta_in_place`` is: nodes added
+or removed are still noticed (a typed error; they cannot be rolled back from this record),
+and ``PassManager(strict=True)`` takes the full snapshot and checks the claim instead
+(:func:`undeclared_edits`).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from .copying import MISSING
+from .program import graph_module_of, program_text
+
+__all__ = ["MetaKeysSnapshot", "undeclared_edits"]
+
+
+class MetaKeysSnapshot:
+    """The entries ``keys`` of every node's meta (by reference), and the node list.
+
+    Offers what the core loop uses of a :class:`~pass_manager.snapshot.Snapshot`.
+    """
+
+    def __init__(self, program: Any, keys: frozenset[str]):
+        self.program = program
+        self._gm = graph_module_of(program)
+        self._graph = self._gm.graph
+        self._nodes = list(self._graph.nodes)
+        metas = list(map(operator.attrgetter("meta"), self._nodes))
+        self._metas = metas
+        self._values = {
+            key: list(map(operator.methodcaller("get", key, MISSING), metas)) for key in keys
+        }
+
+    def measured(self, program: Any, after: bool) -> tuple[torch.fx.Graph, list, None]:
+        """The graph and its nodes (their fields are measured by a stamp that needs them)."""
+        return graph_module_of(program).graph, self._nodes, None
+
+    def written(self) -> list[str]:
+        return []  # tensors are not recorded: the declaration says none are touched
+
+    def edited_in_place(self) -> list[str]:
+        return []
+
+    def added_or_removed_nodes(self, program: Any) -> list[str]:
+        """Nodes the pass added or removed (what this record cannot undo)."""
+        graph = graph_module_of(program).graph
+        nodes = list(graph.nodes)
+        if graph is self._graph and nodes == self._nodes:
+            return []
+        before, after = set(self._nodes), set(nodes)
+        return sorted([f"added {n.name}" for n in nodes if n not in before]
+                      + [f"removed {n.name}" for n in self._nodes if n not in after]
+                      or ["the graph object was replaced"])
+
+    def compare(self, program: Any, written: list[str] | None = None) -> Any:
+        from .snapshot import Change  # the Change record is the full snapshot's
+
+        metas = self._metas
+        if not all(map(operator.is_, map(operator.attrgetter("meta"), self._nodes), metas)):
+            return Change(False, True)  # a node's meta dict replaced
+        changed = any(
+            list(map(operator.methodcaller("get", key, MISSING), metas)) != values
+            for key, values in self._values.items()
+        )
+        return Change(False, changed or program is not self.program)
+
+    def unrestorable_changes(self) -> list[str]:
+        return self.added_or_removed_nodes(self.program)
+
+    @property
+    def text(self) -> str:
+        # The code does not change under this declaration: the program as it is now.
+        return program_text(self.program)
+
+    def restore(self) -> None:
+        for node, meta in zip(self._nodes, self._metas, strict=True):
+            if node.meta is not meta:
+                node.meta = meta
+        for key, values in self._values.items():
+            for meta, value in zip(self._metas, values, strict=True):
+                if value is MISSING:
+                    meta.pop(key, None)
+                else:
+                    meta[key] = value
+
+
+def undeclared_edits(snapshot: Any, program: Any, keys: frozenset[str]) -> list[str]:
+    """What a pass changed besides the meta ``keys`` it declared, measured against a full
+    :class:`~pass_manager.snapshot.Snapshot` (``strict`` mode)."""
+    found = []
+    if graph_module_of(program) is not snapshot._gm or snapshot._graph.structure_changed(
+        graph_module_of(program).graph
+    ):
+        found.append("the graph's nodes or their arguments")
+    else:
+        for node, recorded in zip(snapshot._graph._nodes, snapshot._graph._meta, strict=True):
+            now = node.meta
+            others = (now.keys() | recorded.keys()) - keys
+            if any(now.get(k, MISSING) is not recorded.get(k, MISSING) for k in others):
+                found.append(f"{node.name}: meta keys other than {sorted(keys)}")
+    if snapshot.written():
+        found.append("tensor data: " + ", ".join(snapshot.written()))
+    if snapshot.outside_nodes_changed(program):
+        found.append("the graph module's meta, its modules or the program's signature or state")
+    return found

@@ -1,0 +1,147 @@
+"""Passes declaring ``edits_only_meta_keys``: the manager records only those meta entries,
+rolls them back exactly when the pass fails, notices nodes added or removed in any mode,
+and under ``strict=True`` checks that nothing else changed (UndeclaredEditError)."""
+
+import pytest
+import torch
+
+from pass_manager import (
+    Condition,
+    PassManager,
+    UndeclaredEditError,
+    assert_same_behaviour,
+    function_pass,
+    graph_of,
+)
+from pass_manager.program import program_text
+
+from .conftest import Accumulate, targets
+
+Tagged = Condition(
+    "Tagged",
+    lambda p: [n.name for n in graph_of(p).nodes if n.op == "call_function"
+               and "tag" not in n.meta],
+    doc="every call_function node has meta['tag']",
+)
+
+
+def meta_of(program, *keys):
+    return [(n.name, {k: n.meta.get(k) for k in keys}) for n in graph_of(program).nodes]
+
+
+@function_pass(provides={Tagged}, edits_only_meta_keys={"tag", "note"})
+def tag_ops(program):
+    for node in graph_of(program).nodes:
+        if node.op == "call_function":
+            node.meta["tag"] = str(node.target)
+        node.meta.pop("note", None)
+
+
+@function_pass(edits_only_meta_keys={"tag"})
+def tag_then_fail(program):
+    for node in graph_of(program).nodes:
+        node.meta["tag"] = "partial"
+    raise RuntimeError("the pass gives up half way")
+
+
+@function_pass(edits_only_meta_keys={"tag"})
+def tag_and_add_a_node(program):
+    graph = graph_of(program)
+    relu = targets(program, "relu")[0]
+    relu.meta["tag"] = "relu"
+    with graph.inserting_after(relu):
+        neg = graph.call_function(torch.ops.aten.neg.default, (relu,))
+    relu.replace_all_uses_with(neg, delete_user_cb=lambda user: user is not neg)
+
+
+@function_pass(edits_only_meta_keys={"tag"})
+def tag_and_change_an_argument(program):
+    mul = targets(program, "mul")[0]
+    mul.meta["tag"] = "mul"
+    mul.args = (mul.args[0], 3.0)
+
+
+@function_pass(edits_only_meta_keys={"tag"})
+def tag_and_set_another_key(program):
+    for node in graph_of(program).nodes:
+        node.meta["tag"] = 1
+        node.meta["undeclared"] = 2
+
+
+@function_pass(edits_only_meta_keys={"tag"})
+def replace_meta_dicts_and_fail(program):
+    for node in graph_of(program).nodes:
+        node.meta = {"tag": "new"}
+    raise RuntimeError("fails after replacing every meta dict")
+
+
+@pytest.mark.parametrize("form", ["exported", "traced"])
+def test_a_meta_only_pass_runs_checked_and_the_program_still_computes_the_same(form, request):
+    program = request.getfixturevalue(form)
+    for node in graph_of(program).nodes:
+        node.meta["note"] = "old"
+    reference = Accumulate()
+    result = PassManager([tag_ops]).run(program)
+    assert result.modified and result.program is program
+    assert Tagged.holds(program)
+    assert all("note" not in n.meta for n in graph_of(program).nodes)
+    assert_same_behaviour(reference, program, [(torch.ones(4),)] * 4)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("form", ["exported", "traced"])
+def test_a_failing_meta_only_pass_is_rolled_back_exactly(form, strict, request):
+    program = request.getfixturevalue(form)
+    first = next(iter(graph_of(program).nodes))
+    first.meta["tag"] = "kept"
+    before = meta_of(program, "tag")
+    with pytest.raises(Exception, match="gives up half way") as caught:
+        PassManager([tag_then_fail], strict=strict).run(program)
+    assert caught.value.rolled_back
+    assert meta_of(program, "tag") == before  # the first node's "kept", no other tag
+
+
+@pytest.mark.parametrize("form", ["exported", "traced"])
+def test_replaced_meta_dicts_are_put_back(form, request):
+    program = request.getfixturevalue(form)
+    dicts = [n.meta for n in graph_of(program).nodes]
+    with pytest.raises(Exception, match="replacing every meta dict"):
+        PassManager([replace_meta_dicts_and_fail]).run(program)
+    assert all(n.meta is d for n, d in zip(graph_of(program).nodes, dicts, strict=True))
+    assert all("tag" not in d for d in dicts)
+
+
+@pytest.mark.parametrize("form", ["exported", "traced"])
+def test_nodes_added_by_a_meta_only_pass_are_an_error_in_any_mode(form, request):
+    program = request.getfixturevalue(form)
+    with pytest.raises(UndeclaredEditError, match="added neg") as caught:
+        PassManager([tag_and_add_a_node]).run(program)
+    # The meta-only record cannot take the node back out: the error says so.
+    [unrestored] = caught.value.unrestored
+    assert unrestored.startswith("added neg")
+
+
+@pytest.mark.parametrize("form", ["exported", "traced"])
+def test_strict_mode_finds_and_undoes_any_undeclared_edit(form, request):
+    program = request.getfixturevalue(form)
+    text, tags = program_text(program), meta_of(program, "tag", "undeclared")
+    reference = Accumulate()
+    with pytest.raises(UndeclaredEditError, match="arguments") as caught:
+        PassManager([tag_and_change_an_argument], strict=True).run(program)
+    assert caught.value.rolled_back and not caught.value.unrestored
+    with pytest.raises(UndeclaredEditError, match="meta keys other than"):
+        PassManager([tag_and_set_another_key], strict=True).run(program)
+    with pytest.raises(UndeclaredEditError, match="nodes or their arguments") as caught:
+        PassManager([tag_and_add_a_node], strict=True).run(program)
+    assert not caught.value.unrestored  # the full snapshot took the node back out
+    assert program_text(program) == text
+    assert meta_of(program, "tag", "undeclared") == tags
+    assert_same_behaviour(reference, program, [(torch.ones(4),)] * 4)
+
+
+def test_undeclared_meta_keys_go_unnoticed_without_strict_but_are_kept():
+    # Documents the trade: without strict, only the declared keys are recorded, so an
+    # undeclared key set by a *successful* pass stays (it is not an error).
+    program = torch.export.export(Accumulate(), (torch.ones(4),))
+    PassManager([tag_and_set_another_key]).run(program)
+    assert all(n.meta.get("undeclared") == 2 for n in graph_of(program).nodes)
