@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,7 +20,13 @@ from pass_manager import Condition, graph_of
 from ._aliasing import aliased_argument
 from ._buffers import MUTABLE_BUFFER_META
 
-__all__ = ["ANNOTATION_META", "DATA_MOVEMENT_OPS", "DataMovementNotAnnotated", "buffer_of"]
+__all__ = [
+    "ANNOTATION_META",
+    "DATA_MOVEMENT_OPS",
+    "DataMovementNotAnnotated",
+    "buffer_of",
+    "data_movement_nodes",
+]
 
 aten = torch.ops.aten
 
@@ -55,20 +64,41 @@ DATA_MOVEMENT_OPS: dict[Any, int | None] = {
 """The default data-movement ops: quantizing them only re-rounds values that some other
 op already quantized. Extend it per pass with ``SkipAnnotateDataMovementOps(extra_ops=...)``."""
 
-def buffer_of(node: Any) -> str | None:
+def buffer_of(node: Any, memo: dict[Node, str | None] | None = None) -> str | None:
     """The FQN of the marked mutable buffer ``node`` aliases (itself, a view of it, or an
-    in-place result on it), or None."""
-    seen = 0
-    while isinstance(node, Node) and seen < 64:
+    in-place result on it), or None. ``memo`` (a dict the caller keeps for one scan)
+    remembers the answers along each chain walked."""
+    chain: list[Node] = []
+    fqn = None
+    while isinstance(node, Node) and len(chain) < 64:
+        if memo is not None and node in memo:
+            fqn = memo[node]
+            break
+        chain.append(node)
         fqn = node.meta.get(MUTABLE_BUFFER_META)
         if fqn is not None:
-            return fqn
+            break
         found = aliased_argument(node)
         if found is None:
-            return None
+            break
         node = found[1]
-        seen += 1
-    return None
+    if memo is not None:
+        memo.update(dict.fromkeys(chain, fqn))
+    return fqn
+
+
+def data_movement_nodes(graph: torch.fx.Graph, ops: Mapping[Any, int | None]) -> list[Node]:
+    """The nodes of ``graph`` whose op's overload packet is a key of ``ops``, in order.
+
+    Most nodes are not: they are skipped in C loops over the nodes' target identities
+    (hashing an operator is a Python call), only the distinct targets are looked up.
+    """
+    nodes = list(graph.nodes)
+    targets = list(map(operator.attrgetter("target"), nodes))
+    ids = list(map(id, targets))
+    wanted = {key for key, target in dict(zip(ids, targets, strict=True)).items()
+              if getattr(target, "overloadpacket", None) in ops}
+    return list(itertools.compress(nodes, map(wanted.__contains__, ids)))
 
 
 def _annotated_buffer_reads(program: Any) -> list[str]:
@@ -76,16 +106,16 @@ def _annotated_buffer_reads(program: Any) -> list[str]:
     from torchao.quantization.pt2e.quantizer import SharedQuantizationSpec
 
     violations = []
-    for node in graph_of(program).nodes:
+    memo: dict[Node, str | None] = {}
+    for node in data_movement_nodes(graph_of(program), DATA_MOVEMENT_OPS):
         annotation = node.meta.get(ANNOTATION_META)
-        packet = getattr(node.target, "overloadpacket", None)
-        if annotation is None or packet not in DATA_MOVEMENT_OPS:
+        if annotation is None:
             continue
         for arg, qspec in annotation.input_qspec_map.items():
-            fqn = buffer_of(arg)
-            if fqn is not None and qspec is not None and not isinstance(
-                qspec, SharedQuantizationSpec
-            ):
+            if qspec is None or isinstance(qspec, SharedQuantizationSpec):
+                continue
+            fqn = buffer_of(arg, memo)
+            if fqn is not None:
                 violations.append(f"{node.name}: its input {arg.name} (buffer {fqn!r}) has its "
                                   f"own {type(qspec).__name__}")
     return violations

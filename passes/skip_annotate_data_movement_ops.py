@@ -13,7 +13,13 @@ from torch.fx import Node
 from pass_manager import Pass, PassResult, graph_module_of
 
 from ._buffer_conditions import Functional, MutableBuffersMarked
-from ._data_movement import ANNOTATION_META, DATA_MOVEMENT_OPS, DataMovementNotAnnotated, buffer_of
+from ._data_movement import (
+    ANNOTATION_META,
+    DATA_MOVEMENT_OPS,
+    DataMovementNotAnnotated,
+    buffer_of,
+    data_movement_nodes,
+)
 
 if TYPE_CHECKING:
     from torchao.quantization.pt2e.quantizer import QuantizationAnnotation
@@ -97,14 +103,16 @@ class SkipAnnotateDataMovementOps(Pass):
         shared: set[Node] = set()
         notes: list[str] = []
         statistics: Counter[str] = Counter()
-        for node in gm.graph.nodes:
+        memo: dict[Node, str | None] = {}
+        for node in data_movement_nodes(gm.graph, self._ops):
             annotation = node.meta.get(ANNOTATION_META)
-            packet = getattr(node.target, "overloadpacket", None)
-            if annotation is None or packet not in self._ops:
+            if annotation is None:
                 continue
-            buffer_inputs = [a for a in annotation.input_qspec_map if buffer_of(a) is not None]
+            packet = node.target.overloadpacket
+            buffer_inputs = [a for a in annotation.input_qspec_map
+                             if buffer_of(a, memo) is not None]
             destination = node.args[0] if node.args else None
-            fqn = buffer_of(destination)
+            fqn = buffer_of(destination, memo)
             if fqn is None and not buffer_inputs:
                 continue
             annotation = _replaced(node, annotation)
@@ -112,7 +120,7 @@ class SkipAnnotateDataMovementOps(Pass):
             output = "shares the written value's qparams" if node in shared else "is not quantized"
             statistics["outputs sharing qparams" if node in shared
                        else "outputs left unquantized"] += 1
-            notes.append(f"{node.name}: buffer {fqn or buffer_of(buffer_inputs[0])!r} is not "
+            notes.append(f"{node.name}: buffer {fqn or buffer_of(buffer_inputs[0], memo)!r} is not "
                          f"observed; the result {output}")
         return PassResult(program, bool(notes), notes, statistics)
 
