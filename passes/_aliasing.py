@@ -14,7 +14,7 @@ import functools
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.fx import Node
@@ -47,9 +47,12 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Alias:
-    """Where a value lives: ``root`` owns the storage, ``chain`` are the view nodes from it."""
+class Alias(NamedTuple):
+    """Where a value lives: ``root`` owns the storage, ``chain`` are the view nodes from it.
+
+    A named tuple rather than a frozen dataclass: a scan makes one per node of the graph,
+    and a frozen dataclass costs a Python-level ``object.__setattr__`` per field.
+    """
 
     root: Node
     chain: tuple[Node, ...] = ()
@@ -146,6 +149,7 @@ class _OpFacts:
     hidden_writes: tuple[int, tuple[int, ...]] | None  # an entry of HIDDEN_WRITES
     no_write_unless: int | None  # an entry of NO_WRITE_UNLESS
     fresh: bool  # no result aliases an argument: the op's value is new storage
+    may_write: bool  # writes an argument (annotated or hidden), read from the schema
 
 
 @functools.cache
@@ -166,10 +170,11 @@ def _facts(op: torch._ops.OpOverload) -> _OpFacts:
                           and "*" in a.alias_info.after_set and not a.alias_info.is_write), None)
     results_alias = tuple(aliased_by(r.alias_info) for r in schema.returns) if len(
         schema.returns) > 1 else ()
+    written = tuple(i for i, a in enumerate(args)
+                    if a.alias_info is not None and a.alias_info.is_write)
     return _OpFacts(
         schema=schema,
-        written=tuple(i for i, a in enumerate(args)
-                      if a.alias_info is not None and a.alias_info.is_write),
+        written=written,
         result_of=result_of,
         result_written=result_of is not None and args[result_of].alias_info is not None
         and args[result_of].alias_info.is_write,
@@ -180,6 +185,7 @@ def _facts(op: torch._ops.OpOverload) -> _OpFacts:
         no_write_unless=NO_WRITE_UNLESS.get(op),
         fresh=result_of is None and list_views_of is None
         and all(i is None for i in results_alias),
+        may_write=bool(written) or op in HIDDEN_WRITES,
     )
 
 
@@ -284,7 +290,7 @@ def may_write(node: Node) -> bool:
     for most nodes, without binding any argument (a quick filter before
     :func:`written_arguments`). Higher-order ops are not covered (their subgraphs write)."""
     facts = _facts_of(node)
-    return facts is not None and bool(facts.written or facts.hidden_writes)
+    return facts is not None and facts.may_write
 
 
 def written_nodes(node: Node) -> list[Node]:
@@ -367,12 +373,15 @@ def _multi_alias(node: Node, facts: _OpFacts | None) -> tuple[str, list] | None:
 
 
 def alias_map(
-    nodes: Iterable[Node], canonical: dict[Node, Node] | None = None
+    nodes: Iterable[Node], canonical: dict[Node, Node] | None = None,
+    writers: list[Node] | None = None,
 ) -> tuple[dict[Node, Alias], list[OpaqueNode]]:
     """The :class:`Alias` of every node, and the nodes whose aliasing is unknowable.
 
     ``canonical`` maps nodes that denote the same storage (e.g. two ``get_attr`` nodes of
-    one buffer) to one representative, used as their root.
+    one buffer) to one representative, used as their root. ``writers``, when given,
+    receives in graph order every node that may write (:func:`may_write`) and every
+    higher-order op call (its subgraphs may write): the scan then looks at those only.
     """
     canonical = canonical or {}
     aliases: dict[Node, Alias] = {}
@@ -380,6 +389,11 @@ def alias_map(
     opaque: list[OpaqueNode] = []
     for node in nodes:
         facts = _facts_of(node)
+        if writers is not None and (facts.may_write if facts is not None else (
+            node.op == "call_function"
+            and isinstance(node.target, torch._ops.HigherOrderOperator)
+        )):
+            writers.append(node)
         if facts is not None and facts.fresh:  # most nodes: nothing below applies
             aliases[node] = Alias(node)
             continue

@@ -27,7 +27,7 @@ from torch.fx import Node
 from pass_manager import graph_module_of
 from pass_manager.analysis import cached
 
-from ._aliasing import Alias, OpaqueNode, alias_map, may_write, written_nodes
+from ._aliasing import Alias, OpaqueNode, alias_map, written_nodes
 
 __all__ = [
     "BUFFER",
@@ -323,13 +323,12 @@ def _scan_mutations(program: Any) -> Mutations:
     states = state_nodes(program)
     first: dict[State, Node] = {}
     canonical = {node: first.setdefault(state, node) for node, state in states.items()}
-    aliases, opaque = alias_map(gm.graph.nodes, canonical)
+    candidates: list[Node] = []  # nodes that may write: most nodes do not
+    aliases, opaque = alias_map(gm.graph.nodes, canonical, candidates)
     writers: dict[State, list[Node]] = {}
     written_roots: set[Node] = set()
     writing_nodes: list[Node] = []
-    for node in gm.graph.nodes:
-        if not (may_write(node) or isinstance(node.target, torch._ops.HigherOrderOperator)):
-            continue  # most nodes: nothing below applies
+    for node in candidates:
         nested = _hop_operands_written(node, gm)  # read once: each read re-scans subgraphs
         hop = _hop_opaque(node, nested)
         if hop is not None:

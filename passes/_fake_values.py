@@ -73,10 +73,12 @@ def _fake_key(node: Node, args: Any, kwargs: Any) -> tuple | None:
 
     Views are never cached: their result shares its input's storage.
     """
-    if view_base_index(node) is not None or not isinstance(node.target, torch._ops.OpOverload):
+    target = node.target
+    if view_base_index(node) is not None or not isinstance(target, torch._ops.OpOverload):
         return None
     try:
-        key = (node.target, _key_of(args), _key_of(kwargs))
+        # The op by identity: an OpOverload hashes in Python, the rest of the key in C.
+        key = (id(target), _key_of(args), _key_of(kwargs) if kwargs else ())
         hash(key)
     except (TypeError, _Dynamic):
         return None
@@ -90,10 +92,11 @@ class _Dynamic(Exception):
 def _key_of(value: Any) -> Any:
     # A hand-rolled flatten: pytree's generic one costs more than the dispatch it saves.
     if isinstance(value, torch.Tensor):
-        meta = (tuple(value.shape), value.stride())
-        if not all(isinstance(d, int) for d in (*meta[0], *meta[1])):
-            raise _Dynamic
-        return (*meta, value.dtype, value.device)
+        shape, stride = value.shape, value.stride()
+        for d in (*shape, *stride):
+            if not isinstance(d, int):
+                raise _Dynamic
+        return (shape, stride, value.dtype, value.device)
     if isinstance(value, (tuple, list)):
         return (type(value), *(_key_of(v) for v in value))
     if isinstance(value, dict):

@@ -8,6 +8,7 @@ from typing import Any
 from pass_manager import Pass, PassResult
 
 from ._buffer_conditions import Functional, MutableBuffersMarked
+from ._collector import collector_paused
 from ._functionalize import Rewrite
 from ._mutation_checks import UnsupportedMutationError
 
@@ -54,13 +55,14 @@ class InplaceToFunctional(Pass):
     edits_meta_in_place = False  # new nodes get new meta; existing entries are replaced
 
     def call(self, program: Any) -> PassResult:
-        rewrite = Rewrite(program)
-        if not rewrite.has_writes:
-            return PassResult(program, False)
-        try:
-            rewrite.run()
-        except Exception:
-            rewrite.undo()
-            raise
-        rewrite.commit()
+        with collector_paused():  # nothing it allocates is garbage before it returns
+            rewrite = Rewrite(program)
+            if not rewrite.has_writes:
+                return PassResult(program, False)
+            try:
+                rewrite.run()
+            except Exception:
+                rewrite.undo()
+                raise
+            rewrite.commit()
         return PassResult(program, True, rewrite.notes, rewrite.statistics)

@@ -20,6 +20,7 @@ from ._buffers import (
     find_mutations,
     initial_copy,
 )
+from ._collector import collector_paused
 
 __all__ = ["MarkMutableBuffers"]
 
@@ -57,6 +58,10 @@ class MarkMutableBuffers(Pass):
     edits_only_meta_keys = frozenset({MUTABLE_BUFFER_META, MUTABLE_INPUT_META, INITIAL_META})
 
     def call(self, program: Any) -> PassResult:
+        with collector_paused():  # the scan's records are not garbage before it returns
+            return self._mark(program)
+
+    def _mark(self, program: Any) -> PassResult:
         scan = find_mutations(program)
         notes = [f"cannot see through {o.node.name}: {o.reason}" for o in scan.opaque]
         changed = False

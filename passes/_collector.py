@@ -1,0 +1,34 @@
+"""Pausing Python's cyclic garbage collector while a pass builds its many small objects.
+
+A pass over a decoder allocates tens of thousands of small tuples, dicts, lists and node
+records (the scan's aliases, the rewrite's new nodes and their fake values), none of
+which becomes garbage before the pass returns. With the collector running, every 700 of
+them trigger a young-generation collection that walks all of them again, and every tenth
+of those an older-generation one (about 2 ms each on a 1,400-node Llama with torch and
+transformers loaded): on a 16-layer Llama that is 5-10% of the pipeline's time spent
+proving nothing is garbage. Paused, the same objects are walked once, by the collection
+the next allocation after the pass triggers (within the caller's measured work, not
+skipped). The manager's snapshot does the same for its records.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["collector_paused"]
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Disable the cyclic collector inside the block (if it was enabled); re-enabled on
+    exit, also when the block raises. Nested use is harmless."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
