@@ -49,8 +49,8 @@ from ._functionalize_end import VALUE_META, ProgramEnd, fresh_like
 from ._grad_regions import inline_grad_regions
 from ._metadata_mutations import normalize_metadata_mutations
 from ._mutation_checks import UnsupportedMutationError, check_opaque, check_write
+from ._overlapping_writes import OverlappingWrites
 from ._storage_reads import StorageReads
-from ._view_inverse import view_steps, write_back_chain
 from .functional_variants import functional_variant
 
 __all__ = ["Rewrite"]
@@ -58,7 +58,7 @@ __all__ = ["Rewrite"]
 aten = torch.ops.aten
 
 
-class Rewrite(StorageReads, ProgramEnd):
+class Rewrite(StorageReads, OverlappingWrites, ProgramEnd):
     """One functionalization of one program: analysis, rewrite with an undo log, commit."""
 
     def __init__(self, program: Any):
@@ -383,12 +383,9 @@ class Rewrite(StorageReads, ProgramEnd):
         """``written`` (a view of its root, or the root) now holds ``new``."""
         alias = self.aliases[written]
         root, chain = alias.root, alias.chain
-        view_value = new
-        if chain:
-            self.statistics["writes through a view written back into their base"] += 1
-            bases = self._view_values(root, chain[: -len(view_steps(chain)[-1])])
-            new = write_back_chain(
-                lambda target, *a, **kw: self.emit(writer, target, *a, **kw), chain, bases, new)
+        view_value = None
+        if chain:  # view_value: None when ``new`` is not the view's value (_overlapping_writes)
+            new, view_value = self._write_back(writer, written, new)
         if not _same_layout(new, root) and _is_contiguous(root):
             # Eager keeps the root's memory layout, and reductions over a differently laid
             # out copy round differently: restore the layout so results stay bit-exact.
@@ -397,7 +394,7 @@ class Rewrite(StorageReads, ProgramEnd):
         self.cur[root] = new
         self.version[root] += 1
         self.last_writer[root] = writer
-        if chain and _same_layout(view_value, written):
+        if view_value is not None and _same_layout(view_value, written):
             self.memo[(root, chain, self.version[root])] = view_value
 
 @functools.cache

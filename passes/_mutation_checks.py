@@ -8,20 +8,16 @@ receives mutable state. Each is an :class:`UnsupportedMutationError` naming the 
 
 from __future__ import annotations
 
-import torch
 from torch.fx import Node
 
 from pass_manager import PassManagerError
 
 from ._aliasing import STORAGE_VIEWS, Alias, may_overlap, overlaps_itself, target_of
 from ._buffers import CONSTANT, State
+from ._overlapping_writes import needs_written_positions, written_positions
 from ._view_inverse import write_back_reason
 
 __all__ = ["UnsupportedMutationError", "check_opaque", "check_write"]
-
-aten = torch.ops.aten
-# In-place writes storing one value, independent of the old ones, at every position.
-_UNIFORM_WRITES = frozenset({aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default})
 
 
 class UnsupportedMutationError(PassManagerError):
@@ -50,20 +46,6 @@ class UnsupportedMutationError(PassManagerError):
             "The program was left unchanged.",
             pass_name="InplaceToFunctional",
         )
-
-
-def _is_uniform_write(node: Node) -> bool:
-    """A fill, or a ``copy_`` of one element (or of an expand of one element) broadcast to
-    every position: one value stored everywhere, whichever position stores it last."""
-    if target_of(node) in _UNIFORM_WRITES:
-        return True
-    if target_of(node) is not aten.copy_.default or len(node.args) < 2:
-        return False
-    source = node.args[1]
-    value = source.meta.get("val") if isinstance(source, Node) else None
-    return isinstance(value, torch.Tensor) and all(
-        (isinstance(size, int) and size == 1) or (isinstance(stride, int) and stride == 0)
-        for size, stride in zip(value.shape, value.stride(), strict=True))
 
 
 def check_opaque(node: Node, reason: str | None, aliases: dict[Node, Alias], roots: set[Node],
@@ -98,16 +80,19 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
             reason = write_back_reason(view)
             if reason is not None:
                 raise UnsupportedMutationError(node, reason, "no-write-back")
-        for view in alias.chain:
+        if needs_written_positions(alias.chain, node, w) and written_positions(
+                node, w, alias.root) is None:
             # Its write-back would store an element once per position, old and new values.
-            # A view of it addressing each element once is written back from its own
-            # layout instead (_view_inverse.write_back_chain); a fill stores one value at
-            # every position, so each element gets it whichever position stores it last.
-            if (target_of(view) in STORAGE_VIEWS and overlaps_itself(view)
-                    and overlaps_itself(w) and not _is_uniform_write(node)):
-                raise UnsupportedMutationError(
-                    node, f"{w.name} is written through {view.name}, which addresses some "
-                          "storage elements more than once (overlapping strides)", "overlap")
+            # Accepted: a view of it addressing each element once (written back from its
+            # own layout, _view_inverse.write_back_chain), one value stored everywhere (a
+            # fill), and an op whose written positions address each element once
+            # whatever its indices (written back there only): _overlapping_writes.
+            view = next(v for v in alias.chain
+                        if target_of(v) in STORAGE_VIEWS and overlaps_itself(v))
+            raise UnsupportedMutationError(
+                node, f"{w.name} is written through {view.name}, which addresses some "
+                      "storage elements more than once (overlapping strides), and "
+                      f"{target_of(node)} is not proven to write each of them once", "overlap")
         for other in inputs:
             same = aliases[other]
             if other is not w and same.root is alias.root and same != alias and (

@@ -1,0 +1,209 @@
+"""Writes through a view that addresses some storage elements at several positions.
+
+An ``as_strided`` view with overlapping strides has no exact write-back of its whole value:
+``as_strided_scatter`` stores an aliased element once per position, the op's new value
+from one position and a stale one from another. Two kinds of write through it are exact:
+
+* one value stored at every position (``fill_``, ``zero_``, a ``copy_`` of one element):
+  whichever position stores an element last, it stores that value, so the plain
+  write-back is right;
+* an op writing only some positions, when those positions address each storage element
+  at most once *whatever its index values*, proven from the view's static sizes and
+  strides: ``index_add_`` / ``index_copy_`` / ``index_fill_`` / ``index_reduce_`` with an
+  index of one element write one slice along their dim, ``index_put_`` whose index tensors
+  hold one element writes one sub-tensor, and ``scatter_`` / ``scatter_add_`` /
+  ``scatter_reduce_`` write one position per fibre along their dim (an index of size 1
+  along it, the fibres it reaches pairwise disjoint) or, with a longer index, any
+  positions of a region addressing each element once. Each reads only the positions it
+  writes. The write-back stores only those positions: the op's own selection (``index_select``,
+  ``index``, ``gather``) picks them from a map of storage positions (an ``as_strided`` of
+  an ``arange``) and from the op's functional result, and ``index_put`` puts them into the
+  flattened root.
+
+Anything else written through such a view stays refused (``_mutation_checks``).
+Part of :class:`passes._functionalize.Rewrite`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from ._aliasing import STORAGE_VIEWS, argument_value, overlaps_itself, target_of
+from ._view_inverse import view_steps, write_back_chain
+
+__all__ = ["OverlappingWrites", "is_uniform_write", "needs_written_positions",
+           "written_positions"]
+
+aten = torch.ops.aten
+# In-place writes storing one value, independent of the old ones, at every position.
+_UNIFORM_WRITES = frozenset({aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default})
+# (self, dim, index, ...): the slice ``index_select(self, dim, index)``.
+_SLICE_WRITES = frozenset({aten.index_add_.default, aten.index_copy_.default,
+                           aten.index_fill_.int_Scalar, aten.index_fill_.int_Tensor,
+                           aten.index_reduce_.default})
+# (self, indices, values, ...): the sub-tensor ``self[indices]``.
+_INDEX_PUTS = frozenset({aten.index_put_.default, aten._index_put_impl_.default})
+# (self, dim, index, ...): one position per index element, ``gather(self, dim, index)``.
+_SCATTERS = frozenset({aten.scatter_.src, aten.scatter_.value, aten.scatter_.reduce,
+                       aten.scatter_.value_reduce, aten.scatter_add_.default,
+                       aten.scatter_reduce_.two})
+_INDEX_DTYPES = frozenset({torch.int64, torch.int32})
+# Above this many positions, a layout is not enumerated: the write stays refused.
+_ENUMERATION_LIMIT = 1 << 22
+
+Selection = tuple[Any, tuple]
+"""``(target, args)``: ``target(tensor, *args)`` picks the positions an op writes from a
+tensor of the written view's shape."""
+
+
+def is_uniform_write(node: Node) -> bool:
+    """A fill, or a ``copy_`` of one element (or of an expand of one element) broadcast to
+    every position: one value stored everywhere, whichever position stores it last."""
+    if target_of(node) in _UNIFORM_WRITES:
+        return True
+    if target_of(node) is not aten.copy_.default or len(node.args) < 2:
+        return False
+    source = node.args[1]
+    value = source.meta.get("val") if isinstance(source, Node) else None
+    return isinstance(value, torch.Tensor) and all(
+        (isinstance(size, int) and size == 1) or (isinstance(stride, int) and stride == 0)
+        for size, stride in zip(value.shape, value.stride(), strict=True))
+
+
+def needs_written_positions(chain: tuple[Node, ...], writer: Node, written: Node) -> bool:
+    """Whether ``written`` (reached through ``chain``) may address an element at two
+    positions and ``writer`` does not store one value everywhere: its write-back must
+    store only the positions the op writes (or the write is refused)."""
+    return any(target_of(v) in STORAGE_VIEWS and overlaps_itself(v) for v in chain) and (
+        overlaps_itself(written) and not is_uniform_write(writer))
+
+
+def written_positions(writer: Node, written: Node, root: Node) -> Selection | None:
+    """How to pick the positions ``writer`` writes in ``written`` (a view of the storage
+    of ``root``), when they provably address each storage element at most once for every
+    index value; else None."""
+    val, root_val = written.meta.get("val"), root.meta.get("val")
+    target = target_of(writer)
+    if not isinstance(val, torch.Tensor) or val.dim() == 0 or not all(
+            isinstance(x, int) for x in (*val.shape, *val.stride())) or not isinstance(
+            root_val, torch.Tensor) or root_val.dtype != val.dtype:
+        return None  # positions are numbered in elements of the root's dtype
+    sizes, strides = list(val.shape), list(val.stride())
+    schema = getattr(target, "_schema", None)
+    if target in _SLICE_WRITES:
+        dim, index = argument_value(writer, schema, 1), argument_value(writer, schema, 2)
+        if not isinstance(dim, int) or _numel(index) != 1:
+            return None
+        dim %= len(sizes)
+        kept = [k for k in range(len(sizes)) if k != dim]
+        if _addresses_once([sizes[k] for k in kept], [strides[k] for k in kept]):
+            return aten.index_select.default, (dim, index)
+        return None
+    if target in _INDEX_PUTS:
+        indices = argument_value(writer, schema, 1)
+        picked = [k for k, index in enumerate(indices) if index is not None]
+        if not picked or any(_numel(indices[k]) != 1 for k in picked):
+            return None
+        kept = [k for k in range(len(sizes)) if k not in picked]
+        if _addresses_once([sizes[k] for k in kept], [strides[k] for k in kept]):
+            return aten.index.Tensor, (list(indices),)
+        return None
+    if target in _SCATTERS:
+        dim, index = argument_value(writer, schema, 1), argument_value(writer, schema, 2)
+        if isinstance(dim, int) and _scatter_positions_once(sizes, strides, dim, index):
+            return aten.gather.default, (dim % len(sizes), index)
+    return None
+
+
+def _index_shape(index: Any) -> list[int] | None:
+    """The static shape of an integer index tensor, else None."""
+    val = index.meta.get("val") if isinstance(index, Node) else None
+    if not isinstance(val, torch.Tensor) or val.dtype not in _INDEX_DTYPES or not all(
+            isinstance(s, int) for s in val.shape):
+        return None
+    return list(val.shape)
+
+
+def _numel(index: Any) -> int | None:
+    shape = _index_shape(index)
+    return None if shape is None else math.prod(shape)
+
+
+def _addresses(sizes: list[int], strides: list[int]) -> torch.Tensor | None:
+    """The storage offsets (from the first element) of every position of a strided
+    layout, in its shape; None above the enumeration limit."""
+    if math.prod(sizes) > _ENUMERATION_LIMIT:
+        return None
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(sizes, strides, strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return offsets
+
+
+def _addresses_once(sizes: list[int], strides: list[int]) -> bool:
+    """Whether a strided layout addresses each storage element at most once (a select
+    along the dropped dims only moves its offset, so this holds at any index value)."""
+    offsets = _addresses(sizes, strides)
+    return offsets is not None and offsets.unique().numel() == offsets.numel()
+
+
+def _scatter_positions_once(sizes: list[int], strides: list[int], dim: int,
+                            index: Any) -> bool:
+    """A scatter writes position ``(.., index[i], ..)`` (``index[i]`` at ``dim``) for each
+    index position ``i``, inside the index's extent in the other dims. With one index
+    element per fibre along ``dim``, distinct fibres must share no element; with more, the
+    whole region must address each element once."""
+    shape = _index_shape(index)
+    if shape is None or len(shape) != len(sizes):
+        return False
+    if math.prod(shape) == 0:
+        return True  # writes nothing
+    dim %= len(sizes)
+    if any(shape[k] > sizes[k] for k in range(len(sizes)) if k != dim):
+        return False
+    region = [sizes[k] if k == dim else shape[k] for k in range(len(sizes))]
+    offsets = _addresses(region, strides)
+    if offsets is None:
+        return False
+    if shape[dim] != 1:
+        return offsets.unique().numel() == offsets.numel()
+    fibres = offsets.movedim(dim, -1).reshape(-1, sizes[dim]).sort(dim=1).values
+    distinct_per_fibre = 1 + (fibres[:, 1:] != fibres[:, :-1]).sum(dim=1)
+    return int(distinct_per_fibre.sum()) == offsets.unique().numel()
+
+
+class OverlappingWrites:
+    """The write-back of a written view into its storage root (mixed into Rewrite)."""
+
+    def _write_back(self, writer: Node, written: Node, new: Node) -> tuple[Node, Node | None]:
+        """The root's new value once the view ``written`` holds ``new``, and the view's
+        own new value when ``new`` is it (None: ``new`` holds stale values at aliased
+        positions the op did not write, so the view must be read from the root)."""
+        emit = functools.partial(self.emit, writer)
+        alias = self.aliases[written]
+        root, chain = alias.root, alias.chain
+        self.statistics["writes through a view written back into their base"] += 1
+        if needs_written_positions(chain, writer, written):
+            # check_write refused the write unless its positions are known
+            target, args = written_positions(writer, written, root)
+            val, root_val = written.meta["val"], root.meta["val"]
+            # The map below numbers the root's elements in storage order: the root must be
+            # a contiguous tensor owning its storage (else a "storage" refusal).
+            self._storage_offset(writer, written, val)
+            self.statistics["of which through an overlapping view, where the op wrote"] += 1
+            storage = emit(aten.arange.default, root_val.numel(), dtype=torch.int64,
+                           device=root_val.device)
+            positions = emit(aten.as_strided.default, storage, list(val.shape),
+                             list(val.stride()), val.storage_offset())
+            picked = emit(aten.view.default, emit(target, positions, *args), [-1])
+            values = emit(aten.view.default, emit(target, new, *args), [-1])
+            flat = emit(aten.view.default, self.cur[root], [-1])
+            put = emit(aten.index_put.default, flat, [picked], values)
+            return emit(aten.view.default, put, list(root_val.shape)), None
+        bases = self._view_values(root, chain[: -len(view_steps(chain)[-1])])
+        return write_back_chain(emit, chain, bases, new), new

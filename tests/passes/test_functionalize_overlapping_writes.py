@@ -1,0 +1,184 @@
+"""Index-style writes through an as_strided view addressing some elements twice: accepted
+when the positions the op writes address each element once for every index value (they
+are written back there only), refused otherwise (``overlap``). Both program forms, 4
+calls, outputs and state (buffers and the frozen parameter) compared with eager."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks.fuzz_functionalize import (
+    RandomChooser,
+    check_against_torch,
+    generate_program,
+    program_state,
+)
+from pass_manager import PassManager
+from passes import InplaceToFunctional, MarkMutableBuffers
+
+from .functionalize_checks import _calls, functionalize_both_forms, refused_in_both_forms
+
+
+def _index(x, n=2):
+    """A one-element index the input decides (so 4 calls write different slices)."""
+    return (x.sum() > 0).long().view(1) * (n - 1)
+
+
+class Seed1542(nn.Module):
+    """Fuzz seed 1542: index_add_ into one row of a transposed overlapping as_strided view
+    of a frozen parameter ([[0, 1], [1, 2]]: the row addresses each element once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.arange(6.0), requires_grad=False)
+
+    def forward(self, x):
+        self.p.fill_(0.5)
+        view = self.p.as_strided((2, 2), (1, 1), 0).swapaxes(0, 0).swapaxes(1, 0)
+        view.index_add_(0, torch.tensor([1]), torch.full_like(view.narrow(0, 0, 1), 1.5))
+        return self.p * 1
+
+
+class IndexWrites(nn.Module):
+    """index_add_ / index_copy_ / index_fill_ / index_reduce_ of one slice (the index
+    comes from the input) through overlapping views, with reads of the view between and
+    after the writes and the view itself returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(6.0))
+        self.register_buffer("c", torch.arange(24.0).reshape(2, 3, 4))
+
+    def forward(self, x):
+        window = self.b.as_strided((2, 2), (1, 1), 0)
+        window.index_add_(0, _index(x), x[:2].view(1, 2), alpha=2)
+        between = window * 1
+        window.index_copy_(1, _index(-x), x[2:4].view(2, 1))
+        window.index_fill_(1, _index(x), -1.0)
+        window.index_fill_(0, _index(-x), x[5])
+        cube = self.c.as_strided((3, 2, 2), (4, 1, 1), 2)  # slices along dim 1 address once
+        cube.index_add_(1, _index(x), x[:6].view(3, 1, 2))
+        cube.index_reduce_(1, _index(-x), x[:6].view(3, 1, 2), "amax")
+        return between, window * 1, window, cube * 1, self.b * 1, self.c * 1
+
+
+class IndexPuts(nn.Module):
+    """index_put_ (setitem) with one-element index tensors, accumulate too, and a
+    negative index, through overlapping views."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(6.0))
+        self.register_buffer("m", torch.arange(12).reshape(3, 4))
+
+    def forward(self, x):
+        window = self.b.as_strided((2, 2), (1, 1), 1)
+        window[_index(x)] = x[:2]
+        window[:, _index(-x)] = x[2:4].view(2, 1)
+        window.index_put_((_index(x) - 2,), x[4:6], accumulate=True)
+        ints = self.m.as_strided((3, 3), (1, 1), 2)
+        ints[_index(x, 3), _index(-x, 3)] = 7  # one element
+        torch.ops.aten.index_put_(ints, [None, _index(x, 3)], torch.tensor(5), True)
+        return window * 1, self.b * 1, self.m * 1
+
+
+class Scatters(nn.Module):
+    """scatter_ / scatter_add_ / scatter_reduce_ whose index reaches one column or one row
+    of [[0, 1], [1, 2]]: the positions it can write address each element once, whatever
+    the index values (a whole-view index reaches element 1 twice and stays refused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(6.0))
+
+    def forward(self, x):
+        window = self.b.as_strided((2, 2), (1, 1), 0)
+        index = (x[:1] > 0).long().view(1, 1)
+        window.scatter_(0, index, x[2:3].view(1, 1))
+        between = window * 1
+        window.scatter_add_(0, (x[:2] > 0).long().view(2, 1), x[2:4].view(2, 1))
+        window.scatter_reduce_(0, index, x[4:5].view(1, 1), "amin")
+        window.scatter_(1, (x[3:5] > 0).long().view(1, 2), 9.0)
+        return between, window * 1, self.b * 1
+
+
+@pytest.mark.parametrize("factory", [Seed1542, IndexWrites, IndexPuts, Scatters])
+def test_index_writes_through_an_overlapping_view_are_written_back_where_they_wrote(factory):
+    calls = _calls((6,), n=4, seed=1)
+    ep, gm = functionalize_both_forms(factory, calls, state=program_state)
+    for program in (ep, gm):
+        assert torch.ops.aten.index_put.default in {
+            n.target for n in program.graph.nodes if n.op == "call_function"}
+
+
+def test_fuzz_seed_1542_is_transformed_and_torch_agrees():
+    steps = generate_program(RandomChooser(1542))
+    assert check_against_torch(steps, 1542) == ("transformed", "ok")
+
+
+def test_statistics_count_writes_through_an_overlapping_view():
+    calls = _calls((6,))
+    ep = torch.export.export(IndexWrites(), copy.deepcopy(calls[0]))
+    report = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(ep).report
+    statistics = report.records[-1].statistics
+    assert statistics["of which through an overlapping view, where the op wrote"] == 6
+
+
+class OneRefusedWrite(nn.Module):
+    """One write through an overlapping view whose written positions may reach an element
+    twice (or cannot be told): refused, as ``add_`` through it is."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.register_buffer("b", torch.arange(8.0))
+        self.write = write
+
+    def forward(self, x):
+        self.write(self.b.as_strided((2, 2), (1, 1), 0), self.b, x)
+        return self.b * 1
+
+
+REFUSED = {
+    # rows 0 and 1 of [[0, 1], [1, 2]] share element 1
+    "index_add_ of two rows": lambda w, b, x: w.index_add_(
+        0, torch.cat([_index(x), 1 - _index(x)]), x[:4].view(2, 2)),
+    # each slice along dim 0 of this cube addresses elements twice itself
+    "index_copy_ of an overlapping slice": lambda w, b, x: b.as_strided(
+        (2, 2, 2), (1, 1, 1), 0).index_copy_(0, _index(x), x[:4].view(1, 2, 2)),
+    "index_put_ with a mask": lambda w, b, x: w.__setitem__(x[:2].view(2) > 0, 1.0),
+    "index_put_ of two rows": lambda w, b, x: w.index_put_(
+        (torch.cat([_index(x), _index(-x)]),), x[:2]),
+    # the fuzzer's scatter: one position per column, and columns 0 and 1 share element 1
+    "scatter_ along the whole view": lambda w, b, x: w.scatter_(
+        0, (x[:2] > 0).long().view(1, 2), x[2:4].view(1, 2)),
+    "scatter_add_ of the whole view": lambda w, b, x: w.scatter_add_(
+        1, (x[:4] > 0).long().view(2, 2), x[2:6].view(2, 2)),
+    "index_fill_ with an index of data-dependent length": lambda w, b, x: w.index_fill_(
+        0, torch.nonzero(x[:1] > 0).view(-1), 2.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_writes_that_may_reach_an_element_twice_stay_refused(name):
+    error = refused_in_both_forms(lambda: OneRefusedWrite(REFUSED[name]), _calls((6,)),
+                                  "overlap")
+    assert "more than once" in error.reason and "not proven" in error.reason
+
+
+class NonContiguousRoot(nn.Module):
+    """The written positions are numbered in the root's storage order: a root that is not
+    a contiguous tensor owning its storage is refused (``storage``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(6.0).reshape(2, 3).t())
+
+    def forward(self, x):
+        self.b.as_strided((2, 2), (1, 1), 0).index_add_(0, _index(x), x[:2].view(1, 2))
+        return self.b * 1
+
+
+def test_index_write_through_an_overlapping_view_of_a_strided_root_is_refused():
+    refused_in_both_forms(NonContiguousRoot, _calls((6,)), "storage")
