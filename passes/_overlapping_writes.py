@@ -66,13 +66,33 @@ def is_uniform_write(node: Node) -> bool:
     every position: one value stored everywhere, whichever position stores it last."""
     if target_of(node) in _UNIFORM_WRITES:
         return True
-    if target_of(node) is not aten.copy_.default or len(node.args) < 2:
-        return False
-    source = node.args[1]
-    value = source.meta.get("val") if isinstance(source, Node) else None
-    return isinstance(value, torch.Tensor) and all(
+    return target_of(node) is aten.copy_.default and len(node.args) >= 2 and _one_value(
+        node.args[1])
+
+
+def _one_value(value: Any) -> bool:
+    """A number, or a tensor holding one element (possibly broadcast by an expand)."""
+    if isinstance(value, (int, float, bool)):
+        return True
+    val = value.meta.get("val") if isinstance(value, Node) else None
+    return isinstance(val, torch.Tensor) and all(
         (isinstance(size, int) and size == 1) or (isinstance(stride, int) and stride == 0)
-        for size, stride in zip(value.shape, value.stride(), strict=True))
+        for size, stride in zip(val.shape, val.stride(), strict=True))
+
+
+def _uniform_where_written(node: Node, schema: Any) -> bool:
+    """Whether ``node`` stores one value, independent of the old ones, at every position
+    it writes: then positions addressing one element twice store the same value."""
+    target = target_of(node)
+    if target in (aten.index_fill_.int_Scalar, aten.index_fill_.int_Tensor,
+                  aten.scatter_.value):
+        return True
+    if target in _INDEX_PUTS:  # (self, indices, values, accumulate)
+        return not argument_value(node, schema, 3) and _one_value(
+            argument_value(node, schema, 2))
+    if target in (aten.index_copy_.default, aten.scatter_.src):  # (self, dim, index, source)
+        return _one_value(argument_value(node, schema, 3))
+    return False
 
 
 def needs_written_positions(chain: tuple[Node, ...], writer: Node, written: Node) -> bool:
@@ -85,8 +105,9 @@ def needs_written_positions(chain: tuple[Node, ...], writer: Node, written: Node
 
 def written_positions(writer: Node, written: Node, root: Node) -> Selection | None:
     """How to pick the positions ``writer`` writes in ``written`` (a view of the storage
-    of ``root``), when they provably address each storage element at most once for every
-    index value; else None."""
+    of ``root``), when each storage element they address gets one well-defined value for
+    every index value: the positions address each element at most once, or the op stores
+    one value at all of them. Else None."""
     val, root_val = written.meta.get("val"), root.meta.get("val")
     target = target_of(writer)
     if not isinstance(val, torch.Tensor) or val.dim() == 0 or not all(
@@ -97,26 +118,35 @@ def written_positions(writer: Node, written: Node, root: Node) -> Selection | No
     schema = getattr(target, "_schema", None)
     if target in _SLICE_WRITES:
         dim, index = argument_value(writer, schema, 1), argument_value(writer, schema, 2)
-        if not isinstance(dim, int) or _numel(index) != 1:
+        count = _numel(index)
+        if not isinstance(dim, int) or count is None:
             return None
         dim %= len(sizes)
         kept = [k for k in range(len(sizes)) if k != dim]
-        if _addresses_once([sizes[k] for k in kept], [strides[k] for k in kept]):
+        if count == 0 or _uniform_where_written(writer, schema) or (count == 1 and (
+                _addresses_once([sizes[k] for k in kept], [strides[k] for k in kept]))):
             return aten.index_select.default, (dim, index)
         return None
     if target in _INDEX_PUTS:
         indices = argument_value(writer, schema, 1)
         picked = [k for k, index in enumerate(indices) if index is not None]
-        if not picked or any(_numel(indices[k]) != 1 for k in picked):
+        counts = [_numel(indices[k]) for k in picked]
+        if not picked or None in counts:
             return None
         kept = [k for k in range(len(sizes)) if k not in picked]
-        if _addresses_once([sizes[k] for k in kept], [strides[k] for k in kept]):
+        if 0 in counts or _uniform_where_written(writer, schema) or (set(counts) == {1} and (
+                _addresses_once([sizes[k] for k in kept], [strides[k] for k in kept]))):
             return aten.index.Tensor, (list(indices),)
         return None
     if target in _SCATTERS:
         dim, index = argument_value(writer, schema, 1), argument_value(writer, schema, 2)
-        if isinstance(dim, int) and _scatter_positions_once(sizes, strides, dim, index):
-            return aten.gather.default, (dim % len(sizes), index)
+        shape = _index_shape(index)
+        if not isinstance(dim, int) or shape is None or len(shape) != len(sizes):
+            return None
+        dim %= len(sizes)
+        if _uniform_where_written(writer, schema) or _scatter_positions_once(
+                sizes, strides, dim, shape):
+            return aten.gather.default, (dim, index)
     return None
 
 
@@ -153,22 +183,18 @@ def _addresses_once(sizes: list[int], strides: list[int]) -> bool:
 
 
 def _scatter_positions_once(sizes: list[int], strides: list[int], dim: int,
-                            index: Any) -> bool:
+                            shape: list[int]) -> bool:
     """A scatter writes position ``(.., index[i], ..)`` (``index[i]`` at ``dim``) for each
     index position ``i``, inside the index's extent in the other dims. With one index
     element per fibre along ``dim``, distinct fibres must share no element; with more, the
     whole region must address each element once."""
-    shape = _index_shape(index)
-    if shape is None or len(shape) != len(sizes):
-        return False
     if math.prod(shape) == 0:
         return True  # writes nothing
-    dim %= len(sizes)
     if any(shape[k] > sizes[k] for k in range(len(sizes)) if k != dim):
         return False
     region = [sizes[k] if k == dim else shape[k] for k in range(len(sizes))]
     offsets = _addresses(region, strides)
-    if offsets is None:
+    if offsets is None or offsets.numel() == 0:  # an index into an empty dim: eager fails
         return False
     if shape[dim] != 1:
         return offsets.unique().numel() == offsets.numel()

@@ -3,6 +3,7 @@ when the positions the op writes address each element once for every index value
 are written back there only), refused otherwise (``overlap``). Both program forms, 4
 calls, outputs and state (buffers and the frozen parameter) compared with eager."""
 
+import collections
 import copy
 
 import pytest
@@ -15,8 +16,8 @@ from benchmarks.fuzz_functionalize import (
     generate_program,
     program_state,
 )
-from pass_manager import PassManager
-from passes import InplaceToFunctional, MarkMutableBuffers
+from pass_manager import PassFailedError, PassManager, run_program
+from passes import InplaceToFunctional, MarkMutableBuffers, UnsupportedMutationError
 
 from .functionalize_checks import _calls, functionalize_both_forms, refused_in_both_forms
 
@@ -104,7 +105,30 @@ class Scatters(nn.Module):
         return between, window * 1, self.b * 1
 
 
-@pytest.mark.parametrize("factory", [Seed1542, IndexWrites, IndexPuts, Scatters])
+class OneValueWherever(nn.Module):
+    """Ops storing one value at every position they write (index_fill_, scatter_ of a
+    value, index_put_ / index_copy_ of one element broadcast): positions reaching an
+    element twice store the same value, so any index is exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(8.0))
+
+    def forward(self, x):
+        window = self.b.as_strided((2, 2), (1, 1), 0)
+        both = torch.cat([_index(x), 1 - _index(x)])
+        window.index_fill_(0, both, x[0])
+        cube = self.b.as_strided((2, 2, 2), (1, 1, 1), 1)  # each slice overlaps itself
+        cube.index_fill_(2, _index(-x), -1.0)
+        window.scatter_(0, (x[:2] > 0).long().view(1, 2), 4.0)
+        shifted = self.b.as_strided((2, 2), (1, 1), 3)
+        shifted.index_put_((both,), x[1])
+        shifted.index_copy_(1, both, x[2:3].view(1, 1).expand(2, 2))
+        return window * 1, cube * 1, self.b * 1
+
+
+@pytest.mark.parametrize("factory", [Seed1542, IndexWrites, IndexPuts, Scatters,
+                                     OneValueWherever])
 def test_index_writes_through_an_overlapping_view_are_written_back_where_they_wrote(factory):
     calls = _calls((6,), n=4, seed=1)
     ep, gm = functionalize_both_forms(factory, calls, state=program_state)
@@ -182,3 +206,85 @@ class NonContiguousRoot(nn.Module):
 
 def test_index_write_through_an_overlapping_view_of_a_strided_root_is_refused():
     refused_in_both_forms(NonContiguousRoot, _calls((6,)), "storage")
+
+
+class RandomIndexWrite(nn.Module):
+    """One index-style write, with input-dependent index values, through an as_strided
+    view of a 12-element buffer; the view is read after the write."""
+
+    def __init__(self, layout, op, dim, index_shape):
+        super().__init__()
+        self.register_buffer("b", torch.arange(12.0))
+        self.layout, self.op, self.dim, self.index_shape = layout, op, dim, index_shape
+
+    def forward(self, x):
+        view = self.b.as_strided(*self.layout)
+        size = view.shape[self.dim]
+        n = max(1, torch.Size(self.index_shape).numel())
+        index = ((x[:n] * 7).abs().long() % size).view(self.index_shape)
+        source_shape = list(view.shape)
+        if self.op in ("index_add_", "index_copy_", "index_fill_"):
+            source_shape[self.dim] = self.index_shape[0]
+            source = x[:1].expand(source_shape) * 1.5
+            if self.op == "index_fill_":
+                view.index_fill_(self.dim, index, -2.0)
+            else:
+                getattr(view, self.op)(self.dim, index, source)
+        elif self.op == "index_put_":
+            indices = [None] * self.dim + [index]
+            torch.ops.aten.index_put_(view, indices, x[0] * 3, True)
+        else:
+            getattr(view, self.op)(self.dim, index, x[:1].expand(self.index_shape) + 1)
+        return view * 1, self.b * 1
+
+
+def _random_cases(count, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(n):
+        return int(torch.randint(n, (), generator=gen))
+
+    cases = []
+    while len(cases) < count:
+        ndim = 1 + pick(3)
+        sizes = [1 + pick(3) for _ in range(ndim)]
+        strides = [pick(4) for _ in range(ndim)]
+        span = sum((s - 1) * t for s, t in zip(sizes, strides, strict=True))
+        if span >= 12:
+            continue
+        layout = (sizes, strides, pick(12 - span))
+        op = ["index_add_", "index_copy_", "index_fill_", "index_put_", "scatter_add_",
+              "scatter_"][pick(6)]
+        dim = pick(ndim)
+        if op.startswith("scatter"):
+            index_shape = [1 + pick(s) for s in sizes]
+        else:
+            index_shape = [1 + pick(2)]
+        cases.append((layout, op, dim, index_shape))
+    return cases
+
+
+def test_random_index_writes_through_as_strided_views_are_exact_or_refused():
+    """Random layouts (many address elements twice) and index ops: each is either
+    functionalized equal to eager over 4 calls with different index values, or refused
+    with ``overlap``; programs eager itself refuses are skipped."""
+    calls = _calls((6,), n=4, seed=3)
+    outcomes = collections.Counter()
+    for case in _random_cases(40):
+        try:
+            run_program(RandomIndexWrite(*case), calls, state=program_state)
+            ep = torch.export.export(RandomIndexWrite(*case), copy.deepcopy(calls[0]))
+        except RuntimeError:
+            outcomes["eager refuses"] += 1
+            continue
+        try:
+            PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(copy.deepcopy(ep))
+        except PassFailedError as e:
+            assert isinstance(e.__cause__, UnsupportedMutationError), case
+            assert e.__cause__.kind == "overlap", case
+            outcomes["refused"] += 1
+            continue
+        functionalize_both_forms(lambda case=case: RandomIndexWrite(*case), calls,
+                                 state=program_state)
+        outcomes["exact"] += 1
+    assert outcomes["exact"] >= 10 and outcomes["refused"] >= 3, outcomes
