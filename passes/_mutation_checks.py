@@ -3,7 +3,9 @@
 Refused: a write to a lifted constant (torch refuses it too), a write through a view with
 no write-back, a written tensor that may partially overlap another argument of the same
 op, and an opaque node (no schema, or a higher-order op writing inside its subgraph) that
-receives mutable state. Each is an :class:`UnsupportedMutationError` naming the node and the reason.
+receives mutable state. Each is an :class:`UnsupportedMutationError` naming the node and
+the reason. A write through a view addressing an element twice is checked where it is
+written back (``_overlapping_writes``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,8 @@ from torch.fx import Node
 
 from pass_manager import PassManagerError
 
-from ._aliasing import STORAGE_VIEWS, Alias, may_overlap, overlaps_itself, target_of
+from ._aliasing import Alias, may_overlap
 from ._buffers import CONSTANT, State
-from ._overlapping_writes import needs_written_positions, written_positions
 from ._view_inverse import write_back_reason
 
 __all__ = ["UnsupportedMutationError", "check_opaque", "check_write"]
@@ -80,19 +81,6 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
             reason = write_back_reason(view)
             if reason is not None:
                 raise UnsupportedMutationError(node, reason, "no-write-back")
-        if needs_written_positions(alias.chain, node, w) and written_positions(
-                node, w, alias.root) is None:
-            # Its write-back would store an element once per position, old and new values.
-            # Accepted: a view of it addressing each element once (written back from its
-            # own layout, _view_inverse.write_back_chain), one value stored everywhere (a
-            # fill), and an op whose written positions address each element once
-            # whatever its indices (written back there only): _overlapping_writes.
-            view = next(v for v in alias.chain
-                        if target_of(v) in STORAGE_VIEWS and overlaps_itself(v))
-            raise UnsupportedMutationError(
-                node, f"{w.name} is written through {view.name}, which addresses some "
-                      "storage elements more than once (overlapping strides), and "
-                      f"{target_of(node)} is not proven to write each of them once", "overlap")
         for other in inputs:
             same = aliases[other]
             if other is not w and same.root is alias.root and same != alias and (

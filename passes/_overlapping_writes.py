@@ -34,10 +34,10 @@ import torch
 from torch.fx import Node
 
 from ._aliasing import STORAGE_VIEWS, argument_value, overlaps_itself, target_of
+from ._mutation_checks import UnsupportedMutationError
 from ._view_inverse import view_steps, write_back_chain
 
-__all__ = ["OverlappingWrites", "is_uniform_write", "needs_written_positions",
-           "written_positions"]
+__all__ = ["OverlappingWrites", "is_uniform_write", "written_positions"]
 
 aten = torch.ops.aten
 # In-place writes storing one value, independent of the old ones, at every position.
@@ -53,6 +53,20 @@ _SCATTERS = frozenset({aten.scatter_.src, aten.scatter_.value, aten.scatter_.red
                        aten.scatter_.value_reduce, aten.scatter_add_.default,
                        aten.scatter_reduce_.two})
 _INDEX_DTYPES = frozenset({torch.int64, torch.int32})
+# Element types whose eager CPU kernels write each written position in place. On float16
+# and bfloat16, index_add_ and the scatters compute through a temporary copy of the whole
+# view and copy it back, so an aliased element gets a stale value from a position they
+# did not write (measured: torch 2.13); only the ops below keep those types.
+_DIRECT_DTYPES = frozenset({torch.float32, torch.float64, torch.int8, torch.int16,
+                            torch.int32, torch.int64, torch.uint8})
+_DIRECT_REDUCED = frozenset({aten.index_copy_.default, aten.index_fill_.int_Scalar,
+                             aten.index_fill_.int_Tensor, aten.index_reduce_.default,
+                             *_INDEX_PUTS})
+# Ops whose result holds one value at every element (empty_like does not: garbage).
+_FILLED = frozenset({aten.full.default, aten.full_like.default, aten.zeros.default,
+                     aten.zeros_like.default, aten.ones.default, aten.ones_like.default,
+                     aten.new_full.default, aten.new_zeros.default, aten.new_ones.default,
+                     aten.scalar_tensor.default})
 # Above this many positions, a layout is not enumerated: the write stays refused.
 _ENUMERATION_LIMIT = 1 << 22
 
@@ -71,8 +85,12 @@ def is_uniform_write(node: Node) -> bool:
 
 
 def _one_value(value: Any) -> bool:
-    """A number, or a tensor holding one element (possibly broadcast by an expand)."""
+    """A number, a tensor holding one element (possibly broadcast by an expand), or a
+    filled tensor (``full_like``, ...). Asked of a writer whose arguments are current
+    values (``Rewrite._remap``): a filled tensor written before is its new value by then."""
     if isinstance(value, (int, float, bool)):
+        return True
+    if isinstance(value, Node) and target_of(value) in _FILLED:
         return True
     val = value.meta.get("val") if isinstance(value, Node) else None
     return isinstance(val, torch.Tensor) and all(
@@ -95,7 +113,7 @@ def _uniform_where_written(node: Node, schema: Any) -> bool:
     return False
 
 
-def needs_written_positions(chain: tuple[Node, ...], writer: Node, written: Node) -> bool:
+def _needs_written_positions(chain: tuple[Node, ...], writer: Node, written: Node) -> bool:
     """Whether ``written`` (reached through ``chain``) may address an element at two
     positions and ``writer`` does not store one value everywhere: its write-back must
     store only the positions the op writes (or the write is refused)."""
@@ -114,6 +132,9 @@ def written_positions(writer: Node, written: Node, root: Node) -> Selection | No
             isinstance(x, int) for x in (*val.shape, *val.stride())) or not isinstance(
             root_val, torch.Tensor) or root_val.dtype != val.dtype:
         return None  # positions are numbered in elements of the root's dtype
+    if val.dtype not in _DIRECT_DTYPES and not (
+            target in _DIRECT_REDUCED and val.dtype in (torch.float16, torch.bfloat16)):
+        return None
     sizes, strides = list(val.shape), list(val.stride())
     schema = getattr(target, "_schema", None)
     if target in _SLICE_WRITES:
@@ -214,9 +235,19 @@ class OverlappingWrites:
         alias = self.aliases[written]
         root, chain = alias.root, alias.chain
         self.statistics["writes through a view written back into their base"] += 1
-        if needs_written_positions(chain, writer, written):
-            # check_write refused the write unless its positions are known
-            target, args = written_positions(writer, written, root)
+        if _needs_written_positions(chain, writer, written):
+            selection = written_positions(writer, written, root)
+            if selection is None:
+                # Its plain write-back would store an aliased element once per position,
+                # old and new values: refused.
+                view = next(v for v in chain
+                            if target_of(v) in STORAGE_VIEWS and overlaps_itself(v))
+                raise UnsupportedMutationError(
+                    writer, f"{written.name} is written through {view.name}, which addresses "
+                            "some storage elements more than once (overlapping strides), and "
+                            f"{target_of(writer)} is not proven to give each of them one "
+                            "value", "overlap")
+            target, args = selection
             val, root_val = written.meta["val"], root.meta["val"]
             # The map below numbers the root's elements in storage order: the root must be
             # a contiguous tensor owning its storage (else a "storage" refusal).

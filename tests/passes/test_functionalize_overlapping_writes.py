@@ -121,6 +121,8 @@ class OneValueWherever(nn.Module):
         cube = self.b.as_strided((2, 2, 2), (1, 1, 1), 1)  # each slice overlaps itself
         cube.index_fill_(2, _index(-x), -1.0)
         window.scatter_(0, (x[:2] > 0).long().view(1, 2), 4.0)
+        # fuzz seed 40: a scatter_ of a full_like source, one column each
+        window.scatter_(0, (x[2:4] > 0).long().view(1, 2), torch.full_like(window[:1], 2.5))
         shifted = self.b.as_strided((2, 2), (1, 1), 3)
         shifted.index_put_((both,), x[1])
         shifted.index_copy_(1, both, x[2:3].view(1, 1).expand(2, 2))
@@ -179,6 +181,9 @@ REFUSED = {
         0, (x[:2] > 0).long().view(1, 2), x[2:4].view(1, 2)),
     "scatter_add_ of the whole view": lambda w, b, x: w.scatter_add_(
         1, (x[:4] > 0).long().view(2, 2), x[2:6].view(2, 2)),
+    # a filled source written since holds two values
+    "scatter_ of a filled tensor written since": lambda w, b, x: w.scatter_(
+        0, (x[:2] > 0).long().view(1, 2), torch.zeros(1, 2).index_fill_(1, _index(x), 1.0)),
     "index_fill_ with an index of data-dependent length": lambda w, b, x: w.index_fill_(
         0, torch.nonzero(x[:1] > 0).view(-1), 2.0),
 }
