@@ -293,3 +293,37 @@ def test_random_index_writes_through_as_strided_views_are_exact_or_refused():
                                  state=program_state)
         outcomes["exact"] += 1
     assert outcomes["exact"] >= 10 and outcomes["refused"] >= 3, outcomes
+
+
+class HalfIndexWrites(nn.Module):
+    """On float16, eager's index_copy_ / index_put_ / index_fill_ write each position in
+    place (accepted); its index_add_ and scatters copy a temporary of the whole view back,
+    stale values included, so they stay refused (see HalfIndexAdd)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("h", torch.arange(6.0).half())
+
+    def forward(self, x):
+        window = self.h.as_strided((2, 2), (1, 1), 0)
+        window.index_copy_(0, _index(x), x[:2].half().view(1, 2))
+        window[_index(-x)] = x[2:4].half()
+        window.index_fill_(1, _index(x), -3.0)
+        return window * 1, self.h * 1
+
+
+class HalfIndexAdd(HalfIndexWrites):
+    def forward(self, x):
+        self.h.as_strided((2, 2), (1, 1), 0).index_add_(0, _index(x), x[:2].half().view(1, 2))
+        return self.h * 1
+
+
+def test_half_precision_writes_accepted_only_where_eager_writes_in_place():
+    calls = _calls((6,), n=4, seed=2)
+    functionalize_both_forms(HalfIndexWrites, calls)
+    refused_in_both_forms(HalfIndexAdd, calls, "overlap")
+    # the eager kernel this refusal is about: row 0 (elements 0 and 1) gets 1 added, but
+    # element 1 keeps its old value, copied back from row 1
+    h = torch.arange(6.0).half()
+    h.as_strided((2, 2), (1, 1), 0).index_add_(0, torch.tensor([0]), torch.ones(1, 2).half())
+    assert h[0] == 1 and h[1] == 1
