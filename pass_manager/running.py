@@ -47,7 +47,7 @@ from .program import graph_module_of, node_count, program_form, program_text, te
 from .registry import registered_passes
 from .report import PassRecord, Report
 from .result import PassResult
-from .snapshot import Snapshot
+from .snapshot import Change, Snapshot
 
 __all__ = ["RunResult", "Runner", "default_instruments", "run_alone"]
 
@@ -297,7 +297,13 @@ class Runner:
             raise InPlaceContractError(
                 p.name, index, "declares in_place = True but returned a different program object"
             )
-        change = snapshot.compare(new_program, written)
+        if isinstance(snapshot, MetaKeysSnapshot) and record.claimed_modified:
+            # A meta-only pass that says it changed something is taken at its word: the
+            # comparison would only check claims of "no change", and there is no
+            # recompile to decide (at worst, cached conditions are dropped needlessly).
+            change = Change(False, True)
+        else:
+            change = snapshot.compare(new_program, written)
         record.modified = change.anything
         if in_place is False and new_program is program and record.modified:
             raise InPlaceContractError(
