@@ -253,8 +253,8 @@ class OverlappingWrites:
             # a contiguous tensor owning its storage (else a "storage" refusal).
             self._storage_offset(writer, written, val)
             self.statistics["of which through an overlapping view, where the op wrote"] += 1
-            storage = emit(aten.arange.default, root_val.numel(), dtype=torch.int64,
-                           device=root_val.device)
+            storage = emit(aten.arange.start_step, 0, root_val.numel(), 1, dtype=torch.int64,
+                           device=root_val.device)  # the core ATen overload (Edge programs)
             positions = emit(aten.as_strided.default, storage, list(val.shape),
                              list(val.stride()), val.storage_offset())
             picked = emit(aten.view.default, emit(target, positions, *args), [-1])
