@@ -130,7 +130,7 @@ def placeholder_specs(program: ExportedProgram) -> list[tuple[Node, InputSpec]]:
     Not by name: ``copy.deepcopy(ep)`` renames a placeholder called like a Python builtin
     (``input`` -> ``input_1``) and leaves the signature naming the old one.
     """
-    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    placeholders = program.graph.find_nodes(op="placeholder")  # graph order, no full walk
     return list(zip(placeholders, program.graph_signature.input_specs, strict=True))
 
 

@@ -48,9 +48,12 @@ class FakeValues:
 
         Raises whatever the op raises on these fake inputs (the rewrite is then invalid).
         """
-        if self.mode is None or any("val" not in a.meta for a in node.all_input_nodes):
+        if self.mode is None:
             return
-        args, kwargs = map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+        try:
+            args, kwargs = map_arg((node.args, node.kwargs), _value_of)
+        except _NoValue:  # an input without a fake value: nothing to infer from
+            return
         key = _fake_key(node, args, kwargs)
         if key in self._cache:
             like, tensor_meta = self._cache[key]
@@ -66,6 +69,17 @@ class FakeValues:
         node.meta["val"] = val
         if tensor_meta is not None:
             node.meta["tensor_meta"] = tensor_meta
+
+
+class _NoValue(Exception):
+    """An input node without ``meta["val"]``."""
+
+
+def _value_of(node: Node) -> Any:
+    try:
+        return node.meta["val"]
+    except KeyError:
+        raise _NoValue from None
 
 
 def _fake_key(node: Node, args: Any, kwargs: Any) -> tuple | None:

@@ -463,6 +463,6 @@ def _repair_use_lists(graph: torch.fx.Graph) -> None:
     node reads an input whose ``users`` misses it (seen around no_grad regions), and
     re-wiring such a node then fails inside FX. Adds bookkeeping only, no graph change."""
     for node in graph.nodes:
-        for arg in node.all_input_nodes:
+        for arg in node._input_nodes:  # all_input_nodes, without building a list per node
             if node not in arg.users:
                 arg.users[node] = None
