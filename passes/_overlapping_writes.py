@@ -2,25 +2,26 @@
 
 An ``as_strided`` view with overlapping strides has no exact write-back of its whole value:
 ``as_strided_scatter`` stores an aliased element once per position, the op's new value
-from one position and a stale one from another. Two kinds of write through it are exact:
+from one position and a stale one from another. Exact writes through it:
 
-* one value stored at every position (``fill_``, ``zero_``, a ``copy_`` of one element):
-  whichever position stores an element last, it stores that value, so the plain
-  write-back is right;
-* an op writing only some positions, when those positions address each storage element
-  at most once *whatever its index values*, proven from the view's static sizes and
-  strides: ``index_add_`` / ``index_copy_`` / ``index_fill_`` / ``index_reduce_`` with an
-  index of one element write one slice along their dim, ``index_put_`` whose index tensors
-  hold one element writes one sub-tensor, and ``scatter_`` / ``scatter_add_`` /
-  ``scatter_reduce_`` write one position per fibre along their dim (an index of size 1
-  along it, the fibres it reaches pairwise disjoint) or, with a longer index, any
-  positions of a region addressing each element once. Each reads only the positions it
-  writes. The write-back stores only those positions: the op's own selection (``index_select``,
-  ``index``, ``gather``) picks them from a map of storage positions (an ``as_strided`` of
-  an ``arange``) and from the op's functional result, and ``index_put`` puts them into the
-  flattened root.
+* one value stored at every position (``fill_``, ``zero_``, a ``copy_`` of one element
+  or of a filled tensor): whichever position stores an element last, it stores that
+  value, so the plain write-back is right;
+* an index-style op whose written positions give each storage element one well-defined
+  value *whatever its index values*: they address each element at most once, proven from
+  the view's static sizes and strides (``index_add_`` / ``index_copy_`` / ``index_fill_``
+  / ``index_reduce_`` of one slice, ``index_put_`` with one-element index tensors, a
+  scatter reaching one position per disjoint fibre along its dim, or a region addressing
+  each element once), or the op stores one value at all of them (``index_fill_``, a
+  scalar or filled source). Each reads only the positions it writes. The write-back
+  stores only those positions: the op's own selection (``index_select``, ``index``,
+  ``gather``) picks them from a map of storage positions (an ``as_strided`` of an
+  ``arange``) and from the op's functional result, and ``index_put`` puts them into the
+  flattened root. Element types whose eager kernel copies a temporary of the whole view
+  back (``index_add_`` and scatters on float16 / bfloat16) are left out: eager stores
+  stale values there.
 
-Anything else written through such a view stays refused (``_mutation_checks``).
+Anything else written through such a view is refused (``overlap``).
 Part of :class:`passes._functionalize.Rewrite`.
 """
 
@@ -37,7 +38,7 @@ from ._aliasing import STORAGE_VIEWS, argument_value, overlaps_itself, target_of
 from ._mutation_checks import UnsupportedMutationError
 from ._view_inverse import view_steps, write_back_chain
 
-__all__ = ["OverlappingWrites", "is_uniform_write", "written_positions"]
+__all__ = ["OverlappingWrites", "written_positions"]
 
 aten = torch.ops.aten
 # In-place writes storing one value, independent of the old ones, at every position.
@@ -75,7 +76,7 @@ Selection = tuple[Any, tuple]
 tensor of the written view's shape."""
 
 
-def is_uniform_write(node: Node) -> bool:
+def _is_uniform_write(node: Node) -> bool:
     """A fill, or a ``copy_`` of one element (or of an expand of one element) broadcast to
     every position: one value stored everywhere, whichever position stores it last."""
     if target_of(node) in _UNIFORM_WRITES:
@@ -118,7 +119,7 @@ def _needs_written_positions(chain: tuple[Node, ...], writer: Node, written: Nod
     positions and ``writer`` does not store one value everywhere: its write-back must
     store only the positions the op writes (or the write is refused)."""
     return any(target_of(v) in STORAGE_VIEWS and overlaps_itself(v) for v in chain) and (
-        overlaps_itself(written) and not is_uniform_write(writer))
+        overlaps_itself(written) and not _is_uniform_write(writer))
 
 
 def written_positions(writer: Node, written: Node, root: Node) -> Selection | None:
