@@ -14,8 +14,9 @@ from torch.fx import Node
 
 from pass_manager import PassManagerError
 
-from ._aliasing import Alias, may_overlap
+from ._aliasing import Alias
 from ._buffers import CONSTANT, State
+from ._element_overlap import may_overlap
 from ._view_inverse import write_back_reason
 
 __all__ = ["UnsupportedMutationError", "check_opaque", "check_write"]

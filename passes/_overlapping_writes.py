@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from ._aliasing import STORAGE_VIEWS, argument_value, overlaps_itself, target_of
+from ._aliasing import STORAGE_VIEWS, argument_value, target_of
+from ._element_overlap import ENUMERATION_LIMIT, element_offsets, overlaps_itself
 from ._mutation_checks import UnsupportedMutationError
 from ._view_inverse import view_steps, write_back_chain
 
@@ -68,8 +69,6 @@ _FILLED = frozenset({aten.full.default, aten.full_like.default, aten.zeros.defau
                      aten.zeros_like.default, aten.ones.default, aten.ones_like.default,
                      aten.new_full.default, aten.new_zeros.default, aten.new_ones.default,
                      aten.scalar_tensor.default})
-# Above this many positions, a layout is not enumerated: the write stays refused.
-_ENUMERATION_LIMIT = 1 << 22
 
 Selection = tuple[Any, tuple]
 """``(target, args)``: ``target(tensor, *args)`` picks the positions an op writes from a
@@ -189,12 +188,9 @@ def _numel(index: Any) -> int | None:
 def _addresses(sizes: list[int], strides: list[int]) -> torch.Tensor | None:
     """The storage offsets (from the first element) of every position of a strided
     layout, in its shape; None above the enumeration limit."""
-    if math.prod(sizes) > _ENUMERATION_LIMIT:
+    if math.prod(sizes) > ENUMERATION_LIMIT:
         return None
-    offsets = torch.zeros((), dtype=torch.int64)
-    for size, stride in zip(sizes, strides, strict=True):
-        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
-    return offsets
+    return element_offsets(sizes, strides)
 
 
 def _addresses_once(sizes: list[int], strides: list[int]) -> bool:

@@ -18,7 +18,8 @@ from collections.abc import Callable
 import torch
 from torch.fx import Node
 
-from ._aliasing import STORAGE_VIEWS, argument_value, overlaps_itself, target_of
+from ._aliasing import STORAGE_VIEWS, argument_value, target_of
+from ._element_overlap import overlaps_itself
 
 __all__ = ["Emit", "write_back", "write_back_reason"]
 
