@@ -19,6 +19,7 @@ import torch
 
 from .copying import MISSING
 from .program import graph_module_of, program_text
+from .snapshot import Change
 
 __all__ = ["MetaKeysSnapshot", "undeclared_edits"]
 
@@ -61,9 +62,7 @@ class MetaKeysSnapshot:
                       + [f"removed {n.name}" for n in self._nodes if n not in after]
                       or ["the graph object was replaced"])
 
-    def compare(self, program: Any, written: list[str] | None = None) -> Any:
-        from .snapshot import Change  # the Change record is the full snapshot's
-
+    def compare(self, program: Any, written: list[str] | None = None) -> Change:
         metas = self._metas
         if not all(map(operator.is_, map(operator.attrgetter("meta"), self._nodes), metas)):
             return Change(False, True)  # a node's meta dict replaced

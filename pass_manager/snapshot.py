@@ -12,9 +12,6 @@ those records: no node is printed or hashed. :meth:`Snapshot.restore` undoes the
 from __future__ import annotations
 
 import copy
-import gc
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
@@ -22,6 +19,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature
 
 from .analysis import node_fields
+from .collector import collector_paused
 from .copying import MISSING, copy_value, equal, is_container, same
 from .program import graph_module_of, modules_of
 from .state_record import TENSOR, ModulesRecord, TensorsRecord, same_dicts
@@ -48,25 +46,6 @@ _SHARED_META = frozenset(
         "unbacked_bindings",
     }
 )
-@contextmanager
-def _no_collection() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a record is built or compared.
-
-    A record is thousands of small tuples, dicts and lists, none of them in a cycle; with
-    the collector running, they trigger several young-generation collections, each of
-    which brings a (on a program's heap, slow) full collection closer. Paused, they cost
-    at most one, when the collector runs next.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def _equal_lists(a: list, b: list) -> bool:
     """``a == b`` compared in C (identity first); values that cannot compare: not equal."""
     try:
@@ -292,7 +271,7 @@ class Snapshot:
     """
 
     def __init__(self, program: Any, copy_state: bool = True, copy_meta_values: bool = True):
-        with _no_collection():
+        with collector_paused():
             self._record(program, copy_state, copy_meta_values)
 
     def _record(self, program: Any, copy_state: bool, copy_meta_values: bool) -> None:
@@ -348,7 +327,7 @@ class Snapshot:
         (reading every tensor's version counter again costs as much as the rest).
         """
         gm = graph_module_of(program)
-        with _no_collection():
+        with collector_paused():
             if gm is not self._gm or self._graph.structure_changed(gm.graph):
                 return Change(True, True)
             return Change(False, self._state_changed(program, written))

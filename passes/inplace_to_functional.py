@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pass_manager import Pass, PassResult
+from pass_manager.collector import collector_paused
 
 from ._buffer_conditions import Functional, MutableBuffersMarked
-from ._collector import collector_paused
 from ._functionalize import Rewrite
 from ._mutation_checks import UnsupportedMutationError
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pass_manager import ALL_CONDITIONS, Pass, PassResult
+from pass_manager.collector import collector_paused
 
 from ._buffer_conditions import MutableBuffersMarked
 from ._buffers import (
@@ -20,7 +21,6 @@ from ._buffers import (
     find_mutations,
     initial_copy,
 )
-from ._collector import collector_paused
 
 __all__ = ["MarkMutableBuffers"]
 
