@@ -18,6 +18,7 @@ from torch.fx import GraphModule, Node
 
 from pass_manager import Condition, graph_module_of
 from pass_manager.analysis import Same, cached
+from pass_manager.program import modules_of
 
 from ._buffer_reads import OBSERVED_READS_META, BufferRead
 from ._buffers import BUFFER, MUTABLE_BUFFER_META, PARAMETER, find_mutations
@@ -105,9 +106,9 @@ def _buffer_value(gm: GraphModule, fqn: str) -> torch.Tensor | None:
 
 def frozen_nodes(gm: GraphModule) -> list[Node]:
     """The ``get_attr`` nodes of constants torchao's folding created (``_frozen_param*``)."""
-    return [
-        n for n in gm.graph.nodes
-        if n.op == "get_attr" and str(n.target).rsplit(".", 1)[-1].startswith(FROZEN_PREFIX)
+    return [  # the graph's index of get_attr nodes, in graph order: no walk of every node
+        n for n in gm.graph.find_nodes(op="get_attr")
+        if str(n.target).rsplit(".", 1)[-1].startswith(FROZEN_PREFIX)
     ]
 
 
@@ -146,8 +147,12 @@ def _frozen_scan_inputs(gm: GraphModule) -> tuple:
         if MUTABLE_BUFFER_META in n.meta or OBSERVED_READS_META in n.meta
     )
     constants = [getattr(gm, str(n.target), None) for n in frozen_nodes(gm)]
+    # Straight from each module's registries: ``gm.buffers()`` / ``parameters()`` chain a
+    # generator per module and cost three times as much (a tensor listed twice is fine).
+    registered = [t for _, m in modules_of(gm)
+                  for t in (*m._buffers.values(), *m._parameters.values())]
     tensors = tuple(
-        (Same(t), t._version) for t in (*gm.buffers(), *gm.parameters(), *constants)
+        (Same(t), t._version) for t in (*registered, *constants)
         if isinstance(t, torch.Tensor)
     )
     return marks, tensors
