@@ -217,3 +217,46 @@ def test_reset_keeps_a_filled_buffer_as_one_value_and_restores_every_buffer_exac
         assert torch.equal(_bits(state[fqn]), _bits(value)), fqn
     # After the reset the program runs like a fresh eager module again.
     assert_same_behaviour(eager, run, calls, calls=4)
+
+
+class _UnsignedAndLarge(torch.nn.Module):
+    """A uint16 buffer filled with 7s (no ``aminmax`` kernel for uint16 on CPU) and a
+    float buffer larger than the two-element peek, all zeros but one element."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("codes", torch.full((4, 3), 7, dtype=torch.uint16))
+        big = torch.zeros(70_000)
+        big[-2] = 1.0  # first and last elements agree: only a full read tells
+        self.register_buffer("big", big)
+        self.register_buffer("big_zeros", torch.zeros(70_000))
+
+    def forward(self, x):
+        self.codes.copy_(x.to(torch.uint16))
+        self.big[:3].copy_(x[0].float())
+        self.big_zeros[-3:].copy_(x[1].float())
+        return self.codes.to(torch.float32).sum() + self.big.sum() + self.big_zeros.sum()
+
+
+@pytest.mark.parametrize("form", ["exported", "module"])
+def test_unsigned_fills_and_large_buffers_are_kept_and_reset_bit_for_bit(form):
+    eager = _UnsignedAndLarge()
+    calls = [(torch.full((4, 3), i + 1, dtype=torch.int32),) for i in range(4)]
+    ep = torch.export.export(copy.deepcopy(eager), calls[0])
+    program = PassManager([MarkMutableBuffers()]).run(ep if form == "exported" else ep.module())
+    program = program.program
+    info = mutable_buffers(program)
+    assert set(info) == {"codes", "big", "big_zeros"}
+    for fqn, filled in (("codes", True), ("big", False), ("big_zeros", True)):
+        kept = info[fqn].initial
+        one_element = kept.untyped_storage().nbytes() == kept.element_size()
+        assert one_element == filled, fqn
+    state = program.state_dict if form == "exported" else dict(program.named_buffers())
+    first = {fqn: state[fqn].clone() for fqn in info}
+    run = program.module() if form == "exported" else program
+    for args in calls[:3]:
+        run(*args)
+    assert sorted(reset_mutable_buffers(program)) == sorted(first)
+    for fqn, value in first.items():
+        assert torch.equal(state[fqn], value), fqn
+    assert_same_behaviour(eager, run, calls, calls=4)
