@@ -215,7 +215,8 @@ def initial_copy(tensor: torch.Tensor) -> torch.Tensor:
     element of memory); any other buffer is cloned. Either compares, copies and deep-copies
     like the buffer's value.
     """
-    tensor = tensor.detach()  # the copies below record no autograd history
+    if tensor.requires_grad:  # the copies below record no autograd history
+        tensor = tensor.detach()
     fill = _fill_value(tensor)
     return tensor.clone() if fill is None else fill.expand(tensor.shape)
 

@@ -35,12 +35,17 @@ class FakeValues:
     def mode(self) -> Any:
         """The graph's fake mode (None without fake values), found on first use."""
         if self._mode is _UNKNOWN:
-            inputs = [n.meta["val"] for n in self._graph.nodes
-                      if n.op in ("placeholder", "get_attr") and "val" in n.meta]
-            # One fake tensor names the mode: detecting it on every input costs a pytree
-            # walk of all of them (a graph's inputs share one mode).
-            first = next((v for v in inputs if isinstance(v, FakeTensor)), None)
-            self._mode = detect_fake_mode(inputs if first is None else [first])
+            # One fake tensor names the mode (a graph's inputs share one): the first input
+            # holding one, found without listing them all (the inputs come first).
+            first = next((n.meta["val"] for n in self._graph.nodes
+                          if n.op in ("placeholder", "get_attr")
+                          and isinstance(n.meta.get("val"), FakeTensor)), None)
+            if first is not None:
+                self._mode = detect_fake_mode([first])
+            else:
+                self._mode = detect_fake_mode([
+                    n.meta["val"] for n in self._graph.nodes
+                    if n.op in ("placeholder", "get_attr") and "val" in n.meta])
         return self._mode
 
     def infer(self, node: Node) -> None:

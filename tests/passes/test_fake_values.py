@@ -1,0 +1,114 @@
+"""FakeValues: the fake value a pass gives a new node is the one FakeTensorMode computes.
+
+Checked on the ops rewrites emit, with contiguous, non-contiguous (transposed) and
+broadcast inputs, for the first evaluation of an op and for the cached repeats of it.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Graph, GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from passes._fake_values import FakeValues
+
+aten = torch.ops.aten
+
+
+class Ops(torch.nn.Module):
+    """Values of several layouts for new nodes to read."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(2, 4, 8, 6))
+
+    def forward(self, k, pos, row, x):
+        kt = k.transpose(1, 2)  # (2, 4, 3, 6) with the strides of a (2, 3, 4, 6) tensor
+        return kt, pos, row, x
+
+
+def _program():
+    args = (torch.randn(2, 3, 4, 6), torch.tensor([3, 5, 1]), torch.randn(6), torch.randn(6, 8))
+    return torch.export.export(Ops(), args), args
+
+
+def _metadata(val):
+    return (tuple(val.shape), tuple(val.stride()), val.dtype, val.device)
+
+
+def _expected(mode, target, args, kwargs):
+    """What a FakeTensorMode dispatch of the op gives on the same fake inputs."""
+    fake_args = torch.fx.map_arg((args, kwargs), lambda n: n.meta["val"])
+    with mode:
+        return target(*fake_args[0], **fake_args[1])
+
+
+def _new_node(graph, output, target, *args, **kwargs):
+    with graph.inserting_before(output):
+        return graph.call_function(target, args, kwargs)
+
+
+def test_new_nodes_get_the_fake_values_of_a_dispatch_also_when_cached():
+    ep, _ = _program()
+    graph = ep.graph
+    cache, _k, pos, row, x = (n for n in graph.nodes if n.op == "placeholder")
+    kt = next(n for n in graph.nodes if n.op == "call_function")
+    output = next(n for n in graph.nodes if n.op == "output")
+    fake = FakeValues(graph)
+    assert fake.mode is cache.meta["val"].fake_mode
+    assert not kt.meta["val"].is_contiguous()
+    cases = [
+        (aten.index_copy.default, (cache, 2, pos, kt), {}),  # non-contiguous source
+        (aten.add.Tensor, (cache, row), {}),  # broadcast
+        (aten.mul.Tensor, (kt, row), {}),  # non-contiguous, broadcast
+        (aten.clone.default, (kt,), {}),  # keeps the transposed layout
+        (aten.clone.default, (kt,), {"memory_format": torch.contiguous_format}),
+        (aten._to_copy.default, (x,), {"dtype": torch.float16}),
+        (aten.t.default, (x,), {}),  # a view: never cached
+    ]
+    for _ in range(2):  # the second round is served from the cache
+        for target, args, kwargs in cases:
+            node = _new_node(graph, output, target, *args, **kwargs)
+            fake.infer(node)
+            val, expected = node.meta["val"], _expected(fake.mode, target, args, kwargs)
+            assert _metadata(val) == _metadata(expected), (target, kwargs)
+            assert node.meta["tensor_meta"].stride == tuple(expected.stride())
+    # Each cached value is a fresh fake tensor: new nodes never seem to share storage.
+    adds = [n for n in graph.nodes if n.target is aten.add.Tensor]
+    assert len(adds) == 2
+    first, second = (n.meta["val"].untyped_storage() for n in adds)
+    assert first._cdata != second._cdata
+
+
+def test_tuple_results_and_the_mode_found_past_inputs_without_fake_values():
+    gm = make_fx(lambda x, y: torch.ops.aten.var_mean.correction(x + y, [0]),
+                 tracing_mode="fake")(torch.randn(3, 5), torch.randn(5))
+    graph = gm.graph
+    first, second = (n for n in graph.nodes if n.op == "placeholder")
+    del first.meta["val"]  # the mode is read from the next input that has one
+    fake = FakeValues(graph)
+    assert fake.mode is second.meta["val"].fake_mode
+    output = next(n for n in graph.nodes if n.op == "output")
+    add = next(n for n in graph.nodes if n.target is aten.add.Tensor)
+    for _ in range(2):
+        node = _new_node(graph, output, aten.var_mean.correction, add, [0])
+        fake.infer(node)
+        item = _new_node(graph, output, operator.getitem, node, 1)
+        fake.infer(item)
+        assert [_metadata(v) for v in node.meta["val"]] == [((5,), (1,), torch.float32,
+                                                             torch.device("cpu"))] * 2
+        assert _metadata(item.meta["val"]) == ((5,), (1,), torch.float32, torch.device("cpu"))
+
+
+def test_no_fake_values_no_inference():
+    graph = Graph()
+    x = graph.placeholder("x")
+    node = graph.call_function(aten.add.Tensor, (x, x))
+    graph.output(node)
+    GraphModule(torch.nn.Module(), graph)
+    fake = FakeValues(graph)
+    assert fake.mode is None
+    fake.infer(node)
+    assert "val" not in node.meta
