@@ -16,11 +16,11 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import ExportGraphSignature
 
 from .analysis import node_fields
 from .collector import collector_paused
 from .copying import MISSING, copy_value, equal, is_container, same
+from .export_records import ObjectsRecord, SignatureRecord, equal_lists
 from .program import graph_module_of, modules_of
 from .state_record import TENSOR, ModulesRecord, TensorsRecord, same_dicts
 
@@ -46,12 +46,6 @@ _SHARED_META = frozenset(
         "unbacked_bindings",
     }
 )
-def _equal_lists(a: list, b: list) -> bool:
-    """``a == b`` compared in C (identity first); values that cannot compare: not equal."""
-    try:
-        return a == b
-    except Exception:  # noqa: BLE001 - e.g. fake tensors, whose truth value is undefined
-        return False
 
 
 class _GraphRecord:
@@ -88,7 +82,7 @@ class _GraphRecord:
             return True
         current = node_fields(nodes)
         self.after = (nodes, current)
-        if _equal_lists(current, self._fields):
+        if equal_lists(current, self._fields):
             return False
         # Equal values assigned anew (``node.args = tuple(node.args)``) are no change.
         return not all(
@@ -98,7 +92,7 @@ class _GraphRecord:
 
     def meta_changed(self) -> bool:
         nodes = self._nodes
-        if not _equal_lists([n.meta for n in nodes], self._meta):
+        if not equal_lists([n.meta for n in nodes], self._meta):
             return True
         return not all(
             same(nodes[i].meta.get(k, MISSING), c)
@@ -132,112 +126,6 @@ class _GraphRecord:
             env[old] = new
         graph._codegen = copy.copy(self._codegen)
         return graph
-
-
-class _SignatureRecord:
-    """A graph signature: its spec lists, and each spec's and argument's fields, copied
-    shallowly (C dict copies); compared and restored in place, copied only for a diff."""
-
-    def __init__(self, signature: ExportGraphSignature):
-        self.signature = signature
-        self.inputs = list(signature.input_specs)
-        self.outputs = list(signature.output_specs)
-        specs = self.inputs + self.outputs
-        self.fields = list(map(dict.copy, map(vars, specs)))
-        self.args = [s.arg for s in specs]
-        self.arg_fields = list(map(dict.copy, map(vars, self.args)))
-
-    def changed(self, signature: ExportGraphSignature) -> bool:
-        if signature is not self.signature:  # a new signature: compare by value
-            return not same(signature, self.rebuilt())
-        specs = [*signature.input_specs, *signature.output_specs]
-        return not (
-            len(signature.input_specs) == len(self.inputs)
-            and _equal_lists(specs, self.inputs + self.outputs)
-            and _equal_lists(list(map(vars, specs)), self.fields)
-            and _equal_lists([vars(s.arg) for s in specs], self.arg_fields)
-        )
-
-    def rebuilt(self) -> ExportGraphSignature:
-        """A copy of the signature as recorded."""
-        args = {}
-        for arg, fields in zip(self.args, self.arg_fields, strict=True):
-            clone = object.__new__(type(arg))
-            clone.__dict__.update(fields)
-            args[id(arg)] = clone
-        specs = []
-        for spec, fields in zip(self.inputs + self.outputs, self.fields, strict=True):
-            clone = object.__new__(type(spec))
-            clone.__dict__.update(fields)
-            clone.arg = args[id(fields["arg"])]
-            specs.append(clone)
-        return ExportGraphSignature(specs[: len(self.inputs)], specs[len(self.inputs):])
-
-    def restore(self) -> ExportGraphSignature:
-        """The recorded signature object, its lists, specs and arguments as recorded."""
-        for obj, fields in (*zip(self.inputs + self.outputs, self.fields, strict=True),
-                            *zip(self.args, self.arg_fields, strict=True)):
-            obj.__dict__.clear()
-            obj.__dict__.update(fields)
-        self.signature.input_specs = list(self.inputs)
-        self.signature.output_specs = list(self.outputs)
-        return self.signature
-
-
-_LEAVES = (str, int, float, bool, type(None))
-
-
-def _walked(obj: Any) -> bool:
-    """A dataclass instance with a ``__dict__`` (argument specs, call signatures)."""
-    return hasattr(type(obj), "__dataclass_fields__") and hasattr(obj, "__dict__")
-
-
-class _ObjectsRecord:
-    """A list of dataclass instances and the lists and dataclass instances they hold (to
-    ``depth`` levels), each with a shallow copy of its contents: compared in C loops and
-    restored in place.
-
-    Used for the module call graph: one entry per module of the exported model, whose
-    signature holds lists of argument dataclasses.
-    """
-
-    def __init__(self, roots: list, depth: int = 3):
-        # The roots (module call entries) first, in one C-speed pass: most of them hold
-        # nothing more to walk (a signature only at the top module).
-        self.items: list[tuple[Any, Any]] = [(roots, roots.copy())]
-        self.items += [(root, root.__dict__.copy()) for root in roots]
-        seen = {id(obj) for obj, _ in self.items}
-        stack = [(value, depth) for _, contents in self.items[1:]
-                 for value in contents.values() if not isinstance(value, _LEAVES)]
-        while stack:
-            obj, left = stack.pop()
-            if id(obj) in seen:
-                continue
-            if isinstance(obj, list):
-                contents: Any = obj.copy()
-                children = obj
-            elif _walked(obj):
-                contents = obj.__dict__.copy()
-                children = contents.values()
-            else:
-                continue
-            seen.add(id(obj))
-            self.items.append((obj, contents))
-            if left:
-                stack.extend((child, left - 1) for child in children)
-
-    def changed(self) -> bool:
-        now = [obj.copy() if isinstance(obj, list) else obj.__dict__ for obj, _ in self.items]
-        return not _equal_lists(now, [contents for _, contents in self.items])
-
-    def restore(self) -> None:
-        for obj, contents in self.items:
-            if isinstance(obj, list):
-                obj[:] = contents
-            else:
-                obj.__dict__.clear()
-                obj.__dict__.update(contents)
-
 
 
 def _same_entries(mapping: dict, recorded: dict) -> bool:
@@ -290,11 +178,11 @@ class Snapshot:
         self._ep_state = None
         if isinstance(program, ExportedProgram):
             self._ep_state = {
-                "_graph_signature": _SignatureRecord(program._graph_signature),
+                "_graph_signature": SignatureRecord(program._graph_signature),
                 "_state_dict": dict(program._state_dict),
                 "_constants": dict(program._constants),
                 "_module_call_graph": program._module_call_graph,
-                "_call_graph_record": _ObjectsRecord(program._module_call_graph),
+                "_call_graph_record": ObjectsRecord(program._module_call_graph),
                 "_range_constraints": dict(program._range_constraints),
                 "_verifiers": list(program._verifiers),
             }
@@ -342,7 +230,7 @@ class Snapshot:
         the modules and, for an ExportedProgram, its signature, state and call graph."""
         items, copies = self._gm_meta
         if (
-            not _equal_lists(list(self._gm.meta.items()), list(items))
+            not equal_lists(list(self._gm.meta.items()), list(items))
             or not all(same(self._gm.meta.get(k, MISSING), c) for k, c in copies.items())
             or self._modules_changed()
         ):
