@@ -233,6 +233,8 @@ class Mutations:
             share one root (its first node).
         written_roots: every storage root some node writes, state or not.
         writing_nodes: every node that writes one of its arguments, in graph order.
+        candidates: every node whose op may write (read from its schema) and every
+            higher-order op call, in graph order: the only nodes that can write.
     """
 
     states: dict[Node, State]
@@ -241,6 +243,7 @@ class Mutations:
     aliases: dict[Node, Alias] = field(default_factory=dict)
     written_roots: set[Node] = field(default_factory=set)
     writing_nodes: list[Node] = field(default_factory=list)
+    candidates: list[Node] = field(default_factory=list)
 
     def nodes_of(self, state: State) -> list[Node]:
         return self._nodes_by_state.get(state, [])
@@ -354,7 +357,7 @@ def _scan_mutations(program: Any) -> Mutations:
             state = State(MUTATION_OUTPUT_KINDS[spec.kind], spec.target)
             node = value if isinstance(value, Node) else by_name.get(spec.arg.name)
             writers.setdefault(state, []).append(node)
-    return Mutations(states, writers, opaque, aliases, written_roots, writing_nodes)
+    return Mutations(states, writers, opaque, aliases, written_roots, writing_nodes, candidates)
 
 
 def trailing_write_backs(program: Any) -> list[Node]:

@@ -67,15 +67,24 @@ class Rewrite(StorageReads, OverlappingWrites, ProgramEnd):
         self.gm = graph_module_of(program)
         self.graph = self.gm.graph
         _repair_use_lists(self.graph)
+        # The scan MarkMutableBuffers made (cached), whose candidates (the nodes that may
+        # write) are all the two steps below look at. It is taken again only after one of
+        # them changed the graph: their undo logs record every change they make.
+        scan = find_mutations(program)
         # no_grad regions that write state are inlined first (logged for undo/commit).
-        inlined = self.inlined = inline_grad_regions(self.gm, Rewrite)
+        inlined = self.inlined = inline_grad_regions(self.gm, Rewrite, scan.candidates)
+        if inlined.new_nodes or inlined.arg_changes or inlined.dead or (
+            inlined.replaced_bodies or inlined.meta_changes
+        ):
+            scan = find_mutations(program)
         self.fake = FakeValues(self.graph)
         # Metadata mutations become views / renames first (logged for undo/commit too).
-        metadata = normalize_metadata_mutations(program, self.gm, self.fake)
+        metadata = normalize_metadata_mutations(program, self.gm, self.fake, scan.candidates)
+        if metadata.new_nodes or metadata.arg_changes or metadata.dead:
+            scan = find_mutations(program)
         self.refused_metadata = metadata.refused
         self.state_views = metadata.state_views
         self.skipped = set(inlined.dead) | set(metadata.dead)
-        scan = find_mutations(program)
         self.states = scan.states
         self.state_root: dict[State, Node] = {}
         for node, state in self.states.items():

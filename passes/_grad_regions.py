@@ -175,16 +175,18 @@ def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions,
                     (user.args, user.kwargs), lambda a, old=item, new=back: new if a is old else a)
 
 
-def inline_grad_regions(gm: GraphModule,
-                        rewrite_of: Callable[[GraphModule], Any]) -> InlinedRegions:
+def inline_grad_regions(gm: GraphModule, rewrite_of: Callable[[GraphModule], Any],
+                        candidates: list[Node] | None = None) -> InlinedRegions:
     """Replace each state-writing grad-mode region by its body's nodes; give each other
     state-writing region (autocast, or holding nested higher-order ops) a functional body.
 
     ``rewrite_of(body)`` is the functionalization to apply to a body: an object with
-    ``run()`` (raising UnsupportedMutationError) and ``commit()`` (the caller's Rewrite)."""
+    ``run()`` (raising UnsupportedMutationError) and ``commit()`` (the caller's Rewrite).
+    ``candidates``: the graph's higher-order op calls among others, in graph order (the
+    scan's ``Mutations.candidates``), to look at instead of every node."""
     log = InlinedRegions()
     graph = gm.graph
-    for node in list(graph.nodes):
+    for node in list(graph.nodes if candidates is None else candidates):
         sub = _inlinable(node, gm)
         if sub is None:
             if node.op == "call_function" and node.target in _BODY_INDEX:

@@ -68,12 +68,14 @@ class MetadataMutations:
     refused: dict[Node, str] = field(default_factory=dict)
 
 
-def normalize_metadata_mutations(program: Any, gm: GraphModule,
-                                 fake: FakeValues) -> MetadataMutations:
+def normalize_metadata_mutations(program: Any, gm: GraphModule, fake: FakeValues,
+                                 candidates: list[Node] | None = None) -> MetadataMutations:
     """Rewrite each metadata mutation of the program's graph ``gm`` into the value it
-    amounts to, inferring the fake values of new nodes with ``fake``."""
+    amounts to, inferring the fake values of new nodes with ``fake``. ``candidates``: the
+    graph's nodes that may write, in graph order (the scan's ``Mutations.candidates``), to
+    look at instead of every node."""
     log = MetadataMutations()
-    nodes = [n for n in gm.graph.nodes
+    nodes = [n for n in (gm.graph.nodes if candidates is None else candidates)
              if may_write(n) and target_of(n) in METADATA_MUTATIONS]  # each writes its self
     if not nodes:
         return log
