@@ -3,7 +3,7 @@ torch.export, pt2e quantization and delegation.
 """
 
 from . import conditions
-from ._buffers import mutable_buffers, reset_mutable_buffers
+from ._marked_state import mutable_buffers, reset_mutable_buffers
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from .errors import AmbiguousFrozenBufferError, QuantizationFlowError
 from .functional_variants import register_functional_variant

@@ -19,8 +19,8 @@ from ._buffers import (
     USER_INPUT,
     buffer_tensor,
     find_mutations,
-    initial_copy,
 )
+from ._marked_state import initial_copy
 
 __all__ = ["MarkMutableBuffers"]
 
