@@ -19,6 +19,8 @@ from torch import nn
 from pass_manager import PassManager, assert_same_behaviour, graph_of
 from passes import InplaceToFunctional, MarkMutableBuffers, conditions, mutable_buffers
 
+from ..test_functionalize_overlapping_writes import IndexPuts, IndexWrites
+
 
 def _in_edge_dialect(gm: torch.fx.GraphModule) -> None:
     for node in gm.graph.nodes:
@@ -117,3 +119,18 @@ def test_to_edge_program_is_already_functional_and_its_state_is_found():
     assert set(mutable_buffers(result.program)) == {"b"}
     assert not conditions.Functional.check(result.program)
     assert_same_behaviour(StridedReadOfAWrittenBuffer(), result.program, calls, calls=4)
+
+
+def test_index_writes_through_overlapping_views_are_written_back_with_edge_ops():
+    # The write-back of an index-style write through a self-overlapping view scatters only
+    # the positions it wrote, through a map of storage positions (an ``arange`` viewed
+    # like the view): in an Edge program every op of it is an Edge op too.
+    calls = [(torch.randn(8) * (i + 1) * (-1) ** i,) for i in range(4)]
+    for factory in (IndexWrites, IndexPuts):
+        pairs = _functionalized_edge_forms(factory, calls)
+        for index, (_, result) in enumerate(pairs):
+            targets = [n.target for n in graph_of(result).nodes if n.op == "call_function"]
+            assert any("arange" in str(t) and isinstance(t, EdgeOpOverload) for t in targets)
+            rewritten = [str(t) for t in targets if not isinstance(t, EdgeOpOverload)
+                         and "getitem" not in str(t)]
+            assert set(rewritten) <= ({"aten.copy_.default"} if index == 1 else set())
