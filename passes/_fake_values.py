@@ -18,7 +18,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ._aliasing import view_base_index
 
-__all__ = ["FakeValues"]
+__all__ = ["FakeValues", "same_static_layout", "static_layout"]
 
 _UNKNOWN = object()
 
@@ -133,3 +133,21 @@ def _fresh_fake(mode: Any, like: Any) -> Any:
         return like
     meta = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
     return FakeTensor(mode, meta, like.device)
+
+
+def static_layout(node: Node) -> tuple | None:
+    """The shape, strides and storage offset of the node's fake tensor, flattened, when it
+    has one and all are static integers (else None)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    layout = (*val.shape, *val.stride(), val.storage_offset())
+    return layout if all(isinstance(x, int) for x in layout) else None
+
+
+def same_static_layout(a: Node, b: Node) -> bool:
+    """Whether both nodes' fake tensors are known to have one shape, strides and offset
+    (False when either is unknown or symbolic)."""
+    layout = static_layout(a)
+    return layout is not None and layout == static_layout(b)
+

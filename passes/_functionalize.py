@@ -18,10 +18,7 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import (
-    ExportGraphSignature,
-    OutputSpec,
-)
+from torch.export.graph_signature import ExportGraphSignature
 from torch.fx import Node, map_arg
 
 from pass_manager import graph_module_of
@@ -37,17 +34,10 @@ from ._aliasing import (
     view_base_index,
     written_arguments,
 )
-from ._buffers import (
-    MUTATION_OUTPUT_KINDS,
-    State,
-    call_graph_names,
-    find_mutations,
-    trailing_write_backs,
-)
-from ._fake_values import FakeValues
+from ._buffers import call_graph_names
+from ._fake_values import same_static_layout
 from ._functionalize_end import VALUE_META, ProgramEnd, fresh_like
-from ._grad_regions import inline_grad_regions
-from ._metadata_mutations import normalize_metadata_mutations
+from ._functionalize_start import ProgramStart
 from ._mutation_checks import UnsupportedMutationError, check_opaque, check_write
 from ._overlapping_writes import OverlappingWrites
 from ._storage_reads import StorageReads
@@ -58,7 +48,7 @@ __all__ = ["Rewrite"]
 aten = torch.ops.aten
 
 
-class Rewrite(StorageReads, OverlappingWrites, ProgramEnd):
+class Rewrite(ProgramStart, StorageReads, OverlappingWrites, ProgramEnd):
     """One functionalization of one program: analysis, rewrite with an undo log, commit."""
 
     def __init__(self, program: Any):
@@ -66,53 +56,7 @@ class Rewrite(StorageReads, OverlappingWrites, ProgramEnd):
         self.is_ep = isinstance(program, ExportedProgram)
         self.gm = graph_module_of(program)
         self.graph = self.gm.graph
-        _repair_use_lists(self.graph)
-        # The scan MarkMutableBuffers made (cached), whose candidates (the nodes that may
-        # write) are all the two steps below look at. It is taken again only after one of
-        # them changed the graph: their undo logs record every change they make.
-        scan = find_mutations(program)
-        # no_grad regions that write state are inlined first (logged for undo/commit).
-        inlined = self.inlined = inline_grad_regions(self.gm, Rewrite, scan.candidates)
-        if inlined.new_nodes or inlined.arg_changes or inlined.dead or (
-            inlined.replaced_bodies or inlined.meta_changes
-        ):
-            scan = find_mutations(program)
-        self.fake = FakeValues(self.graph)
-        # Metadata mutations become views / renames first (logged for undo/commit too).
-        metadata = normalize_metadata_mutations(program, self.gm, self.fake, scan.candidates)
-        if metadata.new_nodes or metadata.arg_changes or metadata.dead:
-            scan = find_mutations(program)
-        self.refused_metadata = metadata.refused
-        self.state_views = metadata.state_views
-        self.skipped = set(inlined.dead) | set(metadata.dead)
-        self.states = scan.states
-        self.state_root: dict[State, Node] = {}
-        for node, state in self.states.items():
-            self.state_root.setdefault(state, node)
-        self.aliases = scan.aliases
-        self.opaque = {o.node: o.reason for o in scan.opaque}
-        self.writing_nodes = scan.writing_nodes
-        self.output = next(n for n in reversed(self.graph.nodes) if n.op == "output")
-        self.mutation_outputs: list[tuple[State, Any]] = []
-        self.other_outputs: list[tuple[OutputSpec, Any]] = []
-        if self.is_ep:
-            specs = program.graph_signature.output_specs
-            for spec, arg in zip(specs, self.output.args[0], strict=True):
-                if spec.kind in MUTATION_OUTPUT_KINDS:
-                    state = State(MUTATION_OUTPUT_KINDS[spec.kind], spec.target)
-                    self.mutation_outputs.append((state, arg))
-                else:
-                    self.other_outputs.append((spec, arg))
-        # A program whose only writes are trailing write-backs is functional already.
-        write_backs = set() if self.is_ep else set(trailing_write_backs(program))
-        self.roots = {self.state_root[s] for s, _ in self.mutation_outputs} | scan.written_roots
-        self.roots |= set(self.state_views)
-        self.has_writes = bool(self.skipped) or bool(self.refused_metadata) or any(
-            str(n.target).endswith("_") or "writes" in reason
-            for n, reason in self.opaque.items() if n not in self.skipped)
-        self.has_writes |= any(n not in write_backs for n in scan.writing_nodes) or any(
-            isinstance(a, Node) and target_of(a) is aten.copy.default and fresh_like(a.args[1], a)
-            for _, a in self.mutation_outputs)
+        inlined, metadata = self._prepare(program)
         self.cur: dict[Node, Node] = {}
         self.version: dict[Node, int] = {}
         self.value: dict[Node, tuple[Node, int]] = {}
@@ -447,31 +391,16 @@ def _same_layout(a: Node, b: Node) -> bool:
 
 def _same_metadata(old: list[Node], new: list[Node]) -> bool:
     """Inputs whose fake values agree in everything but storage (static shapes only)."""
-    if len(old) != len(new):
-        return False
-    for a, b in zip(old, new, strict=True):
-        va, vb = a.meta.get("val"), b.meta.get("val")
-        if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
-            return False
-        ma = (*va.shape, *va.stride(), va.storage_offset())
-        mb = (*vb.shape, *vb.stride(), vb.storage_offset())
-        if not all(isinstance(x, int) for x in ma) or ma != mb or (
-            (va.dtype, va.device) != (vb.dtype, vb.device)
-        ):
-            return False
-    return True
+    return len(old) == len(new) and all(
+        same_static_layout(a, b) and _dtype_device(a) == _dtype_device(b)
+        for a, b in zip(old, new, strict=True))
+
+
+def _dtype_device(node: Node) -> tuple:
+    val = node.meta["val"]
+    return val.dtype, val.device
 
 
 def _is_contiguous(node: Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.is_contiguous()
-
-
-def _repair_use_lists(graph: torch.fx.Graph) -> None:
-    """Record every use in its input's ``users``: torch.export can leave a graph where a
-    node reads an input whose ``users`` misses it (seen around no_grad regions), and
-    re-wiring such a node then fails inside FX. Adds bookkeeping only, no graph change."""
-    for node in graph.nodes:
-        for arg in node._input_nodes:  # all_input_nodes, without building a list per node
-            if node not in arg.users:
-                arg.users[node] = None

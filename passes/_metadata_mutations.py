@@ -36,7 +36,7 @@ from ._aliasing import (
     view_base_index,
 )
 from ._buffers import CONSTANT, PARAMETER, State, state_nodes
-from ._fake_values import FakeValues
+from ._fake_values import FakeValues, same_static_layout
 from .functional_variants import METADATA_VIEWS
 
 __all__ = ["METADATA_MUTATIONS", "MetadataMutations", "normalize_metadata_mutations"]
@@ -101,7 +101,7 @@ def normalize_metadata_mutations(program: Any, gm: GraphModule, fake: FakeValues
                 log.refused[mutation] = reason
                 break
         else:
-            if is_state and not _same_layout(obj, log.forms[mutations[-1]]):
+            if is_state and not same_static_layout(obj, log.forms[mutations[-1]]):
                 log.state_views[canonical[obj]] = log.forms[mutations[-1]]
     return log
 
@@ -126,7 +126,7 @@ def _restores_itself(obj: Node, mutations: list[Node], order: dict[Node, int]) -
     while isinstance(source, Node) and target_of(source) in (
             aten.alias.default, aten.detach.default) and order[source] < order[mutations[0]]:
         source = source.args[0]
-    return source is obj and _same_layout(obj, argument_value(last, _SET._schema, 1))
+    return source is obj and same_static_layout(obj, argument_value(last, _SET._schema, 1))
 
 
 def _state_reason(obj: Node, mutations: list[Node], states: dict[Node, State],
@@ -149,15 +149,6 @@ def _state_reason(obj: Node, mutations: list[Node], states: dict[Node, State],
                 "carries new values of its shape, and torch's functionalization fails here "
                 "too (export or run_decompositions raises, or its program fails when called)")
     return None
-
-
-def _same_layout(a: Node, b: Node) -> bool:
-    va, vb = a.meta.get("val"), b.meta.get("val")
-    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
-        return False
-    la = (*va.shape, *va.stride(), va.storage_offset())
-    lb = (*vb.shape, *vb.stride(), vb.storage_offset())
-    return all(isinstance(x, int) for x in (*la, *lb)) and la == lb
 
 
 def _known_equal(a: torch.Size, b: torch.Size) -> bool:
