@@ -20,11 +20,7 @@ from pass_manager import PassFailedError, PassManager, run_program
 from passes import InplaceToFunctional, MarkMutableBuffers, UnsupportedMutationError
 
 from .functionalize_checks import _calls, functionalize_both_forms, refused_in_both_forms
-
-
-def _index(x, n=2):
-    """A one-element index the input decides (so 4 calls write different slices)."""
-    return (x.sum() > 0).long().view(1) * (n - 1)
+from .overlapping_models import IndexPuts, IndexWrites, one_index
 
 
 class Seed1542(nn.Module):
@@ -40,49 +36,6 @@ class Seed1542(nn.Module):
         view = self.p.as_strided((2, 2), (1, 1), 0).swapaxes(0, 0).swapaxes(1, 0)
         view.index_add_(0, torch.tensor([1]), torch.full_like(view.narrow(0, 0, 1), 1.5))
         return self.p * 1
-
-
-class IndexWrites(nn.Module):
-    """index_add_ / index_copy_ / index_fill_ / index_reduce_ of one slice (the index
-    comes from the input) through overlapping views, with reads of the view between and
-    after the writes and the view itself returned."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("b", torch.arange(6.0))
-        self.register_buffer("c", torch.arange(24.0).reshape(2, 3, 4))
-
-    def forward(self, x):
-        window = self.b.as_strided((2, 2), (1, 1), 0)
-        window.index_add_(0, _index(x), x[:2].view(1, 2), alpha=2)
-        between = window * 1
-        window.index_copy_(1, _index(-x), x[2:4].view(2, 1))
-        window.index_fill_(1, _index(x), -1.0)
-        window.index_fill_(0, _index(-x), x[5])
-        cube = self.c.as_strided((3, 2, 2), (4, 1, 1), 2)  # slices along dim 1 address once
-        cube.index_add_(1, _index(x), x[:6].view(3, 1, 2))
-        cube.index_reduce_(1, _index(-x), x[:6].view(3, 1, 2), "amax")
-        return between, window * 1, window, cube * 1, self.b * 1, self.c * 1
-
-
-class IndexPuts(nn.Module):
-    """index_put_ (setitem) with one-element index tensors, accumulate too, and a
-    negative index, through overlapping views."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("b", torch.arange(6.0))
-        self.register_buffer("m", torch.arange(12).reshape(3, 4))
-
-    def forward(self, x):
-        window = self.b.as_strided((2, 2), (1, 1), 1)
-        window[_index(x)] = x[:2]
-        window[:, _index(-x)] = x[2:4].view(2, 1)
-        window.index_put_((_index(x) - 2,), x[4:6], accumulate=True)
-        ints = self.m.as_strided((3, 3), (1, 1), 2)
-        ints[_index(x, 3), _index(-x, 3)] = 7  # one element
-        torch.ops.aten.index_put_(ints, [None, _index(x, 3)], torch.tensor(5), True)
-        return window * 1, self.b * 1, self.m * 1
 
 
 class Scatters(nn.Module):
@@ -116,10 +69,10 @@ class OneValueWherever(nn.Module):
 
     def forward(self, x):
         window = self.b.as_strided((2, 2), (1, 1), 0)
-        both = torch.cat([_index(x), 1 - _index(x)])
+        both = torch.cat([one_index(x), 1 - one_index(x)])
         window.index_fill_(0, both, x[0])
         cube = self.b.as_strided((2, 2, 2), (1, 1, 1), 1)  # each slice overlaps itself
-        cube.index_fill_(2, _index(-x), -1.0)
+        cube.index_fill_(2, one_index(-x), -1.0)
         window.scatter_(0, (x[:2] > 0).long().view(1, 2), 4.0)
         # fuzz seed 40: a scatter_ of a full_like source, one column each
         window.scatter_(0, (x[2:4] > 0).long().view(1, 2), torch.full_like(window[:1], 2.5))
@@ -169,13 +122,13 @@ class OneRefusedWrite(nn.Module):
 REFUSED = {
     # rows 0 and 1 of [[0, 1], [1, 2]] share element 1
     "index_add_ of two rows": lambda w, b, x: w.index_add_(
-        0, torch.cat([_index(x), 1 - _index(x)]), x[:4].view(2, 2)),
+        0, torch.cat([one_index(x), 1 - one_index(x)]), x[:4].view(2, 2)),
     # each slice along dim 0 of this cube addresses elements twice itself
     "index_copy_ of an overlapping slice": lambda w, b, x: b.as_strided(
-        (2, 2, 2), (1, 1, 1), 0).index_copy_(0, _index(x), x[:4].view(1, 2, 2)),
+        (2, 2, 2), (1, 1, 1), 0).index_copy_(0, one_index(x), x[:4].view(1, 2, 2)),
     "index_put_ with a mask": lambda w, b, x: w.__setitem__(x[:2].view(2) > 0, 1.0),
     "index_put_ of two rows": lambda w, b, x: w.index_put_(
-        (torch.cat([_index(x), _index(-x)]),), x[:2]),
+        (torch.cat([one_index(x), one_index(-x)]),), x[:2]),
     # the fuzzer's scatter: one position per column, and columns 0 and 1 share element 1
     "scatter_ along the whole view": lambda w, b, x: w.scatter_(
         0, (x[:2] > 0).long().view(1, 2), x[2:4].view(1, 2)),
@@ -183,7 +136,7 @@ REFUSED = {
         1, (x[:4] > 0).long().view(2, 2), x[2:6].view(2, 2)),
     # a filled source written since holds two values
     "scatter_ of a filled tensor written since": lambda w, b, x: w.scatter_(
-        0, (x[:2] > 0).long().view(1, 2), torch.zeros(1, 2).index_fill_(1, _index(x), 1.0)),
+        0, (x[:2] > 0).long().view(1, 2), torch.zeros(1, 2).index_fill_(1, one_index(x), 1.0)),
     "index_fill_ with an index of data-dependent length": lambda w, b, x: w.index_fill_(
         0, torch.nonzero(x[:1] > 0).view(-1), 2.0),
 }
@@ -205,7 +158,7 @@ class NonContiguousRoot(nn.Module):
         self.register_buffer("b", torch.arange(6.0).reshape(2, 3).t())
 
     def forward(self, x):
-        self.b.as_strided((2, 2), (1, 1), 0).index_add_(0, _index(x), x[:2].view(1, 2))
+        self.b.as_strided((2, 2), (1, 1), 0).index_add_(0, one_index(x), x[:2].view(1, 2))
         return self.b * 1
 
 
@@ -306,15 +259,15 @@ class HalfIndexWrites(nn.Module):
 
     def forward(self, x):
         window = self.h.as_strided((2, 2), (1, 1), 0)
-        window.index_copy_(0, _index(x), x[:2].half().view(1, 2))
-        window[_index(-x)] = x[2:4].half()
-        window.index_fill_(1, _index(x), -3.0)
+        window.index_copy_(0, one_index(x), x[:2].half().view(1, 2))
+        window[one_index(-x)] = x[2:4].half()
+        window.index_fill_(1, one_index(x), -3.0)
         return window * 1, self.h * 1
 
 
 class HalfIndexAdd(HalfIndexWrites):
     def forward(self, x):
-        self.h.as_strided((2, 2), (1, 1), 0).index_add_(0, _index(x), x[:2].half().view(1, 2))
+        self.h.as_strided((2, 2), (1, 1), 0).index_add_(0, one_index(x), x[:2].half().view(1, 2))
         return self.h * 1
 
 

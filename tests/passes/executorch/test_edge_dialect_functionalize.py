@@ -19,7 +19,7 @@ from torch import nn
 from pass_manager import PassManager, assert_same_behaviour, graph_of
 from passes import InplaceToFunctional, MarkMutableBuffers, conditions, mutable_buffers
 
-from ..test_functionalize_overlapping_writes import IndexPuts, IndexWrites
+from ..overlapping_models import IndexPuts, IndexWrites
 
 
 def _in_edge_dialect(gm: torch.fx.GraphModule) -> None:
