@@ -4,23 +4,26 @@ A pass that only annotates (marks state, rewrites quantization annotations) decl
 ``edits_only_meta_keys``: the meta keys it may set, replace or remove, and nothing else of
 the program. A rollback then needs only those entries, one list per key: recording every
 module, tensor and node field (:class:`~pass_manager.snapshot.Snapshot`) would cost more
-than such a pass. The declaration is trusted, as ``edits_meta_in_place`` is: nodes added
-or removed are still noticed (a typed error; they cannot be rolled back from this record),
-and ``PassManager(strict=True)`` takes the full snapshot and checks the claim instead
-(:func:`undeclared_edits`).
+than such a pass. The node list and the nodes' fields (what the analysis stamps of the
+checks around the pass measure anyway) are kept too, so a pass breaking its declaration by
+adding or removing nodes gets a typed error and the graph back. The rest of the
+declaration is trusted, as ``edits_meta_in_place`` is; ``PassManager(strict=True)`` takes
+the full snapshot and checks all of it instead (:func:`undeclared_edits`).
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import operator
 from typing import Any
 
 import torch
 
+from .analysis import node_fields
 from .copying import MISSING
 from .program import graph_module_of, program_text
-from .snapshot import Change
+from .snapshot import Change, rebuild_graph
 
 __all__ = ["MetaKeysSnapshot", "undeclared_edits"]
 
@@ -34,7 +37,7 @@ def _entries(metas: list[dict], key: str) -> list[Any]:
 
 
 class MetaKeysSnapshot:
-    """The entries ``keys`` of every node's meta (by reference), and the node list.
+    """The entries ``keys`` of every node's meta (by reference), the nodes and their fields.
 
     Offers what the core loop uses of a :class:`~pass_manager.snapshot.Snapshot`.
     """
@@ -44,13 +47,17 @@ class MetaKeysSnapshot:
         self._gm = graph_module_of(program)
         self._graph = self._gm.graph
         self._nodes = list(self._graph.nodes)
+        self._fields = node_fields(self._nodes)
+        self._tracer_cls = self._graph._tracer_cls
+        self._codegen = copy.copy(self._graph._codegen)
         metas = list(map(operator.attrgetter("meta"), self._nodes))
         self._metas = metas
         self._values = {key: _entries(metas, key) for key in keys}
 
-    def measured(self, program: Any, after: bool) -> tuple[torch.fx.Graph, list, None]:
-        """The graph and its nodes (their fields are measured by a stamp that needs them)."""
-        return graph_module_of(program).graph, self._nodes, None
+    def measured(self, program: Any, after: bool) -> tuple[torch.fx.Graph, list, list | None]:
+        """The graph, its nodes and (before the pass) their fields, for the stamps of the
+        checks and of the pass's own cached analyses (``analysis.unchanged``)."""
+        return graph_module_of(program).graph, self._nodes, None if after else self._fields
 
     def written(self) -> list[str]:
         return []  # tensors are not recorded: the declaration says none are touched
@@ -80,14 +87,27 @@ class MetaKeysSnapshot:
         return Change(False, changed or program is not self.program)
 
     def unrestorable_changes(self) -> list[str]:
-        return self.added_or_removed_nodes(self.program)
+        return []  # nodes added or removed: the graph is rebuilt from the recorded nodes
+
+    def _nodes_changed(self) -> bool:
+        graph = self._gm.graph
+        return graph is not self._graph or list(graph.nodes) != self._nodes
+
+    def _rebuilt(self) -> torch.fx.Graph:
+        return rebuild_graph(self._tracer_cls, self._codegen, self._nodes, self._fields,
+                             self._metas)
 
     @property
     def text(self) -> str:
-        # The code does not change under this declaration: the program as it is now.
-        return program_text(self.program)
+        """The program as it was (its code changes only if the pass broke its declaration)."""
+        if not self._nodes_changed():
+            return program_text(self.program)
+        text = str(self._rebuilt())
+        signature = getattr(self.program, "graph_signature", None)
+        return text if signature is None else f"{text}\n{signature}"
 
     def restore(self) -> None:
+        rebuild = self._nodes_changed()
         for node, meta in zip(self._nodes, self._metas, strict=True):
             if node.meta is not meta:
                 node.meta = meta
@@ -97,6 +117,9 @@ class MetaKeysSnapshot:
                     meta.pop(key, None)
                 else:
                     meta[key] = value
+        if rebuild:  # after the metas: the rebuilt nodes get copies of them as restored
+            self._gm.graph = self._rebuilt()
+            self._gm.recompile()
 
 
 def undeclared_edits(snapshot: Any, program: Any, keys: frozenset[str]) -> list[str]:

@@ -24,7 +24,7 @@ from .export_records import ObjectsRecord, SignatureRecord, equal_lists
 from .program import graph_module_of, modules_of
 from .state_record import TENSOR, ModulesRecord, TensorsRecord, same_dicts
 
-__all__ = ["Change", "Snapshot"]
+__all__ = ["Change", "Snapshot", "rebuild_graph"]
 
 # Meta entries that hold values or provenance: kept by reference (the meta dict itself
 # is copied, so replacing them is still undone). Passes replace these, never edit them in
@@ -108,24 +108,35 @@ class _GraphRecord:
         ]
 
     def rebuild(self) -> torch.fx.Graph:
-        graph = torch.fx.Graph(tracer_cls=self._tracer_cls)
-        env: dict[torch.fx.Node, torch.fx.Node] = {}
-        for i, (old, (name, op, target, args, kwargs, type_), items) in enumerate(
-            zip(self._nodes, self._fields, self._meta, strict=True)
-        ):
-            new = graph.create_node(
-                op,
-                target,
-                torch.fx.node.map_arg(args, env.__getitem__),
-                torch.fx.node.map_arg(kwargs, env.__getitem__),
-                name=name,
-                type_expr=type_,
-            )
-            new.meta = dict(items)  # a copy: the record may be restored again
-            new.meta.update((k, copy_value(v)) for k, v in self._copies.get(i, {}).items())
-            env[old] = new
-        graph._codegen = copy.copy(self._codegen)
-        return graph
+        return rebuild_graph(self._tracer_cls, self._codegen, self._nodes, self._fields,
+                             self._meta, self._copies)
+
+
+def rebuild_graph(tracer_cls: Any, codegen: Any, nodes: list[torch.fx.Node],
+                  fields: list[tuple], metas: list[dict],
+                  copies: dict[int, dict] | None = None) -> torch.fx.Graph:
+    """A new graph of the recorded nodes: ``fields`` as :func:`~.analysis.node_fields`
+    measured them (arguments still naming the recorded ``nodes``), a copy of each meta
+    in ``metas`` plus copies of the values in ``copies`` (node index -> key -> value)."""
+    graph = torch.fx.Graph(tracer_cls=tracer_cls)
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for i, (old, (name, op, target, args, kwargs, type_), items) in enumerate(
+        zip(nodes, fields, metas, strict=True)
+    ):
+        new = graph.create_node(
+            op,
+            target,
+            torch.fx.node.map_arg(args, env.__getitem__),
+            torch.fx.node.map_arg(kwargs, env.__getitem__),
+            name=name,
+            type_expr=type_,
+        )
+        new.meta = dict(items)  # a copy: the record may be restored again
+        if copies:
+            new.meta.update((k, copy_value(v)) for k, v in copies.get(i, {}).items())
+        env[old] = new
+    graph._codegen = copy.copy(codegen)
+    return graph
 
 
 def _same_entries(mapping: dict, recorded: dict) -> bool:

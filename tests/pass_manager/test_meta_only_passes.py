@@ -1,6 +1,7 @@
 """Passes declaring ``edits_only_meta_keys``: the manager records only those meta entries,
-rolls them back exactly when the pass fails, notices nodes added or removed in any mode,
-and under ``strict=True`` checks that nothing else changed (UndeclaredEditError)."""
+rolls them back exactly when the pass fails, notices nodes added or removed in any mode
+and puts the graph back, and under ``strict=True`` checks that nothing else changed
+(UndeclaredEditError)."""
 
 import pytest
 import torch
@@ -52,6 +53,14 @@ def tag_and_add_a_node(program):
     with graph.inserting_after(relu):
         neg = graph.call_function(torch.ops.aten.neg.default, (relu,))
     relu.replace_all_uses_with(neg, delete_user_cb=lambda user: user is not neg)
+
+
+@function_pass(edits_only_meta_keys={"tag"})
+def tag_and_remove_a_node(program):
+    relu = targets(program, "relu")[0]
+    relu.meta["tag"] = "relu"
+    relu.replace_all_uses_with(relu.args[0])  # the relu's users now read its input
+    graph_of(program).erase_node(relu)
 
 
 @function_pass(edits_only_meta_keys={"tag"})
@@ -112,13 +121,31 @@ def test_replaced_meta_dicts_are_put_back(form, request):
 
 
 @pytest.mark.parametrize("form", ["exported", "traced"])
-def test_nodes_added_by_a_meta_only_pass_are_an_error_in_any_mode(form, request):
+def test_nodes_added_by_a_meta_only_pass_are_an_error_and_taken_back_out(form, request):
     program = request.getfixturevalue(form)
+    text, tags = program_text(program), meta_of(program, "tag")
+    reference = Accumulate()
     with pytest.raises(UndeclaredEditError, match="added neg") as caught:
         PassManager([tag_and_add_a_node]).run(program)
-    # The meta-only record cannot take the node back out: the error says so.
-    [unrestored] = caught.value.unrestored
-    assert unrestored.startswith("added neg")
+    # The meta-only record keeps the nodes' fields: the graph is rebuilt without the node.
+    assert caught.value.rolled_back and not caught.value.unrestored
+    assert "+" in caught.value.diff and "neg" in caught.value.diff
+    assert program_text(program) == text
+    assert meta_of(program, "tag") == tags
+    assert_same_behaviour(reference, program, [(torch.ones(4),)] * 4)
+
+
+@pytest.mark.parametrize("form", ["exported", "traced"])
+def test_a_node_removed_by_a_meta_only_pass_is_put_back(form, request):
+    program = request.getfixturevalue(form)
+    text, tags = program_text(program), meta_of(program, "tag")
+    reference = Accumulate()
+    with pytest.raises(UndeclaredEditError, match="removed relu") as caught:
+        PassManager([tag_and_remove_a_node]).run(program)
+    assert caught.value.rolled_back and not caught.value.unrestored
+    assert program_text(program) == text
+    assert meta_of(program, "tag") == tags
+    assert_same_behaviour(reference, program, [(torch.randn(4),) for _ in range(4)])
 
 
 @pytest.mark.parametrize("form", ["exported", "traced"])
