@@ -8,7 +8,7 @@ such constant with the read it stands for. ``UnfreezeMutableBuffer`` rewrites th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,6 +160,7 @@ def _frozen_scan_inputs(gm: GraphModule) -> tuple:
 
 def _scan_frozen(gm: GraphModule) -> tuple[list[FrozenRead], list[tuple[Node, list[str]]]]:
     reads = _candidate_reads(gm)
+    values = _ReadValues(gm, [r for r in reads if not r.consumers])
     found: list[FrozenRead] = []
     ambiguous: list[tuple[Node, list[str]]] = []
     for node in frozen_nodes(gm):
@@ -177,10 +178,10 @@ def _scan_frozen(gm: GraphModule) -> tuple[list[FrozenRead], list[tuple[Node, li
         # Recorded provenance first: the observer that watched a buffer read fed exactly
         # these consumer nodes, and its qparams are the constant's.
         matches = [r for r in reads if r.consumers & consumers
-                   and _observer_agrees(r.observer, qparams) and _same_shape(gm, r, constant)]
+                   and _observer_agrees(r.observer, qparams)
+                   and getattr(values.of(r), "shape", None) == constant.shape]
         if not matches:
-            unrecorded = [r for r in reads if not r.consumers]
-            matches = _matching_reads(gm, unrecorded, constant, qparams)
+            matches = _matching_reads(values, constant, qparams)
         names = sorted({m.describe() for m in matches})
         if len(names) > 1:
             ambiguous.append((node, names))
@@ -189,33 +190,54 @@ def _scan_frozen(gm: GraphModule) -> tuple[list[FrozenRead], list[tuple[Node, li
     return found, ambiguous
 
 
-def _same_shape(gm: GraphModule, read: BufferRead, constant: torch.Tensor) -> bool:
-    value = _buffer_value(gm, read.fqn)
-    if value is None:
-        return False
-    try:
-        with torch.no_grad():
-            return read.replay(value).shape == constant.shape
-    except RuntimeError:
-        return False
+class _ReadValues:
+    """The current value of each read (its buffer seen through its views), taken once per
+    scan, and the unrecorded reads grouped by the shape of that value.
+
+    A quantized model has a frozen constant per weight and a read per cache: comparing
+    every constant with every read would look up and replay each read once per constant.
+    """
+
+    def __init__(self, gm: GraphModule, unrecorded: list[BufferRead]):
+        self._gm = gm
+        self._values: dict[int, torch.Tensor | None] = {}
+        self._unrecorded = unrecorded
+        self._by_shape: dict[torch.Size, list[tuple[BufferRead, torch.Tensor]]] | None = None
+
+    def of(self, read: BufferRead) -> torch.Tensor | None:
+        """The read's value, or None (no such buffer, or its views fail on it)."""
+        if id(read) not in self._values:
+            value = _buffer_value(self._gm, read.fqn)
+            if value is not None:
+                try:
+                    with torch.no_grad():
+                        value = read.replay(value)
+                except RuntimeError:
+                    value = None
+            self._values[id(read)] = value
+        return self._values[id(read)]
+
+    def unrecorded_of_shape(self, shape: torch.Size) -> list[tuple[BufferRead, torch.Tensor]]:
+        """The unrecorded reads whose value has ``shape``, in candidate order."""
+        if self._by_shape is None:
+            self._by_shape = {}
+            for read in self._unrecorded:
+                value = self.of(read)
+                if value is not None:
+                    self._by_shape.setdefault(value.shape, []).append((read, value))
+        return self._by_shape.get(shape, [])
 
 
 def _matching_reads(
-    gm: GraphModule, reads: Iterable[BufferRead], constant: torch.Tensor, qparams: tuple
+    values: _ReadValues, constant: torch.Tensor, qparams: tuple
 ) -> list[BufferRead]:
+    """The unrecorded reads whose value, quantized with ``qparams``, is ``constant``."""
     scale, zero_point, qmin, qmax, dtype = qparams
     matches = []
-    for read in reads:
-        value = _buffer_value(gm, read.fqn)
-        if value is None or not _observer_agrees(read.observer, qparams):
+    for read, value in values.unrecorded_of_shape(constant.shape):
+        if not value.is_floating_point() or not _observer_agrees(read.observer, qparams):
             continue
         with torch.no_grad():
-            try:
-                value = read.replay(value)
-            except RuntimeError:
-                continue
-            if value.shape != constant.shape or not value.is_floating_point():
-                continue
             quantized = _QUANTIZE(value, scale, zero_point, qmin, qmax, dtype)
         if quantized.dtype == constant.dtype and torch.equal(quantized, constant):
             matches.append(read)
