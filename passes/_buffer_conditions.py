@@ -65,11 +65,9 @@ def _in_place_writes(program: Any) -> list[str]:
     allowed = set() if is_ep else set(trailing_write_backs(program))
     violations = []
     gm = graph_module_of(program)
-    for node in gm.graph.nodes:
-        if node in allowed or (node.op == "call_function" and not (
-            may_write(node) or isinstance(node.target, torch._ops.HigherOrderOperator)
-        )):
-            continue  # most nodes: they write nothing
+    for node in _possible_writers(gm.graph):
+        if node in allowed:
+            continue
         written = written_nodes(node)
         if written:
             names = ", ".join(n.name for n in written)
@@ -79,6 +77,26 @@ def _in_place_writes(program: Any) -> list[str]:
         elif (hop := hop_writes(node, gm)) is not None:
             violations.append(f"{node.name}: {hop.reason}")
     return violations
+
+
+def _possible_writers(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """In graph order, the nodes that may write: calls of an op whose schema writes, of a
+    higher-order op, and every method call (an in-place method is named with a ``_``).
+
+    Whether an op may write depends on the op alone, so it is asked once per distinct op
+    and the graph's node index gives that op's calls: the check after a rewrite of a
+    large graph then walks the graph once, cheaply, instead of asking of every node.
+    """
+    # By id: an OpOverload hashes in Python, an id in C.
+    by_target = {id(n.target): n for n in graph.nodes if n.op == "call_function"}
+    found = [
+        node
+        for example in by_target.values()
+        if may_write(example) or isinstance(example.target, torch._ops.HigherOrderOperator)
+        for node in graph.find_nodes(op="call_function", target=example.target, sort=False)
+    ]
+    found += graph.find_nodes(op="call_method", sort=False)
+    return sorted(found)
 
 
 Functional = Condition(
