@@ -161,6 +161,13 @@ def _frozen_scan_inputs(gm: GraphModule) -> tuple:
 def _scan_frozen(gm: GraphModule) -> tuple[list[FrozenRead], list[tuple[Node, list[str]]]]:
     reads = _candidate_reads(gm)
     values = _ReadValues(gm, [r for r in reads if not r.consumers])
+    # The recorded reads by the nodes they fed: a constant is compared with those that fed
+    # its consumers, not with every read (a constant per weight, a read per cache).
+    position = {id(r): i for i, r in enumerate(reads)}
+    by_consumer: dict[str, list[BufferRead]] = {}
+    for read in reads:
+        for name in read.consumers:
+            by_consumer.setdefault(name, []).append(read)
     found: list[FrozenRead] = []
     ambiguous: list[tuple[Node, list[str]]] = []
     for node in frozen_nodes(gm):
@@ -177,8 +184,9 @@ def _scan_frozen(gm: GraphModule) -> tuple[list[FrozenRead], list[tuple[Node, li
         consumers = {c.name for u in users for c in u.users}
         # Recorded provenance first: the observer that watched a buffer read fed exactly
         # these consumer nodes, and its qparams are the constant's.
-        matches = [r for r in reads if r.consumers & consumers
-                   and _observer_agrees(r.observer, qparams)
+        fed = {id(r): r for name in consumers for r in by_consumer.get(name, ())}
+        matches = [r for r in sorted(fed.values(), key=lambda r: position[id(r)])
+                   if _observer_agrees(r.observer, qparams)
                    and getattr(values.of(r), "shape", None) == constant.shape]
         if not matches:
             matches = _matching_reads(values, constant, qparams)
