@@ -60,6 +60,24 @@ class TwoAccumulators(nn.Module):
         return out
 
 
+class TwoShapes(nn.Module):
+    """Two buffers holding the same (zero) values but of different shapes, beside weights
+    of other shapes: without provenance each frozen read matches its buffer by shape."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.register_buffer("a", torch.zeros(1, dim))
+        self.register_buffer("cache", torch.zeros(2, 1, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        out = (y + self.a) + (y.unsqueeze(0) * self.cache).sum(0)
+        self.a.add_(y)
+        self.cache.add_(y.unsqueeze(0) * 0.25)
+        return out
+
+
 class TransposedState(nn.Module):
     """A state read through a view (a frozen ``quantize(transpose(state))``)."""
 
@@ -95,7 +113,7 @@ def _prepared(model: nn.Module, recorded: bool) -> torch.fx.GraphModule:
 @functools.cache
 def converted_pair(model_name: str, recorded: bool):
     torch.manual_seed(0)
-    model = {"accumulator": Accumulator, "two": TwoAccumulators,
+    model = {"accumulator": Accumulator, "two": TwoAccumulators, "shapes": TwoShapes,
              "transposed": TransposedState}[model_name]().eval()
     prepared = _prepared(model, recorded)
     folded = convert_pt2e(copy.deepcopy(prepared), fold_quantize=True)
@@ -106,23 +124,25 @@ def converted_pair(model_name: str, recorded: bool):
 @pytest.mark.parametrize(
     "model_name, recorded",
     # Two equal buffers without provenance are ambiguous: see the test after this one.
-    [("accumulator", False), ("accumulator", True), ("two", True)],
-    ids=["accumulator-converted-only", "accumulator-pass-quantizer", "two-pass-quantizer"],
+    [("accumulator", False), ("accumulator", True), ("two", True), ("shapes", False),
+     ("shapes", True)],
+    ids=["accumulator-converted-only", "accumulator-pass-quantizer", "two-pass-quantizer",
+         "shapes-converted-only", "shapes-pass-quantizer"],
 )
 def test_unfrozen_program_behaves_like_the_unfolded_one(model_name, recorded):
     folded, unfolded = converted_pair(model_name, recorded)
     folded = copy.deepcopy(folded)
     with pytest.raises(AssertionError):
         same_behaviour(unfolded, folded)
-    assert len(conditions.NoFrozenMutableBuffers.check(folded)) == (2 if model_name == "two" else 1)
+    reads = 1 if model_name == "accumulator" else 2
+    assert len(conditions.NoFrozenMutableBuffers.check(folded)) == reads
     frozen_before = _frozen_names(folded)
     result = PassManager([UnfreezeMutableBuffer()]).run(folded)
     assert result.modified
     assert not conditions.NoFrozenMutableBuffers.check(result.program)
     same_behaviour(unfolded, result.program)
     # Frozen weights stay frozen; only the buffer reads went.
-    assert len(_frozen_names(result.program)) == len(frozen_before) - (
-        2 if model_name == "two" else 1)
+    assert len(_frozen_names(result.program)) == len(frozen_before) - reads
 
 
 def _frozen_names(gm: torch.fx.GraphModule) -> list[str]:
