@@ -13,7 +13,6 @@ from torch.export import ExportedProgram
 
 from pass_manager import Condition, graph_module_of
 
-from ._aliasing import may_write, written_nodes
 from ._buffers import (
     BUFFER,
     INITIAL_META,
@@ -25,6 +24,7 @@ from ._buffers import (
     hop_writes,
     trailing_write_backs,
 )
+from ._op_schema import may_write, written_nodes
 
 __all__ = ["Functional", "MutableBuffersMarked"]
 

@@ -26,7 +26,8 @@ from torch.fx import Node
 from pass_manager import graph_module_of
 from pass_manager.analysis import cached
 
-from ._aliasing import Alias, OpaqueNode, alias_map, written_nodes
+from ._aliasing import Alias, OpaqueNode, alias_map
+from ._op_schema import written_nodes
 
 __all__ = [
     "BUFFER",

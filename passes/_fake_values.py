@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, Node, map_arg
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from ._aliasing import view_base_index
+from ._op_schema import view_base_index
 
 __all__ = ["FakeValues", "same_static_layout", "static_layout"]
 

@@ -1,12 +1,13 @@
 """The rewrite behind InplaceToFunctional: one walk over the graph with an undo log.
 
-Every tensor has a storage root and a chain of views from it (``_aliasing``). Each
-written root has a *current value* node and a version; a write replaces the op by its
-functional variant and writes the new value back through the view chain into the root
-(``_view_inverse``); a read of a view whose root has moved on replays the chain on the
-current value. At the output, each mutated buffer / input gets its final value as a
-mutation output (ExportedProgram) or a trailing ``copy_`` (GraphModule): see
-``_functionalize_end``; ops reading storage or layout are in ``_storage_reads``.
+Every tensor has a storage root and a chain of views from it (``_aliasing``, built from
+the op facts of ``_op_schema``). Each written root has a *current value* node and a
+version; a write replaces the op by its functional variant and writes the new value back
+through the view chain into the root (``_view_inverse``); a read of a view whose root has
+moved on replays the chain on the current value. At the output, each mutated buffer /
+input gets its final value as a mutation output (ExportedProgram) or a trailing ``copy_``
+(GraphModule): see ``_functionalize_end``; ops reading storage or layout are in
+``_storage_reads``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from torch.fx import Node, map_arg
 
 from pass_manager import graph_module_of
 
-from ._aliasing import (
+from ._buffers import call_graph_names
+from ._fake_values import same_static_layout
+from ._functionalize_end import VALUE_META, ProgramEnd, fresh_like
+from ._functionalize_start import ProgramStart
+from ._mutation_checks import UnsupportedMutationError, check_opaque, check_write
+from ._op_schema import (
     MAYBE_VIEWS,
     METADATA_QUERIES,
     STORAGE_READERS,
@@ -34,11 +40,6 @@ from ._aliasing import (
     view_base_index,
     written_arguments,
 )
-from ._buffers import call_graph_names
-from ._fake_values import same_static_layout
-from ._functionalize_end import VALUE_META, ProgramEnd, fresh_like
-from ._functionalize_start import ProgramStart
-from ._mutation_checks import UnsupportedMutationError, check_opaque, check_write
 from ._overlapping_writes import OverlappingWrites
 from ._storage_reads import StorageReads
 from .functional_variants import functional_variant

@@ -16,7 +16,6 @@ from torch.export.graph_signature import (
 )
 from torch.fx import Node, map_arg
 
-from ._aliasing import MAYBE_VIEWS, target_of, view_base_index
 from ._buffers import (
     BUFFER,
     INITIAL_META,
@@ -28,6 +27,7 @@ from ._buffers import (
     named_input_specs,
     rename_call_graph,
 )
+from ._op_schema import MAYBE_VIEWS, target_of, view_base_index
 
 __all__ = ["VALUE_META", "ProgramEnd", "fresh_like"]
 

@@ -15,12 +15,12 @@ import torch
 from torch.export.graph_signature import OutputSpec
 from torch.fx import Node
 
-from ._aliasing import target_of
 from ._buffers import MUTATION_OUTPUT_KINDS, State, find_mutations, trailing_write_backs
 from ._fake_values import FakeValues
 from ._functionalize_end import fresh_like
 from ._grad_regions import InlinedRegions, inline_grad_regions
 from ._metadata_mutations import MetadataMutations, normalize_metadata_mutations
+from ._op_schema import target_of
 
 __all__ = ["ProgramStart"]
 

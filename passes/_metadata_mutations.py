@@ -27,16 +27,10 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node, map_arg
 
-from ._aliasing import (
-    aliased_argument,
-    argument_value,
-    in_dialect_of,
-    may_write,
-    target_of,
-    view_base_index,
-)
+from ._aliasing import aliased_argument
 from ._buffers import CONSTANT, PARAMETER, State, state_nodes
 from ._fake_values import FakeValues, same_static_layout
+from ._op_schema import argument_value, in_dialect_of, may_write, target_of, view_base_index
 from .functional_variants import METADATA_VIEWS
 
 __all__ = ["METADATA_MUTATIONS", "MetadataMutations", "normalize_metadata_mutations"]

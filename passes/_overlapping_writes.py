@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from ._aliasing import STORAGE_VIEWS, argument_value, target_of
 from ._element_overlap import ENUMERATION_LIMIT, element_offsets, overlaps_itself
 from ._mutation_checks import UnsupportedMutationError
+from ._op_schema import STORAGE_VIEWS, argument_value, target_of
 from ._view_inverse import view_steps, write_back_chain
 
 __all__ = ["OverlappingWrites", "written_positions"]

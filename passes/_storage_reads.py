@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.fx import Node, map_arg
 
-from ._aliasing import STORAGE_VIEWS, argument_value, target_of, view_base_index
 from ._mutation_checks import UnsupportedMutationError
+from ._op_schema import STORAGE_VIEWS, argument_value, target_of, view_base_index
 
 __all__ = ["StorageReads", "whole_storage"]
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 from torch.fx import Node
 
-from ._aliasing import STORAGE_VIEWS, argument_value, target_of
 from ._element_overlap import overlaps_itself
+from ._op_schema import STORAGE_VIEWS, argument_value, target_of
 
 __all__ = ["Emit", "write_back", "write_back_reason"]
 
@@ -135,7 +135,7 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
     if target in _SCATTERS:
         return emit(_SCATTERS[target], base, value, *_args(view))
     if target in STORAGE_VIEWS:
-        # ``base`` is the storage root's value (see _aliasing.STORAGE_VIEWS), so the
+        # ``base`` is the storage root's value (see _op_schema.STORAGE_VIEWS), so the
         # offset is the view's own, absolute one.
         size, stride = _args(view)[:2]
         return emit(aten.as_strided_scatter.default, base, value, size, stride,

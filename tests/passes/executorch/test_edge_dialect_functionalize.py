@@ -1,5 +1,5 @@
 """InplaceToFunctional on Edge-dialect programs (issue 10): ExecuTorch's ``EdgeOpOverload``
-is not an ``OpOverload``; its ATen op is read through ``passes._aliasing.target_of``, so
+is not an ``OpOverload``; its ATen op is read through ``passes._op_schema.target_of``, so
 views, storage views and writes are recognised, and the rewrite emits Edge ops.
 
 ``to_edge`` functionalizes by itself, so an Edge program holding writes is made here by
