@@ -11,6 +11,11 @@ the managed/bare ratio of both (target <= 1.10). ``--memory`` also measures, in 
 process per pass, the peak RSS the managed run adds on the big-state decoder, against the
 program's buffer bytes (target <= 5%).
 
+A full run (no ``--only`` / ``--pass``) also measures how the two passes that need a
+quantized program, SkipAnnotateDataMovementOps and UnfreezeMutableBuffer, grow from 4 to
+64 layers, bare and managed, against the node count of their inputs (target: cost ratio
+<= 1.2x node ratio; ``bench_pass_cost`` measures the other passes' growth).
+
     python -m benchmarks.bench_manager_overhead [--repeat 7] [--memory] [--only 32-layer]
         [--pass SkipAnnotateDataMovementOps]
 """
@@ -48,6 +53,8 @@ PROGRAMS: dict[str, dict[str, Any]] = {
     "32-layer": {"n_layers": 32},
     "256MiB-state": {"n_layers": 16, "dim": 512, "max_seq": 4096},
 }
+GROWTH_LAYERS = (4, 64)
+GROWTH_PASSES = ("SkipAnnotateDataMovementOps", "UnfreezeMutableBuffer")
 PASSES: dict[str, Callable[[], Any]] = {
     "MarkMutableBuffers": MarkMutableBuffers,
     "InplaceToFunctional": InplaceToFunctional,
@@ -128,26 +135,66 @@ def measure(name: str, repeat: int, passes: list[str] | None = None) -> list[dic
     for pass_name, make_pass in PASSES.items():
         if passes and pass_name not in passes:
             continue
-        make_input = factories[pass_name]
-        # Interleave bare and managed runs so load on the machine hits both alike.
-        b, m = Timings("bare"), Timings("managed")
-        run_bare = lambda p, make=make_pass: bare(make(), p)  # noqa: E731
-        run_managed = lambda p, make=make_pass: managed(make, p)  # noqa: E731
-        for _ in range(repeat):
-            # CPU time, each run after a collection: on a shared machine wall time mostly
-            # measures the other processes, and a collection one run triggers and the other
-            # does not is noise of the order of the small passes' whole cost.
-            for timings, run in ((b, run_bare), (m, run_managed)):
-                gc.collect()
-                timings.samples += time_call(
-                    timings.name, run, make_input, 1, clock=time.process_time
-                ).samples
+        b, m = _bare_and_managed(make_pass, factories[pass_name], repeat)
         rows.append({
             "program": name, "pass": pass_name,
             "bare_ms": b.median * 1e3, "managed_ms": m.median * 1e3,
             "ratio_median": m.median / b.median, "ratio_min": m.min / b.min,
         })
     return rows
+
+
+def _bare_and_managed(
+    make_pass: Callable[[], Any], make_input: Callable[[], Any], repeat: int
+) -> tuple[Timings, Timings]:
+    """``repeat`` timings of the bare and the managed pass, interleaved so that load on the
+    machine hits both alike."""
+    b, m = Timings("bare"), Timings("managed")
+    run_bare = lambda p: bare(make_pass(), p)  # noqa: E731
+    run_managed = lambda p: managed(make_pass, p)  # noqa: E731
+    for _ in range(repeat):
+        # CPU time, each run after a collection: on a shared machine wall time mostly
+        # measures the other processes, and a collection one run triggers and the other
+        # does not is noise of the order of the small passes' whole cost.
+        for timings, run in ((b, run_bare), (m, run_managed)):
+            gc.collect()
+            timings.samples += time_call(
+                timings.name, run, make_input, 1, clock=time.process_time
+            ).samples
+    return b, m
+
+
+def measure_growth(repeat: int) -> list[str]:
+    """The growth table of SkipAnnotateDataMovementOps and UnfreezeMutableBuffer: min-of-runs
+    cost at 4 and 64 layers, bare and managed, against their inputs' node counts."""
+    nodes: dict[tuple[str, int], int] = {}
+    cost: dict[tuple[str, str, int], float] = {}
+    for layers in GROWTH_LAYERS:
+        factories, _ = inputs_for({"n_layers": layers})
+        for pass_name in GROWTH_PASSES:
+            make_input = factories[pass_name]
+            nodes[pass_name, layers] = len(graph_module_of(make_input()).graph.nodes)
+            b, m = _bare_and_managed(PASSES[pass_name], make_input, repeat)
+            cost[pass_name, "bare", layers], cost[pass_name, "managed", layers] = b.min, m.min
+    small, big = GROWTH_LAYERS
+    lines = [
+        "", f"## Growth from {small} to {big} layers of the passes on quantized programs "
+        f"(CPU ms: min of {repeat} runs)", "",
+        "Inputs as above: the annotated program (SkipAnnotateDataMovementOps) and the "
+        "converted one (UnfreezeMutableBuffer). Target: cost ratio <= 1.2x node ratio.", "",
+        f"| pass | nodes ({small} -> {big} layers) | node ratio | mode | {small} layers "
+        f"| {big} layers | cost ratio | cost ratio / node ratio |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for pass_name in GROWTH_PASSES:
+        n_small, n_big = nodes[pass_name, small], nodes[pass_name, big]
+        for mode in ("bare", "managed"):
+            a, z = cost[pass_name, mode, small], cost[pass_name, mode, big]
+            lines.append(
+                f"| {pass_name} | {n_small} -> {n_big} | x{n_big / n_small:.2f} | {mode} "
+                f"| {a * 1e3:.2f} | {z * 1e3:.1f} | x{z / a:.2f} "
+                f"| {z / a / (n_big / n_small):.2f} |")
+    return lines
 
 
 def _rss_kib(field: str) -> int:
@@ -227,6 +274,10 @@ def main(argv: list[str] | None = None) -> str:
                          f"| {r['managed_ms']:.1f} | {r['ratio_median']:.3f}x "
                          f"| {r['ratio_min']:.3f}x |")
             print(lines[-1], flush=True)
+    if not args.only and not args.passes:
+        growth = measure_growth(args.repeat)
+        print("\n".join(growth), flush=True)
+        lines += growth
     if args.memory:
         memory = [
             "", "### Peak extra RSS on the 256MiB-state decoder (MiB, one child process per run)",
