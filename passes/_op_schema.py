@@ -24,13 +24,11 @@ __all__ = [
     "NO_WRITE_UNLESS",
     "STORAGE_READERS",
     "STORAGE_VIEWS",
-    "UNANNOTATED_MAYBE_VIEWS",
     "OpFacts",
     "argument_value",
     "aten_op",
     "facts_of",
     "in_dialect_of",
-    "list_view_argument",
     "may_write",
     "schema_of",
     "target_of",
@@ -269,12 +267,6 @@ def may_write(node: Node) -> bool:
 
 def written_nodes(node: Node) -> list[Node]:
     return [n for _, n in written_arguments(node)]
-
-
-def list_view_argument(node: Node) -> int | None:
-    """For a list-of-views op (split, unbind): the index of the argument it views."""
-    facts = facts_of(node)
-    return None if facts is None else facts.list_views_of
 
 
 def view_base_index(node: Node) -> int | None:
