@@ -20,7 +20,7 @@ from pass_manager import PassManager
 from pass_manager.benchmarking import time_call
 from passes import ConsumeBufferMutationsInDelegate
 from passes.delegation import AllNodePartitioner, OpSupportPartitioner, delegates, to_delegate
-from passes.examples import kv_decoder
+from passes.flow.examples import kv_decoder
 
 __all__ = ["main"]
 

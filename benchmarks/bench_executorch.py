@@ -1,6 +1,6 @@
 """ExecuTorch alone vs ExecuTorch + BufferOwningPartitioner, side by side.
 
-For each buffer-ownership case (``passes.executorch.cases``): what
+For each buffer-ownership case (``tests.models.executorch_cases``): what
 ``to_edge_transform_and_lower`` gives with the partitioner alone and wrapped (the error,
 or the max abs output difference from eager on each of 4 calls of
 ``lowered.exported_program().module()``), which buffers the delegates own, and the
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> str:
 
     from pass_manager import PassManager
     from passes import InplaceToFunctional, MarkMutableBuffers
-    from passes.examples import decoder_job
-    from passes.executorch.cases import CASES
+    from passes.flow.examples import decoder_job
+    from tests.models.executorch_cases import CASES
 
     lines = [
         TITLE,

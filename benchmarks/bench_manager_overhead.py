@@ -45,7 +45,7 @@ from passes import (
     UnfreezeMutableBuffer,
 )
 from passes.delegation import AllNodePartitioner, to_delegate
-from passes.examples import AnnotateEveryOpQuantizer, kv_decoder
+from passes.flow.examples import AnnotateEveryOpQuantizer, kv_decoder
 
 __all__ = ["PROGRAMS", "inputs_for", "main"]
 

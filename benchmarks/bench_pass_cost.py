@@ -50,7 +50,7 @@ from passes import (
 )
 from passes.conditions import Functional
 from passes.delegation import AllNodePartitioner, to_delegate
-from passes.examples import kv_decoder
+from passes.flow.examples import kv_decoder
 
 __all__ = ["main", "measure"]
 

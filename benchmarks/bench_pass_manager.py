@@ -17,9 +17,9 @@ from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 from torch.fx.passes.infra.pass_manager import PassManager as TorchPassManager
 
 from pass_manager import Condition, PassManager, function_pass
+from pass_manager._rollback.snapshot import Snapshot
 from pass_manager.benchmarking import time_call
 from pass_manager.program import fingerprint
-from pass_manager.snapshot import Snapshot
 
 OPS = (torch.ops.aten.relu.default, torch.ops.aten.neg.default, torch.ops.aten.sin.default)
 

@@ -29,7 +29,12 @@ from benchmarks.quantizers import (
     decode,
     prepare_and_calibrate,
 )
-from passes.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder, xnnpack_quantizer
+from passes.flow.examples import (
+    AnnotateEveryOpQuantizer,
+    decode_inputs,
+    kv_decoder,
+    xnnpack_quantizer,
+)
 
 __all__ = ["accuracy_rows", "main"]
 

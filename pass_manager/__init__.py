@@ -11,6 +11,7 @@ This package never imports ``passes``.
 
 from .archive import load_program, save_program
 from .conditions import ALL_CONDITIONS, Condition
+from .effects import Effects
 from .errors import (
     InPlaceContractError,
     MetaEditError,
@@ -24,13 +25,20 @@ from .errors import (
     StateWriteError,
     UndeclaredEditError,
 )
-from .instrumentation import ClaimCheck, Instrumentation, PrintDiff, SemanticValidation, Timing
+from .instruments import (
+    ClaimCheck,
+    Instrumentation,
+    PrintDiff,
+    PrintIR,
+    Reproducer,
+    SemanticValidation,
+    Timing,
+)
 from .manager import PassManager, parse_pipeline
 from .pass_base import Pass, PassResult, as_pass, function_pass, known_passes
-from .printing import PrintIR
 from .program import EXPORTED_PROGRAM, GRAPH_MODULE, graph_module_of, graph_of
+from .replay import load_reproducer, replay
 from .report import PassRecord, Report
-from .reproducer import Reproducer, load_reproducer, replay
 from .running import RunResult
 from .validation import assert_same_behaviour, first_difference, run_program
 
@@ -40,6 +48,7 @@ __all__ = [
     "GRAPH_MODULE",
     "ClaimCheck",
     "Condition",
+    "Effects",
     "InPlaceContractError",
     "Instrumentation",
     "MetaEditError",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .printing import PrintIR
-from .reproducer import replay
+from .instruments import PrintIR
+from .replay import replay
 
 __all__ = ["main"]
 

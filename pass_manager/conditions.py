@@ -12,7 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["ALL_CONDITIONS", "Condition", "ConditionSet", "as_condition_set"]
+__all__ = [
+    "ALL_CONDITIONS",
+    "Condition",
+    "ConditionSet",
+    "as_condition_set",
+    "preserves_of",
+    "provides_of",
+    "requires_of",
+]
 
 CheckFn = Callable[[Any], Iterable[str]]
 
@@ -156,3 +164,16 @@ def as_condition_set(conditions: Iterable[Condition] | Condition | None) -> Cond
         if not isinstance(item, Condition):
             raise TypeError(f"expected Condition objects, got {item!r}")
     return result
+
+
+def requires_of(pass_: Any) -> ConditionSet:
+    """What a pass (anything with the Pass attributes) requires, as a condition set."""
+    return as_condition_set(pass_.requires)
+
+
+def provides_of(pass_: Any) -> ConditionSet:
+    return as_condition_set(pass_.provides)
+
+
+def preserves_of(pass_: Any) -> ConditionSet:
+    return as_condition_set(pass_.preserves)

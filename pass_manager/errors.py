@@ -154,19 +154,22 @@ class PassFailedError(PassManagerError):
 
 
 class InPlaceContractError(PassFailedError):
-    """A pass broke its ``in_place`` declaration: an in-place pass returned another program
-    object, or a pass declaring it returns a new program changed the one it was given."""
+    """A pass broke the ``in_place`` part of its effects: an in-place pass returned another
+    program object, or a pass declaring it returns a new program changed the one it was
+    given."""
 
 
 class StateWriteError(PassFailedError):
     """A pass wrote tensor data (a buffer or parameter) in place without declaring
-    ``writes_state = True``; ``written`` (also ``unrestored``) names those tensors."""
+    ``writes_state=True`` in its effects; ``written`` (also ``unrestored``) names those
+    tensors."""
 
     def __init__(self, pass_name: str, index: int | None, written: Sequence[str]):
         super().__init__(
             pass_name,
             index,
-            f"wrote tensor data in place without declaring writes_state = True: "
+            f"wrote tensor data in place without declaring writes_state = True in its "
+            f"effects: "
             f"{', '.join(written)}",
         )
         self.written = list(written)
@@ -185,30 +188,34 @@ class SemanticsError(PassManagerError):
 
 
 class MetaEditError(PassFailedError):
-    """A pass declaring ``edits_meta_in_place = False`` edited an object held in node meta
-    in place (found under ``PassManager(strict=True)``); ``edited`` names ``node: key``."""
+    """A pass whose effects exclude ``edits_meta_in_place`` edited an object held in node
+    meta in place (found under ``PassManager(strict=True)``); ``edited`` names
+    ``node: key``."""
 
     def __init__(self, pass_name: str, index: int | None, edited: Sequence[str]):
         super().__init__(
             pass_name,
             index,
-            "edited meta objects in place while declaring edits_meta_in_place = False "
+            "edited meta objects in place while its effects declare edits_meta_in_place = "
+            "False "
             f"(replace them instead: node.meta[key] = new): {', '.join(edited)}",
         )
         self.edited = list(edited)
 
 
 class UndeclaredEditError(PassFailedError):
-    """A pass declaring ``edits_only_meta_keys`` changed something else: other meta keys,
-    nodes, arguments, modules, tensors or the signature (found under
-    ``PassManager(strict=True)``, or nodes added or removed in any mode). ``edits`` names
-    what changed; what the meta-only record could not undo is in ``unrestored``."""
+    """A pass whose effects name the meta keys it changes (``Effects.only_meta`` or
+    ``Effects.rewrite(meta_keys=...)``) changed something else: other meta keys and, for a
+    meta-only pass, nodes, arguments, modules, tensors or the signature (found under
+    ``PassManager(strict=True)``, or a meta-only pass's nodes added or removed in any
+    mode). ``edits`` names what changed; what the record could not undo is in
+    ``unrestored``."""
 
     def __init__(self, pass_name: str, index: int | None, edits: Sequence[str]):
         super().__init__(
             pass_name,
             index,
-            "changed more than the node meta keys it declares in edits_only_meta_keys: "
+            "changed more than the node meta keys its effects declare (meta_keys): "
             + "; ".join(edits),
         )
         self.edits = list(edits)

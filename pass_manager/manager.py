@@ -10,19 +10,19 @@ instrument: timing, the "unmodified" claim check (``strict``), semantic validati
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
-from .conditions import ALL_CONDITIONS, ConditionSet
-from .instrumentation import Instrumentation, PrintDiff, SemanticValidation
+from .conditions import ALL_CONDITIONS, ConditionSet, preserves_of, provides_of, requires_of
+from .effects import Effects
+from .instruments import Instrumentation, PrintDiff, PrintIR, Reproducer, SemanticValidation
 from .pass_base import Pass, PassResult, as_pass
 from .pipeline_text import format_pipeline, parse_passes
 from .planning import Plan, build_plan
-from .printing import PrintIR
-from .reproducer import Reproducer
 from .running import Runner, RunResult, default_instruments
 from .validation import StateReader, call_inputs
 
@@ -38,9 +38,11 @@ class PassManager(Pass):
         reorder: order by dependencies (default); with False, keep the list order and
             raise PipelineError when a requirement is provided only later.
         strict: a pass that claims "unmodified" but changed the program is an error
-            (rolled back) instead of a report warning; and a pass declaring
-            ``edits_meta_in_place = False`` is checked: its snapshot copies the meta
-            objects anyway, and an in-place edit of one is a MetaEditError.
+            (rolled back) instead of a report warning; and every pass's ``effects`` are
+            checked in full: its rollback record is the full snapshot whatever it
+            declares, and an edit it does not declare is a typed error (an in-place
+            edit of a meta object, MetaEditError; other meta keys or more than meta,
+            UndeclaredEditError).
         max_iterations: repeat the pipeline until no pass changes the program, at most
             this many times (1 = run once); hitting the bound is a report warning.
         validate: example inputs (one argument tuple, or one tuple per call) to check
@@ -130,19 +132,19 @@ class PassManager(Pass):
         provided: set = set()
         needed: set = set()
         for p in self.plan():
-            needed |= p.required - provided
-            provided |= p.provided
+            needed |= requires_of(p) - provided
+            provided |= provides_of(p)
         return frozenset(needed)
 
     @property
     def provides(self) -> frozenset:
-        return frozenset().union(*(p.provided for p in self.plan()))
+        return frozenset().union(*(provides_of(p) for p in self.plan()))
 
     @property
     def preserves(self) -> ConditionSet:
         preserved: ConditionSet = ALL_CONDITIONS
         for p in self.plan():
-            preserved = preserved & p.preserved
+            preserved = preserved & preserves_of(p)
         return preserved
 
     @property
@@ -153,17 +155,10 @@ class PassManager(Pass):
         return tuple(sorted(forms)) if forms is not None else Pass.accepts
 
     @property
-    def in_place(self) -> bool | None:
-        """In place if every pass is; otherwise some pass may return a new program."""
-        return True if all(p.in_place is True for p in self.plan()) else None
-
-    @property
-    def writes_state(self) -> bool:
-        return any(p.writes_state for p in self.plan())
-
-    @property
-    def edits_meta_in_place(self) -> bool:
-        return any(p.edits_meta_in_place for p in self.plan())
+    def effects(self) -> Effects:
+        """What the group may change: everything its passes may (in place if all are)."""
+        return functools.reduce(Effects.union, (p.effects for p in self.plan()), Effects(
+            rewrites=False, meta_keys=(), edits_meta_in_place=False))
 
     def call(self, program: Any) -> PassResult:
         result = self.run(program)

@@ -2,19 +2,17 @@
 
 A pass declares, as class attributes, what it ``requires`` before it runs, what it
 ``provides`` after, what it ``preserves`` (conditions that hold afterwards if they held
-before; everything else is invalidated when the pass changes the program), whether it
-rewrites the program it is given (``in_place``), whether it writes tensor data
-(``writes_state``), whether it edits objects held in node meta in place
-(``edits_meta_in_place``) and whether it changes nothing but some node meta keys
-(``edits_only_meta_keys``). The manager checks every declaration (the last one with
-``strict=True``); the pass only implements
-``call``. Options are dataclass fields, so a pass prints as ``Name(option=value)`` and
-as pipeline text ``Name{option=value}``.
+before; everything else is invalidated when the pass changes the program), the program
+forms it ``accepts``, and its ``effects``: what it may change (:class:`~.effects.Effects`;
+the manager records just that for a rollback and checks the declaration). The pass only
+implements ``call``. Options are dataclass fields, so a pass prints as
+``Name(option=value)`` and as pipeline text ``Name{option=value}``.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -22,7 +20,8 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
-from .conditions import Condition, ConditionSet, as_condition_set
+from .conditions import Condition, as_condition_set
+from .effects import Effects
 from .pipeline_text import format_value, pass_options
 from .program import EXPORTED_PROGRAM, GRAPH_MODULE, program_form
 from .registry import register, registered_passes
@@ -30,6 +29,31 @@ from .result import PassResult
 from .running import run_alone
 
 __all__ = ["Pass", "PassResult", "as_pass", "function_pass", "known_passes"]
+
+
+# The four class attributes ``effects`` replaced, and how each maps onto it.
+_LEGACY_EFFECTS = ("in_place", "writes_state", "edits_meta_in_place", "edits_only_meta_keys")
+
+
+def _translate_legacy_effects(cls: type) -> None:
+    """A pass written against the old declaration keeps working: its attributes become
+    ``effects`` (with a DeprecationWarning naming the one-line replacement)."""
+    legacy = {name: cls.__dict__[name] for name in _LEGACY_EFFECTS if name in cls.__dict__}
+    if not legacy or "effects" in cls.__dict__:
+        return
+    effects = cls.effects
+    fields = {k: v for k, v in legacy.items() if k != "edits_only_meta_keys"}
+    if "edits_only_meta_keys" in legacy:
+        keys = legacy["edits_only_meta_keys"]
+        fields["rewrites"] = keys is None
+        fields["meta_keys"] = None if keys is None else frozenset(keys)
+    effects = Effects(**{**vars(effects), **fields})
+    cls.effects = effects
+    warnings.warn(
+        f"{cls.__name__} declares {', '.join(sorted(legacy))}; declare "
+        f"effects = {effects!r} instead (pass_manager.Effects)",
+        DeprecationWarning, stacklevel=3,
+    )
 
 
 class Pass:
@@ -58,48 +82,18 @@ class Pass:
     preserves: ClassVar[Iterable[Condition]] = frozenset()
     # The program forms this pass accepts; the manager raises ProgramFormError otherwise.
     accepts: ClassVar[tuple[str, ...]] = (GRAPH_MODULE, EXPORTED_PROGRAM)
-    # True: returns the program it was given (rewritten or not). False: returns a new
-    # program when it changes something and leaves its input untouched. None: undeclared
-    # (not checked). The manager raises InPlaceContractError on a broken declaration.
-    in_place: ClassVar[bool | None] = True
-    # Whether the pass writes tensor data (buffer contents) in place; only then does the
-    # manager copy the state it would need to roll such a write back.
-    writes_state: ClassVar[bool] = False
-    # Whether the pass may edit an object held in node meta (or the graph module's meta)
-    # in place -- set a field of a quantization annotation, append to a list -- instead of
-    # replacing it (``node.meta[key] = new``). Only then does the manager copy every such
-    # object before the pass so that a rollback undoes the edit; a pass declaring False
-    # gets a snapshot that shares them (much cheaper on annotated graphs). Under
-    # ``PassManager(strict=True)`` an in-place edit by a pass declaring False is a
-    # MetaEditError.
-    edits_meta_in_place: ClassVar[bool] = True
-    # The node meta keys the pass sets, replaces or removes, when that is ALL it changes
-    # (no node, argument, module, tensor, signature or graph-module meta): a marking or
-    # annotating pass. The manager then records only those entries for a rollback (the
-    # full snapshot costs more than such a pass) and recompiles nothing. Nodes added or
-    # removed are an UndeclaredEditError; ``PassManager(strict=True)`` takes the full
-    # snapshot and checks the whole claim. None: the pass may change anything.
-    edits_only_meta_keys: ClassVar[frozenset[str] | None] = None
+    # What the pass may change (see Effects): the cautious default may change anything but
+    # tensor data, edit meta objects in place, and returns the program it was given.
+    effects: ClassVar[Effects] = Effects()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        _translate_legacy_effects(cls)
         register(cls)
 
     @property
     def name(self) -> str:
         return type(self).__name__
-
-    @property
-    def required(self) -> ConditionSet:
-        return as_condition_set(self.requires)
-
-    @property
-    def provided(self) -> ConditionSet:
-        return as_condition_set(self.provides)
-
-    @property
-    def preserved(self) -> ConditionSet:
-        return as_condition_set(self.preserves)
 
     def call(self, program: Any) -> PassResult | None:
         raise NotImplementedError(f"{self.name} must implement call(program)")
@@ -123,10 +117,7 @@ class _CallablePass(Pass):
     """
 
     _unregistered = True
-    in_place = None
-    writes_state = True
-    edits_meta_in_place = True
-    edits_only_meta_keys = None
+    effects = Effects.anything()
 
     def __init__(self, fn: Callable[[Any], Any], name: str):
         self._fn = fn
@@ -166,6 +157,10 @@ def as_pass(item: Any) -> Pass:
     raise TypeError(f"pipeline element {item!r} is not a pass or a callable")
 
 
+# A function may return its input or a new program unless its effects say which.
+_FUNCTION_EFFECTS = Effects(in_place=None)
+
+
 def function_pass(
     fn: Callable[[Any], Any] | None = None,
     *,
@@ -173,16 +168,13 @@ def function_pass(
     provides: Iterable[Condition] = (),
     preserves: Iterable[Condition] = (),
     accepts: tuple[str, ...] = (GRAPH_MODULE, EXPORTED_PROGRAM),
-    in_place: bool | None = None,
-    writes_state: bool = False,
-    edits_meta_in_place: bool = True,
-    edits_only_meta_keys: Iterable[str] | None = None,
+    effects: Effects = _FUNCTION_EFFECTS,
     name: str | None = None,
 ) -> Any:
     """Turn ``fn(program) -> PassResult | program | None`` into a Pass with conditions.
 
-    Like a plain function in a pipeline, it may return its input or a new program unless
-    ``in_place`` says which (then the manager checks it).
+    ``effects`` says what it may change (:class:`~.effects.Effects`); by default, like a
+    plain function in a pipeline, it may return its input or a new program.
 
     Example:
         >>> @function_pass(provides={NoDeadCode})
@@ -197,11 +189,7 @@ def function_pass(
             "provides": as_condition_set(provides),
             "preserves": as_condition_set(preserves),
             "accepts": tuple(accepts),
-            "in_place": in_place,
-            "writes_state": writes_state,
-            "edits_meta_in_place": edits_meta_in_place,
-            "edits_only_meta_keys": (None if edits_only_meta_keys is None
-                                     else frozenset(edits_only_meta_keys)),
+            "effects": effects,
             "call": lambda self, program: func(program),
             "__doc__": func.__doc__,
             "__module__": getattr(func, "__module__", __name__),
@@ -217,3 +205,4 @@ def function_pass(
 def known_passes() -> list[type[Pass]]:
     """Every registered Pass subclass still alive (used to suggest providers of a condition)."""
     return [cls for cls in registered_passes() if issubclass(cls, Pass)]
+

@@ -14,7 +14,7 @@ from typing import Any
 
 import networkx as nx
 
-from .conditions import Condition
+from .conditions import Condition, preserves_of, provides_of, requires_of
 from .errors import PipelineError
 
 __all__ = ["Plan", "build_plan"]
@@ -60,7 +60,7 @@ class Plan:
         for i, placement in enumerate(self.placements):
             moved = "" if placement.listed_at == i else f" [listed #{placement.listed_at}]"
             p = placement.pass_
-            provides = ", ".join(sorted(c.name for c in p.provided)) or "-"
+            provides = ", ".join(sorted(c.name for c in provides_of(p))) or "-"
             lines.append(f"{i}. {p.name}{moved}: {placement.reason()}; provides {provides}")
         return "\n".join(lines)
 
@@ -87,7 +87,7 @@ def _check_condition_names(passes: Sequence[Any]) -> None:
     """Conditions are keyed by name in the plan: one name must mean one condition."""
     by_name: dict[str, Condition] = {}
     for p in passes:
-        declared = [p.required, p.provided, p.preserved]
+        declared = [requires_of(p), provides_of(p), preserves_of(p)]
         for conditions in declared:
             if not isinstance(conditions, frozenset):  # ALL_CONDITIONS names no condition
                 continue
@@ -140,7 +140,7 @@ def build_plan(passes: Sequence[Any], *, reorder: bool = True) -> Plan:
     for node in order:
         p = graph.nodes[node]["pass_"]
         placement = Placement(p, graph.nodes[node]["index"])
-        for c in sorted(p.required, key=lambda c: c.name):
+        for c in sorted(requires_of(p), key=lambda c: c.name):
             providers = [u for u in graph.predecessors(_condition_key(c))]
             if not providers:
                 placement.unprovided.append(c.name)
@@ -166,10 +166,10 @@ def _dependency_graph(passes: Sequence[Any]) -> nx.DiGraph:
         graph.add_node(_pass_key(index, p), kind="pass", label=p.name, index=index, pass_=p)
     for index, p in enumerate(passes):
         own = _pass_key(index, p)
-        for c in p.provided - p.required:
+        for c in provides_of(p) - requires_of(p):
             graph.add_node(_condition_key(c), kind="condition", label=c.name, condition=c)
             graph.add_edge(own, _condition_key(c))
-        for c in p.required:
+        for c in requires_of(p):
             graph.add_node(_condition_key(c), kind="condition", label=c.name, condition=c)
             graph.add_edge(_condition_key(c), own)
     return graph
@@ -181,12 +181,12 @@ def _list_order_plan(passes: Sequence[Any]) -> Plan | None:
     may be reordered; None otherwise. Most pipelines are so; no graph is built for them."""
     providers: dict[Condition, list[int]] = {}
     for index, p in enumerate(passes):
-        for c in p.provided - p.required:
+        for c in provides_of(p) - requires_of(p):
             providers.setdefault(c, []).append(index)
     placements = []
     for index, p in enumerate(passes):
         placement = Placement(p, index)
-        for c in sorted(p.required, key=lambda c: c.name):
+        for c in sorted(requires_of(p), key=lambda c: c.name):
             found = providers.get(c)
             if not found:
                 placement.unprovided.append(c.name)

@@ -1,19 +1,14 @@
-"""The core loop: for each planned pass, require -> snapshot -> call -> measure -> provide.
+"""The core loop: for each planned pass, require -> record -> call -> measure -> provide.
 
 * require: the program form, then every required condition (cached results reused).
-* snapshot: what a rollback needs (``snapshot.Snapshot``); tensor data is copied only
-  for a pass declaring ``writes_state``, and an undeclared write is a StateWriteError;
-  objects held in node meta are copied unless the pass declares
-  ``edits_meta_in_place = False`` (``strict`` copies them anyway and checks the claim);
-  a pass declaring ``edits_only_meta_keys`` gets a record of those entries only
-  (``meta_snapshot``; ``strict`` takes the full snapshot and checks the claim).
+* record: what a rollback needs, chosen from the pass's ``effects`` (``_rollback``).
 * call: the pass; whatever it raises becomes a typed, rolled-back error.
-* measure: did it change the program (compared with the snapshot by identity), did it
-  keep its ``in_place`` contract; recompile only if the nodes changed.
+* measure: the pass kept its declaration, what it changed (compared with the record by
+  identity), its ``in_place`` contract; recompile only if the nodes changed.
 * provide: drop cached results the pass did not preserve, check what it provides.
 
 Everything else (timing, the "unmodified" claim check, semantic validation, diffs,
-reproducers) is an instrument; see ``instrumentation``. This module does not know the
+reproducers) is an instrument; see ``instruments``. This module does not know the
 Pass class: it runs anything with the Pass attributes, so ``pass_base`` can use it.
 """
 
@@ -21,33 +16,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
-from .analysis import unchanged
-from .conditions import Condition, as_condition_set
+from ._rollback import take
+from .conditions import Condition, as_condition_set, preserves_of, provides_of, requires_of
 from .errors import (
     InPlaceContractError,
-    MetaEditError,
     PassFailedError,
     PassManagerError,
     PostconditionError,
     PreconditionError,
     ProgramFormError,
-    StateWriteError,
-    UndeclaredEditError,
 )
-from .instrumentation import ClaimCheck, Instrumentation, Timing
-from .meta_snapshot import MetaKeysSnapshot, undeclared_edits
+from .instruments import ClaimCheck, Instrumentation, Timing
 from .program import graph_module_of, node_count, program_form, program_text, text_diff
 from .registry import registered_passes
 from .report import PassRecord, Report
 from .result import PassResult
-from .snapshot import Change, Snapshot
 
 __all__ = ["RunResult", "Runner", "default_instruments", "run_alone"]
 
@@ -120,14 +109,14 @@ class Runner:
 
     Args:
         passes: planned passes (anything with the Pass attributes).
-        instruments: hooks around every pass (see ``instrumentation``).
+        instruments: hooks around every pass (see ``instruments``).
         max_iterations: repeat until no pass changes the program, at most this often.
         name: what to call the pipeline in an error about the program it was given.
         plan: the plan's explanation, for the report.
         start: the place of the first pass in the plan (a replay runs one pass of a
             longer plan under its original number).
-        strict: check ``edits_meta_in_place = False`` declarations (copy the meta objects
-            anyway; an in-place edit is a MetaEditError).
+        strict: check every pass's effects in full (a full rollback record whatever the
+            declaration; an edit it does not declare is a typed error).
     """
 
     def __init__(
@@ -192,72 +181,58 @@ class Runner:
     def _run_pass(
         self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord
     ) -> Any:
-        snapshot: Any = None
-        current = program
+        rollback, current = None, program
         try:
             for instrument in self.instruments:
                 instrument.before_pass(p, program, record)
             record.nodes_before = node_count(program)
-            edits_meta = getattr(p, "edits_meta_in_place", True)
-            meta_keys = getattr(p, "edits_only_meta_keys", None)
-            if meta_keys is not None and not self.strict:
-                taken: Any = MetaKeysSnapshot(program, meta_keys)
-            else:
-                taken = Snapshot(
-                    program, copy_state=p.writes_state, copy_meta_values=edits_meta or self.strict
-                )
-            # The checks share the snapshot's measurement of the nodes (conditions do not
-            # change the program); nothing to roll back if a requirement fails. A pass
-            # changing only meta keys other than the fake values does not change what a
-            # stamp measures either: the checks and the pass share one measurement.
-            once = isinstance(taken, MetaKeysSnapshot) and "val" not in meta_keys
-            with unchanged(*taken.measured(program, after=False)) if once else nullcontext():
-                with nullcontext() if once else unchanged(*taken.measured(program, after=False)):
+            taken = take(program, p.effects, self.strict)
+            with taken.during_pass(program):
+                with taken.around_checks(program, after=False):
                     self._require(p, index, program, state, record)
-                snapshot = taken
-                out = self._call(p, index, program)
-                unpacked = _unpack(out, program)
-                current, record.claimed_modified, record.notes, record.statistics = unpacked
-                written = snapshot.written()
-                if written and not p.writes_state:
-                    raise StateWriteError(p.name, index, written)
-                if not edits_meta and self.strict and (edited := snapshot.edited_in_place()):
-                    raise MetaEditError(p.name, index, edited)
-                if meta_keys is not None and (
-                    edits := self._undeclared(snapshot, current, meta_keys)
-                ):
-                    raise UndeclaredEditError(p.name, index, edits)
-                self._measure(p, index, program, current, snapshot, record, written)
-                with nullcontext() if once else unchanged(*snapshot.measured(current, after=True)):
+                rollback = taken  # from here on, a failure restores the program
+                current = self._call(p, index, program, record)
+                rollback.check(p.name, index, current)
+                self._measure(p, index, program, current, rollback, record)
+                with rollback.around_checks(current, after=True):
                     self._provide(p, index, current, state, record)
             for instrument in reversed(self.instruments):
                 instrument.after_pass(p, current, record)
             return current
         except Exception as e:
-            error = e if isinstance(e, PassManagerError) else PassFailedError(
-                p.name, index, f"{type(e).__name__}: {e}"
-            )
-            error._from_runner = True
-            # A refusal the pass counted (``error.statistics``) is a statistic of its record.
-            record.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-            record.statistics = dict(_error_statistics(e) or record.statistics)
-            if snapshot is not None:
-                self._roll_back(p, snapshot, current, error)
-            for instrument in reversed(self.instruments):
-                instrument.after_pass_failed(p, program, record, error)
+            error = self._failed(p, index, program, current, rollback, record, e)
             if error is e:
                 raise
             raise error from e
 
-    def _call(self, p: Any, index: int, program: Any) -> Any:
+    def _failed(self, p: Any, index: int, program: Any, current: Any, rollback: Any,
+                record: PassRecord, e: Exception) -> PassManagerError:
+        """The typed error of a failed pass, after the rollback and the failure hooks."""
+        error = e if isinstance(e, PassManagerError) else PassFailedError(
+            p.name, index, f"{type(e).__name__}: {e}"
+        )
+        error._from_runner = True
+        # A refusal the pass counted (``error.statistics``) is a statistic of its record.
+        record.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        record.statistics = dict(_error_statistics(e) or record.statistics)
+        if rollback is not None:
+            self._roll_back(p, rollback, current, error)
+        for instrument in reversed(self.instruments):
+            instrument.after_pass_failed(p, program, record, error)
+        return error
+
+    def _call(self, p: Any, index: int, program: Any, record: PassRecord) -> Any:
+        """Run the pass; its result program, with its claim, notes and statistics recorded."""
         try:
-            return p.call(program)
+            out = p.call(program)
         except PassManagerError as e:
             if getattr(e, "_from_runner", False):  # a nested pipeline named its failing pass
                 raise
             raise PassFailedError(p.name, index, f"{type(e).__name__}: {e}") from e
         except Exception as e:
             raise PassFailedError(p.name, index, f"{type(e).__name__}: {e}") from e
+        current, record.claimed_modified, record.notes, record.statistics = _unpack(out, program)
+        return current
 
     def _require(
         self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord
@@ -265,45 +240,30 @@ class Runner:
         form = program_form(program)
         if form not in p.accepts:
             raise ProgramFormError(p.name, index, form, p.accepts)
-        failed = self._check(p.required, program, state, record)
+        failed = self._check(requires_of(p), program, state, record)
         if failed:
             condition, violations = failed
-            provided_here = any(condition in q.provided for q in self.passes)
+            provided_here = any(condition in provides_of(q) for q in self.passes)
             hint = "" if provided_here else _providers_hint(condition)
             raise PreconditionError(p.name, index, condition.name, violations, hint=hint)
 
-    def _undeclared(self, snapshot: Any, program: Any, keys: frozenset[str]) -> list[str]:
-        if isinstance(snapshot, MetaKeysSnapshot):
-            return snapshot.added_or_removed_nodes(program)
-        return undeclared_edits(snapshot, program, keys)  # strict: the full record
-
     def _measure(
-        self,
-        p: Any,
-        index: int,
-        program: Any,
-        new_program: Any,
-        snapshot: Snapshot,
+        self, p: Any, index: int, program: Any, new_program: Any, rollback: Any,
         record: PassRecord,
-        written: list[str],
     ) -> None:
         form = program_form(program)
         if new_program is not program and program_form(new_program) != form:
             raise PassFailedError(
                 p.name, index, f"returned a {type(new_program).__name__} for a {form} input"
             )
-        in_place = getattr(p, "in_place", None)
+        in_place = p.effects.in_place
         if in_place is True and new_program is not program:
             raise InPlaceContractError(
-                p.name, index, "declares in_place = True but returned a different program object"
+                p.name, index,
+                "declares in_place = True (in its effects) but returned a different program "
+                "object",
             )
-        if isinstance(snapshot, MetaKeysSnapshot) and record.claimed_modified:
-            # A meta-only pass that says it changed something is taken at its word: the
-            # comparison would only check claims of "no change", and there is no
-            # recompile to decide (at worst, cached conditions are dropped needlessly).
-            change = Change(False, True)
-        else:
-            change = snapshot.compare(new_program, written)
+        change = rollback.compare(new_program, record.claimed_modified)
         record.modified = change.anything
         if in_place is False and new_program is program and record.modified:
             raise InPlaceContractError(
@@ -319,9 +279,9 @@ class Runner:
         self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord
     ) -> None:
         if record.modified:
-            preserved = p.preserved
+            preserved = preserves_of(p)
             state.holds = {c for c in state.holds if c in preserved}
-        failed = self._check(p.provided, program, state, record)
+        failed = self._check(provides_of(p), program, state, record)
         if failed:
             condition, violations = failed
             raise PostconditionError(p.name, index, condition.name, violations)
@@ -347,13 +307,13 @@ class Runner:
         return None
 
     @staticmethod
-    def _roll_back(p: Any, snapshot: Any, current: Any, error: PassManagerError) -> None:
+    def _roll_back(p: Any, rollback: Any, current: Any, error: PassManagerError) -> None:
         if not error.diff:
             error.diff = text_diff(
-                snapshot.text, program_text(current), "before " + p.name, "after " + p.name
+                rollback.text, program_text(current), "before " + p.name, "after " + p.name
             )
-        error.unrestored = sorted(set(error.unrestored) | set(snapshot.unrestorable_changes()))
-        snapshot.restore()
+        error.unrestored = sorted(set(error.unrestored) | set(rollback.unrestorable_changes()))
+        rollback.restore()
         error.rolled_back = True
 
 

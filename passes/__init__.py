@@ -3,11 +3,11 @@ torch.export, pt2e quantization and delegation.
 """
 
 from . import conditions
-from ._marked_state import mutable_buffers, reset_mutable_buffers
+from ._analysis.marked_state import mutable_buffers, reset_mutable_buffers
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
-from .errors import AmbiguousFrozenBufferError, QuantizationFlowError
+from .errors import AmbiguousFrozenBufferError, QuantizationFlowError, UnsupportedMutationError
 from .functional_variants import register_functional_variant
-from .inplace_to_functional import InplaceToFunctional, UnsupportedMutationError
+from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
 from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from .unfreeze_mutable_buffer import UnfreezeMutableBuffer

@@ -5,9 +5,9 @@ Each is a :class:`pass_manager.Condition`; passes list them in ``requires`` / ``
 checks it; this module only re-exports them.
 """
 
-from ._buffer_conditions import Functional, MutableBuffersMarked
-from ._data_movement import DataMovementNotAnnotated
-from ._frozen_reads import NoFrozenMutableBuffers
+from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
+from ._analysis.data_movement import DataMovementNotAnnotated
+from ._analysis.frozen_reads import NoFrozenMutableBuffers
 from .delegation.ownership import BufferMutationsInDelegates
 
 __all__ = [

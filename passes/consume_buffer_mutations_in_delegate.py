@@ -21,10 +21,10 @@ from torch.export.graph_signature import (
 )
 from torch.fx import Node
 
-from pass_manager import EXPORTED_PROGRAM, Pass, PassResult
+from pass_manager import EXPORTED_PROGRAM, Effects, Pass, PassResult
 
-from ._aliasing import alias_map
-from ._buffer_conditions import Functional
+from ._analysis.aliasing import alias_map
+from ._analysis.buffer_conditions import Functional
 from .delegation.buffer_handover import Handover, hand_over_buffers
 from .delegation.errors import BufferAliasingError, BufferConsumptionError
 from .delegation.ownership import BufferMutationsInDelegates, BufferOwnership, buffer_ownership
@@ -77,8 +77,8 @@ class ConsumeBufferMutationsInDelegate(Pass):
     """Move every mutable buffer that exactly one delegate updates into that delegate.
 
     Accepts an ExportedProgram only. It does not rewrite the program it is given: when it
-    moves a buffer it returns a new ExportedProgram (``in_place = False``), and the input
-    keeps working as before.
+    moves a buffer it returns a new ExportedProgram (``Effects.rewrite(in_place=False)``),
+    and the input keeps working as before.
 
     Before (top level, and the delegate's sub-program)::
 
@@ -109,8 +109,7 @@ class ConsumeBufferMutationsInDelegate(Pass):
     provides = frozenset({BufferMutationsInDelegates})
     preserves = frozenset({Functional})
     accepts = (EXPORTED_PROGRAM,)
-    in_place = False
-    edits_meta_in_place = False  # its input is left untouched
+    effects = Effects.rewrite(in_place=False)  # a new program; its input is left untouched
 
     strict: bool = False
 

@@ -1,14 +1,16 @@
-"""The errors the quantization passes raise, for users to catch.
+"""The errors the passes raise, for users to catch.
 
-Both derive from :class:`pass_manager.PassManagerError`; a pass that raises one leaves the
+Each derives from :class:`pass_manager.PassManagerError`; a pass that raises one leaves the
 program exactly as it was.
 """
 
 from __future__ import annotations
 
+from torch.fx import Node
+
 from pass_manager import PassManagerError
 
-__all__ = ["AmbiguousFrozenBufferError", "QuantizationFlowError"]
+__all__ = ["AmbiguousFrozenBufferError", "QuantizationFlowError", "UnsupportedMutationError"]
 
 
 class QuantizationFlowError(PassManagerError):
@@ -34,3 +36,31 @@ class AmbiguousFrozenBufferError(QuantizationFlowError):
             node=node,
         )
         self.candidates = candidates
+
+
+class UnsupportedMutationError(PassManagerError):
+    """A mutation InplaceToFunctional cannot rewrite correctly; the program is left unchanged.
+
+    Attributes:
+        node: the name of the node at fault.
+        reason: why it cannot be rewritten.
+        kind: a short category: "overlap", "no-variant", "no-write-back",
+            "writes-constant", "opaque", "fake-failure", "relayout" (a shape change or
+            ``set_`` of program state, a ``resize_`` growing a view's or a viewed
+            tensor's storage, an ``out=`` resize of state or of a viewed tensor) or
+            "storage" (an op reading a written tensor's storage, such as ``as_strided``,
+            whose root is not a contiguous tensor owning all of its storage, or program
+            state whose strides a metadata mutation changes).
+    """
+
+    def __init__(self, node: Node, reason: str, kind: str):
+        self.node = node.name
+        self.reason = reason
+        self.kind = kind
+        # A refusal is a statistic of the failed pass (see PassManagerError.report).
+        self.statistics = {f"refused: {kind}": 1}
+        super().__init__(
+            f"InplaceToFunctional cannot rewrite node {node.name} ({node.target}): {reason}. "
+            "The program was left unchanged.",
+            pass_name="InplaceToFunctional",
+        )

@@ -37,8 +37,8 @@ from torch._ops import OpOverload
 from torch.fx import Node
 from torchgen.model import FunctionSchema, OperatorName
 
-from ._mutation_checks import UnsupportedMutationError
-from ._op_schema import argument_value
+from ._analysis.op_schema import argument_value
+from .errors import UnsupportedMutationError
 
 __all__ = [
     "METADATA_VIEWS",
@@ -279,7 +279,7 @@ def _fill_diagonal(emit: Callable[..., Node], node: Node) -> list[Node]:
     return [new, new]
 
 
-# Ops that write in training mode without saying so (see _op_schema.HIDDEN_WRITES): their
+# Ops that write in training mode without saying so (see op_schema.HIDDEN_WRITES): their
 # functional form returns (output, save_mean, save_invstd, new running_mean, new running_var).
 _BUILT_IN = {
     torch.ops.aten.batch_norm.default: FunctionalVariant(
@@ -296,7 +296,7 @@ _BUILT_IN = {
         _positional_arguments, (0, 2, 3, 4, 5)),
     torch.ops.aten.fill_diagonal_.default: FunctionalVariant(
         None, (), True, expand=_fill_diagonal),
-    # In training mode (dropout_ with train=False writes nothing, see _op_schema).
+    # In training mode (dropout_ with train=False writes nothing, see op_schema).
     torch.ops.aten.dropout_.default: FunctionalVariant(
         torch.ops.aten.dropout.default, (), True, _positional_arguments),
 }

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pass_manager import Pass, PassResult
+from pass_manager import Effects, Pass, PassResult
 from pass_manager.collector import collector_paused
 
-from ._buffer_conditions import Functional, MutableBuffersMarked
-from ._functionalize import Rewrite
-from ._mutation_checks import UnsupportedMutationError
+from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
+from ._functionalization.rewrite import Rewrite
+from .errors import UnsupportedMutationError
 
 __all__ = ["InplaceToFunctional", "UnsupportedMutationError"]
 
@@ -52,7 +52,7 @@ class InplaceToFunctional(Pass):
     requires = frozenset({MutableBuffersMarked})
     provides = frozenset({Functional})
     preserves = frozenset({MutableBuffersMarked})
-    edits_meta_in_place = False  # new nodes get new meta; existing entries are replaced
+    effects = Effects.rewrite()  # new nodes get new meta; existing entries are replaced
 
     def call(self, program: Any) -> PassResult:
         with collector_paused():  # nothing it allocates is garbage before it returns

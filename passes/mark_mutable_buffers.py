@@ -6,11 +6,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from pass_manager import ALL_CONDITIONS, Pass, PassResult
+from pass_manager import ALL_CONDITIONS, Effects, Pass, PassResult
 from pass_manager.collector import collector_paused
 
-from ._buffer_conditions import MutableBuffersMarked
-from ._buffers import (
+from ._analysis.buffer_conditions import MutableBuffersMarked
+from ._analysis.buffers import (
     BUFFER,
     INITIAL_META,
     MUTABLE_BUFFER_META,
@@ -20,7 +20,7 @@ from ._buffers import (
     buffer_tensor,
     find_mutations,
 )
-from ._marked_state import initial_copy
+from ._analysis.marked_state import initial_copy
 
 __all__ = ["MarkMutableBuffers"]
 
@@ -53,9 +53,7 @@ class MarkMutableBuffers(Pass):
 
     provides = frozenset({MutableBuffersMarked})
     preserves = ALL_CONDITIONS  # only node meta changes
-    edits_meta_in_place = False  # sets meta entries, never edits the objects they hold
-    # ...and nothing else: the manager's rollback record is these entries alone.
-    edits_only_meta_keys = frozenset({MUTABLE_BUFFER_META, MUTABLE_INPUT_META, INITIAL_META})
+    effects = Effects.only_meta(MUTABLE_BUFFER_META, MUTABLE_INPUT_META, INITIAL_META)
 
     def call(self, program: Any) -> PassResult:
         with collector_paused():  # the scan's records are not garbage before it returns

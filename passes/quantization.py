@@ -29,8 +29,8 @@ from torchao.quantization.pt2e.quantizer import Quantizer
 
 from pass_manager import PassManager, Report
 
-from ._buffer_reads import OBSERVED_READS_META, BufferRead, view_chain
-from ._buffers import MUTABLE_BUFFER_META
+from ._analysis.buffer_reads import OBSERVED_READS_META, BufferRead, view_chain
+from ._analysis.buffers import MUTABLE_BUFFER_META
 from .errors import QuantizationFlowError
 
 __all__ = ["PassQuantizer", "QuantizationFlowError"]

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch.fx import Node
 
-from pass_manager import Pass, PassResult, graph_module_of
+from pass_manager import Effects, Pass, PassResult, graph_module_of
 
-from ._buffer_conditions import Functional, MutableBuffersMarked
-from ._data_movement import (
+from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
+from ._analysis.data_movement import (
     ANNOTATION_META,
     DATA_MOVEMENT_OPS,
     DataMovementNotAnnotated,
@@ -40,7 +40,7 @@ class SkipAnnotateDataMovementOps(Pass):
     """Make a mutable buffer share the qparams of what is written into it.
 
     Runs after a quantizer's ``annotate`` (``PassQuantizer(after_annotate=[...])``). For
-    every annotated data-movement op (:data:`passes._data_movement.DATA_MOVEMENT_OPS`:
+    every annotated data-movement op (:data:`passes._analysis.data_movement.DATA_MOVEMENT_OPS`:
     ``index_copy``, ``index_put``, ``copy_``, the ``*_scatter`` ops, views) that reads a
     marked mutable buffer:
 
@@ -71,10 +71,8 @@ class SkipAnnotateDataMovementOps(Pass):
     provides = frozenset({DataMovementNotAnnotated})
     preserves = frozenset({MutableBuffersMarked, Functional})  # only annotations change
     # Each rewritten annotation is a new object in node.meta, never the quantizer's edited
-    # in place: the manager's rollback snapshot need not copy all the annotations.
-    edits_meta_in_place = False
-    # ...and they are all it changes: the manager's rollback record is these entries alone.
-    edits_only_meta_keys = frozenset({ANNOTATION_META})
+    # in place.
+    effects = Effects.only_meta(ANNOTATION_META)
 
     extra_ops: tuple = ()
 

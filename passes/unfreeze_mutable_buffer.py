@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from pass_manager import GRAPH_MODULE, Pass, PassResult
+from pass_manager import GRAPH_MODULE, Effects, Pass, PassResult
 
-from ._buffers import INITIAL_META, MUTABLE_BUFFER_META, buffer_nodes
-from ._data_movement import DATA_MOVEMENT_OPS
-from ._frozen_reads import FrozenRead, NoFrozenMutableBuffers, frozen_buffer_reads
+from ._analysis.buffers import INITIAL_META, MUTABLE_BUFFER_META, buffer_nodes
+from ._analysis.data_movement import DATA_MOVEMENT_OPS
+from ._analysis.frozen_reads import FrozenRead, NoFrozenMutableBuffers, frozen_buffer_reads
 
 __all__ = ["UnfreezeMutableBuffer"]
 
@@ -60,7 +60,7 @@ class UnfreezeMutableBuffer(Pass):
 
     provides = frozenset({NoFrozenMutableBuffers})
     accepts = (GRAPH_MODULE,)
-    edits_meta_in_place = False  # only the new nodes' meta is filled
+    effects = Effects.rewrite(meta_keys=())  # only the new nodes' meta is filled
 
     def call(self, program: GraphModule) -> PassResult:
         found = frozen_buffer_reads(program, self.name)

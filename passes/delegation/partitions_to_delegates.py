@@ -44,8 +44,8 @@ from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, 
 
 from pass_manager import graph_module_of
 
-from .._buffer_conditions import Functional
-from .._buffers import call_graph_names, placeholder_specs, rename_call_graph
+from .._analysis.buffer_conditions import Functional
+from .._analysis.buffers import call_graph_names, placeholder_specs, rename_call_graph
 from .delegate_runtime import (
     REFERENCE_BACKEND,
     LoweredBackendModule,

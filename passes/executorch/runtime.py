@@ -21,12 +21,12 @@ from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPas
 from executorch.extension.pybindings import portable_lib
 from torch.export import ExportedProgram
 
-from pass_manager.validation import Trace, call_inputs, run_program
+from pass_manager.validation import Trace, call_inputs
 
 from . import ParameterMutationOnExecuTorchError
 from .partitioner import BufferOwningPartitioner
 
-__all__ = ["RuntimeDecode", "decode_on_runtime", "flow_stage", "lower_to_pte", "output_grid"]
+__all__ = ["RuntimeDecode", "decode_on_runtime", "lower_to_pte", "output_grid"]
 
 
 @dataclass
@@ -114,54 +114,3 @@ def output_grid(program: Any) -> float | None:
             if isinstance(scale, (float, int)):
                 scales.append(float(scale))
     return max(scales, default=None)
-
-
-# -- the main job's runtime stage (passes.flow calls this with --runtime executorch) ------
-FP32_TOLERANCE = 1e-5
-
-
-def _worst_per_step(reference: Trace, trace: Trace) -> list[float]:
-    return [
-        max((float((e.double() - a.double()).abs().max())
-             for e, a in zip(expected, actual, strict=True) if isinstance(e, torch.Tensor)),
-            default=0.0)
-        for expected, actual in zip(reference.outputs, trace.outputs, strict=True)
-    ]
-
-
-def flow_stage(
-    result: Any,
-    stage: Any,
-    programs: Sequence[tuple[str, Any]],
-    example_inputs: tuple,
-    steps: Sequence[Any],
-    eager: Trace,
-) -> None:
-    """Decode each ``(name, program)`` on the runtime and add it to the flow's report.
-
-    Adds a ``"<name> on executorch"`` column to the per-step error table (vs fp32 eager),
-    a line per program to the delegate summary (delegates, .pte size, the wrapper's notes)
-    and a check that the runtime's outputs match the Python program's at every step:
-    within 1e-5 in fp32, within one step of the output's quantization grid when quantized.
-    """
-    from ..flow_result import Check
-
-    for name, program in programs:
-        python = run_program(program, list(steps))
-        decoded = stage(f"decode the {name} program on ExecuTorch's runtime",
-                        lambda program=program: decode_on_runtime(program, example_inputs, steps))
-        result.step_errors[f"{name} on executorch"] = _worst_per_step(eager, decoded.trace)
-        grid = output_grid(program)
-        tolerance = FP32_TOLERANCE if grid is None else grid
-        worst = max(_worst_per_step(python, decoded.trace), default=0.0)
-        bound = "1e-5" if grid is None else f"one quantization step ({grid:.3g})"
-        result.checks.append(Check(
-            f"ExecuTorch runtime decodes the {name} program like Python (within {bound})",
-            len(decoded.trace.outputs) == len(python.outputs) and worst <= tolerance,
-            f"worst step difference {worst:.3g} over {len(python.outputs)} steps",
-        ))
-        result.delegate_summary.append(
-            f"executorch {name}: {decoded.delegates} XNNPACK delegate(s), "
-            f".pte {decoded.pte_bytes / 1024:.0f} KiB, lowered in {decoded.lower_seconds:.1f} s"
-        )
-        result.delegate_summary += [f"  {note}" for note in decoded.notes]

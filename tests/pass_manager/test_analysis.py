@@ -4,7 +4,7 @@ change measure (against its snapshot) sees every kind of change."""
 import pytest
 import torch
 
-from pass_manager import PassFailedError, PassManager, PassResult, function_pass, graph_of
+from pass_manager import Effects, PassFailedError, PassManager, PassResult, function_pass, graph_of
 from pass_manager.analysis import Same, cached
 
 from .conftest import targets
@@ -90,7 +90,7 @@ def test_a_nested_meta_edit_is_a_measured_change_and_is_rolled_back(traced):
         relu_node(program).meta["custom"]["tags"].append("b")
         return PassResult(program, False)
 
-    result = PassManager([function_pass(edits_nested, in_place=True)]).run(traced)
+    result = PassManager([function_pass(edits_nested, effects=Effects(in_place=True))]).run(traced)
     assert result.modified and result.report.warnings  # measured, though it claimed not
 
     def edits_then_fails(program):
@@ -136,7 +136,7 @@ def test_stamps_inside_an_unchanged_block_share_one_measure_and_still_see_later_
 
 def test_the_manager_checks_a_guarantee_with_the_scan_its_pass_made(exported):
     """MarkMutableBuffers' scan serves its guarantee MutableBuffersMarked: one scan a run."""
-    import passes._buffers as buffers
+    import passes._analysis.buffers as buffers
     from passes import MarkMutableBuffers
 
     scans = []

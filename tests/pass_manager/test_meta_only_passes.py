@@ -1,6 +1,6 @@
-"""Passes declaring ``edits_only_meta_keys``: the manager records only those meta entries,
-rolls them back exactly when the pass fails, notices nodes added or removed in any mode
-and puts the graph back, and under ``strict=True`` checks that nothing else changed
+"""Passes whose effects are only some node meta keys: the manager records only those
+meta entries, rolls them back exactly when the pass fails, notices nodes added or removed
+in any mode and puts the graph back, and under ``strict=True`` checks that nothing else changed
 (UndeclaredEditError)."""
 
 import pytest
@@ -8,6 +8,7 @@ import torch
 
 from pass_manager import (
     Condition,
+    Effects,
     PassManager,
     UndeclaredEditError,
     assert_same_behaviour,
@@ -30,7 +31,8 @@ def meta_of(program, *keys):
     return [(n.name, {k: n.meta.get(k) for k in keys}) for n in graph_of(program).nodes]
 
 
-@function_pass(provides={Tagged}, edits_only_meta_keys={"tag", "note"})
+@function_pass(provides={Tagged},
+               effects=Effects(rewrites=False, meta_keys={"tag", "note"}, in_place=None))
 def tag_ops(program):
     for node in graph_of(program).nodes:
         if node.op == "call_function":
@@ -38,14 +40,14 @@ def tag_ops(program):
         node.meta.pop("note", None)
 
 
-@function_pass(edits_only_meta_keys={"tag"})
+@function_pass(effects=Effects(rewrites=False, meta_keys={"tag"}, in_place=None))
 def tag_then_fail(program):
     for node in graph_of(program).nodes:
         node.meta["tag"] = "partial"
     raise RuntimeError("the pass gives up half way")
 
 
-@function_pass(edits_only_meta_keys={"tag"})
+@function_pass(effects=Effects(rewrites=False, meta_keys={"tag"}, in_place=None))
 def tag_and_add_a_node(program):
     graph = graph_of(program)
     relu = targets(program, "relu")[0]
@@ -55,7 +57,7 @@ def tag_and_add_a_node(program):
     relu.replace_all_uses_with(neg, delete_user_cb=lambda user: user is not neg)
 
 
-@function_pass(edits_only_meta_keys={"tag"})
+@function_pass(effects=Effects(rewrites=False, meta_keys={"tag"}, in_place=None))
 def tag_and_remove_a_node(program):
     relu = targets(program, "relu")[0]
     relu.meta["tag"] = "relu"
@@ -63,21 +65,21 @@ def tag_and_remove_a_node(program):
     graph_of(program).erase_node(relu)
 
 
-@function_pass(edits_only_meta_keys={"tag"})
+@function_pass(effects=Effects(rewrites=False, meta_keys={"tag"}, in_place=None))
 def tag_and_change_an_argument(program):
     mul = targets(program, "mul")[0]
     mul.meta["tag"] = "mul"
     mul.args = (mul.args[0], 3.0)
 
 
-@function_pass(edits_only_meta_keys={"tag"})
+@function_pass(effects=Effects(rewrites=False, meta_keys={"tag"}, in_place=None))
 def tag_and_set_another_key(program):
     for node in graph_of(program).nodes:
         node.meta["tag"] = 1
         node.meta["undeclared"] = 2
 
 
-@function_pass(edits_only_meta_keys={"tag"})
+@function_pass(effects=Effects(rewrites=False, meta_keys={"tag"}, in_place=None))
 def replace_meta_dicts_and_fail(program):
     for node in graph_of(program).nodes:
         node.meta = {"tag": "new"}

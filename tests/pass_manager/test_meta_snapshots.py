@@ -1,5 +1,5 @@
-"""Rollback of meta: objects held in node meta are copied unless a pass declares
-``edits_meta_in_place = False``; either way a failing pass is undone exactly, and under
+"""Rollback of meta: objects held in node meta are copied unless a pass's effects exclude
+``edits_meta_in_place``; either way a failing pass is undone exactly, and under
 ``strict=True`` a broken declaration is a MetaEditError."""
 
 import copy
@@ -12,7 +12,14 @@ from torchao.quantization.pt2e.quantizer import (
     SharedQuantizationSpec,
 )
 
-from pass_manager import MetaEditError, PassFailedError, PassManager, function_pass, graph_of
+from pass_manager import (
+    Effects,
+    MetaEditError,
+    PassFailedError,
+    PassManager,
+    function_pass,
+    graph_of,
+)
 from pass_manager.program import program_text
 
 from .conftest import targets
@@ -109,7 +116,7 @@ def test_a_failing_pass_declaring_no_in_place_edits_is_undone_exactly(form, requ
                                           if n.op == "output"))
         raise RuntimeError("boom")
 
-    declared = function_pass(replaces_then_fails, edits_meta_in_place=False)
+    declared = function_pass(replaces_then_fails, effects=Effects.rewrite(in_place=None))
     with pytest.raises(PassFailedError):
         PassManager([declared]).run(program)
     assert program_text(program) == text
@@ -123,7 +130,7 @@ def test_strict_turns_an_undeclared_in_place_edit_into_a_typed_error(traced):
     def edits(program):
         targets(program, "relu")[0].meta["quantization_annotation"].output_qspec = None
 
-    declared = function_pass(edits, edits_meta_in_place=False, name="edits")
+    declared = function_pass(edits, effects=Effects.rewrite(in_place=None), name="edits")
     with pytest.raises(MetaEditError) as info:
         PassManager([declared], strict=True).run(traced)
     error = info.value
@@ -141,7 +148,7 @@ def test_replacing_meta_objects_is_what_the_declaration_allows(traced):
         new.output_qspec = None
         node.meta["quantization_annotation"] = new
 
-    declared = function_pass(replaces, edits_meta_in_place=False, name="replaces")
+    declared = function_pass(replaces, effects=Effects.rewrite(in_place=None), name="replaces")
     result = PassManager([declared], strict=True).run(traced)
     assert result.modified
     assert targets(traced, "relu")[0].meta["quantization_annotation"].output_qspec is None

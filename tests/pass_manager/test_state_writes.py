@@ -1,4 +1,4 @@
-"""Tensor data: copied for a rollback only when a pass declares ``writes_state``; an
+"""Tensor data: copied for a rollback only when a pass's effects declare ``writes_state``; an
 undeclared write is a typed error that names the tensors, never a silent change."""
 
 import dataclasses
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pass_manager import (
+    Effects,
     Pass,
     PassFailedError,
     PassManager,
@@ -41,7 +42,7 @@ class ResetAndRewrite(Pass):
 
 
 class DeclaredReset(ResetAndRewrite):
-    writes_state = True
+    effects = Effects(writes_state=True)
 
 
 @pytest.mark.parametrize("form", ["exported", "traced"])

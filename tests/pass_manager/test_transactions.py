@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pass_manager import (
+    Effects,
     PassFailedError,
     PassManager,
     PassResult,
@@ -169,7 +170,7 @@ def test_failing_pass_that_built_a_new_exported_program_leaves_the_input_intact(
 
     class RebuildsThenFails(Pass):
         provides = frozenset({NoRelu})
-        in_place = False  # returns a new ExportedProgram
+        effects = Effects(in_place=False)  # returns a new ExportedProgram
 
         def call(self, program):
             for node in graph_of(program).nodes:

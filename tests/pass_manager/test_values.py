@@ -10,6 +10,7 @@ import torch
 from pass_manager import (
     ALL_CONDITIONS,
     Condition,
+    Effects,
     InPlaceContractError,
     Instrumentation,
     Pass,
@@ -174,7 +175,7 @@ def _copy_of(program):
 
 def test_an_in_place_pass_returning_another_program_is_a_typed_error(traced):
     before = traced.code
-    returns_copy = function_pass(_copy_of, in_place=True, name="returns_copy")
+    returns_copy = function_pass(_copy_of, effects=Effects(in_place=True), name="returns_copy")
     with pytest.raises(InPlaceContractError, match="in_place = True") as info:
         PassManager([returns_copy]).run(traced)
     assert isinstance(info.value, PassFailedError) and info.value.rolled_back
@@ -187,10 +188,11 @@ def test_a_pass_declaring_a_new_program_must_not_change_its_input(traced):
         return PassResult(program, True)
 
     with pytest.raises(InPlaceContractError, match="in_place = False"):
-        PassManager([function_pass(edits_input, in_place=False)]).run(traced)
+        PassManager([function_pass(edits_input, effects=Effects(in_place=False))]).run(traced)
     assert "relu" in traced.code
 
-    result = PassManager([function_pass(_copy_of, in_place=False, name="copies")]).run(traced)
+    copies = function_pass(_copy_of, effects=Effects(in_place=False), name="copies")
+    result = PassManager([copies]).run(traced)
     assert result.program is not traced
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from passes.examples import decode_inputs, kv_decoder
+from passes.flow.examples import decode_inputs, kv_decoder
 
 
 def _kv(cache_update):

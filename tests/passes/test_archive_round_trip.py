@@ -18,7 +18,7 @@ from passes import (
 )
 from passes.delegation import AllNodePartitioner, to_delegate
 from passes.delegation.ownership import program_state
-from passes.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder
+from passes.flow.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder
 from passes.quantization import PassQuantizer
 
 ANNOTATION = "quantization_annotation"

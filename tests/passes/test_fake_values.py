@@ -12,7 +12,7 @@ import torch
 from torch.fx import Graph, GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from passes._fake_values import FakeValues
+from passes._functionalization.fake_values import FakeValues
 
 aten = torch.ops.aten
 

@@ -19,8 +19,8 @@ from benchmarks.fuzz_functionalize import (
 from pass_manager import PassFailedError, PassManager, run_program
 from passes import InplaceToFunctional, MarkMutableBuffers, UnsupportedMutationError
 
+from ..models.overlapping import IndexPuts, IndexWrites, one_index
 from .functionalize_checks import _calls, functionalize_both_forms, refused_in_both_forms
-from .overlapping_models import IndexPuts, IndexWrites, one_index
 
 
 class Seed1542(nn.Module):

@@ -24,7 +24,7 @@ from passes import (
     mutable_buffers,
 )
 
-from .failing_models import ScaleConstant
+from ..models.failing import ScaleConstant
 from .functionalize_checks import _calls, functionalize_both_forms
 
 

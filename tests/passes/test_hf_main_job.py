@@ -15,11 +15,11 @@ from torch.export.graph_signature import InputKind
 
 from pass_manager import PassManager, assert_same_behaviour
 from passes import InplaceToFunctional, MarkMutableBuffers
-from passes.examples import AnnotateEveryOpQuantizer
-from passes.flow import FlowError, run_model
-from passes.model_spec import export_program, model_spec
+from passes.flow.examples import AnnotateEveryOpQuantizer
+from passes.flow.factory import export_program, model_spec
+from passes.flow.run import FlowError, run_model
 
-from . import hf_models
+from ..models import hf as hf_models
 from .main_job_cli import run_main
 
 STEPS = 4
@@ -119,7 +119,7 @@ def test_a_model_the_passes_cannot_handle_stops_with_its_partial_result():
 def test_cli_runs_hf_llama_through_the_whole_flow(tmp_path):
     report = tmp_path / "report.json"
     done = run_main(
-        "tests.passes.hf_models:llama",
+        "tests.models.hf:llama",
         "--steps",
         str(STEPS),
         "--quantizer",
@@ -146,7 +146,7 @@ def test_cli_runs_hf_llama_through_the_whole_flow(tmp_path):
 
 
 def test_cli_failure_after_loading_is_a_short_report_with_status_3():
-    done = run_main("tests.passes.hf_models:unsupported", "--steps", "2", timeout=300)
+    done = run_main("tests.models.hf:unsupported", "--steps", "2", timeout=300)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
     failed = done.stdout.split("== failed")[1].strip().splitlines()
@@ -158,7 +158,7 @@ def test_cli_failure_after_loading_is_a_short_report_with_status_3():
         "buffer",
     ]
     assert "== checks" in done.stdout  # the partial report comes first
-    traced = run_main("tests.passes.hf_models:unsupported", "--steps", "2", "--traceback")
+    traced = run_main("tests.models.hf:unsupported", "--steps", "2", "--traceback")
     assert traced.returncode == 3 and "Traceback" in traced.stderr
 
 
@@ -178,7 +178,7 @@ def test_factory_v2_mistakes_are_load_errors():
         ({"module": model, "export": "fast"}, "'export' must be one of"),
         ({"module": 3}, "must return an nn.Module"),
     ]
-    from passes.model_spec import ModelError
+    from passes.flow.factory import ModelError
 
     for made, message in cases:
         with pytest.raises(ModelError, match=message.replace("(", r"\(")):
@@ -215,7 +215,7 @@ def test_a_factory_may_return_an_exported_program_or_its_module():
 
 
 def test_a_failure_between_stages_is_a_flow_error_too(monkeypatch):
-    from passes import flow
+    from passes.flow import run as flow
 
     def broken_checks(*args):
         raise KeyError("value_cache_9")

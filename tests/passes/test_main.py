@@ -14,8 +14,8 @@ from .main_job_cli import run_main
         ("passes.examples:missing", "has no attribute 'missing'"),
         ("passes.examples:__doc__", "not a factory function"),
         ("passes.examples", "must look like package.module:factory"),
-        ("tests.passes.main_job_models:not_exportable", "is not exportable"),
-        ("tests.passes.main_job_models:wrong_return", "must return (module, example_inputs)"),
+        ("tests.models.main_job:not_exportable", "is not exportable"),
+        ("tests.models.main_job:wrong_return", "must return (module, example_inputs)"),
     ],
 )
 def test_bad_model_gets_one_clear_line(model, message):
@@ -30,7 +30,7 @@ def test_bad_model_gets_one_clear_line(model, message):
 def test_main_job_on_one_layer_decoder(tmp_path):
     dot, report = tmp_path / "plan.dot", tmp_path / "report.json"
     done = run_main(
-        "tests.passes.main_job_models:one_layer_decoder",
+        "tests.models.main_job:one_layer_decoder",
         "--steps",
         "8",
         "--dot",
@@ -65,7 +65,7 @@ def test_main_job_on_one_layer_decoder(tmp_path):
 def test_fp32_only_flow_is_exact(tmp_path):
     report = tmp_path / "report.json"
     done = run_main(
-        "tests.passes.main_job_models:one_layer_decoder",
+        "tests.models.main_job:one_layer_decoder",
         "--skip-quantization",
         "--json",
         str(report),
@@ -80,8 +80,8 @@ def test_fp32_only_flow_is_exact(tmp_path):
 
 
 def test_a_failing_check_makes_the_exit_status_non_zero(monkeypatch, capsys):
-    from passes import __main__ as cli
-    from passes import flow
+    from passes.flow import cli
+    from passes.flow import run as flow
 
     def failing_flow(*args, **kwargs):
         result = flow.FlowResult(plan="0. SomePass")
@@ -89,6 +89,6 @@ def test_a_failing_check_makes_the_exit_status_non_zero(monkeypatch, capsys):
         return result
 
     monkeypatch.setattr(flow, "run_flow", failing_flow)
-    status = cli.main(["run", "tests.passes.main_job_models:one_layer_decoder", "--steps", "2"])
+    status = cli.main(["run", "tests.models.main_job:one_layer_decoder", "--steps", "2"])
     assert status == 1
     assert "FAIL  a check: it failed" in capsys.readouterr().out

@@ -18,7 +18,7 @@ def _run(*args, module="passes", command="run"):
 
 def test_statistics_and_printing_in_the_main_job(tmp_path):
     report = tmp_path / "report.json"
-    done = _run("tests.passes.main_job_models:one_layer_decoder", "--steps", "2",
+    done = _run("tests.models.main_job:one_layer_decoder", "--steps", "2",
                 "--skip-quantization", "--print-after", "InplaceToFunctional",
                 "--print-before", "MarkMutableBuffers", "--json", str(report))
     out = done.stdout
@@ -36,7 +36,7 @@ def test_statistics_and_printing_in_the_main_job(tmp_path):
 
 def test_a_pass_failing_in_the_main_job_leaves_a_reproducer(tmp_path):
     dumps = tmp_path / "ir"
-    done = _run("tests.passes.failing_models:writes_constant", "--steps", "2",
+    done = _run("tests.models.failing:writes_constant", "--steps", "2",
                 "--reproducer-dir", str(tmp_path / "repro"), "--print-after-failure",
                 "--print-to", str(dumps))
     assert done.returncode == 3, done.stdout + done.stderr

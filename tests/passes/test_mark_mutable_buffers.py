@@ -8,7 +8,7 @@ import torch
 
 from pass_manager import PassManager, PreconditionError, assert_same_behaviour
 from passes import MarkMutableBuffers, conditions, mutable_buffers, reset_mutable_buffers
-from passes._buffers import MUTABLE_BUFFER_META
+from passes._analysis.buffers import MUTABLE_BUFFER_META
 
 
 def _reference_mutations(ep):

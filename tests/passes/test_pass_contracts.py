@@ -33,8 +33,8 @@ INPUTS = [(torch.tensor([i]), torch.full((1, 3), float(i + 1))) for i in range(3
 def test_declared_contracts():
     for p in (MarkMutableBuffers(), InplaceToFunctional(), SkipAnnotateDataMovementOps(),
               UnfreezeMutableBuffer()):
-        assert p.in_place is True and p.writes_state is False
-    assert ConsumeBufferMutationsInDelegate.in_place is False
+        assert p.effects.in_place is True and p.effects.writes_state is False
+    assert ConsumeBufferMutationsInDelegate.effects.in_place is False
     for p in (MarkMutableBuffers(), InplaceToFunctional()):
         assert isinstance(p.requires | p.provides, frozenset)
 
@@ -65,7 +65,7 @@ def test_passes_declaring_no_in_place_meta_edits_make_none():
 
     factories, _ = inputs_for({"n_layers": 2})
     for name, make_pass in PASSES.items():
-        assert make_pass().edits_meta_in_place is False, name
+        assert make_pass().effects.edits_meta_in_place is False, name
         strict = PassManager([make_pass()], strict=True).run(factories[name]())
         loose = PassManager([make_pass()]).run(factories[name]())
         assert strict.modified == loose.modified, name

@@ -20,7 +20,7 @@ from passes import (
 )
 from passes.delegation import DELEGATION_TAG, to_delegate
 from passes.delegation.ownership import program_state
-from passes.examples import AnnotateEveryOpQuantizer, kv_decoder
+from passes.flow.examples import AnnotateEveryOpQuantizer, kv_decoder
 from passes.quantization import PassQuantizer
 
 aten = torch.ops.aten

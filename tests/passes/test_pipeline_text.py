@@ -88,7 +88,7 @@ def test_parsed_pipeline_runs_like_the_built_one():
 
 def test_main_job_runs_a_pipeline_given_as_text():
     done = run_main(
-        "tests.passes.main_job_models:one_layer_decoder", "--steps", "2",
+        "tests.models.main_job:one_layer_decoder", "--steps", "2",
         "--skip-quantization", "--skip-delegation",
         "--pipeline", "MarkMutableBuffers,InplaceToFunctional",
     )
@@ -101,7 +101,7 @@ def test_main_job_runs_a_pipeline_given_as_text():
 def test_main_job_runs_a_one_pass_pipeline_instead_of_functionalization():
     # Marking alone leaves the in-place ops; the program still runs and matches eager.
     done = run_main(
-        "tests.passes.main_job_models:one_layer_decoder", "--steps", "2",
+        "tests.models.main_job:one_layer_decoder", "--steps", "2",
         "--skip-quantization", "--skip-delegation", "--pipeline", "MarkMutableBuffers",
     )
     assert done.returncode == 0, done.stdout + done.stderr

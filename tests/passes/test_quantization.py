@@ -26,7 +26,12 @@ from benchmarks.quantizers import (
 )
 from pass_manager import PassManagerError
 from passes import MarkMutableBuffers, SkipAnnotateDataMovementOps, mutable_buffers
-from passes.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder, xnnpack_quantizer
+from passes.flow.examples import (
+    AnnotateEveryOpQuantizer,
+    decode_inputs,
+    kv_decoder,
+    xnnpack_quantizer,
+)
 from passes.quantization import PassQuantizer, QuantizationFlowError
 
 STEPS = 10

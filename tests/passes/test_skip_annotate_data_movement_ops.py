@@ -24,7 +24,7 @@ from passes import (
     SkipAnnotateDataMovementOps,
     conditions,
 )
-from passes.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder
+from passes.flow.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed

@@ -26,7 +26,7 @@ from passes import (
     reset_mutable_buffers,
 )
 from passes.errors import AmbiguousFrozenBufferError
-from passes.examples import xnnpack_quantizer
+from passes.flow.examples import xnnpack_quantizer
 from passes.quantization import PassQuantizer
 
 CALLS = accumulator_inputs(8, seed=3)

@@ -25,7 +25,7 @@ from passes.delegation import (
     to_delegate,
 )
 from passes.delegation.ownership import buffer_ownership, tagged_buffer_ownership
-from passes.examples import kv_decoder
+from passes.flow.examples import kv_decoder
 
 aten = torch.ops.aten
 

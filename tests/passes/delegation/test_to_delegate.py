@@ -31,7 +31,7 @@ from passes.delegation import (
     program_state,
     to_delegate,
 )
-from passes.examples import decode_inputs, kv_decoder
+from passes.flow.examples import decode_inputs, kv_decoder
 
 aten = torch.ops.aten
 CALLS = 4

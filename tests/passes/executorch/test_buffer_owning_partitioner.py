@@ -20,9 +20,10 @@ from torch._export.verifier import SpecViolationError
 
 from pass_manager import assert_same_behaviour, run_program
 from passes.delegation import BufferConsumptionError
-from passes.examples import decode_inputs, kv_decoder
 from passes.executorch import BufferOwningPartitioner, executorch_state
-from passes.executorch.cases import (
+from passes.executorch.partitioner import separate_new_buffer_values
+from passes.flow.examples import decode_inputs, kv_decoder
+from tests.models.executorch_cases import (
     CALLS,
     DEMO_BACKEND,
     OpPartitioner,
@@ -32,7 +33,6 @@ from passes.executorch.cases import (
     everything,
     vector_inputs,
 )
-from passes.executorch.partitioner import separate_new_buffer_values
 
 CACHES = ["layers.0.attn.k_cache", "layers.0.attn.v_cache"]
 # ExecuTorch's Edge decompositions (e.g. of the attention's softmax) round a little

@@ -1,5 +1,5 @@
 """InplaceToFunctional on Edge-dialect programs (issue 10): ExecuTorch's ``EdgeOpOverload``
-is not an ``OpOverload``; its ATen op is read through ``passes._op_schema.target_of``, so
+is not an ``OpOverload``; its ATen op is read through ``passes._analysis.op_schema.target_of``, so
 views, storage views and writes are recognised, and the rewrite emits Edge ops.
 
 ``to_edge`` functionalizes by itself, so an Edge program holding writes is made here by
@@ -19,7 +19,7 @@ from torch import nn
 from pass_manager import PassManager, assert_same_behaviour, graph_of
 from passes import InplaceToFunctional, MarkMutableBuffers, conditions, mutable_buffers
 
-from ..overlapping_models import IndexPuts, IndexWrites
+from ...models.overlapping import IndexPuts, IndexWrites
 
 
 def _in_edge_dialect(gm: torch.fx.GraphModule) -> None:

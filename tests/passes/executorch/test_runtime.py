@@ -24,9 +24,9 @@ from passes import (
     UnfreezeMutableBuffer,
     reset_mutable_buffers,
 )
-from passes.examples import decoder_job, xnnpack_quantizer
 from passes.executorch import ParameterMutationOnExecuTorchError, decode_on_runtime
 from passes.executorch.runtime import output_grid
+from passes.flow.examples import decoder_job, xnnpack_quantizer
 from passes.quantization import PassQuantizer
 
 STEPS = 5
@@ -87,9 +87,9 @@ def test_quantized_decode_on_the_runtime(job):
 
 
 def test_main_job_on_the_executorch_runtime(capsys):
-    from passes.__main__ import main
+    from passes.flow.cli import main
 
-    status = main(["run", "tests.passes.main_job_models:one_layer_decoder", "--steps", "3",
+    status = main(["run", "tests.models.main_job:one_layer_decoder", "--steps", "3",
                    "--runtime", "executorch", "--skip-quantization", "--skip-delegation"])
     out = capsys.readouterr().out
     assert status == 0, out
@@ -102,7 +102,7 @@ def test_main_job_on_the_executorch_runtime(capsys):
 
 def test_main_job_without_the_extra_says_how_to_install(monkeypatch, capsys):
     import passes.executorch
-    from passes.__main__ import main
+    from passes.flow.cli import main
 
     monkeypatch.setattr(passes.executorch, "available", lambda: False)
     status = main(["run", "--runtime", "executorch"])

@@ -15,12 +15,19 @@ from executorch.exir import to_edge, to_edge_transform_and_lower
 from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.dialects.edge._ops import EdgeOpOverload
 
-from pass_manager import Pass, PassManager, PassResult, PreconditionError, assert_same_behaviour
+from pass_manager import (
+    Effects,
+    Pass,
+    PassManager,
+    PassResult,
+    PreconditionError,
+    assert_same_behaviour,
+)
 from passes import InplaceToFunctional, MarkMutableBuffers
 from passes.conditions import Functional
-from passes.examples import decode_inputs, kv_decoder
 from passes.executorch import BufferOwningPartitioner, executorch_state
-from passes.executorch.cases import CALLS, everything
+from passes.flow.examples import decode_inputs, kv_decoder
+from tests.models.executorch_cases import CALLS, everything
 
 ATOL = 1e-5  # Edge decompositions round slightly differently from eager
 
@@ -29,7 +36,7 @@ class RecordEdgeOps(Pass):
     """Needs a functional program; records the ops it saw."""
 
     requires = frozenset({Functional})
-    in_place = True
+    effects = Effects(in_place=True)
 
     def __init__(self) -> None:
         self.seen: list = []

@@ -1,0 +1,117 @@
+"""The rollback record: what a pass may change, recorded before it runs.
+
+One interface for the core loop: :func:`take` records a program for a pass's
+:class:`~pass_manager.effects.Effects` -> :meth:`RollbackRecord.check` (the pass kept its
+declaration) and :meth:`RollbackRecord.compare` (what it changed) -> :meth:`RollbackRecord.restore`
+(undo it). Behind it, two variants:
+
+* :class:`~.meta_keys.MetaKeysSnapshot` for a pass that changes only some node-meta keys
+  (:meth:`Effects.only_meta`): those entries, the nodes and their fields;
+* :class:`~.snapshot.Snapshot` for anything else: nodes, meta (all of it, or only the
+  declared keys of a rewrite that names them), modules, tensors (their data only for a pass
+  that writes state) and an ExportedProgram's signature, state and call graph.
+
+``strict`` takes the full snapshot whatever the declaration, and checks all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+from ..analysis import unchanged
+from ..effects import Effects
+from ..errors import MetaEditError, StateWriteError, UndeclaredEditError
+from .meta_keys import MetaKeysSnapshot, undeclared_edits
+from .snapshot import Change, Snapshot
+
+__all__ = ["Change", "RollbackRecord", "take"]
+
+
+class RollbackRecord:
+    """A program recorded for one pass: check its declaration, measure, restore."""
+
+    def __init__(self, program: Any, effects: Effects, strict: bool):
+        self.effects = effects
+        self.strict = strict
+        self._written: list[str] = []
+        if effects.meta_only and not strict:
+            self._record: Any = MetaKeysSnapshot(program, effects.meta_keys)
+        else:
+            self._record = Snapshot(
+                program,
+                copy_state=effects.writes_state,
+                copy_meta_values=effects.edits_meta_in_place or strict,
+                meta_keys=None if strict else effects.meta_keys,
+            )
+        # A pass changing only meta keys other than the fake values leaves what an
+        # analysis stamp measures alone: the checks around it and the pass's own cached
+        # analyses share one measurement of the nodes.
+        self._one_measurement = (
+            isinstance(self._record, MetaKeysSnapshot) and "val" not in effects.meta_keys
+        )
+
+    # -- around the checks and the pass ------------------------------------------------
+    @contextmanager
+    def during_pass(self, program: Any) -> Iterator[None]:
+        """Wraps the checks and the pass when one measurement serves them all."""
+        if not self._one_measurement:
+            yield
+            return
+        with unchanged(*self._record.measured(program, after=False)):
+            yield
+
+    def around_checks(self, program: Any, after: bool) -> Any:
+        """Wraps a condition check: it shares the record's measurement of the nodes."""
+        if self._one_measurement:
+            return nullcontext()
+        return unchanged(*self._record.measured(program, after=after))
+
+    # -- after the pass ----------------------------------------------------------------
+    def check(self, pass_name: str, index: int, result: Any) -> None:
+        """Raise the typed error of a broken declaration (what the record can see)."""
+        effects = self.effects
+        self._written = self._record.written()
+        if self._written and not effects.writes_state:
+            raise StateWriteError(pass_name, index, self._written)
+        if not effects.edits_meta_in_place and self.strict:
+            edited = self._record.edited_in_place()
+            if edited:
+                raise MetaEditError(pass_name, index, edited)
+        if effects.meta_keys is None:
+            return
+        if isinstance(self._record, MetaKeysSnapshot):
+            edits = self._record.added_or_removed_nodes(result)
+        elif self.strict:
+            edits = undeclared_edits(self._record, result, effects)
+        else:
+            edits = []
+        if edits:
+            raise UndeclaredEditError(pass_name, index, edits)
+
+    def compare(self, result: Any, claimed_modified: bool | None) -> Change:
+        """What the pass changed (after :meth:`check`)."""
+        if isinstance(self._record, MetaKeysSnapshot) and claimed_modified:
+            # A meta-only pass that says it changed something is taken at its word: the
+            # comparison would only check claims of "no change", and there is no
+            # recompile to decide (at worst, cached conditions are dropped needlessly).
+            return Change(False, True)
+        return self._record.compare(result, self._written)
+
+    # -- undo ------------------------------------------------------------------------
+    @property
+    def text(self) -> str:
+        """The program as it was, as text (for the diff a failure shows)."""
+        return self._record.text
+
+    def unrestorable_changes(self) -> list[str]:
+        return self._record.unrestorable_changes()
+
+    def restore(self) -> None:
+        self._record.restore()
+
+
+def take(program: Any, effects: Effects, strict: bool = False) -> RollbackRecord:
+    """Record ``program`` for a pass declaring ``effects``."""
+    return RollbackRecord(program, effects, strict)

@@ -1,0 +1,105 @@
+"""Printing a program around passes, MLIR style: before, after, after a change, after a failure.
+
+:class:`PrintIR` is an instrument: ``PassManager(print_before=[...], print_after=[...],
+print_after_change=True, print_after_failure=True, print_to=...)`` adds one. Passes are
+chosen by name (``True`` means every pass); output goes to a stream (stdout by default)
+or, when ``print_to`` is a folder path, to one file per dump, numbered in run order::
+
+    // -----// IR Dump After InplaceToFunctional (#1) //----- //
+    graph():
+        ...
+
+After a failure the manager has already rolled the pass back, so the dump shows the
+error, a diff of what the pass had changed before the rollback, and the program as it
+is again (as the pass was given it).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..errors import PassManagerError
+from ..program import program_text
+from ..report import PassRecord
+from .base import Instrumentation
+
+__all__ = ["PrintIR"]
+
+Selection = bool | Iterable[str]
+
+
+def _selected(selection: Selection) -> bool | frozenset[str]:
+    if isinstance(selection, bool):
+        return selection
+    if isinstance(selection, str):
+        return frozenset({selection})
+    return frozenset(selection)
+
+
+class PrintIR(Instrumentation):
+    """Prints the program before / after chosen passes (see the module docstring).
+
+    Args:
+        before: names of passes to print before (or True: all).
+        after: names of passes to print after (or True: all).
+        after_change: print after every pass that changed the program.
+        after_failure: print after every pass that failed.
+        to: a text stream, or a folder path (created) for one file per dump.
+    """
+
+    def __init__(
+        self,
+        before: Selection = (),
+        after: Selection = (),
+        after_change: bool = False,
+        after_failure: bool = False,
+        to: TextIO | str | Path | None = None,
+    ):
+        self.before = _selected(before)
+        self.after = _selected(after)
+        self.after_change = after_change
+        self.after_failure = after_failure
+        self.to = to
+        self._count = 0
+
+    @staticmethod
+    def _matches(selection: bool | frozenset[str], name: str) -> bool:
+        return selection if isinstance(selection, bool) else name in selection
+
+    def _emit(self, when: str, record: PassRecord, body: str) -> None:
+        title = f"IR Dump {when} {record.name} (#{record.index})"
+        text = f"// -----// {title} //----- //\n{body.rstrip()}\n\n"
+        self._count += 1
+        if isinstance(self.to, (str, Path)):
+            folder = Path(self.to)
+            folder.mkdir(parents=True, exist_ok=True)
+            safe = "".join(c if c.isalnum() else "_" for c in record.name)
+            slug = when.lower().removesuffix(" of").replace(" ", "-")
+            (folder / f"{self._count:03d}-{record.index}-{safe}-{slug}.txt").write_text(text)
+        else:
+            (self.to or sys.stdout).write(text)
+
+    def before_pass(self, pass_: Any, program: Any, record: PassRecord) -> None:
+        if self._matches(self.before, record.name):
+            self._emit("Before", record, program_text(program))
+
+    def after_pass(self, pass_: Any, program: Any, record: PassRecord) -> None:
+        if self._matches(self.after, record.name) or (self.after_change and record.modified):
+            self._emit("After", record, program_text(program))
+
+    def after_pass_failed(
+        self, pass_: Any, program: Any, record: PassRecord, error: PassManagerError
+    ) -> None:
+        if not (self.after_failure or self._matches(self.after, record.name)):
+            return
+        first_line = str(error).splitlines()[0]
+        changed = error.diff or "(the pass had not changed the program)\n"
+        body = (
+            f"// {type(error).__name__}: {first_line}\n"
+            f"// what the pass had changed before the rollback:\n{changed}\n"
+            f"// the program, rolled back:\n{program_text(program)}"
+        )
+        self._emit("After Failure of", record, body)

@@ -1,0 +1,209 @@
+"""Grad-mode and autocast regions that write state, before functionalization.
+
+Export wraps a region run under another grad mode in the higher-order op
+``wrap_with_set_grad_enabled(enabled, body, *operands)``, and an autocast region in
+``wrap_with_autocast(device, dtype, enabled, cache, body, *operands)``. Grad mode changes no
+value a region computes, only what autograd records, and ``run_decompositions`` inlines these
+regions too; a grad region whose body writes state (an EMA update, an SSM state cache written
+under ``no_grad``) is inlined so its writes are functionalized like any other. Autocast
+changes values (it casts the inputs of matmuls and the like), so an autocast region that
+writes state keeps its body, functionalized inside: the body returns the new value of each
+operand it wrote, and the region is followed by a ``copy_`` of it into the operand, which
+the functionalization then treats as any top-level write (``run_decompositions`` inlines the
+region with its casts made explicit; the values are the same). Regions that write nothing
+are left as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .._analysis.aliasing import alias_map
+from .._analysis.buffers import hop_writes, trailing_write_backs
+from ..errors import UnsupportedMutationError
+
+__all__ = ["InlinedRegions", "inline_grad_regions"]
+
+_SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
+_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
+_BODY_INDEX = {_SET_GRAD: 1, _AUTOCAST: 4}
+
+
+@dataclass
+class InlinedRegions:
+    """What inlining changed, for the Rewrite's undo log and commit."""
+
+    new_nodes: list[Node] = field(default_factory=list)
+    arg_changes: list[tuple[Node, tuple, dict]] = field(default_factory=list)
+    dead: list[Node] = field(default_factory=list)
+    # regions whose body was replaced by its functional form: (attribute, old body), and
+    # the region nodes' old fake values
+    replaced_bodies: list[tuple[str, GraphModule]] = field(default_factory=list)
+    meta_changes: list[tuple[Node, object]] = field(default_factory=list)
+
+    def undo_bodies(self, gm: GraphModule) -> None:
+        for name, body in reversed(self.replaced_bodies):
+            setattr(gm, name, body)
+        for node, val in reversed(self.meta_changes):
+            node.meta["val"] = val
+
+
+def _inlinable(node: Node, gm: GraphModule) -> GraphModule | None:
+    """The body of a grad-mode region that writes state and can be inlined, else None."""
+    if node.op != "call_function" or node.target is not _SET_GRAD:
+        return None
+    body = node.args[1]
+    sub = getattr(gm, str(body.target), None) if isinstance(body, Node) else None
+    if not isinstance(sub, GraphModule) or hop_writes(node, gm) is None:
+        return None
+    # Nested higher-order ops name submodules of the body: they would not resolve here.
+    if any(n.op == "get_attr" for n in sub.graph.nodes):
+        return None
+    if len(body.users) != 1 or not all(
+        u.target is operator.getitem and isinstance(u.args[1], int) for u in node.users
+    ):
+        return None
+    return sub
+
+
+def _written_results(sub: GraphModule) -> dict[int, Node] | None:
+    """The body's results that are its (written) placeholders themselves, e.g. the result of
+    an in-place op on one: result index -> placeholder. None when a result is a view of a
+    placeholder (its functional form would not alias the operand, and is not regenerated)."""
+    aliases, _ = alias_map(sub.graph.nodes)
+    results = next(n for n in reversed(sub.graph.nodes) if n.op == "output").args[0]
+    found = {}
+    for k, result in enumerate(results if isinstance(results, (tuple, list)) else ()):
+        alias = aliases.get(result) if isinstance(result, Node) else None
+        if alias is None or alias.root.op != "placeholder":
+            continue
+        if alias.chain:
+            return None
+        found[k] = alias.root
+    return found
+
+
+def _functional_body(node: Node, gm: GraphModule, rewrite_of: Callable[[GraphModule], Any]
+                     ) -> tuple[GraphModule, list[int], dict[int, int]] | None:
+    """A copy of a state-writing region's body, functionalized, returning after its own
+    results the new value of each operand it writes; those operands' positions; and which
+    results were written operands themselves (result index -> operand position). None when
+    the body's writes cannot be functionalized (the region stays, and is refused)."""
+    body = node.args[_BODY_INDEX[node.target]]
+    sub = getattr(gm, str(body.target), None) if isinstance(body, Node) else None
+    if not isinstance(sub, GraphModule) or hop_writes(node, gm) is None or len(body.users) != 1:
+        return None
+    if not all(u.target is operator.getitem and isinstance(u.args[1], int) for u in node.users):
+        return None
+    same = _written_results(sub)
+    if same is None:
+        return None
+    old_placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    new = copy.deepcopy(sub)
+    try:
+        rewrite = rewrite_of(new)
+        rewrite.run()
+    except UnsupportedMutationError:
+        return None
+    rewrite.commit()
+    backs = trailing_write_backs(new)
+    placeholders = [n for n in new.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in reversed(new.graph.nodes) if n.op == "output")
+    results = output.args[0]
+    if not backs or any(b.args[0] not in placeholders for b in backs) or not isinstance(
+            results, (tuple, list)):
+        return None
+    output.args = ((*results, *(b.args[1] for b in backs)),)
+    positions = [placeholders.index(b.args[0]) for b in backs]
+    same = {k: old_placeholders.index(p) for k, p in same.items()}
+    if not set(same.values()) <= set(positions):
+        return None  # a result is an operand the body does not write: not rewired here
+    for back in backs:
+        new.graph.erase_node(back)
+    new.recompile()
+    return new, positions, same
+
+
+def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions,
+                          rewrite_of: Callable[[GraphModule], Any]) -> None:
+    """Give a state-writing region a functional body; write its new values back after it."""
+    made = _functional_body(node, gm, rewrite_of)
+    val = node.meta.get("val")
+    if made is None or not isinstance(val, (tuple, list)):
+        return
+    new, positions, same = made
+    index = _BODY_INDEX[node.target]
+    operands = node.args[index + 1:]
+    written = [operands[i] for i in positions]
+    if not all(isinstance(w, Node) for w in written) or len(set(written)) < len(written):
+        return
+    name = str(node.args[index].target)
+    log.replaced_bodies.append((name, getattr(gm, name)))
+    setattr(gm, name, new)
+    finals = next(n for n in reversed(new.graph.nodes) if n.op == "output").args[0][len(val):]
+    log.meta_changes.append((node, val))
+    node.meta["val"] = type(val)((*val, *(f.meta.get("val") for f in finals)))
+    graph = gm.graph
+    kept = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+    backs = {}
+    with graph.inserting_before(node.next):
+        for k, (target, final) in enumerate(zip(written, finals, strict=True)):
+            item = graph.call_function(operator.getitem, (node, len(val) + k))
+            back = backs[positions[k]] = graph.call_function(
+                torch.ops.aten.copy_.default, (target, item))
+            for made_node, value in ((item, final.meta.get("val")), (back, target.meta.get("val"))):
+                made_node.meta.update(kept)
+                if value is not None:
+                    made_node.meta["val"] = value
+            log.new_nodes += [item, back]
+    # A result that was a written operand itself (an in-place op's result) is now its new
+    # value, a fresh tensor: its readers read the operand, as written back, so that later
+    # writes through it still reach the operand.
+    for item in list(node.users):
+        if item.args[1] in same:
+            back = backs[same[item.args[1]]]
+            for user in list(item.users):
+                log.arg_changes.append((user, user.args, user.kwargs))
+                user.args, user.kwargs = torch.fx.map_arg(
+                    (user.args, user.kwargs), lambda a, old=item, new=back: new if a is old else a)
+
+
+def inline_grad_regions(gm: GraphModule, rewrite_of: Callable[[GraphModule], Any],
+                        candidates: list[Node] | None = None) -> InlinedRegions:
+    """Replace each state-writing grad-mode region by its body's nodes; give each other
+    state-writing region (autocast, or holding nested higher-order ops) a functional body.
+
+    ``rewrite_of(body)`` is the functionalization to apply to a body: an object with
+    ``run()`` (raising UnsupportedMutationError) and ``commit()`` (the caller's Rewrite).
+    ``candidates``: the graph's higher-order op calls among others, in graph order (the
+    scan's ``Mutations.candidates``), to look at instead of every node."""
+    log = InlinedRegions()
+    graph = gm.graph
+    for node in list(graph.nodes if candidates is None else candidates):
+        sub = _inlinable(node, gm)
+        if sub is None:
+            if node.op == "call_function" and node.target in _BODY_INDEX:
+                _functionalize_region(node, gm, log, rewrite_of)
+            continue
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        copied: dict[Node, Node] = dict(zip(placeholders, node.args[2:], strict=True))
+        before = set(graph.nodes)
+        with graph.inserting_before(node):
+            results = graph.graph_copy(sub.graph, copied)
+        log.new_nodes += [n for n in graph.nodes if n not in before]
+        results = results if isinstance(results, (tuple, list)) else (results,)
+        for item in list(node.users):
+            for user in list(item.users):
+                log.arg_changes.append((user, user.args, user.kwargs))
+                user.args, user.kwargs = torch.fx.map_arg(
+                    (user.args, user.kwargs),
+                    lambda a, item=item, results=results: results[item.args[1]] if a is item else a)
+        log.dead += [node.args[1], node, *node.users]
+    return log

@@ -1,0 +1,66 @@
+"""What InplaceToFunctional refuses to rewrite, and the typed error that says so.
+
+Refused: a write to a lifted constant (torch refuses it too), a write through a view with
+no write-back, a written tensor that may partially overlap another argument of the same
+op, and an opaque node (no schema, or a higher-order op writing inside its subgraph) that
+receives mutable state. Each is an :class:`~passes.errors.UnsupportedMutationError` naming
+the node and
+the reason. A write through a view addressing an element twice is checked where it is
+written back (``overlapping_writes``).
+"""
+
+from __future__ import annotations
+
+from torch.fx import Node
+
+from .._analysis.aliasing import Alias
+from .._analysis.buffers import CONSTANT, State
+from ..errors import UnsupportedMutationError
+from .element_overlap import may_overlap
+from .view_inverse import write_back_reason
+
+__all__ = ["check_opaque", "check_write"]
+
+
+
+
+def check_opaque(node: Node, reason: str | None, aliases: dict[Node, Alias], roots: set[Node],
+                 states: dict[Node, State]) -> None:
+    """An opaque node (no schema) must neither write nor receive mutable state."""
+    if reason is None:
+        return
+    if "writes" in reason or str(node.target).endswith("_"):
+        raise UnsupportedMutationError(node, reason, "opaque")
+    touched = [a for a in node.all_input_nodes
+               if a in aliases and (aliases[a].root in roots or aliases[a].root in states)]
+    if touched:
+        names = ", ".join(a.name for a in touched)
+        raise UnsupportedMutationError(
+            node, f"{reason}, so it may write the mutable state it receives ({names})", "opaque")
+
+
+def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
+                states: dict[Node, State]) -> None:
+    """A write the rewrite can express exactly, or an UnsupportedMutationError."""
+    inputs = [a for a in node.all_input_nodes if a in aliases]
+    for w in written:
+        alias = aliases[w]
+        state = states.get(alias.root)
+        if state is not None and state.kind == CONSTANT:
+            # A constant is not program state: a write to it cannot be an output of the
+            # program (torch's functionalization refuses it too: "register it as buffer").
+            raise UnsupportedMutationError(
+                node, f"it writes the constant {state.name!r}; register it as a buffer",
+                "writes-constant")
+        for view in alias.chain:
+            reason = write_back_reason(view)
+            if reason is not None:
+                raise UnsupportedMutationError(node, reason, "no-write-back")
+        for other in inputs:
+            same = aliases[other]
+            if other is not w and same.root is alias.root and same != alias and (
+                may_overlap(w, other)
+            ):
+                raise UnsupportedMutationError(
+                    node, f"the written {w.name} and the argument {other.name} are views of "
+                          "one storage that may partially overlap", "overlap")

@@ -1,0 +1,245 @@
+"""Command line: ``python -m passes run [package.module:factory] [options]``.
+
+The factory returns ``(module, example_inputs[, steps])`` (v1) or a mapping with
+``module``, ``example_args``, ``example_kwargs``, ``steps``, ``dynamic_shapes`` and
+``export`` (v2; see :mod:`passes.flow.factory`). Without a factory the built-in seeded
+KV-cache decoder is used. Exit status: 0 every check passed, 1 a check failed, 2 the model
+could not be loaded (or exported), 3 the flow failed (a short report says where).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+from pass_manager import PassManagerError, parse_pipeline
+
+from .factory import EXPORT_MODES, Exported, ModelError, ModelSpec, export_program, model_spec
+
+DEFAULT_MODEL = "passes.examples:decoder_job"
+LOAD_FAILED, FLOW_FAILED = 2, 3
+
+
+def load_model(spec: str, steps: int) -> ModelSpec:
+    """Import ``package.module:factory``, call it and read its result; ModelError otherwise."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ModelError(f"MODEL must look like package.module:factory, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise ModelError(f"cannot import {module_name!r}: {type(e).__name__}: {e}") from e
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise ModelError(f"{module_name!r} has no attribute {attr!r}")
+    if not callable(factory):
+        raise ModelError(f"{spec} is a {type(factory).__name__}, not a factory function")
+    try:
+        made = factory()
+    except Exception as e:
+        raise ModelError(f"{spec}() failed: {type(e).__name__}: {e}") from e
+    return model_spec(made, spec, steps)
+
+
+def _export(model: ModelSpec, spec: str, mode: str | None) -> Exported:
+    try:
+        return export_program(
+            model.module,
+            model.example_args,
+            model.example_kwargs,
+            dynamic_shapes=model.dynamic_shapes,
+            mode=mode or model.export,
+        )
+    except ModelError as e:
+        raise ModelError(f"{spec} is not exportable: {e}") from e
+
+
+def _print_section(title: str, body: str) -> None:
+    print(f"\n== {title}\n{body}", flush=True)
+
+
+def _quiet_import_noise() -> None:
+    # torchao logs a warning per optional CUDA kernel library it cannot load on a CPU-only
+    # machine, and torch warns about its own deprecated internals (pytree registrations,
+    # LeafSpec checks when a program is deep-copied): noise in a report.
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+
+def _quantizer_factory(name: str) -> Any:
+    from .examples import AnnotateEveryOpQuantizer, xnnpack_quantizer
+
+    # every-op: the QNN-style quantizer that annotates data movement too.
+    return AnnotateEveryOpQuantizer if name == "every-op" else xnnpack_quantizer
+
+
+def _print_report(result: Any) -> None:
+    if result.notes:
+        _print_section("notes", "\n".join(result.notes))
+    _print_section("pass plan", result.plan)
+    if result.reports:
+        _print_section("passes", result.pass_table())
+    if result.delegate_summary:
+        _print_section("delegates", "\n".join(result.delegate_summary))
+    if result.step_errors:
+        _print_section("decode", result.decode_table())
+    if result.checks:
+        _print_section(
+            "checks",
+            "\n".join(
+                f"{'PASS' if c.passed else 'FAIL'}  {c.name}: {c.detail}" for c in result.checks
+            ),
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = args.model or DEFAULT_MODEL
+    _quiet_import_noise()
+    pass_options = _pass_options(args)
+    try:
+        pipeline = parse_pipeline(args.pipeline, **pass_options) if args.pipeline else None
+    except PassManagerError as e:
+        print(f"error: --pipeline: {str(e).splitlines()[0]}", file=sys.stderr)
+        return LOAD_FAILED
+    if args.runtime == "executorch":
+        from ..executorch import INSTALL_HINT, available
+
+        if not available():
+            print("error: --runtime executorch needs the executorch extra; install it with: "
+                  + INSTALL_HINT, file=sys.stderr)
+            return FLOW_FAILED
+    try:
+        model = load_model(spec, args.steps)
+        exported = _export(model, spec, args.export)
+    except ModelError as e:
+        if args.traceback:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return LOAD_FAILED
+    from .run import FlowError, run_model
+
+    print(
+        f"model: {spec} ({sum(p.numel() for p in model.module.parameters())} parameters), "
+        f"{len(model.steps)} decode steps, exported {exported.mode}, runtime {args.runtime}",
+        flush=True,
+    )
+    try:
+        result = run_model(
+            model,
+            exported=exported,
+            quantize=not args.skip_quantization,
+            delegate=not args.skip_delegation,
+            quantizer_factory=_quantizer_factory(args.quantizer),
+            log=lambda line: print(line, flush=True),
+            pipeline=pipeline,
+            pass_options=pass_options,
+            runtime=args.runtime,
+        )
+    except FlowError as e:
+        result = e.result
+        _print_report(result)
+        if args.traceback:
+            traceback.print_exception(e.__cause__ or e)
+        hint = "" if args.traceback else "\n(--traceback shows the full trace)"
+        _print_section("failed", "\n".join(e.failure.lines()) + hint)
+        _write_outputs(args, result)
+        return FLOW_FAILED
+    _print_report(result)
+    _write_outputs(args, result)
+    return 0 if result.ok else 1
+
+
+def _pass_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The debugging flags as PassManager options, for every pipeline the job runs."""
+    options: dict[str, Any] = {}
+    if args.print_before:
+        options["print_before"] = args.print_before
+    if args.print_after:
+        options["print_after"] = args.print_after
+    if args.print_after_change:
+        options["print_after_change"] = True
+    if args.print_after_failure:
+        options["print_after_failure"] = True
+    if args.print_to:
+        options["print_to"] = args.print_to
+    if args.reproducer_dir:
+        options["reproducer_dir"] = args.reproducer_dir
+    return options
+
+
+def _write_outputs(args: argparse.Namespace, result: Any) -> None:
+    if args.dot and result.dot:
+        Path(args.dot).write_text(result.dot)
+        print(f"wrote the pass DAG to {args.dot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
+        print(f"wrote the report to {args.json}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m passes", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run", help="run the mutable-buffer flow on a model")
+    run_parser.add_argument("model", nargs="?", default="", help="package.module:factory")
+    run_parser.add_argument("--steps", type=int, default=8, help="decode calls (default 8)")
+    run_parser.add_argument(
+        "--quantizer",
+        choices=("xnnpack", "every-op"),
+        default="xnnpack",
+        help="torchao's XNNPACK-style quantizer, or one that annotates every op (QNN style)",
+    )
+    run_parser.add_argument(
+        "--pipeline",
+        metavar="TEXT",
+        help="run this pipeline instead of the functionalization stage, e.g. "
+        "'MarkMutableBuffers,InplaceToFunctional' (registered pass names, options in {})",
+    )
+    run_parser.add_argument(
+        "--export",
+        choices=EXPORT_MODES,
+        default=None,
+        help="force torch.export's mode (default: the factory's, else strict, else non-strict)",
+    )
+    run_parser.add_argument(
+        "--runtime",
+        choices=("python", "executorch"),
+        default="python",
+        help="also decode on ExecuTorch's runtime (XNNPACK + BufferOwningPartitioner, .pte, "
+        "pybind runtime); needs the executorch extra",
+    )
+    run_parser.add_argument("--skip-quantization", action="store_true")
+    run_parser.add_argument("--skip-delegation", action="store_true")
+    run_parser.add_argument("--dot", metavar="FILE", help="write the pass DAG as Graphviz DOT")
+    run_parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    run_parser.add_argument(
+        "--traceback", action="store_true", help="show the full trace when something fails"
+    )
+    debug = run_parser.add_argument_group("when a pass goes wrong")
+    debug.add_argument("--print-before", metavar="PASS", action="append",
+                       help="print the program before this pass (repeatable)")
+    debug.add_argument("--print-after", metavar="PASS", action="append",
+                       help="print the program after this pass (repeatable)")
+    debug.add_argument("--print-after-change", action="store_true",
+                       help="print the program after every pass that changed it")
+    debug.add_argument("--print-after-failure", action="store_true",
+                       help="print what a failing pass changed, and the rolled-back program")
+    debug.add_argument("--print-to", metavar="DIR",
+                       help="write those dumps to DIR, one file each (default: stdout)")
+    debug.add_argument("--reproducer-dir", metavar="DIR",
+                       help="when a pass fails, write a reproducer folder under DIR "
+                       "(rerun it with python -m pass_manager replay FOLDER)")
+    args = parser.parse_args(argv)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

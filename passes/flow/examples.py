@@ -1,0 +1,249 @@
+"""What the main job (``python -m passes run``) uses by default, shipped with the package.
+
+* :func:`decoder_job` / :func:`kv_decoder`: a seeded Llama-style decoder (RMSNorm, attention
+  over a per-layer KV cache, gated SiLU MLP) that decodes one position per call and writes
+  its K/V into registered buffers in place, with ``index_copy_`` or ``cache[:, :, pos] = k``
+  (``index_put_``). No downloads: weights come from a seeded generator.
+* :class:`AnnotateEveryOpQuantizer`: a quantizer in the style of the Qualcomm QNN backend's,
+  annotating every aten op with a float result, data movement included (``--quantizer
+  every-op``): the style under which a KV cache gets observed on its initial state.
+* :func:`xnnpack_quantizer`: torchao's XNNPACK-style quantizer (the default).
+
+Tests and benchmarks build on these too; they import them from here.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.fx import GraphModule, Node
+from torchao.quantization.pt2e.observer import MinMaxObserver
+from torchao.quantization.pt2e.quantizer import (
+    QuantizationAnnotation,
+    QuantizationSpec,
+    Quantizer,
+)
+
+__all__ = [
+    "ACTIVATION_QSPEC",
+    "WEIGHT_QSPEC",
+    "AnnotateEveryOpQuantizer",
+    "DecoderConfig",
+    "KVDecoder",
+    "decode_inputs",
+    "decoder_job",
+    "kv_decoder",
+    "xnnpack_quantizer",
+]
+
+
+class DecoderConfig:
+    def __init__(
+        self,
+        n_layers: int = 1,
+        dim: int = 32,
+        n_heads: int = 2,
+        hidden: int = 64,
+        max_seq: int = 16,
+        cache_update: str = "index_copy",
+    ):
+        if cache_update not in ("index_copy", "index_put"):
+            raise ValueError(
+                f"cache_update must be 'index_copy' or 'index_put', got {cache_update!r}"
+            )
+        self.n_layers, self.dim, self.n_heads = n_layers, dim, n_heads
+        self.hidden, self.max_seq, self.cache_update = hidden, max_seq, cache_update
+        self.head_dim = dim // n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        shape = (1, cfg.n_heads, cfg.max_seq, cfg.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape))
+        self.register_buffer("v_cache", torch.zeros(shape))
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seqlen, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        if cfg.cache_update == "index_copy":
+            self.k_cache.index_copy_(2, input_pos, k)
+            self.v_cache.index_copy_(2, input_pos, v)
+        else:
+            self.k_cache[:, :, input_pos] = k
+            self.v_cache[:, :, input_pos] = v
+        scores = q @ self.k_cache.transpose(2, 3) / math.sqrt(cfg.head_dim)
+        visible = torch.arange(cfg.max_seq) <= input_pos.view(-1, 1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ self.v_cache
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, cfg.dim))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim)
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), input_pos)
+        h = self.mlp_norm(x)
+        return x + self.w2(nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+class KVDecoder(nn.Module):
+    """Decodes one position per call: ``forward(x [1, 1, dim], input_pos [1]) -> [1, 1, dim]``."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim)
+        self.out = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, input_pos)
+        return self.out(self.norm(x))
+
+
+def kv_decoder(
+    n_layers: int = 1, cache_update: str = "index_copy", seed: int = 0, **config
+) -> tuple[KVDecoder, tuple[torch.Tensor, torch.Tensor]]:
+    """A seeded decoder and example inputs for position 0: the factory shape ``make run`` uses."""
+    cfg = DecoderConfig(n_layers=n_layers, cache_update=cache_update, **config)
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = KVDecoder(cfg).eval()
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model, decode_inputs(cfg, 1, seed=seed)[0]
+
+
+def decode_inputs(
+    cfg: DecoderConfig, steps: int, seed: int = 0, start: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One ``(x, input_pos)`` tuple per decode step, positions start, start+1, ..."""
+    if start + steps > cfg.max_seq:
+        raise ValueError(f"{steps} steps from {start} exceed max_seq={cfg.max_seq}")
+    generator = torch.Generator().manual_seed(seed + 1)
+    return [
+        (torch.randn(1, 1, cfg.dim, generator=generator), torch.tensor([start + step]))
+        for step in range(steps)
+    ]
+
+
+def decoder_job(
+    n_layers: int = 2, steps: int = 8, cache_update: str = "index_copy", seed: int = 0
+) -> tuple[KVDecoder, tuple[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The main job's default model: a decoder, example inputs, and one input per decode step."""
+    model, example = kv_decoder(n_layers, cache_update, seed)
+    return model, example, decode_inputs(model.cfg, steps, seed=seed)
+
+
+ACTIVATION_QSPEC = QuantizationSpec(
+    dtype=torch.uint8,
+    quant_min=0,
+    quant_max=255,
+    qscheme=torch.per_tensor_affine,
+    observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-20),
+)
+WEIGHT_QSPEC = QuantizationSpec(
+    dtype=torch.int8,
+    quant_min=-127,
+    quant_max=127,
+    qscheme=torch.per_tensor_symmetric,
+    observer_or_fake_quant_ctr=MinMaxObserver.with_args(
+        qscheme=torch.per_tensor_symmetric, eps=2**-20
+    ),
+)
+
+_LINEAR_OPS = (torch.ops.aten.linear.default,)
+
+
+def _is_float_tensor(node: object) -> bool:
+    if not isinstance(node, Node):
+        return False
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+class AnnotateEveryOpQuantizer(Quantizer):
+    """Annotate every aten op with a float result: float inputs and the output, uint8 affine.
+
+    Linear weights get a symmetric int8 spec; linear biases stay in float. An op with a
+    non-finite constant argument (the attention mask's ``masked_fill(..., -inf)``) stays in
+    float, and so does its result as an input of the next op: a min/max observer cannot
+    give an infinite range a scale.
+    """
+
+    def annotate(self, model: GraphModule) -> GraphModule:
+        unbounded: set[Node] = set()
+        for node in model.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            if not _is_float_tensor(node):
+                continue
+            leaves = pytree.tree_leaves((node.args, node.kwargs))
+            if any(isinstance(v, float) and not math.isfinite(v) for v in leaves):
+                unbounded.add(node)
+                continue
+            input_qspec_map = {}
+            for position, arg in enumerate(leaves):
+                if not _is_float_tensor(arg) or arg in input_qspec_map or arg in unbounded:
+                    continue
+                if node.target in _LINEAR_OPS and position == 2:
+                    continue
+                weight = node.target in _LINEAR_OPS and position == 1
+                input_qspec_map[arg] = WEIGHT_QSPEC if weight else ACTIVATION_QSPEC
+            node.meta["quantization_annotation"] = QuantizationAnnotation(
+                input_qspec_map=input_qspec_map,
+                output_qspec=ACTIVATION_QSPEC,
+                _annotated=True,
+            )
+        return model
+
+    def validate(self, model: GraphModule) -> None:
+        return None
+
+
+def xnnpack_quantizer() -> Quantizer:
+    """torchao's XNNPACK-style quantizer: static per-tensor symmetric int8."""
+    # torchao 0.18 ships XNNPACKQuantizer only under torchao.testing; the public one is
+    # ExecuTorch's (executorch.backends.xnnpack.quantizer), an optional extra the package
+    # cannot require, so the default quantizer comes from torchao's copy.
+    from torchao.testing.pt2e._xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "XNNPACKQuantizer is deprecated"
+        return XNNPACKQuantizer().set_global(get_symmetric_quantization_config())

@@ -1,0 +1,362 @@
+"""The whole mutable-buffer flow on one model, as the main job (``python -m passes run``) runs it.
+
+export -> MarkMutableBuffers -> InplaceToFunctional -> pt2e quantization through
+PassQuantizer (SkipAnnotateDataMovementOps) -> calibrate -> reset_mutable_buffers ->
+convert -> UnfreezeMutableBuffer -> to_delegate + ConsumeBufferMutationsInDelegate ->
+decode, next to the same model quantized by torchao's flow without the passes, all compared
+with fp32 eager. Every call may take keyword inputs; a failing stage raises
+:class:`~passes.flow.result.FlowError` with what was found so far.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pass_manager import PassManager
+from pass_manager.validation import (
+    Trace,
+    as_call,
+    buffer_errors,
+    call_inputs,
+    copy_program,
+    first_difference,
+    output_errors,
+    run_program,
+)
+
+from ..consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
+from ..inplace_to_functional import InplaceToFunctional
+from ..mark_mutable_buffers import MarkMutableBuffers
+from ..skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
+from ..unfreeze_mutable_buffer import UnfreezeMutableBuffer
+from .delegation import delegation_stages, ownable_by_cache_updates
+from .examples import xnnpack_quantizer
+from .factory import Exported, ModelSpec, export_program
+from .quantization import RESET, WITH_PASSES, quantize_both_ways
+from .quantized_graphs import buffer_grid, describe_op_difference, output_grid, quantized_ops
+from .result import Check, FlowError, FlowResult, check_same, failure_of, restricted
+
+__all__ = ["Check", "FlowError", "FlowResult", "run_flow", "run_model"]
+
+Log = Callable[[str], None]
+# Export may reorder float arithmetic (a fused or decomposed op): the exported program is
+# compared with eager within float rounding, the passes' programs with theirs exactly.
+EXPORT_RTOL, EXPORT_ATOL = 1e-4, 1e-5
+
+
+class _Stages:
+    """Runs the stages in order, logging each with its duration; a failure becomes FlowError."""
+
+    def __init__(self, log: Log, result: FlowResult):
+        self.log = log
+        self.result = result
+        self.title = ""
+        self.calls: tuple[int, int] | None = None  # (calls done, calls planned) in this stage
+
+    def __call__(self, title: str, fn: Callable[[], Any]) -> Any:
+        self.title, self.calls = title, None
+        self.log(f"[{title}] ...")
+        start = time.perf_counter()
+        try:
+            value = fn()
+        except FlowError:
+            raise
+        except Exception as e:
+            where = title
+            if self.calls is not None and self.calls[0] < self.calls[1]:
+                where += f" (call {self.calls[0] + 1} of {self.calls[1]})"
+            self.result.failure = failure_of(where, e)
+            raise FlowError(self.result.failure, self.result) from e
+        self.log(f"[{title}] done in {time.perf_counter() - start:.2f} s")
+        return value
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """Between stages (the checks), a failure is a FlowError too, named after the stage."""
+        try:
+            yield
+        except FlowError:
+            raise
+        except Exception as e:
+            self.result.failure = failure_of(f"checks after {self.title or 'setup'}", e)
+            raise FlowError(self.result.failure, self.result) from e
+
+    def progress(self, calls: int) -> Callable[[int], None]:
+        """A per-call callback logging ``step i/n`` with the time since the previous one."""
+        last = [time.perf_counter()]
+        self.calls = (0, calls)
+
+        def step(index: int) -> None:
+            self.calls = (index + 1, calls)
+            now = time.perf_counter()
+            self.log(f"  [{self.title}] step {index + 1}/{calls} ({now - last[0]:.2f} s)")
+            last[0] = now
+
+        return step
+
+    def run(self, program: Any, steps: list, **options: Any) -> Trace:
+        return run_program(program, steps, on_call=self.progress(len(steps)), **options)
+
+    def calibrate(self, prepared: torch.nn.Module, calls: list) -> None:
+        step = self.progress(len(calls))
+        with torch.no_grad():
+            for index, (args, kwargs) in enumerate(copy_program(calls)):
+                prepared(*args, **kwargs)
+                step(index)
+
+
+def run_flow(
+    model: torch.nn.Module,
+    example_inputs: Any = (),
+    steps: Sequence[Any] = (),
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+    export: str | None = None,
+    exported: Exported | None = None,
+    quantize: bool = True,
+    delegate: bool = True,
+    quantizer_factory: Callable[[], Any] = xnnpack_quantizer,
+    calibration: Sequence[Any] | None = None,
+    log: Log = print,
+    pipeline: PassManager | None = None,
+    pass_options: Mapping[str, Any] | None = None,
+    runtime: str = "python",
+) -> FlowResult:
+    """Run the flow; ``steps`` holds one call's inputs per decode call.
+
+    A call's inputs are an argument tuple, an ``(args, kwargs)`` pair or a keyword mapping.
+    The model is exported with ``example_inputs`` (and ``example_kwargs``,
+    ``dynamic_shapes``) as :func:`passes.flow.factory.export_program` does, in ``export`` mode
+    ("strict" / "non-strict"; default: strict, else non-strict), unless ``exported`` is
+    given. ``calibration`` (default: ``steps``) is what the quantized programs are
+    calibrated on. torchao's flow without the passes is the one users get today: the
+    functional form from ``run_decompositions({})``, quantized by the same quantizer.
+    ``pipeline`` replaces the functionalization stage (MarkMutableBuffers,
+    InplaceToFunctional), e.g. ``parse_pipeline(text)`` from ``--pipeline``.
+    ``pass_options`` are PassManager options for the pipelines the flow builds itself
+    (the main job's ``--print-after``, ``--reproducer-dir`` ...).
+    ``runtime="executorch"`` also decodes the fp32 and quantized programs on ExecuTorch's
+    runtime (:func:`passes.flow.executorch_stage.flow_stage`; needs the executorch extra).
+    Raises :class:`FlowError` (with the partial result) when a stage fails.
+    """
+    args, kwargs = as_call(example_inputs)
+    kwargs = {**kwargs, **(example_kwargs or {})}
+    steps = call_inputs(list(steps) or [(args, kwargs)])
+    calibration = steps if calibration is None else call_inputs(list(calibration))
+    result = FlowResult()
+    stage = _Stages(log, result)
+    with stage.guarded():
+        options = dict(pass_options or {})
+        functionalize = pipeline or PassManager(
+            [MarkMutableBuffers(), InplaceToFunctional()], **options
+        )
+        # The stages run as separate pipelines around torchao's calls; their union is the DAG
+        # that fixes the order, which is what the plan shows.
+        every_pass = PassManager(
+            [
+                MarkMutableBuffers(),
+                InplaceToFunctional(),
+                SkipAnnotateDataMovementOps(),
+                UnfreezeMutableBuffer(),
+                ConsumeBufferMutationsInDelegate(),
+            ]
+        )
+        result.plan = every_pass.explain()
+        result.dot = every_pass.to_dot()
+
+        def export_(module: torch.nn.Module, mode: str | None) -> Exported:
+            return export_program(module, args, kwargs, dynamic_shapes=dynamic_shapes, mode=mode)
+
+        eager = stage("fp32 eager decode", lambda: stage.run(model, steps))
+        if exported is None:
+            exported = stage("export", lambda: export_(model, export))
+        if exported.note:
+            result.notes.append(exported.note)
+        mode = exported.mode
+        exported_trace = stage(
+            "decode the exported program", lambda: stage.run(exported.program, steps)
+        )
+        _check_export(result, mode, eager, exported_trace)
+        functional = stage(
+            "functionalize", lambda: functionalize.run(copy_program(exported.program))
+        )
+        result.reports.append(("functionalize", functional.report))
+        program: Any = functional.program
+        # Later stages run the functional program's module, which shares its buffers.
+        fp32_program = copy_program(program) if runtime == "executorch" else None
+        functional_trace = stage("decode the functional program", lambda: stage.run(program, steps))
+        check_same(
+            result,
+            "functional program matches the exported program",
+            exported_trace,
+            functional_trace,
+        )
+
+        before_rewrite: int | None = None  # caches ownable before the re-export's copies go
+        if quantize:
+            traces, converted = quantize_both_ways(
+                stage, exported.program, functional.program, quantizer_factory, calibration, steps,
+                options,
+            )
+            for name, trace in traces.items():
+                result.step_errors[name] = output_errors(eager, trace)
+                result.buffer_errors[name] = _relative_buffer_errors(eager, trace)
+            if RESET in traces:
+                _quantization_checks(result, eager, traces, converted)
+            quantized = converted[WITH_PASSES]
+            if delegate:
+                reexported = stage(
+                    "re-export the quantized program", lambda: export_(quantized, mode)
+                )
+                # What a cache-update-only partitioner could own before InplaceToFunctional
+                # turns the re-export's whole-buffer copies back into the updates.
+                before_rewrite = ownable_by_cache_updates(reexported.program)
+                refunctional = stage(
+                    "functionalize again", lambda: functionalize.run(reexported.program)
+                )
+                result.reports.append(("functionalize quantized", refunctional.report))
+                program = refunctional.program
+            else:
+                program = quantized
+            reference = traces[WITH_PASSES]
+        else:
+            reference = functional_trace
+
+        if delegate:
+            final = delegation_stages(
+                stage, result, program, steps, (eager, reference), before_rewrite, options
+            )
+            name = "full pipeline" if quantize else "fp32 pipeline"
+            result.step_errors[name] = output_errors(eager, final)
+            result.buffer_errors[name] = _relative_buffer_errors(eager, final)
+        elif not quantize:
+            result.step_errors["fp32 pipeline"] = output_errors(eager, functional_trace)
+        if runtime == "executorch":
+            from .executorch_stage import flow_stage
+
+            programs = [("fp32", fp32_program)] + ([("quantized", quantized)] if quantize else [])
+            flow_stage(result, stage, programs, tuple(args), steps, eager)
+        return result
+
+
+def run_model(model: ModelSpec, **options: Any) -> FlowResult:
+    """:func:`run_flow` on what a factory returned (:func:`~passes.flow.factory.model_spec`)."""
+    return run_flow(
+        model.module,
+        model.example_args,
+        model.steps,
+        example_kwargs=model.example_kwargs,
+        dynamic_shapes=model.dynamic_shapes,
+        export=model.export,
+        **options,
+    )
+
+
+def _check_export(result: FlowResult, mode: str, eager: Trace, exported: Trace) -> None:
+    """The exported program against eager, on the buffers it kept.
+
+    Export drops buffers the forward never reads (Hugging Face's ``original_inv_freq``):
+    they are named in the detail, not counted as a difference.
+    """
+    kept = set(exported.buffers[0]) if exported.buffers else set()
+    dropped = sorted(set(eager.buffers[0]) - kept) if eager.buffers else []
+    kept_only = restricted(eager, kept)
+    difference = first_difference(kept_only, exported, EXPORT_ATOL, EXPORT_RTOL)
+    worst = max(output_errors(kept_only, exported), default=0.0)
+    detail = difference or (
+        "outputs and buffers equal" if worst == 0 else f"max abs output difference {worst:.3g}"
+    )
+    if dropped:
+        detail += f"; export dropped unused buffers: {', '.join(dropped)}"
+    result.checks.append(
+        Check(
+            f"exported program ({mode}) matches fp32 eager within float rounding",
+            difference is None,
+            detail,
+        )
+    )
+
+
+def _relative_buffer_errors(reference: Trace, trace: Trace) -> dict[str, float]:
+    """Per buffer: worst abs error over all calls, relative to the fp32 buffer's largest value."""
+    worst: dict[str, float] = {}
+    for call, errors in enumerate(buffer_errors(reference, trace)):
+        for name, error in errors.items():
+            scale = max(reference.buffers[call][name].abs().max().item(), 1e-12)
+            worst[name] = max(worst.get(name, 0.0), error / scale)
+    return worst
+
+
+def _worst_abs(reference: Trace, trace: Trace) -> dict[str, float]:
+    worst: dict[str, float] = {}
+    for errors in buffer_errors(reference, trace):
+        for name, error in errors.items():
+            worst[name] = max(worst.get(name, 0.0), error)
+    return worst
+
+
+def _quantization_checks(
+    result: FlowResult, eager: Trace, traces: dict[str, Trace], converted: dict[str, Any]
+) -> None:
+    """The passes must do no worse than torchao's flow with the caches reset by hand.
+
+    Both are compared with fp32 eager; the passes may differ from it by one step of the
+    quantization grid the compared values live on (the buffer's or the output's qparams),
+    which is the resolution at which two quantized programs can be told apart.
+    """
+    with_passes, by_hand = _worst_abs(eager, traces[WITH_PASSES]), _worst_abs(eager, traces[RESET])
+    grids = buffer_grid(converted[WITH_PASSES])
+    worse = {
+        name: (error, by_hand[name], grids.get(name, 0.0))
+        for name, error in with_passes.items()
+        if name in by_hand and error > by_hand[name] + grids.get(name, 0.0) + 1e-6
+    }
+    relative = result.buffer_errors[WITH_PASSES]
+    worst_name = max(relative, key=relative.get, default="")
+    detail = (
+        f"8-bit error itself (information): worst {worst_name or 'buffer'} "
+        f"{relative.get(worst_name, 0.0):.2%} of its fp32 magnitude with the passes, "
+        f"{result.buffer_errors[RESET].get(worst_name, 0.0):.2%} without"
+    )
+    if worse:
+        name, (error, theirs, grid) = next(iter(worse.items()))
+        detail = (
+            f"{name}: worst abs error {error:.6g} with the passes vs {theirs:.6g} without "
+            f"(grid step {grid:.3g}); " + detail
+        )
+    result.checks.append(
+        Check(
+            "quantized buffers: the passes do no worse than torchao's flow with the caches "
+            "reset by hand",
+            not worse,
+            detail,
+        )
+    )
+
+    mine, theirs = max(result.step_errors[WITH_PASSES]), max(result.step_errors[RESET])
+    grid = output_grid(converted[WITH_PASSES])
+    detail = (
+        f"worst step error {mine:.6f} with the passes, {theirs:.6f} without "
+        f"(caches reset by hand in both; output grid step {grid:.3g})"
+    )
+    differences = describe_op_difference(
+        quantized_ops(converted[WITH_PASSES]), quantized_ops(converted[RESET])
+    )
+    if differences:
+        detail += (
+            f"; the two flows quantized different graphs ({differences}), so part of the "
+            "difference comes from what was quantized, not from the state"
+        )
+    result.checks.append(
+        Check(
+            "the passes do not make the quantized decode worse",
+            mine <= theirs + grid + 1e-6,
+            detail,
+        )
+    )
