@@ -18,7 +18,14 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from .._analysis.op_schema import view_base_index
 
-__all__ = ["FakeValues", "same_static_layout", "static_layout"]
+__all__ = [
+    "FakeValues",
+    "is_contiguous",
+    "same_metadata",
+    "same_static_layout",
+    "same_strides",
+    "static_layout",
+]
 
 _UNKNOWN = object()
 
@@ -151,3 +158,28 @@ def same_static_layout(a: Node, b: Node) -> bool:
     layout = static_layout(a)
     return layout is not None and layout == static_layout(b)
 
+
+def same_strides(a: Node, b: Node) -> bool:
+    """Same strides (True when unknown: no fake values or symbolic strides)."""
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+        return True
+    strides = (*va.stride(), *vb.stride())
+    return not all(isinstance(x, int) for x in strides) or va.stride() == vb.stride()
+
+
+def same_metadata(old: list[Node], new: list[Node]) -> bool:
+    """Inputs whose fake values agree in everything but storage (static shapes only)."""
+    return len(old) == len(new) and all(
+        same_static_layout(a, b) and _dtype_device(a) == _dtype_device(b)
+        for a, b in zip(old, new, strict=True))
+
+
+def _dtype_device(node: Node) -> tuple:
+    val = node.meta["val"]
+    return val.dtype, val.device
+
+
+def is_contiguous(node: Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_contiguous()

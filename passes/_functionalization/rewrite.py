@@ -39,7 +39,7 @@ from .._analysis.op_schema import (
 from ..errors import UnsupportedMutationError
 from ..functional_variants import functional_variant
 from .end import VALUE_META, ProgramEnd, fresh_like
-from .fake_values import same_static_layout
+from .fake_values import is_contiguous, same_metadata, same_strides
 from .mutation_checks import check_opaque, check_write
 from .overlapping_writes import OverlappingWrites
 from .start import ProgramStart
@@ -165,7 +165,7 @@ class Rewrite(ProgramStart, StorageReads, OverlappingWrites, ProgramEnd):
         kwargs = _resolved(node.kwargs, self.resolve) if node.kwargs else node.kwargs
         self._set_args(node, args, kwargs)
         if target_of(node) in MAYBE_VIEWS and "val" in node.meta and not (
-            self.aliases[node].root is node and _same_metadata(old_inputs, node.all_input_nodes)
+            self.aliases[node].root is node and same_metadata(old_inputs, node.all_input_nodes)
         ):
             # Whether it is a view is read from storage sharing: keep that true of its new input.
             # A copy (reshape of an expanded cache) of inputs with unchanged metadata stays a
@@ -341,7 +341,7 @@ class Rewrite(ProgramStart, StorageReads, OverlappingWrites, ProgramEnd):
         view_value = None
         if chain:  # view_value: None when ``new`` is not the view's value (overlapping_writes)
             new, view_value = self._write_back(writer, written, new)
-        if not _same_layout(new, root) and _is_contiguous(root):
+        if not same_strides(new, root) and is_contiguous(root):
             # Eager keeps the root's memory layout, and reductions over a differently laid
             # out copy round differently: restore the layout so results stay bit-exact.
             new = self.emit(writer, aten.clone.default, new,
@@ -349,7 +349,7 @@ class Rewrite(ProgramStart, StorageReads, OverlappingWrites, ProgramEnd):
         self.cur[root] = new
         self.version[root] += 1
         self.last_writer[root] = writer
-        if view_value is not None and _same_layout(view_value, written):
+        if view_value is not None and same_strides(view_value, written):
             self.memo[(root, chain, self.version[root])] = view_value
 
 @functools.cache
@@ -380,29 +380,3 @@ def _resolved(value: Any, resolve: Any) -> Any:
 
     new = map_arg(value, step)
     return new if changed else value
-
-
-def _same_layout(a: Node, b: Node) -> bool:
-    """Same strides (True when unknown: no fake values or symbolic strides)."""
-    va, vb = a.meta.get("val"), b.meta.get("val")
-    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
-        return True
-    strides = (*va.stride(), *vb.stride())
-    return not all(isinstance(x, int) for x in strides) or va.stride() == vb.stride()
-
-
-def _same_metadata(old: list[Node], new: list[Node]) -> bool:
-    """Inputs whose fake values agree in everything but storage (static shapes only)."""
-    return len(old) == len(new) and all(
-        same_static_layout(a, b) and _dtype_device(a) == _dtype_device(b)
-        for a, b in zip(old, new, strict=True))
-
-
-def _dtype_device(node: Node) -> tuple:
-    val = node.meta["val"]
-    return val.dtype, val.device
-
-
-def _is_contiguous(node: Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.is_contiguous()
