@@ -13,6 +13,7 @@ import subprocess
 import sys
 import sysconfig
 import venv
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +59,12 @@ def fresh_venv_with_project_torch(path: Path) -> Path:
 
 def test_wheel_runs_the_main_job_outside_the_checkout(tmp_path):
     wheel = build_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as archive:
+        modules = {name: archive.read(name).decode() for name in archive.namelist()
+                   if name.endswith(".py")}
+    assert {name.split("/")[0] for name in modules} == {"passes", "pass_manager"}
+    # Demo cases built on ExecuTorch's test backends are test models, not the product.
+    assert not [name for name, text in modules.items() if "executorch.exir.backend.test" in text]
     python = fresh_venv_with_project_torch(tmp_path / "venv")
     run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
         "--quiet", wheel, cwd=tmp_path)
