@@ -11,7 +11,9 @@ program form (in-place ``ep.module()``, functional after InplaceToFunctional) an
 
 The fp32 reference has error 0 by definition. The KV decoders are calibrated on single
 tokens at position 0 (the cache is only ever seen empty), the accumulator on one decode
-sequence. Run: ``python -m benchmarks.bench_quantization_accuracy [--steps N]``.
+sequence. Both flows are :mod:`passes.flow.quantization`'s, the main job's; the models and
+the decode measure come from ``tests/models``. Run:
+``python -m benchmarks.bench_quantization_accuracy [--steps N]``.
 """
 
 from __future__ import annotations
@@ -22,19 +24,15 @@ import warnings
 
 import torch
 
-from benchmarks.quantizers import (
-    Accumulator,
-    accumulator_inputs,
-    convert,
-    decode,
-    prepare_and_calibrate,
-)
 from passes.flow.examples import (
     AnnotateEveryOpQuantizer,
     decode_inputs,
     kv_decoder,
     xnnpack_quantizer,
 )
+from passes.flow.quantization import prepare_and_calibrate
+from tests.models.accumulators import Accumulator, accumulator_inputs
+from tests.models.decode import decode
 
 __all__ = ["accuracy_rows", "main"]
 
@@ -68,9 +66,7 @@ def accuracy_rows(steps: int = 10):
                     reset=passes,
                 )
                 for fold in (True, False):
-                    result = decode(
-                        model, convert(prepared, passes=passes, fold_quantize=fold), inputs
-                    )
+                    result = decode(model, prepared.convert(fold_quantize=fold).program, inputs)
                     worst_buffer = max(
                         result.worst_buffer_error(b) / result.buffer_scale[b]
                         for b in result.buffer_scale

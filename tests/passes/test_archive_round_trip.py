@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-from benchmarks.quantizers import Accumulator, accumulator_inputs
 from pass_manager import PassManager, first_difference, load_program, run_program, save_program
 from pass_manager.program import program_text
 from passes import (
@@ -20,6 +19,7 @@ from passes.delegation import AllNodePartitioner, to_delegate
 from passes.delegation.ownership import program_state
 from passes.flow.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder
 from passes.quantization import PassQuantizer
+from tests.models.accumulators import Accumulator, accumulator_inputs
 
 ANNOTATION = "quantization_annotation"
 

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-from benchmarks.quantizers import Accumulator, accumulator_inputs
 from pass_manager import PassManager, PassManagerError, assert_same_behaviour
 from passes import (
     ConsumeBufferMutationsInDelegate,
@@ -22,6 +21,7 @@ from passes.delegation import DELEGATION_TAG, to_delegate
 from passes.delegation.ownership import program_state
 from passes.flow.examples import AnnotateEveryOpQuantizer, kv_decoder
 from passes.quantization import PassQuantizer
+from tests.models.accumulators import Accumulator, accumulator_inputs
 
 aten = torch.ops.aten
 

@@ -25,7 +25,6 @@ def kv_model():
     return kv_decoder(1, cache_update="index_copy")
 
 
-# -- PassQuantizer itself -------------------------------------------------------------------
 class _RecordingQuantizer(Quantizer):
     def __init__(self):
         super().__init__()

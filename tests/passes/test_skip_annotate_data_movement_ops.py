@@ -10,13 +10,6 @@ import torch
 from torch import nn
 from torchao.quantization.pt2e.quantizer import QuantizationSpec, SharedQuantizationSpec
 
-from benchmarks.quantizers import (
-    Accumulator,
-    accumulator_inputs,
-    convert,
-    decode,
-    prepare_and_calibrate,
-)
 from pass_manager import PassManager, PreconditionError
 from passes import (
     InplaceToFunctional,
@@ -25,6 +18,9 @@ from passes import (
     conditions,
 )
 from passes.flow.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder
+from passes.flow.quantization import prepare_and_calibrate
+from tests.models.accumulators import Accumulator, accumulator_inputs
+from tests.models.decode import decode
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed
@@ -75,7 +71,7 @@ def test_converted_cache_holds_values_on_the_written_value_grid():
     inputs = decode_inputs(model.cfg, 6, seed=3)
     prepared = prepare_and_calibrate(model, example, AnnotateEveryOpQuantizer(), [inputs],
                                      passes=True, functional=True)
-    converted = convert(prepared, passes=True)
+    converted = prepared.convert().program
     index_copy = _node(converted, aten.index_copy.default)
     written_q = index_copy.args[3].args[0]
     cache_q = next(iter(index_copy.users))

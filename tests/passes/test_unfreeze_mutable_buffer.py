@@ -15,7 +15,6 @@ import torch
 from torch import nn
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-from benchmarks.quantizers import Accumulator, accumulator_inputs
 from pass_manager import PassFailedError, PassManager, ProgramFormError, assert_same_behaviour
 from pass_manager.program import program_text
 from passes import (
@@ -28,6 +27,7 @@ from passes import (
 from passes.errors import AmbiguousFrozenBufferError
 from passes.flow.examples import xnnpack_quantizer
 from passes.quantization import PassQuantizer
+from tests.models.accumulators import Accumulator, accumulator_inputs
 
 CALLS = accumulator_inputs(8, seed=3)
 STATE = ("acc", "a", "b", "state", "cache")

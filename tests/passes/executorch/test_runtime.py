@@ -1,7 +1,8 @@
 """The main job's decoder on ExecuTorch's runtime, fp32 and quantized.
 
-Our passes run first (MarkMutableBuffers + InplaceToFunctional; PassQuantizer with
-SkipAnnotateDataMovementOps, reset_mutable_buffers, UnfreezeMutableBuffer), then
+Our passes run first (MarkMutableBuffers + InplaceToFunctional; the main job's quantization
+flow with the passes: PassQuantizer with SkipAnnotateDataMovementOps, reset_mutable_buffers,
+UnfreezeMutableBuffer), then
 XnnpackPartitioner wrapped in BufferOwningPartitioner, ``to_executorch()``, and the pybind
 runtime in the wheel decodes the steps from one loaded program, so its KV caches persist
 across calls. Each step's output must match the Python program's: fp32 within 1e-5,
@@ -14,20 +15,13 @@ import copy
 
 import pytest
 import torch
-from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 from pass_manager import PassManager, run_program
-from passes import (
-    InplaceToFunctional,
-    MarkMutableBuffers,
-    SkipAnnotateDataMovementOps,
-    UnfreezeMutableBuffer,
-    reset_mutable_buffers,
-)
+from passes import InplaceToFunctional, MarkMutableBuffers
 from passes.executorch import ParameterMutationOnExecuTorchError, decode_on_runtime
 from passes.executorch.runtime import output_grid
 from passes.flow.examples import decoder_job, xnnpack_quantizer
-from passes.quantization import PassQuantizer
+from passes.flow.quantization import prepare
 
 STEPS = 5
 CALLS = 4
@@ -68,17 +62,10 @@ def test_fp32_decode_on_the_runtime(job):
 
 def test_quantized_decode_on_the_runtime(job):
     _, example, steps, functional = job
-    quantizer = PassQuantizer(
-        xnnpack_quantizer(),
-        transform=[MarkMutableBuffers()],
-        after_annotate=[SkipAnnotateDataMovementOps()],
-    )
-    prepared = prepare_pt2e(copy.deepcopy(functional).module(), quantizer)
-    with torch.no_grad():
-        for args in steps:
-            prepared(*args)
-    reset_mutable_buffers(prepared)
-    quantized = PassManager([UnfreezeMutableBuffer()]).run(convert_pt2e(prepared)).program
+    prepared = prepare(functional, xnnpack_quantizer(), passes=True)
+    prepared.calibrate([steps])
+    prepared.reset()
+    quantized = prepared.convert(copy=False).program
     grid = output_grid(quantized)
     assert grid is not None and grid > 0
     expected = run_program(quantized, steps)

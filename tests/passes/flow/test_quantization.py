@@ -1,4 +1,5 @@
-"""PassQuantizer and the whole pt2e flow on programs with mutable buffers, with real torchao.
+"""The whole pt2e flow (passes.flow.quantization) on programs with mutable buffers, with real
+torchao; PassQuantizer itself is tested in tests/passes/test_quantization.py.
 
 Each case decodes 10 calls with changing positions and compares outputs and buffers with
 the fp32 eager model. Without the passes the three failures of issue 4 are asserted
@@ -8,31 +9,20 @@ step stays within 2x the first step's and buffers track fp32 within quantization
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
 import torch
-from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
-from torchao.quantization.pt2e.quantizer import Quantizer
 
-from benchmarks.quantizers import (
-    Accumulator,
-    accumulator_inputs,
-    convert,
-    decode,
-    prepare_and_calibrate,
-    quantize,
-)
-from pass_manager import PassManagerError
-from passes import MarkMutableBuffers, SkipAnnotateDataMovementOps, mutable_buffers
 from passes.flow.examples import (
     AnnotateEveryOpQuantizer,
     decode_inputs,
     kv_decoder,
     xnnpack_quantizer,
 )
-from passes.quantization import PassQuantizer, QuantizationFlowError
+from passes.flow.quantization import prepare_and_calibrate, quantize
+from tests.models.accumulators import Accumulator, accumulator_inputs
+from tests.models.decode import decode
 
 STEPS = 10
 QUANTIZERS = {"every_op": AnnotateEveryOpQuantizer, "xnnpack": xnnpack_quantizer}
@@ -86,8 +76,7 @@ def assert_tracks_fp32(result) -> None:
 def test_decode_tracks_fp32_with_passes(model_name, quantizer, functional, fold):
     """Calibrated on one decode sequence (the state reset afterwards)."""
     model, _, inputs = case(model_name)
-    converted = convert(calibrated(model_name, quantizer, functional), passes=True,
-                        fold_quantize=fold)
+    converted = calibrated(model_name, quantizer, functional).convert(fold_quantize=fold).program
     assert_tracks_fp32(decode(model, converted, inputs))
 
 
@@ -142,49 +131,3 @@ def test_calibration_state_is_left_without_reset():
     with_reset = decode(model, reset, inputs)
     assert with_left.output_errors[0] > 10 * with_reset.output_errors[0]
     assert_tracks_fp32(with_reset)
-
-
-# -- PassQuantizer itself -------------------------------------------------------------------
-class _RecordingQuantizer(Quantizer):
-    def __init__(self):
-        super().__init__()
-        self.calls: list[str] = []
-
-    def transform_for_annotation(self, model):
-        self.calls.append("transform")
-        return model
-
-    def annotate(self, model):
-        self.calls.append("annotate")
-        return model
-
-    def validate(self, model):
-        self.calls.append("validate")
-
-
-def test_pass_quantizer_runs_pipelines_around_the_wrapped_quantizer():
-    model, example, _ = kv_case("index_copy")
-    gm = torch.export.export(copy.deepcopy(model), example).module()
-    inner = _RecordingQuantizer()
-    quantizer = PassQuantizer(inner, transform=[MarkMutableBuffers()],
-                              after_annotate=[SkipAnnotateDataMovementOps()])
-    prepared = prepare_pt2e(gm, quantizer)
-    assert inner.calls == ["transform", "annotate", "validate"]
-    assert [r.name for report in quantizer.reports for r in report.records] == [
-        "MarkMutableBuffers", "SkipAnnotateDataMovementOps"]
-    assert sorted(mutable_buffers(prepared)) == sorted(CACHES)
-
-
-def test_pass_quantizer_rejects_a_non_quantizer_and_out_of_place_annotation():
-    with pytest.raises(TypeError, match="wraps a torchao Quantizer"):
-        PassQuantizer(AnnotateEveryOpQuantizer)
-
-    class Replacing(_RecordingQuantizer):
-        def annotate(self, model):
-            return copy.deepcopy(model)
-
-    model, example, _ = kv_case("index_copy")
-    gm = torch.export.export(copy.deepcopy(model), example).module()
-    with pytest.raises(QuantizationFlowError, match="returned a new graph module") as error:
-        prepare_pt2e(gm, PassQuantizer(Replacing()))
-    assert isinstance(error.value, PassManagerError)
