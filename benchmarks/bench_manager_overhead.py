@@ -14,7 +14,8 @@ program's buffer bytes (target <= 5%).
 A full run (no ``--only`` / ``--pass``) also measures how the two passes that need a
 quantized program, SkipAnnotateDataMovementOps and UnfreezeMutableBuffer, grow from 4 to
 64 layers, bare and managed, against the node count of their inputs (target: cost ratio
-<= 1.2x node ratio; ``bench_pass_cost`` measures the other passes' growth).
+<= 1.2x node ratio; ``bench_pass_cost`` measures the other passes' growth). Each pass's
+input program comes from :mod:`tests.models.pass_inputs` (the pass-contract tests use it too).
 
     python -m benchmarks.bench_manager_overhead [--repeat 7] [--memory] [--only 32-layer]
         [--pass SkipAnnotateDataMovementOps]
@@ -23,7 +24,6 @@ quantized program, SkipAnnotateDataMovementOps and UnfreezeMutableBuffer, grow f
 from __future__ import annotations
 
 import argparse
-import copy
 import ctypes
 import gc
 import json
@@ -33,21 +33,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from pass_manager import PassManager, graph_module_of
 from pass_manager.benchmarking import Timings, time_call
-from passes import (
-    ConsumeBufferMutationsInDelegate,
-    InplaceToFunctional,
-    MarkMutableBuffers,
-    SkipAnnotateDataMovementOps,
-    UnfreezeMutableBuffer,
-)
-from passes.delegation import AllNodePartitioner, to_delegate
-from passes.flow.examples import AnnotateEveryOpQuantizer, kv_decoder
+from passes import InplaceToFunctional, UnfreezeMutableBuffer
+from tests.models.pass_inputs import PASSES, inputs_for
 
-__all__ = ["PROGRAMS", "inputs_for", "main"]
+__all__ = ["PROGRAMS", "main"]
 
 PROGRAMS: dict[str, dict[str, Any]] = {
     "32-layer": {"n_layers": 32},
@@ -55,63 +46,6 @@ PROGRAMS: dict[str, dict[str, Any]] = {
 }
 GROWTH_LAYERS = (4, 64)
 GROWTH_PASSES = ("SkipAnnotateDataMovementOps", "UnfreezeMutableBuffer")
-PASSES: dict[str, Callable[[], Any]] = {
-    "MarkMutableBuffers": MarkMutableBuffers,
-    "InplaceToFunctional": InplaceToFunctional,
-    "SkipAnnotateDataMovementOps": SkipAnnotateDataMovementOps,
-    "UnfreezeMutableBuffer": UnfreezeMutableBuffer,
-    "ConsumeBufferMutationsInDelegate": ConsumeBufferMutationsInDelegate,
-}
-
-
-def _annotated(functional: Any) -> torch.fx.GraphModule:
-    """The graph SkipAnnotateDataMovementOps sees: marked, annotated by a QNN-style quantizer."""
-    gm = copy.deepcopy(functional).module()
-    quantizer = AnnotateEveryOpQuantizer()
-    gm = quantizer.transform_for_annotation(gm)
-    MarkMutableBuffers().call(gm)
-    quantizer.annotate(gm)
-    return gm
-
-
-def _converted(functional: Any, example: tuple) -> torch.fx.GraphModule:
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    prepared = prepare_pt2e(copy.deepcopy(functional).module(), AnnotateEveryOpQuantizer())
-    with torch.no_grad():
-        prepared(*example)
-    return convert_pt2e(prepared)
-
-
-def inputs_for(
-    config: dict[str, Any], only: str | None = None
-) -> tuple[dict[str, Callable[[], Any]], int]:
-    """Per pass (or only ``only``), a factory of fresh input programs; the buffer bytes."""
-    model, example = kv_decoder(**config)
-    ep = torch.export.export(model, example)
-    buffer_bytes = sum(b.numel() * b.element_size() for b in ep.state_dict.values()
-                       if not isinstance(b, torch.nn.Parameter))
-    if only == "MarkMutableBuffers":
-        return {only: lambda: copy.deepcopy(ep)}, buffer_bytes
-    marked = copy.deepcopy(ep)
-    MarkMutableBuffers().call(marked)
-    if only == "InplaceToFunctional":
-        return {only: lambda: copy.deepcopy(marked)}, buffer_bytes
-    functional = copy.deepcopy(marked)
-    InplaceToFunctional().call(functional)
-    functional.graph_module.recompile()
-    factories: dict[str, Callable[[], Any]] = {
-        "MarkMutableBuffers": lambda: copy.deepcopy(ep),
-        "InplaceToFunctional": lambda: copy.deepcopy(marked),
-        "SkipAnnotateDataMovementOps": lambda: _annotated(functional),
-    }
-    if only in (None, "UnfreezeMutableBuffer"):
-        converted = _converted(functional, example)
-        factories["UnfreezeMutableBuffer"] = lambda: copy.deepcopy(converted)
-    if only in (None, "ConsumeBufferMutationsInDelegate"):
-        lowered = to_delegate(copy.deepcopy(functional), AllNodePartitioner())
-        factories["ConsumeBufferMutationsInDelegate"] = lambda: copy.deepcopy(lowered)
-    return factories, buffer_bytes
 
 
 def bare(pass_: Any, program: Any) -> Any:

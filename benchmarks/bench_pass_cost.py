@@ -2,7 +2,7 @@
 
 Programs: the built-in KV decoder at several depths (default 1, 4, 16, 32, 64 layers), its
 32-layer ``dim=64`` variant, a decoder holding 256 MiB of KV cache (16 layers, dim 512, 4,096
-positions), the Llama-shaped decoder of :mod:`benchmarks.llama_shaped` (RoPE, GQA, static
+positions), the Llama-shaped decoder of :mod:`tests.models.llama_shaped` (RoPE, GQA, static
 cache by ``index_copy_``; 2 and 16 layers) and, when ``transformers`` is installed, a tiny
 random Hugging Face Llama with a static cache exported as HF exports for ExecuTorch.
 
@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-from benchmarks.llama_shaped import export_llama, llama_inputs, llama_shaped
 from pass_manager import PassManager, function_pass, graph_module_of
 from pass_manager.benchmarking import Timings
 from passes import (
@@ -51,6 +50,7 @@ from passes import (
 from passes.conditions import Functional
 from passes.delegation import AllNodePartitioner, to_delegate
 from passes.flow.examples import kv_decoder
+from tests.models.llama_shaped import export_llama, llama_inputs, llama_shaped
 
 __all__ = ["main", "measure"]
 

@@ -1,5 +1,7 @@
 """A decoder shaped like Hugging Face's Llama exported for ExecuTorch, with no download.
 
+Shared by the tests and ``benchmarks/bench_pass_cost.py`` (the pass-cost tables' decoder).
+
 What makes real-model graphs bigger per layer than :mod:`passes.examples`' decoder, kept
 here on purpose: token embedding, rotary position embedding computed from an ``inv_freq``
 buffer each call (``rotate_half`` by slicing and ``cat``), grouped-query attention (fewer
@@ -186,7 +188,7 @@ def export_llama(model: LlamaShaped, example: tuple[torch.Tensor, torch.Tensor])
 def llama_job(
     n_layers: int = 2, steps: int = 8, seed: int = 0
 ) -> tuple[LlamaShaped, tuple[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A main-job factory: ``python -m passes run benchmarks.llama_shaped:llama_job``."""
+    """A main-job factory: ``python -m passes run tests.models.llama_shaped:llama_job``."""
     model = llama_shaped(n_layers, seed=seed)
     calls = llama_inputs(model.cfg, steps, seed=seed)
     return model, calls[0], calls

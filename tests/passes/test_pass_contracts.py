@@ -15,6 +15,7 @@ from passes import (
     UnfreezeMutableBuffer,
 )
 from passes.delegation import AllNodePartitioner, program_state, to_delegate
+from tests.models.pass_inputs import PASSES, inputs_for
 
 
 class Cache(torch.nn.Module):
@@ -60,9 +61,8 @@ def test_consume_returns_a_new_program_and_leaves_its_input_working():
 
 def test_passes_declaring_no_in_place_meta_edits_make_none():
     """Under strict=True the manager copies meta objects anyway and checks the declaration,
-    on each pass's real input (the overhead benchmark's, at two layers)."""
-    from benchmarks.bench_manager_overhead import PASSES, inputs_for
-
+    on each pass's real input (tests/models/pass_inputs.py, the overhead benchmark's, at two
+    layers)."""
     factories, _ = inputs_for({"n_layers": 2})
     for name, make_pass in PASSES.items():
         assert make_pass().effects.edits_meta_in_place is False, name

@@ -2,12 +2,14 @@
 taken before and after writes, and reads, over a few buffers and inputs. After
 MarkMutableBuffers + InplaceToFunctional, both program forms must behave like eager over
 4 successive calls (outputs, buffers and mutated inputs, exactly), or be rejected with a
-typed error. ``python -m benchmarks.fuzz_functionalize`` runs thousands of them."""
+typed error. The generator is tests/models/random_programs.py's;
+``python -m benchmarks.fuzz_functionalize`` runs thousands of them
+(tests/benchmarks/test_fuzz_functionalize.py checks that command)."""
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.fuzz_functionalize import check_program, generate_program, main
+from tests.models.random_programs import check_program, generate_program
 
 
 class DataChooser:
@@ -31,17 +33,6 @@ def test_functionalized_programs_behave_like_eager(data):
     outcome = check_program(steps, seed=len(steps))
     event(outcome.split(":")[0])
     assert not outcome.startswith(("mismatch", "crash")), f"{outcome}\nsteps: {steps}"
-
-
-def test_fuzz_command_reports_counts(capsys):
-    assert main(["--programs", "12", "--seed", "7", "--no-torch"]) == 0
-    report = capsys.readouterr().out
-    assert "checked 12 programs" in report
-    assert "mismatch                     0" in report
-    assert "run_decompositions" not in report
-    assert main(["--programs", "2", "--seed", "7"]) == 0  # next to torch's own result
-    report = capsys.readouterr().out
-    assert "run_decompositions({}) on the same valid programs:" in report
 
 
 def test_regression_write_through_transpose_keeps_eager_memory_layout():

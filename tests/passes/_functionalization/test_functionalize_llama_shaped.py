@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 
-from benchmarks.llama_shaped import export_llama, llama_job
 from pass_manager import PassManager, assert_same_behaviour
 from passes import InplaceToFunctional, MarkMutableBuffers, mutable_buffers
 from passes.conditions import Functional
+from tests.models.llama_shaped import export_llama, llama_job
 
 
 @pytest.mark.parametrize("form", ["exported", "module"])

@@ -10,16 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.fuzz_functionalize import (
+from pass_manager import PassFailedError, PassManager, run_program
+from passes import InplaceToFunctional, MarkMutableBuffers, UnsupportedMutationError
+from tests.models.overlapping import IndexPuts, IndexWrites, one_index
+from tests.models.random_programs import (
     RandomChooser,
     check_against_torch,
     generate_program,
     program_state,
 )
-from pass_manager import PassFailedError, PassManager, run_program
-from passes import InplaceToFunctional, MarkMutableBuffers, UnsupportedMutationError
 
-from ..models.overlapping import IndexPuts, IndexWrites, one_index
 from .functionalize_checks import _calls, functionalize_both_forms, refused_in_both_forms
 
 
