@@ -1,27 +1,11 @@
-"""Small real programs for the pass-manager tests: one exported, one symbolically traced."""
+"""Small real programs for the pass-manager tests (tests/models/accumulators.py's
+``Accumulate``, exported and symbolically traced), and the conditions and pass they use."""
 
 import pytest
 import torch
 
 from pass_manager import Condition, Pass, PassResult, graph_of
-
-
-class Accumulate(torch.nn.Module):
-    """Keeps a running sum in a buffer; returns a function of it."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("acc", torch.zeros(4))
-        self.linear = torch.nn.Linear(4, 4)
-        # Fixed weights: tests that depend on the sign of the linear output get one answer.
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            self.linear.weight.copy_(torch.randn(4, 4, generator=generator))
-            self.linear.bias.copy_(torch.randn(4, generator=generator))
-
-    def forward(self, x):
-        self.acc.add_(x)
-        return torch.relu(self.linear(self.acc)) * 2 + 1
+from tests.models.accumulators import Accumulate
 
 
 @pytest.fixture

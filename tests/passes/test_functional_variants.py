@@ -14,7 +14,7 @@ from pass_manager import PassManager, first_difference, run_program
 from passes import InplaceToFunctional, MarkMutableBuffers
 from passes.functional_variants import FunctionalVariant, functional_variant
 
-from .functionalize_checks import _calls, functionalize_both_forms, targets
+from ._functionalization.functionalize_checks import _calls, functionalize_both_forms, targets
 
 aten = torch.ops.aten
 

@@ -13,7 +13,7 @@ from passes import (
     UnfreezeMutableBuffer,
 )
 
-from .main_job_cli import run_main
+from .flow.main_job_cli import run_main
 
 aten = torch.ops.aten
 

@@ -16,8 +16,9 @@ from pass_manager import (
     graph_of,
 )
 from pass_manager.program import program_text
+from tests.models.accumulators import Accumulate
 
-from .conftest import Accumulate, targets
+from ..conftest import targets
 
 Tagged = Condition(
     "Tagged",

@@ -22,7 +22,7 @@ from pass_manager import (
 )
 from pass_manager.program import program_text
 
-from .conftest import targets
+from ..conftest import targets
 
 QSPEC = QuantizationSpec(dtype=torch.int8, observer_or_fake_quant_ctr=torch.nn.Identity)
 

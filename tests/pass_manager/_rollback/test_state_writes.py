@@ -16,7 +16,7 @@ from pass_manager import (
     graph_of,
 )
 
-from .conftest import targets
+from ..conftest import targets
 
 
 def buffer_of(program):

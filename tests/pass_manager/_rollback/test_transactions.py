@@ -15,7 +15,7 @@ from pass_manager import (
 )
 from pass_manager.program import program_text
 
-from .conftest import NoRelu, targets
+from ..conftest import NoRelu, targets
 
 
 def state_of(program):

@@ -19,11 +19,11 @@ from pass_manager import (
     run_program,
 )
 from pass_manager.program import program_text
+from tests.models.accumulators import Accumulate
 
-from .conftest import Accumulate
 from .failing_passes import AddToSub, FailAfterRewrite, Nothing
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _replay(folder, *extra):
@@ -116,7 +116,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     import resource, sys
     import torch
     from pass_manager import PassManager, PassManagerError
-    from tests.pass_manager.failing_passes import FailAfterRewrite, Nothing
+    from tests.pass_manager.instruments.failing_passes import FailAfterRewrite, Nothing
 
     class Big(torch.nn.Module):
         def __init__(self):

@@ -23,8 +23,8 @@ from passes import (
     conditions,
     mutable_buffers,
 )
+from tests.models.failing import ScaleConstant
 
-from ..models.failing import ScaleConstant
 from .functionalize_checks import _calls, functionalize_both_forms
 
 

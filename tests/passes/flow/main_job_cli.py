@@ -8,7 +8,7 @@ from pathlib import Path
 
 __all__ = ["ROOT", "run_main"]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def run_main(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

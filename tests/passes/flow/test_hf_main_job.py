@@ -18,8 +18,8 @@ from passes import InplaceToFunctional, MarkMutableBuffers
 from passes.flow.examples import AnnotateEveryOpQuantizer
 from passes.flow.factory import export_program, model_spec
 from passes.flow.run import FlowError, run_model
+from tests.models import hf as hf_models
 
-from ..models import hf as hf_models
 from .main_job_cli import run_main
 
 STEPS = 4
