@@ -102,13 +102,6 @@ class _Stages:
     def run(self, program: Any, steps: list, **options: Any) -> Trace:
         return run_program(program, steps, on_call=self.progress(len(steps)), **options)
 
-    def calibrate(self, prepared: torch.nn.Module, calls: list) -> None:
-        step = self.progress(len(calls))
-        with torch.no_grad():
-            for index, (args, kwargs) in enumerate(copy_program(calls)):
-                prepared(*args, **kwargs)
-                step(index)
-
 
 def run_flow(
     model: torch.nn.Module,
