@@ -12,6 +12,9 @@ from .mark_mutable_buffers import MarkMutableBuffers
 from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
 
+# The one place the version is written: setup.cfg reads it (attr:), --version prints it.
+__version__ = "0.1.0"
+
 __all__: list[str] = [
     "AmbiguousFrozenBufferError",
     "ConsumeBufferMutationsInDelegate",

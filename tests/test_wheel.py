@@ -1,5 +1,6 @@
 """The wheel holds everything the main job needs: build it, install it into a fresh
-virtualenv, and run ``python -m passes run`` away from the checkout.
+virtualenv, and run the main job away from the checkout through the console command it
+installs (``mutable-buffer-passes run``, the same as ``python -m passes run``).
 
 The virtualenv reuses this interpreter's torch / torchao (a ``.pth`` line pointing at its
 site-packages) instead of downloading them; the package itself comes only from the wheel,
@@ -74,6 +75,18 @@ def test_wheel_runs_the_main_job_outside_the_checkout(tmp_path):
                 "print(pass_manager.__file__)", cwd=elsewhere).stdout.split()
     assert all(Path(f).is_relative_to(tmp_path / "venv") for f in where), where
 
-    done = run(python, "-m", "passes", "run", "--steps", "2", cwd=elsewhere, timeout=900)
+    # The version setup.cfg reads from passes.__version__ is the one the wheel carries.
+    version = run(python, "-c", "import passes; print(passes.__version__)",
+                  cwd=elsewhere).stdout.strip()
+    assert wheel.name.startswith(f"mutable_buffer_passes-{version}-")
+    command = python.parent / "mutable-buffer-passes"
+    assert run(command, "--version", cwd=elsewhere).stdout.startswith(
+        f"mutable-buffer-passes {version} (torch ")
+    assert run(command, "run", "--help", cwd=elsewhere).stdout.startswith(
+        "usage: mutable-buffer-passes run")
+    assert run(python, "-m", "passes", "--help", cwd=elsewhere).stdout.startswith(
+        "usage: python -m passes")
+
+    done = run(command, "run", "--steps", "2", cwd=elsewhere, timeout=900)
     assert "== checks" in done.stdout
     assert "FAIL" not in done.stdout.split("== checks")[1]

@@ -1,30 +1,42 @@
-"""Command line: ``python -m passes run [package.module:factory] [options]``.
+"""Command line: ``mutable-buffer-passes run [MODEL] [options]``, also ``python -m passes run``.
 
 The factory returns ``(module, example_inputs[, steps])`` (v1) or a mapping with
 ``module``, ``example_args``, ``example_kwargs``, ``steps``, ``dynamic_shapes`` and
 ``export`` (v2; see :mod:`passes.flow.factory`). Without a factory the built-in seeded
-KV-cache decoder is used. Exit status: 0 every check passed, 1 a check failed, 2 the model
-could not be loaded (or exported), 3 the flow failed (a short report says where).
+KV-cache decoder is used. The report goes to stdout alone, so it can be piped or redirected;
+progress lines, notices and errors go to stderr (``--quiet`` drops the progress and notices).
+Exit status: 0 every check passed, 1 a check failed, 2 bad usage or the model could not be
+loaded (or exported), 3 the flow failed (a short report says where).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
 import logging
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pass_manager import PassManagerError, parse_pipeline
 
+from .. import __version__
 from .factory import EXPORT_MODES, Exported, ModelError, ModelSpec, export_program, model_spec
 
 DEFAULT_MODEL = "passes.examples:decoder_job"
+# The console command setup.cfg installs is named after the distribution.
+COMMAND = "mutable-buffer-passes"
 LOAD_FAILED, FLOW_FAILED = 2, 3
+EXIT_STATUSES = """exit status:
+  0  every check passed
+  1  a check failed
+  2  bad usage, or the model could not be loaded or exported (one line on stderr)
+  3  the flow failed after loading (the report so far, then where it failed)"""
 
 
 def load_model(spec: str, steps: int) -> ModelSpec:
@@ -63,6 +75,13 @@ def _export(model: ModelSpec, spec: str, mode: str | None) -> Exported:
 
 def _print_section(title: str, body: str) -> None:
     print(f"\n== {title}\n{body}", flush=True)
+
+
+def _notice(args: argparse.Namespace) -> Callable[[str], None]:
+    """Where progress lines and notices go: stderr, so stdout holds the report alone."""
+    if args.quiet:
+        return lambda line: None
+    return lambda line: print(line, file=sys.stderr, flush=True)
 
 
 def _quiet_import_noise() -> None:
@@ -139,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
             quantize=not args.skip_quantization,
             delegate=not args.skip_delegation,
             quantizer_factory=_quantizer_factory(args.quantizer),
-            log=lambda line: print(line, flush=True),
+            log=_notice(args),
             pipeline=pipeline,
             pass_options=pass_options,
             runtime=args.runtime,
@@ -177,20 +196,68 @@ def _pass_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _write_outputs(args: argparse.Namespace, result: Any) -> None:
+    notice = _notice(args)
     if args.dot and result.dot:
         Path(args.dot).write_text(result.dot)
-        print(f"wrote the pass DAG to {args.dot}")
+        notice(f"wrote the pass DAG to {args.dot}")
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
-        print(f"wrote the report to {args.json}")
+        notice(f"wrote the report to {args.json}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m passes", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    run_parser = commands.add_parser("run", help="run the mutable-buffer flow on a model")
-    run_parser.add_argument("model", nargs="?", default="", help="package.module:factory")
-    run_parser.add_argument("--steps", type=int, default=8, help="decode calls (default 8)")
+def _version() -> str:
+    """This package's version and those of the libraries whose behaviour it depends on."""
+    libraries = []
+    for name in ("torch", "torchao", "executorch"):
+        try:
+            libraries.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            libraries.append(f"{name} not installed")
+    return f"{COMMAND} {__version__} ({', '.join(libraries)})"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (one decode call), got {value}")
+    return value
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; ``prog`` is how the user called it (default: argv[0])."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Keep mutable buffers (KV caches, counters) correct through torch.export,\n"
+        "pt2e quantization and delegation, and check it on a model.",
+        epilog=EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print the version (and torch's, torchao's, ExecuTorch's) and exit")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run_parser = commands.add_parser(
+        "run",
+        help="run the mutable-buffer flow on a model and check it against eager",
+        description="Export MODEL, run the passes, quantize with torchao's pt2e flow, delegate,\n"
+        "decode, and compare every program with fp32 eager. The report goes to stdout\n"
+        "alone (pipe or redirect it); progress lines and notices go to stderr.",
+        epilog=EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run_parser.add_argument(
+        "model",
+        nargs="?",
+        default="",
+        metavar="MODEL",
+        help="package.module:factory, a function returning (module, example_inputs[, steps]) "
+        f"or a mapping (see passes.flow.factory); default: {DEFAULT_MODEL}, a seeded "
+        "2-layer Llama-style decoder with KV caches",
+    )
+    run_parser.add_argument("--steps", type=_positive_int, default=8, metavar="N",
+                            help="decode calls, at least 1 (default 8)")
     run_parser.add_argument(
         "--quantizer",
         choices=("xnnpack", "every-op"),
@@ -216,10 +283,16 @@ def main(argv: list[str] | None = None) -> int:
         help="also decode on ExecuTorch's runtime (XNNPACK + BufferOwningPartitioner, .pte, "
         "pybind runtime); needs the executorch extra",
     )
-    run_parser.add_argument("--skip-quantization", action="store_true")
-    run_parser.add_argument("--skip-delegation", action="store_true")
+    run_parser.add_argument("--skip-quantization", action="store_true",
+                            help="run the flow in fp32: no pt2e quantization (the passes, "
+                            "delegation and decoding still run)")
+    run_parser.add_argument("--skip-delegation", action="store_true",
+                            help="do not lower to delegates (to_delegate and "
+                            "ConsumeBufferMutationsInDelegate)")
     run_parser.add_argument("--dot", metavar="FILE", help="write the pass DAG as Graphviz DOT")
     run_parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    run_parser.add_argument("-q", "--quiet", action="store_true",
+                            help="no progress lines or notices on stderr (errors still show)")
     run_parser.add_argument(
         "--traceback", action="store_true", help="show the full trace when something fails"
     )
@@ -237,9 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     debug.add_argument("--reproducer-dir", metavar="DIR",
                        help="when a pass fails, write a reproducer folder under DIR "
                        "(rerun it with python -m pass_manager replay FOLDER)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Parse ``argv`` (default: the process's), run the command, return the exit status.
+
+    A usage error (an unknown flag, ``--steps 0``) exits with status 2 through argparse.
+    """
+    args = build_parser(prog).parse_args(argv)
     return run(args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m passes.flow.cli"))
