@@ -105,6 +105,7 @@ class BufferOwningPartitioner(Partitioner):
         # (any other copy is one whole-buffer copy per call for nothing), so the trial
         # partition decides which new values need one.
         if self.own_buffers is False:
+            self.copy_plan = CopyPlan(frozenset())
             return program
         program = functional(program)
         self.copy_plan = plan_new_value_copies(program, self.partitioner, self._verdicts)

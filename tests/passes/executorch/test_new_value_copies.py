@@ -18,6 +18,7 @@ from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPar
 from executorch.exir import to_edge_transform_and_lower
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
 from executorch.exir.backend.utils import tag_constant_data, tag_mutated_buffer
+from torch.export.graph_signature import InputKind
 
 from pass_manager import assert_same_behaviour
 from passes.delegation import BufferConsumptionError
@@ -120,7 +121,7 @@ def test_the_neighbourhood_computes_what_the_program_computes():
                    aten.matmul.default]
     assert set(neighbourhood.graph_signature.buffers_to_mutate.values()) == CACHES
     user = dict(zip([s.arg.name for s in program.graph_signature.input_specs
-                     if s.kind.name == "USER_INPUT"], calls[0], strict=True))
+                     if s.kind == InputKind.USER_INPUT], calls[0], strict=True))
     whole = _values(program, {**_lifted(program), **user})
     feeds = {n.name: whole[n.name] for n in neighbourhood.graph.nodes if n.op == "placeholder"}
     part = _values(neighbourhood, {**feeds, **_lifted(neighbourhood)})
