@@ -172,7 +172,8 @@ def _copies(program, shapes: set, where: str, found: Counter) -> None:
             found[where] += 1
 
 
-def whole_buffer_copies(executorch_program, model: nn.Module) -> Counter:
+def whole_buffer_copies(executorch_program, model: nn.Module | torch.export.ExportedProgram
+                        ) -> Counter:
     """Where a ``to_executorch()`` program copies a whole buffer of ``model`` on each call.
 
     Counts the value copies (``VALUE_COPY_OPS``) whose result has the shape and dtype of one
