@@ -3,9 +3,11 @@
 For each buffer-ownership case (``tests.models.executorch_cases``): what
 ``to_edge_transform_and_lower`` gives with the partitioner alone and wrapped (the error,
 or the max abs output difference from eager on each of 4 calls of
-``lowered.exported_program().module()``), which buffers the delegates own, and the
-lowering cost of both, measured in the same run. The last row lowers the main job's
-2-layer decoder with XNNPACK (what ``python -m passes run --runtime executorch`` uses).
+``lowered.exported_program().module()``), which buffers the delegates own, the whole-buffer
+copies the ``to_executorch()`` program makes per call (in delegates and at the top level,
+write-backs included), and the lowering cost of both, measured in the same run. The last
+row lowers the main job's 2-layer decoder with XNNPACK (what
+``python -m passes run --runtime executorch`` uses).
 """
 
 from __future__ import annotations
@@ -25,24 +27,28 @@ TITLE = "## ExecuTorch: alone vs with BufferOwningPartitioner"
 
 
 def _lower(model: torch.nn.Module, example: tuple, partitioner: Any) -> Any:
+    """The EdgeProgramManager ``to_edge_transform_and_lower`` gives."""
     from executorch.exir import to_edge_transform_and_lower
 
     if isinstance(model, torch.export.ExportedProgram):
         ep = copy.deepcopy(model)
     else:
         ep = torch.export.export(copy.deepcopy(model), example)
-    return to_edge_transform_and_lower(ep, partitioner=[partitioner]).exported_program()
+    return to_edge_transform_and_lower(ep, partitioner=[partitioner])
 
 
-def _outcome(model: torch.nn.Module, inputs: list[tuple], partitioner: Any) -> tuple[str, Any]:
-    """(what happened, the lowered program or None)."""
+def _outcome(model: torch.nn.Module, inputs: list[tuple], partitioner: Any
+             ) -> tuple[str, Any, str]:
+    """(what happened, the lowered program or None, its whole-buffer copies per call)."""
     from pass_manager import run_program
+    from tests.models.executorch_cases import whole_buffer_copies
 
     try:
-        lowered = _lower(model, inputs[0], partitioner)
+        manager = _lower(model, inputs[0], partitioner)
     except Exception as e:  # noqa: BLE001 - what ExecuTorch raises is the measurement
         first = str(e).strip().splitlines()[0][:70].replace("|", "/")
-        return f"{type(e).__name__}: {first}", None
+        return f"{type(e).__name__}: {first}", None, "-"
+    lowered = manager.exported_program()
     got = run_program(lowered, inputs).outputs
     want = run_program(model, inputs).outputs
     diffs = [
@@ -50,7 +56,12 @@ def _outcome(model: torch.nn.Module, inputs: list[tuple], partitioner: Any) -> t
         for g, w in zip(got, want, strict=True)
     ]
     verdict = "correct" if max(diffs) <= 1e-5 else "WRONG"
-    return f"{verdict}, max diff per call " + " ".join(f"{d:.2g}" for d in diffs), lowered
+    with torch.no_grad():  # to_executorch writes buffers back in place
+        copies = whole_buffer_copies(manager.to_executorch(), model)
+    where = ", ".join(f"{place} {n}" for place, n in sorted(copies.items()))
+    counted = f"{sum(copies.values())} ({where})" if copies else "0"
+    text = f"{verdict}, max diff per call " + " ".join(f"{d:.2g}" for d in diffs)
+    return text, lowered, counted
 
 
 def _owned(lowered: Any) -> str:
@@ -86,13 +97,14 @@ def _row(title: str, model: Any, inputs: list[tuple], make: Callable[[], Any],
          repeat: int) -> str:
     from passes.executorch import BufferOwningPartitioner
 
-    alone, _ = _outcome(model, inputs, make())
-    wrapped, lowered = _outcome(model, inputs, BufferOwningPartitioner(make()))
+    alone, _, copies_alone = _outcome(model, inputs, make())
+    wrapped, lowered, copies_wrapped = _outcome(model, inputs, BufferOwningPartitioner(make()))
     cost = _cost(
         _median_ms(lambda: _lower(model, inputs[0], make()), repeat),
         _median_ms(lambda: _lower(model, inputs[0], BufferOwningPartitioner(make())), repeat),
     )
-    return f"| {title} | {alone} | {wrapped} | {_owned(lowered)} | {cost} |"
+    return (f"| {title} | {alone} | {wrapped} | {_owned(lowered)} | {copies_alone} "
+            f"| {copies_wrapped} | {cost} |")
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -116,12 +128,14 @@ def main(argv: list[str] | None = None) -> str:
         TITLE,
         "",
         "Outcome of `to_edge_transform_and_lower` (ExecuTorch 1.5.1) and of 4 calls of the "
-        "lowered program vs eager; lowering median ms over "
-        f"{args.repeat} runs, same run for both.",
+        "lowered program vs eager; whole-buffer copies per call of its `to_executorch()` "
+        "program (in delegates, at the top level with its write-backs); lowering median ms "
+        f"over {args.repeat} runs, same run for both.",
         "",
         "| case | ExecuTorch alone | + BufferOwningPartitioner | owned by delegates "
+        "| copies/call alone | copies/call wrapped "
         "| lower ms alone | lower ms wrapped | wrapped/alone |",
-        "|---|---|---|---|---:|---:|---:|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for name, case in CASES.items():
         model, inputs = case.make()

@@ -45,6 +45,7 @@ __all__ = [
     "program_state",
     "tagged_buffer_ownership",
     "unconsumed_buffer_mutations",
+    "update_paths",
 ]
 
 
@@ -244,6 +245,12 @@ def _update_paths(
         for i in _members(on):
             paths[i].append(node)
     return paths
+
+
+def update_paths(graph: torch.fx.Graph, ends: list[tuple[Node, Node]]) -> list[list[Node]]:
+    """Per ``(placeholder, value)`` pair of ``graph``: the nodes on a path from the placeholder
+    to the value (the value included), in graph order, following plain node edges."""
+    return _update_paths(graph, _Tagged(DELEGATION_TAG), ends)
 
 
 def _decide(verdict: BufferOwnership, flow: _Partitioning, path: list[Node]) -> None:

@@ -63,11 +63,13 @@ def make_program(
     state_dict: dict[str, Any],
     constants: dict[str, Any],
     verifiers: Sequence[Any],
+    range_constraints: dict[Any, Any] | None = None,
 ) -> ExportedProgram:
     """Reorder ``gm``'s placeholders and output to match the specs; return the program.
 
     ``inputs`` maps every placeholder of ``gm`` to its spec; ``outputs`` lists what the
-    program returns. The graph is edited in place.
+    program returns; ``range_constraints``: those of the program ``gm``'s symbolic shapes
+    come from (none by default). The graph is edited in place.
     """
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -102,7 +104,7 @@ def make_program(
         graph=gm.graph,
         graph_signature=signature,
         state_dict=state_dict,
-        range_constraints={},
+        range_constraints=dict(range_constraints or {}),
         module_call_graph=call_graph,
         constants=constants,
         verifiers=list(verifiers),

@@ -12,33 +12,35 @@ a buffer exactly one partition mutates and reads is tagged into it; any other st
 top level and a note says why (``strict=True``: :class:`BufferConsumptionError`).
 
 ExecuTorch lets a partitioner change tags only, so the rewrite an owned buffer needs when
-its new value is used elsewhere (returned, or read by ops outside the delegate) happens in
-``transform_for_pre_decomposition``, the hook ``to_edge_transform_and_lower`` runs first:
-those uses read a copy of the new value, a distinct node that ``partition`` tags into the
-owning delegate, so the delegate returns it as an ordinary output.
+its new value is used outside the owner (returned, or read by ops the partition leaves out)
+happens in ``transform_for_pre_decomposition``, the hook ``to_edge_transform_and_lower``
+runs first: those uses read a copy of the new value, a distinct node that ``partition``
+tags into the owning delegate, so the delegate returns it as an ordinary output. The
+partition is not known yet there, so a trial partition of the program's buffers decides
+which new values need that copy (:mod:`passes.executorch.new_value_copies`): none where
+every use stays inside the owner, which would otherwise copy a KV cache per token.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from executorch.exir.backend.partitioner import Partitioner, PartitionResult
 from torch.export import ExportedProgram
-from torch.export.graph_signature import (
-    ExportGraphSignature,
-    InputKind,
-    OutputKind,
-    OutputSpec,
-    TensorArgument,
-)
+from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from ..delegation.errors import BufferConsumptionError
 from ..delegation.ownership import BufferOwnership, tagged_buffer_ownership
 from ..delegation.partitioners import DELEGATION_TAG
+from .new_value_copies import (
+    CopyPlan,
+    functional,
+    plan_new_value_copies,
+    separate_new_buffer_values,
+)
 
 __all__ = ["BufferOwningPartitioner", "executorch_state", "separate_new_buffer_values"]
 
@@ -50,68 +52,6 @@ def _is_value_copy(node: Node) -> bool:
     become ``_clone_dim_order`` in Edge; any other clone is as pure, so it may move too)."""
     name = str(getattr(node.target, "__name__", node.target))
     return node.op == "call_function" and "clone" in name and len(node.all_input_nodes) == 1
-
-
-def _functional(ep: ExportedProgram) -> ExportedProgram:
-    """``ep`` with every buffer update a ``BUFFER_MUTATION`` output (our passes, no re-trace)."""
-    from pass_manager import PassManager
-
-    from ..conditions import Functional
-    from ..inplace_to_functional import InplaceToFunctional
-    from ..mark_mutable_buffers import MarkMutableBuffers
-
-    if not Functional.check(ep):
-        return ep
-    # The passes rewrite in place: give them a graph of their own (state stays shared).
-    gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
-    gm.meta.update(ep.graph_module.meta)
-    work = ep._update(gm, copy.deepcopy(ep.graph_signature))
-    return PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(work).program
-
-
-def separate_new_buffer_values(ep: ExportedProgram) -> ExportedProgram:
-    """A copy of ``ep`` in which a buffer's new value is written back and nothing else.
-
-    Every other use of it (a user output, an op) reads a clone, so a delegate owning the
-    buffer can hand the value out as an ordinary output. Semantics are unchanged; the
-    state tensors are shared with ``ep``, which is not modified.
-    """
-    ep = _functional(ep)
-    specs = list(ep.graph_signature.output_specs)
-    returned = list(ep.graph.output_node().args[0])
-    mutation_slots = {i for i, s in enumerate(specs) if s.kind == OutputKind.BUFFER_MUTATION}
-    needs_copy = []
-    for index in sorted(mutation_slots):
-        value = returned[index]
-        other_slots = [i for i, a in enumerate(returned) if a is value and i != index]
-        if len(value.users) > 1 or other_slots:
-            needs_copy.append(value.name)
-    if not needs_copy:
-        return ep
-    gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
-    gm.meta.update(ep.graph_module.meta)
-    nodes = {n.name: n for n in gm.graph.nodes}
-    output = gm.graph.output_node()
-    returned = list(output.args[0])
-    for name in needs_copy:
-        value = nodes[name]
-        with gm.graph.inserting_after(value):
-            clone = gm.graph.call_function(torch.ops.aten.clone.default, (value,))
-        clone.meta.update(
-            {k: v for k, v in value.meta.items() if k in ("val", "tensor_meta", "stack_trace",
-                                                         "nn_module_stack", "source_fn_stack")}
-        )
-        keep = (output, clone)
-        value.replace_all_uses_with(clone, delete_user_cb=lambda user, keep=keep: user not in keep)
-        for i, arg in enumerate(returned):
-            if arg is value and specs[i].kind != OutputKind.BUFFER_MUTATION:
-                returned[i] = clone
-                specs[i] = OutputSpec(specs[i].kind, TensorArgument(clone.name), specs[i].target)
-    output.args = (tuple(returned),)
-    gm.graph.lint()
-    gm.recompile()
-    signature = ExportGraphSignature(list(ep.graph_signature.input_specs), specs)
-    return ep._update(gm, signature)
 
 
 class BufferOwningPartitioner(Partitioner):
@@ -129,8 +69,10 @@ class BufferOwningPartitioner(Partitioner):
             ``tag_mutated_buffer``); XNNPACK's gives none, and an XNNPACK delegate handed a
             buffer to update crashes the runtime, so its buffers stay at the top level.
 
-    After each ``partition`` call, ``notes`` says what happened to every mutable buffer
-    and ``ownership`` holds the verdicts (:class:`BufferOwnership`).
+    After ``transform_for_pre_decomposition``, ``copy_plan`` says which new buffer values
+    got a copy for their uses outside the owner (:class:`CopyPlan`). After each
+    ``partition`` call, ``notes`` says what happened to every mutable buffer and
+    ``ownership`` holds the verdicts (:class:`BufferOwnership`).
 
     Example:
         >>> wrapped = BufferOwningPartitioner(XnnpackPartitioner())
@@ -146,6 +88,7 @@ class BufferOwningPartitioner(Partitioner):
         self.own_buffers = own_buffers
         self.notes: list[str] = []
         self.ownership: list[BufferOwnership] = []
+        self.copy_plan: CopyPlan | None = None
 
     def __repr__(self) -> str:
         return (f"{PASS_NAME}({self.partitioner!r}, strict={self.strict}, "
@@ -158,26 +101,24 @@ class BufferOwningPartitioner(Partitioner):
 
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
         program = self.partitioner.transform_for_pre_decomposition(exported_program)
-        # The copies only serve a delegate that owns the buffer; where none will, skip them
-        # (otherwise they stay as one extra copy per such update on the top level).
-        return program if self.own_buffers is False else separate_new_buffer_values(program)
+        # The copies only serve a delegate that owns the buffer and leave it by a use outside
+        # (any other copy is one whole-buffer copy per call for nothing), so the trial
+        # partition decides which new values need one.
+        if self.own_buffers is False:
+            self.copy_plan = CopyPlan(frozenset())
+            return program
+        program = functional(program)
+        self.copy_plan = plan_new_value_copies(program, self.partitioner, self._verdicts)
+        return separate_new_buffer_values(program, self.copy_plan.copied)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         graph = exported_program.graph
         before = {node: node.meta.get(DELEGATION_TAG) for node in graph.nodes}
         result = self.partitioner.partition(exported_program)
         program = result.tagged_exported_program
-        verdicts = tagged_buffer_ownership(program)
-        stateful = self._stateful_backends(verdicts, result.partition_tags)
+        verdicts = self._verdicts(program, result.partition_tags)
         owned = []
         for verdict in verdicts:
-            backend = self._backend(result.partition_tags, verdict.owner_tag)
-            if verdict.consumable and backend not in stateful:
-                verdict.reason = (
-                    f"partition {verdict.owner_tag!r} runs on {backend}, whose partitioner gives "
-                    "its delegates no mutable buffers (own_buffers=True overrides)"
-                )
-                verdict.owner_tag = None
             if verdict.consumable:
                 copies = self._value_copies(verdict)
                 if copies is None:
@@ -191,6 +132,12 @@ class BufferOwningPartitioner(Partitioner):
             v = refused[0]
             raise BufferConsumptionError(v.fqn, v.partitions, v.reason, PASS_NAME)
         notes = []
+        if self.copy_plan is not None and self.copy_plan.failure is not None:
+            notes.append(
+                f"the trial partition deciding the copies of new buffer values failed "
+                f"({self.copy_plan.failure}): every such value used besides its write-back "
+                "was copied"
+            )
         for verdict in verdicts:
             if not verdict.consumable:
                 # ExecuTorch reads ownership from the placeholder's tag; untagged stays on top.
@@ -205,6 +152,22 @@ class BufferOwningPartitioner(Partitioner):
             notes.append(f"{verdict.fqn!r} owned by partition {verdict.owner_tag!r}{shared}")
         self.notes, self.ownership = notes, verdicts
         return PartitionResult(program, result.partition_tags)
+
+    def _verdicts(
+        self, program: ExportedProgram, partition_tags: dict[str, Any]
+    ) -> list[BufferOwnership]:
+        """Who may own each mutated buffer of tagged ``program``, copies aside."""
+        verdicts = tagged_buffer_ownership(program)
+        stateful = self._stateful_backends(verdicts, partition_tags)
+        for verdict in verdicts:
+            backend = self._backend(partition_tags, verdict.owner_tag)
+            if verdict.consumable and backend not in stateful:
+                verdict.reason = (
+                    f"partition {verdict.owner_tag!r} runs on {backend}, whose partitioner gives "
+                    "its delegates no mutable buffers (own_buffers=True overrides)"
+                )
+                verdict.owner_tag = None
+        return verdicts
 
     @staticmethod
     def _backend(partition_tags: dict[str, Any], tag: str | None) -> str | None:
@@ -239,15 +202,18 @@ class BufferOwningPartitioner(Partitioner):
             return None
         return outside
 
-    @staticmethod
-    def _unreturnable(verdict: BufferOwnership) -> str:
+    def _unreturnable(self, verdict: BufferOwnership) -> str:
         users = ", ".join(sorted(u.name for u in verdict.value.users if u.op != "output"))
-        return (
+        used = (
             f"its new value {verdict.value.name} is also used outside partition "
             f"{verdict.owner_tag!r} ({users or 'returned'}), which ExecuTorch cannot lower for "
-            "an owned buffer; lower with to_edge_transform_and_lower, whose "
-            "transform_for_pre_decomposition hook gives those uses a copy"
+            "an owned buffer"
         )
+        if self.copy_plan is not None and verdict.fqn in self.copy_plan.inside:
+            return (f"{used}; the trial partition run before decomposition kept every use "
+                    "inside its owner, so no copy carries the value out")
+        return (f"{used}; lower with to_edge_transform_and_lower, whose "
+                "transform_for_pre_decomposition hook gives those uses a copy")
 
     @staticmethod
     def _restore(graph: torch.fx.Graph, before: dict[Node, Any]) -> None:

@@ -57,7 +57,12 @@ def lower_to_pte(
         ParameterMutationOnExecuTorchError: ``program`` writes a parameter, which the
             runtime would not keep between calls.
     """
-    wrapper = BufferOwningPartitioner(partitioner or XnnpackPartitioner())
+    # XNNPACK's partitioner gives its delegates no buffers: saying so spares the wrapper the
+    # trial partition that decides which new buffer values an owner needs copied.
+    if partitioner is None:
+        wrapper = BufferOwningPartitioner(XnnpackPartitioner(), own_buffers=False)
+    else:
+        wrapper = BufferOwningPartitioner(partitioner)
     # ExecuTorch's emitter writes buffers back in place; with autograd on, parameters that
     # require grad make those writes illegal.
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """The buffer-ownership cases where ExecuTorch 1.5.1 alone fails, as tiny models.
 
 Shared by the tests and ``benchmarks/bench_executorch.py``: each case is a stateful
-model, its decode inputs and an ExecuTorch partitioner. ``OpPartitioner`` tags ops by
+model, its decode inputs and an ExecuTorch partitioner; ``whole_buffer_copies`` counts
+what a lowered program copies of its buffers per call. ``OpPartitioner`` tags ops by
 name and then calls ExecuTorch's ``tag_constant_data`` / ``tag_mutated_buffer``, as a
 backend that owns state does; its delegates use ExecuTorch's demo backend, whose
 delegates run their sub-program in Python (``lowered.exported_program().module()``).
@@ -9,6 +10,7 @@ delegates run their sub-program in Python (``lowered.exported_program().module()
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +34,7 @@ __all__ = [
     "SharedReader",
     "TwoWriters",
     "everything",
+    "whole_buffer_copies",
 ]
 
 DEMO_BACKEND = "DemoBackend"
@@ -146,3 +149,40 @@ CASES = {
         "the delegate owns the whole KV cache (everything delegated)",
         _decoder, everything, "correct"),
 }
+
+
+# Ops whose result is their input's value, copied whole: the clones that carry a new buffer
+# value out of a delegate, the top level's write-backs (``copy_``), dtype/layout copies.
+VALUE_COPY_OPS = frozenset(
+    {"clone", "_clone_dim_order", "copy", "copy_", "_to_copy", "_to_dim_order_copy",
+     "alias_copy"}
+)
+
+
+def _copies(program, shapes: set, where: str, found: Counter) -> None:
+    for node in program.graph.nodes:
+        if node.op == "get_attr" and node.target.startswith("lowered_module"):
+            lowered = getattr(program.graph_module, node.target)
+            _copies(lowered.original_module, shapes, "delegate", found)
+        name = str(getattr(node.target, "__name__", node.target))
+        value = node.meta.get("val")
+        if (node.op == "call_function" and VALUE_COPY_OPS.intersection(name.split("."))
+                and isinstance(value, torch.Tensor)
+                and (tuple(value.shape), value.dtype) in shapes):
+            found[where] += 1
+
+
+def whole_buffer_copies(executorch_program, model: nn.Module | torch.export.ExportedProgram
+                        ) -> Counter:
+    """Where a ``to_executorch()`` program copies a whole buffer of ``model`` on each call.
+
+    Counts the value copies (``VALUE_COPY_OPS``) whose result has the shape and dtype of one
+    of ``model``'s buffers, by place: ``"top level"`` (its write-backs included) and
+    ``"delegate"`` (a delegate's lowered sub-program, which the demo backend runs; a
+    delegate writing back the buffer it owns is its backend's business, in place on a
+    stateful one, and not counted). Each runs once per call: these programs have no loops.
+    """
+    shapes = {(tuple(b.shape), b.dtype) for b in model.buffers()}
+    found: Counter = Counter()
+    _copies(executorch_program.exported_program(), shapes, "top level", found)
+    return found
