@@ -10,7 +10,8 @@ executes it. So before an archive reaches ``torch.export.load``, :func:`archive_
 checks that it holds only what ``save_program`` writes: known entries, no pickled payload,
 example inputs that load with ``weights_only=True``, symbolic expressions made of numbers,
 symbols, arithmetic and sympy's math functions, and no string that could become code
-(names, targets and keys are identifiers or dotted paths). After loading,
+(names, targets, keys, and the keyword names in pytree specs are identifiers or
+dotted paths). After loading,
 :func:`graph_refusals` checks that the graphs call only operators (``torch.ops``), the
 higher-order ops, and the arithmetic, ``getitem`` and grad-mode / autocast switches export
 itself emits (torch's verifier checks much the same, but admits what the file's own
@@ -85,9 +86,11 @@ _DATA_ENTRY = re.compile(
     + re.escape(pt2.CONSTANTS_DIR + pt2.TENSOR_CONSTANT_FILENAME_PREFIX) + r")\d+")
 
 # Strings of the program's JSON that never become code: node metadata (stack traces,
-# module stacks; fx prints them only in readable listings), string constants (written as
-# literals), pytree specs (parsed as JSON against torch's registry of types).
-_FREE_TEXT_KEYS = frozenset({"metadata", "as_string", "as_strings", "in_spec", "out_spec"})
+# module stacks; fx prints them only in readable listings) and string constants (written
+# as literals). A pytree spec is JSON in a string, its dict keys JSON in a string again:
+# the keys of the inputs' spec become keyword names in ``ep.module()``'s generated code.
+_FREE_TEXT_KEYS = frozenset({"metadata", "as_string", "as_strings"})
+_SPEC_KEYS = frozenset({"in_spec", "out_spec", "context"})
 # Every other string: an identifier, a dotted path (a fully-qualified name, an operator),
 # or a number torch writes as text ("-Infinity").
 _TOKEN = re.compile(r"[A-Za-z0-9_.+\-]*", re.ASCII)
@@ -141,6 +144,13 @@ def _code_strings(value: Any, path: str) -> Iterator[str]:
             elif key == "expr_str":
                 if not (isinstance(item, str) and _safe_expression(item)):
                     yield f"{where}: symbolic expression {str(item)[:80]!r}"
+            elif key in _SPEC_KEYS and isinstance(item, str):
+                try:
+                    parsed = json.loads(item)
+                except ValueError:
+                    yield f"{where}: {item[:80]!r} is not JSON"
+                else:
+                    yield from _code_strings(parsed, where)
             else:
                 yield from _code_strings(item, where)
     elif isinstance(value, list):

@@ -40,6 +40,13 @@ class _Window(torch.nn.Module):
         return x + self.b[: x.shape[0]]
 
 
+class _Scaled(torch.nn.Module):
+    """Takes a keyword argument: its name is in the program's input spec."""
+
+    def forward(self, x, *, scale):
+        return x * scale
+
+
 class _RunsCode:
     """Unpickling it writes ``marker``: what a trojan file would do."""
 
@@ -162,6 +169,21 @@ def _pickled_weight(code):
     return edit
 
 
+def _keyword_name(code):
+    def edit(name, content):
+        if name == "models/model.json":  # ep.module() writes `{'<name>': ...}` into forward
+            program = json.loads(content)
+            signature = program["graph_module"]["module_call_graph"][0]["signature"]
+            spec = json.loads(signature["in_spec"])
+            keywords = spec[1]["children_spec"][1]
+            assert keywords["context"] == '["scale"]'
+            keywords["context"] = json.dumps([f"scale': exec({code!r}), 'scale"])
+            signature["in_spec"] = json.dumps(spec)
+            content = json.dumps(program).encode()
+        return {name: content}
+    return edit
+
+
 class _Exec:
     def __init__(self, code):
         self.code = code
@@ -172,6 +194,7 @@ class _Exec:
 
 ATTACKS = {
     "input name": _input_name,
+    "keyword name": _keyword_name,
     "shape expression": _shape_expression,
     "example inputs": _example_inputs,
     "pickled weight": _pickled_weight,
@@ -183,8 +206,13 @@ def test_an_archive_crafted_to_run_code_is_refused_before_torch_reads_it(attack,
     edit = ATTACKS[attack]
     marker = tmp_path / "marker"
     code = f"open({str(marker)!r}, 'w').write('ran')"
-    ep = torch.export.export(_Window(), (torch.ones(3),),
-                             dynamic_shapes=({0: Dim("n", max=4)},))
+    if attack == "keyword name":
+        ep = torch.export.export(_Scaled(), (torch.ones(2),), {"scale": torch.ones(2)})
+        call = ((torch.ones(2),), {"scale": torch.ones(2)})
+    else:
+        ep = torch.export.export(_Window(), (torch.ones(3),),
+                                 dynamic_shapes=({0: Dim("n", max=4)},))
+        call = ((torch.ones(3),), {})
     save_program(ep, tmp_path / "program.pt")
     crafted = _rewrite_archive(tmp_path / "program.pt", edit(code))
     torch.save(crafted, tmp_path / "crafted.pt")
@@ -194,9 +222,9 @@ def test_an_archive_crafted_to_run_code_is_refused_before_torch_reads_it(attack,
     assert not marker.exists()
     assert info.value.path == tmp_path / "crafted.pt" and "--trust" in str(info.value)
 
-    # The attack is real: torch.export.load runs the code.
+    # The attack is real: torch.export.load, or the forward it generates, runs the code.
     try:
-        torch.export.load(io.BytesIO(crafted["program"]))
+        torch.export.load(io.BytesIO(crafted["program"])).module().forward(*call[0], **call[1])
     except Exception:  # noqa: BLE001 - the code ran before the archive failed
         pass
     assert marker.exists()
