@@ -10,13 +10,12 @@ executes it. So before an archive reaches ``torch.export.load``, :func:`archive_
 checks that it holds only what ``save_program`` writes: known entries, no pickled payload,
 example inputs that load with ``weights_only=True``, symbolic expressions made of numbers,
 symbols, arithmetic and sympy's math functions, and no string that could become code
-(names, targets, keys, and the keyword names in pytree specs are identifiers or
-dotted paths). After loading,
-:func:`graph_refusals` checks that the graphs call only operators (``torch.ops``), the
-higher-order ops, and the arithmetic, ``getitem`` and grad-mode / autocast switches export
-itself emits (torch's verifier checks much the same, but admits what the file's own
-``verifiers`` entry names): running the program then runs no Python function the file
-chose.
+(names, targets, keys, and the keyword names in pytree specs are identifiers or dotted
+paths). After loading, :func:`graph_refusals` checks that the graphs call only operators
+(``torch.ops``), the higher-order ops, and the arithmetic, ``getitem`` and grad-mode /
+autocast switches export itself emits (torch's verifier checks much the same, but admits
+what the file's own ``verifiers`` entry names): running the program then runs no Python
+function the file chose.
 """
 
 from __future__ import annotations
