@@ -13,6 +13,7 @@ from .archive import load_program, save_program
 from .conditions import ALL_CONDITIONS, Condition
 from .effects import Effects
 from .errors import (
+    ArchiveError,
     InPlaceContractError,
     MetaEditError,
     PassFailedError,
@@ -24,6 +25,7 @@ from .errors import (
     SemanticsError,
     StateWriteError,
     UndeclaredEditError,
+    UntrustedFileError,
 )
 from .instruments import (
     ClaimCheck,
@@ -46,6 +48,7 @@ __all__ = [
     "ALL_CONDITIONS",
     "EXPORTED_PROGRAM",
     "GRAPH_MODULE",
+    "ArchiveError",
     "ClaimCheck",
     "Condition",
     "Effects",
@@ -72,6 +75,7 @@ __all__ = [
     "StateWriteError",
     "Timing",
     "UndeclaredEditError",
+    "UntrustedFileError",
     "as_pass",
     "assert_same_behaviour",
     "first_difference",

@@ -1,9 +1,11 @@
-"""Command line of the pass manager: ``python -m pass_manager replay FOLDER [--pdb]``.
+"""Command line of the pass manager: ``python -m pass_manager replay FOLDER [--trust] [--pdb]``.
 
 ``replay`` loads a reproducer folder (written by ``PassManager(reproducer_dir=...)``) and
 runs its failing pass again on the saved program, with the same checks. Exit status: 1
 when the pass fails (the output says whether with the recorded error), 0 when it no
-longer fails, 2 when the folder cannot be replayed.
+longer fails, 2 when the folder cannot be replayed. A folder whose program or validation
+file is pickled, or whose passes are defined outside this library (in your project or
+tests), is replayed only with ``--trust``: reading it runs code from the folder.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     replay_parser = commands.add_parser("replay", help="rerun the failing pass of a reproducer")
     replay_parser.add_argument("folder", help="a folder written by reproducer_dir")
     replay_parser.add_argument(
+        "--trust", action="store_true",
+        help="read pickled files and import the modules the folder names (runs code from the "
+             "folder: only for a folder you made or whose author you trust)",
+    )
+    replay_parser.add_argument(
         "--pdb", action="store_true", help="start the debugger at the exception the pass raised"
     )
     replay_parser.add_argument(
@@ -40,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         instruments.append(
             PrintIR(before=args.print_before, after_failure=args.print_after_failure)
         )
-    return replay(args.folder, pdb=args.pdb, instruments=instruments)
+    return replay(args.folder, trusted=args.trust, pdb=args.pdb, instruments=instruments)
 
 
 if __name__ == "__main__":

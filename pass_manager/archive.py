@@ -1,274 +1,162 @@
-"""Save a program (either form) to one file and load it back, graph and node meta included.
+"""Save a program (either form) to one file and load it back, graph and node meta included;
+read a file someone else made without running code from it.
 
-``torch.export.save`` keeps only the node meta torch.export knows (our passes' marks and
-quantization annotations are lost), rejects graphs holding a delegate call, and copies
-every tensor into a ``bytes`` object before writing it. ``torch.save`` of a GraphModule
-stores its generated code and re-traces it on load, which loses all node meta. So a
-program is written with ``torch.save`` and a pickler that knows fx: a GraphModule is
-stored as its module state plus one record per node (name, op, target, args, kwargs,
-meta); operators by their qualified name; a node named in another node's meta
-(``quantization_annotation`` keys) by its name; a fake tensor (``meta["val"]``) by its
-shape, strides, dtype, device and storage, re-created under one ``FakeTensorMode`` on
-load. Tensor data is written by ``torch.save`` straight from each tensor's memory: no
-second copy of the program's state is made. A meta entry or module attribute that
-cannot be pickled is left out and listed in :attr:`SavedProgram.dropped`.
+:func:`save_program` picks one of two formats, and says which (:class:`SavedProgram`):
+
+* ``"exported"``: an ExportedProgram ``torch.export.save`` can hold, in a ``torch.save`` file
+  of plain data (:mod:`pass_manager._archive.exported`): the ``torch.export.save`` archive,
+  the program's tensors (streamed from their memory, no second copy) and the node meta
+  torch.export does not keep when it is plain data (the passes' marks and kept initial
+  values, delegation tags); other meta (torch's ``original_aten``, a quantization
+  annotation naming nodes) is left out and listed in :attr:`SavedProgram.dropped`.
+  :func:`load_program` reads it with ``torch.load(weights_only=True)`` and, after checking
+  the archive holds nothing that runs code (:mod:`pass_manager._archive.untrusted`),
+  ``torch.export.load``: safe for a file from anyone.
+* ``"pickled"``: everything else (a GraphModule; an ExportedProgram holding a delegate call
+  or a tensor subclass), all of its meta included: a Python pickle that knows fx
+  (:mod:`pass_manager._archive.pickled`). A pickle runs the code it names when read, so
+  :func:`load_program` reads one only with ``trusted=True``; without, it raises
+  :class:`~pass_manager.errors.UntrustedFileError` naming the file and what would run.
+
+:func:`save_data` / :func:`load_data` do the same for other values (a reproducer's
+validation inputs and reference): plain data (tensors, numbers, strings, lists, tuples,
+dicts) loads with ``weights_only=True``, anything else is pickled and needs trust.
 """
 
 from __future__ import annotations
 
-import collections
-import contextvars
-import copy
-import dataclasses
-import importlib
-import io
 import pickle
-import types
+import re
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx import GraphModule, Node
-from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.export import ExportedProgram
 
-__all__ = ["load_program", "save_program"]
+from ._archive import exported, pickled
+from ._archive.untrusted import plain_data
+from .errors import ArchiveError, UntrustedFileError
 
-# GraphModule attributes rebuilt from the graph rather than stored.
-_GENERATED = frozenset({"_graph", "_code", "_lineno_map", "_prologue_start", "_tracer_cls"})
-_PROTOCOL = 4  # protocol 2 (torch.save's default) cannot pickle torch.memory_format
-_loading: contextvars.ContextVar[dict] = contextvars.ContextVar("_loading")
+__all__ = [
+    "EXPORTED",
+    "PICKLED",
+    "PLAIN",
+    "SavedProgram",
+    "load_data",
+    "load_program",
+    "save_data",
+    "save_program",
+]
 
-
-@dataclasses.dataclass(frozen=True)
-class _NodeRef:
-    """A node, pickled by name; resolved in the graph being rebuilt."""
-
-    name: str
-
-
-class _Dropped:
-    """Stands for a meta value that could not be stored (removed again on load)."""
+EXPORTED, PICKLED, PLAIN = "exported", "pickled", "plain"
 
 
-def _op_overload(namespace: str, name: str, overload: str) -> Any:
-    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+@dataclass(frozen=True)
+class SavedProgram:
+    """What :func:`save_program` wrote.
 
-
-def _op_packet(namespace: str, name: str) -> Any:
-    return getattr(getattr(torch.ops, namespace), name)
-
-
-def _higher_order(module: str, name: str) -> Any:
-    importlib.import_module(module)  # defining the operator registers it
-    return getattr(torch.ops.higher_order, name)
-
-
-def _fake_tensor(key: int, nbytes: int, shape: tuple, stride: tuple, offset: int,
-                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A fake tensor; those that shared a storage when saved share one again."""
-    state = _loading.get()
-    with state["mode"]:
-        base = state["storages"].get(key)
-        if base is None:
-            base = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            state["storages"][key] = base
-        typed = base if dtype == torch.uint8 else base.view(dtype)
-        return typed.as_strided(shape, stride, offset)
-
-
-def _static(values: Any) -> bool:
-    return all(isinstance(v, int) for v in values)
-
-
-def _reduce_fake(t: FakeTensor) -> tuple:
-    if not (_static(t.shape) and _static(t.stride()) and isinstance(t.storage_offset(), int)):
-        return _Dropped, ()  # symbolic shapes: re-inferred by whoever needs them
-    storage = t.untyped_storage()
-    if not isinstance(storage.nbytes(), int):
-        return _Dropped, ()
-    # Storage offsets count elements of the tensor's dtype, sizes bytes.
-    return _fake_tensor, (storage._cdata, storage.nbytes(), tuple(t.shape), tuple(t.stride()),
-                          t.storage_offset(), t.dtype, t.device)
-
-
-class _NullPickler(pickle.Pickler):
-    """Checks that a value pickles, without serializing tensor data."""
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)) and not (
-            isinstance(obj, FakeTensor)
-        ):
-            return id(obj)
-        return None
-
-    def reducer_override(self, obj: Any) -> Any:
-        return _reduce(obj, self)
-
-
-def _picklable(value: Any) -> bool:
-    try:
-        _NullPickler(io.BytesIO(), protocol=_PROTOCOL).dump(value)
-    except Exception:  # noqa: BLE001 - any failure means "cannot be stored"
-        return False
-    return True
-
-
-_MISSING = object()
-
-
-def _storable(value: Any, where: str, dropped: list[str], depth: int = 0) -> Any:
-    """``value``, or a copy without the parts that cannot be pickled, or _MISSING."""
-    if _picklable(value):
-        return value
-    if depth < 3 and isinstance(value, dict):
-        return _kept(value, where, dropped, depth + 1)
-    if depth < 3 and isinstance(value, torch.nn.Module) and not isinstance(value, GraphModule):
-        # e.g. export's GuardsFn, whose forward is generated code: keep the module, drop that.
-        clone = copy.copy(value)
-        clone.__dict__ = _kept(value.__dict__, where, dropped, depth + 1)
-        return clone
-    dropped.append(f"{where} ({type(value).__name__})")
-    return _MISSING
-
-
-def _kept(items: dict, where: str, dropped: list[str], depth: int = 0) -> dict:
-    kept = type(items)() if type(items) in (dict, collections.OrderedDict) else {}
-    for key, value in items.items():
-        value = _storable(value, f"{where}[{key!r}]", dropped, depth)
-        if value is not _MISSING:
-            kept[key] = value
-    return kept
-
-
-def _reduce_graph_module(gm: GraphModule, dropped: list[str]) -> tuple:
-    body = {}
-    for key, value in gm.__dict__.items():
-        if key in _GENERATED:
-            continue
-        if isinstance(value, types.MethodType) and value.__self__ is gm:
-            # ep.module() binds train/eval to the module: a cycle pickle cannot store.
-            dropped.append(f"GraphModule attribute[{key!r}] (method bound to the module)")
-            continue
-        body[key] = value
-    body = _kept(body, "GraphModule attribute", dropped)
-    codegen = gm.graph._codegen if _picklable(gm.graph._codegen) else None
-    records = [
-        (node.name, node.op, node.target, node.args, node.kwargs,
-         _kept(node.meta, f"{node.name}.meta", dropped))
-        for node in gm.graph.nodes
-    ]
-    class_name = gm.__dict__.get("_graphmodule_cls_name", "GraphModule")
-    return _rebuild_graph_module, (body, records, codegen, class_name)
-
-
-def _reduce(obj: Any, pickler: Any) -> Any:
-    if isinstance(obj, Node):
-        return _NodeRef, (obj.name,)
-    if isinstance(obj, FakeTensor):
-        return _reduce_fake(obj)
-    if isinstance(obj, torch._ops.OpOverload):
-        return _op_overload, (obj.namespace, obj._opname, obj._overloadname)
-    if isinstance(obj, torch._ops.OpOverloadPacket):
-        namespace, _, name = obj._qualified_op_name.partition("::")
-        return _op_packet, (namespace, name)
-    if isinstance(obj, torch._ops.HigherOrderOperator):
-        return _higher_order, (type(obj).__module__, obj.name())
-    if isinstance(obj, GraphModule):
-        return _reduce_graph_module(obj, getattr(pickler, "dropped", []))
-    return NotImplemented
-
-
-class _Pickler(pickle.Pickler):
-    """torch.save subclasses this (adding its persistent_id for tensor data)."""
-
-    # torch.save builds the pickler itself: save_program hands it the list through the class.
-    dropped: ClassVar[list[str]] = []
-
-    def reducer_override(self, obj: Any) -> Any:
-        return _reduce(obj, self)
-
-
-def _resolve(value: Any, nodes: dict[str, Node], seen: set[int]) -> Any:
-    """``value`` with every _NodeRef replaced by the node of that name (in place where
-    the container is mutable; meta holds dicts, lists, tuples and dataclasses)."""
-    if isinstance(value, _NodeRef):
-        # Meta may name a node no longer in the graph (torchao leaves annotations naming
-        # nodes convert_pt2e erased): that reference stays a _NodeRef, stale as it was.
-        return nodes.get(value.name, value)
-    if isinstance(value, (str, int, float, bool, type(None), torch.Tensor)) or id(value) in seen:
-        return value
-    seen.add(id(value))
-    if isinstance(value, dict):
-        items = [(_resolve(k, nodes, seen), _resolve(v, nodes, seen)) for k, v in value.items()]
-        if isinstance(value, immutable_dict):
-            return immutable_dict(items)
-        value.clear()
-        value.update(items)
-    elif isinstance(value, list):
-        items = [_resolve(v, nodes, seen) for v in value]
-        if isinstance(value, immutable_list):
-            return immutable_list(items)
-        value[:] = items
-    elif isinstance(value, tuple):
-        items = [_resolve(v, nodes, seen) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    elif isinstance(value, set):
-        items = {_resolve(v, nodes, seen) for v in value}
-        value.clear()
-        value.update(items)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            try:
-                object.__setattr__(value, f.name, _resolve(getattr(value, f.name), nodes, seen))
-            except AttributeError:
-                continue
-    return value
-
-
-def _rebuild_graph_module(body: dict, records: list, codegen: Any, class_name: str) -> GraphModule:
-    graph = torch.fx.Graph()
-    if codegen is not None:
-        graph._codegen = codegen
-    nodes: dict[str, Node] = {}
-    for name, op, target, args, kwargs, _ in records:
-        args, kwargs = _resolve((args, kwargs), nodes, set())
-        nodes[name] = graph.create_node(op, target, args, kwargs, name=name)
-    for name, *_, meta in records:
-        meta = _resolve(meta, nodes, set())
-        nodes[name].meta = {k: v for k, v in meta.items() if not isinstance(v, _Dropped)}
-    gm = GraphModule(torch.nn.Module(), torch.fx.Graph(), class_name)
-    gm.__dict__.update(body)
-    gm.graph = graph  # generates the code
-    return gm
-
-
-_PICKLE_MODULE = types.SimpleNamespace(
-    Pickler=_Pickler, Unpickler=pickle.Unpickler, load=pickle.load, dump=pickle.dump,
-    __name__="pass_manager.archive",
-)
-
-
-def save_program(program: Any, path: str | Path) -> list[str]:
-    """Write ``program`` (GraphModule or ExportedProgram) to ``path``.
-
-    Returns what could not be stored ("node.meta['key'] (type)"): those entries are
-    missing from the loaded program. Tensor data is written from the tensors' memory.
+    Attributes:
+        path: the file.
+        format: ``"exported"`` (read without trust) or ``"pickled"`` (read with
+            ``trusted=True`` only).
+        pickled_because: why the exported format could not hold the program ("" if used).
+        dropped: what the loaded program will lack ("node.meta['key'] (type)").
     """
-    # torch.save builds the pickler itself: save_program hands it the list through the class.
-    dropped: ClassVar[list[str]] = []
-    _Pickler.dropped = dropped
-    try:
-        torch.save(program, str(path), pickle_module=_PICKLE_MODULE, pickle_protocol=_PROTOCOL)
-    finally:
-        _Pickler.dropped = []
-    return dropped
+
+    path: Path
+    format: str
+    pickled_because: str
+    dropped: list[str]
+
+    @property
+    def needs_trust(self) -> bool:
+        return self.format == PICKLED
 
 
-def load_program(path: str | Path) -> Any:
-    """Read a program written by :func:`save_program` (tensors on the CPU as saved)."""
-    token = _loading.set({"mode": FakeTensorMode(allow_non_fake_inputs=True), "storages": {}})
+def save_program(program: Any, path: str | Path) -> SavedProgram:
+    """Write ``program`` (GraphModule or ExportedProgram) to ``path``, in the exported
+    format when it can hold the program, else pickled."""
+    path = Path(path)
+    if not isinstance(program, ExportedProgram):
+        because = (f"it is a {type(program).__name__}; torch.export.save holds only an "
+                   "ExportedProgram")
+    else:
+        try:
+            container, dropped = exported.pack(program)
+        except exported.NotExportable as e:
+            because = e.reason
+        else:
+            torch.save(container, str(path))
+            return SavedProgram(path, EXPORTED, "", dropped)
+    return SavedProgram(path, PICKLED, because, pickled.save(program, path))
+
+
+def _pickle_refusal(error: Exception) -> str:
+    named = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+    if named:
+        return (f"it is a pickle that would call {named.group(1)} when read "
+                "(torch.load(weights_only=True) refuses it)")
+    found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(error))
+    what = f": {found.group(1).strip()}" if found else ""
+    return f"it is a pickle, which torch.load(weights_only=True) refuses{what}"
+
+
+def _load(path: Path, trusted: bool) -> tuple[str, Any]:
+    """(format, value) of a file written by save_program or save_data."""
     try:
-        return torch.load(str(path), weights_only=False, pickle_module=_PICKLE_MODULE)
-    finally:
-        _loading.reset(token)
+        with warnings.catch_warnings():  # a pickled file's protocol 4: refused just below
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            value = torch.load(str(path), weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not trusted:
+            raise UntrustedFileError(path, PICKLED, _pickle_refusal(e)) from None
+        return PICKLED, pickled.load(path)
+    return (EXPORTED if exported.is_exported(value) else PLAIN), value
+
+
+def load_program(path: str | Path, *, trusted: bool = False) -> Any:
+    """Read a program written by :func:`save_program` (tensors on the CPU as saved).
+
+    Args:
+        path: the file.
+        trusted: read a pickled file too, which runs code it names: only for a file you
+            made or whose source you trust. An exported file is read either way.
+
+    Raises:
+        UntrustedFileError: without ``trusted``, the file is pickled or holds something
+            that could run code; the message names the file and what.
+        ArchiveError: the file is not a program ``save_program`` wrote.
+    """
+    path = Path(path)
+    form, value = _load(path, trusted)
+    if form == PICKLED:
+        return value
+    if form != EXPORTED:
+        raise ArchiveError(path, f"it holds a {type(value).__name__}, not a program "
+                                 "save_program wrote")
+    try:
+        return exported.unpack(value, trusted)
+    except exported.Refused as e:
+        raise UntrustedFileError(path, f"{EXPORTED} format", "; ".join(e.reasons)) from None
+    except exported.Malformed as e:
+        raise ArchiveError(path, str(e)) from None
+    except Exception as e:  # torch.export.load on a damaged archive
+        raise ArchiveError(path, f"torch.export.load failed: {type(e).__name__}: {e}") from e
+
+
+def save_data(value: Any, path: str | Path) -> str:
+    """Write ``value`` to ``path``; return the format: ``"plain"`` (reads with
+    ``weights_only=True``) or ``"pickled"`` (reads with ``trusted=True`` only)."""
+    if plain_data(value):
+        torch.save(value, str(path))
+        return PLAIN
+    pickled.save(value, path)
+    return PICKLED
+
+
+def load_data(path: str | Path, *, trusted: bool = False) -> Any:
+    """Read what :func:`save_data` wrote; a pickled file only with ``trusted``
+    (:class:`~pass_manager.errors.UntrustedFileError` otherwise)."""
+    return _load(Path(path), trusted)[1]

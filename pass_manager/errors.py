@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "ArchiveError",
     "InPlaceContractError",
     "MetaEditError",
     "PassFailedError",
@@ -24,6 +25,7 @@ __all__ = [
     "SemanticsError",
     "StateWriteError",
     "UndeclaredEditError",
+    "UntrustedFileError",
 ]
 
 
@@ -78,7 +80,8 @@ class PassManagerError(Exception):
                 f"were not kept): {', '.join(self.unrestored)}"
             )
         if self.reproducer is not None:
-            text += f"\nReproducer: {self.reproducer} (python -m pass_manager replay FOLDER)"
+            text += (f"\nReproducer: {self.reproducer} (python -m pass_manager replay FOLDER; "
+                     "its manifest.json says whether that needs --trust)")
         return text
 
 
@@ -219,3 +222,33 @@ class UndeclaredEditError(PassFailedError):
             + "; ".join(edits),
         )
         self.edits = list(edits)
+
+
+class ArchiveError(PassManagerError):
+    """A file cannot be read as what this library saved there (a program, a reproducer's
+    validation data or manifest): damaged, or written by something else. ``path`` names
+    it, ``reason`` says what is wrong."""
+
+    def __init__(self, path: Any, reason: str, message: str | None = None):
+        self.path = path
+        self.reason = reason
+        super().__init__(message or f"{path}: cannot be read: {reason}")
+
+
+class UntrustedFileError(ArchiveError):
+    """Reading a file (or importing a module a reproducer names) would run code from it,
+    and the caller did not say it trusts the file. ``path`` names the file, ``format`` how
+    it is stored, ``reason`` what would run. Pass ``trusted=True`` (``load_program``,
+    ``load_reproducer``, ``replay``) or ``--trust`` (``python -m pass_manager replay``)
+    for a file you made, or whose author you trust."""
+
+    def __init__(self, path: Any, format: str, reason: str):
+        self.format = format
+        super().__init__(
+            path,
+            reason,
+            f"{path} ({format}) was not read: {reason}. Reading it could run code chosen by "
+            "whoever made it, so it is read only when you trust its source: pass "
+            "trusted=True to load_program / load_reproducer / replay, or --trust to "
+            "python -m pass_manager replay",
+        )

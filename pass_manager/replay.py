@@ -1,5 +1,14 @@
 """Replaying a crash reproducer: load the folder a :class:`~.instruments.Reproducer` wrote
-and run its failing pass again (``python -m pass_manager replay FOLDER``)."""
+and run its failing pass again (``python -m pass_manager replay FOLDER [--trust]``).
+
+Loading a folder from someone else runs none of their code unless you say you trust it
+(``trusted=True``, ``--trust``): without, the program and validation files are read only
+in their safe formats (``exported``, ``plain``: no code from the file runs), only modules
+of this library's packages (``pass_manager``, ``passes``) are imported, and only a state
+reader defined there is used; anything else is an
+:class:`~pass_manager.errors.UntrustedFileError` naming the file and why. The checks read
+the files themselves, not what the manifest claims about them.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch
-
-from .archive import _PICKLE_MODULE, load_program
-from .errors import PassManagerError
+from .archive import load_data, load_program
+from .errors import ArchiveError, PassManagerError, UntrustedFileError
 from .instruments.base import Instrumentation
+from .instruments.reproducer import LIBRARY_PACKAGES, library_module
 from .instruments.semantic_validation import SemanticValidation
 from .pipeline_text import parse_passes
 from .report import Report
 from .running import Runner, default_instruments
+from .validation import Trace
 
 __all__ = ["Reproduction", "load_reproducer", "replay"]
 
@@ -26,9 +35,10 @@ __all__ = ["Reproduction", "load_reproducer", "replay"]
 class _StoredValidation(SemanticValidation):
     """Semantic validation against the reference trace saved with the reproducer."""
 
-    def __init__(self, saved: dict):
-        super().__init__(saved["inputs"], saved["atol"], saved["rtol"], saved["state"])
-        self._stored = saved["reference"]
+    def __init__(self, saved: dict, state: Any):
+        super().__init__(saved["inputs"], saved["atol"], saved["rtol"], state)
+        reference = saved["reference"]
+        self._stored = Trace(**reference) if isinstance(reference, dict) else reference
 
     def before_run(self, program: Any, report: Report) -> None:
         self._reference = self._stored
@@ -54,27 +64,68 @@ class Reproduction:
         return runner.run(self.program)
 
 
-def load_reproducer(folder: str | Path) -> Reproduction:
-    """Load a reproducer folder (imports the modules that define its passes)."""
+def _check_modules(modules: list[Any], where: Path, trusted: bool,
+                   what: str = "module list") -> None:
+    outside = [m for m in modules if not (isinstance(m, str) and library_module(m))]
+    if outside and not trusted:
+        raise UntrustedFileError(
+            where, what,
+            f"it names modules outside this library's packages ({', '.join(LIBRARY_PACKAGES)}): "
+            f"{outside}, and importing a module runs its code",
+        )
+
+
+def _state_reader(state: Any, where: Path, trusted: bool) -> Any:
+    """The saved state reader: ``"module:qualname"`` imported, or the pickled function."""
+    if not isinstance(state, str):
+        return state
+    module, _, qualname = state.partition(":")
+    _check_modules([module], where, trusted, "state reader name")
+    value = importlib.import_module(module)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproduction:
+    """Load a reproducer folder (imports the modules that define its passes).
+
+    Args:
+        folder: a folder a :class:`~.instruments.Reproducer` wrote.
+        trusted: also read pickled files and import modules outside this library's
+            packages, which runs code from the folder: only for a folder you made or
+            whose author you trust.
+
+    Raises:
+        UntrustedFileError: without ``trusted``, a file is pickled or the manifest names a
+            module outside ``pass_manager`` / ``passes``; the message says which.
+        ArchiveError: a file is damaged or was not written by a Reproducer.
+    """
     folder = Path(folder)
-    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest_file = folder / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    if not isinstance(manifest, dict):
+        raise ArchiveError(manifest_file, "it is not a reproducer manifest (a JSON object)")
     if not manifest["replayable"]:
         raise ValueError(f"{folder} cannot be replayed: {manifest['not_replayable_because']}")
+    _check_modules(manifest["modules"], manifest_file, trusted)  # all, before importing any
     for module in manifest["modules"]:
         importlib.import_module(module)
     passes = parse_passes(manifest["pipeline"])
-    program = load_program(folder / "program.pt")
+    program = load_program(folder / "program.pt", trusted=trusted)
     instruments = default_instruments(manifest["strict"])
     if manifest["validation"]:
-        saved = torch.load(folder / "validation.pt", weights_only=False,
-                           pickle_module=_PICKLE_MODULE)
-        instruments.append(_StoredValidation(saved))
+        validation_file = folder / "validation.pt"
+        saved = load_data(validation_file, trusted=trusted)
+        state = _state_reader(saved["state"], validation_file, trusted)
+        instruments.append(_StoredValidation(saved, state))
     return Reproduction(folder, manifest, program, passes, instruments)
 
 
 def replay(
     folder: str | Path,
     *,
+    trusted: bool = False,
     pdb: bool = False,
     instruments: list[Instrumentation] = (),
     out: TextIO | None = None,
@@ -82,12 +133,14 @@ def replay(
     """Run a reproducer's failing pass again; the exit status for the command line.
 
     1: the pass failed (the message says whether with the recorded error), 0: it no
-    longer fails, 2: the folder cannot be replayed. With ``pdb``, the debugger starts
+    longer fails, 2: the folder cannot be replayed (among others: it needs ``trusted``,
+    and the message says why). With ``trusted``, the folder is loaded as
+    :func:`load_reproducer` does with ``trusted=True``. With ``pdb``, the debugger starts
     post mortem at the exception the pass raised.
     """
     out = out or sys.stdout
     try:
-        reproduction = load_reproducer(folder)
+        reproduction = load_reproducer(folder, trusted=trusted)
     except Exception as e:  # noqa: BLE001 - any failure to load is reported the same way
         print(f"error: cannot load the reproducer {folder}: {type(e).__name__}: {e}", file=out)
         return 2

@@ -4,17 +4,37 @@
 pass fails (any PassManagerError), it writes a fresh folder under PATH holding:
 
 * ``program.pt``: the program as the failing pass was given it (the rollback has already
-  restored it), in either form, node meta included (``pass_manager.archive``);
-  ``program.txt``: the same as readable text;
+  restored it), node meta included (:mod:`pass_manager.archive`). An ExportedProgram is
+  saved in the ``exported`` format (torch.export.save inside a file of plain data), which
+  loads without running code from the file; a node meta entry that is not plain data
+  (torch's ``original_aten``, an observer) is left out and listed in the manifest's
+  ``not_saved``. A GraphModule, or an ExportedProgram that format cannot hold (a delegate
+  call, a tensor subclass in its state), is ``pickled``, with everything, and loading a
+  pickle runs the code it names;
+* ``program.txt``: the same program as readable text;
 * ``manifest.json``: the pass, its place, the pipeline text that builds it with its
-  options, the modules defining it, the error's type and message, the program form and
-  how it was saved, what could not be saved, and library / torch / torchao versions;
+  options, the modules defining its passes, the error's type and message, the program
+  form, the format of each file and why, what could not be saved, what a replay needs
+  trust for (``needs_trust``), and library / torch / torchao versions;
 * ``error.txt``: the error and the traceback of what the pass raised;
-* ``validation.pt`` when ``validate=`` was given: the inputs, tolerances and the
-  reference trace (what the program computed before the pipeline).
+* ``validation.pt`` when ``validate=`` was given: the inputs, tolerances, the reference
+  trace (what the program computed before the pipeline) and the name of the state
+  reader, as plain data when they are (``plain`` format, loads with
+  ``weights_only=True``), else ``pickled``.
 
 ``python -m pass_manager replay FOLDER`` (:mod:`pass_manager.replay`) loads it and runs the
 pass again, with the same checks: the same error type and message, exit status 1.
+
+A folder is made to be shared (attached to a bug report), so reading one from someone
+else must not run their code. The replay reads ``exported`` and ``plain`` files and
+imports the modules of this library's own packages (``pass_manager``, ``passes``) with
+no further ado; a ``pickled`` file, or a manifest naming any other module (a pass defined
+in your project or your tests), it reads only with ``--trust`` (``trusted=True``), and
+otherwise refuses with an :class:`~pass_manager.errors.UntrustedFileError` saying which
+file and why. A program read without trust is checked to call only torch operators, so
+running it (the replay's validation does) runs no function the folder chose. The
+manifest's ``needs_trust`` tells you in advance what needs trust, but the replay never
+believes it: it checks the files themselves.
 """
 
 from __future__ import annotations
@@ -30,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ..archive import _PICKLE_MODULE, _PROTOCOL, save_program
+from ..archive import PICKLED, save_data, save_program
 from ..errors import PassManagerError
 from ..pipeline_text import format_pass
 from ..program import program_form, program_text
@@ -38,7 +58,7 @@ from ..report import PassRecord
 from .base import Instrumentation
 from .semantic_validation import SemanticValidation
 
-__all__ = ["Reproducer"]
+__all__ = ["LIBRARY_PACKAGES", "Reproducer", "library_module"]
 
 _VERSIONS = ("mutable-buffer-passes", "torch", "torchao")
 
@@ -66,6 +86,61 @@ def _pipeline_of(pass_: Any) -> tuple[str | None, list[str], str]:
     if "__main__" in modules:
         return text, modules, "a pass is defined in __main__, which a replay cannot import"
     return text, modules, ""
+
+
+_SAVED_AS = {
+    "exported": (
+        "program.pt: the {form} as plain data for torch.load(weights_only=True) holding its "
+        "torch.export.save archive, its tensors and the node meta torch.export does not keep; "
+        "load with pass_manager.load_program (no code from the file runs)"
+    ),
+    "pickled": (
+        "program.pt: the {form} pickled by torch.save with pass_manager's fx pickler (graph as "
+        "node records with their meta, tensor data as torch.save storages); load with "
+        "pass_manager.load_program(path, trusted=True): reading a pickle runs code it names"
+    ),
+}
+# The packages of this distribution (setup.cfg): a replay imports their modules untrusted.
+LIBRARY_PACKAGES = ("pass_manager", "passes")
+
+
+def library_module(name: str) -> bool:
+    """Whether ``name`` is a module of this library's own packages."""
+    return any(name == package or name.startswith(f"{package}.") for package in LIBRARY_PACKAGES)
+
+
+def _qualified_name(function: Any) -> str | None:
+    """``module:qualname`` of a function a replay can import, else None."""
+    module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", "")
+    if not module or module == "__main__" or "<" in qualname:
+        return None
+    return f"{module}:{qualname}"
+
+
+def _validation_record(v: SemanticValidation) -> dict[str, Any]:
+    """The validation's inputs, tolerances, reference and state reader: plain data when
+    the state reader has an importable name (a lambda stays a function, so is pickled)."""
+    reference = v._reference
+    state = v.state if v.state is None else (_qualified_name(v.state) or v.state)
+    return {
+        "inputs": v.inputs, "atol": v.atol, "rtol": v.rtol, "state": state,
+        "reference": None if reference is None else {
+            "outputs": reference.outputs, "buffers": reference.buffers,
+            "inputs": reference.inputs},
+    }
+
+
+def _needs_trust(program_pickled_because: str, validation_format: str | None,
+                 modules: list[str]) -> list[str]:
+    reasons = []
+    if program_pickled_because:
+        reasons.append(f"program.pt is pickled: {program_pickled_because}")
+    if validation_format == PICKLED:
+        reasons.append("validation.pt is pickled: its inputs or reference are not plain data")
+    outside = [m for m in modules if not library_module(m)]
+    if outside:
+        reasons.append(f"the passes are defined outside this library's packages: {outside}")
+    return reasons
 
 
 class Reproducer(Instrumentation):
@@ -112,18 +187,15 @@ class Reproducer(Instrumentation):
         safe = "".join(c if c.isalnum() else "_" for c in record.name)[:40]
         folder = Path(tempfile.mkdtemp(prefix=f"{record.index}-{safe}-", dir=self.directory))
         pipeline, modules, not_replayable = _pipeline_of(pass_)
-        dropped = save_program(program, folder / "program.pt")
+        saved = save_program(program, folder / "program.pt")
         (folder / "program.txt").write_text(program_text(program))
         message = str(error)
         (folder / "error.txt").write_text(f"{type(error).__name__}: {message}\n\n{trace}")
+        validation_format = None
         if self.validation is not None:
-            v = self.validation
-            state = v.state
-            torch.save(
-                {"inputs": v.inputs, "atol": v.atol, "rtol": v.rtol,
-                 "reference": v._reference, "state": state},
-                folder / "validation.pt", pickle_module=_PICKLE_MODULE, pickle_protocol=_PROTOCOL,
-            )
+            validation_format = save_data(_validation_record(self.validation),
+                                          folder / "validation.pt")
+        trust = _needs_trust(saved.pickled_because, validation_format, modules)
         form = program_form(program)
         manifest = {
             "pass": record.name,
@@ -138,16 +210,16 @@ class Reproducer(Instrumentation):
             "error_type": f"{type(error).__module__}.{type(error).__qualname__}",
             "error_message": message,
             "form": form,
-            "saved_as": (
-                f"program.pt: the {form} pickled by torch.save with pass_manager.archive "
-                "(graph as node records with their meta, tensor data as torch.save "
-                "storages); load with pass_manager.archive.load_program"
-            ),
-            "not_saved": dropped,
+            "program_format": saved.format,
+            "saved_as": _SAVED_AS[saved.format].format(form=form),
+            "pickled_because": saved.pickled_because,
+            "not_saved": saved.dropped,
             "not_restored_before_saving": list(error.unrestored),
             "validation": self.validation is not None,
+            "validation_format": validation_format,
+            "needs_trust": trust,
             "versions": _versions(),
-            "replay": f"python -m pass_manager replay {folder}",
+            "replay": f"python -m pass_manager replay {folder}" + (" --trust" if trust else ""),
         }
         (folder / "manifest.json").write_text(json.dumps(manifest, indent=2))
         return folder

@@ -21,6 +21,15 @@ every value the rest of the program uses, buffer updates included; the top level
 its ``BUFFER_MUTATION`` outputs (ExecuTorch's behaviour before buffer consumption, see
 :class:`passes.ConsumeBufferMutationsInDelegate`). Parameters and constant tensors used
 only inside one partition move into that delegate's state.
+
+A higher-order op (``map``, ``cond``, ``while_loop``, a grad-mode or autocast region) reads
+its bodies through ``get_attr`` nodes naming submodules of the graph module. Lowered, the
+op takes those nodes and submodules with it into the sub-program: a body is code, not a
+value, so it cannot cross the delegate boundary as an input (torch's verifier would reject
+the placeholder, which has no ``val``). A body that nodes outside the partition also call
+is read through a second ``get_attr`` of the same submodule. Any other attribute a
+partition reads, or a sub-program the verifier still rejects, is a ``PartitionError``
+naming the nodes.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._export.verifier import SpecViolationError
 from torch.export import ExportedProgram
 from torch.export.graph_signature import (
     ExportGraphSignature,
@@ -71,6 +81,45 @@ def _with_getitems(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
             members.update(dict.fromkeys(node.users))
     order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
     return sorted(members, key=order.__getitem__)
+
+
+def _with_subgraphs(
+    gm: torch.fx.GraphModule, tag: str, nodes: list[torch.fx.Node]
+) -> list[torch.fx.Node]:
+    """Add the ``get_attr`` nodes of the submodules (higher-order op bodies) the partition
+    calls; a body also called from outside the partition gets a ``get_attr`` of its own."""
+    members = dict.fromkeys(nodes)
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in nodes:
+        for attr in [a for a in node.all_input_nodes if a.op == "get_attr" and a not in members]:
+            value = _attribute(gm, attr.target)
+            if isinstance(value, LoweredBackendModule):
+                continue  # _lower_partition refuses it: an earlier lowering's delegate
+            if not isinstance(value, torch.nn.Module):
+                raise PartitionError(
+                    tag,
+                    f"node {node.name} reads attribute {attr.target!r} (a "
+                    f"{type(value).__name__}, not a submodule), which a delegate's "
+                    "sub-program cannot take",
+                    [node.name],
+                )
+            if any(user not in members for user in attr.users):
+                if attr not in copies:
+                    with gm.graph.inserting_before(node):
+                        copies[attr] = gm.graph.get_attr(attr.target)
+                    copies[attr].meta = dict(attr.meta)
+                node.replace_input_with(attr, copies[attr])
+                attr = copies[attr]
+            members[attr] = None
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(members, key=order.__getitem__)
+
+
+def _attribute(gm: torch.nn.Module, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def _lower_partition(
@@ -119,7 +168,12 @@ def _lower_partition(
         node.meta.pop(DELEGATION_TAG, None)
     returned = sub_gm.graph.output_node().args[0]
     outputs = [(n, output_spec(n, OutputKind.USER_OUTPUT)) for n in returned]
-    program = make_program(sub_gm, inputs, outputs, state, constants, ep.verifiers)
+    try:
+        program = make_program(sub_gm, inputs, outputs, state, constants, ep.verifiers)
+    except SpecViolationError as e:
+        raise PartitionError(
+            tag, f"its sub-program fails torch's export verifier: {e}", [n.name for n in nodes]
+        ) from e
 
     name = lowered_module_name(gm, index)
     gm.add_submodule(name, LoweredBackendModule(program, tag, backend_id))
@@ -189,7 +243,7 @@ def to_delegate(
     absorbed_targets = set()
     specs = {s.arg.name: s for s in work.graph_signature.input_specs if hasattr(s.arg, "name")}
     for index, (tag, nodes) in enumerate(partitions.items()):
-        members = _with_getitems(nodes)
+        members = _with_subgraphs(gm, tag, _with_getitems(nodes))
         for placeholder in _lower_partition(work, gm, tag, members, index, backend_id):
             absorbed_targets.add(specs[placeholder.name].target)
     for old, keeper in kept.items():

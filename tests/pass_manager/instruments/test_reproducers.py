@@ -1,5 +1,6 @@
 """A failing pass leaves a reproducer folder; ``python -m pass_manager replay`` reruns it."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -14,22 +15,26 @@ from pass_manager import (
     PassManager,
     PassManagerError,
     SemanticsError,
+    UntrustedFileError,
     load_program,
     load_reproducer,
     run_program,
 )
 from pass_manager.program import program_text
+from passes import InplaceToFunctional, MarkMutableBuffers
+from passes.delegation import program_state
 from tests.models.accumulators import Accumulate
+from tests.models.failing import writes_constant
 
 from .failing_passes import AddToSub, FailAfterRewrite, Nothing
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _replay(folder, *extra):
+def _replay(folder, *extra, env=None):
     return subprocess.run(
         [sys.executable, "-m", "pass_manager", "replay", str(folder), *extra],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env=env,
     )
 
 
@@ -55,8 +60,10 @@ def test_failing_pass_writes_a_folder_that_replays_the_error(form, tmp_path):
     assert "RuntimeError: boom" in manifest["error_message"]
     assert manifest["versions"]["torch"] == torch.__version__
     assert "RuntimeError: boom" in (folder / "error.txt").read_text()
-    # The saved program is the one the pass was given (rolled back), and still runs.
-    saved = load_program(folder / "program.pt")
+    # The saved program is the one the pass was given (rolled back), and still runs. An
+    # ExportedProgram is saved in the safe format; a GraphModule is pickled (needs trust).
+    assert manifest["program_format"] == ("exported" if form == "ExportedProgram" else "pickled")
+    saved = load_program(folder / "program.pt", trusted=form == "GraphModule")
     assert isinstance(saved, torch.export.ExportedProgram) == (form == "ExportedProgram")
     assert program_text(saved) == before
     x = [(torch.ones(4),), (torch.full((4,), 2.0),)]
@@ -64,7 +71,8 @@ def test_failing_pass_writes_a_folder_that_replays_the_error(form, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(expected.outputs[-1], actual.outputs[-1],
                                                  strict=True))
 
-    replayed = _replay(folder)
+    # The failing pass is defined in the tests, not the library: importing it needs trust.
+    replayed = _replay(folder, "--trust")
     assert replayed.returncode == 1, replayed.stderr
     assert "PassFailedError: pass #0 FailAfterRewrite failed: RuntimeError: boom" in replayed.stdout
     assert "reproduced: the recorded error" in replayed.stdout
@@ -79,12 +87,12 @@ def test_replay_keeps_the_pass_place_and_the_validation_reference(tmp_path):
         manager.run(_program("GraphModule"))
     folder = info.value.reproducer
     assert (folder / "validation.pt").exists()
-    reproduction = load_reproducer(folder)
+    reproduction = load_reproducer(folder, trusted=True)
     with pytest.raises(SemanticsError) as again:
         reproduction.run()
     assert str(again.value) == json.loads((folder / "manifest.json").read_text())["error_message"]
     assert "pass #1 AddToSub" in str(again.value)
-    replayed = _replay(folder)
+    replayed = _replay(folder, "--trust")
     assert replayed.returncode == 1 and "reproduced: the recorded error" in replayed.stdout
 
 
@@ -95,7 +103,7 @@ def test_replay_of_a_fixed_pass_exits_zero_and_an_unreadable_folder_two(tmp_path
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["pipeline"] = "AddToSub"  # "the fix": a pass that does not raise
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    fixed = _replay(folder)
+    fixed = _replay(folder, "--trust")
     assert fixed.returncode == 0 and "no longer fails" in fixed.stdout
     assert _replay(tmp_path / "missing").returncode == 2
 
@@ -104,11 +112,105 @@ def test_replay_pdb_stops_at_the_pass_exception(tmp_path):
     with pytest.raises(PassManagerError) as info:
         PassManager([FailAfterRewrite()], reproducer_dir=tmp_path).run(_program("GraphModule"))
     debugged = subprocess.run(
-        [sys.executable, "-m", "pass_manager", "replay", str(info.value.reproducer), "--pdb"],
+        [sys.executable, "-m", "pass_manager", "replay", str(info.value.reproducer), "--trust",
+         "--pdb"],
         input="p self.message\nq\n", capture_output=True, text=True, cwd=ROOT, timeout=300,
     )
     assert debugged.returncode == 1
     assert "'deliberate failure'" in debugged.stdout  # pdb evaluated inside FailAfterRewrite.call
+
+
+def _library_reproducer(directory):
+    """A reproducer a stranger could send: a library pass (InplaceToFunctional refuses to
+    functionalize a write to a constant) on an ExportedProgram, with validation."""
+    model, example = writes_constant()
+    manager = PassManager([MarkMutableBuffers(), InplaceToFunctional()], reproducer_dir=directory,
+                          validate=example, validation_state=program_state)
+    with pytest.raises(PassFailedError) as info:
+        manager.run(torch.export.export(model, example))
+    return info.value.reproducer
+
+
+def test_an_exported_program_reproducer_of_a_library_pass_replays_without_trust(tmp_path):
+    folder = _library_reproducer(tmp_path)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["program_format"] == "exported" and manifest["validation_format"] == "plain"
+    assert manifest["needs_trust"] == [] and not manifest["replay"].endswith("--trust")
+    reproduction = load_reproducer(folder)
+    assert reproduction.instruments[-1].state is program_state  # by name, from the library
+    replayed = _replay(folder)
+    assert replayed.returncode == 1, replayed.stdout + replayed.stderr
+    assert "InplaceToFunctional cannot rewrite node mul_" in replayed.stdout
+    assert "reproduced: the recorded error" in replayed.stdout
+
+
+class _RunsCode:
+    """Unpickling it writes ``marker``: a trojan in place of a reproducer's file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+@pytest.mark.parametrize("file", ["program.pt", "validation.pt"])
+def test_a_crafted_pickle_in_a_reproducer_is_refused_without_trust(file, tmp_path):
+    folder = _library_reproducer(tmp_path / "out")
+    marker = tmp_path / "marker"
+    torch.save(_RunsCode(marker), folder / file)
+
+    replayed = _replay(folder)
+    assert replayed.returncode == 2, replayed.stdout + replayed.stderr
+    assert not marker.exists()
+    assert f"{folder / file} (pickled) was not read" in replayed.stdout
+    assert "--trust" in replayed.stdout and "would call exec" in replayed.stdout
+
+    with contextlib.suppress(TypeError):  # the trojan gives no validation record
+        load_reproducer(folder, trusted=True)
+    assert marker.exists()  # the crafted file is a real trojan: trust runs it
+
+
+_MODULE_RUNNING_CODE = """
+open({marker!r}, "w").write("ran")
+
+def read(module):
+    return {{}}
+"""
+
+
+@pytest.mark.parametrize("where", ["manifest", "validation"])
+def test_a_reproducer_naming_a_module_outside_the_library_is_refused_without_trust(
+    where, tmp_path, monkeypatch
+):
+    folder = _library_reproducer(tmp_path / "out")
+    marker = tmp_path / "marker"
+    module = f"runs_code_on_import_{where}"  # one per test: an imported module is cached
+    (tmp_path / f"{module}.py").write_text(_MODULE_RUNNING_CODE.format(marker=str(marker)))
+    if where == "manifest":
+        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest["modules"].append(module)
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        named_in, kind = folder / "manifest.json", "module list"
+    else:
+        validation = torch.load(folder / "validation.pt", weights_only=True)
+        validation["state"] = f"{module}:read"
+        torch.save(validation, folder / "validation.pt")
+        named_in, kind = folder / "validation.pt", "state reader name"
+
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{tmp_path}"}
+    replayed = _replay(folder, env=env)
+    assert replayed.returncode == 2, replayed.stdout + replayed.stderr
+    assert not marker.exists()
+    assert f"{named_in} ({kind}) was not read" in replayed.stdout
+    assert f"'{module}'" in replayed.stdout and "--trust" in replayed.stdout
+    with pytest.raises(UntrustedFileError) as info:
+        load_reproducer(folder)
+    assert info.value.path == named_in and not marker.exists()
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    load_reproducer(folder, trusted=True)
+    assert marker.exists()
 
 
 _MEMORY_SCRIPT = textwrap.dedent(
