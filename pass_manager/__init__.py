@@ -24,6 +24,7 @@ from .errors import (
     SemanticsError,
     StateWriteError,
     UndeclaredEditError,
+    ValidationInputError,
 )
 from .instruments import (
     ClaimCheck,
@@ -72,6 +73,7 @@ __all__ = [
     "StateWriteError",
     "Timing",
     "UndeclaredEditError",
+    "ValidationInputError",
     "as_pass",
     "assert_same_behaviour",
     "first_difference",

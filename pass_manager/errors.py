@@ -24,6 +24,7 @@ __all__ = [
     "SemanticsError",
     "StateWriteError",
     "UndeclaredEditError",
+    "ValidationInputError",
 ]
 
 
@@ -219,3 +220,33 @@ class UndeclaredEditError(PassFailedError):
             + "; ".join(edits),
         )
         self.edits = list(edits)
+
+
+class ValidationInputError(PassManagerError, TypeError):
+    """The inputs given to check what the program computes (``PassManager(validate=...)``)
+    do not fit the program, found before any pass runs.
+
+    A ``TypeError`` too: like a call with the wrong arguments.
+
+    Attributes:
+        option: where the inputs came from, e.g. ``"PassManager(validate=...)"``.
+        call: which inputs, e.g. ``"validate[1]"`` (None: the option as a whole).
+        reason: what is wrong.
+        expected: the inputs the program takes, e.g. ``"(x, pos)"`` ("" if not known).
+        given: the inputs given, in a line ("" if not known).
+    """
+
+    def __init__(self, option: str, call: str | None, reason: str, *, expected: str = "",
+                 given: str = ""):
+        self.option = option
+        self.call = call
+        self.reason = reason
+        self.expected = expected
+        self.given = given
+        what = f"{call} does not fit the program" if call else "bad inputs"
+        message = f"{option}: {what}: {reason}"
+        if expected:
+            message += f"\n  the program takes: {expected}"
+        if given:
+            message += f"\n  {call or option} gives: {given}"
+        super().__init__(message)
