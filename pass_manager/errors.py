@@ -125,17 +125,23 @@ class PreconditionError(_ConditionError):
 
 
 class ProgramFormError(PreconditionError):
-    """A pass was given a program form (GraphModule / ExportedProgram) it does not accept."""
+    """A pass was given a program form (GraphModule / ExportedProgram) it does not accept.
 
-    def __init__(self, pass_name: str, index: int | None, got: str, accepted: Sequence[str]):
+    Attributes:
+        got, accepted: the form (type name) given and the forms the pass accepts.
+        advice: how to get an accepted form from what was given ("" if nothing to say).
+    """
+
+    def __init__(self, pass_name: str, index: int | None, got: str, accepted: Sequence[str],
+                 advice: str = ""):
+        article = "an" if got[:1].lower() in "aeiou" else "a"
+        violation = f"got {article} {got}; this pass accepts {' or '.join(accepted)}"
         super().__init__(
-            pass_name,
-            index,
-            "program form",
-            [f"got a {got}; this pass accepts {' or '.join(accepted)}"],
+            pass_name, index, "program form", [violation + (f": {advice}" if advice else "")],
         )
         self.got = got
         self.accepted = list(accepted)
+        self.advice = advice
 
 
 class PostconditionError(_ConditionError):
