@@ -13,12 +13,14 @@ from ._analysis.buffer_conditions import MutableBuffersMarked
 from ._analysis.buffers import (
     BUFFER,
     INITIAL_META,
+    LIFTED_GRAPH_HINT,
     MUTABLE_BUFFER_META,
     MUTABLE_INPUT_META,
     PARAMETER,
     USER_INPUT,
     buffer_tensor,
     find_mutations,
+    lifted_state_kind,
 )
 from ._analysis.marked_state import initial_copy
 
@@ -81,6 +83,11 @@ class MarkMutableBuffers(Pass):
                 kept = initial_copy(buffer_tensor(program, state.name))
             key = MUTABLE_BUFFER_META if stored else MUTABLE_INPUT_META
             statistics[_STATISTIC[state.kind]] += 1
+            lifted = [lifted_state_kind(program, n) for n in nodes] if not stored else []
+            if any(lifted):
+                notes.append(f"input {state.name!r} is marked as a mutated input, but it is "
+                             f"named like a {next(k for k in lifted if k)} torch.export lifted "
+                             f"to an input: {LIFTED_GRAPH_HINT}")
             for node in nodes:
                 if node.meta.get(key) != state.name:
                     node.meta[key] = state.name
