@@ -51,6 +51,10 @@ class MarkMutableBuffers(Pass):
                  %index_copy_ = aten.index_copy_(%k_cache, 2, %pos, %k)
         after:   %k_cache = get_attr[k_cache]  meta["mutable_buffer"] = "k_cache"
                  %index_copy_ = aten.index_copy_(%k_cache, 2, %pos, %k)
+
+    Raises:
+        ProgramFormError: the program is neither a GraphModule nor an ExportedProgram (an
+            eager module: export it first).
     """
 
     provides = frozenset({MutableBuffersMarked})
