@@ -70,7 +70,8 @@ def default_instruments(strict: bool = False) -> list[Instrumentation]:
 
 def _providers_hint(condition: Condition, alone: str | None = None) -> str:
     """Which known passes provide ``condition``, said to a pipeline without one, or to the
-    pass named ``alone`` when it was called by itself (``pass_(program)``)."""
+    pass ``alone`` (its repr, options included) when it was called by itself
+    (``pass_(program)``)."""
     names = set()
     for cls in registered_passes():
         try:
@@ -86,7 +87,7 @@ def _providers_hint(condition: Condition, alone: str | None = None) -> str:
         return (
             f"This pass was called alone, so nothing in its run provides "
             f"{condition.name}: run {providers} on the program first, or both in one "
-            f"pipeline: PassManager([{first}(), {alone}()]).run(program)."
+            f"pipeline: PassManager([{first}(), {alone}]).run(program)."
         )
     return f"No pass in this pipeline provides it; add one of: {', '.join(sorted(names))}."
 
@@ -140,9 +141,9 @@ class Runner:
         plan: the plan's explanation, for the report.
         start: the place of the first pass in the plan (a replay runs one pass of a
             longer plan under its original number).
-        alone: the one pass was called by itself, not in a pipeline (errors say so).
         strict: check every pass's effects in full (a full rollback record whatever the
             declaration; an edit it does not declare is a typed error).
+        alone: the one pass was called by itself, not in a pipeline (errors say so).
     """
 
     def __init__(
@@ -276,7 +277,7 @@ class Runner:
             condition, violations = failed
             provided_here = any(condition in provides_of(q) for q in self.passes)
             hint = "" if provided_here else _providers_hint(
-                condition, p.name if self.alone else None)
+                condition, repr(p) if self.alone else None)
             raise PreconditionError(p.name, index, condition.name, violations, hint=hint)
 
     def _measure(
