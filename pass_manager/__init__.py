@@ -26,6 +26,7 @@ from .errors import (
     StateWriteError,
     UndeclaredEditError,
     UntrustedFileError,
+    ValidationInputError,
 )
 from .instruments import (
     ClaimCheck,
@@ -76,6 +77,7 @@ __all__ = [
     "Timing",
     "UndeclaredEditError",
     "UntrustedFileError",
+    "ValidationInputError",
     "as_pass",
     "assert_same_behaviour",
     "first_difference",

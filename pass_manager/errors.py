@@ -26,6 +26,7 @@ __all__ = [
     "StateWriteError",
     "UndeclaredEditError",
     "UntrustedFileError",
+    "ValidationInputError",
 ]
 
 
@@ -127,17 +128,23 @@ class PreconditionError(_ConditionError):
 
 
 class ProgramFormError(PreconditionError):
-    """A pass was given a program form (GraphModule / ExportedProgram) it does not accept."""
+    """A pass was given a program form (GraphModule / ExportedProgram) it does not accept.
 
-    def __init__(self, pass_name: str, index: int | None, got: str, accepted: Sequence[str]):
+    Attributes:
+        got, accepted: the form (type name) given and the forms the pass accepts.
+        advice: how to get an accepted form from what was given ("" if nothing to say).
+    """
+
+    def __init__(self, pass_name: str, index: int | None, got: str, accepted: Sequence[str],
+                 advice: str = ""):
+        article = "an" if got[:1].lower() in "aeiou" else "a"
+        violation = f"got {article} {got}; this pass accepts {' or '.join(accepted)}"
         super().__init__(
-            pass_name,
-            index,
-            "program form",
-            [f"got a {got}; this pass accepts {' or '.join(accepted)}"],
+            pass_name, index, "program form", [violation + (f": {advice}" if advice else "")],
         )
         self.got = got
         self.accepted = list(accepted)
+        self.advice = advice
 
 
 class PostconditionError(_ConditionError):
@@ -252,3 +259,31 @@ class UntrustedFileError(ArchiveError):
             "trusted=True to load_program / load_reproducer / replay, or --trust to "
             "python -m pass_manager replay",
         )
+class ValidationInputError(PassManagerError, TypeError):
+    """The inputs given to check what the program computes (``PassManager(validate=...)``)
+    do not fit the program, found before any pass runs.
+
+    A ``TypeError`` too: like a call with the wrong arguments.
+
+    Attributes:
+        option: where the inputs came from, e.g. ``"PassManager(validate=...)"``.
+        call: which inputs, e.g. ``"validate[1]"`` (None: the option as a whole).
+        reason: what is wrong.
+        expected: the inputs the program takes, e.g. ``"(x, pos)"`` ("" if not known).
+        given: the inputs given, in a line ("" if not known).
+    """
+
+    def __init__(self, option: str, call: str | None, reason: str, *, expected: str = "",
+                 given: str = ""):
+        self.option = option
+        self.call = call
+        self.reason = reason
+        self.expected = expected
+        self.given = given
+        what = f"{call} does not fit the program" if call else "bad inputs"
+        message = f"{option}: {what}: {reason}"
+        if expected:
+            message += f"\n  the program takes: {expected}"
+        if given:
+            message += f"\n  {call or option} gives: {given}"
+        super().__init__(message)

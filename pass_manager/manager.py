@@ -11,14 +11,16 @@ instrument: timing, the "unmodified" claim check (``strict``), semantic validati
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from .conditions import ALL_CONDITIONS, ConditionSet, preserves_of, provides_of, requires_of
 from .effects import Effects
+from .errors import ValidationInputError
 from .instruments import Instrumentation, PrintDiff, PrintIR, Reproducer, SemanticValidation
 from .pass_base import Pass, PassResult, as_pass
 from .pipeline_text import format_pipeline, parse_passes
@@ -47,7 +49,10 @@ class PassManager(Pass):
             this many times (1 = run once); hitting the bound is a report warning.
         validate: example inputs (one argument tuple, or one tuple per call) to check
             after every changing pass that the program still computes what it did
-            before the pipeline; the first divergence raises SemanticsError.
+            before the pipeline; the first divergence raises SemanticsError. Inputs that
+            do not fit the program (the inputs it takes, or the input tree it was
+            exported with), or on which the given program already fails, raise
+            ValidationInputError (a TypeError) naming the call before any pass runs.
         validation_calls: number of successive calls to compare (default: one per
             input tuple, or 3 for a single tuple).
         atol, rtol: tolerances of that comparison (exact by default).
@@ -113,10 +118,7 @@ class PassManager(Pass):
             ))
         validation = None
         if validate is not None:
-            calls = validation_calls or (3 if isinstance(validate, tuple) else None)
-            validation = SemanticValidation(
-                call_inputs(validate, calls), atol, rtol, validation_state
-            )
+            validation = _validation(validate, validation_calls, atol, rtol, validation_state)
             self.instruments.append(validation)
         if reproducer_dir is not None:
             self.instruments.append(Reproducer(reproducer_dir, validation, strict))
@@ -210,6 +212,38 @@ class PassManager(Pass):
             plan=self.explain(),
         )
         return runner.run(program)
+
+
+_VALIDATE = "PassManager(validate=...)"
+
+
+def _validation(
+    validate: Any, calls: int | None, atol: float, rtol: float, state: StateReader | None
+) -> SemanticValidation:
+    """The instrument checking ``validate``'s calls; what it is given is checked here (its
+    shape) and, before the first pass, against the program (see SemanticValidation)."""
+    single = isinstance(validate, (tuple, Mapping))
+    if isinstance(validate, (torch.Tensor, str, bytes)) or not isinstance(validate, Iterable):
+        example = "(x,)" if isinstance(validate, torch.Tensor) else "(...)"
+        raise ValidationInputError(
+            _VALIDATE, None,
+            f"validate= takes one call's inputs (an argument tuple, an (args, kwargs) pair "
+            f"or a keyword mapping) or a list of them, one per call; got a "
+            f"{type(validate).__name__}: write validate={example}",
+        )
+    if not single:
+        validate = list(validate)
+    inputs = call_inputs(validate, calls or (3 if single else None))
+    labels = ["validate"] * len(inputs) if single else [f"validate[{i}]" for i in
+                                                         range(len(inputs))]
+    hint = ""
+    if not single and validate and not any(
+        isinstance(entry, (tuple, list, Mapping)) for entry in validate
+    ):
+        hint = (" (a list of single values is one call per value; one call's arguments "
+                "are a tuple: validate=(x, pos))")
+    return SemanticValidation(inputs, atol, rtol, state, option=_VALIDATE, labels=labels,
+                              hint=hint)
 
 
 def parse_pipeline(text: str, **options: Any) -> PassManager:

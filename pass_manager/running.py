@@ -33,7 +33,15 @@ from .errors import (
     ProgramFormError,
 )
 from .instruments import ClaimCheck, Instrumentation, Timing
-from .program import graph_module_of, node_count, program_form, program_text, text_diff
+from .program import (
+    EXPORTED_PROGRAM,
+    GRAPH_MODULE,
+    graph_module_of,
+    node_count,
+    program_form,
+    program_text,
+    text_diff,
+)
 from .registry import registered_passes
 from .report import PassRecord, Report
 from .result import PassResult
@@ -60,7 +68,10 @@ def default_instruments(strict: bool = False) -> list[Instrumentation]:
     return [Timing(), ClaimCheck(strict)]
 
 
-def _providers_hint(condition: Condition) -> str:
+def _providers_hint(condition: Condition, alone: str | None = None) -> str:
+    """Which known passes provide ``condition``, said to a pipeline without one, or to the
+    pass ``alone`` (its repr, options included) when it was called by itself
+    (``pass_(program)``)."""
     names = set()
     for cls in registered_passes():
         try:
@@ -70,7 +81,22 @@ def _providers_hint(condition: Condition) -> str:
             continue
     if not names:
         return f"No known pass provides {condition.name}."
+    providers = " or ".join(sorted(names))
+    if alone is not None:
+        first = sorted(names)[0]
+        return (
+            f"This pass was called alone, so nothing in its run provides "
+            f"{condition.name}: run {providers} on the program first, or both in one "
+            f"pipeline: PassManager([{first}(), {alone}]).run(program)."
+        )
     return f"No pass in this pipeline provides it; add one of: {', '.join(sorted(names))}."
+
+
+# How to turn the form a pass refused into the other one.
+_FORM_ADVICE = {
+    EXPORTED_PROGRAM: "pass its .module()",
+    GRAPH_MODULE: "pass the ExportedProgram it came from (torch.export.export)",
+}
 
 
 def _unpack(out: Any, program: Any) -> tuple[Any, bool | None, list[str], dict[str, Any]]:
@@ -117,6 +143,7 @@ class Runner:
             longer plan under its original number).
         strict: check every pass's effects in full (a full rollback record whatever the
             declaration; an edit it does not declare is a typed error).
+        alone: the one pass was called by itself, not in a pipeline (errors say so).
     """
 
     def __init__(
@@ -129,8 +156,10 @@ class Runner:
         plan: str = "",
         start: int = 0,
         strict: bool = False,
+        alone: bool = False,
     ):
         self.passes = list(passes)
+        self.alone = alone
         self.strict = strict
         self.start = start
         self.instruments = list(instruments)
@@ -142,8 +171,11 @@ class Runner:
         try:
             program_form(program)
         except TypeError as e:
+            advice = ("export it first (torch.export.export(module, example_args)) and pass "
+                      "the ExportedProgram or its .module()"
+                      if isinstance(program, torch.nn.Module) else "")
             raise ProgramFormError(
-                self.name, None, type(program).__name__, ["GraphModule", "ExportedProgram"]
+                self.name, None, type(program).__name__, [GRAPH_MODULE, EXPORTED_PROGRAM], advice
             ) from e
         report = Report(plan=self.plan)
         for instrument in self.instruments:
@@ -239,12 +271,13 @@ class Runner:
     ) -> None:
         form = program_form(program)
         if form not in p.accepts:
-            raise ProgramFormError(p.name, index, form, p.accepts)
+            raise ProgramFormError(p.name, index, form, p.accepts, _FORM_ADVICE.get(form, ""))
         failed = self._check(requires_of(p), program, state, record)
         if failed:
             condition, violations = failed
             provided_here = any(condition in provides_of(q) for q in self.passes)
-            hint = "" if provided_here else _providers_hint(condition)
+            hint = "" if provided_here else _providers_hint(
+                condition, repr(p) if self.alone else None)
             raise PreconditionError(p.name, index, condition.name, violations, hint=hint)
 
     def _measure(
@@ -319,5 +352,6 @@ class Runner:
 
 def run_alone(pass_: Any, graph_module: Any) -> TorchPassResult:
     """Run one pass, checked and transactional, as a torch-style callable."""
-    result = Runner([pass_], default_instruments(), name=pass_.name).run(graph_module)
+    result = Runner([pass_], default_instruments(), name=pass_.name, alone=True).run(
+        graph_module)
     return TorchPassResult(result.graph_module, result.modified)

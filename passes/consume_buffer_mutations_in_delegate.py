@@ -103,6 +103,17 @@ class ConsumeBufferMutationsInDelegate(Pass):
     aliases other state,
     or a delegate output that is a view of the old buffer value, raises
     :class:`BufferAliasingError` and leaves the program unchanged.
+
+    Raises:
+        PreconditionError: Functional does not hold: the program still writes in place
+            (run MarkMutableBuffers and InplaceToFunctional before lowering).
+        ProgramFormError: a GraphModule (pass the ExportedProgram), or no program at all.
+        PassFailedError: run by a PassManager or called as ``pass_(program)``, in place
+            of the errors below (its ``__cause__``); the program is left as it was.
+        BufferConsumptionError: raised by ``call`` with ``strict=True`` when a buffer a
+            delegate mutates is also read outside it, or is mutated by several delegates.
+        BufferAliasingError: raised by ``call`` when a buffer to move shares storage with
+            other state, or a delegate returns (a view of) the buffer's old value.
     """
 
     requires = frozenset({Functional})

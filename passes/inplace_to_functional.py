@@ -42,11 +42,22 @@ class InplaceToFunctional(Pass):
                  return (%mul,)
 
     Raises:
-        UnsupportedMutationError: an op with no known functional variant, a write to a
-            parameter or constant, a write through a view with no write-back, a
-            written tensor that may partially overlap another argument, or a metadata
-            mutation (``unsqueeze_``, ``resize_``, ``set_``, ...) changing the shape of
-            program state (those of intermediates and views become views or renames).
+        PreconditionError: MutableBuffersMarked does not hold: a written buffer, parameter
+            or input is not marked (run MarkMutableBuffers first).
+        ProgramFormError: the program is neither a GraphModule nor an ExportedProgram.
+        PassFailedError: run by a PassManager or called as ``pass_(program)``, in place
+            of the UnsupportedMutationError below (its ``__cause__``); the program is left
+            as it was.
+        UnsupportedMutationError: raised by ``call`` for a mutation it cannot rewrite
+            correctly, its ``kind`` saying which: a write to a lifted constant
+            ("writes-constant"), an op with no known functional variant ("no-variant"), a
+            write through a view with no write-back ("no-write-back"), a written tensor
+            that may partially overlap another argument ("overlap"), a write it cannot
+            see through, such as one inside a higher-order op ("opaque"), an op failing
+            on its fake values ("fake-failure"), a metadata mutation (``unsqueeze_``,
+            ``resize_``, ``set_``, ...) changing the shape of program state ("relayout";
+            those of intermediates and views become views or renames), or a read of a
+            written tensor's storage that cannot be kept ("storage").
     """
 
     requires = frozenset({MutableBuffersMarked})

@@ -13,12 +13,14 @@ from ._analysis.buffer_conditions import MutableBuffersMarked
 from ._analysis.buffers import (
     BUFFER,
     INITIAL_META,
+    LIFTED_GRAPH_HINT,
     MUTABLE_BUFFER_META,
     MUTABLE_INPUT_META,
     PARAMETER,
     USER_INPUT,
     buffer_tensor,
     find_mutations,
+    lifted_state_kind,
 )
 from ._analysis.marked_state import initial_copy
 
@@ -49,6 +51,10 @@ class MarkMutableBuffers(Pass):
                  %index_copy_ = aten.index_copy_(%k_cache, 2, %pos, %k)
         after:   %k_cache = get_attr[k_cache]  meta["mutable_buffer"] = "k_cache"
                  %index_copy_ = aten.index_copy_(%k_cache, 2, %pos, %k)
+
+    Raises:
+        ProgramFormError: the program is neither a GraphModule nor an ExportedProgram (an
+            eager module: export it first).
     """
 
     provides = frozenset({MutableBuffersMarked})
@@ -81,6 +87,11 @@ class MarkMutableBuffers(Pass):
                 kept = initial_copy(buffer_tensor(program, state.name))
             key = MUTABLE_BUFFER_META if stored else MUTABLE_INPUT_META
             statistics[_STATISTIC[state.kind]] += 1
+            lifted = [lifted_state_kind(program, n) for n in nodes] if not stored else []
+            if any(lifted):
+                notes.append(f"input {state.name!r} is marked as a mutated input, but it is "
+                             f"named like a {next(k for k in lifted if k)} torch.export lifted "
+                             f"to an input: {LIFTED_GRAPH_HINT}")
             for node in nodes:
                 if node.meta.get(key) != state.name:
                     node.meta[key] = state.name

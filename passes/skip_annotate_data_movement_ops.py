@@ -65,6 +65,12 @@ class SkipAnnotateDataMovementOps(Pass):
             an ``(op, index)`` pair for an op writing its argument ``index`` into its
             argument 0. A mapping ``{op: index or None}`` is accepted and stored as such
             a tuple: ``SkipAnnotateDataMovementOps(extra_ops=(aten.roll.default,))``.
+            Any other entry is a TypeError naming it, raised when the pass is built.
+
+    Raises:
+        PreconditionError: MutableBuffersMarked does not hold: mark the buffers first
+            (MarkMutableBuffers, e.g. in ``PassQuantizer(transform=[...])``).
+        ProgramFormError: the program is neither a GraphModule nor an ExportedProgram.
     """
 
     requires = frozenset({MutableBuffersMarked})

@@ -56,6 +56,15 @@ class UnfreezeMutableBuffer(Pass):
         after:   %acc = get_attr[acc]
                  %q = quantize_per_tensor(%acc, 0.0077, 27, -128, 127, torch.int8)
                  %dq = dequantize_per_tensor(%q, 0.0077, 27, -128, 127, torch.int8)
+
+    Raises:
+        ProgramFormError: an ExportedProgram (pass the GraphModule ``convert_pt2e``
+            returned, or the program's ``.module()``), or no program at all.
+        PassFailedError: run by a PassManager or called as ``pass_(program)``, in place
+            of the AmbiguousFrozenBufferError below (its ``__cause__``); the program is left
+            as it was.
+        AmbiguousFrozenBufferError: raised by ``call`` when a frozen constant matches the
+            reads of several mutable buffers and no provenance was recorded.
     """
 
     provides = frozenset({NoFrozenMutableBuffers})

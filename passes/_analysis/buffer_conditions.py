@@ -10,23 +10,40 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.fx import Node
 
 from pass_manager import Condition, graph_module_of
 
 from .buffers import (
     BUFFER,
     INITIAL_META,
+    LIFTED_GRAPH_HINT,
     MUTABLE_BUFFER_META,
     MUTABLE_INPUT_META,
     PARAMETER,
     USER_INPUT,
+    State,
     find_mutations,
     hop_writes,
+    lifted_state_kind,
     trailing_write_backs,
 )
 from .op_schema import may_write, written_nodes
 
 __all__ = ["Functional", "MutableBuffersMarked"]
+
+
+def _unmarked(program: Any, node: Node, state: State, written_by: str, key: str) -> str:
+    """The violation of a written state node left unmarked, speaking of a buffer as a
+    buffer: in the lifted graph of an ExportedProgram a buffer is an input, said so."""
+    lifted = lifted_state_kind(program, node) if state.kind == USER_INPUT else None
+    if lifted is not None:
+        return (f"{node.name}: input {state.name!r}, named like a {lifted} torch.export "
+                f"lifted to an input, is written by {written_by} but not marked "
+                f"(meta[{key!r}]); {LIFTED_GRAPH_HINT}")
+    kind = "user input" if state.kind == USER_INPUT else state.kind
+    return (f"{node.name}: {kind} {state.name!r} is written by {written_by} but not marked "
+            f"(meta[{key!r}])")
 
 
 def _unmarked_mutable_buffers(program: Any) -> list[str]:
@@ -40,10 +57,7 @@ def _unmarked_mutable_buffers(program: Any) -> list[str]:
         written_by = ", ".join(n.name for n in writers if n is not None)
         for node in scan.nodes_of(state):
             if node.meta.get(key) != state.name:
-                violations.append(
-                    f"{node.name}: {state.kind} {state.name!r} is written by {written_by} "
-                    f"but not marked (meta[{key!r}])"
-                )
+                violations.append(_unmarked(program, node, state, written_by, key))
             elif state.kind != USER_INPUT and node.meta.get(INITIAL_META) is None:
                 violations.append(
                     f"{node.name}: {state.kind} {state.name!r} has no initial value kept")

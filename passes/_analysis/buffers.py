@@ -33,6 +33,7 @@ __all__ = [
     "BUFFER",
     "CONSTANT",
     "INITIAL_META",
+    "LIFTED_GRAPH_HINT",
     "MUTABLE_BUFFER_META",
     "MUTABLE_INPUT_META",
     "MUTATION_OUTPUT_KINDS",
@@ -45,6 +46,7 @@ __all__ = [
     "call_graph_names",
     "find_mutations",
     "hop_writes",
+    "lifted_state_kind",
     "named_input_specs",
     "placeholder_specs",
     "rename_call_graph",
@@ -118,6 +120,37 @@ def state_nodes(program: Any) -> dict[Node, State]:
                 kind = CONSTANT
             states[node] = State(kind, node.target)
     return states
+
+
+# torch.export names each placeholder it lifts from module state by the state's kind.
+_LIFTED_PREFIXES = (("b_", BUFFER), ("p_", PARAMETER), ("c_", CONSTANT))
+
+LIFTED_GRAPH_HINT = (
+    "the GraphModule of a lifted ExportedProgram (ep.graph_module) has no buffers, only "
+    "inputs; pass the ExportedProgram, or ep.module(), for its buffers to be buffers"
+)
+"""What to do with ``ep.graph_module``: said wherever one of its inputs looks like state."""
+
+
+def lifted_state_kind(program: Any, node: Node) -> str | None:
+    """The kind of state (buffer, parameter, constant) ``node`` stands for when ``program``
+    looks like the lifted graph of an ExportedProgram (``ep.graph_module``), else None.
+
+    That graph holds no state of its own: torch.export turned each buffer, parameter and
+    constant into a placeholder named ``b_<fqn>``, ``p_<fqn>``, ``c_<fqn>``. Neither the
+    graph nor the placeholder keeps more, so the name is the evidence: a GraphModule
+    holding no tensors and made by no ``ep.module()`` (whose inputs are the user's).
+    """
+    if isinstance(program, ExportedProgram) or node.op != "placeholder":
+        return None
+    if getattr(program, "_in_spec", None) is not None:
+        return None
+    if next(program.named_buffers(), None) is not None:
+        return None
+    if next(program.named_parameters(), None) is not None:
+        return None
+    return next((kind for prefix, kind in _LIFTED_PREFIXES if node.name.startswith(prefix)),
+                None)
 
 
 def placeholder_specs(program: ExportedProgram) -> list[tuple[Node, InputSpec]]:

@@ -20,6 +20,7 @@ from pass_manager import PassManagerError
 __all__ = [
     "INSTALL_HINT",
     "BufferOwningPartitioner",
+    "ExecuTorchInputError",
     "ExecuTorchMissingError",
     "ParameterMutationOnExecuTorchError",
     "available",
@@ -56,6 +57,25 @@ class ExecuTorchMissingError(PassManagerError, ImportError):
             + INSTALL_HINT,
             pass_name=wanted,
         )
+
+
+class ExecuTorchInputError(PassManagerError, TypeError):
+    """A helper of :mod:`passes.executorch.runtime` was given what it cannot take: a program
+    of another form, inputs that do not fit it, or options that contradict it; the message
+    says what to pass instead. A ``TypeError`` too, like a call with the wrong arguments.
+
+    Attributes:
+        helper: the function given it, e.g. ``"decode_on_runtime"``.
+        argument: what is at fault: ``"program"``, ``"example_inputs"``, ``"partitioner"``
+            or one of the steps, ``"steps[2]"``.
+        reason: what is wrong and what to pass.
+    """
+
+    def __init__(self, helper: str, argument: str, reason: str):
+        self.helper = helper
+        self.argument = argument
+        self.reason = reason
+        super().__init__(f"{helper}: {argument}: {reason}", pass_name=helper)
 
 
 class ParameterMutationOnExecuTorchError(PassManagerError):

@@ -7,6 +7,7 @@ from pass_manager import (
     ALL_CONDITIONS,
     Condition,
     Instrumentation,
+    Pass,
     PassFailedError,
     PassManager,
     PassResult,
@@ -69,6 +70,29 @@ def test_missing_requirement_is_checked_on_input_and_names_providers(exported):
     assert error.condition == "NoRelu" and error.pass_name == "needs_no_relu" and error.index == 0
     assert any("relu" in v for v in error.violations)
     assert "ReluToAbs" in str(error)  # a known pass that provides it
+
+
+class NeedsNoRelu(Pass):
+    requires = frozenset({NoRelu})
+
+    def call(self, program):
+        return PassResult(program, False)
+
+
+def test_a_pass_called_alone_is_told_what_to_run_before_it(traced):
+    with pytest.raises(PreconditionError) as info:
+        NeedsNoRelu()(traced)
+    hint = str(info.value).splitlines()[-1]
+    assert hint == (
+        "This pass was called alone, so nothing in its run provides NoRelu: run ReluToAbs "
+        "on the program first, or both in one pipeline: "
+        "PassManager([ReluToAbs(), NeedsNoRelu()]).run(program)."
+    )
+    with pytest.raises(PreconditionError) as info:  # a pipeline is told of its own passes
+        PassManager([NeedsNoRelu()]).run(traced)
+    assert "called alone" not in str(info.value)
+    assert "No pass in this pipeline provides it; add one of: ReluToAbs." in str(info.value)
+    NeedsNoRelu()(ReluToAbs()(traced).graph_module)  # the advice works
 
 
 def test_requirement_provided_earlier_is_not_rechecked():
@@ -178,8 +202,13 @@ def test_program_form_is_enforced(exported):
     with pytest.raises(ProgramFormError) as info:
         PassManager([GraphModuleOnly()]).run(exported)
     assert "ExportedProgram" in str(info.value) and info.value.pass_name == "GraphModuleOnly"
-    with pytest.raises(ProgramFormError):
-        PassManager([GraphModuleOnly()]).run(torch.nn.ReLU())
+    assert info.value.violations == [
+        "got an ExportedProgram; this pass accepts GraphModule: pass its .module()"]
+    with pytest.raises(ProgramFormError) as info:
+        GraphModuleOnly()(torch.nn.ReLU())
+    assert info.value.got == "ReLU" and info.value.advice == (
+        "export it first (torch.export.export(module, example_args)) and pass the "
+        "ExportedProgram or its .module()")
 
 
 def test_hooks_wrap_every_pass_and_after_hooks_run_in_reverse(traced):

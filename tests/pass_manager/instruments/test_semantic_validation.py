@@ -5,7 +5,14 @@ named, with the difference, and rolled back."""
 import pytest
 import torch
 
-from pass_manager import PassManager, PassResult, SemanticsError, function_pass, graph_of
+from pass_manager import (
+    PassManager,
+    PassResult,
+    SemanticsError,
+    ValidationInputError,
+    function_pass,
+    graph_of,
+)
 
 from ..conftest import ReluToAbs, targets
 
@@ -87,3 +94,95 @@ def test_validation_reads_state_through_a_custom_reader(exported):
     with pytest.raises(SemanticsError) as info:
         pm.run(exported)
     assert "buffer 'sum of acc'" in info.value.difference
+
+
+class _TwoInputs(torch.nn.Module):
+    """A program of two inputs, one a keyword-only option, with state."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x, pos, *, scale):
+        self.total.add_(x * scale + pos)
+        return self.total * 2
+
+
+_X, _POS = torch.ones(4), torch.arange(4.0)
+_ARGS, _KWARGS = (_X, _POS), {"scale": torch.tensor(2.0)}
+
+
+def _programs():
+    ep = torch.export.export(_TwoInputs(), _ARGS, _KWARGS)
+    return {"exported": ep, "ep.module()": ep.module(),
+            "module": torch.fx.symbolic_trace(_TwoInputs())}
+
+
+def _pipeline(validate):
+    ran = []
+
+    @function_pass()
+    def records_that_it_ran(program):
+        ran.append(program)
+        return PassResult(program, False)
+
+    return PassManager([records_that_it_ran], validate=validate), ran
+
+
+@pytest.mark.parametrize("form", ["exported", "ep.module()", "module"])
+def test_validation_inputs_that_do_not_fit_are_named_before_any_pass_runs(form):
+    program = _programs()[form]
+    good = (_ARGS, _KWARGS)
+    pm, ran = _pipeline([good, ((_X,), _KWARGS), good])
+    with pytest.raises(ValidationInputError) as info:
+        pm.run(program)
+    error = info.value
+    assert isinstance(error, TypeError) and not ran
+    assert error.option == "PassManager(validate=...)" and error.call == "validate[1]"
+    assert error.expected.startswith("(x, pos") and "Tensor[4] float32" in error.given
+    assert "validate[1] does not fit the program" in str(error)
+    # Found by comparing with the inputs the program takes, not by a failing call.
+    assert "before any pass" not in error.reason and error.__cause__ is None
+    # The same inputs, all good, validate and run the pass.
+    pm, ran = _pipeline([good, good])
+    pm.run(program)
+    assert len(ran) == 1
+
+
+def test_a_missing_keyword_of_an_exported_program_is_named():
+    pm, ran = _pipeline((_ARGS, {}))
+    with pytest.raises(ValidationInputError) as info:
+        pm.run(_programs()["exported"])
+    assert info.value.call == "validate" and "'scale' are missing" in info.value.reason
+    assert info.value.expected == "(x, pos, *, scale)" and not ran
+
+
+def test_a_nested_input_of_another_structure_is_named():
+    class Pair(torch.nn.Module):
+        def forward(self, pair):
+            return pair[0] + pair[1]
+
+    ep = torch.export.export(Pair(), ((_X, _X),))
+    with pytest.raises(ValidationInputError) as info:
+        _pipeline(((_X, _X, _X),))[0].run(ep)
+    assert info.value.reason == (
+        "input 'pair' is a tuple of 3 entries, the program was exported with a tuple of 2 "
+        "entries")
+
+
+def test_inputs_the_given_program_fails_on_are_named_with_the_cause():
+    program = _programs()["exported"]
+    pm, ran = _pipeline([(_ARGS, _KWARGS), ((torch.ones(5), _POS), _KWARGS)])
+    with pytest.raises(ValidationInputError) as info:
+        pm.run(program)
+    assert info.value.call == "validate[1]" and not ran
+    assert "before any pass, raised" in info.value.reason
+    assert info.value.__cause__ is not None
+
+
+def test_validate_given_a_tensor_or_a_list_of_arguments_says_how_to_write_it():
+    with pytest.raises(ValidationInputError, match=r"got a Tensor: write validate=\(x,\)"):
+        PassManager([], validate=_X)
+    pm, _ = _pipeline([_X, _POS])
+    with pytest.raises(ValidationInputError, match=r"one call's arguments are a tuple"):
+        pm.run(_programs()["exported"])

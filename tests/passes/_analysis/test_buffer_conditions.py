@@ -1,6 +1,7 @@
 """The Functional condition: every node that writes an argument is reported, in graph order,
 whatever kind of node writes (an ATen op, a method call, a higher-order op's subgraph);
-the trailing write-backs of the GraphModule form are the only writes allowed."""
+the trailing write-backs of the GraphModule form are the only writes allowed. The
+MutableBuffersMarked condition speaks of buffers as buffers, in every form a user holds."""
 
 import torch
 from torch import nn
@@ -84,3 +85,41 @@ def test_a_higher_order_op_whose_subgraph_writes_is_reported():
     (violation,) = conditions.Functional.check(gm)
     assert violation.startswith(f"{region.name}:") and doubled.name in violation
     assert "inside its subgraph" in violation
+
+
+def test_unmarked_state_is_named_by_its_kind_in_each_form():
+    ep = _exported()
+    by_form = {"exported": ep, "ep.module()": ep.module()}
+    for form, program in by_form.items():
+        violations = conditions.MutableBuffersMarked.check(program)
+        assert [v.split(" is written")[0].split(": ", 1)[1] for v in violations] == [
+            "buffer 'count'", "buffer 'cache'"], form
+
+
+def test_the_lifted_graph_of_an_exported_program_is_said_to_have_no_buffers():
+    """``ep.graph_module`` holds the caches as inputs: the condition says so and what to
+    pass instead, and so does MarkMutableBuffers, which marks them as the inputs they are."""
+    ep = _exported()
+    violations = conditions.MutableBuffersMarked.check(ep.graph_module)
+    assert len(violations) == 2
+    assert violations[1].startswith(
+        "b_cache: input 'b_cache', named like a buffer torch.export lifted to an input, is "
+        "written by index_copy_ but not marked")
+    assert all(v.endswith(
+        "the GraphModule of a lifted ExportedProgram (ep.graph_module) has no buffers, only "
+        "inputs; pass the ExportedProgram, or ep.module(), for its buffers to be buffers")
+        for v in violations)
+    result = PassManager([MarkMutableBuffers()]).run(ep.graph_module)
+    notes = result.report.records[0].notes
+    assert len(notes) == 2 and all("named like a buffer torch.export lifted" in n for n in notes)
+    # The inputs of ep.module() are the user's, however named: inputs and nothing more.
+    module = torch.export.export(WritesInput(), (torch.ones(3),)).module()
+    (violation,) = conditions.MutableBuffersMarked.check(module)
+    assert violation == ("b_x: user input 'b_x' is written by add_ but not marked "
+                         "(meta['mutable_user_input'])")
+    assert not PassManager([MarkMutableBuffers()]).run(module).report.records[0].notes
+
+
+class WritesInput(nn.Module):
+    def forward(self, b_x: torch.Tensor) -> torch.Tensor:
+        return b_x.add_(1)

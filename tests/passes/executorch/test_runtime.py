@@ -15,11 +15,19 @@ import copy
 
 import pytest
 import torch
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
 from pass_manager import PassManager, run_program
 from passes import InplaceToFunctional, MarkMutableBuffers
-from passes.executorch import ParameterMutationOnExecuTorchError, decode_on_runtime
-from passes.executorch.runtime import output_grid
+from passes.executorch import (
+    BufferOwningPartitioner,
+    ExecuTorchInputError,
+    ParameterMutationOnExecuTorchError,
+    decode_on_runtime,
+)
+from passes.executorch.runtime import PROGRAM_FORMS, lower_to_pte, output_grid
 from passes.flow.examples import decoder_job, xnnpack_quantizer
 from passes.flow.quantization import prepare
 
@@ -152,3 +160,103 @@ def test_a_written_parameter_is_refused_before_the_runtime_gets_it_wrong():
     decoded = decode_on_runtime(functional[True], steps[0], steps)
     expected = run_program(_DecaysItsWeight(True), steps)
     assert max(_worst_per_step(expected, decoded.trace)) <= 1e-6
+
+
+def _initialized(edge) -> ExecutorchBackendConfig:
+    """The config that serializes the mutable buffers' values (ExecuTorch keeps only their
+    shapes otherwise)."""
+    sig = edge.exported_program().graph_signature
+    mutated = set(sig.buffers_to_mutate.values())
+    names = [name for name, fqn in sig.inputs_to_buffers.items() if fqn in mutated]
+    return ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(names)])
+
+
+@pytest.fixture(scope="module")
+def counter_forms():
+    """The Counter in every form a user holds on the way to a device, lowered once."""
+    model = Counter()
+    steps = [(torch.full((4,), float(i)),) for i in range(CALLS)]
+    with torch.no_grad():
+        ep = torch.export.export(copy.deepcopy(model), steps[0])
+        edge = to_edge_transform_and_lower(
+            copy.deepcopy(ep), partitioner=[BufferOwningPartitioner(XnnpackPartitioner())])
+        initialized = copy.deepcopy(edge).to_executorch(_initialized(edge))
+        plain = copy.deepcopy(edge).to_executorch()
+    return {"model": model, "steps": steps, "edge": edge, "initialized": initialized,
+            "plain": plain, "pte": initialized.buffer}
+
+
+@pytest.mark.parametrize("form", ["edge", "initialized", "pte"])
+def test_every_lowered_form_a_user_holds_decodes_like_python(counter_forms, form):
+    steps = counter_forms["steps"]
+    decoded = decode_on_runtime(counter_forms[form], None, steps)
+    python = run_program(counter_forms["model"], steps)
+    assert decoded.delegates == 1 and decoded.pte_bytes > 0 and not decoded.notes
+    for expected, actual in zip(python.outputs, decoded.trace.outputs, strict=True):
+        torch.testing.assert_close(actual[0], expected[0], rtol=0, atol=0)
+    if form == "edge":  # serialized from a copy: the caller's manager serializes again
+        assert lower_to_pte(counter_forms["edge"], None)[1:] == (None, 1)
+
+
+def test_a_program_serialized_without_its_state_is_run_as_is_and_noted(counter_forms):
+    """ExecuTorch's plain to_executorch() keeps the counter's shape, not its value: the
+    runtime starts elsewhere than Python, and the note says so and what to pass."""
+    steps = counter_forms["steps"]
+    decoded = decode_on_runtime(counter_forms["plain"], None, steps)
+    (note,) = decoded.notes
+    assert note.startswith("'acc' holds a non-zero value the .pte does not keep")
+    assert "EdgeProgramManager" in note
+    python = run_program(counter_forms["model"], steps)
+    assert not torch.equal(decoded.trace.outputs[0][0], python.outputs[0][0])
+
+
+def _refused(match: str, *args, **kwargs) -> ExecuTorchInputError:
+    with pytest.raises(ExecuTorchInputError, match=match) as info:
+        decode_on_runtime(*args, **kwargs)
+    assert isinstance(info.value, TypeError) and info.value.helper == "decode_on_runtime"
+    return info.value
+
+
+def test_what_is_not_a_program_is_refused_naming_what_to_pass(counter_forms, tmp_path):
+    steps = counter_forms["steps"]
+    error = _refused("got a dict", {"forward": counter_forms["edge"]}, None, steps)
+    assert error.argument == "program" and PROGRAM_FORMS in error.reason
+    assert "ExecutorchProgramManager (from .to_executorch())" in PROGRAM_FORMS
+    path = tmp_path / "counter.pte"
+    path.write_bytes(counter_forms["pte"])
+    _refused(r"read_bytes\(\)", str(path), None, steps)
+    _refused("not a .pte program", b"not a program at all", None, steps)
+    error = _refused("already lowered", counter_forms["edge"], None, steps,
+                     partitioner=XnnpackPartitioner())
+    assert error.argument == "partitioner"
+
+
+def test_inputs_that_do_not_fit_are_refused_before_any_lowering(counter_forms, monkeypatch):
+    def no_lowering(*args, **kwargs):
+        raise AssertionError("inputs are checked before the program is lowered")
+
+    monkeypatch.setattr("passes.executorch.runtime.to_edge_transform_and_lower", no_lowering)
+    model, steps = Counter(), counter_forms["steps"]
+    assert _refused("argument tuple", model, None, steps).argument == "example_inputs"
+    assert _refused("got a Tensor", model, steps[0][0], steps).argument == "example_inputs"
+    error = _refused("the program takes", model, steps[0], [steps[0], (*steps[1], 1.0)])
+    assert error.argument == "steps[1]" and "(x)" in error.reason
+    assert _refused("positional inputs only", model, steps[0], [((), {"x": steps[0][0]})])
+
+
+def test_steps_the_lowered_program_cannot_take_are_refused(counter_forms):
+    pte, (x,) = counter_forms["pte"], counter_forms["steps"][0]
+    # Without the check, the runtime would silently reuse the previous call's input.
+    error = _refused(r"gives 0 input\(s\); the lowered method takes 1 \(Tensor\[4\]\)",
+                     pte, None, [(x,), ()])
+    assert error.argument == "steps[1]"
+    error = _refused("the runtime refused the call", pte, None, [(torch.ones(5),)])
+    assert isinstance(error.__cause__, RuntimeError) and "Tensor[5] float32" in error.reason
+
+
+def test_output_grid_refuses_what_holds_no_graph_of_its_outputs(counter_forms):
+    for program in (counter_forms["edge"], counter_forms["pte"], torch.ones(1)):
+        with pytest.raises(ExecuTorchInputError) as info:
+            output_grid(program)
+        assert info.value.argument == "program" and "ExportedProgram or GraphModule" in str(
+            info.value)
