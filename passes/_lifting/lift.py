@@ -100,8 +100,11 @@ def exported_program_from(gm: GraphModule, like: ExportedProgram | None = None) 
     mode = fake_mode_of(gm)
     graph = Graph()
     env: dict[Node, Any] = {}
+    lifted_state: dict[Node, LiftedState] = {}  # by placeholder: fx may rename an illegal name
     for state in states:
-        env.update(dict.fromkeys(state.nodes, _state_placeholder(graph, state, mode)))
+        placeholder = _state_placeholder(graph, state, mode)
+        lifted_state[placeholder] = state
+        env.update(dict.fromkeys(state.nodes, placeholder))
     for node in inputs:
         env[node] = graph.placeholder(node.name, type_expr=node.type)
         env[node].meta = dict(node.meta)
@@ -112,7 +115,8 @@ def exported_program_from(gm: GraphModule, like: ExportedProgram | None = None) 
             continue
         if node in written:  # its users (outputs returning the state) see the value
             env[node] = env[written[node].value]
-        elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), GuardsFn):
+        elif node.op == "call_module" and isinstance(
+                getattr(gm, str(node.target), None), GuardsFn) and not node.users:
             skipped.add(str(node.target))  # ep.module()'s input guard; the program checks its own
         elif node.op in ("call_module", "call_method"):
             raise LiftError(f"{node.op} {node.target!r}: export would trace into it; "
@@ -132,8 +136,7 @@ def exported_program_from(gm: GraphModule, like: ExportedProgram | None = None) 
     fill_missing_values(graph, gm, mode)
     check_write_back_values([(w, placeholders[w.target], env[w.value]) for w in mutations])
     signature = ExportGraphSignature(
-        [_input_spec(p, states_by_name={s.name: s for s in states})
-         for p in graph.find_nodes(op="placeholder")],
+        [_input_spec(p, lifted_state.get(p)) for p in graph.find_nodes(op="placeholder")],
         [_mutation_spec(w, placeholders[w.target], env[w.value], state_of)
          for w in mutations] + [_user_output_spec(o) for o in user_outputs],
     )
@@ -206,8 +209,7 @@ def _argument(node: Any, name: str | None = None) -> Any:
     return ConstantArgument(name=name or "", value=node)
 
 
-def _input_spec(node: Node, states_by_name: dict[str, LiftedState]) -> InputSpec:
-    state = states_by_name.get(node.name)
+def _input_spec(node: Node, state: LiftedState | None) -> InputSpec:
     if state is None:
         return InputSpec(InputKind.USER_INPUT, _argument(node), target=None)
     return InputSpec(state.kind, TensorArgument(name=node.name), target=state.target,

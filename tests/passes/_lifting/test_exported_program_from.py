@@ -124,6 +124,27 @@ def test_state_kinds_order_names_and_mutations_match_a_re_export():
     assert_same_behaviour(reexported, lifted, calls, calls=4)
 
 
+class BuiltinNamedInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(3))
+
+    def forward(self, input):  # a name fx renames in a graph (a Python builtin)
+        self.acc.add_(input)
+        return self.acc * 2
+
+
+def test_an_input_named_like_a_builtin():
+    """fx renames a placeholder called like a Python builtin (``input`` -> ``input_1``):
+    the signature names the node as the graph calls it, state and inputs stay apart."""
+    calls = [(torch.full((3,), float(i)),) for i in range(4)]
+    program = functional(torch.export.export(BuiltinNamedInput(), calls[0]))
+    lifted = exported_program_from(program.module(), like=program)
+    assert [(k, name) for k, name, _, _ in input_specs(lifted)] == [
+        (InputKind.BUFFER, "b_acc"), (InputKind.USER_INPUT, "input_1")]
+    assert_same_behaviour(BuiltinNamedInput(), lifted, calls, calls=4)
+
+
 def test_the_graph_module_is_not_changed(zoo):
     _, calls, ep = zoo("counters")
     gm = functional(ep).module()
