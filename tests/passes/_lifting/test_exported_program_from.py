@@ -145,6 +145,18 @@ def test_an_input_named_like_a_builtin():
     assert_same_behaviour(BuiltinNamedInput(), lifted, calls, calls=4)
 
 
+def test_a_graph_called_with_flat_arguments(zoo):
+    """Without ep.module()'s pytree codegen, the graph's placeholders are the arguments
+    and its output the result: the program is called the same way."""
+    eager, calls, ep = zoo("counters")
+    gm = functional(ep).module()
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    gm.recompile()
+    lifted = exported_program_from(gm)
+    assert lifted.call_spec.in_spec == torch.utils._pytree.tree_structure(((0,), {}))
+    assert_same_behaviour(eager, lifted, calls, calls=4)
+
+
 def test_the_graph_module_is_not_changed(zoo):
     _, calls, ep = zoo("counters")
     gm = functional(ep).module()
