@@ -1,11 +1,11 @@
-"""How a lifted program is called: its input and output tree specs, its module call graph,
-the ranges of its symbolic sizes and its example inputs.
+"""How a lifted program is called: its input and output tree specs, its module call graph
+and the ranges of its symbolic sizes.
 
 ``ep.module()`` keeps the program's call specs in the graph's pytree codegen; the module
-call graph, example inputs and range constraints are the program's own, which ``like``
-supplies. Without ``like`` they are rebuilt as export builds them: one call-graph entry
-per submodule (``_make_module_call_graph``) and each symbolic size's range as the shape
-environment bounds it (``make_constraints``).
+call graph and range constraints are the program's own, which ``like`` supplies. Without
+``like`` they are rebuilt as export builds them: one call-graph entry per submodule
+(``_make_module_call_graph``) and each symbolic size's range as the shape environment
+bounds it (``make_constraints``).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def module_call_graph(
     return entries
 
 
-def _symbolic_sizes(value: Any) -> list[Any]:
+def _symbolic_sizes(value: Any) -> list[torch.SymInt]:
     if isinstance(value, torch.SymInt):
         return [value]
     if isinstance(value, torch.Tensor):

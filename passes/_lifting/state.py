@@ -98,7 +98,7 @@ def graph_state(gm: GraphModule) -> tuple[list[LiftedState], dict[Node, LiftedSt
     return ordered, of_node
 
 
-def _attribute(gm: GraphModule, node: Node):
+def _attribute(gm: GraphModule, node: Node) -> object:
     value = gm
     for part in str(node.target).split("."):
         value = getattr(value, part)
