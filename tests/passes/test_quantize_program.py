@@ -9,6 +9,7 @@ call, outputs and buffers, and stay within quantization error of eager.
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -73,6 +74,22 @@ def test_a_plain_export_comes_back_quantized_and_functional(decoder):
     for name, value in before.items():
         assert torch.equal(program.state_dict[name], value), name
     assert quantized.state_dict[CACHES[0]] is program.state_dict[CACHES[0]]
+
+
+def test_the_result_is_a_program_torch_can_save_load_and_decompose(decoder):
+    """torch.export.save / load and run_decompositions take the lifted program as they take
+    an exported one, and the programs they give compute exactly the same."""
+    _, steps, ep = decoder
+    quantized = quantize_program(copy_program(ep), AnnotateEveryOpQuantizer(), steps)
+    archive = io.BytesIO()
+    torch.export.save(quantized, archive)
+    archive.seek(0)
+    loaded = torch.export.load(archive)
+    decomposed = copy_program(quantized).run_decompositions({})
+    expected = run_program(quantized, steps)
+    for program in (loaded, decomposed):
+        assert list(program.graph_signature.buffers_to_mutate.values()) == CACHES
+        assert first_difference(expected, run_program(program, steps)) is None
 
 
 def test_folding_keeps_reading_the_live_state():
