@@ -4,8 +4,14 @@ torch.export, pt2e quantization and delegation.
 
 from . import conditions
 from ._analysis.marked_state import mutable_buffers, reset_mutable_buffers
+from ._lifting import exported_program_from
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
-from .errors import AmbiguousFrozenBufferError, QuantizationFlowError, UnsupportedMutationError
+from .errors import (
+    AmbiguousFrozenBufferError,
+    LiftError,
+    QuantizationFlowError,
+    UnsupportedMutationError,
+)
 from .functional_variants import register_functional_variant
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
@@ -19,12 +25,14 @@ __all__: list[str] = [
     "AmbiguousFrozenBufferError",
     "ConsumeBufferMutationsInDelegate",
     "InplaceToFunctional",
+    "LiftError",
     "MarkMutableBuffers",
     "QuantizationFlowError",
     "SkipAnnotateDataMovementOps",
     "UnfreezeMutableBuffer",
     "UnsupportedMutationError",
     "conditions",
+    "exported_program_from",
     "mutable_buffers",
     "register_functional_variant",
     "reset_mutable_buffers",

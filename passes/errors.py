@@ -10,7 +10,12 @@ from torch.fx import Node
 
 from pass_manager import PassManagerError
 
-__all__ = ["AmbiguousFrozenBufferError", "QuantizationFlowError", "UnsupportedMutationError"]
+__all__ = [
+    "AmbiguousFrozenBufferError",
+    "LiftError",
+    "QuantizationFlowError",
+    "UnsupportedMutationError",
+]
 
 
 class QuantizationFlowError(PassManagerError):
@@ -64,3 +69,21 @@ class UnsupportedMutationError(PassManagerError):
             "The program was left unchanged.",
             pass_name="InplaceToFunctional",
         )
+
+
+class LiftError(PassManagerError):
+    """A graph module :func:`passes.exported_program_from` cannot lift without tracing.
+
+    Raised rather than build a program that would compute something else, or that only a
+    trace could build (a call into a submodule, a write-back the signature cannot say).
+
+    Attributes:
+        node: the name of the node at fault (None when the graph as a whole is).
+        reason: why it cannot be lifted.
+    """
+
+    def __init__(self, reason: str, node: str | None = None):
+        self.node = node
+        self.reason = reason
+        where = f"node {node!r}: " if node else ""
+        super().__init__(f"exported_program_from: {where}{reason}")

@@ -1,4 +1,10 @@
-"""pt2e quantization of programs with mutable buffers: :class:`PassQuantizer`.
+"""pt2e quantization of programs with mutable buffers: :func:`quantize_program`, and the
+:class:`PassQuantizer` it is built on.
+
+In one call, an ExportedProgram in and an ExportedProgram out::
+
+    quantized = quantize_program(ep, XNNPACKQuantizer().set_global(config), calibration_data)
+
 
 The flow, with torchao's ``prepare_pt2e`` / ``convert_pt2e``::
 
@@ -17,23 +23,34 @@ The flow, with torchao's ``prepare_pt2e`` / ``convert_pt2e``::
 
 ``reset_mutable_buffers`` is the step after calibration: without it the converted program
 starts from whatever the last calibration batch left in a KV cache or an accumulator.
+:func:`quantize_program` runs those steps and lifts the result back into an ExportedProgram
+(:func:`passes.exported_program_from`), where re-exporting it would trace it again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
+from torch.export import ExportedProgram
 from torch.fx import GraphModule
 from torchao.quantization.pt2e.quantizer import Quantizer
 
 from pass_manager import PassManager, Report
+from pass_manager.validation import call_inputs
 
 from ._analysis.buffer_reads import OBSERVED_READS_META, BufferRead, view_chain
 from ._analysis.buffers import MUTABLE_BUFFER_META
+from ._analysis.marked_state import reset_mutable_buffers
+from ._lifting import exported_program_from
 from .errors import QuantizationFlowError
+from .inplace_to_functional import InplaceToFunctional
+from .mark_mutable_buffers import MarkMutableBuffers
+from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
+from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
 
-__all__ = ["PassQuantizer", "QuantizationFlowError"]
+__all__ = ["PassQuantizer", "QuantizationFlowError", "quantize_program"]
 
 
 class PassQuantizer(Quantizer):
@@ -143,3 +160,64 @@ def _record_observed_reads(model: GraphModule, edge_or_node_to_obs_or_fq: dict) 
         fqn = node.meta.get(MUTABLE_BUFFER_META)
         if fqn in reads:
             node.meta[OBSERVED_READS_META] = list(reads[fqn])
+
+
+def quantize_program(
+    program: ExportedProgram,
+    quantizer: Quantizer,
+    calibration: Iterable[Any],
+    *,
+    fold: bool = True,
+) -> ExportedProgram:
+    """Quantize an ExportedProgram with pt2e and give back an ExportedProgram, state intact.
+
+    The steps: ``prepare_pt2e`` of ``program.module()`` with ``quantizer`` wrapped in a
+    :class:`PassQuantizer` (MarkMutableBuffers and InplaceToFunctional before annotation,
+    so a program straight from ``torch.export.export`` is functional by then;
+    SkipAnnotateDataMovementOps after it), one call per calibration entry,
+    :func:`~passes.reset_mutable_buffers`, ``convert_pt2e(fold_quantize=fold)``,
+    :class:`~passes.UnfreezeMutableBuffer`, and :func:`~passes.exported_program_from`
+    with ``like=program`` instead of a re-export. Each mutable buffer's update is a
+    ``BUFFER_MUTATION`` output of the result. (torchao sees a functional program's
+    write-backs and does not fold the reads of those buffers; UnfreezeMutableBuffer undoes
+    any fold it still makes.)
+
+    Args:
+        program: the exported program (functional or not).
+        quantizer: a torchao pt2e ``Quantizer``.
+        calibration: one entry per calibration call: an argument tuple, an
+            ``(args, kwargs)`` pair or a mapping of keyword arguments.
+        fold: constant-fold the quantized weights (torchao's ``fold_quantize``); the
+            folded reads of mutable buffers are made live again either way.
+
+    The result shares the program's buffer tensors (as ``program.module()`` does): the
+    calibration writes them and the reset puts back, bit for bit, the values they had (or,
+    on a program MarkMutableBuffers marked before, the values it saw then). Copy the
+    program first (``pass_manager.validation.copy_program``) to keep the two apart.
+
+    Example:
+        >>> quantized = quantize_program(ep, xnnpack_quantizer(), [(x, pos) for ...])
+        >>> quantized.graph_signature.buffers_to_mutate
+        {'index_copy_default': 'layers.0.attn.k_cache', ...}
+    """
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    if not isinstance(program, ExportedProgram):
+        raise TypeError(f"quantize_program takes an ExportedProgram, got {type(program).__name__}")
+    calls = call_inputs(list(calibration))
+    if not calls:
+        raise ValueError("quantize_program needs at least one calibration call: the "
+                         "observers have nothing to measure otherwise")
+    wrapped = PassQuantizer(
+        quantizer,
+        transform=[MarkMutableBuffers(), InplaceToFunctional()],
+        after_annotate=[SkipAnnotateDataMovementOps()],
+    )
+    prepared = prepare_pt2e(program.module(), wrapped)
+    with torch.no_grad():
+        for args, kwargs in calls:
+            prepared(*args, **kwargs)
+    reset_mutable_buffers(prepared)
+    converted = convert_pt2e(prepared, fold_quantize=fold)
+    converted = PassManager([UnfreezeMutableBuffer()]).run(converted).program
+    return exported_program_from(converted, like=program)

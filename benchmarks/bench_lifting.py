@@ -1,0 +1,209 @@
+"""Cost of ``exported_program_from`` on converted (quantized) programs, against its floor and
+against the re-export it replaces.
+
+Programs: the built-in KV decoder at several depths (default 1, 4, 16, 32 layers) and a
+decoder with Llama 3.2 1B's shapes (``tests.models.llama_shaped``: 16 layers, dim 2,048, 32
+heads, 8 K/V heads, MLP 8,192, vocabulary 128,256; 1.5 B fp32 parameters, random weights,
+``--no-1b`` leaves it out). Each is exported strict under ``no_grad``, functionalized,
+quantized through the passes' flow (PassQuantizer with MarkMutableBuffers and
+SkipAnnotateDataMovementOps, the every-op quantizer: the most (de)quantize nodes torchao
+inserts without a fake value), calibrated on one call, reset, converted with folding and
+unfrozen: the GraphModule the main job re-exports.
+
+Per program, CPU time of this process (``time.process_time``, after a garbage collection;
+min and median of ``--repeat`` runs, half as many for the re-exports, all four interleaved
+round by round; the input is never modified, so every run gets the same one):
+
+* floor: one ``ExportedProgram(...)`` construction from the finished parts of a lift (its
+  graph copied beforehand, untimed): what any way of building the program pays;
+* lift: ``exported_program_from(converted, like=program)``;
+* re-export: ``torch.export.export(converted, example, strict=True)`` under ``no_grad``, and
+  re-export + ``PassManager([MarkMutableBuffers(), InplaceToFunctional()])``, which gives
+  the same signature as the lift (the main job's re-export stage).
+
+Before timing, the lift and the re-export are each called ``--calls`` times from the same
+state (outputs and buffers compared exactly; the shared buffers are reset in between, not
+deep-copied, which the 1B model's 6 GB would not afford): the ratios compare programs that
+compute the same thing.
+
+    python -m benchmarks.bench_lifting [--layers 1 4 16 32] [--repeat 5] [--no-1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+from pass_manager import PassManager
+from pass_manager.benchmarking import Timings
+from pass_manager.validation import Trace, first_difference
+from passes import (
+    InplaceToFunctional,
+    MarkMutableBuffers,
+    SkipAnnotateDataMovementOps,
+    UnfreezeMutableBuffer,
+    exported_program_from,
+    reset_mutable_buffers,
+)
+from passes.flow.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder
+from passes.quantization import PassQuantizer
+from tests.models.llama_shaped import llama_inputs, llama_shaped
+
+__all__ = ["main"]
+
+LLAMA_1B = {"n_layers": 16, "dim": 2048, "n_heads": 32, "n_kv_heads": 8, "hidden": 8192,
+            "vocab": 128256, "max_seq": 128, "rope_theta": 500000.0}
+
+
+def _timed_rounds(measured: dict[str, tuple[Callable[[Any], Any], Callable[[], Any], int]]
+                  ) -> dict[str, Timings]:
+    """Time each ``name: (fn, make_input, runs)`` in interleaved rounds, so that a change in
+    the machine's load during the run falls on all of them alike."""
+    timings = {name: Timings(name) for name in measured}
+    for round_ in range(max(runs for _, _, runs in measured.values())):
+        for name, (fn, make_input, runs) in measured.items():
+            if round_ >= runs:
+                continue
+            argument = make_input()
+            gc.collect()
+            start = time.process_time()
+            fn(argument)
+            timings[name].samples.append(time.process_time() - start)
+    return timings
+
+
+def _converted(model: torch.nn.Module, example: tuple, calls: list[tuple]) -> tuple[Any, Any]:
+    """(the functional program, its converted GraphModule) through the passes' flow."""
+    with torch.no_grad():
+        ep = torch.export.export(model, example, strict=True)
+    program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(ep).program
+    quantizer = PassQuantizer(AnnotateEveryOpQuantizer(), transform=[MarkMutableBuffers()],
+                              after_annotate=[SkipAnnotateDataMovementOps()])
+    prepared = prepare_pt2e(program.module(), quantizer)
+    with torch.no_grad():
+        prepared(*calls[0])
+    reset_mutable_buffers(prepared)
+    converted = convert_pt2e(prepared)
+    return program, PassManager([UnfreezeMutableBuffer()]).run(converted).program
+
+
+def _floor_parts(lifted: ExportedProgram) -> Callable[[], torch.fx.Graph]:
+    def fresh_graph() -> torch.fx.Graph:
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(lifted.graph, {}))
+        return graph
+    return fresh_graph
+
+
+def _construct(lifted: ExportedProgram) -> Callable[[torch.fx.Graph], ExportedProgram]:
+    def construct(graph: torch.fx.Graph) -> ExportedProgram:
+        return ExportedProgram(
+            root=lifted.graph_module, graph=graph, graph_signature=lifted.graph_signature,
+            state_dict=lifted.state_dict, range_constraints=lifted.range_constraints,
+            module_call_graph=lifted.module_call_graph, example_inputs=lifted.example_inputs,
+            constants=lifted.constants, verifiers=lifted.verifiers)
+    return construct
+
+
+def _reexport(converted: Any, example: tuple) -> ExportedProgram:
+    with torch.no_grad():
+        return torch.export.export(converted, example, strict=True)
+
+
+def _reexport_functional(converted: Any, example: tuple) -> ExportedProgram:
+    functionalize = PassManager([MarkMutableBuffers(), InplaceToFunctional()])
+    return functionalize.run(_reexport(converted, example)).program
+
+
+def _decode(program: ExportedProgram, marked: ExportedProgram, calls: list[tuple]) -> Trace:
+    """``program``'s outputs and buffers over ``calls``, run on the state it shares with the
+    others; ``marked``'s marks then put that state back."""
+    module, trace = program.module(), Trace()
+    with torch.no_grad():
+        for args in calls:
+            trace.outputs.append([module(*args).clone()])
+            trace.buffers.append({k: v.clone() for k, v in module.named_buffers()})
+            trace.inputs.append([])
+    reset_mutable_buffers(marked)
+    return trace
+
+
+def measure(label: str, model: torch.nn.Module, example: tuple, calls: list[tuple],
+            repeat: int, export_repeat: int) -> str:
+    program, converted = _converted(model, example, calls)
+    missing = sum(1 for n in converted.graph.nodes
+                  if n.op == "call_function" and "val" not in n.meta)
+    lifted = exported_program_from(converted, like=program)
+    reexported = _reexport(converted, example)
+    difference = first_difference(_decode(reexported, lifted, calls),
+                                  _decode(lifted, lifted, calls))
+    if difference is not None:
+        raise AssertionError(f"{label}: the lift and the re-export differ: {difference}")
+
+    t = _timed_rounds({
+        "floor": (_construct(lifted), _floor_parts(lifted), repeat),
+        "lift": (lambda gm: exported_program_from(gm, like=program), lambda: converted, repeat),
+        "re-export": (lambda gm: _reexport(gm, example), lambda: converted, export_repeat),
+        "re-export + functionalize": (lambda gm: _reexport_functional(gm, example),
+                                      lambda: converted, export_repeat),
+    })
+    floor, lift = t["floor"], t["lift"]
+    reexport, refunctional = t["re-export"], t["re-export + functionalize"]
+
+    def cell(t: Timings) -> str:
+        return f"{t.min * 1e3:.0f} ({t.median * 1e3:.0f})"
+
+    return (f"| {label} | {len(converted.graph.nodes)} | {missing} | {cell(floor)} "
+            f"| {cell(lift)} | {cell(reexport)} | {cell(refunctional)} "
+            f"| {lift.min / floor.min:.2f} | {reexport.min / lift.min:.1f} "
+            f"| {refunctional.min / lift.min:.1f} |")
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=3, help="decode calls compared")
+    parser.add_argument("--no-1b", action="store_true", help="leave out the 1B-shaped model")
+    args = parser.parse_args(argv)
+    export_repeat = max(1, args.repeat // 2)
+    lines = [
+        "## Lifting: exported_program_from on converted programs, against its floor and "
+        "re-export",
+        "",
+        "CPU ms, min (median) over repeated runs; ratios of minima from the same run. "
+        "Nodes: the converted GraphModule's; missing: its call_function nodes without a "
+        "fake value (torchao's (de)quantize nodes), which the lift propagates.",
+        "",
+        "| program | nodes | missing | floor: ExportedProgram(...) | lift "
+        "| re-export | re-export + functionalize | lift / floor | re-export / lift "
+        "| (re-export + functionalize) / lift |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for layers in args.layers:
+        model, example = kv_decoder(layers)
+        calls = decode_inputs(model.cfg, args.calls)
+        lines.append(measure(f"KV decoder, {layers} layers", copy.deepcopy(model), example,
+                             calls, args.repeat, export_repeat))
+        print(lines[-1], flush=True)
+    if not args.no_1b:
+        model = llama_shaped(seed=0, **LLAMA_1B)
+        calls = llama_inputs(model.cfg, 1)
+        lines.append(measure("Llama 3.2 1B-shaped (16 layers, dim 2,048)", model, calls[0],
+                             calls, max(1, args.repeat // 2), 1))
+        print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

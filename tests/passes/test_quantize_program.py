@@ -1,0 +1,138 @@
+"""quantize_program: an ExportedProgram in, a quantized ExportedProgram out, state intact.
+
+The reference is the flow the steps stand for, run by hand on the graph module (prepare
+with PassQuantizer, calibrate, reset, convert, UnfreezeMutableBuffer): the program
+quantize_program returns must compute exactly what that graph module computes, call after
+call, outputs and buffers, and stay within quantization error of eager.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+from pass_manager import PassManager
+from pass_manager.validation import copy_program, first_difference, output_errors, run_program
+from passes import (
+    InplaceToFunctional,
+    MarkMutableBuffers,
+    SkipAnnotateDataMovementOps,
+    UnfreezeMutableBuffer,
+    conditions,
+    reset_mutable_buffers,
+)
+from passes.flow.examples import AnnotateEveryOpQuantizer, decoder_job
+from passes.quantization import PassQuantizer, quantize_program
+from tests.models.lifting import DecayAccumulator, accumulator_calls
+
+CACHES = ["layers.0.attn.k_cache", "layers.0.attn.v_cache"]
+
+
+def by_hand(program, calibration, fold=True):
+    """The steps quantize_program stands for, on the graph module, without the lift."""
+    quantizer = PassQuantizer(AnnotateEveryOpQuantizer(),
+                              transform=[MarkMutableBuffers(), InplaceToFunctional()],
+                              after_annotate=[SkipAnnotateDataMovementOps()])
+    prepared = prepare_pt2e(copy_program(program).module(), quantizer)
+    with torch.no_grad():
+        for args in calibration:
+            prepared(*args)
+    reset_mutable_buffers(prepared)
+    converted = convert_pt2e(prepared, fold_quantize=fold)
+    return PassManager([UnfreezeMutableBuffer()]).run(converted).program
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    model, example, steps = decoder_job(n_layers=1, steps=5)
+    with torch.no_grad():
+        ep = torch.export.export(copy.deepcopy(model), example, strict=True)
+    return model, steps, ep
+
+
+def test_a_plain_export_comes_back_quantized_and_functional(decoder):
+    """Straight from torch.export (in-place cache writes, no mutation in the signature)."""
+    model, steps, ep = decoder
+    assert not ep.graph_signature.buffers_to_mutate
+    program = copy_program(ep)
+    before = {name: value.clone() for name, value in program.state_dict.items()}
+    quantized = quantize_program(program, AnnotateEveryOpQuantizer(), steps)
+    assert isinstance(quantized, torch.export.ExportedProgram)
+    assert list(quantized.graph_signature.buffers_to_mutate.values()) == CACHES
+    assert not conditions.Functional.check(quantized)
+    targets = {str(n.target) for n in quantized.graph.nodes}
+    assert "quantized_decomposed.dequantize_per_tensor.default" in targets
+    reference = by_hand(ep, steps)
+    assert first_difference(run_program(reference, steps), run_program(quantized, steps)) is None
+    # Quantized, not broken: within 8-bit error of fp32 at every step, the caches included.
+    assert max(output_errors(run_program(model, steps), run_program(quantized, steps))) < 0.1
+    # The calibration wrote the program's (shared) caches; the reset put them back.
+    for name, value in before.items():
+        assert torch.equal(program.state_dict[name], value), name
+    assert quantized.state_dict[CACHES[0]] is program.state_dict[CACHES[0]]
+
+
+def test_the_result_is_a_program_torch_can_save_load_and_decompose(decoder):
+    """torch.export.save / load and run_decompositions take the lifted program as they take
+    an exported one, and the programs they give compute exactly the same."""
+    _, steps, ep = decoder
+    quantized = quantize_program(copy_program(ep), AnnotateEveryOpQuantizer(), steps)
+    archive = io.BytesIO()
+    torch.export.save(quantized, archive)
+    archive.seek(0)
+    loaded = torch.export.load(archive)
+    decomposed = copy_program(quantized).run_decompositions({})
+    expected = run_program(quantized, steps)
+    for program in (loaded, decomposed):
+        assert list(program.graph_signature.buffers_to_mutate.values()) == CACHES
+        assert first_difference(expected, run_program(program, steps)) is None
+
+
+def test_folding_keeps_reading_the_live_state():
+    """torchao folds the quantized read of a buffer updated in place (``acc.add_``) into a
+    frozen constant. quantize_program functionalizes before annotation (torchao then sees
+    the write-back and leaves the read alone) and runs UnfreezeMutableBuffer after convert;
+    the folded program computes exactly what the unfolded one does, call after call."""
+    model, calls = DecayAccumulator(), accumulator_calls(6)
+    ep = torch.export.export(copy.deepcopy(model), calls[0])
+    folded = quantize_program(copy_program(ep), AnnotateEveryOpQuantizer(), calls[:3])
+    unfolded = quantize_program(copy_program(ep), AnnotateEveryOpQuantizer(), calls[:3],
+                                fold=False)
+
+    # Compared on the model's own state: folding changes which constants are buffers.
+    def trace(program):
+        return run_program(program, calls, state=lambda m: {"acc": m.get_buffer("acc").clone()})
+
+    assert first_difference(trace(unfolded), trace(folded)) is None
+    assert first_difference(trace(by_hand(ep, calls[:3])), trace(folded)) is None
+    assert list(folded.graph_signature.buffers_to_mutate.values()) == ["acc"]
+
+    def quantized_weights(program):
+        return sum(1 for n in program.graph.nodes if "quantize_per_tensor" in str(n.target)
+                   and n.args[0].op == "placeholder" and n.args[0].name.startswith("p_"))
+
+    assert quantized_weights(folded) == 0 < quantized_weights(unfolded)
+
+
+def test_calibration_calls_in_every_form(decoder):
+    """Argument tuples, (args, kwargs) pairs and keyword mappings calibrate alike."""
+    _, steps, ep = decoder
+    pairs = [(args, {}) for args in steps]
+    keywords = [{"x": x, "input_pos": pos} for x, pos in steps]
+    results = [quantize_program(copy_program(ep), AnnotateEveryOpQuantizer(), calls)
+               for calls in (steps, pairs, keywords)]
+    traces = [run_program(r, steps) for r in results]
+    assert first_difference(traces[0], traces[1]) is None
+    assert first_difference(traces[0], traces[2]) is None
+
+
+def test_bad_input(decoder):
+    _, steps, ep = decoder
+    with pytest.raises(TypeError, match="takes an ExportedProgram"):
+        quantize_program(ep.module(), AnnotateEveryOpQuantizer(), steps)
+    with pytest.raises(ValueError, match="at least one calibration call"):
+        quantize_program(ep, AnnotateEveryOpQuantizer(), [])
