@@ -5,10 +5,16 @@ torch.export, pt2e quantization and delegation.
 from . import conditions
 from ._analysis.marked_state import mutable_buffers, reset_mutable_buffers
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
-from .errors import AmbiguousFrozenBufferError, QuantizationFlowError, UnsupportedMutationError
+from .errors import (
+    AmbiguousFrozenBufferError,
+    QuantizationFlowError,
+    QuantizedStateError,
+    UnsupportedMutationError,
+)
 from .functional_variants import register_functional_variant
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
+from .quantize_mutable_buffers import QuantizeMutableBuffers
 from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
 
@@ -18,6 +24,8 @@ __all__: list[str] = [
     "InplaceToFunctional",
     "MarkMutableBuffers",
     "QuantizationFlowError",
+    "QuantizeMutableBuffers",
+    "QuantizedStateError",
     "SkipAnnotateDataMovementOps",
     "UnfreezeMutableBuffer",
     "UnsupportedMutationError",

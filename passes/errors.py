@@ -10,7 +10,12 @@ from torch.fx import Node
 
 from pass_manager import PassManagerError
 
-__all__ = ["AmbiguousFrozenBufferError", "QuantizationFlowError", "UnsupportedMutationError"]
+__all__ = [
+    "AmbiguousFrozenBufferError",
+    "QuantizationFlowError",
+    "QuantizedStateError",
+    "UnsupportedMutationError",
+]
 
 
 class QuantizationFlowError(PassManagerError):
@@ -64,3 +69,18 @@ class UnsupportedMutationError(PassManagerError):
             "The program was left unchanged.",
             pass_name="InplaceToFunctional",
         )
+
+
+class QuantizedStateError(QuantizationFlowError):
+    """QuantizeMutableBuffers met a graph it cannot read: a malformed quantize/dequantize
+    node, or a buffer whose recorded grid disagrees with its tensor. Nothing was rewritten.
+
+    Attributes:
+        node: the name of the node (or buffer) at fault.
+        reason: what is wrong with it.
+    """
+
+    def __init__(self, node: str, reason: str):
+        self.reason = reason
+        super().__init__(f"{reason}; the program was left unchanged",
+                         pass_name="QuantizeMutableBuffers", node=node)

@@ -32,6 +32,7 @@ from .op_schema import written_nodes
 __all__ = [
     "BUFFER",
     "CONSTANT",
+    "GRID_META",
     "INITIAL_META",
     "MUTABLE_BUFFER_META",
     "MUTABLE_INPUT_META",
@@ -59,6 +60,10 @@ MUTABLE_INPUT_META = "mutable_user_input"
 INITIAL_META = "mutable_buffer_initial"
 """``node.meta`` key holding the copy of a mutable buffer taken when it was first marked
 (for a buffer filled with one value, that value expanded to the buffer's shape)."""
+
+GRID_META = "mutable_buffer_grid"
+"""``node.meta`` key on a mutable buffer's node once ``QuantizeMutableBuffers`` stores it as
+the integers of a quantization grid; the value is that :class:`~passes._analysis.grids.Grid`."""
 
 BUFFER, USER_INPUT, PARAMETER, CONSTANT = "buffer", "user_input", "parameter", "constant"
 MUTATION_OUTPUT_KINDS = {

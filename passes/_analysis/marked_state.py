@@ -18,6 +18,7 @@ from pass_manager import graph_module_of
 
 from .buffers import (
     BUFFER,
+    GRID_META,
     INITIAL_META,
     MUTABLE_BUFFER_META,
     MUTABLE_INPUT_META,
@@ -87,6 +88,11 @@ class MutableBuffer:
         writers: names of the nodes that write it, in graph order.
         initial: the value ``MarkMutableBuffers`` first saw (None for inputs): a copy, or
             for a buffer filled with one value that value expanded to the buffer's shape.
+            For a buffer stored as integers, the integers of that value.
+        grid: for a buffer ``QuantizeMutableBuffers`` stores as the integers of a
+            quantization grid, that :class:`~passes._analysis.grids.Grid`
+            (``grid.dequantize(tensor)`` is the value the program computes with); None for
+            a float buffer.
     """
 
     fqn: str
@@ -94,6 +100,7 @@ class MutableBuffer:
     nodes: list[str] = field(default_factory=list)
     writers: list[str] = field(default_factory=list)
     initial: torch.Tensor | None = None
+    grid: Any = None
 
 
 def mutable_buffers(program: Any) -> dict[str, MutableBuffer]:
@@ -132,6 +139,8 @@ def _marked(program: Any) -> dict[str, MutableBuffer]:
             entry.nodes.append(node.name)
             if entry.initial is None and node.meta.get(INITIAL_META) is not None:
                 entry.initial = node.meta[INITIAL_META]
+            if entry.grid is None and key == MUTABLE_BUFFER_META:
+                entry.grid = node.meta.get(GRID_META)
     return found
 
 
