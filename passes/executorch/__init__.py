@@ -25,6 +25,7 @@ __all__ = [
     "available",
     "decode_on_runtime",
     "executorch_state",
+    "planned_memory",
 ]
 
 EXECUTORCH_VERSION = "1.5.1"
@@ -41,6 +42,7 @@ _LAZY = {
     "BufferOwningPartitioner": "partitioner",
     "executorch_state": "partitioner",
     "decode_on_runtime": "runtime",
+    "planned_memory": "plan",
 }
 
 

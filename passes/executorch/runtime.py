@@ -26,7 +26,7 @@ from pass_manager.validation import Trace, call_inputs
 from . import ParameterMutationOnExecuTorchError
 from .partitioner import BufferOwningPartitioner
 
-__all__ = ["RuntimeDecode", "decode_on_runtime", "lower_to_pte", "output_grid"]
+__all__ = ["RuntimeDecode", "decode_on_runtime", "decode_pte", "lower_to_pte", "output_grid"]
 
 
 @dataclass
@@ -72,9 +72,11 @@ def lower_to_pte(
             raise ParameterMutationOnExecuTorchError(sorted(sig.parameters_to_mutate.values()))
         # ExecuTorch serializes only the shape of a mutated buffer unless asked: the runtime
         # must start from the program's state (e.g. a reset cache, a non-zero counter).
+        # Their names go into the plan too, so that planned_memory can say which is which.
         mutated = set(sig.buffers_to_mutate.values())
         names = [name for name, fqn in sig.inputs_to_buffers.items() if fqn in mutated]
-        config = ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(names)])
+        config = ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(names)],
+                                         emit_mutable_buffer_names=True)
         return lowered.to_executorch(config).buffer, wrapper, count
 
 
@@ -88,6 +90,11 @@ def decode_on_runtime(
     start = time.perf_counter()
     pte, wrapper, count = lower_to_pte(program, example_inputs, partitioner)
     seconds = time.perf_counter() - start
+    return RuntimeDecode(decode_pte(pte, steps), list(wrapper.notes), count, seconds, len(pte))
+
+
+def decode_pte(pte: bytes, steps: Sequence[Any]) -> Trace:
+    """Load the ``.pte`` program ``pte`` once and call its ``forward`` once per step."""
     module = portable_lib._load_for_executorch_from_buffer(pte)
     trace = Trace()
     for args, kwargs in call_inputs(list(steps)):
@@ -96,7 +103,7 @@ def decode_on_runtime(
         flat = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         outputs = module.forward(flat)
         trace.outputs.append([o.clone() if isinstance(o, torch.Tensor) else o for o in outputs])
-    return RuntimeDecode(trace, list(wrapper.notes), count, seconds, len(pte))
+    return trace
 
 
 def output_grid(program: Any) -> float | None:
