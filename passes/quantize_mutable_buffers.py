@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,14 @@ from pass_manager.collector import collector_paused
 
 from ._analysis.aliasing import aliased_argument
 from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
-from ._analysis.buffers import GRID_META, INITIAL_META, find_mutations
+from ._analysis.buffers import (
+    GRID_META,
+    INITIAL_META,
+    find_mutations,
+    named_output_specs,
+    replace_buffer_tensor,
+    trailing_write_backs,
+)
 from ._analysis.data_movement import DataMovementNotAnnotated
 from ._analysis.frozen_reads import NoFrozenMutableBuffers
 from ._analysis.grid_flow import FUNCTIONAL_WRITES, MOVES, GridFlow, value_operands
@@ -150,6 +156,10 @@ class _Rewrite:
         self.kept_outputs = {w.output for p in plans for w in p.writes if w.output is not None}
         self.reads_integers: set[Node] = set()  # the readers of a quantize made direct
         self.constants: dict[str, Node] = {}  # get_attr nodes of per-channel scales
+        write_backs = [] if isinstance(program, ExportedProgram) else trailing_write_backs(
+            program)
+        self.write_backs = set(write_backs)
+        self.first_write_back = write_backs[0] if write_backs else None
         # Where each per-channel grid's scales and zero points are (taken before a rewrite
         # erases the dequantize nodes naming them).
         self.channel_sources = [(g, n.args[1:3]) for n, g in flow.sources if g.per_channel]
@@ -171,7 +181,7 @@ class _Rewrite:
         self._swap_tensors()
         self._refresh_values()
         if isinstance(self.program, ExportedProgram):
-            _rename_outputs(self.program)
+            self.program.graph_signature.output_specs[:] = named_output_specs(self.program)
         self.graph.lint()
 
     # -- integers of values -------------------------------------------------------------
@@ -307,7 +317,9 @@ class _Rewrite:
                 if user is output:
                     self._dequantize_outputs(node, grid, kept)
                     continue
-                with self.graph.inserting_before(user):
+                # A write-back of another buffer stays among the trailing ones.
+                place = self.first_write_back if user in self.write_backs else user
+                with self.graph.inserting_before(place):
                     user.replace_input_with(node, self._dequantize(node, grid, node))
 
     def _dequantize_outputs(self, node: Node, grid: Grid, kept: set[int]) -> None:
@@ -338,7 +350,7 @@ class _Rewrite:
     def _swap_tensors(self) -> None:
         for plan in self.plans:
             integers = plan.grid.quantize(plan.tensor.detach())
-            _replace_tensor(self.program, plan.fqn, integers)
+            replace_buffer_tensor(self.program, plan.fqn, integers)
             for node in plan.nodes:
                 node.meta[GRID_META] = plan.grid
                 initial = node.meta.get(INITIAL_META)
@@ -377,28 +389,3 @@ def _set_value(node: Node, value: Any) -> None:
     node.meta["val"] = value
     if "tensor_meta" in node.meta and isinstance(value, torch.Tensor):
         node.meta["tensor_meta"] = _extract_tensor_metadata(value)
-
-
-def _replace_tensor(program: Any, fqn: str, tensor: torch.Tensor) -> None:
-    """Make ``tensor`` the program's buffer ``fqn`` (a new object; the old one is untouched)."""
-    if isinstance(program, ExportedProgram):
-        held = program.state_dict if fqn in program.state_dict else program.constants
-        held[fqn] = tensor
-        return
-    owner_path, _, leaf = fqn.rpartition(".")
-    owner = program.get_submodule(owner_path) if owner_path else program
-    if leaf not in owner._buffers:
-        raise QuantizedStateError(fqn, f"{fqn!r} is not a registered buffer of its module")
-    owner._buffers[leaf] = tensor
-
-
-def _rename_outputs(program: ExportedProgram) -> None:
-    """Output specs name the nodes the output now returns."""
-    from torch.export.graph_signature import TensorArgument
-
-    values = program.graph.output_node().args[0]
-    specs = program.graph_signature.output_specs
-    for i, (spec, value) in enumerate(zip(specs, values, strict=True)):
-        if isinstance(value, Node) and isinstance(spec.arg, TensorArgument) and (
-                spec.arg.name != value.name):
-            specs[i] = dataclasses.replace(spec, arg=TensorArgument(name=value.name))

@@ -61,6 +61,14 @@ IN_PLACE_WRITES = {
 }
 """In-place writes of a value into argument 0: op -> index of the value written."""
 
+_RESHAPES = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+    aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.unsqueeze.default,
+})
+"""Ops that keep the elements' order and only regroup dims: where the shapes say the
+channel axis survives, it does."""
+
 WILD = object()
 """The grid of a buffer's own contents while its grid is still being proposed."""
 
@@ -139,7 +147,8 @@ def moved_axis(node: Node, axis: int | None) -> Any:
     if target is aten.expand.default:
         moved = axis + len(outs) - rank
         return moved if outs[moved] == ins[axis] else _LOST
-    # view, reshape, flatten, unflatten, squeeze, unsqueeze: where the shapes keep the axis
+    if target not in _RESHAPES:
+        return _LOST  # a view the table does not know: its elements may move anywhere
     prefix = math.prod(ins[:axis])
     for moved in range(len(outs)):
         if math.prod(outs[:moved]) == prefix and outs[moved] == ins[axis]:

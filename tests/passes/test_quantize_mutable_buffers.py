@@ -58,8 +58,8 @@ CACHES = ("layers.0.attn.k_cache", "layers.0.attn.v_cache")
 
 
 def quantize_state(program, **options):
-    """Run the pass on ``program`` (in place); the record of its run."""
-    result = PassManager([QuantizeMutableBuffers(**options)]).run(program)
+    """Run the pass on ``program`` (in place, its declared effects checked); its record."""
+    result = PassManager([QuantizeMutableBuffers(**options)], strict=True).run(program)
     assert result.program is program
     return result, result.report.records[0]
 
