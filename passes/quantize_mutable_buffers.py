@@ -36,6 +36,8 @@ from .errors import QuantizedStateError
 
 __all__ = ["QuantizeMutableBuffers", "QuantizedStateError"]
 
+_QUANTIZE = (torch.ops.quantized_decomposed.quantize_per_tensor.default,
+             torch.ops.quantized_decomposed.quantize_per_channel.default)
 _KEPT_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn", "from_node")
 
 
@@ -95,16 +97,16 @@ class QuantizeMutableBuffers(Pass):
     strict: bool = False
 
     def call(self, program: Any) -> PassResult:
-        with collector_paused():
+        with collector_paused():  # nothing it allocates is garbage before it returns
             plans, flow = plan_quantized_state(program)
-        notes, statistics = _report(plans)
-        refused = [p for p in plans if p.grid is None and not p.skipped]
-        if self.strict and refused:
-            raise QuantizedStateError(refused[0].fqn, f"buffer {refused[0].fqn!r} stays "
-                                      f"float: {refused[0].reason}")
-        accepted = [p for p in plans if p.grid is not None]
-        if accepted:
-            _Rewrite(program, accepted, flow).run()
+            notes, statistics = _report(plans)
+            refused = [p for p in plans if p.grid is None and not p.skipped]
+            if self.strict and refused:
+                raise QuantizedStateError(refused[0].fqn, f"buffer {refused[0].fqn!r} stays "
+                                          f"float: {refused[0].reason}")
+            accepted = [p for p in plans if p.grid is not None]
+            if accepted:
+                _Rewrite(program, accepted, flow).run()
         return PassResult(program, bool(accepted), notes, statistics)
 
 
@@ -260,14 +262,14 @@ class _Rewrite:
         value: they read the integers."""
         found = []
         moving = (*MOVES, *FUNCTIONAL_WRITES, torch.ops.aten.cat.default)
-        for node in self.graph.nodes:
+        quantizes = [n for op in _QUANTIZE for n in self.graph.find_nodes(
+            op="call_function", target=op)]
+        for node in sorted(quantizes):
             source = node.args[0] if node.args else None
             if not isinstance(source, Node) or not (
                     self._alias_plan(source) is not None or source.target in moving):
                 continue
             grid = quantize_grid(node, self.resolve)
-            if grid is None:
-                continue
             value = self.flow.grid(source)
             if not (isinstance(value, Grid) and source in self.flow.carries_state
                     and value.same(grid) and grid.round_trip_exact()):
@@ -349,13 +351,13 @@ class _Rewrite:
     # -- state and fake values ---------------------------------------------------------
     def _swap_tensors(self) -> None:
         for plan in self.plans:
-            integers = plan.grid.quantize(plan.tensor.detach())
+            integers = plan.grid.integers_of(plan.tensor.detach(), plan.fill)
             replace_buffer_tensor(self.program, plan.fqn, integers)
             for node in plan.nodes:
                 node.meta[GRID_META] = plan.grid
                 initial = node.meta.get(INITIAL_META)
                 if initial is not None:
-                    node.meta[INITIAL_META] = initial_copy(plan.grid.quantize(initial))
+                    node.meta[INITIAL_META] = initial_copy(plan.grid.integers_of(initial))
 
     def _refresh_values(self) -> None:
         """Fake values for new nodes and for every node of a quantized buffer's storage."""

@@ -11,6 +11,7 @@ tensor exactly as the graph's ops do, and whether a float tensor lies on it bit 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,11 +19,13 @@ import torch
 from torch.fx import Node
 
 from ..errors import QuantizedStateError
+from .marked_state import fill_value
 
 __all__ = ["Grid", "dequantize_grid", "quantize_grid", "same_bits"]
 
 _qd = torch.ops.quantized_decomposed
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.uint16, torch.int16, torch.int32)
+_UNKNOWN = object()
 # Bits of each element size, to compare floats bit for bit (-0.0 is not 0.0).
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -95,14 +98,37 @@ class Grid:
         return _qd.dequantize_per_tensor(value, self.scale, self.zero_point, self.quant_min,
                                          self.quant_max, self.dtype, out_dtype=self.out_dtype)
 
-    def holds(self, value: torch.Tensor) -> bool:
-        """Whether every element of ``value`` is a point of this grid, bit for bit."""
+    def holds(self, value: torch.Tensor, fill: Any = _UNKNOWN) -> bool:
+        """Whether every element of ``value`` is a point of this grid, bit for bit.
+
+        ``fill``: ``fill_value(value)`` when the caller has it (the one value every
+        element holds, or None), so a 16 MiB all-zero cache is read once, not per check.
+        """
         if value.dtype != self.out_dtype:
             return False
-        if self.per_channel and (value.dim() <= self.axis
-                                 or value.shape[self.axis] != self.scale.numel()):
-            return False
+        if self.per_channel:
+            if value.dim() <= self.axis or value.shape[self.axis] != self.scale.numel():
+                return False
+            fill = None
+        elif fill is _UNKNOWN:
+            fill = fill_value(value)
+        if fill is not None:  # the usual all-zero cache: one element says it
+            value = fill
         return same_bits(self.dequantize(self.quantize(value)), value)
+
+    def integers_of(self, value: torch.Tensor, fill: Any = _UNKNOWN) -> torch.Tensor:
+        """The integers of ``value`` (which :meth:`holds`) on this grid, laid out like it;
+        a fill expanded to a shape stays one (``fill`` as for :meth:`holds`)."""
+        if self.per_channel:
+            fill = None
+        elif fill is _UNKNOWN:
+            fill = fill_value(value)
+        if fill is None:
+            return self.quantize(value)
+        integer = self.quantize(fill)
+        if all(stride == 0 for stride in value.stride()):
+            return integer.expand(value.shape)
+        return torch.empty_like(value, dtype=self.dtype).fill_(integer.item())
 
     def round_trip_exact(self) -> bool:
         """Whether ``quantize(dequantize(q)) == q`` for every integer ``q`` of the grid: then a
@@ -168,8 +194,11 @@ def _checked(node: Node, grid: Grid) -> Grid:
     info = torch.iinfo(grid.dtype)
     if grid.quant_min < info.min or grid.quant_max > info.max:
         raise bad(f"[{grid.quant_min}, {grid.quant_max}] does not fit {grid.dtype}")
-    scales = grid.scale if grid.per_channel else torch.tensor([grid.scale])
-    if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
+    if grid.per_channel:
+        finite = bool(torch.isfinite(grid.scale).all()) and bool((grid.scale > 0).all())
+    else:
+        finite = math.isfinite(grid.scale) and grid.scale > 0
+    if not finite:
         raise bad(f"a scale is not a finite positive number: {grid.describe()}")
     return grid
 

@@ -28,7 +28,13 @@ from .buffers import (
     find_mutations,
 )
 
-__all__ = ["MutableBuffer", "initial_copy", "mutable_buffers", "reset_mutable_buffers"]
+__all__ = [
+    "MutableBuffer",
+    "fill_value",
+    "initial_copy",
+    "mutable_buffers",
+    "reset_mutable_buffers",
+]
 
 
 # Integer dtypes of each element size: a fill is detected on the bits, so -0.0 vs 0.0 and
@@ -36,7 +42,7 @@ __all__ = ["MutableBuffer", "initial_copy", "mutable_buffers", "reset_mutable_bu
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _fill_value(tensor: torch.Tensor) -> torch.Tensor | None:
+def fill_value(tensor: torch.Tensor) -> torch.Tensor | None:
     """The one value every element of ``tensor`` holds (a 0-dim tensor), or None."""
     if tensor.numel() == 0 or tensor.is_complex() or tensor.is_quantized or (
         tensor.layout != torch.strided or tensor.device.type == "meta"
@@ -44,6 +50,8 @@ def _fill_value(tensor: torch.Tensor) -> torch.Tensor | None:
         return None
     if tensor.element_size() not in _BITS:
         return None
+    if all(stride == 0 for stride in tensor.stride()):  # one element expanded: a kept fill
+        return tensor[(0,) * tensor.dim()].clone()
     # Seen as signed integers of its size (a no-op for those): every dtype compares bit
     # for bit, and the unsigned ones without an ``aminmax`` kernel (uint16-64) are covered.
     bits = tensor.view(_BITS[tensor.element_size()])
@@ -72,7 +80,7 @@ def initial_copy(tensor: torch.Tensor) -> torch.Tensor:
     """
     if tensor.requires_grad:  # the copies below record no autograd history
         tensor = tensor.detach()
-    fill = _fill_value(tensor)
+    fill = fill_value(tensor)
     return tensor.clone() if fill is None else fill.expand(tensor.shape)
 
 

@@ -31,6 +31,7 @@ from .buffers import (
 )
 from .grid_flow import IN_PLACE_WRITES, WILD, GridFlow, Refusal, is_element_view
 from .grids import Grid
+from .marked_state import fill_value
 from .op_schema import argument_value
 
 __all__ = ["BufferPlan", "StateStorage", "Write", "plan_quantized_state", "state_storage"]
@@ -64,6 +65,7 @@ class BufferPlan:
         grid: the grid its values lie on, when it can be stored as integers.
         reason: why it stays as it is, otherwise.
         skipped: True for state that is not floating point (nothing to quantize).
+        fill: the one value every element holds (a fresh cache's zeros), or None.
     """
 
     fqn: str
@@ -74,6 +76,7 @@ class BufferPlan:
     grid: Grid | None = None
     reason: str | None = None
     skipped: bool = False
+    fill: torch.Tensor | None = None  # the one value the buffer holds, when it holds one
     _candidates: list[Grid] = field(default_factory=list, repr=False)
 
     def refuse(self, reason: str) -> None:
@@ -144,11 +147,13 @@ def _candidates(flow: GridFlow, plan: BufferPlan) -> None:
     candidates = [proposed.on_axis(a) for a in axes]
     initial = next((n.meta[INITIAL_META] for n in plan.nodes
                     if n.meta.get(INITIAL_META) is not None), None)
+    plan.fill = fill_value(tensor)
+    kept = None if initial is None else fill_value(initial)
     off: list[str] = []
     for grid in candidates:
-        off = [what for what, value in (("its contents", tensor), ("its initial value",
-                                                                   initial))
-               if value is not None and not grid.holds(value)]
+        off = [what for what, value, fill in (("its contents", tensor, plan.fill),
+                                              ("its initial value", initial, kept))
+               if value is not None and not grid.holds(value, fill)]
         if not off:
             plan._candidates.append(grid)
     if not plan._candidates:
