@@ -148,6 +148,10 @@ class _Rewrite:
         scan = find_mutations(program)
         self.aliases = scan.aliases
         self.grids = {p.root: p for p in plans}
+        self.alias_nodes: dict[Node, list[Node]] = {p.root: [] for p in plans}
+        for node, alias in self.aliases.items():  # each buffer's nodes, views and writes
+            if alias.root in self.alias_nodes:
+                self.alias_nodes[alias.root].append(node)
         self.index = {n: i for i, n in enumerate(self.graph.nodes)}
         self.writers = {p.root: [self.index[w.node] for w in p.writes if w.output is None]
                         for p in plans}
@@ -310,7 +314,7 @@ class _Rewrite:
         reads it dequantized, right where it read it."""
         output = self.graph.output_node()
         kept = self.kept_outputs
-        for node in [n for n, a in self.aliases.items() if a.root is plan.root]:
+        for node in self.alias_nodes[plan.root]:
             grid = self.flow.grid(node)
             for user in list(node.users):
                 if user in self.created or user in self.stores or (
@@ -367,8 +371,7 @@ class _Rewrite:
         mode = detect_fake_mode(vals) if vals else None
         if mode is None:
             return
-        stale = set(self.created)
-        stale.update(n for n, a in self.aliases.items() if a.root in self.grids)
+        stale = set(self.created).union(*self.alias_nodes.values())
         for node in graph.nodes:
             if node not in stale:
                 continue
