@@ -44,6 +44,8 @@ GRID = (0.05, 3, -128, 127, torch.int8)
 OTHER_GRID = (0.04, 0, -128, 127, torch.int8)
 QUANTIZERS = {"xnnpack": xnnpack_quantizer, "every_op": AnnotateEveryOpQuantizer}
 FORMS = ("graph_module", "functional_graph_module", "exported_program")
+# Modules quantized by hand also come as export gives them: in-place writes in the program.
+HAND_FORMS = (*FORMS, "in_place_exported_program")
 STEPS = 8
 
 
@@ -109,6 +111,8 @@ def exported(model: nn.Module, example: tuple, form: str):
     ep = torch.export.export(copy.deepcopy(model), example)
     if form == "graph_module":
         return PassManager([MarkMutableBuffers()]).run(ep.module()).program
+    if form == "in_place_exported_program":
+        return PassManager([MarkMutableBuffers()]).run(ep).program
     ep = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(ep).program
     return ep if form == "exported_program" else ep.module()
 
