@@ -213,7 +213,7 @@ def plan_quantized_state(program: Any) -> tuple[list[BufferPlan], GridFlow]:
                            else f"{plan.tensor.dtype} state, not floating point")
             continue
         _writes(program, scan, state, plan)
-    _refuse_shared_storage([p for p in plans if p.reason is None])
+    _refuse_shared_storage(program, [p for p in plans if p.reason is None])
     _refuse_reinterpreted(scan, [p for p in plans if p.reason is None])
     resolve = resolver(program, scan)
     live = [p for p in plans if p.reason is None]
@@ -240,15 +240,25 @@ def plan_quantized_state(program: Any) -> tuple[list[BufferPlan], GridFlow]:
                 plan.refuse(why)
 
 
-def _refuse_shared_storage(plans: list[BufferPlan]) -> None:
-    by_storage: dict[int, list[BufferPlan]] = {}
+def _held_tensors(program: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor the program holds, by each name it holds it under."""
+    if isinstance(program, ExportedProgram):
+        return [*program.state_dict.items(), *program.constants.items()]
+    return [*program.named_buffers(remove_duplicate=False),
+            *program.named_parameters(remove_duplicate=False)]
+
+
+def _refuse_shared_storage(program: Any, plans: list[BufferPlan]) -> None:
+    """A buffer whose storage the program also holds under another name (an aliased
+    buffer) keeps its dtype: storing integers in one name would leave the other float."""
+    names: dict[int, set[str]] = {}
+    for name, tensor in _held_tensors(program):
+        if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().nbytes():
+            names.setdefault(tensor.untyped_storage().data_ptr(), set()).add(name)
     for plan in plans:
-        by_storage.setdefault(plan.tensor.untyped_storage().data_ptr(), []).append(plan)
-    for group in by_storage.values():
-        if len(group) > 1:
-            for plan in group:
-                others = ", ".join(repr(p.fqn) for p in group if p is not plan)
-                plan.refuse(f"shares its storage with {others}")
+        others = names.get(plan.tensor.untyped_storage().data_ptr(), set()) - {plan.fqn}
+        if others:
+            plan.refuse(f"shares its storage with {', '.join(map(repr, sorted(others)))}")
 
 
 def _refuse_reinterpreted(scan: Mutations, plans: list[BufferPlan]) -> None:

@@ -125,7 +125,7 @@ def dequantized_state(program) -> callable:
 
     def read(module: nn.Module) -> dict[str, torch.Tensor]:
         state = {}
-        for name, tensor in module.named_buffers():
+        for name, tensor in module.named_buffers(remove_duplicate=False):
             if name in grids:
                 grid = grids[name]
                 state[name] = grid.dequantize(tensor) if grid is not None else tensor.clone()
@@ -202,6 +202,19 @@ class ReadBeforeWrite(GridCache):
         self.cache.index_copy_(1, pos, on_grid(self.proj(x)))
         old = QD.dequantize_per_tensor(before, *GRID)
         return (old * x).sum(-1), (self.cache * x).sum(-1)
+
+
+class SharedStorage(GridCache):
+    """The cache registered under a second name too (one tensor, two buffers): storing
+    integers under one name would leave the other float."""
+
+    def __init__(self):
+        super().__init__("index_copy")
+        self.register_buffer("alias", self.cache)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.cache.index_copy_(1, pos, on_grid(self.proj(x)))
+        return ((self.alias * x).sum(-1),)
 
 
 class TwoGrids(GridCache):
