@@ -10,11 +10,13 @@ from .errors import (
     AmbiguousFrozenBufferError,
     LiftError,
     QuantizationFlowError,
+    QuantizedStateError,
     UnsupportedMutationError,
 )
 from .functional_variants import register_functional_variant
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
+from .quantize_mutable_buffers import QuantizeMutableBuffers
 from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
 
@@ -28,6 +30,8 @@ __all__: list[str] = [
     "LiftError",
     "MarkMutableBuffers",
     "QuantizationFlowError",
+    "QuantizeMutableBuffers",
+    "QuantizedStateError",
     "SkipAnnotateDataMovementOps",
     "UnfreezeMutableBuffer",
     "UnsupportedMutationError",

@@ -14,6 +14,7 @@ __all__ = [
     "AmbiguousFrozenBufferError",
     "LiftError",
     "QuantizationFlowError",
+    "QuantizedStateError",
     "UnsupportedMutationError",
 ]
 
@@ -87,3 +88,18 @@ class LiftError(PassManagerError):
         self.reason = reason
         where = f"node {node!r}: " if node else ""
         super().__init__(f"exported_program_from: {where}{reason}")
+
+
+class QuantizedStateError(QuantizationFlowError):
+    """QuantizeMutableBuffers met a graph it cannot read: a malformed quantize/dequantize
+    node, or a buffer whose recorded grid disagrees with its tensor. Nothing was rewritten.
+
+    Attributes:
+        node: the name of the node (or buffer) at fault.
+        reason: what is wrong with it.
+    """
+
+    def __init__(self, node: str, reason: str):
+        self.reason = reason
+        super().__init__(f"{reason}; the program was left unchanged",
+                         pass_name="QuantizeMutableBuffers", node=node)

@@ -20,7 +20,13 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, InputSpec, OutputKind, TensorArgument
+from torch.export.graph_signature import (
+    InputKind,
+    InputSpec,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
 from torch.fx import Node
 
 from pass_manager import graph_module_of
@@ -32,6 +38,7 @@ from .op_schema import written_nodes
 __all__ = [
     "BUFFER",
     "CONSTANT",
+    "GRID_META",
     "INITIAL_META",
     "LIFTED_GRAPH_HINT",
     "MUTABLE_BUFFER_META",
@@ -48,8 +55,10 @@ __all__ = [
     "hop_writes",
     "lifted_state_kind",
     "named_input_specs",
+    "named_output_specs",
     "placeholder_specs",
     "rename_call_graph",
+    "replace_buffer_tensor",
     "state_nodes",
     "trailing_write_backs",
 ]
@@ -61,6 +70,10 @@ MUTABLE_INPUT_META = "mutable_user_input"
 INITIAL_META = "mutable_buffer_initial"
 """``node.meta`` key holding the copy of a mutable buffer taken when it was first marked
 (for a buffer filled with one value, that value expanded to the buffer's shape)."""
+
+GRID_META = "mutable_buffer_grid"
+"""``node.meta`` key on a mutable buffer's node once ``QuantizeMutableBuffers`` stores it as
+the integers of a quantization grid; the value is that :class:`~passes._analysis.grids.Grid`."""
 
 BUFFER, USER_INPUT, PARAMETER, CONSTANT = "buffer", "user_input", "parameter", "constant"
 MUTATION_OUTPUT_KINDS = {
@@ -173,6 +186,18 @@ def named_input_specs(program: ExportedProgram) -> list[InputSpec]:
     return specs
 
 
+def named_output_specs(program: ExportedProgram) -> list[OutputSpec]:
+    """The output specs, each naming the node the output now returns in its place."""
+    values = program.graph.output_node().args[0]
+    specs = []
+    for spec, value in zip(program.graph_signature.output_specs, values, strict=True):
+        if isinstance(value, Node) and isinstance(spec.arg, TensorArgument) and (
+                spec.arg.name != value.name):
+            spec = dataclasses.replace(spec, arg=TensorArgument(name=value.name))
+        specs.append(spec)
+    return specs
+
+
 def call_graph_names(program: ExportedProgram) -> set[str]:
     """The values preserved module call signatures name (``preserve_module_call_signature``)."""
     return {arg.name for entry in program.module_call_graph if entry.signature is not None
@@ -203,6 +228,19 @@ def buffer_tensor(program: Any, fqn: str) -> torch.Tensor:
             return program.state_dict[fqn]
         return program.constants[fqn]
     return _resolve_attr(program, fqn)[2]
+
+
+def replace_buffer_tensor(program: Any, fqn: str, tensor: torch.Tensor) -> None:
+    """Make ``tensor`` the program's buffer ``fqn``: a new object in its place (the old one,
+    which other programs may share, is left as it is)."""
+    if isinstance(program, ExportedProgram):
+        held = program.state_dict if fqn in program.state_dict else program.constants
+        held[fqn] = tensor
+        return
+    owner, leaf, _ = _resolve_attr(program, fqn)
+    if leaf not in owner._buffers:
+        raise KeyError(f"{fqn!r} is not a registered buffer of its module")
+    owner._buffers[leaf] = tensor
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pass_manager import graph_module_of
 
 from .buffers import (
     BUFFER,
+    GRID_META,
     INITIAL_META,
     MUTABLE_BUFFER_META,
     MUTABLE_INPUT_META,
@@ -27,7 +28,13 @@ from .buffers import (
     find_mutations,
 )
 
-__all__ = ["MutableBuffer", "initial_copy", "mutable_buffers", "reset_mutable_buffers"]
+__all__ = [
+    "MutableBuffer",
+    "fill_value",
+    "initial_copy",
+    "mutable_buffers",
+    "reset_mutable_buffers",
+]
 
 
 # Integer dtypes of each element size: a fill is detected on the bits, so -0.0 vs 0.0 and
@@ -35,7 +42,7 @@ __all__ = ["MutableBuffer", "initial_copy", "mutable_buffers", "reset_mutable_bu
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _fill_value(tensor: torch.Tensor) -> torch.Tensor | None:
+def fill_value(tensor: torch.Tensor) -> torch.Tensor | None:
     """The one value every element of ``tensor`` holds (a 0-dim tensor), or None."""
     if tensor.numel() == 0 or tensor.is_complex() or tensor.is_quantized or (
         tensor.layout != torch.strided or tensor.device.type == "meta"
@@ -43,6 +50,8 @@ def _fill_value(tensor: torch.Tensor) -> torch.Tensor | None:
         return None
     if tensor.element_size() not in _BITS:
         return None
+    if all(stride == 0 for stride in tensor.stride()):  # one element expanded: a kept fill
+        return tensor[(0,) * tensor.dim()].clone()
     # Seen as signed integers of its size (a no-op for those): every dtype compares bit
     # for bit, and the unsigned ones without an ``aminmax`` kernel (uint16-64) are covered.
     bits = tensor.view(_BITS[tensor.element_size()])
@@ -71,7 +80,7 @@ def initial_copy(tensor: torch.Tensor) -> torch.Tensor:
     """
     if tensor.requires_grad:  # the copies below record no autograd history
         tensor = tensor.detach()
-    fill = _fill_value(tensor)
+    fill = fill_value(tensor)
     return tensor.clone() if fill is None else fill.expand(tensor.shape)
 
 
@@ -87,6 +96,11 @@ class MutableBuffer:
         writers: names of the nodes that write it, in graph order.
         initial: the value ``MarkMutableBuffers`` first saw (None for inputs): a copy, or
             for a buffer filled with one value that value expanded to the buffer's shape.
+            For a buffer stored as integers, the integers of that value.
+        grid: for a buffer ``QuantizeMutableBuffers`` stores as the integers of a
+            quantization grid, that :class:`~passes._analysis.grids.Grid`
+            (``grid.dequantize(tensor)`` is the value the program computes with); None for
+            a float buffer.
     """
 
     fqn: str
@@ -94,6 +108,7 @@ class MutableBuffer:
     nodes: list[str] = field(default_factory=list)
     writers: list[str] = field(default_factory=list)
     initial: torch.Tensor | None = None
+    grid: Any = None
 
 
 def mutable_buffers(program: Any) -> dict[str, MutableBuffer]:
@@ -132,6 +147,8 @@ def _marked(program: Any) -> dict[str, MutableBuffer]:
             entry.nodes.append(node.name)
             if entry.initial is None and node.meta.get(INITIAL_META) is not None:
                 entry.initial = node.meta[INITIAL_META]
+            if entry.grid is None and key == MUTABLE_BUFFER_META:
+                entry.grid = node.meta.get(GRID_META)
     return found
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "available",
     "decode_on_runtime",
     "executorch_state",
+    "planned_memory",
 ]
 
 EXECUTORCH_VERSION = "1.5.1"
@@ -42,6 +43,7 @@ _LAZY = {
     "BufferOwningPartitioner": "partitioner",
     "executorch_state": "partitioner",
     "decode_on_runtime": "runtime",
+    "planned_memory": "plan",
 }
 
 

@@ -40,7 +40,7 @@ from pass_manager.validation import Trace, call_inputs
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
 from .partitioner import BufferOwningPartitioner
 
-__all__ = ["RuntimeDecode", "decode_on_runtime", "lower_to_pte", "output_grid"]
+__all__ = ["RuntimeDecode", "decode_on_runtime", "decode_pte", "lower_to_pte", "output_grid"]
 
 PROGRAM_FORMS = (
     "an ExportedProgram, a module (with example_inputs), an EdgeProgramManager (from "
@@ -112,7 +112,9 @@ def _serialize(edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None
     # must start from the program's state (e.g. a reset cache, a non-zero counter).
     mutated = set(sig.buffers_to_mutate.values())
     names = [name for name, fqn in sig.inputs_to_buffers.items() if fqn in mutated]
-    config = ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(names)])
+    # Their names go into the plan too, so that planned_memory can say which is which.
+    config = ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(names)],
+                                     emit_mutable_buffer_names=True)
     notes = list(wrapper.notes) if wrapper is not None else []
     return _Lowered(edge.to_executorch(config).buffer, wrapper, _delegate_count(ep), notes)
 
@@ -322,6 +324,13 @@ def decode_on_runtime(
                 f"method takes {_declared_inputs(meta)}") from e
         trace.outputs.append([o.clone() if isinstance(o, torch.Tensor) else o for o in outputs])
     return RuntimeDecode(trace, lowered.notes, lowered.delegates, seconds, len(lowered.pte))
+
+
+def decode_pte(pte: bytes, steps: Sequence[Any]) -> Trace:
+    """Load the already-lowered ``.pte`` program ``pte`` once and call its ``forward`` once
+    per step: :func:`decode_on_runtime` without the lowering, for a program lowered once and
+    decoded or inspected (:func:`passes.executorch.planned_memory`) several times."""
+    return decode_on_runtime(bytes(pte), None, steps).trace
 
 
 def output_grid(program: Any) -> float | None:

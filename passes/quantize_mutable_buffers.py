@@ -1,0 +1,396 @@
+"""QuantizeMutableBuffers: a buffer holding only quantized values stores them as integers."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.export import ExportedProgram
+from torch.fx import Graph, Node
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from pass_manager import Effects, Pass, PassResult, graph_module_of
+from pass_manager.collector import collector_paused
+
+from ._analysis.aliasing import aliased_argument
+from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
+from ._analysis.buffers import (
+    GRID_META,
+    INITIAL_META,
+    find_mutations,
+    named_output_specs,
+    replace_buffer_tensor,
+    trailing_write_backs,
+)
+from ._analysis.data_movement import DataMovementNotAnnotated
+from ._analysis.frozen_reads import NoFrozenMutableBuffers
+from ._analysis.grid_flow import FUNCTIONAL_WRITES, MOVES, GridFlow, value_operands
+from ._analysis.grids import Grid, dequantize_grid, quantize_grid
+from ._analysis.marked_state import initial_copy
+from ._analysis.op_schema import argument_value
+from ._analysis.quantized_state import BufferPlan, plan_quantized_state, resolver
+from .errors import QuantizedStateError
+
+__all__ = ["QuantizeMutableBuffers", "QuantizedStateError"]
+
+_QUANTIZE = (torch.ops.quantized_decomposed.quantize_per_tensor.default,
+             torch.ops.quantized_decomposed.quantize_per_channel.default)
+_KEPT_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn", "from_node")
+
+
+@dataclass(frozen=True, repr=False)
+class QuantizeMutableBuffers(Pass):
+    """Store each mutable buffer whose every write stores values of one quantization grid
+    as that grid's integers; the program computes exactly what it did.
+
+    Runs on a converted program (``convert_pt2e`` + UnfreezeMutableBuffer, the GraphModule
+    torchao returns, or that program re-exported and functionalized). A buffer qualifies
+    when each write stores ``dequantize(q, scale, zero_point, quant_min, quant_max,
+    dtype)`` of one grid, or data movement of such values (views, ``cat``, ``index_copy``,
+    ``index_put``, ``slice_scatter``, ``copy_``, the buffer's own contents included; one
+    channel axis per channel for ``dequantize_per_channel``), and its contents and the
+    initial value ``MarkMutableBuffers`` kept lie on that grid bit for bit. Such a buffer
+    then holds the integers: each write stores the same data movement applied to ``q``,
+    each read dequantizes it right where the float buffer was read, and a read that is
+    re-quantized onto the same grid reads the integers. Any other buffer (an accumulator,
+    two grids, a value computed after the dequantize) stays float, and the notes and
+    statistics say why. The marks follow: ``mutable_buffers`` reports the grid,
+    ``reset_mutable_buffers`` restores the integer initial value.
+
+    Requires MutableBuffersMarked; may touch the buffers' tensors (replaced, never written
+    in place), their nodes' ``val``, kept initial value and grid, and the nodes reading or
+    writing them.
+
+    Example (GraphModule form, an int8 grid ``g``)::
+
+        before:  %q = quantize_per_tensor(%k, *g)
+                 %dq = dequantize_per_tensor(%q, *g)
+                 %index_copy_ = aten.index_copy_(%k_cache, 2, %pos, %dq)     # float32
+                 %t = aten.transpose(%index_copy_, 2, 3)
+                 %matmul = aten.matmul(%x, %t)
+        after:   %q = quantize_per_tensor(%k, *g)
+                 %index_copy_ = aten.index_copy_(%k_cache, 2, %pos, %q)      # int8
+                 %t = aten.transpose(%index_copy_, 2, 3)
+                 %dq_t = dequantize_per_tensor(%t, *g)
+                 %matmul = aten.matmul(%x, %dq_t)
+
+    Args:
+        strict: raise :class:`QuantizedStateError` when a floating-point mutable buffer
+            must stay float, instead of leaving it float with a note.
+
+    Raises:
+        QuantizedStateError: a malformed quantize/dequantize node on the way to a buffer
+            write, a buffer recorded as quantized whose tensor is float, or (``strict``)
+            a buffer that stays float. The program is left unchanged.
+    """
+
+    requires = frozenset({MutableBuffersMarked})
+    preserves = frozenset({MutableBuffersMarked, Functional, NoFrozenMutableBuffers,
+                           DataMovementNotAnnotated})
+    # Buffers are replaced by new tensors, never written in place; of existing nodes only
+    # the fake values and the buffers' kept initial value and grid change.
+    effects = Effects.rewrite(meta_keys=(INITIAL_META, GRID_META, "val", "tensor_meta"))
+
+    strict: bool = False
+
+    def call(self, program: Any) -> PassResult:
+        with collector_paused():  # nothing it allocates is garbage before it returns
+            plans, flow = plan_quantized_state(program)
+            notes, statistics = _report(plans)
+            refused = [p for p in plans if p.grid is None and not p.skipped]
+            if self.strict and refused:
+                raise QuantizedStateError(refused[0].fqn, f"buffer {refused[0].fqn!r} stays "
+                                          f"float: {refused[0].reason}")
+            accepted = [p for p in plans if p.grid is not None]
+            if accepted:
+                _Rewrite(program, accepted, flow).run()
+        return PassResult(program, bool(accepted), notes, statistics)
+
+
+def _report(plans: list[BufferPlan]) -> tuple[list[str], Counter]:
+    notes, statistics = [], Counter()
+    for plan in plans:
+        before = plan.tensor.numel() * plan.tensor.element_size()
+        if plan.grid is not None:
+            after = plan.tensor.numel() * plan.grid.dtype.itemsize
+            statistics["buffers stored as integers"] += 1
+            statistics["state bytes before"] += before
+            statistics["state bytes after"] += after
+            statistics[f"{plan.fqn}: bytes {_name(plan.tensor.dtype)}"] = before
+            statistics[f"{plan.fqn}: bytes {_name(plan.grid.dtype)}"] = after
+            notes.append(f"{plan.fqn}: {_name(plan.tensor.dtype)} -> {_name(plan.grid.dtype)} "
+                         f"({before} -> {after} bytes) on {plan.grid.describe()}")
+        elif plan.skipped:
+            notes.append(f"{plan.fqn}: left as it is ({plan.reason})")
+        else:
+            statistics["buffers left float"] += 1
+            statistics["state bytes before"] += before
+            statistics["state bytes after"] += before
+            statistics[f"{plan.fqn}: left float"] = 1
+            notes.append(f"{plan.fqn}: stays {_name(plan.tensor.dtype)}: {plan.reason}")
+    return notes, statistics
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _Rewrite:
+    """The rewrite of one program for its accepted buffers (see the pass's docstring)."""
+
+    def __init__(self, program: Any, plans: list[BufferPlan], flow: GridFlow):
+        self.program, self.plans, self.flow = program, plans, flow
+        self.gm = graph_module_of(program)
+        self.graph: Graph = self.gm.graph
+        scan = find_mutations(program)
+        self.aliases = scan.aliases
+        self.grids = {p.root: p for p in plans}
+        self.alias_nodes: dict[Node, list[Node]] = {p.root: [] for p in plans}
+        for node, alias in self.aliases.items():  # each buffer's nodes, views and writes
+            if alias.root in self.alias_nodes:
+                self.alias_nodes[alias.root].append(node)
+        self.index = {n: i for i, n in enumerate(self.graph.nodes)}
+        self.writers = {p.root: [self.index[w.node] for w in p.writes if w.output is None]
+                        for p in plans}
+        self.ints: dict[Node, Node] = {}
+        self.created: set[Node] = set()
+        self.resolve = resolver(program, scan)
+        self.stores = {w.node for p in plans for w in p.writes if w.output is None}
+        self.kept_outputs = {w.output for p in plans for w in p.writes if w.output is not None}
+        self.reads_integers: set[Node] = set()  # the readers of a quantize made direct
+        self.constants: dict[str, Node] = {}  # get_attr nodes of per-channel scales
+        write_backs = [] if isinstance(program, ExportedProgram) else trailing_write_backs(
+            program)
+        self.write_backs = set(write_backs)
+        self.first_write_back = write_backs[0] if write_backs else None
+        # Where each per-channel grid's scales and zero points are (taken before a rewrite
+        # erases the dequantize nodes naming them).
+        self.channel_sources = [(g, n.args[1:3]) for n, g in flow.sources if g.per_channel]
+
+    def run(self) -> None:
+        direct = self._direct_reads()  # decided before anything changes
+        for plan in self.plans:  # every write stores the integers
+            for write in plan.writes:
+                self._store(write)
+        for node, source in direct:
+            self.reads_integers.update(node.users)
+            node.replace_all_uses_with(self.int_of(source))
+            self.graph.erase_node(node)
+        self._float_reads_of_mirrored_nodes()
+        self._drop_dead()
+        for plan in self.plans:
+            self._float_reads_of_buffer(plan)
+        self._drop_dead()
+        self._swap_tensors()
+        self._refresh_values()
+        if isinstance(self.program, ExportedProgram):
+            self.program.graph_signature.output_specs[:] = named_output_specs(self.program)
+        self.graph.lint()
+
+    # -- integers of values -------------------------------------------------------------
+    def _alias_plan(self, node: Node) -> BufferPlan | None:
+        alias = self.aliases.get(node)
+        return self.grids.get(alias.root) if alias is not None else None
+
+    def int_of(self, node: Node) -> Node:
+        """A node holding the integers of ``node``'s value on its grid, at its place."""
+        if self._alias_plan(node) is not None:
+            return node  # a quantized buffer, or a view of one: it holds the integers
+        if node in self.ints:
+            return self.ints[node]
+        if dequantize_grid(node, self.resolve) is not None:
+            self.ints[node] = node.args[0]
+            return node.args[0]
+        schema = node.target._schema
+        args, kwargs = list(node.args), dict(node.kwargs)
+        for i in value_operands(node):
+            value = argument_value(node, schema, i)
+            new = [self.int_of(v) for v in value] if isinstance(value, (list, tuple)) else (
+                self.int_of(value))
+            if i < len(args):
+                args[i] = new
+            else:
+                kwargs[schema.arguments[i].name] = new
+        with self.graph.inserting_after(node):
+            mirror = self._call(node.target, tuple(args), kwargs, like=node)
+        self.ints[node] = mirror
+        return mirror
+
+    def _call(self, target: Any, args: tuple, kwargs: dict, like: Node) -> Node:
+        new = self.graph.call_function(target, args, kwargs)
+        new.meta.update({k: like.meta[k] for k in _KEPT_META if k in like.meta})
+        self.created.add(new)
+        return new
+
+    def _dequantize(self, value: Node, grid: Grid, like: Node) -> Node:
+        scale = zero_point = None
+        if grid.per_channel:
+            scale, zero_point = self._channel_constants(value, grid)
+        target, args, kwargs = grid.dequantize_args(value, scale, zero_point)
+        return self._call(target, args, kwargs, like)
+
+    def _channel_constants(self, value: Node, grid: Grid) -> tuple[Node, Node]:
+        """Nodes holding the grid's scales and zero points, defined before any read."""
+        constants = []
+        for node in next(nodes for g, nodes in self.channel_sources if g.same_levels(grid)):
+            if node.op == "get_attr":  # a graph module: one read of it, at the top
+                if node.target not in self.constants:
+                    with self.graph.inserting_before(next(iter(self.graph.nodes))):
+                        self.constants[node.target] = self.graph.get_attr(node.target)
+                    self.created.add(self.constants[node.target])
+                node = self.constants[node.target]
+            constants.append(node)
+        return constants[0], constants[1]
+
+    # -- writes and reads -------------------------------------------------------------
+    def _store(self, write: Any) -> None:
+        integers = self.int_of(write.value)
+        if write.output is None:
+            schema = write.node.target._schema
+            index = value_operands(write.node)[-1]
+            if index < len(write.node.args):
+                write.node.update_arg(index, integers)
+            else:
+                write.node.update_kwarg(schema.arguments[index].name, integers)
+            return
+        output = self.graph.output_node()
+        values = list(output.args[0])
+        values[write.output] = integers
+        output.args = (tuple(values), *output.args[1:])
+
+    def _direct_reads(self) -> list[tuple[Node, Node]]:
+        """The quantize nodes of a quantized buffer's value onto its own grid, and that
+        value: they read the integers."""
+        found = []
+        moving = (*MOVES, *FUNCTIONAL_WRITES, torch.ops.aten.cat.default)
+        quantizes = [n for op in _QUANTIZE for n in self.graph.find_nodes(
+            op="call_function", target=op)]
+        for node in sorted(quantizes):
+            source = node.args[0] if node.args else None
+            if not isinstance(source, Node) or not (
+                    self._alias_plan(source) is not None or source.target in moving):
+                continue
+            grid = quantize_grid(node, self.resolve)
+            value = self.flow.grid(source)
+            if not (isinstance(value, Grid) and source in self.flow.carries_state
+                    and value.same(grid) and grid.round_trip_exact()):
+                continue
+            plan = self._alias_plan(source)
+            if plan is None or self._unwritten_while_read(node, plan):
+                found.append((node, source))
+        return found
+
+    def _unwritten_while_read(self, node: Node, plan: BufferPlan) -> bool:
+        """No write of the buffer lies between ``node`` and the last read of its value."""
+        start, last, stack = self.index[node], self.index[node], [node]
+        while stack:
+            current = stack.pop()
+            for user in current.users:
+                last = max(last, self.index.get(user, last))
+                found = aliased_argument(user)
+                if found is not None and found[1] is current:
+                    stack.append(user)
+        return not any(start < w <= last for w in self.writers[plan.root])
+
+    def _float_reads_of_mirrored_nodes(self) -> None:
+        """A value computed from a quantized buffer that is now mirrored in integers is read
+        as the dequantized mirror (one dequantize instead of the float computation)."""
+        for node, mirror in list(self.ints.items()):
+            if node not in self.flow.carries_state or mirror not in self.created:
+                continue
+            readers = [u for u in node.users if u not in self.created]
+            if not readers:
+                continue
+            with self.graph.inserting_after(mirror):
+                dequantized = self._dequantize(mirror, self.flow.grid(node), node)
+            for user in readers:
+                user.replace_input_with(node, dequantized)
+
+    def _float_reads_of_buffer(self, plan: BufferPlan) -> None:
+        """Every other reader of the buffer (or of a view of it, or of a write's result)
+        reads it dequantized, right where it read it."""
+        output = self.graph.output_node()
+        kept = self.kept_outputs
+        for node in self.alias_nodes[plan.root]:
+            grid = self.flow.grid(node)
+            for user in list(node.users):
+                if user in self.created or user in self.stores or (
+                        user in self.reads_integers or self._alias_plan(user) is plan):
+                    continue
+                if user is output:
+                    self._dequantize_outputs(node, grid, kept)
+                    continue
+                # A write-back of another buffer stays among the trailing ones.
+                place = self.first_write_back if user in self.write_backs else user
+                with self.graph.inserting_before(place):
+                    user.replace_input_with(node, self._dequantize(node, grid, node))
+
+    def _dequantize_outputs(self, node: Node, grid: Grid, kept: set[int]) -> None:
+        output = self.graph.output_node()
+        flat = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else None
+        if flat is None or not isinstance(self.program, ExportedProgram):
+            with self.graph.inserting_before(output):
+                output.replace_input_with(node, self._dequantize(node, grid, node))
+            return
+        positions = [i for i, v in enumerate(flat) if v is node and i not in kept]
+        if positions:
+            with self.graph.inserting_before(output):
+                dequantized = self._dequantize(node, grid, node)
+            for i in positions:
+                flat[i] = dequantized
+            output.args = (tuple(flat), *output.args[1:])
+
+    def _drop_dead(self) -> None:
+        """Erase the float nodes the rewrite left without readers (pure ops only)."""
+        for node in reversed(list(self.graph.nodes)):
+            if (node.op == "call_function" and not node.users and not node.is_impure()
+                    and (node in self.ints or node in self.created)):
+                self.graph.erase_node(node)
+                self.ints.pop(node, None)
+                self.created.discard(node)
+
+    # -- state and fake values ---------------------------------------------------------
+    def _swap_tensors(self) -> None:
+        for plan in self.plans:
+            integers = plan.grid.integers_of(plan.tensor.detach(), plan.fill)
+            replace_buffer_tensor(self.program, plan.fqn, integers)
+            for node in plan.nodes:
+                node.meta[GRID_META] = plan.grid
+                initial = node.meta.get(INITIAL_META)
+                if initial is not None:
+                    node.meta[INITIAL_META] = initial_copy(plan.grid.integers_of(initial))
+
+    def _refresh_values(self) -> None:
+        """Fake values for new nodes and for every node of a quantized buffer's storage."""
+        graph = self.graph
+        vals = [n.meta["val"] for n in graph.nodes
+                if n.op in ("placeholder", "get_attr") and "val" in n.meta]
+        mode = detect_fake_mode(vals) if vals else None
+        if mode is None:
+            return
+        stale = set(self.created).union(*self.alias_nodes.values())
+        for node in graph.nodes:
+            if node not in stale:
+                continue
+            if node.op in ("placeholder", "get_attr"):
+                old = node.meta.get("val")
+                plan = self._alias_plan(node)
+                if plan is not None and isinstance(old, torch.Tensor):
+                    with mode:
+                        new = torch.empty_strided(old.shape, old.stride(), dtype=plan.grid.dtype)
+                    _set_value(node, new)
+                continue
+            if not all("val" in n.meta for n in node.all_input_nodes):
+                continue
+            args = torch.fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+            with mode:
+                _set_value(node, node.target(*args[0], **args[1]))
+
+
+def _set_value(node: Node, value: Any) -> None:
+    node.meta["val"] = value
+    if "tensor_meta" in node.meta and isinstance(value, torch.Tensor):
+        node.meta["tensor_meta"] = _extract_tensor_metadata(value)
