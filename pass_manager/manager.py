@@ -233,6 +233,11 @@ def _validation(
         )
     if not single:
         validate = list(validate)
+        if calls is not None and calls > len(validate):
+            raise ValidationInputError(
+                _VALIDATE, None,
+                f"validation_calls={calls} asks for more calls than the {len(validate)} "
+                f"given: give {calls} entries, or validation_calls={len(validate)} or less")
     inputs = call_inputs(validate, calls or (3 if single else None))
     labels = ["validate"] * len(inputs) if single else [f"validate[{i}]" for i in
                                                          range(len(inputs))]

@@ -99,7 +99,9 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
     Raises:
         UntrustedFileError: without ``trusted``, a file is pickled or the manifest names a
             module outside ``pass_manager`` / ``passes``; the message says which.
-        ArchiveError: a file is damaged or was not written by a Reproducer.
+        ArchiveError: a file is damaged or was not written by a Reproducer, or the
+            Reproducer recorded that the pass cannot be rebuilt (e.g. a lambda): the
+            message says why.
     """
     folder = Path(folder)
     manifest_file = folder / "manifest.json"
@@ -107,7 +109,9 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
     if not isinstance(manifest, dict):
         raise ArchiveError(manifest_file, "it is not a reproducer manifest (a JSON object)")
     if not manifest["replayable"]:
-        raise ValueError(f"{folder} cannot be replayed: {manifest['not_replayable_because']}")
+        because = manifest["not_replayable_because"]
+        raise ArchiveError(folder, because, f"{folder} cannot be replayed: {because}; its "
+                           "program.pt and program.txt still show the program the pass met")
     _check_modules(manifest["modules"], manifest_file, trusted)  # all, before importing any
     for module in manifest["modules"]:
         importlib.import_module(module)

@@ -4,14 +4,16 @@
   layer and a relu the test passes rewrite; the ``exported`` / ``traced`` fixtures);
 * :class:`Accumulator`: the quantization tests' and the decode-accuracy benchmark's
   stateful model (a decaying sum updated by a compute op, read through ops quantizers
-  annotate), with :func:`accumulator_inputs`.
+  annotate), with :func:`accumulator_inputs`;
+* :class:`ReadBeforeUpdate`: reads its state, then updates it in place, and returns both
+  (the old value must not be read after the update, e.g. by a delegate owning the buffer).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["Accumulate", "Accumulator", "accumulator_inputs"]
+__all__ = ["Accumulate", "Accumulator", "ReadBeforeUpdate", "accumulator_inputs"]
 
 
 class Accumulate(torch.nn.Module):
@@ -63,3 +65,16 @@ class Accumulator(torch.nn.Module):
 def accumulator_inputs(steps: int, dim: int = 16, seed: int = 0) -> list[tuple[torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     return [(torch.randn(1, dim, generator=generator),) for _ in range(steps)]
+
+
+class ReadBeforeUpdate(torch.nn.Module):
+    """Reads ``state`` before adding the input to it in place; returns a function of both."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("state", torch.ones(4))
+
+    def forward(self, x):
+        old = self.state * 2
+        self.state.add_(x)
+        return old + self.state

@@ -42,6 +42,7 @@ from passes.delegation import (
     to_delegate,
 )
 from passes.flow.examples import decode_inputs, kv_decoder
+from tests.models.accumulators import ReadBeforeUpdate
 
 aten = torch.ops.aten
 CALLS = 4
@@ -243,17 +244,6 @@ class ReturnsState(nn.Module):
         self.acc.add_(x)
         self.calls.add_(1)
         return self.acc, self.calls * 10
-
-
-class ReadBeforeUpdate(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("state", torch.ones(4))
-
-    def forward(self, x):
-        old = self.state * 2
-        self.state.add_(x)
-        return old + self.state
 
 
 class TwoUpdates(nn.Module):

@@ -31,6 +31,7 @@ from passes import (
 from passes.delegation import AllNodePartitioner, OpSupportPartitioner, to_delegate
 from passes.flow.examples import xnnpack_quantizer
 from passes.flow.quantization import prepare
+from tests.models.accumulators import ReadBeforeUpdate
 
 ERRORS = {
     name: getattr(module, name)
@@ -57,17 +58,6 @@ class WritesConstant(nn.Module):
     def forward(self, x):
         self.c.add_(x)
         return self.c * 2
-
-
-class ReadBeforeUpdate(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("state", torch.ones(4))
-
-    def forward(self, x):
-        old = self.state * 2
-        self.state.add_(x)
-        return old + self.state
 
 
 class TwoBuffers(nn.Module):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pass_manager import (
+    ArchiveError,
     PassFailedError,
     PassManager,
     PassManagerError,
@@ -270,3 +271,17 @@ def test_reproducer_of_a_large_program_keeps_no_second_copy_of_its_state(form, t
     assert written > 100 * mib, measured  # the state is in the folder
     assert copy_grown > 90 * mib, measured  # a copy of the state would be seen
     assert grown < 25 * mib, measured  # and writing the folder made none
+
+
+def test_a_pass_that_cannot_be_rebuilt_is_recorded_and_load_refuses_it_by_name(tmp_path):
+    def fails(program):
+        raise RuntimeError("boom")
+
+    with pytest.raises(PassManagerError) as info:
+        PassManager([fails], reproducer_dir=tmp_path).run(_program("ExportedProgram"))
+    folder = info.value.reproducer
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert not manifest["replayable"] and manifest["not_replayable_because"]
+    with pytest.raises(ArchiveError, match="cannot be replayed") as refused:
+        load_reproducer(folder, trusted=True)
+    assert refused.value.reason == manifest["not_replayable_because"]

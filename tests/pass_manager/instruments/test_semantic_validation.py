@@ -186,3 +186,12 @@ def test_validate_given_a_tensor_or_a_list_of_arguments_says_how_to_write_it():
     pm, _ = _pipeline([_X, _POS])
     with pytest.raises(ValidationInputError, match=r"one call's arguments are a tuple"):
         pm.run(_programs()["exported"])
+
+
+def test_more_validation_calls_than_inputs_is_named_before_any_pass_runs():
+    calls: list[str] = []
+    with pytest.raises(ValidationInputError, match=r"validation_calls=3 asks for more calls "
+                                                   r"than the 2 given"):
+        PassManager([lambda p: calls.append("ran") or p],
+                    validate=[(_X, _POS), (_X, _POS)], validation_calls=3)
+    assert calls == []
