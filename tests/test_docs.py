@@ -8,6 +8,8 @@ with the checkout first on the path: what a user outside the repository gets.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
 import re
 import shlex
@@ -75,3 +77,17 @@ def test_command_runs_as_written(document, index, argv, tmp_path):
     assert done.returncode == 0, (
         f"{document} sh block {index}: {shlex.join(argv)} exited {done.returncode}\n"
         f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+
+
+def test_every_public_error_type_has_a_row_in_the_errors_guide():
+    guide = (ROOT / "docs" / "errors.md").read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \|", guide, flags=re.M))
+    public = set()
+    for package in ("pass_manager", "passes", "passes.delegation", "passes.executorch"):
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            value = getattr(module, name)
+            if inspect.isclass(value) and issubclass(value, BaseException):
+                public.add(name)
+    assert public - rows == set(), "error types without a row in docs/errors.md"
+    assert rows - public == set(), "rows in docs/errors.md naming no public error type"
