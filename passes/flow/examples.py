@@ -4,6 +4,8 @@
   over a per-layer KV cache, gated SiLU MLP) that decodes one position per call and writes
   its K/V into registered buffers in place, with ``index_copy_`` or ``cache[:, :, pos] = k``
   (``index_put_``). No downloads: weights come from a seeded generator.
+* :func:`prefill_decode_job`: the same decoder deployed as two methods sharing its caches,
+  a prefill of several positions and a one-position decode (factory contract v3).
 * :class:`AnnotateEveryOpQuantizer`: a quantizer in the style of the Qualcomm QNN backend's,
   annotating every aten op with a float result, data movement included (``--quantizer
   every-op``): the style under which a KV cache gets observed on its initial state.
@@ -37,6 +39,7 @@ __all__ = [
     "decode_inputs",
     "decoder_job",
     "kv_decoder",
+    "prefill_decode_job",
     "xnnpack_quantizer",
 ]
 
@@ -166,6 +169,27 @@ def decoder_job(
     """The main job's default model: a decoder, example inputs, and one input per decode step."""
     model, example = kv_decoder(n_layers, cache_update, seed)
     return model, example, decode_inputs(model.cfg, steps, seed=seed)
+
+
+def prefill_decode_job(
+    n_layers: int = 2, prefill: int = 4, decode_steps: int = 7, seed: int = 0
+) -> dict:
+    """The decoder as two methods over one state (factory contract v3): ``prefill`` takes
+    ``x [1, prefill, dim]`` at positions ``0 .. prefill-1``, ``decode`` one position; the
+    steps are one prefill, then ``decode_steps`` decodes at the following positions."""
+    model, _ = kv_decoder(n_layers, seed=seed)
+    cfg = model.cfg
+    generator = torch.Generator().manual_seed(seed + 2)
+    prompt = (torch.randn(1, prefill, cfg.dim, generator=generator), torch.arange(prefill))
+    decodes = decode_inputs(cfg, decode_steps, seed=seed, start=prefill)
+    return {
+        "module": model,
+        "methods": {
+            "prefill": {"example_args": prompt},
+            "decode": {"example_args": decodes[0]},
+        },
+        "steps": [("prefill", prompt), *(("decode", call) for call in decodes)],
+    }
 
 
 ACTIVATION_QSPEC = QuantizationSpec(

@@ -8,7 +8,9 @@ A factory (``python -m passes run package.module:factory``) returns either
   ``example_kwargs`` (a mapping, optional), ``steps`` (a list of argument tuples or
   ``(args, kwargs)`` pairs, optional), ``dynamic_shapes`` (optional, as
   ``torch.export.export`` takes them) and ``export`` (optional: ``"strict"`` or
-  ``"non-strict"``).
+  ``"non-strict"``); or
+* v3: a mapping with ``module`` and ``methods``, the model deployed as several methods over
+  one state (see :mod:`passes.flow.methods`).
 
 Without steps the example call is repeated. The module may be an ``nn.Module``, the
 module of an exported program (``ep.module()``) or the exported program itself.
@@ -30,11 +32,14 @@ import io
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pass_manager.validation import Call, as_call, copy_program
+
+if TYPE_CHECKING:
+    from .methods import MethodsSpec
 
 __all__ = [
     "EXPORT_MODES",
@@ -83,12 +88,17 @@ class Exported:
     note: str = ""
 
 
-def model_spec(made: Any, name: str, steps: int) -> ModelSpec:
-    """Read a factory's result (v1 tuple or v2 mapping) into a :class:`ModelSpec`.
+def model_spec(made: Any, name: str, steps: int) -> ModelSpec | MethodsSpec:
+    """Read a factory's result (v1 tuple or v2 mapping) into a :class:`ModelSpec`, or a v3
+    mapping (one with ``methods``) into a :class:`~passes.flow.methods.MethodsSpec`.
 
     ``steps`` is how many decode calls to keep; without steps of its own the example call is
     repeated that many times. Raises :class:`ModelError` naming what is wrong.
     """
+    from .methods import is_methods_factory, methods_spec
+
+    if is_methods_factory(made):
+        return methods_spec(made, name, steps)
     if isinstance(made, Mapping):
         spec = _from_mapping(made, name)
     elif isinstance(made, tuple) and len(made) in (2, 3):
