@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
+
+from .errors import ValidationInputError
 
 __all__ = [
     "Call",
@@ -32,6 +34,7 @@ __all__ = [
     "copy_program",
     "first_difference",
     "output_errors",
+    "run_methods",
     "run_program",
 ]
 
@@ -185,6 +188,47 @@ def run_program(
             out = module(*args, **kwargs)
         trace.outputs.append(_snapshot(out))
         trace.buffers.append(state(module))
+        trace.inputs.append(_snapshot((args, kwargs)))
+        if on_call is not None:
+            on_call(index)
+    return trace
+
+
+def run_methods(
+    programs: Mapping[str, Any],
+    calls: Sequence[tuple[str, tuple, Mapping[str, Any]]],
+    state: StateReader = _default_state,
+    on_call: Callable[[int], None] | None = None,
+) -> Trace:
+    """Call the methods of one model in deployment order, on one copy of them all.
+
+    ``programs`` maps method names to programs (an ``nn.Module`` each, or an
+    ``ExportedProgram``, whose ``module()`` runs on its own state tensors); ``calls`` are
+    ``(method, args, kwargs)`` triples. The mapping is copied as a whole, so buffer tensors
+    the methods share stay shared in the copy: a prefill's writes are what the next decode
+    reads, as on a device. Each call's entry in ``trace.buffers`` holds every method's
+    buffers by name (a shared buffer once). The caller's programs are untouched.
+    """
+    copies = copy_program(dict(programs))
+    modules = {name: program.module() if isinstance(program, ExportedProgram) else program
+               for name, program in copies.items()}
+    for name, module in modules.items():
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"cannot run method {name!r}: a {type(module).__name__}")
+    trace = Trace()
+    for index, (method, args, kwargs) in enumerate(calls):
+        if method not in modules:
+            raise ValidationInputError("run_methods", f"calls[{index}]",
+                                       f"names method {method!r}; the methods are "
+                                       f"{', '.join(map(repr, modules))}")
+        args, kwargs = copy.deepcopy((tuple(args), dict(kwargs)))
+        with torch.no_grad():
+            out = modules[method](*args, **kwargs)
+        trace.outputs.append(_snapshot(out))
+        buffers: dict[str, torch.Tensor] = {}
+        for module in modules.values():
+            buffers.update(state(module))
+        trace.buffers.append(buffers)
         trace.inputs.append(_snapshot((args, kwargs)))
         if on_call is not None:
             on_call(index)

@@ -50,17 +50,8 @@ class MethodSpec:
         return self.example_args, self.example_kwargs
 
 
-@dataclass
-class MethodCall:
-    """One call of the deployment sequence: which method, with which inputs."""
-
-    method: str
-    args: tuple
-    kwargs: dict[str, Any]
-
-    @property
-    def call(self) -> Call:
-        return self.args, self.kwargs
+MethodCall = tuple[str, tuple, dict]
+"""One call of the deployment sequence: ``(method, args, kwargs)``."""
 
 
 @dataclass
@@ -70,6 +61,14 @@ class MethodsSpec:
     module: torch.nn.Module
     methods: dict[str, MethodSpec]
     steps: list[MethodCall]
+
+    @property
+    def calls_by_method(self) -> dict[str, list[tuple[tuple, dict]]]:
+        """Each method's own calls, in order (what quantizing it on its own calibrates on)."""
+        found: dict[str, list[tuple[tuple, dict]]] = {name: [] for name in self.methods}
+        for method, args, kwargs in self.steps:
+            found[method].append((args, kwargs))
+        return found
 
 
 def is_methods_factory(made: Any) -> bool:
@@ -102,7 +101,7 @@ def methods_spec(made: Mapping, name: str, steps: int) -> MethodsSpec:
     if given is not None and (not isinstance(given, Sequence) or isinstance(given, str)):
         raise ModelError(f"{name}(): 'steps' must be a list of (method, args[, kwargs]) calls")
     calls = ([_step(step, index, specs, name) for index, step in enumerate(given)]
-             if given else [MethodCall(m, s.example_args, dict(s.example_kwargs))
+             if given else [(m, s.example_args, dict(s.example_kwargs))
                             for m, s in specs.items()])
     return MethodsSpec(module, specs, calls[:steps])
 
@@ -157,4 +156,4 @@ def _step(step: Any, index: int, methods: Mapping[str, MethodSpec], name: str) -
     if len(step) == 3 and not (isinstance(step[1], tuple) and isinstance(step[2], Mapping)):
         raise ModelError(f"{where}: (method, args, kwargs) needs a tuple and a mapping")
     args, kwargs = as_call(inputs)
-    return MethodCall(method, tuple(args), dict(kwargs))
+    return method, tuple(args), dict(kwargs)

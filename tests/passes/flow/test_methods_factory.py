@@ -14,10 +14,10 @@ def test_the_builtin_prefill_decode_job_reads_as_two_methods_and_its_calls_in_or
     spec = model_spec(prefill_decode_job(n_layers=1, prefill=4, decode_steps=3), "job", 8)
     assert isinstance(spec, MethodsSpec)
     assert list(spec.methods) == ["prefill", "decode"]
-    assert [(c.method, c.args[0].shape[1], c.args[1].tolist()) for c in spec.steps] == [
+    assert [(m, args[0].shape[1], args[1].tolist()) for m, args, _ in spec.steps] == [
         ("prefill", 4, [0, 1, 2, 3]), ("decode", 1, [4]), ("decode", 1, [5]), ("decode", 1, [6])]
     # --steps keeps the first calls of the sequence
-    assert [c.method for c in model_spec(prefill_decode_job(1), "job", 2).steps] == [
+    assert [m for m, _, _ in model_spec(prefill_decode_job(1), "job", 2).steps] == [
         "prefill", "decode"]
 
 
@@ -25,8 +25,8 @@ def test_without_steps_each_method_example_is_called_once_in_order():
     made = prefill_decode_job(n_layers=1)
     del made["steps"]
     spec = methods_spec(made, "job", 8)
-    assert [c.method for c in spec.steps] == ["prefill", "decode"]
-    assert spec.steps[0].args[0].shape == (1, 4, 32)
+    assert [m for m, _, _ in spec.steps] == ["prefill", "decode"]
+    assert spec.steps[0][1][0].shape == (1, 4, 32)
 
 
 def test_steps_take_args_args_and_kwargs_or_a_keyword_mapping():
@@ -35,7 +35,7 @@ def test_steps_take_args_args_and_kwargs_or_a_keyword_mapping():
     made["steps"] = [("decode", (x, pos)), ("decode", (x,), {"input_pos": pos}),
                      ("decode", {"x": x, "input_pos": pos})]
     spec = methods_spec(made, "job", 8)
-    assert [(len(c.args), sorted(c.kwargs)) for c in spec.steps] == [
+    assert [(len(args), sorted(kwargs)) for _, args, kwargs in spec.steps] == [
         (2, []), (1, ["input_pos"]), (0, ["input_pos", "x"])]
 
 

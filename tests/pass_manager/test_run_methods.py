@@ -1,0 +1,58 @@
+"""run_methods: the methods of one model called in turn on one state, as on a device."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from pass_manager import ValidationInputError
+from pass_manager.validation import run_methods
+
+
+class Counter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(3))
+
+    def forward(self, x):
+        self.total.add_(x.sum(0))
+        return self.total * 2
+
+
+def _methods():
+    model = Counter()
+    programs = {"many": torch.export.export(model, (torch.ones(4, 3),)),
+                "one": torch.export.export(model, (torch.ones(1, 3),))}
+    shared = programs["many"].state_dict["total"]
+    programs["one"].state_dict["total"] = shared  # export copied it: one state again
+    return programs
+
+
+def test_methods_called_in_turn_share_their_state_like_the_eager_module():
+    programs = _methods()
+    before = {m: p.state_dict["total"].clone() for m, p in programs.items()}
+    x4, x1 = torch.arange(12.0).reshape(4, 3), torch.ones(1, 3)
+    calls = [("many", (x4,), {}), ("one", (x1,), {}), ("one", (x1,), {})]
+    trace = run_methods(programs, calls)
+    eager = Counter()
+    expected = [eager(x4).clone(), eager(x1).clone(), eager(x1).clone()]
+    for got, want in zip(trace.outputs, expected, strict=True):
+        assert torch.equal(got[0], want)
+    assert torch.equal(trace.buffers[-1]["total"], eager.total)
+    # the caller's programs keep their state
+    assert all(torch.equal(p.state_dict["total"], before[m]) for m, p in programs.items())
+
+
+def test_methods_holding_separate_copies_do_not_see_each_others_writes():
+    programs = _methods()
+    programs["one"].state_dict["total"] = copy.deepcopy(programs["many"].state_dict["total"])
+    trace = run_methods(programs, [("many", (torch.ones(4, 3),), {}), ("one", (torch.ones(1, 3),), {})])
+    assert torch.equal(trace.outputs[1][0], torch.full((3,), 2.0))  # not 10: its own zeros
+
+
+def test_a_call_naming_no_method_is_named():
+    with pytest.raises(ValidationInputError, match=r"calls\[0\].*names method 'decode'; the "
+                                                   r"methods are 'many', 'one'"):
+        run_methods(_methods(), [("decode", (torch.ones(1, 3),), {})])
