@@ -1,0 +1,219 @@
+"""The main job on a model deployed as several methods over one state (factory contract v3).
+
+A prefill and a decode of one decoder share its KV cache on a device. The flow exports each
+method from the one module, runs the functionalization pipeline on the mapping (which
+checks that the methods hold their shared buffers alike), and calls the methods in
+deployment order on one state, compared call by call with fp32 eager (the same module
+called in the same order). Quantized, it compares today's way — each method quantized on
+its own, calibrated on its own calls and state, so the same cache gets one grid per
+method — with :func:`passes.quantization.quantize_methods` (one calibration sequence over
+one state, one grid per shared buffer); ``quantize_state`` stores the shared caches as
+integers and checks them bit for bit against the fp32-stored methods; ``runtime=
+"executorch"`` runs the methods from one ``.pte`` with shared mutable buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pass_manager import PassManager, shared_buffer_differences
+from pass_manager.validation import Trace, copy_program, first_difference, output_errors, run_methods
+
+from .._analysis.marked_state import mutable_buffers
+from .._methods.calls import share_buffer_tensors
+from ..inplace_to_functional import InplaceToFunctional
+from ..mark_mutable_buffers import MarkMutableBuffers
+from ..quantization import quantize_methods, quantize_program
+from ..quantize_mutable_buffers import QuantizeMutableBuffers
+from .examples import xnnpack_quantizer
+from .integer_state import dequantized_state, state_lines
+from .methods import MethodsSpec, export_methods
+from .quantized_graphs import output_grid
+from .result import Check, FlowResult
+from .run import EXPORT_ATOL, EXPORT_RTOL, _Stages
+
+__all__ = ["FP32_METHODS", "ONE_GRID", "PER_METHOD", "run_methods_flow"]
+
+Log = Callable[[str], None]
+FP32_METHODS = "fp32 methods"
+PER_METHOD = "quantized per method"
+ONE_GRID = "quantize_methods"
+INTEGER_METHODS = "quantize_methods, integer state"
+
+
+def run_methods_flow(
+    spec: MethodsSpec,
+    *,
+    quantize: bool = True,
+    quantize_state: bool = False,
+    quantizer_factory: Callable[[], Any] = xnnpack_quantizer,
+    export: str | None = None,
+    log: Log = print,
+    pipeline: PassManager | None = None,
+    pass_options: Mapping[str, Any] | None = None,
+    runtime: str = "python",
+) -> FlowResult:
+    """Run the several-method flow on ``spec`` (see the module docstring).
+
+    ``pipeline`` replaces the functionalization stage; ``pass_options`` are PassManager
+    options for the pipelines the flow builds itself; ``export`` forces an export mode.
+    Raises :class:`~passes.flow.result.FlowError` (with the partial result) when a stage fails.
+    """
+    result = FlowResult()
+    stage = _Stages(log, result)
+    calls = list(spec.steps)
+    with stage.guarded():
+        options = dict(pass_options or {})
+        functionalize = pipeline or PassManager([MarkMutableBuffers(), InplaceToFunctional()],
+                                                **options)
+        result.plan = functionalize.explain()
+        result.dot = functionalize.to_dot()
+        eager = stage("fp32 eager calls",
+                      lambda: stage.run(spec.module, [(a, k) for _, a, k in calls]))
+        exported = stage("export each method", lambda: export_methods(spec, export))
+        result.notes += [f"{m}: {e.note}" for m, e in exported.items() if e.note]
+        functional = stage("functionalize the methods",
+                           lambda: functionalize.run({m: e.program for m, e in exported.items()}))
+        for method, run in functional.items():
+            result.reports.append((f"functionalize {method}", run.report))
+        fp32 = {method: run.program for method, run in functional.items()}
+        shared = share_buffer_tensors(fp32)
+        result.notes.append(
+            "buffers shared by " + " and ".join(map(repr, fp32)) + ": "
+            + (", ".join(shared) if shared else "none (each method keeps its own state)"))
+        fp32_trace = stage("fp32 methods in turn", lambda: _in_turn(stage, fp32, calls))
+        _check_against_eager(result, eager, fp32_trace, len(calls))
+        result.step_errors[FP32_METHODS] = output_errors(eager, fp32_trace)
+        quantized: dict[str, Any] | None = None
+        if quantize:
+            quantized, reference = _quantized_stages(stage, result, fp32, spec, calls, eager,
+                                                     quantizer_factory, options)
+            if quantize_state:
+                quantized = _integer_stage(stage, result, quantized, calls, eager, reference,
+                                           options)
+        if runtime == "executorch":
+            _runtime_stage(stage, result, fp32, quantized, calls, eager)
+    return result
+
+
+def _in_turn(stage: _Stages, programs: Mapping[str, Any], calls: list, **options: Any) -> Trace:
+    return run_methods(programs, calls, on_call=stage.progress(len(calls)), **options)
+
+
+def _check_against_eager(result: FlowResult, eager: Trace, trace: Trace, count: int) -> None:
+    kept = set(trace.buffers[0]) if trace.buffers else set()
+    expected = Trace(eager.outputs, [{k: v for k, v in b.items() if k in kept}
+                                     for b in eager.buffers], eager.inputs)
+    difference = first_difference(expected, trace, EXPORT_ATOL, EXPORT_RTOL)
+    worst = max(output_errors(eager, trace), default=0.0)
+    result.checks.append(Check(
+        "fp32 methods called in turn on one state match fp32 eager within float rounding",
+        difference is None,
+        difference or f"{count} calls, worst output difference {worst:.3g}, every shared "
+        "buffer equal after each call"))
+
+
+def _grids(programs: Mapping[str, Any]) -> list[str]:
+    """The shared buffers whose grids differ between methods, in words."""
+    return [str(d) for d in shared_buffer_differences(programs)
+            if d.aspect not in ("shape", "dtype", "initial value")]
+
+
+def _quantized_stages(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
+                      spec: MethodsSpec, calls: list, eager: Trace,
+                      quantizer_factory: Callable[[], Any], options: dict[str, Any],
+                      ) -> tuple[dict[str, Any], Trace]:
+    """Today's way (each method on its own) and quantize_methods, both called in turn."""
+    own_calls = spec.calls_by_method
+
+    def per_method() -> dict[str, Any]:
+        return {m: quantize_program(copy_program(p), quantizer_factory(), own_calls[m])
+                for m, p in fp32.items()}
+
+    separate = stage("quantize each method on its own (today's way)", per_method)
+    share_buffer_tensors(separate)
+    separate_trace = stage("per-method quantized methods in turn",
+                           lambda: _in_turn(stage, separate, calls))
+    together = stage("quantize the methods together (quantize_methods)",
+                     lambda: quantize_methods(copy_program(fp32), quantizer_factory(), calls))
+    for method, reports in together.reports.items():
+        result.reports += [(f"quantize {method}: {name}", report)
+                           for name, report in reports.items()]
+    together_trace = stage("quantize_methods methods in turn",
+                           lambda: _in_turn(stage, together, calls))
+    result.step_errors[PER_METHOD] = output_errors(eager, separate_trace)
+    result.step_errors[ONE_GRID] = output_errors(eager, together_trace)
+
+    split, merged = _grids(separate), _grids(together)
+    result.checks.append(Check(
+        "quantize_methods gives every shared buffer one grid in every method",
+        not merged,
+        merged[0] if merged else f"{len(together.shared_buffers)} shared buffers on one grid "
+        f"each; quantized per method, {len(split)} of them are on different grids"
+        + (f" (e.g. {split[0]})" if split else "")))
+    grid = max(output_grid(p.graph_module) for p in together.values())
+    mine, theirs = result.step_errors[ONE_GRID], result.step_errors[PER_METHOD]
+    worse = [i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a > b + grid + 1e-6]
+    result.checks.append(Check(
+        "quantize_methods is no worse than quantizing each method on its own, call by call",
+        not worse,
+        (f"call {worse[0] + 1} ({calls[worse[0]][0]}): {mine[worse[0]]:.6f} vs "
+         f"{theirs[worse[0]]:.6f}" if worse else
+         f"worst call error {max(mine):.6f} vs {max(theirs):.6f} per method") +
+        f" (output grid step {grid:.3g})"))
+    return together, together_trace
+
+
+def _integer_stage(stage: _Stages, result: FlowResult, quantized: dict[str, Any], calls: list,
+                   eager: Trace, reference: Trace, options: dict[str, Any]) -> dict[str, Any]:
+    """QuantizeMutableBuffers on every method; bit for bit the fp32-stored methods."""
+    manager = PassManager([QuantizeMutableBuffers()], **options)
+    stored = stage("store quantized state as integers (QuantizeMutableBuffers)",
+                   lambda: manager.run(copy_program(dict(quantized))))
+    programs = {method: run.program for method, run in stored.items()}
+    for method, run in stored.items():
+        result.reports.append((f"quantize state {method}", run.report))
+    grids = {fqn: info.grid for program in programs.values()
+             for fqn, info in mutable_buffers(program).items() if info.grid is not None}
+    trace = stage("integer-state methods in turn",
+                  lambda: _in_turn(stage, programs, calls, state=dequantized_state(grids)))
+    difference = first_difference(reference, trace)  # atol 0
+    result.checks.append(Check(
+        "integer-stored methods compute exactly what the fp32-stored ones do",
+        difference is None,
+        difference or f"outputs and dequantized state equal (atol 0) over {len(calls)} calls; "
+        f"{len(grids)} shared buffers stored as integers, one grid each"))
+    result.step_errors[INTEGER_METHODS] = output_errors(eager, trace)
+    result.state_lines = state_lines(_storage(quantized, programs))
+    return programs
+
+
+def _storage(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict:
+    from .integer_state import _storage as storage
+
+    first = next(iter(before))
+    return storage(before[first], after[first], [])
+
+
+def _runtime_stage(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
+                   quantized: dict[str, Any] | None, calls: list, eager: Trace) -> None:
+    from ..executorch.methods import run_methods_on_runtime
+
+    runs = [("fp32", fp32)] + ([("quantized", quantized)] if quantized is not None else [])
+    for label, programs in runs:
+        run = stage(f"{label} methods on ExecuTorch's runtime (one .pte, shared buffers)",
+                    lambda programs=programs: run_methods_on_runtime(programs, calls))
+        python = eager if label == "fp32" else _in_turn(stage, programs, calls)
+        errors = [max((float((a - b).abs().max()) for a, b in zip(p, r, strict=True)),
+                      default=0.0) for p, r in zip(python.outputs, run.outputs, strict=True)]
+        tolerance = EXPORT_ATOL if label == "fp32" else max(
+            output_grid(p.graph_module) for p in programs.values()) + 1e-6
+        result.step_errors[f"{label} on ExecuTorch"] = errors
+        result.notes += run.notes
+        result.checks.append(Check(
+            f"{label} methods on ExecuTorch's runtime match "
+            + ("fp32 eager" if label == "fp32" else "the same methods in Python"),
+            max(errors) <= tolerance,
+            f"worst call difference {max(errors):.3g} (tolerance {tolerance:.3g}); shared "
+            f"mutable buffers planned once: {run.memory.shared_bytes:,} B"))
