@@ -2,7 +2,9 @@
 
 The factory returns ``(module, example_inputs[, steps])`` (v1) or a mapping with
 ``module``, ``example_args``, ``example_kwargs``, ``steps``, ``dynamic_shapes`` and
-``export`` (v2; see :mod:`passes.flow.factory`). Without a factory the built-in seeded
+``export`` (v2; see :mod:`passes.flow.factory`), or a mapping with ``module``, ``methods``
+and ``steps`` (v3, several methods over one state; see :mod:`passes.flow.methods`). Without
+a factory the built-in seeded
 KV-cache decoder is used. The report goes to stdout alone, so it can be piped or redirected;
 progress lines, notices and errors go to stderr (``--quiet`` drops the progress and notices).
 Exit status: 0 every check passed, 1 a check failed, 2 bad usage or the model could not be
@@ -27,6 +29,7 @@ from pass_manager import PassManagerError, parse_pipeline
 
 from .. import __version__
 from .factory import EXPORT_MODES, Exported, ModelError, ModelSpec, export_program, model_spec
+from .methods import MethodsSpec, export_methods
 
 DEFAULT_MODEL = "passes.examples:decoder_job"
 # The console command setup.cfg installs is named after the distribution.
@@ -39,7 +42,7 @@ EXIT_STATUSES = """exit status:
   3  the flow failed after loading (the report so far, then where it failed)"""
 
 
-def load_model(spec: str, steps: int) -> ModelSpec:
+def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     """Import ``package.module:factory``, call it and read its result; ModelError otherwise."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
@@ -138,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
             return FLOW_FAILED
     try:
         model = load_model(spec, args.steps)
+        if isinstance(model, MethodsSpec):
+            return _run_methods(args, spec, model, pipeline, pass_options)
         exported = _export(model, spec, args.export)
     except ModelError as e:
         if args.traceback:
@@ -164,17 +169,60 @@ def run(args: argparse.Namespace) -> int:
             runtime=args.runtime,
         )
     except FlowError as e:
-        result = e.result
-        _print_report(result)
-        if args.traceback:
-            traceback.print_exception(e.__cause__ or e)
-        hint = "" if args.traceback else "\n(--traceback shows the full trace)"
-        _print_section("failed", "\n".join(e.failure.lines()) + hint)
-        _write_outputs(args, result)
-        return FLOW_FAILED
+        return _failed(args, e)
     _print_report(result)
     _write_outputs(args, result)
     return 0 if result.ok else 1
+
+
+def _run_methods(args: argparse.Namespace, spec: str, model: MethodsSpec, pipeline: Any,
+                 pass_options: dict[str, Any]) -> int:
+    """A v3 factory: the methods exported, then the several-method flow."""
+    try:
+        exported = export_methods(model, args.export)
+    except ModelError as e:
+        raise ModelError(f"{spec}: {e}") from e
+    from .run import FlowError
+    from .run_methods import run_methods_flow
+
+    modes = ", ".join(f"{m} exported {e.mode}" for m, e in exported.items())
+    print(
+        f"model: {spec} ({sum(p.numel() for p in model.module.parameters())} parameters), "
+        f"{len(model.steps)} calls of {len(model.methods)} methods over one state ({modes}), "
+        f"runtime {args.runtime}",
+        flush=True,
+    )
+    if args.skip_delegation:
+        _notice(args)("--skip-delegation: the several-method flow delegates only on "
+                      "ExecuTorch's runtime (--runtime executorch)")
+    try:
+        result = run_methods_flow(
+            model,
+            exported=exported,
+            quantize=not args.skip_quantization,
+            quantize_state=getattr(args, "quantize_state", False),
+            quantizer_factory=_quantizer_factory(args.quantizer),
+            log=_notice(args),
+            pipeline=pipeline,
+            pass_options=pass_options,
+            runtime=args.runtime,
+        )
+    except FlowError as e:
+        return _failed(args, e)
+    _print_report(result)
+    _write_outputs(args, result)
+    return 0 if result.ok else 1
+
+
+def _failed(args: argparse.Namespace, e: Any) -> int:
+    result = e.result
+    _print_report(result)
+    if args.traceback:
+        traceback.print_exception(e.__cause__ or e)
+    hint = "" if args.traceback else "\n(--traceback shows the full trace)"
+    _print_section("failed", "\n".join(e.failure.lines()) + hint)
+    _write_outputs(args, result)
+    return FLOW_FAILED
 
 
 def _pass_options(args: argparse.Namespace) -> dict[str, Any]:

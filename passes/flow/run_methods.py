@@ -27,7 +27,7 @@ from ..mark_mutable_buffers import MarkMutableBuffers
 from ..quantization import quantize_methods, quantize_program
 from ..quantize_mutable_buffers import QuantizeMutableBuffers
 from .examples import xnnpack_quantizer
-from .integer_state import dequantized_state, state_lines
+from .factory import Exported
 from .methods import MethodsSpec, export_methods
 from .quantized_graphs import output_grid
 from .result import Check, FlowResult
@@ -49,6 +49,7 @@ def run_methods_flow(
     quantize_state: bool = False,
     quantizer_factory: Callable[[], Any] = xnnpack_quantizer,
     export: str | None = None,
+    exported: Mapping[str, Exported] | None = None,
     log: Log = print,
     pipeline: PassManager | None = None,
     pass_options: Mapping[str, Any] | None = None,
@@ -57,7 +58,8 @@ def run_methods_flow(
     """Run the several-method flow on ``spec`` (see the module docstring).
 
     ``pipeline`` replaces the functionalization stage; ``pass_options`` are PassManager
-    options for the pipelines the flow builds itself; ``export`` forces an export mode.
+    options for the pipelines the flow builds itself; ``export`` forces an export mode;
+    ``exported`` gives the methods already exported (:func:`~passes.flow.methods.export_methods`).
     Raises :class:`~passes.flow.result.FlowError` (with the partial result) when a stage fails.
     """
     result = FlowResult()
@@ -71,7 +73,8 @@ def run_methods_flow(
         result.dot = functionalize.to_dot()
         eager = stage("fp32 eager calls",
                       lambda: stage.run(spec.module, [(a, k) for _, a, k in calls]))
-        exported = stage("export each method", lambda: export_methods(spec, export))
+        if exported is None:
+            exported = stage("export each method", lambda: export_methods(spec, export))
         result.notes += [f"{m}: {e.note}" for m, e in exported.items() if e.note]
         functional = stage("functionalize the methods",
                            lambda: functionalize.run({m: e.program for m, e in exported.items()}))
@@ -168,6 +171,8 @@ def _quantized_stages(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
 def _integer_stage(stage: _Stages, result: FlowResult, quantized: dict[str, Any], calls: list,
                    eager: Trace, reference: Trace, options: dict[str, Any]) -> dict[str, Any]:
     """QuantizeMutableBuffers on every method; bit for bit the fp32-stored methods."""
+    from .integer_state import dequantized_state, state_lines
+
     manager = PassManager([QuantizeMutableBuffers()], **options)
     stored = stage("store quantized state as integers (QuantizeMutableBuffers)",
                    lambda: manager.run(copy_program(dict(quantized))))
