@@ -127,6 +127,25 @@ def llama_prefill_then_decode(prefill: int = 4) -> dict:
     }
 
 
+def llama_prefill_and_decode_methods(prefill: int = 4, decodes: int = 3) -> dict:
+    """Contract v3: the tiny Llama as two static-shape methods over one cache, a prefill of
+    ``prefill`` tokens and a one-token decode, as QNN / Core ML deployments export it."""
+    prompt = {
+        "input_ids": torch.tensor([_tokens(prefill, 100)]),
+        "cache_position": torch.arange(prefill),
+    }
+    decodes_ = decode_steps(decodes, start=prefill)
+    return {
+        "module": llama_module(),
+        "methods": {
+            "prefill": {"example_kwargs": prompt},
+            "decode": {"example_kwargs": decodes_[0][1]},
+        },
+        "steps": [("prefill", (), prompt), *(("decode", (), kw) for _, kw in decodes_)],
+        "export": "strict",
+    }
+
+
 def llama_exported_module() -> dict:
     """The module of HF's own exported program (``convert_and_export_with_cache(...).module()``)."""
     from transformers.integrations.executorch import convert_and_export_with_cache
