@@ -62,3 +62,12 @@ def test_hf_v3_factory_reads_as_two_static_methods():
     spec = methods_spec(hf.llama_prefill_and_decode_methods(), "llama", 8)
     assert [m for m, _, _ in spec.steps] == ["prefill", "decode", "decode", "decode"]
     assert spec.methods["prefill"].example_kwargs["input_ids"].shape == (1, 4)
+
+
+def test_the_fp32_methods_run_from_one_pte_with_shared_buffers_like_eager():
+    spec = methods_spec(prefill_decode_job(n_layers=1, decode_steps=3), "job", 8)
+    result = run_methods_flow(spec, quantize=False, runtime="executorch", log=lambda line: None)
+    assert result.ok, result.checks
+    runtime = next(c for c in result.checks if "ExecuTorch's runtime" in c.name)
+    assert "shared mutable buffers planned once: 4,096 B" in runtime.detail  # 2 caches x 2 KiB
+    assert max(result.step_errors["fp32 on ExecuTorch"]) <= 1e-5
