@@ -69,6 +69,14 @@ def _buffers(ep: ExportedProgram) -> set[str]:
             if s.kind == InputKind.BUFFER and s.target is not None}
 
 
+def _touched(ep: ExportedProgram, written: set[str]) -> set[str]:
+    """The buffers ``ep`` reads or writes: export lifts every buffer of the module, also
+    those the traced branch never touches (a prefill's or a decode's own buffers)."""
+    placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
+    return {fqn for name, fqn in ep.graph_signature.inputs_to_buffers.items()
+            if fqn in written or (name in placeholders and placeholders[name].users)}
+
+
 def _fingerprint(ep: ExportedProgram, known: set[str]) -> Fingerprint:
     sig = ep.graph_signature
     placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
@@ -106,10 +114,8 @@ class MethodState:
     written: frozenset[str]
     """the buffers some method writes."""
     fingerprints: dict[str, Fingerprint]
-
-    @property
-    def known(self) -> set[str]:
-        return set().union(*self.used.values()) if self.used else set()
+    known: frozenset[str]
+    """every buffer some method holds."""
 
     def methods_of(self, ep: ExportedProgram) -> tuple[str, ...]:
         """The methods ``ep`` (or a lowering's copy of it) may be; empty if none."""
@@ -129,7 +135,7 @@ class MethodState:
         """
         this = self.methods_of(ep)
         found = {}
-        for fqn in sorted(_buffers(ep) & self.known):
+        for fqn in sorted(_touched(ep, set(written_here)) & self.known):
             if fqn not in self.written and fqn not in written_here:
                 continue
             users = self.users(fqn)
@@ -143,8 +149,8 @@ class MethodState:
 
 def method_state(programs: Mapping[str, ExportedProgram]) -> MethodState:
     """Read ``programs`` (method name -> ExportedProgram) once; see :class:`MethodState`."""
-    used = {name: frozenset(_buffers(ep)) for name, ep in programs.items()}
-    known = set().union(*used.values()) if used else set()
-    written = frozenset().union(*(_written(ep) for ep in programs.values()))
+    writes = {name: _written(ep) for name, ep in programs.items()}
+    used = {name: frozenset(_touched(ep, writes[name])) for name, ep in programs.items()}
+    known = set().union(*(_buffers(ep) for ep in programs.values()))
     prints = {name: _fingerprint(ep, known) for name, ep in programs.items()}
-    return MethodState(used, frozenset(written), prints)
+    return MethodState(used, frozenset().union(*writes.values()), prints, frozenset(known))
