@@ -5,6 +5,8 @@
   decodes from position 4).
 * :class:`PerMethodState`: the decoder plus a buffer only the prefill writes and one only
   the decode writes, beside the caches both share.
+* :class:`Accumulator`: a running total with a non-zero initial value, for methods taking
+  inputs of different widths.
 * :func:`hf_llama_prefill_decode`: a tiny random Hugging Face Llama (static cache) exported
   strict as prefill (4 tokens) and decode.
 * :func:`quantized_prefill_decode`: each method quantized on its own (``quantize_program``)
@@ -86,6 +88,18 @@ class PerMethodState(nn.Module):
             self.steps.add_(1)
             count = self.steps
         return self.decoder(x, input_pos) + count
+
+
+class Accumulator(nn.Module):
+    """A running total starting at 3, read and written by calls of any width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.full((1,), 3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x.sum())
+        return x * self.total
 
 
 def hf_llama_prefill_decode(decodes: int = DECODES) -> MethodsCase:
