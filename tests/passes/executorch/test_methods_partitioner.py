@@ -59,6 +59,11 @@ def _delegate_owned(ep) -> set[str]:
 
 
 @pytest.fixture(scope="module")
+def edge(case):
+    return to_edge(copy.deepcopy(case.programs))
+
+
+@pytest.fixture(scope="module")
 def wrapped(case):
     wrapper = BufferOwningPartitioner(everything(), methods=case.programs)
     return wrapper, _lower(case.programs, wrapper)
@@ -97,9 +102,8 @@ def test_shared_caches_stay_top_level_in_every_method(case, wrapped):
     assert max(errors) <= 1e-5, errors
 
 
-def test_strict_names_the_buffer_and_the_methods(case):
-    edge = to_edge(copy.deepcopy(case.programs))
-    program = edge.exported_program("decode")
+def test_strict_names_the_buffer_and_the_methods(case, edge):
+    program = copy.deepcopy(edge.exported_program("decode"))
     tags = {n.name: n.meta.get("delegation_tag") for n in program.graph.nodes}
     wrapper = BufferOwningPartitioner(everything(), methods=case.programs, strict=True)
     with pytest.raises(SharedBufferDelegationError) as info:
@@ -111,8 +115,7 @@ def test_strict_names_the_buffer_and_the_methods(case):
     assert {n.name: n.meta.get("delegation_tag") for n in program.graph.nodes} == tags
 
 
-def test_methods_are_recognized_in_their_lowered_form(case):
-    edge = to_edge(copy.deepcopy(case.programs))
+def test_methods_are_recognized_in_their_lowered_form(case, edge):
     state = method_state(case.programs)
     for name in METHODS:
         assert state.methods_of(case.programs[name]) == (name,)
