@@ -204,8 +204,8 @@ class BufferOwningPartitioner(Partitioner):
                 self._untag_buffer(program, fqn)
                 notes.append(
                     f"kept {fqn!r} at the top level: {shared[fqn].describe()} and another "
-                    f"writes it, so partition(s) {', '.join(map(repr, partitions))} may not "
-                    "keep it as a constant")
+                    f"method writes it, so partition(s) {', '.join(map(repr, partitions))} "
+                    "may not keep it as a constant")
         for verdict in verdicts:
             if not verdict.consumable:
                 # ExecuTorch reads ownership from the placeholder's tag; untagged stays on top.

@@ -5,8 +5,8 @@
   decodes from position 4).
 * :class:`PerMethodState`: the decoder plus a buffer only the prefill writes and one only
   the decode writes, beside the caches both share.
-* :class:`Accumulator`: a running total with a non-zero initial value, for methods taking
-  inputs of different widths.
+* :class:`Accumulator`: a running total with a non-zero initial value, written by one
+  method and only read by another.
 * :func:`hf_llama_prefill_decode`: a tiny random Hugging Face Llama (static cache) exported
   strict as prefill (4 tokens) and decode.
 * :func:`quantized_prefill_decode`: each method quantized on its own (``quantize_program``)
@@ -91,15 +91,30 @@ class PerMethodState(nn.Module):
 
 
 class Accumulator(nn.Module):
-    """A running total starting at 3, read and written by calls of any width."""
+    """A running total starting at 3: calls wider than two columns add to it, narrower ones
+    only read it (a method that reads state another method writes)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("total", torch.full((1,), 3.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.total.add_(x.sum())
+        if x.shape[1] > 2:
+            self.total.add_(x.sum())
         return x * self.total
+
+
+def accumulator_methods() -> MethodsCase:
+    """:class:`Accumulator` as a narrow method (reads) and a wide one (writes), called
+    narrow first (it reads the initial value), then alternating."""
+    model = Accumulator()
+    generator = torch.Generator().manual_seed(0)
+    narrow = (torch.randn(1, 2, generator=generator),)
+    wide = (torch.randn(1, 4, generator=generator),)
+    programs = _export_methods(model, {"narrow": narrow, "wide": wide})
+    calls = [("narrow", narrow, {}), ("wide", wide, {}), ("narrow", narrow, {}),
+             ("wide", wide, {}), ("narrow", narrow, {})]
+    return MethodsCase(model, programs, calls)
 
 
 def hf_llama_prefill_decode(decodes: int = DECODES) -> MethodsCase:

@@ -27,6 +27,7 @@ from passes.executorch.method_state import method_state
 from tests.models.executorch_cases import everything
 from tests.models.methods import (
     PerMethodState,
+    accumulator_methods,
     eager_outputs,
     prefill_decode,
     run_sharing_state,
@@ -100,6 +101,22 @@ def test_shared_caches_stay_top_level_in_every_method(case, wrapped):
     errors = worst(eager_outputs(case.model, case.calls),
                    run_sharing_state(lowered, case.calls))
     assert max(errors) <= 1e-5, errors
+
+
+def test_a_method_reading_state_another_writes_does_not_keep_it_as_a_constant():
+    """The demo backend's delegate takes a buffer its method only reads as a constant: the
+    narrow method would read the initial total forever."""
+    acc = accumulator_methods()
+    expected = eager_outputs(acc.model, acc.calls)
+    alone = _lower(acc.programs, BufferOwningPartitioner(everything()))
+    errors = worst(expected, run_sharing_state(alone, acc.calls))
+    assert errors[0] == 0 and min(errors[2::2]) > 0.1, errors
+    wrapper = BufferOwningPartitioner(everything(), methods=acc.programs)
+    lowered = _lower(acc.programs, wrapper)
+    assert set(lowered["narrow"].graph_signature.inputs_to_buffers.values()) == {"total"}
+    (note,) = wrapper.method_notes["narrow"]
+    assert note.startswith("kept 'total' at the top level: the methods 'narrow', 'wide' use it")
+    assert max(worst(expected, run_sharing_state(lowered, acc.calls))) <= 1e-6
 
 
 def test_strict_names_the_buffer_and_the_methods(case, edge):
