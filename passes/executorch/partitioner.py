@@ -216,8 +216,8 @@ class BufferOwningPartitioner(Partitioner):
             for node in copies:
                 node.meta[DELEGATION_TAG] = verdict.owner_tag
             copied = copies or [u for u in verdict.value.users if _is_value_copy(u)]
-            shared = " (and returns its new value as an ordinary output)" if copied else ""
-            notes.append(f"{verdict.fqn!r} owned by partition {verdict.owner_tag!r}{shared}")
+            returns = " (and returns its new value as an ordinary output)" if copied else ""
+            notes.append(f"{verdict.fqn!r} owned by partition {verdict.owner_tag!r}{returns}")
         self.ownership = verdicts
         if label is None:
             self.notes = notes
