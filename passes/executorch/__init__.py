@@ -1,5 +1,7 @@
 """ExecuTorch integration (the optional ``executorch`` extra): buffer ownership in
-ExecuTorch's own lowering, our passes in its flow, and decoding on its runtime.
+ExecuTorch's own lowering, our passes in its flow, and decoding on its runtime; several
+methods of one model (a prefill and a decode) in one ``.pte`` over one shared state
+(``BufferOwningPartitioner(p, methods=programs)``, :func:`run_methods_on_runtime`).
 
 Nothing here imports ExecuTorch until a name that needs it is used, so
 ``import passes.executorch`` always works; without the extra, using
