@@ -1,5 +1,7 @@
 """ExecuTorch integration (the optional ``executorch`` extra): buffer ownership in
-ExecuTorch's own lowering, our passes in its flow, and decoding on its runtime.
+ExecuTorch's own lowering, our passes in its flow, and decoding on its runtime; several
+methods of one model (a prefill and a decode) in one ``.pte`` over one shared state
+(``BufferOwningPartitioner(p, methods=programs)``, :func:`run_methods_on_runtime`).
 
 Nothing here imports ExecuTorch until a name that needs it is used, so
 ``import passes.executorch`` always works; without the extra, using
@@ -17,16 +19,20 @@ from typing import Any
 
 from pass_manager import PassManagerError
 
+from ..delegation.errors import BufferConsumptionError
+
 __all__ = [
     "INSTALL_HINT",
     "BufferOwningPartitioner",
     "ExecuTorchInputError",
     "ExecuTorchMissingError",
     "ParameterMutationOnExecuTorchError",
+    "SharedBufferDelegationError",
     "available",
     "decode_on_runtime",
     "executorch_state",
     "planned_memory",
+    "run_methods_on_runtime",
 ]
 
 EXECUTORCH_VERSION = "1.5.1"
@@ -44,6 +50,7 @@ _LAZY = {
     "executorch_state": "partitioner",
     "decode_on_runtime": "runtime",
     "planned_memory": "plan",
+    "run_methods_on_runtime": "methods",
 }
 
 
@@ -78,6 +85,25 @@ class ExecuTorchInputError(PassManagerError, TypeError):
         self.argument = argument
         self.reason = reason
         super().__init__(f"{helper}: {argument}: {reason}", pass_name=helper)
+
+
+class SharedBufferDelegationError(BufferConsumptionError):
+    """``BufferOwningPartitioner(..., methods=..., strict=True)``: a partition of one method
+    takes a buffer that other methods of the same ``.pte`` use too.
+
+    ExecuTorch's memory planning shares a top-level mutable buffer between the methods; a
+    delegate's copy is its own, so the other methods would never see what it writes (and it
+    would never see theirs).
+
+    Attributes:
+        buffer: the buffer's FQN.
+        methods: the methods using it.
+        partitions: the partitions of the method being lowered that take it.
+    """
+
+    def __init__(self, buffer: str, methods: list[str], partitions: list[str], reason: str):
+        self.methods = list(methods)
+        super().__init__(buffer, partitions, reason, "BufferOwningPartitioner")
 
 
 class ParameterMutationOnExecuTorchError(PassManagerError):

@@ -11,6 +11,15 @@ partitioner, then re-decides ownership with the same analysis as
 a buffer exactly one partition mutates and reads is tagged into it; any other stays at the
 top level and a note says why (``strict=True``: :class:`BufferConsumptionError`).
 
+Several methods of one ``.pte`` (``to_edge_transform_and_lower({"prefill": ep1, "decode":
+ep2}, ...)``) share their mutable buffers through memory planning
+(``MemoryPlanningPass(share_mutable_buffers=True)``), but a delegate's state is its own: a
+cache handed to the prefill's delegate is not the one the decode's reads. ExecuTorch calls a
+partitioner once per method without saying which, so ``methods=`` gives the wrapper the
+mapping it lowers: each buffer that another method reads or writes too stays at the top
+level in every method, with a note (``strict=True``: :class:`SharedBufferDelegationError`);
+:mod:`passes.executorch.method_state` recognizes which method each call is for.
+
 ExecuTorch lets a partitioner change tags only, so the rewrite an owned buffer needs when
 its new value is used outside the owner (returned, or read by ops the partition leaves out)
 happens in ``transform_for_pre_decomposition``, the hook ``to_edge_transform_and_lower``
@@ -23,7 +32,8 @@ every use stays inside the owner, which would otherwise copy a KV cache per toke
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -35,6 +45,8 @@ from torch.fx import Node
 from ..delegation.errors import BufferConsumptionError
 from ..delegation.ownership import BufferOwnership, tagged_buffer_ownership
 from ..delegation.partitioners import DELEGATION_TAG
+from . import ExecuTorchInputError, SharedBufferDelegationError
+from .method_state import MethodState, SharedBuffer, method_state
 from .new_value_copies import (
     CopyPlan,
     functional,
@@ -61,8 +73,16 @@ class BufferOwningPartitioner(Partitioner):
         partitioner: any ExecuTorch ``Partitioner`` (``AllNodePartitioner``,
             ``XnnpackPartitioner``, a backend's own); it tags the nodes, this decides which
             mutable buffers each partition owns.
+        methods: the mapping ``{method name: ExportedProgram}`` given to
+            ``to_edge_transform_and_lower``, when it lowers several methods of one model
+            into one ``.pte``: a buffer that some method writes and more than one method
+            reads or writes stays at the top level in every method (memory planning shares
+            it; a delegate's copy would not be shared). Buffers one method alone uses are
+            decided as without it.
         strict: raise :class:`BufferConsumptionError` (naming the buffer and the partitions)
-            instead of keeping a buffer that a partition mutates at the top level.
+            instead of keeping a buffer that a partition mutates at the top level, and
+            :class:`SharedBufferDelegationError` (naming the buffer and the methods) instead
+            of keeping a buffer shared by methods out of the partition that takes it.
         own_buffers: whether the backends can own mutable buffers. ``None`` (default): a
             backend can if the wrapped partitioner gave any of its partitions a mutable
             buffer (as stateful backends' partitioners do, e.g. with ExecuTorch's
@@ -72,7 +92,9 @@ class BufferOwningPartitioner(Partitioner):
     After ``transform_for_pre_decomposition``, ``copy_plan`` says which new buffer values
     got a copy for their uses outside the owner (:class:`CopyPlan`). After each
     ``partition`` call, ``notes`` says what happened to every mutable buffer and
-    ``ownership`` holds the verdicts (:class:`BufferOwnership`).
+    ``ownership`` holds the verdicts (:class:`BufferOwnership`). With ``methods``,
+    ``method_notes`` holds each method's notes and ``notes`` all of them, each prefixed
+    with its method (``[decode] kept 'k_cache' at the top level: ...``).
 
     Example:
         >>> wrapped = BufferOwningPartitioner(XnnpackPartitioner())
@@ -80,19 +102,40 @@ class BufferOwningPartitioner(Partitioner):
     """
 
     def __init__(
-        self, partitioner: Partitioner, strict: bool = False, own_buffers: bool | None = None
+        self,
+        partitioner: Partitioner,
+        methods: Mapping[str, ExportedProgram] | None = None,
+        strict: bool = False,
+        own_buffers: bool | None = None,
     ):
         super().__init__(getattr(partitioner, "spec", {}))
         self.partitioner = partitioner
+        self.methods = _checked_methods(methods)
         self.strict = strict
         self.own_buffers = own_buffers
         self.notes: list[str] = []
+        self.method_notes: dict[str, list[str]] = {}
         self.ownership: list[BufferOwnership] = []
         self.copy_plan: CopyPlan | None = None
+        self._state: MethodState | None = (
+            method_state(self.methods) if self.methods is not None else None)
+        self._copy_plans: dict[str, CopyPlan] = {}
 
     def __repr__(self) -> str:
-        return (f"{PASS_NAME}({self.partitioner!r}, strict={self.strict}, "
+        methods = f", methods={list(self.methods)}" if self.methods is not None else ""
+        return (f"{PASS_NAME}({self.partitioner!r}{methods}, strict={self.strict}, "
                 f"own_buffers={self.own_buffers})")
+
+    def _shared(self, program: ExportedProgram) -> tuple[str | None, dict[str, SharedBuffer]]:
+        """Which method ``program`` is (a label, None without ``methods``) and its buffers
+        other methods use too."""
+        if self._state is None:
+            return None, {}
+        written = set(program.graph_signature.buffers_to_mutate.values())
+        this = self._state.methods_of(program)
+        label = this[0] if len(this) == 1 else (
+            "/".join(this) if this else "a method not in methods")
+        return label, self._state.shared(program, written)
 
     def ops_to_not_decompose(
         self, ep: ExportedProgram
@@ -108,15 +151,32 @@ class BufferOwningPartitioner(Partitioner):
             self.copy_plan = CopyPlan(frozenset())
             return program
         program = functional(program)
-        self.copy_plan = plan_new_value_copies(program, self.partitioner, self._verdicts)
+        label, shared = self._shared(program)
+        # Shared buffers stay at the top level, so their new values need no copy either.
+        verdicts = functools.partial(self._verdicts, shared=shared)
+        self.copy_plan = plan_new_value_copies(program, self.partitioner, verdicts)
+        if label is not None:
+            self._copy_plans[label] = self.copy_plan
         return separate_new_buffer_values(program, self.copy_plan.copied)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         graph = exported_program.graph
         before = {node: node.meta.get(DELEGATION_TAG) for node in graph.nodes}
+        label, shared = self._shared(exported_program)
+        copy_plan = self._copy_plans.get(label, self.copy_plan) if label else self.copy_plan
         result = self.partitioner.partition(exported_program)
         program = result.tagged_exported_program
-        verdicts = self._verdicts(program, result.partition_tags)
+        # Shared buffers the wrapped partitioner gave a partition (mutated inside, or the
+        # placeholder tagged, as for a buffer this method only reads).
+        taken = self._taken_shared(program, result.partition_tags, shared)
+        if self.strict and taken:
+            self._restore(graph, before)
+            fqn, partitions = next(iter(taken.items()))
+            raise SharedBufferDelegationError(
+                fqn, list(shared[fqn].methods), partitions,
+                f"{shared[fqn].describe()}; ExecuTorch shares a top-level buffer between "
+                "methods, never a delegate's copy")
+        verdicts = self._verdicts(program, result.partition_tags, shared)
         owned = []
         for verdict in verdicts:
             if verdict.consumable:
@@ -132,12 +192,20 @@ class BufferOwningPartitioner(Partitioner):
             v = refused[0]
             raise BufferConsumptionError(v.fqn, v.partitions, v.reason, PASS_NAME)
         notes = []
-        if self.copy_plan is not None and self.copy_plan.failure is not None:
+        if copy_plan is not None and copy_plan.failure is not None:
             notes.append(
                 f"the trial partition deciding the copies of new buffer values failed "
-                f"({self.copy_plan.failure}): every such value used besides its write-back "
+                f"({copy_plan.failure}): every such value used besides its write-back "
                 "was copied"
             )
+        mutated = {v.fqn for v in verdicts}
+        for fqn, partitions in taken.items():
+            if fqn not in mutated:  # read here, written by another method: not a constant
+                self._untag_buffer(program, fqn)
+                notes.append(
+                    f"kept {fqn!r} at the top level: {shared[fqn].describe()} and another "
+                    f"method writes it, so partition(s) {', '.join(map(repr, partitions))} "
+                    "may not keep it as a constant")
         for verdict in verdicts:
             if not verdict.consumable:
                 # ExecuTorch reads ownership from the placeholder's tag; untagged stays on top.
@@ -148,18 +216,61 @@ class BufferOwningPartitioner(Partitioner):
             for node in copies:
                 node.meta[DELEGATION_TAG] = verdict.owner_tag
             copied = copies or [u for u in verdict.value.users if _is_value_copy(u)]
-            shared = " (and returns its new value as an ordinary output)" if copied else ""
-            notes.append(f"{verdict.fqn!r} owned by partition {verdict.owner_tag!r}{shared}")
-        self.notes, self.ownership = notes, verdicts
+            returns = " (and returns its new value as an ordinary output)" if copied else ""
+            notes.append(f"{verdict.fqn!r} owned by partition {verdict.owner_tag!r}{returns}")
+        self.ownership = verdicts
+        if label is None:
+            self.notes = notes
+        else:
+            self.method_notes[label] = notes
+            self.notes = [f"[{method}] {note}"
+                          for method, kept in self.method_notes.items() for note in kept]
         return PartitionResult(program, result.partition_tags)
 
+    @staticmethod
+    def _taken_shared(
+        program: ExportedProgram, partition_tags: dict[str, Any],
+        shared: dict[str, SharedBuffer],
+    ) -> dict[str, list[str]]:
+        """Shared buffer -> the partitions the wrapped partitioner gave it (tagged
+        placeholder, or its update inside a partition)."""
+        if not shared:
+            return {}
+        sig = program.graph_signature
+        taken: dict[str, set[str]] = {}
+        placeholders = {n.name: n for n in program.graph.find_nodes(op="placeholder")}
+        for name, fqn in sig.inputs_to_buffers.items():
+            tag = placeholders[name].meta.get(DELEGATION_TAG) if name in placeholders else None
+            if fqn in shared and tag in partition_tags:
+                taken.setdefault(fqn, set()).add(tag)
+        for verdict in tagged_buffer_ownership(program):
+            if verdict.fqn in shared and verdict.mutated_by:
+                taken.setdefault(verdict.fqn, set()).update(verdict.mutated_by)
+        return {fqn: sorted(tags) for fqn, tags in taken.items()}
+
+    @staticmethod
+    def _untag_buffer(program: ExportedProgram, fqn: str) -> None:
+        for name, target in program.graph_signature.inputs_to_buffers.items():
+            if target == fqn:
+                for node in program.graph.find_nodes(op="placeholder"):
+                    if node.name == name:
+                        node.meta.pop(DELEGATION_TAG, None)
+
     def _verdicts(
-        self, program: ExportedProgram, partition_tags: dict[str, Any]
+        self, program: ExportedProgram, partition_tags: dict[str, Any],
+        shared: dict[str, SharedBuffer] | None = None,
     ) -> list[BufferOwnership]:
-        """Who may own each mutated buffer of tagged ``program``, copies aside."""
+        """Who may own each mutated buffer of tagged ``program``, copies aside; a buffer
+        other methods use too (``shared``) stays at the top level."""
         verdicts = tagged_buffer_ownership(program)
         stateful = self._stateful_backends(verdicts, partition_tags)
         for verdict in verdicts:
+            if shared and verdict.fqn in shared:
+                verdict.reason = (
+                    f"{shared[verdict.fqn].describe()}; ExecuTorch's memory planning shares "
+                    "a top-level buffer between methods, a delegate's copy would be its own")
+                verdict.owner_tag = None
+                continue
             backend = self._backend(partition_tags, verdict.owner_tag)
             if verdict.consumable and backend not in stateful:
                 verdict.reason = (
@@ -223,6 +334,24 @@ class BufferOwningPartitioner(Partitioner):
                 node.meta.pop(DELEGATION_TAG, None)
             else:
                 node.meta[DELEGATION_TAG] = tag
+
+
+def _checked_methods(
+    methods: Any,
+) -> dict[str, ExportedProgram] | None:
+    if methods is None:
+        return None
+    if not isinstance(methods, Mapping) or not methods:
+        raise ExecuTorchInputError(
+            PASS_NAME, "methods", "the mapping {method name: ExportedProgram} given to "
+            f"to_edge_transform_and_lower; got {type(methods).__name__}"
+            + (" (empty)" if isinstance(methods, Mapping) else ""))
+    for name, program in methods.items():
+        if not isinstance(name, str) or not isinstance(program, ExportedProgram):
+            raise ExecuTorchInputError(
+                PASS_NAME, f"methods[{name!r}]", "each method is an ExportedProgram under "
+                f"its name (a str); got {type(name).__name__} -> {type(program).__name__}")
+    return dict(methods)
 
 
 def executorch_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -6,6 +6,12 @@ emitted with names (:func:`passes.executorch.runtime.lower_to_pte` does), its FQ
 :func:`planned_memory` reads them, so that the bytes a device holds for its state are
 measured from the program it will load, not assumed from the Python program.
 
+Several methods of one program (:func:`passes.executorch.run_methods_on_runtime`) may share
+their mutable buffers: planned with ``MemoryPlanningPass(share_mutable_buffers=True)``, a
+buffer every method places at the same spot of the state arena is held once;
+:func:`planned_state` reads every method's plan and says which buffers are shared and what
+the state takes in all.
+
 Example:
     >>> pte, _, _ = lower_to_pte(program, example_inputs)
     >>> planned_memory(pte).mutable_buffer_bytes
@@ -21,7 +27,11 @@ from executorch.exir.scalar_type import ScalarType
 from executorch.exir.schema import Tensor, TensorDataLocation
 from executorch.exir.tensor import get_scalar_type
 
-__all__ = ["MemoryPlan", "PlannedBuffer", "planned_memory"]
+__all__ = ["MemoryPlan", "PlannedBuffer", "StatePlan", "planned_memory", "planned_state"]
+
+# ExecuTorch plans activations in arena 1 of each method; with share_mutable_buffers it
+# places the shared state in arena 2, which the runtime gives every method alike.
+SHARED_STATE_ARENA = 2
 
 
 @dataclass(frozen=True)
@@ -99,4 +109,55 @@ def planned_memory(pte: bytes, method: str = "forward") -> MemoryPlan:
             info.fully_qualified_name if info is not None else None, index,
             str(dtype).removeprefix("torch."), tuple(tensor.sizes), numel * dtype.itemsize,
             tensor.allocation_info.memory_id, tensor.allocation_info.memory_offset))
+    return found
+
+
+@dataclass
+class StatePlan:
+    """The mutable buffers of every method of a ``.pte``, and which the methods share.
+
+    Attributes:
+        methods: each method's :class:`MemoryPlan`.
+        shared: the buffers (by FQN) that several methods place at one spot of the shared
+            state arena, with that placement.
+    """
+
+    methods: dict[str, MemoryPlan] = field(default_factory=dict)
+    shared: dict[str, PlannedBuffer] = field(default_factory=dict)
+
+    @property
+    def shared_bytes(self) -> int:
+        """What the shared buffers take, once for all methods."""
+        return sum(b.nbytes for b in self.shared.values())
+
+    @property
+    def state_bytes(self) -> int:
+        """What every method's mutable buffers take in all, a shared buffer counted once."""
+        own = sum(b.nbytes for plan in self.methods.values() for b in plan.mutable_buffers
+                  if b.name not in self.shared)
+        return own + self.shared_bytes
+
+
+def planned_state(pte: bytes) -> StatePlan:
+    """Every method's planned mutable buffers in the ``.pte`` program ``pte``, and the ones
+    they share (the program must have been emitted with names, as
+    :func:`passes.executorch.run_methods_on_runtime` does, to tell buffers apart)."""
+    program = deserialize_pte_binary(pte).program
+    found = StatePlan({plan.name: planned_memory(pte, plan.name)
+                       for plan in program.execution_plan})
+    places: dict[str, set[tuple[int, int, int]]] = {}
+    users: dict[str, int] = {}
+    for plan in found.methods.values():
+        for buffer in plan.mutable_buffers:
+            if buffer.name is None:
+                continue
+            places.setdefault(buffer.name, set()).add(
+                (buffer.memory_id, buffer.offset, buffer.nbytes))
+            users[buffer.name] = users.get(buffer.name, 0) + 1
+    for plan in found.methods.values():
+        for buffer in plan.mutable_buffers:
+            if (buffer.name is not None and users[buffer.name] > 1
+                    and len(places[buffer.name]) == 1
+                    and buffer.memory_id == SHARED_STATE_ARENA):
+                found.shared.setdefault(buffer.name, buffer)
     return found

@@ -1,0 +1,104 @@
+"""run_methods_on_runtime: prefill and decode in one ``.pte`` over one KV cache, fp32, XNNPACK.
+
+The main job's decoder exported as prefill (``x[1, 4, dim]``, positions 0-3) and decode
+(``x[1, 1, dim]``), lowered once with ``BufferOwningPartitioner(XnnpackPartitioner(),
+methods=...)`` and run on ExecuTorch's runtime: prefill, then three decodes, each reading
+what the calls before wrote. Compared with the eager module called in the same order; the
+caches are planned once, in the arena the methods share. Bad inputs fail before lowering.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+from passes.executorch import ExecuTorchInputError, run_methods_on_runtime
+from tests.models.methods import accumulator_methods, eager_outputs, prefill_decode, worst
+
+CACHES = {"layers.0.attn.k_cache", "layers.0.attn.v_cache"}
+CACHE_BYTES = 1 * 2 * 16 * 16 * 4  # [1, heads, max_seq, head_dim] fp32
+
+
+@pytest.fixture(scope="module")
+def case():
+    return prefill_decode()
+
+
+@pytest.fixture(scope="module")
+def run(case):
+    return run_methods_on_runtime(case.programs, case.calls)
+
+
+def test_decode_reads_what_prefill_wrote(case, run):
+    assert run.methods == ["prefill", "decode", "decode", "decode"]
+    errors = worst(eager_outputs(case.model, case.calls), run.outputs)
+    assert max(errors) <= 1e-5, errors
+    # Without the prefill's cache the decodes would differ: the check can fail.
+    fresh = eager_outputs(case.model, case.calls[1:])
+    assert min(worst(fresh, run.outputs[1:])) > 0.01
+
+
+def test_the_caches_are_planned_once_for_both_methods(run):
+    assert set(run.memory.shared) == CACHES
+    assert run.memory.shared_bytes == run.memory.state_bytes == 2 * CACHE_BYTES
+    for plan in run.memory.methods.values():
+        placed = plan.by_name()
+        assert {fqn: (placed[fqn].memory_id, placed[fqn].offset) for fqn in CACHES} == {
+            fqn: (b.memory_id, b.offset) for fqn, b in run.memory.shared.items()}
+    assert all(count > 0 for count in run.delegates.values())
+    assert sum("the methods 'prefill', 'decode' use it" in n for n in run.notes) == 4
+
+
+def test_the_callers_programs_are_left_as_they_were(case, run):
+    for ep in case.programs.values():
+        assert all(not bool(ep.state_dict[fqn].any()) for fqn in CACHES)
+
+
+def _bad_calls(case):
+    prompt = case.calls[0][1]
+    return [
+        ("not a list", "calls", "a list of (method, args, kwargs)"),
+        ([("generate", prompt, {})], "calls[0]", "no method 'generate'"),
+        ([("prefill", prompt, {"scale": 2.0})], "calls[0]", "no keyword argument"),
+        ([("decode", prompt, {})], "calls[0]", "shape [1, 4, 32], the method takes [1, 1, 32]"),
+        ([("decode", (prompt[0],), {})], "calls[0]", "positional argument"),
+        ([("prefill",)], "calls[0]", "a (method, args, kwargs) tuple"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_bad_calls_name_the_call(case, index):
+    calls, argument, reason = _bad_calls(case)[index]
+    with pytest.raises(ExecuTorchInputError, match=re.escape(reason)) as info:
+        run_methods_on_runtime(case.programs, calls)
+    assert info.value.argument == argument and info.value.helper == "run_methods_on_runtime"
+
+
+def test_programs_must_be_a_mapping_sharing_one_state(case):
+    with pytest.raises(ExecuTorchInputError) as info:
+        run_methods_on_runtime(list(case.programs.values()), case.calls)
+    assert info.value.argument == "programs"
+    other = copy.deepcopy(case.programs)
+    other["decode"].state_dict["layers.0.attn.k_cache"].fill_(1.0)
+    with pytest.raises(ExecuTorchInputError, match=re.escape(
+            "'layers.0.attn.k_cache' differs between the methods 'prefill' and 'decode' "
+            "(initial value)")):
+        run_methods_on_runtime(other, case.calls)
+    with pytest.raises(ExecuTorchInputError) as info:
+        run_methods_on_runtime(case.programs, case.calls, partitioner="xnnpack")
+    assert info.value.argument == "partitioner"
+    torch.testing.assert_close(case.programs["prefill"].state_dict["layers.0.attn.k_cache"],
+                               torch.zeros(1, 2, 16, 16))
+
+
+def test_state_starts_from_its_initial_value_and_a_reader_sees_the_writes():
+    """A non-zero initial state (the total starts at 3) is serialized and shared: the
+    narrow method only reads it, first its initial value, then what the wide one wrote."""
+    acc = accumulator_methods()
+    run = run_methods_on_runtime(acc.programs, acc.calls)
+    errors = worst(eager_outputs(acc.model, acc.calls), run.outputs)
+    assert max(errors) <= 1e-5, errors
+    assert set(run.memory.shared) == {"total"} and run.memory.shared_bytes == 4
