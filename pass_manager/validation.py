@@ -199,6 +199,7 @@ def run_methods(
     calls: Sequence[tuple[str, tuple, Mapping[str, Any]]],
     state: StateReader = _default_state,
     on_call: Callable[[int], None] | None = None,
+    share_by_name: bool = False,
 ) -> Trace:
     """Call the methods of one model in deployment order, on one copy of them all.
 
@@ -206,8 +207,11 @@ def run_methods(
     ``ExportedProgram``, whose ``module()`` runs on its own state tensors); ``calls`` are
     ``(method, args, kwargs)`` triples. The mapping is copied as a whole, so buffer tensors
     the methods share stay shared in the copy: a prefill's writes are what the next decode
-    reads, as on a device. Each call's entry in ``trace.buffers`` holds every method's
-    buffers by name (a shared buffer once). The caller's programs are untouched.
+    reads, as on a device. ``share_by_name`` also makes the copies' buffers of one name one
+    tensor (the first method's), as a ``.pte``'s shared mutable buffers are, for methods
+    whose state was copied apart (each exported or quantized on its own). Each call's entry
+    in ``trace.buffers`` holds every method's buffers by name (a shared buffer once). The
+    caller's programs are untouched.
     """
     copies = copy_program(dict(programs))
     modules = {name: program.module() if isinstance(program, ExportedProgram) else program
@@ -215,6 +219,8 @@ def run_methods(
     for name, module in modules.items():
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"cannot run method {name!r}: a {type(module).__name__}")
+    if share_by_name:
+        _share_buffers_by_name(modules)
     trace = Trace()
     for index, (method, args, kwargs) in enumerate(calls):
         if method not in modules:
@@ -233,6 +239,24 @@ def run_methods(
         if on_call is not None:
             on_call(index)
     return trace
+
+
+def _share_buffers_by_name(modules: Mapping[str, torch.nn.Module]) -> None:
+    first: dict[str, tuple[str, torch.Tensor]] = {}
+    for method, module in modules.items():
+        for fqn, tensor in list(module.named_buffers()):
+            if fqn not in first:
+                first[fqn] = method, tensor
+                continue
+            other, shared = first[fqn]
+            if (shared.shape, shared.dtype) != (tensor.shape, tensor.dtype):
+                raise ValidationInputError(
+                    "run_methods", None, f"buffer {fqn!r} is {tuple(shared.shape)} "
+                    f"{shared.dtype} in method {other!r} but {tuple(tensor.shape)} "
+                    f"{tensor.dtype} in {method!r}: one buffer cannot hold both")
+            *path, leaf = fqn.split(".")
+            owner = module.get_submodule(".".join(path)) if path else module
+            owner._buffers[leaf] = shared
 
 
 def _tensor_difference(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> str | None:

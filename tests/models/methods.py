@@ -28,6 +28,7 @@ from torch import nn
 from torch.export import ExportedProgram
 
 from pass_manager import PassManager
+from pass_manager.validation import run_methods
 from passes import QuantizeMutableBuffers
 from passes.flow.examples import decode_inputs, kv_decoder, xnnpack_quantizer
 from passes.quantization import quantize_program
@@ -152,35 +153,10 @@ def eager_outputs(model: nn.Module, calls) -> list[torch.Tensor]:
         return [model(*args, **kwargs) for _, args, kwargs in calls]
 
 
-def _set_buffer(module: nn.Module, fqn: str, tensor: torch.Tensor) -> None:
-    *path, leaf = fqn.split(".")
-    owner = module.get_submodule(".".join(path)) if path else module
-    owner._buffers[leaf] = tensor
-
-
-def sharing_state(programs: Mapping[str, ExportedProgram]) -> dict[str, nn.Module]:
-    """Each method's module (of a private copy), the top-level buffers of one FQN being one
-    tensor across methods, as the ``.pte``'s shared arena makes them. State a delegate owns
-    stays that delegate's."""
-    modules = {name: copy.deepcopy(ep).module() for name, ep in programs.items()}
-    first: dict[str, torch.Tensor] = {}
-    for module in modules.values():
-        for fqn, tensor in list(module.named_buffers()):
-            if fqn in first:
-                _set_buffer(module, fqn, first[fqn])
-            else:
-                first[fqn] = tensor
-    return modules
-
-
 def run_sharing_state(programs: Mapping[str, ExportedProgram], calls) -> list[list]:
-    modules = sharing_state(programs)
-    outputs = []
-    with torch.no_grad():
-        for method, args, kwargs in calls:
-            out = modules[method](*args, **kwargs)
-            outputs.append(list(out) if isinstance(out, (tuple, list)) else [out])
-    return outputs
+    """The outputs of each call, the methods (a private copy) sharing their top-level
+    buffers by name as the ``.pte``'s shared arena does; a delegate's state stays its own."""
+    return run_methods(programs, calls, share_by_name=True).outputs
 
 
 def worst(expected, got) -> list[float]:

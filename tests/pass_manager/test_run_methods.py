@@ -56,3 +56,19 @@ def test_a_call_naming_no_method_is_named():
     with pytest.raises(ValidationInputError, match=r"calls\[0\].*names method 'decode'; the "
                                                    r"methods are 'many', 'one'"):
         run_methods(_methods(), [("decode", (torch.ones(1, 3),), {})])
+
+
+def test_share_by_name_runs_methods_whose_state_was_copied_apart_on_one_state():
+    programs = _methods()
+    programs["one"].state_dict["total"] = copy.deepcopy(programs["many"].state_dict["total"])
+    calls = [("many", (torch.ones(4, 3),), {}), ("one", (torch.ones(1, 3),), {})]
+    trace = run_methods(programs, calls, share_by_name=True)
+    assert torch.equal(trace.outputs[1][0], torch.full((3,), 10.0))  # 4 + 1, doubled
+
+
+def test_share_by_name_refuses_buffers_of_one_name_that_cannot_be_one_tensor():
+    programs = _methods()
+    programs["one"].state_dict["total"] = torch.zeros(5)
+    with pytest.raises(ValidationInputError, match=r"buffer 'total' is \(3,\) torch.float32 in "
+                                                   r"method 'many' but \(5,\)"):
+        run_methods(programs, [("many", (torch.ones(4, 3),), {})], share_by_name=True)
