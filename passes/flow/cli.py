@@ -3,7 +3,7 @@
 The factory returns ``(module, example_inputs[, steps])`` (v1) or a mapping with
 ``module``, ``example_args``, ``example_kwargs``, ``steps``, ``dynamic_shapes`` and
 ``export`` (v2; see :mod:`passes.flow.factory`), or a mapping with ``module``, ``methods``
-and ``steps`` (v3, several methods over one state; see :mod:`passes.flow.methods`). Without
+and ``steps`` (v3, several methods over one state; see :mod:`passes.flow.factory`). Without
 a factory the built-in seeded
 KV-cache decoder is used. The report goes to stdout alone, so it can be piped or redirected;
 progress lines, notices and errors go to stderr (``--quiet`` drops the progress and notices).
@@ -29,7 +29,7 @@ from pass_manager import PassManagerError, parse_pipeline
 
 from .. import __version__
 from .factory import EXPORT_MODES, Exported, ModelError, ModelSpec, export_program, model_spec
-from .methods import MethodsSpec, export_methods
+from .factory import MethodsSpec, export_methods
 
 DEFAULT_MODEL = "passes.examples:decoder_job"
 # The console command setup.cfg installs is named after the distribution.

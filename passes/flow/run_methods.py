@@ -28,7 +28,7 @@ from ..quantization import quantize_methods, quantize_program
 from ..quantize_mutable_buffers import QuantizeMutableBuffers
 from .examples import xnnpack_quantizer
 from .factory import Exported
-from .methods import MethodsSpec, export_methods
+from .factory import MethodsSpec, export_methods
 from .quantized_graphs import output_grid
 from .result import Check, FlowResult
 from .run import EXPORT_ATOL, EXPORT_RTOL, _Stages
@@ -59,7 +59,7 @@ def run_methods_flow(
 
     ``pipeline`` replaces the functionalization stage; ``pass_options`` are PassManager
     options for the pipelines the flow builds itself; ``export`` forces an export mode;
-    ``exported`` gives the methods already exported (:func:`~passes.flow.methods.export_methods`).
+    ``exported`` gives the methods already exported (:func:`~passes.flow.factory.export_methods`).
     Raises :class:`~passes.flow.result.FlowError` (with the partial result) when a stage fails.
     """
     result = FlowResult()

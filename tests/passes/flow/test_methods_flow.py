@@ -7,7 +7,7 @@ import pytest
 
 from passes.flow.cli import main
 from passes.flow.examples import AnnotateEveryOpQuantizer, prefill_decode_job, xnnpack_quantizer
-from passes.flow.methods import methods_spec
+from passes.flow.factory import methods_spec
 from passes.flow.run_methods import FP32_METHODS, ONE_GRID, PER_METHOD, run_methods_flow
 from tests.models import hf
 
