@@ -65,10 +65,30 @@ def per_method(programs, quantizer, calibration):
 
 
 @functools.cache
-def decoder_quantized(quantizer: str, quantize_state: bool = False):
+def decoder_alone(quantizer: str):
     _, programs, calibration, _ = decoder()
-    return quantize_methods(copies(programs), QUANTIZERS[quantizer](), calibration,
-                            quantize_state=quantize_state)
+    return per_method(programs, QUANTIZERS[quantizer], calibration)
+
+
+@functools.cache
+def decoder_quantized(quantizer: str):
+    _, programs, calibration, _ = decoder()
+    return quantize_methods(copies(programs), QUANTIZERS[quantizer](), calibration)
+
+
+@functools.cache
+def decoder_stored(quantizer: str):
+    """Integer caches: quantize_methods(quantize_state=True) for the every-op quantizer;
+    for XNNPACK's (slow to convert), QuantizeMutableBuffers run on the quantized methods,
+    which is what that option does."""
+    if quantizer == "every_op":
+        _, programs, calibration, _ = decoder()
+        stored = quantize_methods(copies(programs), AnnotateEveryOpQuantizer(), calibration,
+                                  quantize_state=True)
+        assert "quantize_state" in stored.reports["decode"]
+        return dict(stored)
+    return PassManager([QuantizeMutableBuffers()]).run(
+        copies(decoder_quantized(quantizer))).programs
 
 
 def test_methods_exported_from_one_module_share_their_buffers_and_match_eager_in_fp32():
@@ -85,13 +105,10 @@ def test_methods_exported_from_one_module_share_their_buffers_and_match_eager_in
 
 @pytest.mark.parametrize("quantizer", QUANTIZERS)
 def test_one_grid_per_shared_buffer_in_every_method(quantizer):
-    _, programs, calibration, _ = decoder()
     quantized = decoder_quantized(quantizer)
     assert quantized.shared_buffers == {fqn: ["prefill", "decode"] for fqn in CACHES}
     grids = {name: buffer_grids(program) for name, program in quantized.items()}
-    alone = {name: buffer_grids(program)
-             for name, program in per_method(programs, QUANTIZERS[quantizer],
-                                             calibration).items()}
+    alone = {name: buffer_grids(program) for name, program in decoder_alone(quantizer).items()}
     for fqn in CACHES:
         assert grids["prefill"][fqn] == grids["decode"][fqn], fqn
         assert quantized.observers[fqn] >= 2  # at least one observer of each method merged
@@ -106,10 +123,10 @@ def test_one_grid_per_shared_buffer_in_every_method(quantizer):
 
 @pytest.mark.parametrize("quantizer", QUANTIZERS)
 def test_quantized_methods_decode_no_worse_than_each_method_quantized_alone(quantizer):
-    reference, programs, calibration, evaluation = decoder()
+    reference, _, _, evaluation = decoder()
     expected = calls_in_sequence(copy.deepcopy(reference), evaluation)
-    alone = per_method(programs, QUANTIZERS[quantizer], calibration)
-    quantized = copy_program(dict(decoder_quantized(quantizer)))
+    alone = copies(decoder_alone(quantizer))
+    quantized = copies(decoder_quantized(quantizer))
     ours = errors_per_call(expected, calls_in_sequence(quantized, evaluation))
     theirs = errors_per_call(expected, calls_in_sequence(alone, evaluation))
     step = max(output_grid(p.graph_module) for p in [*alone.values(), *quantized.values()])
@@ -124,8 +141,8 @@ def test_quantized_methods_decode_no_worse_than_each_method_quantized_alone(quan
 @pytest.mark.parametrize("quantizer", QUANTIZERS)
 def test_integer_caches_decode_bit_for_bit_as_the_fp32_stored_methods(quantizer):
     _, _, _, evaluation = decoder()
-    stored = copy_program(dict(decoder_quantized(quantizer, quantize_state=True)))
-    floats = copy_program(dict(decoder_quantized(quantizer)))
+    stored = copies(decoder_stored(quantizer))
+    floats = copies(decoder_quantized(quantizer))
     dtype = torch.int8 if quantizer == "xnnpack" else torch.uint8
     for fqn in CACHES:
         assert stored["prefill"].state_dict[fqn].dtype == dtype
@@ -146,8 +163,7 @@ def test_integer_caches_decode_bit_for_bit_as_the_fp32_stored_methods(quantizer)
 def test_per_method_integer_caches_would_read_the_other_methods_integers_on_a_wrong_grid():
     """Why one grid matters: quantized alone, the two methods store one cache's integers
     on different grids, which the cross-method condition refuses."""
-    _, programs, calibration, _ = decoder()
-    alone = per_method(programs, AnnotateEveryOpQuantizer, calibration)
+    alone = copies(decoder_alone("every_op"))
     with pytest.raises(SharedBufferError) as caught:
         PassManager([QuantizeMutableBuffers()]).run(alone)
     assert caught.value.aspect == "quantization grid"
@@ -158,7 +174,7 @@ def test_per_method_integer_caches_would_read_the_other_methods_integers_on_a_wr
 
 def test_reset_on_the_methods_restores_the_shared_state_once():
     _, _, _, evaluation = decoder()
-    quantized = copy_program(dict(decoder_quantized("every_op")))
+    quantized = copies(decoder_quantized("every_op"))
     calls_in_sequence(quantized, evaluation)
     cache = quantized["prefill"].state_dict[CACHES[0]]
     assert cache.abs().sum() > 0
