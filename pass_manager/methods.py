@@ -188,23 +188,23 @@ def shared_buffer_differences(programs: Mapping[str, Any]) -> list[BufferDiffere
         a = tensors[first][fqn]
         for other in names[1:]:
             b = tensors[other][fqn]
-
-            def differ(aspect: str, text: str, other: str = other) -> None:
-                found.append(BufferDifference(fqn, (first, other), aspect, text))
-
+            pair = (first, other)
             if tuple(a.shape) != tuple(b.shape):
-                differ("shape", f"{tuple(a.shape)} in {first!r}, {tuple(b.shape)} in {other!r}")
+                found.append(BufferDifference(fqn, pair, "shape", f"{tuple(a.shape)} in "
+                                              f"{first!r}, {tuple(b.shape)} in {other!r}"))
                 continue
             if a.dtype != b.dtype:
-                differ("dtype", f"{a.dtype} in {first!r}, {b.dtype} in {other!r}")
+                found.append(BufferDifference(fqn, pair, "dtype",
+                                              f"{a.dtype} in {first!r}, {b.dtype} in {other!r}"))
                 continue
             value = _value_difference(a, b)
             if value is not None:
-                differ("initial value", value)
+                found.append(BufferDifference(fqn, pair, "initial value", value))
             for facet, described in facets.items():
                 this, that = described[first].get(fqn), described[other].get(fqn)
                 if this is not None and that is not None and this != that:
-                    differ(facet, f"{this} in {first!r}, {that} in {other!r}")
+                    found.append(BufferDifference(fqn, pair, facet,
+                                                  f"{this} in {first!r}, {that} in {other!r}"))
     return found
 
 
@@ -237,7 +237,7 @@ def share_again(programs: Mapping[str, Any], groups: Mapping[str, list[str]]) ->
         tensors = [_buffer_tensors(programs[name]).get(fqn) for name in names]
         if any(t is None for t in tensors) or all(t is tensors[0] for t in tensors):
             continue
-        for name, tensor in zip(names[1:], tensors[1:]):
+        for name, tensor in zip(names[1:], tensors[1:], strict=True):
             if tensor is not tensors[0]:
                 _set_buffer_tensor(programs[name], fqn, tensors[0])
         reshared.append(fqn)

@@ -329,7 +329,7 @@ def quantize_methods(
     quantized = {}
     for name, program in programs.items():
         quantized[name], unfreeze = _convert(prepared[name], program, fold)
-        stages = dict(zip(("transform", "after_annotate"), wrapped[name].reports))
+        stages = dict(zip(("transform", "after_annotate"), wrapped[name].reports, strict=True))
         reports[name] = {**stages, "unfreeze": unfreeze}
     if quantize_state:
         stored = PassManager([QuantizeMutableBuffers()]).run(quantized)

@@ -110,7 +110,7 @@ def test_graph_modules_are_checked_too():
     wider = Accumulate()
     wider.acc = torch.zeros(2)
     traced["b"] = torch.fx.symbolic_trace(wider)
-    with pytest.raises(SharedBufferError, match="'acc'.*differ in shape"):
+    with pytest.raises(SharedBufferError, match=r"'acc'.*differ in shape"):
         PassManager([ReluToAbs()]).run(traced)
 
 

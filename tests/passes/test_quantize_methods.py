@@ -135,7 +135,7 @@ def test_quantized_methods_decode_no_worse_than_each_method_quantized_alone(quan
     # one grid per cache is no worse: the worst call and the mean.
     assert max(ours) <= max(theirs) + step, (ours, theirs)
     assert statistics.mean(ours) <= statistics.mean(theirs) + step / 4, (ours, theirs)
-    assert all(a <= b + 2 * step for a, b in zip(ours, theirs)), (ours, theirs)
+    assert all(a <= b + 2 * step for a, b in zip(ours, theirs, strict=True)), (ours, theirs)
 
 
 @pytest.mark.parametrize("quantizer", QUANTIZERS)
@@ -201,7 +201,7 @@ def test_calls_must_name_methods_and_call_each():
     _, programs, calibration, _ = decoder()
     with pytest.raises(ValueError, match="names method 'forward'"):
         quantize_methods(programs, AnnotateEveryOpQuantizer(), [("forward", (), {})])
-    with pytest.raises(ValueError, match="no calibration call for method.*'decode'"):
+    with pytest.raises(ValueError, match=r"no calibration call for method.*'decode'"):
         quantize_methods(programs, AnnotateEveryOpQuantizer(), calibration[:1])
     with pytest.raises(TypeError, match="mapping"):
         quantize_methods(programs["prefill"], AnnotateEveryOpQuantizer(), calibration)
