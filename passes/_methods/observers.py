@@ -21,6 +21,7 @@ method the same grid. A buffer's observers are:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
+from .._analysis.buffer_reads import OBSERVED_READS_META
 from .._analysis.buffers import MUTABLE_BUFFER_META
 from .._analysis.data_movement import DATA_MOVEMENT_OPS
 from ..errors import QuantizationFlowError
@@ -140,7 +142,8 @@ def share_observers(
 ) -> dict[str, int]:
     """Make every buffer's observers one instance in all the prepared methods.
 
-    Returns, per buffer, how many observer instances became its one. Observers of one
+    The observers ``PassQuantizer`` recorded for each buffer's reads are the shared ones
+    too. Returns, per buffer, how many observer instances became its one. Observers of one
     buffer that quantize differently (another dtype, range or scheme; the methods' quantizer
     annotated them differently) are a QuantizationFlowError naming the buffer, the methods
     and both configurations.
@@ -174,8 +177,17 @@ def share_observers(
                     groups.union(reference, observer)
     counts = {fqn: sum(1 for key in groups.parent if groups.find(key) == groups.find(
         id(observer))) for fqn, (_, observer) in first.items()}
+    def shared_of(module: Any) -> Any:
+        return groups.module[groups.find(id(module))] if id(module) in groups.parent \
+            else module
+
     for gm in prepared.values():
         for node in gm.graph.nodes:
+            reads = node.meta.get(OBSERVED_READS_META)
+            if reads:  # UnfreezeMutableBuffer matches frozen reads by their observer
+                node.meta[OBSERVED_READS_META] = [
+                    dataclasses.replace(read, observer=shared_of(read.observer))
+                    for read in reads]
             if node.op != "call_module":
                 continue
             module = gm.get_submodule(node.target)

@@ -76,10 +76,10 @@ def llama_calls(decodes: int, seed: int) -> list[tuple[str, tuple, dict]]:
     return calls
 
 
-def llama_methods(decodes: int = 3, seed: int = 100):
+def llama_methods(decodes: int = 3, seed: int = 100, layers: int = 2):
     """A tiny HF Llama with a static cache as prefill + decode, exported strict (as HF's
     ExecuTorch recipe exports it)."""
-    module = llama_module()
+    module = llama_module(layers)
     calls = llama_calls(decodes, seed)
     return module, _export(module, calls, strict=True), calls
 

@@ -29,6 +29,7 @@ from passes._methods.grid_facet import buffer_grids
 from passes.flow.examples import AnnotateEveryOpQuantizer, xnnpack_quantizer
 from passes.flow.quantized_graphs import output_grid
 from passes.quantization import quantize_methods, quantize_program
+from tests.models.lifting import DecayAccumulator, accumulator_calls
 from tests.models.methods import (
     calls_in_sequence,
     decoder_calls,
@@ -49,9 +50,14 @@ def copies(programs):
 
 @functools.cache
 def decoder():
-    module, programs, calibration = decoder_methods(n_layers=1, decodes=4, seed=10)
+    module, programs, _ = decoder_methods(n_layers=1)
     reference = copy.deepcopy(module)
-    evaluation = decoder_calls(module.cfg.dim, 6, seed=20)
+    # Three prompts, each a prefill and 4 decode steps (a new prompt's prefill overwrites
+    # the cache's first positions; the mask hides the stale ones after them); evaluated
+    # on three other prompts, 6 steps each.
+    dim = module.cfg.dim
+    calibration = [call for seed in (10, 11, 12) for call in decoder_calls(dim, 4, seed)]
+    evaluation = [call for seed in (20, 21, 22) for call in decoder_calls(dim, 6, seed)]
     return reference, programs, calibration, evaluation
 
 
@@ -197,6 +203,43 @@ def test_methods_of_differently_configured_models_are_refused():
     assert len(error.differences) == 2  # both caches
 
 
+def test_methods_exported_from_separate_copies_come_back_sharing_one_state():
+    reference, _, calibration, evaluation = decoder()
+    with torch.no_grad():
+        programs = {name: torch.export.export(copy.deepcopy(reference), args, kwargs)
+                    for name, args, kwargs in calibration[:2]}
+    assert programs["prefill"].state_dict[CACHES[0]] is not programs["decode"].state_dict[
+        CACHES[0]]
+    quantized = quantize_methods(programs, AnnotateEveryOpQuantizer(), calibration)
+    for fqn in CACHES:
+        assert quantized["prefill"].state_dict[fqn] is quantized["decode"].state_dict[fqn]
+    # The same program as from methods exported from one module.
+    same = calls_in_sequence(copies(decoder_quantized("every_op")), evaluation)
+    for got, want in zip(calls_in_sequence(quantized, evaluation), same, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_an_accumulator_read_torchao_folds_stays_live_in_every_method():
+    """A non-zero initial state updated by a compute op (``add_``) and read before the
+    update: UnfreezeMutableBuffer, matching the frozen read by its (shared) observer, makes
+    the read live again in both methods; the state is one running sum for both."""
+    module = DecayAccumulator()
+    reference = copy.deepcopy(module)
+    inputs = accumulator_calls(6)
+    calls = [("a" if i % 2 == 0 else "b", args, {}) for i, args in enumerate(inputs)]
+    with torch.no_grad():
+        programs = {name: torch.export.export(module, inputs[0]) for name in ("a", "b")}
+    quantized = quantize_methods(programs, AnnotateEveryOpQuantizer(), calls)
+    assert quantized.observers["acc"] >= 2  # at least one of each method made one
+    for name, program in quantized.items():
+        assert not any("_frozen_param" in str(n.target) and "acc" in n.name
+                       for n in program.graph.nodes), name
+    expected = calls_in_sequence(reference, calls)
+    outputs = calls_in_sequence(quantized, calls)
+    assert max(errors_per_call(expected, outputs)) < 0.1
+    assert torch.allclose(quantized["a"].state_dict["acc"], reference.acc, atol=0.1)
+
+
 def test_calls_must_name_methods_and_call_each():
     _, programs, calibration, _ = decoder()
     with pytest.raises(ValueError, match="names method 'forward'"):
@@ -210,17 +253,19 @@ def test_calls_must_name_methods_and_call_each():
 # -- a tiny Hugging Face Llama with a static cache -----------------------------------------------
 @functools.cache
 def llama():
-    module, programs, calibration = llama_methods(decodes=3, seed=100)
-    return copy.deepcopy(module), programs, calibration, llama_calls(4, seed=200)
+    # One layer: XNNPACK's histogram observers take ~0.2 s each to convert.
+    module, programs, _ = llama_methods(decodes=3, seed=100, layers=1)
+    calibration = [call for seed in (100, 110, 120) for call in llama_calls(3, seed)]
+    evaluation = [call for seed in (200, 210) for call in llama_calls(4, seed)]
+    return copy.deepcopy(module), programs, calibration, evaluation
 
 
-HF_CACHES = [f"{kind}_cache_{layer}" for layer in (0, 1) for kind in ("key", "value")]
+HF_CACHES = ["key_cache_0", "value_cache_0"]
 
 
 @pytest.mark.parametrize("quantizer", QUANTIZERS)
 def test_hugging_face_llama_prefill_and_decode(quantizer):
-    """Quantized with one grid per cache, integer-stored, against eager and today's way.
-    (XNNPACK's histogram observers make this the slowest test here: ~50 s.)"""
+    """Quantized with one grid per cache, integer-stored, against eager and today's way."""
     reference, programs, calibration, evaluation = llama()
     expected = calls_in_sequence(copy.deepcopy(reference), evaluation)
     fp32 = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(copies(programs))
@@ -232,9 +277,10 @@ def test_hugging_face_llama_prefill_and_decode(quantizer):
         assert grids["prefill"][fqn] == grids["decode"][fqn] and grids["decode"][fqn].stored
         assert stored["prefill"].state_dict[fqn] is stored["decode"].state_dict[fqn]
     ours = errors_per_call(expected, calls_in_sequence(stored, evaluation))
-    if quantizer == "every_op":  # today's way, for comparison (XNNPACK's would take ~50 s)
+    if quantizer == "every_op":  # today's way, for comparison (XNNPACK's doubles the time)
         alone = per_method(programs, QUANTIZERS[quantizer], calibration)
         theirs = errors_per_call(expected, calls_in_sequence(alone, evaluation))
         step = max(output_grid(p.graph_module) for p in alone.values())
         assert max(ours) <= max(theirs) + step, (ours, theirs)
+        assert statistics.mean(ours) <= statistics.mean(theirs) + step / 4, (ours, theirs)
     assert max(ours) < 0.2, ours
