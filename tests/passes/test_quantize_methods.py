@@ -166,7 +166,7 @@ def test_integer_caches_decode_bit_for_bit_as_the_fp32_stored_methods(quantizer)
                 assert torch.equal(value, reference["decode"].get_buffer(fqn)), fqn
 
 
-def test_per_method_integer_caches_would_read_the_other_methods_integers_on_a_wrong_grid():
+def test_methods_quantized_alone_are_refused_by_the_cross_method_condition():
     """Why one grid matters: quantized alone, the two methods store one cache's integers
     on different grids, which the cross-method condition refuses."""
     alone = copies(decoder_alone("every_op"))
