@@ -190,6 +190,19 @@ def test_reset_on_the_methods_restores_the_shared_state_once():
     assert not cache.any()
 
 
+def test_reset_on_methods_that_do_not_share_restores_each():
+    reference, _, calibration, evaluation = decoder()
+    with torch.no_grad():
+        programs = {name: torch.export.export(copy.deepcopy(reference), args, kwargs)
+                    for name, args, kwargs in calibration[:2]}
+    marked = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(programs).programs
+    calls_in_sequence(marked, evaluation)
+    caches = [marked[name].state_dict[CACHES[0]] for name in ("prefill", "decode")]
+    assert caches[0] is not caches[1] and all(cache.any() for cache in caches)
+    assert reset_mutable_buffers(marked) == CACHES  # each name once
+    assert not any(cache.any() for cache in caches)
+
+
 def test_methods_of_differently_configured_models_are_refused():
     _, programs, calibration, _ = decoder()
     _, longer, _ = decoder_methods(n_layers=1, max_seq=32)
