@@ -38,6 +38,14 @@ from .instruments import (
     Timing,
 )
 from .manager import PassManager, parse_pipeline
+from .methods import (
+    BufferDifference,
+    MethodsRunResult,
+    SharedBufferError,
+    check_shared_buffers,
+    register_buffer_facet,
+    shared_buffer_differences,
+)
 from .pass_base import Pass, PassResult, as_pass, function_pass, known_passes
 from .program import EXPORTED_PROGRAM, GRAPH_MODULE, graph_module_of, graph_of
 from .replay import load_reproducer, replay
@@ -50,12 +58,14 @@ __all__ = [
     "EXPORTED_PROGRAM",
     "GRAPH_MODULE",
     "ArchiveError",
+    "BufferDifference",
     "ClaimCheck",
     "Condition",
     "Effects",
     "InPlaceContractError",
     "Instrumentation",
     "MetaEditError",
+    "MethodsRunResult",
     "Pass",
     "PassFailedError",
     "PassManager",
@@ -73,12 +83,14 @@ __all__ = [
     "RunResult",
     "SemanticValidation",
     "SemanticsError",
+    "SharedBufferError",
     "StateWriteError",
     "Timing",
     "UndeclaredEditError",
     "UntrustedFileError",
     "ValidationInputError",
     "as_pass",
+    "check_shared_buffers",
     "assert_same_behaviour",
     "first_difference",
     "function_pass",
@@ -88,7 +100,9 @@ __all__ = [
     "load_program",
     "load_reproducer",
     "parse_pipeline",
+    "register_buffer_facet",
     "replay",
     "run_program",
     "save_program",
+    "shared_buffer_differences",
 ]

@@ -20,8 +20,9 @@ from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from .conditions import ALL_CONDITIONS, ConditionSet, preserves_of, provides_of, requires_of
 from .effects import Effects
-from .errors import ValidationInputError
+from .errors import PassManagerError, ValidationInputError
 from .instruments import Instrumentation, PrintDiff, PrintIR, Reproducer, SemanticValidation
+from .methods import MethodsRunResult, check_shared_buffers, share_again, shared_objects
 from .pass_base import Pass, PassResult, as_pass
 from .pipeline_text import format_pipeline, parse_passes
 from .planning import Plan, build_plan
@@ -201,8 +202,20 @@ class PassManager(Pass):
         result = self.run(graph_module)
         return TorchPassResult(result.graph_module, result.modified)
 
-    def run(self, program: Any) -> RunResult:
-        """Run the plan on ``program``; return the program (same form) and a report."""
+    def run(self, program: Any) -> RunResult | MethodsRunResult:
+        """Run the plan on ``program``; return the program (same form) and a report.
+
+        ``program`` may also be the methods of one model, ``{name: program}`` sharing
+        buffers by fully-qualified name: the methods must agree on every buffer they share
+        (shape, dtype, initial value and each registered facet, see
+        :mod:`pass_manager.methods`) before the first pass and again after the last, or
+        :class:`~pass_manager.methods.SharedBufferError` names the buffer, the methods and
+        what differs. The pipeline runs on each method in turn (an error from one says
+        which: its ``method`` attribute); the result is a
+        :class:`~pass_manager.methods.MethodsRunResult` with each method's RunResult.
+        """
+        if isinstance(program, Mapping):
+            return self._run_methods(program)
         runner = Runner(
             self.plan(),
             self.instruments,
@@ -212,6 +225,28 @@ class PassManager(Pass):
             plan=self.explain(),
         )
         return runner.run(program)
+
+    def _run_methods(self, programs: Mapping[str, Any]) -> MethodsRunResult:
+        if not programs:
+            raise ValueError("PassManager.run got an empty mapping of methods")
+        for name in programs:
+            if not isinstance(name, str):
+                raise TypeError(f"method names are strings, got {name!r}")
+        check_shared_buffers(programs, "before the pipeline")
+        groups = shared_objects(programs)
+        results = {}
+        for name, program in programs.items():
+            try:
+                results[name] = self.run(program)
+            except PassManagerError as e:
+                e.method = name
+                done = f" (methods already run: {', '.join(results)})" if results else ""
+                e.args = (f"method {name!r}{done}: {e.args[0] if e.args else ''}",
+                          *e.args[1:])
+                raise
+        after = {name: result.program for name, result in results.items()}
+        check_shared_buffers(after, f"after {self.name}")
+        return MethodsRunResult(results, share_again(after, groups))
 
 
 _VALIDATE = "PassManager(validate=...)"

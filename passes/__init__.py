@@ -2,7 +2,7 @@
 torch.export, pt2e quantization and delegation.
 """
 
-from . import conditions
+from . import _methods, conditions  # _methods: the grid the methods of a model must share
 from ._analysis.marked_state import mutable_buffers, reset_mutable_buffers
 from ._lifting import exported_program_from
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate

@@ -29,7 +29,7 @@ starts from whatever the last calibration batch left in a KV cache or an accumul
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,20 +37,29 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule
 from torchao.quantization.pt2e.quantizer import Quantizer
 
-from pass_manager import PassManager, Report
+from pass_manager import PassManager, Report, check_shared_buffers
 from pass_manager.validation import call_inputs
 
 from ._analysis.buffer_reads import OBSERVED_READS_META, BufferRead, view_chain
 from ._analysis.buffers import MUTABLE_BUFFER_META
 from ._analysis.marked_state import reset_mutable_buffers
 from ._lifting import exported_program_from
+from ._methods.calls import QuantizedMethods, method_calls, share_buffer_tensors
+from ._methods.observers import buffer_observers, share_observers
 from .errors import QuantizationFlowError
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
+from .quantize_mutable_buffers import QuantizeMutableBuffers
 from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
 
-__all__ = ["PassQuantizer", "QuantizationFlowError", "quantize_program"]
+__all__ = [
+    "PassQuantizer",
+    "QuantizationFlowError",
+    "QuantizedMethods",
+    "quantize_methods",
+    "quantize_program",
+]
 
 
 class PassQuantizer(Quantizer):
@@ -200,24 +209,134 @@ def quantize_program(
         >>> quantized.graph_signature.buffers_to_mutate
         {'index_copy_default': 'layers.0.attn.k_cache', ...}
     """
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
     if not isinstance(program, ExportedProgram):
         raise TypeError(f"quantize_program takes an ExportedProgram, got {type(program).__name__}")
     calls = call_inputs(list(calibration))
     if not calls:
         raise ValueError("quantize_program needs at least one calibration call: the "
                          "observers have nothing to measure otherwise")
-    wrapped = PassQuantizer(
-        quantizer,
-        transform=[MarkMutableBuffers(), InplaceToFunctional()],
-        after_annotate=[SkipAnnotateDataMovementOps()],
-    )
-    prepared = prepare_pt2e(program.module(), wrapped)
+    prepared = _prepare(program, _flow_quantizer(quantizer))
     with torch.no_grad():
         for args, kwargs in calls:
             prepared(*args, **kwargs)
     reset_mutable_buffers(prepared)
+    return _convert(prepared, program, fold)[0]
+
+
+def _flow_quantizer(quantizer: Quantizer, wrapper: type[PassQuantizer] = PassQuantizer,
+                    ) -> PassQuantizer:
+    """``quantizer`` wrapped as the flow quantizes: functional state before annotation,
+    buffers observed through what is written into them after it."""
+    return wrapper(
+        quantizer,
+        transform=[MarkMutableBuffers(), InplaceToFunctional()],
+        after_annotate=[SkipAnnotateDataMovementOps()],
+    )
+
+
+def _prepare(program: ExportedProgram, wrapped: PassQuantizer) -> GraphModule:
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    return prepare_pt2e(program.module(), wrapped)
+
+
+def _convert(prepared: GraphModule, like: ExportedProgram, fold: bool,
+             ) -> tuple[ExportedProgram, Report]:
+    """convert_pt2e, UnfreezeMutableBuffer (its report returned) and the lift."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
     converted = convert_pt2e(prepared, fold_quantize=fold)
-    converted = PassManager([UnfreezeMutableBuffer()]).run(converted).program
-    return exported_program_from(converted, like=program)
+    unfrozen = PassManager([UnfreezeMutableBuffer()]).run(converted)
+    return exported_program_from(unfrozen.program, like=like), unfrozen.report
+
+
+class _MethodQuantizer(PassQuantizer):
+    """A PassQuantizer that also keeps, from the observer callback, which observers stand
+    for each mutable buffer (see :mod:`passes._methods.observers`)."""
+
+    def prepare_obs_or_fq_callback(self, model: GraphModule, edge_or_node_to_obs_or_fq: dict,
+                                   ) -> None:
+        super().prepare_obs_or_fq_callback(model, edge_or_node_to_obs_or_fq)
+        self.buffer_observers = buffer_observers(model, edge_or_node_to_obs_or_fq)
+
+
+def quantize_methods(
+    programs: Mapping[str, ExportedProgram],
+    quantizer: Quantizer,
+    calls: Iterable[Any],
+    *,
+    fold: bool = True,
+    quantize_state: bool = False,
+) -> QuantizedMethods:
+    """Quantize the methods of one model (a prefill and a decode sharing their KV cache)
+    with pt2e, calibrated as deployment runs them, each shared buffer on one grid.
+
+    Each method is prepared as :func:`quantize_program` prepares a program. Then every
+    buffer several methods share by fully-qualified name becomes one tensor object for
+    all of them, and its observers (of the values written into it, of its contents and of
+    its reads, see :mod:`passes._methods.observers`) one observer for all of them. The
+    ``calls`` run in order on that one state (decode sees the cache prefill wrote), so the
+    observers measure every method's values; the state is reset, each method converted,
+    unfrozen and lifted (``like=`` its program). The methods must agree on their shared
+    buffers before (shape, dtype, initial value) and agree after, the grid included
+    (:func:`pass_manager.check_shared_buffers`).
+
+    Args:
+        programs: method name -> ExportedProgram of one model (functional or not).
+        quantizer: a torchao pt2e ``Quantizer``, used for every method.
+        calls: the calibration calls in deployment order, ``(method, args)`` or
+            ``(method, args, kwargs)``; every method called at least once.
+        fold: torchao's ``fold_quantize``, as in :func:`quantize_program`.
+        quantize_state: also store each buffer whose writes lie on one grid as its
+            integers (:class:`~passes.QuantizeMutableBuffers`, run on the mapping: one
+            integer grid per buffer in every method).
+
+    Returns:
+        :class:`~passes._methods.calls.QuantizedMethods`, a dict of the quantized
+        ExportedPrograms sharing one tensor per buffer (the first method's; the inputs'
+        other tensors are left as they were), with a report per method and stage.
+
+    Raises:
+        pass_manager.SharedBufferError: the methods disagree about a shared buffer.
+        QuantizationFlowError: the quantizer quantizes a shared buffer differently in two
+            methods.
+        ValueError: a call names no method, or a method is never called.
+
+    Example:
+        >>> quantized = quantize_methods({"prefill": prefill_ep, "decode": decode_ep},
+        ...                              xnnpack_quantizer(),
+        ...                              [("prefill", (x4, pos4)), ("decode", (x1, pos1))])
+        >>> quantized["decode"](x, pos)   # reads the cache quantized["prefill"] wrote
+    """
+    if not isinstance(programs, Mapping) or not programs:
+        raise TypeError("quantize_methods takes a non-empty mapping {method: ExportedProgram}")
+    for name, program in programs.items():
+        if not isinstance(program, ExportedProgram):
+            raise TypeError(f"quantize_methods: method {name!r} is a "
+                            f"{type(program).__name__}, not an ExportedProgram")
+    calibration = method_calls(programs, calls, "quantize_methods")
+    check_shared_buffers(programs, "quantize_methods")
+    wrapped = {name: _flow_quantizer(quantizer, _MethodQuantizer) for name in programs}
+    prepared = {name: _prepare(program, wrapped[name]) for name, program in programs.items()}
+    shared = share_buffer_tensors(prepared)
+    observers = share_observers(
+        prepared, {name: wrapped[name].buffer_observers for name in programs})
+    with torch.no_grad():
+        for method, args, kwargs in calibration:
+            prepared[method](*args, **kwargs)
+    reset_mutable_buffers(prepared)
+    reports: dict[str, dict[str, Report]] = {}
+    quantized = {}
+    for name, program in programs.items():
+        quantized[name], unfreeze = _convert(prepared[name], program, fold)
+        stages = dict(zip(("transform", "after_annotate"), wrapped[name].reports, strict=True))
+        reports[name] = {**stages, "unfreeze": unfreeze}
+    if quantize_state:
+        stored = PassManager([QuantizeMutableBuffers()]).run(quantized)
+        quantized = stored.programs
+        for name, result in stored.items():
+            reports[name]["quantize_state"] = result.report
+    else:
+        check_shared_buffers(quantized, "after quantize_methods")
+    return QuantizedMethods(quantized, reports, shared,
+                            {fqn: observers.get(fqn, 0) for fqn in shared})

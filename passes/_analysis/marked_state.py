@@ -9,6 +9,7 @@ for a buffer filled with one value (the usual zeros of a KV cache), a copy other
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,12 +167,33 @@ def reset_mutable_buffers(program: Any) -> list[str]:
     (a filled KV cache, an advanced counter) in the program's buffers, and in the
     parameters it writes, which are restored too. A buffer that was filled with one value
     (zeros) is refilled from that value: its kept copy is one element.
+
+    ``program`` may be the methods of one model, ``{name: program}``: a buffer the methods
+    hold as one tensor (as ``quantize_methods`` returns them) is restored once, from the
+    first method marking it; each FQN is listed once.
     """
+    if isinstance(program, Mapping):
+        restored: list[str] = []
+        done: set[int] = set()
+        for method in program.values():
+            for fqn in _reset(method, done):
+                if fqn not in restored:
+                    restored.append(fqn)
+        return restored
+    return _reset(program, set())
+
+
+def _reset(program: Any, done: set[int]) -> list[str]:
+    """Reset ``program``'s marked buffers whose tensor is not in ``done`` (ids), adding them."""
     restored = []
     for fqn, info in _marked(program).items():
         if info.kind == USER_INPUT or info.initial is None:
             continue
+        tensor = buffer_tensor(program, fqn)
+        if id(tensor) in done:
+            continue
+        done.add(id(tensor))
         with torch.no_grad():
-            buffer_tensor(program, fqn).copy_(info.initial)
+            tensor.copy_(info.initial)
         restored.append(fqn)
     return restored

@@ -37,12 +37,12 @@ def _exportable(model_class, config) -> torch.nn.Module:
     return TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=MAX_CACHE)
 
 
-def _tiny(config_class, **extra):
+def _tiny(config_class, layers: int = 2, **extra):
     return config_class(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
@@ -81,10 +81,10 @@ def _v2(module: torch.nn.Module, steps: int = STEPS) -> dict:
     }
 
 
-def llama_module() -> torch.nn.Module:
+def llama_module(layers: int = 2) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return _exportable(LlamaForCausalLM, _tiny(LlamaConfig))
+    return _exportable(LlamaForCausalLM, _tiny(LlamaConfig, layers))
 
 
 def llama() -> dict:

@@ -6,7 +6,7 @@ match the eager module called in the same order, every cache planned once for bo
 from __future__ import annotations
 
 from passes.executorch import run_methods_on_runtime
-from tests.models.methods import eager_outputs, hf_llama_prefill_decode, worst
+from tests.models.methods_on_runtime import eager_outputs, hf_llama_prefill_decode, worst
 
 
 def test_hf_llama_prefill_then_decode_on_the_runtime():

@@ -25,7 +25,7 @@ from passes.executorch import (
 )
 from passes.executorch.method_state import method_state
 from tests.models.executorch_cases import everything
-from tests.models.methods import (
+from tests.models.methods_on_runtime import (
     PerMethodState,
     accumulator_methods,
     eager_outputs,

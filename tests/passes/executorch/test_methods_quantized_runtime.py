@@ -19,7 +19,7 @@ import pytest
 from passes import mutable_buffers
 from passes.executorch import run_methods_on_runtime
 from passes.executorch.runtime import output_grid
-from tests.models.methods import quantized_prefill_decode, run_sharing_state, worst
+from tests.models.methods_on_runtime import quantized_prefill_decode, run_sharing_state, worst
 
 CACHES = ("layers.0.attn.k_cache", "layers.0.attn.v_cache")
 INT8_CACHE_BYTES = 1 * 2 * 16 * 16

@@ -1,0 +1,290 @@
+"""Several methods of one model: programs that share their buffers by name.
+
+A model deployed as several methods (a prefill of N tokens and a one-token decode) is a
+mapping ``{name: program}``; ExecuTorch plans one buffer per fully-qualified name for all
+of them (``share_mutable_buffers=True``), so each buffer two methods hold must be the same
+buffer in both: the same shape, dtype and initial value, and whatever else a library
+registers as a *facet* of it (:func:`register_buffer_facet`; ``passes`` registers the
+quantization grid of a buffer's values). :func:`shared_buffer_differences` lists what
+differs, :func:`check_shared_buffers` raises :class:`SharedBufferError` on the first.
+
+``PassManager.run`` on such a mapping checks the condition before the first pass and after
+the last, runs the pipeline on each method and returns a :class:`MethodsRunResult`. Buffer
+tensors the methods held as one object before the run are one object again after it (a
+pass may give each method a new tensor, e.g. integer storage), so calling the methods in
+sequence in Python shares their state as the deployed program does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from .errors import PassManagerError
+from .program import graph_module_of
+from .report import Report
+
+__all__ = [
+    "BufferDifference",
+    "MethodsRunResult",
+    "SharedBufferError",
+    "buffer_facets",
+    "check_shared_buffers",
+    "register_buffer_facet",
+    "shared_buffer_differences",
+]
+
+Describer = Callable[[Any], Mapping[str, Any]]
+"""``describe(program) -> {fqn: description}``: a facet of each buffer the describer has
+something to say about. Descriptions are compared with ``==`` and shown with ``str``; a
+buffer a method's describer leaves out (or describes as None) has no such facet there and
+is not compared on it (e.g. a method that only reads a cache has no grid of its writes)."""
+
+_FACETS: dict[str, Describer] = {}
+
+
+def register_buffer_facet(name: str, describe: Describer) -> None:
+    """Make ``describe`` part of the condition that methods sharing a buffer agree on it.
+
+    Registering a name again replaces its describer.
+
+    Example:
+        >>> register_buffer_facet("quantization grid", lambda program: {...})
+    """
+    if not callable(describe):
+        raise TypeError(f"register_buffer_facet({name!r}, ...): the describer is not callable")
+    _FACETS[name] = describe
+
+
+def buffer_facets() -> dict[str, Describer]:
+    """The registered facets, by name, in registration order."""
+    return dict(_FACETS)
+
+
+@dataclass(frozen=True)
+class BufferDifference:
+    """One way two methods disagree about a buffer they share.
+
+    Attributes:
+        buffer: its fully-qualified name.
+        methods: the two methods, the reference (first holding it) first.
+        aspect: ``"shape"``, ``"dtype"``, ``"initial value"`` or a facet's name.
+        difference: what differs, in words (both values, each with its method).
+    """
+
+    buffer: str
+    methods: tuple[str, str]
+    aspect: str
+    difference: str
+
+    def __str__(self) -> str:
+        first, second = self.methods
+        return (f"buffer {self.buffer!r}: methods {first!r} and {second!r} differ in "
+                f"{self.aspect}: {self.difference}")
+
+
+class SharedBufferError(PassManagerError):
+    """Methods of one program disagree about a buffer they share by name.
+
+    Attributes:
+        buffer: the buffer's fully-qualified name.
+        methods: the methods that disagree (the reference first).
+        difference: what differs, in words.
+        aspect: shape, dtype, initial value or the facet's name.
+        differences: every :class:`BufferDifference` found (the first is the one above).
+    """
+
+    def __init__(self, differences: list[BufferDifference], when: str = ""):
+        first = differences[0]
+        self.buffer = first.buffer
+        self.methods = list(first.methods)
+        self.aspect = first.aspect
+        self.difference = first.difference
+        self.differences = list(differences)
+        message = f"{when}: " if when else ""
+        message += (
+            f"the methods do not share buffer {first.buffer!r}: {first.methods[0]!r} and "
+            f"{first.methods[1]!r} differ in {first.aspect}: {first.difference}. Methods of "
+            "one program share each buffer by name (one buffer for all of them on a "
+            "device), so each must hold it alike: export them from one model."
+        )
+        if len(differences) > 1:
+            message += "\nAll differences:\n" + "\n".join(f"  - {d}" for d in differences)
+        super().__init__(message)
+
+
+def _buffer_tensors(program: Any) -> dict[str, torch.Tensor]:
+    """Every buffer of ``program`` by fully-qualified name."""
+    if isinstance(program, ExportedProgram):
+        found = {}
+        for fqn in program.graph_signature.buffers:
+            tensor = program.state_dict.get(fqn, program.constants.get(fqn))
+            if isinstance(tensor, torch.Tensor):
+                found[fqn] = tensor
+        return found
+    return dict(graph_module_of(program).named_buffers(remove_duplicate=False))
+
+
+def _set_buffer_tensor(program: Any, fqn: str, tensor: torch.Tensor) -> None:
+    if isinstance(program, ExportedProgram):
+        held = program.state_dict if fqn in program.state_dict else program.constants
+        held[fqn] = tensor
+        return
+    *path, leaf = fqn.split(".")
+    owner = graph_module_of(program)
+    for part in path:
+        owner = getattr(owner, part)
+    owner._buffers[leaf] = tensor
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _value_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None when ``a`` and ``b`` hold the same bits, else how they differ."""
+    if a is b or a.device.type == "meta" or b.device.type == "meta":
+        return None
+    a, b = a.detach(), b.detach()
+    if a.is_floating_point() and a.element_size() in _BITS:
+        bits = _BITS[a.element_size()]
+        differs = a.contiguous().view(bits) != b.contiguous().view(bits)
+    else:
+        differs = a != b
+    count = int(differs.sum())
+    if count == 0:
+        return None
+    where = tuple(int(i) for i in differs.nonzero()[0])
+    text = (f"{count} of {a.numel()} elements differ, the first at {list(where)}: "
+            f"{a[where].item()!r} vs {b[where].item()!r}")
+    if a.is_floating_point():
+        text += f" (max |difference| {float((a.float() - b.float()).abs().max()):.6g})"
+    return text
+
+
+def shared_buffer_differences(programs: Mapping[str, Any]) -> list[BufferDifference]:
+    """Every way the methods disagree about a buffer more than one of them holds.
+
+    Each method is compared with the first method holding the buffer: shape, dtype, the
+    value it holds now (a freshly exported or reset program's initial value, bit for bit),
+    then each registered facet.
+    """
+    tensors = {name: _buffer_tensors(program) for name, program in programs.items()}
+    holders: dict[str, list[str]] = {}
+    for name, held in tensors.items():
+        for fqn in held:
+            holders.setdefault(fqn, []).append(name)
+    shared = {fqn: names for fqn, names in holders.items() if len(names) > 1}
+    if not shared:
+        return []
+    facets = {facet: {name: dict(describe(programs[name])) for name in programs}
+              for facet, describe in _FACETS.items()}
+    found = []
+    for fqn, names in shared.items():
+        first = names[0]
+        a = tensors[first][fqn]
+        for other in names[1:]:
+            b = tensors[other][fqn]
+            pair = (first, other)
+            if tuple(a.shape) != tuple(b.shape):
+                found.append(BufferDifference(fqn, pair, "shape", f"{tuple(a.shape)} in "
+                                              f"{first!r}, {tuple(b.shape)} in {other!r}"))
+                continue
+            if a.dtype != b.dtype:
+                found.append(BufferDifference(fqn, pair, "dtype",
+                                              f"{a.dtype} in {first!r}, {b.dtype} in {other!r}"))
+                continue
+            value = _value_difference(a, b)
+            if value is not None:
+                found.append(BufferDifference(fqn, pair, "initial value", value))
+            for facet, described in facets.items():
+                this, that = described[first].get(fqn), described[other].get(fqn)
+                if this is not None and that is not None and this != that:
+                    found.append(BufferDifference(fqn, pair, facet,
+                                                  f"{this} in {first!r}, {that} in {other!r}"))
+    return found
+
+
+def check_shared_buffers(programs: Mapping[str, Any], when: str = "") -> None:
+    """Raise :class:`SharedBufferError` if the methods disagree about a shared buffer."""
+    differences = shared_buffer_differences(programs)
+    if differences:
+        raise SharedBufferError(differences, when)
+
+
+def shared_objects(programs: Mapping[str, Any]) -> dict[str, list[str]]:
+    """For each buffer held as one tensor object by several methods, those methods."""
+    tensors = {name: _buffer_tensors(program) for name, program in programs.items()}
+    groups: dict[str, list[str]] = {}
+    for fqn in {fqn for held in tensors.values() for fqn in held}:
+        holders = [name for name in programs if fqn in tensors[name]]
+        first = tensors[holders[0]][fqn]
+        same = [name for name in holders if tensors[name][fqn] is first]
+        if len(same) > 1:
+            groups[fqn] = same
+    return groups
+
+
+def share_again(programs: Mapping[str, Any], groups: Mapping[str, list[str]]) -> list[str]:
+    """Make each buffer of ``groups`` one tensor object again across its methods (the
+    first method's), where a pass gave the methods their own; returns those buffers.
+    Only call it once the methods agree on the buffers' values."""
+    reshared = []
+    for fqn, names in groups.items():
+        tensors = [_buffer_tensors(programs[name]).get(fqn) for name in names]
+        if any(t is None for t in tensors) or all(t is tensors[0] for t in tensors):
+            continue
+        for name, tensor in zip(names[1:], tensors[1:], strict=True):
+            if tensor is not tensors[0]:
+                _set_buffer_tensor(programs[name], fqn, tensors[0])
+        reshared.append(fqn)
+    return reshared
+
+
+@dataclass
+class MethodsRunResult(Mapping):
+    """The outcome of a run on several methods: a ``RunResult`` per method, by name
+    (``result["decode"].program``), in the mapping's order.
+
+    Attributes:
+        results: the per-method ``RunResult``.
+        reshared: buffers whose tensor a pass replaced in some methods, made one object
+            across them again.
+    """
+
+    results: dict[str, Any]
+    reshared: list[str]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.results[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.results)
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    @property
+    def programs(self) -> dict[str, Any]:
+        """The methods' programs, by name (the form each was given in)."""
+        return {name: result.program for name, result in self.results.items()}
+
+    @property
+    def program(self) -> dict[str, Any]:
+        """The same as :attr:`programs`: what ``.program`` is for one program."""
+        return self.programs
+
+    @property
+    def modified(self) -> bool:
+        return any(result.modified for result in self.results.values())
+
+    @property
+    def reports(self) -> dict[str, Report]:
+        return {name: result.report for name, result in self.results.items()}
+
+    def __str__(self) -> str:
+        return "\n".join(f"method {name!r}:\n{result.report}"
+                         for name, result in self.results.items())

@@ -1,0 +1,201 @@
+"""One observer per shared buffer across the prepared methods of one model.
+
+torchao gives the edges and nodes of one sharing group (``SharedQuantizationSpec``, and the
+implicit sharing of an output with its users' input edges) one observer instance, which is
+what makes them one grid. Methods are prepared one by one, so a buffer they share gets an
+observer in each; :func:`buffer_observers` finds, from the map ``prepare_pt2e`` hands the
+quantizer's ``prepare_obs_or_fq_callback``, the observers standing for a buffer in one
+method, and :func:`share_observers` makes them one instance in every method, so that
+calibration over all the methods' calls fills one min/max and ``convert_pt2e`` gives every
+method the same grid. A buffer's observers are:
+
+* the values written into it: the written argument of each write (``index_copy``,
+  ``index_put``, ``copy_``, the ``*_scatter`` ops) and what it is a view of, back to the op
+  that computed it;
+* its contents: the buffer, every data-movement op on it (views, the functional write's
+  result) and their outputs;
+* its reads: each input edge of a consumer of those contents, when that edge's observer
+  quantizes like the buffer's (the same dtype, range and scheme); a read re-quantized on
+  a grid of another kind keeps its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .._analysis.buffer_reads import OBSERVED_READS_META
+from .._analysis.buffers import MUTABLE_BUFFER_META
+from .._analysis.data_movement import DATA_MOVEMENT_OPS
+from ..errors import QuantizationFlowError
+
+__all__ = ["BufferObservers", "buffer_observers", "share_observers"]
+
+# What must agree for two observers to stand for one grid.
+_CONFIG = ("dtype", "qscheme", "quant_min", "quant_max", "ch_axis", "is_dynamic")
+
+
+def _config(observer: torch.nn.Module) -> tuple:
+    return (type(observer), *(getattr(observer, key, None) for key in _CONFIG))
+
+
+def _describe(observer: torch.nn.Module) -> str:
+    parts = [f"{key}={getattr(observer, key)}" for key in _CONFIG if hasattr(observer, key)]
+    return f"{type(observer).__name__}({', '.join(parts)})"
+
+
+def _value_index(node: Node) -> tuple[bool, int | None]:
+    """(is data movement, index of the written value or None for a view)."""
+    if node.op != "call_function" or not hasattr(node.target, "overloadpacket"):
+        return False, None
+    packet = node.target.overloadpacket
+    if packet not in DATA_MOVEMENT_OPS:
+        return False, None
+    return True, DATA_MOVEMENT_OPS[packet]
+
+
+@dataclass
+class BufferObservers:
+    """The observers standing for each marked buffer in one prepared method.
+
+    Attributes:
+        grid: per buffer, the observers of its contents and of the values written into it.
+        reads: per buffer, the observers of input edges reading its contents.
+    """
+
+    grid: dict[str, list[torch.nn.Module]] = field(default_factory=dict)
+    reads: dict[str, list[torch.nn.Module]] = field(default_factory=dict)
+
+
+def buffer_observers(model: GraphModule, observer_of: Mapping[Any, Any]) -> BufferObservers:
+    """The observers of each marked buffer, read from ``prepare_pt2e``'s map of edges and
+    nodes to observers (the annotated graph, before the observers are inserted)."""
+    contents: dict[Node, str] = {}
+    for node in model.graph.nodes:  # in order: a view's argument comes before it
+        fqn = node.meta.get(MUTABLE_BUFFER_META) if node.op in ("get_attr", "placeholder") \
+            else None
+        moves, _ = _value_index(node)
+        if fqn is None and moves and node.args and node.args[0] in contents:
+            fqn = contents[node.args[0]]
+        if fqn is not None:
+            contents[node] = fqn
+    found = BufferObservers()
+
+    def add(into: dict[str, list], fqn: str, key: Any) -> None:
+        observer = observer_of.get(key)
+        if observer is not None and all(observer is not o for o in into.setdefault(fqn, [])):
+            into[fqn].append(observer)
+
+    for node, fqn in contents.items():
+        add(found.grid, fqn, node)
+        for user in node.users:
+            add(found.grid if user in contents else found.reads, fqn, (node, user))
+        _, index = _value_index(node)
+        if index is None or index >= len(node.args):
+            continue
+        value, consumer = node.args[index], node
+        seen: set[Node] = set()
+        while isinstance(value, Node) and value not in contents and value not in seen:
+            seen.add(value)  # the written value, and what it views, back to its producer
+            add(found.grid, fqn, (value, consumer))
+            add(found.grid, fqn, value)
+            moves, index = _value_index(value)
+            if not moves or index is not None or not value.args:
+                break
+            value, consumer = value.args[0], value
+    return found
+
+
+class _Groups:
+    """Union-find over observer instances (by identity)."""
+
+    def __init__(self) -> None:
+        self.parent: dict[int, int] = {}
+        self.module: dict[int, torch.nn.Module] = {}
+
+    def add(self, observer: torch.nn.Module) -> int:
+        key = id(observer)
+        if key not in self.parent:
+            self.parent[key] = key
+            self.module[key] = observer
+        return key
+
+    def find(self, key: int) -> int:
+        while self.parent[key] != key:
+            self.parent[key] = self.parent[self.parent[key]]
+            key = self.parent[key]
+        return key
+
+    def union(self, a: torch.nn.Module, b: torch.nn.Module) -> None:
+        ra, rb = self.find(self.add(a)), self.find(self.add(b))
+        if ra != rb:
+            self.parent[rb] = ra
+
+
+def share_observers(
+    prepared: Mapping[str, GraphModule], observers: Mapping[str, BufferObservers]
+) -> dict[str, int]:
+    """Make every buffer's observers one instance in all the prepared methods.
+
+    The observers ``PassQuantizer`` recorded for each buffer's reads are the shared ones
+    too. Returns, per buffer, how many observer instances became its one. Observers of one
+    buffer that quantize differently (another dtype, range or scheme; the methods' quantizer
+    annotated them differently) are a QuantizationFlowError naming the buffer, the methods
+    and both configurations.
+    """
+    groups = _Groups()
+    first: dict[str, tuple[str, torch.nn.Module]] = {}
+    for method, found in observers.items():
+        for fqn, grid in found.grid.items():
+            for observer in grid:
+                if fqn not in first:
+                    first[fqn] = (method, observer)
+                    groups.add(observer)
+                    continue
+                where, reference = first[fqn]
+                if _config(observer) != _config(reference):
+                    raise QuantizationFlowError(
+                        f"buffer {fqn!r} is quantized as {_describe(reference)} in method "
+                        f"{where!r} but as {_describe(observer)} in method {method!r}: one "
+                        "buffer shared by several methods holds one grid; quantize them "
+                        "with one quantizer configuration",
+                        pass_name="quantize_methods",
+                    )
+                groups.union(reference, observer)
+    for found in observers.values():
+        for fqn, reads in found.reads.items():
+            if fqn not in first:
+                continue
+            reference = first[fqn][1]
+            for observer in reads:
+                if _config(observer) == _config(reference):
+                    groups.union(reference, observer)
+    counts = {fqn: sum(1 for key in groups.parent if groups.find(key) == groups.find(
+        id(observer))) for fqn, (_, observer) in first.items()}
+    def shared_of(module: Any) -> Any:
+        return groups.module[groups.find(id(module))] if id(module) in groups.parent \
+            else module
+
+    for gm in prepared.values():
+        for node in gm.graph.nodes:
+            reads = node.meta.get(OBSERVED_READS_META)
+            if reads:  # UnfreezeMutableBuffer matches frozen reads by their observer
+                node.meta[OBSERVED_READS_META] = [
+                    dataclasses.replace(read, observer=shared_of(read.observer))
+                    for read in reads]
+            if node.op != "call_module":
+                continue
+            module = gm.get_submodule(node.target)
+            if id(module) not in groups.parent:
+                continue
+            shared = groups.module[groups.find(id(module))]
+            if shared is not module:
+                *path, leaf = node.target.split(".")
+                owner = gm.get_submodule(".".join(path)) if path else gm
+                setattr(owner, leaf, shared)
+    return counts

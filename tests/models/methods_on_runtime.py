@@ -1,0 +1,168 @@
+"""Several methods of one model sharing its state: a prefill and a one-token decode.
+
+* :func:`prefill_decode`: the main job's decoder exported twice, prefill ``x[1, 4, dim]`` at
+  positions 0-3 and decode ``x[1, 1, dim]``, with the calls a deployment runs (prefill, then
+  decodes from position 4).
+* :class:`PerMethodState`: the decoder plus a buffer only the prefill writes and one only
+  the decode writes, beside the caches both share.
+* :class:`Accumulator`: a running total with a non-zero initial value, written by one
+  method and only read by another.
+* :func:`hf_llama_prefill_decode`: a tiny random Hugging Face Llama (static cache) exported
+  strict as prefill (4 tokens) and decode.
+* :func:`quantized_prefill_decode`: each method quantized on its own (``quantize_program``)
+  with integer-stored caches (``QuantizeMutableBuffers``); the decode is calibrated on the
+  prompt's tokens one at a time, so it observes the same cache values as the prefill and
+  its caches get the same grid.
+* :func:`eager_outputs` / :func:`run_sharing_state`: the references, the eager module called
+  in the same order, and Python programs of the methods sharing one set of buffer tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.export import ExportedProgram
+
+from pass_manager import PassManager
+from pass_manager.validation import run_methods
+from passes import QuantizeMutableBuffers
+from passes.flow.examples import decode_inputs, kv_decoder, xnnpack_quantizer
+from passes.quantization import quantize_program
+
+PROMPT = 4
+DECODES = 3
+
+
+@dataclass
+class MethodsCase:
+    model: nn.Module
+    programs: dict[str, ExportedProgram]
+    calls: list[tuple[str, tuple, dict]]
+
+
+def _prompt(dim: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(1, PROMPT, dim, generator=generator), torch.arange(PROMPT)
+
+
+def _export_methods(model: nn.Module, examples: Mapping[str, tuple], kwargs=None,
+                    strict: bool = False) -> dict[str, ExportedProgram]:
+    kwargs = kwargs or {}
+    with torch.no_grad():
+        return {name: torch.export.export(copy.deepcopy(model), args, kwargs.get(name),
+                                          strict=strict)
+                for name, args in examples.items()}
+
+
+def prefill_decode(model: nn.Module | None = None, decodes: int = DECODES) -> MethodsCase:
+    """The decoder (or ``model``, taking the decoder's inputs) as prefill + decode."""
+    if model is None:
+        model = kv_decoder(1)[0]
+    dim = 32 if not hasattr(model, "cfg") else model.cfg.dim
+    prompt = _prompt(dim)
+    steps = decode_inputs(kv_decoder(1)[0].cfg, decodes, seed=2, start=PROMPT)
+    programs = _export_methods(model, {"prefill": prompt, "decode": steps[0]})
+    calls = [("prefill", prompt, {})] + [("decode", args, {}) for args in steps]
+    return MethodsCase(model, programs, calls)
+
+
+class PerMethodState(nn.Module):
+    """The decoder; a prompt of several tokens also counts them in ``prompt_tokens`` (only
+    the prefill writes it), a one-token call counts itself in ``steps`` (only the decode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = kv_decoder(1)[0]
+        self.cfg = self.decoder.cfg
+        self.register_buffer("prompt_tokens", torch.zeros(1))
+        self.register_buffer("steps", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > 1:
+            self.prompt_tokens.add_(x.shape[1])
+            count = self.prompt_tokens
+        else:
+            self.steps.add_(1)
+            count = self.steps
+        return self.decoder(x, input_pos) + count
+
+
+class Accumulator(nn.Module):
+    """A running total starting at 3: calls wider than two columns add to it, narrower ones
+    only read it (a method that reads state another method writes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.full((1,), 3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > 2:
+            self.total.add_(x.sum())
+        return x * self.total
+
+
+def accumulator_methods() -> MethodsCase:
+    """:class:`Accumulator` as a narrow method (reads) and a wide one (writes), called
+    narrow first (it reads the initial value), then alternating."""
+    model = Accumulator()
+    generator = torch.Generator().manual_seed(0)
+    narrow = (torch.randn(1, 2, generator=generator),)
+    wide = (torch.randn(1, 4, generator=generator),)
+    programs = _export_methods(model, {"narrow": narrow, "wide": wide})
+    calls = [("narrow", narrow, {}), ("wide", wide, {}), ("narrow", narrow, {}),
+             ("wide", wide, {}), ("narrow", narrow, {})]
+    return MethodsCase(model, programs, calls)
+
+
+def hf_llama_prefill_decode(decodes: int = DECODES) -> MethodsCase:
+    """A tiny Hugging Face Llama with HF's static cache, exported strict as HF's ExecuTorch
+    recipe does, with ``input_ids`` / ``cache_position`` keyword inputs."""
+    from tests.models.hf import _tokens, decode_steps, llama_module
+
+    model = llama_module()
+    prompt = {"input_ids": torch.tensor([_tokens(PROMPT, 100)]),
+              "cache_position": torch.arange(PROMPT)}
+    steps = decode_steps(decodes, start=PROMPT)
+    programs = _export_methods(model, {"prefill": (), "decode": ()},
+                               {"prefill": prompt, "decode": steps[0][1]}, strict=True)
+    calls = [("prefill", (), prompt)] + [("decode", (), kwargs) for _, kwargs in steps]
+    return MethodsCase(model, programs, calls)
+
+
+def quantized_prefill_decode() -> MethodsCase:
+    """:func:`prefill_decode` with each method quantized (XNNPACK quantizer) and its caches
+    stored as int8."""
+    case = prefill_decode()
+    x, positions = case.calls[0][1]
+    tokens = [(x[:, i:i + 1], positions[i:i + 1]) for i in range(PROMPT)]
+    calibration = {"prefill": [case.calls[0][1]], "decode": tokens}
+    for name in case.programs:
+        program = quantize_program(case.programs[name], xnnpack_quantizer(), calibration[name])
+        case.programs[name] = PassManager([QuantizeMutableBuffers()]).run(program).program
+    return case
+
+
+def eager_outputs(model: nn.Module, calls) -> list[torch.Tensor]:
+    """A private copy of ``model`` called in the order of ``calls``."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        return [model(*args, **kwargs) for _, args, kwargs in calls]
+
+
+def run_sharing_state(programs: Mapping[str, ExportedProgram], calls) -> list[list]:
+    """The outputs of each call, the methods (a private copy) sharing their top-level
+    buffers by name as the ``.pte``'s shared arena does; a delegate's state stays its own."""
+    return run_methods(programs, calls, share_by_name=True).outputs
+
+
+def worst(expected, got) -> list[float]:
+    """The largest difference per call between two lists of per-call outputs."""
+    found = []
+    for want, have in zip(expected, got, strict=True):
+        want = want if isinstance(want, (list, tuple)) else [want]
+        found.append(max(float((a - b).abs().max()) for a, b in zip(want, have, strict=True)))
+    return found
