@@ -129,6 +129,41 @@ def _buffer_tensors(program: Any) -> dict[str, torch.Tensor]:
     return dict(graph_module_of(program).named_buffers(remove_duplicate=False))
 
 
+def _written_buffers(program: Any) -> set[str]:
+    """The buffers ``program`` writes: its signature's buffer mutations, and any buffer an
+    in-place op writes (directly or through a view) in a graph that still mutates."""
+    gm = graph_module_of(program)
+    if isinstance(program, ExportedProgram):
+        signature = program.graph_signature
+        written = set(signature.buffers_to_mutate.values())
+        names = dict(signature.inputs_to_buffers)
+        roots = {node: names[node.name] for node in gm.graph.find_nodes(op="placeholder")
+                 if node.name in names}
+    else:
+        written = set()
+        buffers = {fqn for fqn, _ in gm.named_buffers(remove_duplicate=False)}
+        roots = {node: str(node.target) for node in gm.graph.find_nodes(op="get_attr")
+                 if str(node.target) in buffers}
+    for node in gm.graph.nodes:  # topological: a view's root is known before its users
+        if node.op == "call_method" and node.args and node.args[0] in roots:
+            name = str(node.target)  # a traced tensor method: in place by torch's naming
+            if name.endswith("_") and not name.startswith("__"):
+                written.add(roots[node.args[0]])
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for argument, value in zip(schema.arguments, node.args, strict=False):
+            alias = argument.alias_info
+            if alias is None or not isinstance(value, torch.fx.Node) or value not in roots:
+                continue
+            if alias.is_write:
+                written.add(roots[value])
+            elif node not in roots:  # a view of the buffer: writes through it write it
+                roots[node] = roots[value]
+    return written
+
+
 def _set_buffer_tensor(program: Any, fqn: str, tensor: torch.Tensor) -> None:
     if isinstance(program, ExportedProgram):
         held = program.state_dict if fqn in program.state_dict else program.constants
@@ -166,7 +201,8 @@ def _value_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
 
 
 def shared_buffer_differences(programs: Mapping[str, Any]) -> list[BufferDifference]:
-    """Every way the methods disagree about a buffer more than one of them holds.
+    """Every way the methods disagree about a buffer more than one of them holds and at
+    least one of them writes (the state a device shares between methods).
 
     Each method is compared with the first method holding the buffer: shape, dtype, the
     value it holds now (a freshly exported or reset program's initial value, bit for bit),
@@ -177,7 +213,11 @@ def shared_buffer_differences(programs: Mapping[str, Any]) -> list[BufferDiffere
     for name, held in tensors.items():
         for fqn in held:
             holders.setdefault(fqn, []).append(name)
-    shared = {fqn: names for fqn, names in holders.items() if len(names) > 1}
+    # A buffer no method writes is a constant of each method (torchao's constant folding
+    # registers its folds as buffers named _tensor_constant_N, one set per method): on a
+    # device each method keeps its own, so only written buffers are shared state.
+    written = set().union(*(_written_buffers(program) for program in programs.values()))
+    shared = {fqn: names for fqn, names in holders.items() if len(names) > 1 and fqn in written}
     if not shared:
         return []
     facets = {facet: {name: dict(describe(programs[name])) for name in programs}

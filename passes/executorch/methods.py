@@ -33,6 +33,7 @@ from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPas
 from executorch.runtime import Runtime
 from torch.export import ExportedProgram
 
+from pass_manager import shared_buffer_differences
 from pass_manager.call_signature import describe_inputs, signature_of
 
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
@@ -87,35 +88,15 @@ def _checked_programs(programs: Any) -> dict[str, ExportedProgram]:
     return dict(programs)
 
 
-def _buffer_values(ep: ExportedProgram) -> dict[str, torch.Tensor]:
-    sig = ep.graph_signature
-    found = {}
-    for fqn in sig.inputs_to_buffers.values():
-        value = ep.state_dict.get(fqn, ep.constants.get(fqn))
-        if isinstance(value, torch.Tensor):
-            found[fqn] = value
-    return found
-
-
 def _check_shared_state(programs: dict[str, ExportedProgram]) -> None:
-    """A buffer the methods share is one tensor: one shape, dtype and initial value (the
-    planner gives it one place sized by any one method)."""
-    first: dict[str, tuple[str, torch.Tensor]] = {}
-    for method, ep in programs.items():
-        for fqn, value in _buffer_values(ep).items():
-            if fqn not in first:
-                first[fqn] = (method, value)
-                continue
-            other, seen = first[fqn]
-            differs = (
-                f"shape {list(seen.shape)} vs {list(value.shape)}" if seen.shape != value.shape
-                else f"dtype {seen.dtype} vs {value.dtype}" if seen.dtype != value.dtype
-                else "initial value" if not torch.equal(seen, value) else None)
-            if differs:
-                raise ExecuTorchInputError(
-                    HELPER, "programs", f"buffer {fqn!r} differs between the methods "
-                    f"{other!r} and {method!r} ({differs}); methods of one .pte share it, so "
-                    "export them from one model with the same state")
+    """A buffer the methods share is one tensor on the device (the planner gives it one place
+    sized by any one method): one shape, dtype, initial value and grid in every method."""
+    differences = shared_buffer_differences(programs)
+    if differences:
+        raise ExecuTorchInputError(
+            HELPER, "programs", f"{differences[0]}; methods of one .pte share that buffer, so "
+            "export them from one model (and quantize them together: "
+            "passes.quantization.quantize_methods)")
 
 
 def _flat_calls(programs: dict[str, ExportedProgram], calls: Any) -> list[tuple[str, list]]:

@@ -168,3 +168,31 @@ def test_an_error_in_one_method_says_which():
     assert caught.value.method == "one"
     assert str(caught.value).startswith("method 'one' (methods already run: four): ")
     assert "cannot handle a one-element input" in str(caught.value)
+
+
+class ScaledAccumulate(Accumulate):
+    """Accumulate with a read-only buffer beside its state."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(scale))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def test_only_buffers_some_method_writes_are_shared_state():
+    # The read-only buffer of one name holds another value in each method (as torchao's
+    # folded constants _tensor_constant_N do): each method's own constant, not refused. The
+    # state both write is compared, in the exported and the traced form.
+    programs = {"a": torch.export.export(ScaledAccumulate(1.0), (torch.ones(4),)),
+                "b": torch.export.export(ScaledAccumulate(4.0), (torch.ones(4),))}
+    assert shared_buffer_differences(programs) == []
+    traced = {name: torch.fx.symbolic_trace(ScaledAccumulate(s)) for name, s in (("a", 1.0),
+                                                                                ("b", 4.0))}
+    assert shared_buffer_differences(traced) == []
+    other = ScaledAccumulate(4.0)
+    other.acc.fill_(1.0)
+    programs["b"] = torch.export.export(other, (torch.ones(4),))
+    assert [(d.buffer, d.aspect) for d in shared_buffer_differences(programs)] == [
+        ("acc", "initial value")]

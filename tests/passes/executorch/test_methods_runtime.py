@@ -84,8 +84,8 @@ def test_programs_must_be_a_mapping_sharing_one_state(case):
     other = copy.deepcopy(case.programs)
     other["decode"].state_dict["layers.0.attn.k_cache"].fill_(1.0)
     with pytest.raises(ExecuTorchInputError, match=re.escape(
-            "'layers.0.attn.k_cache' differs between the methods 'prefill' and 'decode' "
-            "(initial value)")):
+            "buffer 'layers.0.attn.k_cache': methods 'prefill' and 'decode' differ in "
+            "initial value")):
         run_methods_on_runtime(other, case.calls)
     with pytest.raises(ExecuTorchInputError) as info:
         run_methods_on_runtime(case.programs, case.calls, partitioner="xnnpack")
