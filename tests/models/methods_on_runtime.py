@@ -9,10 +9,8 @@
   method and only read by another.
 * :func:`hf_llama_prefill_decode`: a tiny random Hugging Face Llama (static cache) exported
   strict as prefill (4 tokens) and decode.
-* :func:`quantized_prefill_decode`: each method quantized on its own (``quantize_program``)
-  with integer-stored caches (``QuantizeMutableBuffers``); the decode is calibrated on the
-  prompt's tokens one at a time, so it observes the same cache values as the prefill and
-  its caches get the same grid.
+* :func:`quantized_prefill_decode`: the methods quantized together (``quantize_methods``,
+  one grid per shared cache) with integer-stored caches.
 * :func:`eager_outputs` / :func:`run_sharing_state`: the references, the eager module called
   in the same order, and Python programs of the methods sharing one set of buffer tensors.
 """
@@ -27,11 +25,9 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
-from pass_manager import PassManager
 from pass_manager.validation import run_methods
-from passes import QuantizeMutableBuffers
 from passes.flow.examples import decode_inputs, kv_decoder, xnnpack_quantizer
-from passes.quantization import quantize_program
+from passes.quantization import quantize_methods
 
 PROMPT = 4
 DECODES = 3
@@ -134,15 +130,12 @@ def hf_llama_prefill_decode(decodes: int = DECODES) -> MethodsCase:
 
 
 def quantized_prefill_decode() -> MethodsCase:
-    """:func:`prefill_decode` with each method quantized (XNNPACK quantizer) and its caches
-    stored as int8."""
+    """:func:`prefill_decode` quantized with ``quantize_methods`` (XNNPACK quantizer,
+    calibrated along the deployment's calls over one state, one grid per shared cache)
+    and its caches stored as int8 (``quantize_state=True``)."""
     case = prefill_decode()
-    x, positions = case.calls[0][1]
-    tokens = [(x[:, i:i + 1], positions[i:i + 1]) for i in range(PROMPT)]
-    calibration = {"prefill": [case.calls[0][1]], "decode": tokens}
-    for name in case.programs:
-        program = quantize_program(case.programs[name], xnnpack_quantizer(), calibration[name])
-        case.programs[name] = PassManager([QuantizeMutableBuffers()]).run(program).program
+    case.programs = dict(quantize_methods(case.programs, xnnpack_quantizer(), case.calls,
+                                          quantize_state=True))
     return case
 
 

@@ -1,13 +1,9 @@
 """Integer-stored caches shared by prefill and decode in one ``.pte``.
 
-Each method of the decoder quantized on its own (``quantize_program``, XNNPACK quantizer)
-and its caches stored as int8 (``QuantizeMutableBuffers``). Per-method quantization gives
-each method its own cache grid unless both observe the same cache values, so here the
-decode is calibrated on the prompt's tokens one at a time (what the prefill writes, written
-one position per call): the caches get the same grid in both methods, so integers the
-prefill writes mean the same to the decode. (The outputs' grids still differ in the last
-bit; ``quantize_methods`` gives each shared buffer one grid across methods without such an
-arrangement.)
+The decoder's prefill and decode quantized together (``quantize_methods``, XNNPACK
+quantizer: one calibration along the deployment's calls over one state, one grid per shared
+cache) and its caches stored as int8 (``quantize_state=True``), so the integers the prefill
+writes mean the same to the decode.
 Lowered once: the caches are planned once, at their integer size, and every call on the
 runtime is within one step of the output's grid of the Python programs sharing one state.
 """
