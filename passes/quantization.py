@@ -29,8 +29,10 @@ starts from whatever the last calibration batch left in a KV cache or an accumul
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch.export import ExportedProgram
@@ -50,7 +52,13 @@ from .mark_mutable_buffers import MarkMutableBuffers
 from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
 
-__all__ = ["PassQuantizer", "QuantizationFlowError", "quantize_program"]
+__all__ = [
+    "PassQuantizer",
+    "QuantizationFlowError",
+    "QuantizationReport",
+    "QuantizedProgram",
+    "quantize_program",
+]
 
 
 class PassQuantizer(Quantizer):
@@ -162,13 +170,59 @@ def _record_observed_reads(model: GraphModule, edge_or_node_to_obs_or_fq: dict) 
             node.meta[OBSERVED_READS_META] = list(reads[fqn])
 
 
+@dataclass
+class QuantizationReport:
+    """What :func:`quantize_program` did, stage by stage (``return_report=True``).
+
+    Attributes:
+        passes: each pipeline's PassManager report by stage: ``"before annotation"``
+            (MarkMutableBuffers, InplaceToFunctional), ``"after annotation"``
+            (SkipAnnotateDataMovementOps), ``"after convert"`` (UnfreezeMutableBuffer).
+        reset_buffers: the FQNs ``reset_mutable_buffers`` put back after calibration.
+        repaired_reads: one line per frozen buffer read UnfreezeMutableBuffer made live.
+        seconds: wall time per step: prepare, calibrate, reset, convert, unfreeze, lift.
+    """
+
+    passes: list[tuple[str, Report]] = field(default_factory=list)
+    reset_buffers: list[str] = field(default_factory=list)
+    repaired_reads: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> list[str]:
+        """A few lines for a person: the steps' times, the reset buffers, the repaired reads."""
+        steps = ", ".join(f"{step} {s * 1e3:.0f} ms" for step, s in self.seconds.items())
+        lines = [f"steps: {steps}"]
+        reset = ", ".join(self.reset_buffers) or "none"
+        lines.append(f"reset after calibration ({len(self.reset_buffers)}): {reset}")
+        lines.append(f"frozen buffer reads repaired: {len(self.repaired_reads) or 'none'}")
+        return lines + [f"  {read}" for read in self.repaired_reads]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passes": {stage: report.to_dict() for stage, report in self.passes},
+            "reset_buffers": list(self.reset_buffers),
+            "repaired_reads": list(self.repaired_reads),
+            "seconds": dict(self.seconds),
+        }
+
+
+class QuantizedProgram(NamedTuple):
+    """:func:`quantize_program`'s result with ``return_report=True``."""
+
+    program: ExportedProgram
+    report: QuantizationReport
+
+
 def quantize_program(
     program: ExportedProgram,
     quantizer: Quantizer,
     calibration: Iterable[Any],
     *,
     fold: bool = True,
-) -> ExportedProgram:
+    return_report: bool = False,
+    on_call: Callable[[int], None] | None = None,
+    **options: Any,
+) -> ExportedProgram | QuantizedProgram:
     """Quantize an ExportedProgram with pt2e and give back an ExportedProgram, state intact.
 
     The steps: ``prepare_pt2e`` of ``program.module()`` with ``quantizer`` wrapped in a
@@ -189,6 +243,12 @@ def quantize_program(
             ``(args, kwargs)`` pair or a mapping of keyword arguments.
         fold: constant-fold the quantized weights (torchao's ``fold_quantize``); the
             folded reads of mutable buffers are made live again either way.
+        return_report: also return a :class:`QuantizationReport` (the pipelines'
+            reports, the buffers reset, the frozen reads repaired, each step's time), as
+            ``(program, report)``.
+        on_call: called with the call's index after each calibration call (progress).
+        **options: PassManager options for the pipelines it runs (``print_after``,
+            ``reproducer_dir``, ...), as :class:`PassQuantizer` takes them.
 
     The result shares the program's buffer tensors (as ``program.module()`` does): the
     calibration writes them and the reset puts back, bit for bit, the values they had (or,
@@ -208,16 +268,39 @@ def quantize_program(
     if not calls:
         raise ValueError("quantize_program needs at least one calibration call: the "
                          "observers have nothing to measure otherwise")
+    report = QuantizationReport()
+    clock = [time.perf_counter()]
+
+    def timed(step: str) -> None:
+        now = time.perf_counter()
+        report.seconds[step] = now - clock[0]
+        clock[0] = now
+
     wrapped = PassQuantizer(
         quantizer,
         transform=[MarkMutableBuffers(), InplaceToFunctional()],
         after_annotate=[SkipAnnotateDataMovementOps()],
+        **options,
     )
     prepared = prepare_pt2e(program.module(), wrapped)
+    timed("prepare")
     with torch.no_grad():
-        for args, kwargs in calls:
+        for index, (args, kwargs) in enumerate(calls):
             prepared(*args, **kwargs)
-    reset_mutable_buffers(prepared)
+            if on_call is not None:
+                on_call(index)
+    timed("calibrate")
+    report.reset_buffers = reset_mutable_buffers(prepared)
+    timed("reset")
     converted = convert_pt2e(prepared, fold_quantize=fold)
-    converted = PassManager([UnfreezeMutableBuffer()]).run(converted).program
-    return exported_program_from(converted, like=program)
+    timed("convert")
+    unfrozen = PassManager([UnfreezeMutableBuffer()], **options).run(converted)
+    timed("unfreeze")
+    lifted = exported_program_from(unfrozen.program, like=program)
+    timed("lift")
+    if not return_report:
+        return lifted
+    report.passes = [*zip(("before annotation", "after annotation"), wrapped.reports,
+                          strict=True), ("after convert", unfrozen.report)]
+    report.repaired_reads = [note for record in unfrozen.report.records for note in record.notes]
+    return QuantizedProgram(lifted, report)
