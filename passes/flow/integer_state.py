@@ -53,6 +53,8 @@ def _storage(program: ExportedProgram, after: ExportedProgram, notes: list[str])
     for fqn, was in before.items():
         now = stored.get(fqn, was)
         said = next((n[len(fqn) + 2:] for n in notes if n.startswith(f"{fqn}: ")), "")
+        if said.startswith("stays "):  # "stays float32: <why>": the dtype is in the table
+            said = said.partition(": ")[2]
         buffers[fqn] = {
             "dtype_before": _dtype(was.dtype), "bytes_before": was.nbytes,
             "dtype_after": _dtype(now.dtype), "bytes_after": now.nbytes,
