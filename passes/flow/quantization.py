@@ -12,10 +12,13 @@ buffers, when reset, are put back by hand.
 main job (:func:`quantize_both_ways`), the decode-accuracy benchmark and the tests
 (:func:`prepare_and_calibrate`, :func:`quantize`).
 
-The main job quantizes both ways. torchao's flow without the passes takes the functional
-form from ``run_decompositions({})``; its calibration leaves its state in the buffers, so
-it is also converted once with the buffers put back by hand, which is the like-for-like
-comparison for the flow with the passes (there ``reset_mutable_buffers`` does the same).
+The main job quantizes both ways (:func:`quantize_both_ways`). With the passes it runs
+:func:`passes.quantization.quantize_program`, whose ExportedProgram goes on to delegation
+with no re-export. torchao's flow without the passes, the reference for today's way, takes
+the functional form from ``run_decompositions({})``; its calibration leaves its state in the
+buffers, so it is also converted once with the buffers put back by hand, which is the
+like-for-like comparison for the flow with the passes (there ``reset_mutable_buffers`` does
+the same).
 """
 
 from __future__ import annotations
