@@ -82,7 +82,8 @@ def test_a_wrong_integer_state_fails_the_check_with_status_1(monkeypatch, capsys
 
     monkeypatch.setattr(integer_state, "dequantized_state", lambda grids: program_state)
     status = cli.main(["run", "tests.models.main_job:one_layer_decoder", "--steps", "2",
-                       "--quantize-state", "--skip-delegation", "--quiet"])
+                       "--quantize-state", "--skip-delegation", "--quantizer", "every-op",
+                       "--quiet"])
     out = capsys.readouterr().out
     assert status == 1
     (failed,) = [line for line in out.splitlines() if line.startswith("FAIL")]
@@ -98,7 +99,8 @@ def test_a_failing_pass_is_a_short_report_with_status_3(monkeypatch, capsys):
 
     monkeypatch.setattr(QuantizeMutableBuffers, "call", refuse)
     status = cli.main(["run", "tests.models.main_job:one_layer_decoder", "--steps", "2",
-                       "--quantize-state", "--skip-delegation", "--quiet"])
+                       "--quantize-state", "--skip-delegation", "--quantizer", "every-op",
+                       "--quiet"])
     captured = capsys.readouterr()
     assert status == 3
     assert "Traceback" not in captured.out + captured.err
@@ -122,8 +124,8 @@ def test_planned_bytes_of_both_pte_files(tmp_path, capsys):
     pytest.importorskip("executorch")
     report = tmp_path / "report.json"
     status = cli.main(["run", "tests.models.main_job:one_layer_decoder", "--steps", "3",
-                       "--quantize-state", "--runtime", "executorch", "--json", str(report),
-                       "--quiet"])
+                       "--quantize-state", "--runtime", "executorch", "--skip-delegation",
+                       "--json", str(report), "--quiet"])
     out = capsys.readouterr().out
     assert status == 0, out
     planned = json.loads(report.read_text())["state_storage"]["planned_mutable_buffer_bytes"]

@@ -60,7 +60,7 @@ def test_the_report_prints_quantize_programs_stages(capsys):
     from passes.flow import cli
 
     status = cli.main(["run", "tests.models.main_job:one_layer_decoder", "--steps", "2",
-                       "--skip-delegation", "--quiet"])
+                       "--skip-delegation", "--quantizer", "every-op", "--quiet"])
     out = capsys.readouterr().out
     assert status == 0, out
     section = out.split("== quantization\n")[1].split("\n== ")[0].splitlines()
