@@ -58,9 +58,12 @@ def flow_stage(
             return pte, wrapper, delegates, time.perf_counter() - start
 
         pte, wrapper, delegates, seconds = stage(f"lower the {name} program to a .pte", lower)
+        # Read from the .pte before it runs: the plan is in the report even if the run fails.
+        planned = planned_memory(pte).mutable_buffer_bytes
+        if result.state_storage and name != "fp32":
+            result.state_storage["planned_mutable_buffer_bytes"][name] = planned
         decoded = stage(f"decode the {name} program on ExecuTorch's runtime",
                         lambda pte=pte: decode_on_runtime(pte, None, steps))
-        planned = planned_memory(pte).mutable_buffer_bytes
         result.step_errors[f"{name} on executorch"] = _worst_per_step(eager, decoded.trace)
         grid = output_grid(program)
         tolerance = FP32_TOLERANCE if grid is None else grid
@@ -77,5 +80,3 @@ def flow_stage(
         )
         notes = wrapper.notes if wrapper is not None else []
         result.delegate_summary += [f"  {note}" for note in notes]
-        if result.state_storage and name != "fp32":
-            result.state_storage["planned_mutable_buffer_bytes"][name] = planned
