@@ -1,9 +1,16 @@
-"""pt2e quantization of programs with mutable buffers: :func:`quantize_program`, and the
-:class:`PassQuantizer` it is built on.
+"""pt2e quantization of programs with mutable buffers: :func:`quantize_program`,
+:func:`quantize_methods` for the methods of one model sharing its state, and the
+:class:`PassQuantizer` both are built on.
 
 In one call, an ExportedProgram in and an ExportedProgram out::
 
     quantized = quantize_program(ep, XNNPACKQuantizer().set_global(config), calibration_data)
+
+and the methods of one model (a prefill and a decode sharing a KV cache), calibrated along
+the deployment's calls over one state, each shared buffer on one grid::
+
+    methods = quantize_methods({"prefill": ep4, "decode": ep1}, quantizer,
+                               [("prefill", (x4, pos4)), ("decode", (x1, pos1)), ...])
 
 
 The flow, with torchao's ``prepare_pt2e`` / ``convert_pt2e``::
@@ -29,8 +36,10 @@ starts from whatever the last calibration batch left in a KV cache or an accumul
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch.export import ExportedProgram
@@ -40,8 +49,7 @@ from torchao.quantization.pt2e.quantizer import Quantizer
 from pass_manager import PassManager, Report, check_shared_buffers
 from pass_manager.validation import call_inputs
 
-from ._analysis.buffer_reads import OBSERVED_READS_META, BufferRead, view_chain
-from ._analysis.buffers import MUTABLE_BUFFER_META
+from ._analysis.buffer_reads import record_observed_reads
 from ._analysis.marked_state import reset_mutable_buffers
 from ._lifting import exported_program_from
 from ._methods.calls import QuantizedMethods, method_calls, share_buffer_tensors
@@ -56,7 +64,9 @@ from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
 __all__ = [
     "PassQuantizer",
     "QuantizationFlowError",
+    "QuantizationReport",
     "QuantizedMethods",
+    "QuantizedProgram",
     "quantize_methods",
     "quantize_program",
 ]
@@ -141,34 +151,53 @@ class PassQuantizer(Quantizer):
         self, model: GraphModule, edge_or_node_to_obs_or_fq: dict
     ) -> None:
         self.quantizer.prepare_obs_or_fq_callback(model, edge_or_node_to_obs_or_fq)
-        _record_observed_reads(model, edge_or_node_to_obs_or_fq)
+        record_observed_reads(model, edge_or_node_to_obs_or_fq)
 
     def __repr__(self) -> str:
         return f"PassQuantizer({type(self.quantizer).__name__})"
 
 
-def _record_observed_reads(model: GraphModule, edge_or_node_to_obs_or_fq: dict) -> None:
-    """Note on each marked buffer's nodes which observers see it (directly or via views),
-    and which nodes consume the observed value."""
-    consumers: dict[tuple, set[str]] = {}
-    for key, observer in edge_or_node_to_obs_or_fq.items():
-        if observer is None:
-            continue
-        source = key[0] if isinstance(key, tuple) else key
-        found = view_chain(source)
-        if found is None:
-            continue
-        root, chain = found
-        users = {key[1].name} if isinstance(key, tuple) else {u.name for u in key.users}
-        read = (root.meta[MUTABLE_BUFFER_META], chain, observer)
-        consumers.setdefault(read, set()).update(users)
-    reads: dict[str, list[BufferRead]] = {}
-    for (fqn, chain, observer), names in consumers.items():
-        reads.setdefault(fqn, []).append(BufferRead(fqn, chain, observer, frozenset(names)))
-    for node in model.graph.nodes:
-        fqn = node.meta.get(MUTABLE_BUFFER_META)
-        if fqn in reads:
-            node.meta[OBSERVED_READS_META] = list(reads[fqn])
+@dataclass
+class QuantizationReport:
+    """What :func:`quantize_program` did, stage by stage (``return_report=True``).
+
+    Attributes:
+        passes: each pipeline's PassManager report by stage: ``"before annotation"``
+            (MarkMutableBuffers, InplaceToFunctional), ``"after annotation"``
+            (SkipAnnotateDataMovementOps), ``"after convert"`` (UnfreezeMutableBuffer).
+        reset_buffers: the FQNs ``reset_mutable_buffers`` put back after calibration.
+        repaired_reads: one line per frozen buffer read UnfreezeMutableBuffer made live.
+        seconds: wall time per step: prepare, calibrate, reset, convert, unfreeze, lift.
+    """
+
+    passes: list[tuple[str, Report]] = field(default_factory=list)
+    reset_buffers: list[str] = field(default_factory=list)
+    repaired_reads: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> list[str]:
+        """A few lines for a person: the steps' times, the reset buffers, the repaired reads."""
+        steps = ", ".join(f"{step} {s * 1e3:.0f} ms" for step, s in self.seconds.items())
+        lines = [f"steps: {steps}"]
+        reset = ", ".join(self.reset_buffers) or "none"
+        lines.append(f"reset after calibration ({len(self.reset_buffers)}): {reset}")
+        lines.append(f"frozen buffer reads repaired: {len(self.repaired_reads) or 'none'}")
+        return lines + [f"  {read}" for read in self.repaired_reads]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passes": {stage: report.to_dict() for stage, report in self.passes},
+            "reset_buffers": list(self.reset_buffers),
+            "repaired_reads": list(self.repaired_reads),
+            "seconds": dict(self.seconds),
+        }
+
+
+class QuantizedProgram(NamedTuple):
+    """:func:`quantize_program`'s result with ``return_report=True``."""
+
+    program: ExportedProgram
+    report: QuantizationReport
 
 
 def quantize_program(
@@ -177,7 +206,10 @@ def quantize_program(
     calibration: Iterable[Any],
     *,
     fold: bool = True,
-) -> ExportedProgram:
+    return_report: bool = False,
+    on_call: Callable[[int], None] | None = None,
+    **options: Any,
+) -> ExportedProgram | QuantizedProgram:
     """Quantize an ExportedProgram with pt2e and give back an ExportedProgram, state intact.
 
     The steps: ``prepare_pt2e`` of ``program.module()`` with ``quantizer`` wrapped in a
@@ -198,6 +230,12 @@ def quantize_program(
             ``(args, kwargs)`` pair or a mapping of keyword arguments.
         fold: constant-fold the quantized weights (torchao's ``fold_quantize``); the
             folded reads of mutable buffers are made live again either way.
+        return_report: also return a :class:`QuantizationReport` (the pipelines'
+            reports, the buffers reset, the frozen reads repaired, each step's time), as
+            ``(program, report)``.
+        on_call: called with the call's index after each calibration call (progress).
+        **options: PassManager options for the pipelines it runs (``print_after``,
+            ``reproducer_dir``, ...), as :class:`PassQuantizer` takes them.
 
     The result shares the program's buffer tensors (as ``program.module()`` does): the
     calibration writes them and the reset puts back, bit for bit, the values they had (or,
@@ -215,22 +253,43 @@ def quantize_program(
     if not calls:
         raise ValueError("quantize_program needs at least one calibration call: the "
                          "observers have nothing to measure otherwise")
-    prepared = _prepare(program, _flow_quantizer(quantizer))
+    report = QuantizationReport()
+    clock = [time.perf_counter()]
+
+    def timed(step: str) -> None:
+        now = time.perf_counter()
+        report.seconds[step] = now - clock[0]
+        clock[0] = now
+
+    wrapped = _flow_quantizer(quantizer, PassQuantizer, **options)
+    prepared = _prepare(program, wrapped)
+    timed("prepare")
     with torch.no_grad():
-        for args, kwargs in calls:
+        for index, (args, kwargs) in enumerate(calls):
             prepared(*args, **kwargs)
-    reset_mutable_buffers(prepared)
-    return _convert(prepared, program, fold)[0]
+            if on_call is not None:
+                on_call(index)
+    timed("calibrate")
+    report.reset_buffers = reset_mutable_buffers(prepared)
+    timed("reset")
+    lifted, unfrozen = _convert(prepared, program, fold, timed, **options)
+    if not return_report:
+        return lifted
+    report.passes = [*zip(("before annotation", "after annotation"), wrapped.reports,
+                          strict=True), ("after convert", unfrozen)]
+    report.repaired_reads = [note for record in unfrozen.records for note in record.notes]
+    return QuantizedProgram(lifted, report)
 
 
-def _flow_quantizer(quantizer: Quantizer, wrapper: type[PassQuantizer] = PassQuantizer,
-                    ) -> PassQuantizer:
+def _flow_quantizer(quantizer: Quantizer, wrapper: Callable[..., PassQuantizer],
+                    **options: Any) -> PassQuantizer:
     """``quantizer`` wrapped as the flow quantizes: functional state before annotation,
     buffers observed through what is written into them after it."""
     return wrapper(
         quantizer,
         transform=[MarkMutableBuffers(), InplaceToFunctional()],
         after_annotate=[SkipAnnotateDataMovementOps()],
+        **options,
     )
 
 
@@ -241,13 +300,19 @@ def _prepare(program: ExportedProgram, wrapped: PassQuantizer) -> GraphModule:
 
 
 def _convert(prepared: GraphModule, like: ExportedProgram, fold: bool,
+             timed: Callable[[str], None] = lambda step: None, **options: Any,
              ) -> tuple[ExportedProgram, Report]:
-    """convert_pt2e, UnfreezeMutableBuffer (its report returned) and the lift."""
+    """convert_pt2e, UnfreezeMutableBuffer (its report returned) and the lift; ``timed``
+    is told when each step ends."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
     converted = convert_pt2e(prepared, fold_quantize=fold)
-    unfrozen = PassManager([UnfreezeMutableBuffer()]).run(converted)
-    return exported_program_from(unfrozen.program, like=like), unfrozen.report
+    timed("convert")
+    unfrozen = PassManager([UnfreezeMutableBuffer()], **options).run(converted)
+    timed("unfreeze")
+    lifted = exported_program_from(unfrozen.program, like=like)
+    timed("lift")
+    return lifted, unfrozen.report
 
 
 class _MethodQuantizer(PassQuantizer):

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
 from .aliasing import aliased_argument
 from .buffers import MUTABLE_BUFFER_META
 
-__all__ = ["OBSERVED_READS_META", "BufferRead", "ViewStep", "view_chain"]
+__all__ = ["OBSERVED_READS_META", "BufferRead", "ViewStep", "record_observed_reads", "view_chain"]
 
 OBSERVED_READS_META = "mutable_buffer_observed_reads"
 """``node.meta`` key (on a mutable buffer's node) listing the :class:`BufferRead` observed."""
@@ -77,3 +77,27 @@ def _hashable(value: Any) -> Any:
     if isinstance(value, (list, tuple)) or type(value).__name__ == "dict_items":
         return tuple(_hashable(v) for v in value)
     return value
+
+
+def record_observed_reads(model: GraphModule, edge_or_node_to_obs_or_fq: dict) -> None:
+    """Note on each marked buffer's nodes which observers see it (directly or via views),
+    and which nodes consume the observed value."""
+    consumers: dict[tuple, set[str]] = {}
+    for key, observer in edge_or_node_to_obs_or_fq.items():
+        if observer is None:
+            continue
+        source = key[0] if isinstance(key, tuple) else key
+        found = view_chain(source)
+        if found is None:
+            continue
+        root, chain = found
+        users = {key[1].name} if isinstance(key, tuple) else {u.name for u in key.users}
+        read = (root.meta[MUTABLE_BUFFER_META], chain, observer)
+        consumers.setdefault(read, set()).update(users)
+    reads: dict[str, list[BufferRead]] = {}
+    for (fqn, chain, observer), names in consumers.items():
+        reads.setdefault(fqn, []).append(BufferRead(fqn, chain, observer, frozenset(names)))
+    for node in model.graph.nodes:
+        fqn = node.meta.get(MUTABLE_BUFFER_META)
+        if fqn in reads:
+            node.meta[OBSERVED_READS_META] = list(reads[fqn])

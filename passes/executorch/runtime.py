@@ -20,6 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+# The out variants of torchao's quantize/dequantize ops, for the ones no delegate takes (a
+# quantizer annotating every op leaves some outside XNNPACK): to_executorch() needs them.
+import executorch.kernels.quantized  # noqa: F401  (registers ops on import)
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.exir import (

@@ -3,8 +3,11 @@
 * :mod:`~passes.flow.cli`: the command line, its report and exit statuses;
 * :mod:`~passes.flow.factory`: the factory contract (v1 tuple, v2 mapping) and export;
 * :mod:`~passes.flow.run`: export -> passes -> quantization -> delegation -> decode, checked
-  against eager (:func:`run_flow`); its stages live in :mod:`~passes.flow.quantization`,
-  :mod:`~passes.flow.delegation` and :mod:`~passes.flow.executorch_stage`;
+  against eager (:func:`run_flow`); its stages live in :mod:`~passes.flow.quantization`
+  (through ``quantize_program``, no re-export), :mod:`~passes.flow.integer_state`
+  (``--quantize-state``), :mod:`~passes.flow.delegation` and
+  :mod:`~passes.flow.executorch_stage`; the checks on quantized programs in
+  :mod:`~passes.flow.checks`;
 * :mod:`~passes.flow.result`: what a run found (checks, failures, tables);
 * :mod:`~passes.flow.examples`: the built-in decoder and quantizers (also
   ``passes.examples``).

@@ -110,6 +110,13 @@ def _print_report(result: Any) -> None:
     _print_section("pass plan", result.plan)
     if result.reports:
         _print_section("passes", result.pass_table())
+    if result.quantization is not None:
+        _print_section("quantization", "\n".join(_quantization_lines(result.quantization)))
+    if result.state_storage:
+        from .integer_state import state_lines
+
+        _print_section("state storage (QuantizeMutableBuffers)",
+                       "\n".join(state_lines(result.state_storage)))
     if result.delegate_summary:
         _print_section("delegates", "\n".join(result.delegate_summary))
     if result.step_errors:
@@ -123,6 +130,17 @@ def _print_report(result: Any) -> None:
         )
 
 
+def _quantization_lines(report: Any) -> list[str]:
+    return [
+        "with the passes: quantize_program (prepare, calibrate, reset, convert, "
+        "UnfreezeMutableBuffer, lifted back to an ExportedProgram: no re-trace)",
+        *(f"  {line}" for line in report.summary()),
+        "without the passes (the reference for today's way): torchao's recipe as it is, "
+        "run_decompositions({}) then prepare/convert of the module, decoded as converted "
+        "(its users re-export it to lower it)",
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     spec = args.model or DEFAULT_MODEL
     _quiet_import_noise()
@@ -131,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
         pipeline = parse_pipeline(args.pipeline, **pass_options) if args.pipeline else None
     except PassManagerError as e:
         print(f"error: --pipeline: {str(e).splitlines()[0]}", file=sys.stderr)
+        return LOAD_FAILED
+    if args.quantize_state and args.skip_quantization:
+        print("error: --quantize-state stores quantized state: it cannot go with "
+              "--skip-quantization", file=sys.stderr)
         return LOAD_FAILED
     if args.runtime == "executorch":
         from ..executorch import INSTALL_HINT, available
@@ -167,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
             pipeline=pipeline,
             pass_options=pass_options,
             runtime=args.runtime,
+            quantize_state=args.quantize_state,
         )
     except FlowError as e:
         return _failed(args, e)
@@ -334,6 +357,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     run_parser.add_argument("--skip-quantization", action="store_true",
                             help="run the flow in fp32: no pt2e quantization (the passes, "
                             "delegation and decoding still run)")
+    run_parser.add_argument("--quantize-state", action="store_true",
+                            help="store the quantized state as integers (QuantizeMutableBuffers "
+                            "after quantization): per buffer dtype and bytes, checked exactly "
+                            "against the fp32-stored program; with --runtime executorch, the "
+                            "planned mutable-buffer bytes of both .pte files")
     run_parser.add_argument("--skip-delegation", action="store_true",
                             help="do not lower to delegates (to_delegate and "
                             "ConsumeBufferMutationsInDelegate)")

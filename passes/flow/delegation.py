@@ -4,12 +4,11 @@ The job lowers its final program twice. ``AllNodePartitioner`` puts every comput
 into one delegate. A *cache-update-only* partitioner delegates nothing but the cache
 updates (``index_put`` / ``index_copy``, with the quantize/dequantize of their results in a
 quantized program), as a backend that keeps only the KV cache in its own memory would:
-whether its delegates can own the caches shows whether each
-cache's update is visible to a partitioner. Re-exporting a converted (quantized) program
-hides it: export writes each cache back with a whole-buffer ``aten.copy(cache, new)``
-computed outside any delegate, and InplaceToFunctional turns that copy back into the
-value (issue 10, pattern 8). The job reports how many caches the cache-update delegates
-own, and on the re-exported program how many they could own before that rewrite.
+whether its delegates can own the caches shows whether each cache's update is visible to a
+partitioner. A re-exported converted program hid them (export writes each cache back with
+a whole-buffer ``aten.copy(cache, new)`` computed outside any delegate, issue 10, pattern
+8); the job quantizes with ``quantize_program``, whose lifted program's mutation outputs
+are the updates themselves, so no rewrite stands between them and the partitioner.
 """
 
 from __future__ import annotations
@@ -28,12 +27,12 @@ from pass_manager.validation import Trace
 
 from ..consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from ..delegation import AllNodePartitioner, delegates, to_delegate
-from ..delegation.ownership import program_state, tagged_buffer_ownership
+from ..delegation.ownership import program_state
 from ..delegation.partitioners import DELEGATION_TAG, Partitioner, tagged_partitions
 from .result import FlowResult, check_same, restricted
 
 __all__ = ["CACHE_UPDATE_OPS", "CacheUpdatePartitioner", "Delegated", "delegate_stage",
-           "delegation_stages", "ownable_by_cache_updates"]
+           "delegation_stages"]
 
 aten = torch.ops.aten
 # The functional cache updates a decoder's index_put_ / index_copy_ (or cache[..., pos] = v)
@@ -77,17 +76,6 @@ def _mutated_buffers(ep: ExportedProgram) -> int:
     return sum(s.kind == OutputKind.BUFFER_MUTATION for s in ep.graph_signature.output_specs)
 
 
-def ownable_by_cache_updates(ep: ExportedProgram) -> int:
-    """How many of ``ep``'s mutated buffers the cache-update-only partitioner's delegates
-    could own, read on the tagged program without lowering it (the tags are removed)."""
-    try:
-        CacheUpdatePartitioner()(ep)
-        return sum(v.consumable for v in tagged_buffer_ownership(ep))
-    finally:
-        for node in ep.graph.nodes:
-            node.meta.pop(DELEGATION_TAG, None)
-
-
 @dataclass
 class Delegated:
     """A lowered program with its buffers handed over, and what the delegates own."""
@@ -126,11 +114,13 @@ def delegation_stages(
     program: ExportedProgram,
     steps: list,
     traces: tuple[Trace, Trace],
-    before_rewrite: int | None,
     options: Mapping[str, Any],
+    state: Callable[[torch.nn.Module], dict[str, torch.Tensor]] = program_state,
 ) -> Trace:
     """Lower ``program`` with both partitioners, decode both, check them against
-    ``traces`` = (eager, the input program's decode); returns the all-node decode."""
+    ``traces`` = (eager, the input program's decode, read with ``state``); returns the
+    all-node decode. ``state`` reads every buffer, the delegates' included (integer state
+    dequantized: :func:`passes.flow.integer_state.dequantized_state`)."""
     eager, reference = traces
     everything = delegate_stage(stage, program, AllNodePartitioner(), "", options)
     result.reports.append(("delegation", everything.report))
@@ -141,14 +131,14 @@ def delegation_stages(
     )
     # Its report stays out of the pass table (one note per moved cache, twice over): the
     # summary line and the JSON report say what it did.
-    _cache_update_summary(result, caches, before_rewrite)
+    _cache_update_summary(result, caches)
     final = stage(
         "decode the lowered program",
-        lambda: stage.run(everything.program, steps, state=program_state),
+        lambda: stage.run(everything.program, steps, state=state),
     )
     cache_trace = stage(
         "decode the cache-update delegates",
-        lambda: stage.run(caches.program, steps, state=program_state),
+        lambda: stage.run(caches.program, steps, state=state),
     )
     # Constants torchao or export lifted into buffers of the quantized module (a
     # cross-attention's lifted tensors) are no state of the model: compare the model's.
@@ -164,22 +154,13 @@ def delegation_stages(
     return final
 
 
-def _cache_update_summary(
-    result: FlowResult, caches: Delegated, before_rewrite: int | None
-) -> None:
-    line = (
+def _cache_update_summary(result: FlowResult, caches: Delegated) -> None:
+    result.delegate_summary.append(
         f"cache-update-only partitioner (index_put/index_copy): {len(caches.owned)} "
         f"delegate(s) own {caches.owned_count} of {caches.mutated} mutated buffers"
     )
-    if before_rewrite is not None:
-        line += (
-            f" ({before_rewrite} on the re-exported program, before InplaceToFunctional "
-            "turned its whole-buffer copies into the updates)"
-        )
-    result.delegate_summary.append(line)
     result.cache_update_delegation = {
         "owned": caches.owned_count,
         "mutated": caches.mutated,
-        "owned_before_copy_rewrite": before_rewrite,
         "delegates": caches.owned,
     }

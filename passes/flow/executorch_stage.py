@@ -5,6 +5,7 @@ Needs the ``executorch`` extra; :mod:`passes.flow.run` imports this only for tha
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,8 @@ import torch
 
 from pass_manager.validation import Trace, run_program
 
-from ..executorch.runtime import decode_on_runtime, output_grid
+from ..executorch.plan import planned_memory
+from ..executorch.runtime import decode_on_runtime, lower_to_pte, output_grid
 from .result import Check
 
 __all__ = ["flow_stage"]
@@ -37,17 +39,31 @@ def flow_stage(
     steps: Sequence[Any],
     eager: Trace,
 ) -> None:
-    """Decode each ``(name, program)`` on the runtime and add it to the flow's report.
+    """Lower each ``(name, program)`` to a ``.pte``, decode it on the runtime and add it to
+    the flow's report.
 
     Adds a ``"<name> on executorch"`` column to the per-step error table (vs fp32 eager),
-    a line per program to the delegate summary (delegates, .pte size, the wrapper's notes)
-    and a check that the runtime's outputs match the Python program's at every step:
-    within 1e-5 in fp32, within one step of the output's quantization grid when quantized.
+    a line per program to the delegate summary (delegates, .pte size, planned mutable-buffer
+    bytes read from its execution plan, the wrapper's notes) and a check that the runtime's
+    outputs match the Python program's at every step: within 1e-5 in fp32, within one step
+    of the output's quantization grid when quantized. With ``--quantize-state`` the planned
+    bytes of the quantized programs also go to ``result.state_storage``.
     """
     for name, program in programs:
         python = run_program(program, list(steps))
+
+        def lower(program: Any = program) -> tuple[bytes, Any, int, float]:
+            start = time.perf_counter()
+            pte, wrapper, delegates = lower_to_pte(program, example_inputs)
+            return pte, wrapper, delegates, time.perf_counter() - start
+
+        pte, wrapper, delegates, seconds = stage(f"lower the {name} program to a .pte", lower)
+        # Read from the .pte before it runs: the plan is in the report even if the run fails.
+        planned = planned_memory(pte).mutable_buffer_bytes
+        if result.state_storage and name != "fp32":
+            result.state_storage["planned_mutable_buffer_bytes"][name] = planned
         decoded = stage(f"decode the {name} program on ExecuTorch's runtime",
-                        lambda program=program: decode_on_runtime(program, example_inputs, steps))
+                        lambda pte=pte: decode_on_runtime(pte, None, steps))
         result.step_errors[f"{name} on executorch"] = _worst_per_step(eager, decoded.trace)
         grid = output_grid(program)
         tolerance = FP32_TOLERANCE if grid is None else grid
@@ -59,7 +75,8 @@ def flow_stage(
             f"worst step difference {worst:.3g} over {len(python.outputs)} steps",
         ))
         result.delegate_summary.append(
-            f"executorch {name}: {decoded.delegates} XNNPACK delegate(s), "
-            f".pte {decoded.pte_bytes / 1024:.0f} KiB, lowered in {decoded.lower_seconds:.1f} s"
+            f"executorch {name}: {delegates} XNNPACK delegate(s), .pte {len(pte) / 1024:.0f} "
+            f"KiB, planned mutable buffers {planned:,} B, lowered in {seconds:.1f} s"
         )
-        result.delegate_summary += [f"  {note}" for note in decoded.notes]
+        notes = wrapper.notes if wrapper is not None else []
+        result.delegate_summary += [f"  {note}" for note in notes]

@@ -12,10 +12,13 @@ buffers, when reset, are put back by hand.
 main job (:func:`quantize_both_ways`), the decode-accuracy benchmark and the tests
 (:func:`prepare_and_calibrate`, :func:`quantize`).
 
-The main job quantizes both ways. torchao's flow without the passes takes the functional
-form from ``run_decompositions({})``; its calibration leaves its state in the buffers, so
-it is also converted once with the buffers put back by hand, which is the like-for-like
-comparison for the flow with the passes (there ``reset_mutable_buffers`` does the same).
+The main job quantizes both ways (:func:`quantize_both_ways`). With the passes it runs
+:func:`passes.quantization.quantize_program`, whose ExportedProgram goes on to delegation
+with no re-export. torchao's flow without the passes, the reference for today's way, takes
+the functional form from ``run_decompositions({})``; its calibration leaves its state in the
+buffers, so it is also converted once with the buffers put back by hand, which is the
+like-for-like comparison for the flow with the passes (there ``reset_mutable_buffers`` does
+the same).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pass_manager.validation import Trace, as_call, copy_program
 
 from ..inplace_to_functional import InplaceToFunctional
 from ..mark_mutable_buffers import MarkMutableBuffers
-from ..quantization import PassQuantizer
+from ..quantization import PassQuantizer, quantize_program
 from ..skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from ..unfreeze_mutable_buffer import UnfreezeMutableBuffer
 from .result import FlowError
@@ -222,8 +225,12 @@ def quantize_both_ways(
 ) -> tuple[dict[str, Trace], dict[str, Any]]:
     """Quantize ``exported`` without the passes and ``functional`` with them; decode each.
 
+    Without the passes it is torchao's recipe, the reference for today's way: the
+    converted graph module (which its users re-export to lower it). With them it is
+    :func:`~passes.quantization.quantize_program`: an ExportedProgram, lifted, not
+    re-traced; its report goes to ``stage.result`` (pass reports and ``quantization``).
     ``stage`` is the flow's stage runner (titles, timing, per-step progress). Returns the
-    decode traces and the converted programs by flow name; when torchao's flow fails on
+    decode traces and the quantized programs by flow name; when torchao's flow fails on
     its own, only the flow with the passes (and a note saying why). ``pass_options`` are
     PassManager options for the passes' pipelines.
     """
@@ -240,15 +247,15 @@ def quantize_both_ways(
         converted[RESET] = prepared.convert(copy=False).program
 
     def with_passes() -> None:
-        prepared = prepare(functional, quantizer_factory(), passes=True, pass_options=pass_options)
-        titles = ("before annotation", "after annotation")
-        for title, report in zip(titles, prepared.reports, strict=True):
-            stage.result.reports.append((title, report))
-        calibrate(prepared)
-        prepared.reset()
-        unfrozen = prepared.convert(copy=False)
-        stage.result.reports.append(("after convert", unfrozen.report))
-        converted[WITH_PASSES] = unfrozen.program
+        # quantize_program: prepare, calibrate, reset, convert, UnfreezeMutableBuffer, and
+        # the lift back into an ExportedProgram, where torchao's recipe re-exports.
+        quantized, report = quantize_program(
+            copy_program(functional), quantizer_factory(), calibration, return_report=True,
+            on_call=stage.progress(len(calibration)), **(pass_options or {}),
+        )
+        stage.result.reports += report.passes
+        stage.result.quantization = report
+        converted[WITH_PASSES] = quantized
 
     try:
         stage("quantize without the passes", without_passes)

@@ -62,6 +62,10 @@ class FlowResult:
     buffer_errors: dict[str, dict[str, float]] = field(default_factory=dict)
     checks: list[Check] = field(default_factory=list)
     failure: Failure | None = None
+    # quantize_program's report (passes.quantization.QuantizationReport), when quantized
+    quantization: Any = None
+    # --quantize-state: per buffer dtype and bytes before/after, totals, planned .pte bytes
+    state_storage: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -106,6 +110,11 @@ class FlowResult:
             "cache_update_delegation": self.cache_update_delegation,
             "step_errors": self.step_errors,
             "buffer_errors": self.buffer_errors,
+            "quantization": None if self.quantization is None else {
+                key: value for key, value in self.quantization.to_dict().items()
+                if key != "passes"  # already under "passes", by stage
+            },
+            "state_storage": self.state_storage,
             "checks": [c.__dict__ for c in self.checks],
             "failure": None if self.failure is None else self.failure.__dict__,
             "ok": self.ok,

@@ -1,11 +1,12 @@
 """The whole mutable-buffer flow on one model, as the main job (``python -m passes run``) runs it.
 
-export -> MarkMutableBuffers -> InplaceToFunctional -> pt2e quantization through
-PassQuantizer (SkipAnnotateDataMovementOps) -> calibrate -> reset_mutable_buffers ->
-convert -> UnfreezeMutableBuffer -> to_delegate + ConsumeBufferMutationsInDelegate ->
-decode, next to the same model quantized by torchao's flow without the passes, all compared
-with fp32 eager. Every call may take keyword inputs; a failing stage raises
-:class:`~passes.flow.result.FlowError` with what was found so far.
+export -> MarkMutableBuffers -> InplaceToFunctional -> ``quantize_program`` (pt2e through
+PassQuantizer with SkipAnnotateDataMovementOps, calibrate, reset_mutable_buffers, convert,
+UnfreezeMutableBuffer, lifted back to an ExportedProgram: no re-trace) -> [QuantizeMutableBuffers]
+-> to_delegate + ConsumeBufferMutationsInDelegate -> decode, next to the same model quantized
+by torchao's flow without the passes, all compared with fp32 eager. Every call may take
+keyword inputs; a failing stage raises :class:`~passes.flow.result.FlowError` with what was
+found so far.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from pass_manager import PassManager
 from pass_manager.validation import (
     Trace,
     as_call,
-    buffer_errors,
     call_inputs,
     copy_program,
     first_difference,
@@ -30,15 +30,18 @@ from pass_manager.validation import (
 )
 
 from ..consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
+from ..delegation.ownership import program_state
 from ..inplace_to_functional import InplaceToFunctional
 from ..mark_mutable_buffers import MarkMutableBuffers
+from ..quantize_mutable_buffers import QuantizeMutableBuffers
 from ..skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from ..unfreeze_mutable_buffer import UnfreezeMutableBuffer
-from .delegation import delegation_stages, ownable_by_cache_updates
+from .checks import quantization_checks, relative_buffer_errors
+from .delegation import delegation_stages
 from .examples import xnnpack_quantizer
 from .factory import Exported, ModelSpec, export_program
+from .integer_state import INTEGER_STATE, integer_state_stage
 from .quantization import RESET, WITH_PASSES, quantize_both_ways
-from .quantized_graphs import buffer_grid, describe_op_difference, output_grid, quantized_ops
 from .result import Check, FlowError, FlowResult, check_same, failure_of, restricted
 
 __all__ = ["Check", "FlowError", "FlowResult", "run_flow", "run_model"]
@@ -120,6 +123,7 @@ def run_flow(
     pipeline: PassManager | None = None,
     pass_options: Mapping[str, Any] | None = None,
     runtime: str = "python",
+    quantize_state: bool = False,
 ) -> FlowResult:
     """Run the flow; ``steps`` holds one call's inputs per decode call.
 
@@ -136,8 +140,14 @@ def run_flow(
     (the main job's ``--print-after``, ``--reproducer-dir`` ...).
     ``runtime="executorch"`` also decodes the fp32 and quantized programs on ExecuTorch's
     runtime (:func:`passes.flow.executorch_stage.flow_stage`; needs the executorch extra).
-    Raises :class:`FlowError` (with the partial result) when a stage fails.
+    ``quantize_state=True`` stores the quantized state as integers (QuantizeMutableBuffers
+    after quantization, :mod:`passes.flow.integer_state`), checks the result exactly against
+    the fp32-stored quantized program, and delegates and lowers that program.
+    Raises :class:`FlowError` (with the partial result) when a stage fails, and
+    ``ValueError`` for ``quantize_state`` without ``quantize``.
     """
+    if quantize_state and not quantize:
+        raise ValueError("quantize_state=True stores quantized state: it needs quantize=True")
     args, kwargs = as_call(example_inputs)
     kwargs = {**kwargs, **(example_kwargs or {})}
     steps = call_inputs(list(steps) or [(args, kwargs)])
@@ -157,18 +167,17 @@ def run_flow(
                 InplaceToFunctional(),
                 SkipAnnotateDataMovementOps(),
                 UnfreezeMutableBuffer(),
+                *([QuantizeMutableBuffers()] if quantize_state else []),
                 ConsumeBufferMutationsInDelegate(),
             ]
         )
         result.plan = every_pass.explain()
         result.dot = every_pass.to_dot()
 
-        def export_(module: torch.nn.Module, mode: str | None) -> Exported:
-            return export_program(module, args, kwargs, dynamic_shapes=dynamic_shapes, mode=mode)
-
         eager = stage("fp32 eager decode", lambda: stage.run(model, steps))
         if exported is None:
-            exported = stage("export", lambda: export_(model, export))
+            exported = stage("export", lambda: export_program(
+                model, args, kwargs, dynamic_shapes=dynamic_shapes, mode=export))
         if exported.note:
             result.notes.append(exported.note)
         mode = exported.mode
@@ -191,7 +200,7 @@ def run_flow(
             functional_trace,
         )
 
-        before_rewrite: int | None = None  # caches ownable before the re-export's copies go
+        state = program_state  # how the decodes read state (dequantized when stored as ints)
         if quantize:
             traces, converted = quantize_both_ways(
                 stage, exported.program, functional.program, quantizer_factory, calibration, steps,
@@ -199,41 +208,37 @@ def run_flow(
             )
             for name, trace in traces.items():
                 result.step_errors[name] = output_errors(eager, trace)
-                result.buffer_errors[name] = _relative_buffer_errors(eager, trace)
+                result.buffer_errors[name] = relative_buffer_errors(eager, trace)
             if RESET in traces:
-                _quantization_checks(result, eager, traces, converted)
-            quantized = converted[WITH_PASSES]
-            if delegate:
-                reexported = stage(
-                    "re-export the quantized program", lambda: export_(quantized, mode)
-                )
-                # What a cache-update-only partitioner could own before InplaceToFunctional
-                # turns the re-export's whole-buffer copies back into the updates.
-                before_rewrite = ownable_by_cache_updates(reexported.program)
-                refunctional = stage(
-                    "functionalize again", lambda: functionalize.run(reexported.program)
-                )
-                result.reports.append(("functionalize quantized", refunctional.report))
-                program = refunctional.program
-            else:
-                program = quantized
+                quantization_checks(result, eager, traces, converted)
+            # quantize_program's ExportedProgram goes on as it is: no re-export, no second
+            # functionalization (its cache updates are already its mutation outputs).
+            program = quantized = converted[WITH_PASSES]
             reference = traces[WITH_PASSES]
+            if quantize_state:
+                program, reference, state = integer_state_stage(
+                    stage, result, quantized, reference, steps, options
+                )
         else:
             reference = functional_trace
 
         if delegate:
             final = delegation_stages(
-                stage, result, program, steps, (eager, reference), before_rewrite, options
+                stage, result, program, steps, (eager, reference), options, state
             )
             name = "full pipeline" if quantize else "fp32 pipeline"
             result.step_errors[name] = output_errors(eager, final)
-            result.buffer_errors[name] = _relative_buffer_errors(eager, final)
+            result.buffer_errors[name] = relative_buffer_errors(eager, final)
         elif not quantize:
             result.step_errors["fp32 pipeline"] = output_errors(eager, functional_trace)
         if runtime == "executorch":
             from .executorch_stage import flow_stage
 
-            programs = [("fp32", fp32_program)] + ([("quantized", quantized)] if quantize else [])
+            programs = [("fp32", fp32_program)]
+            if quantize:
+                programs.append(("quantized", quantized))
+            if quantize_state:
+                programs.append((INTEGER_STATE, program))
             flow_stage(result, stage, programs, tuple(args), steps, eager)
         return result
 
@@ -271,85 +276,6 @@ def _check_export(result: FlowResult, mode: str, eager: Trace, exported: Trace) 
         Check(
             f"exported program ({mode}) matches fp32 eager within float rounding",
             difference is None,
-            detail,
-        )
-    )
-
-
-def _relative_buffer_errors(reference: Trace, trace: Trace) -> dict[str, float]:
-    """Per buffer: worst abs error over all calls, relative to the fp32 buffer's largest value."""
-    worst: dict[str, float] = {}
-    for call, errors in enumerate(buffer_errors(reference, trace)):
-        for name, error in errors.items():
-            scale = max(reference.buffers[call][name].abs().max().item(), 1e-12)
-            worst[name] = max(worst.get(name, 0.0), error / scale)
-    return worst
-
-
-def _worst_abs(reference: Trace, trace: Trace) -> dict[str, float]:
-    worst: dict[str, float] = {}
-    for errors in buffer_errors(reference, trace):
-        for name, error in errors.items():
-            worst[name] = max(worst.get(name, 0.0), error)
-    return worst
-
-
-def _quantization_checks(
-    result: FlowResult, eager: Trace, traces: dict[str, Trace], converted: dict[str, Any]
-) -> None:
-    """The passes must do no worse than torchao's flow with the caches reset by hand.
-
-    Both are compared with fp32 eager; the passes may differ from it by one step of the
-    quantization grid the compared values live on (the buffer's or the output's qparams),
-    which is the resolution at which two quantized programs can be told apart.
-    """
-    with_passes, by_hand = _worst_abs(eager, traces[WITH_PASSES]), _worst_abs(eager, traces[RESET])
-    grids = buffer_grid(converted[WITH_PASSES])
-    worse = {
-        name: (error, by_hand[name], grids.get(name, 0.0))
-        for name, error in with_passes.items()
-        if name in by_hand and error > by_hand[name] + grids.get(name, 0.0) + 1e-6
-    }
-    relative = result.buffer_errors[WITH_PASSES]
-    worst_name = max(relative, key=relative.get, default="")
-    detail = (
-        f"8-bit error itself (information): worst {worst_name or 'buffer'} "
-        f"{relative.get(worst_name, 0.0):.2%} of its fp32 magnitude with the passes, "
-        f"{result.buffer_errors[RESET].get(worst_name, 0.0):.2%} without"
-    )
-    if worse:
-        name, (error, theirs, grid) = next(iter(worse.items()))
-        detail = (
-            f"{name}: worst abs error {error:.6g} with the passes vs {theirs:.6g} without "
-            f"(grid step {grid:.3g}); " + detail
-        )
-    result.checks.append(
-        Check(
-            "quantized buffers: the passes do no worse than torchao's flow with the caches "
-            "reset by hand",
-            not worse,
-            detail,
-        )
-    )
-
-    mine, theirs = max(result.step_errors[WITH_PASSES]), max(result.step_errors[RESET])
-    grid = output_grid(converted[WITH_PASSES])
-    detail = (
-        f"worst step error {mine:.6f} with the passes, {theirs:.6f} without "
-        f"(caches reset by hand in both; output grid step {grid:.3g})"
-    )
-    differences = describe_op_difference(
-        quantized_ops(converted[WITH_PASSES]), quantized_ops(converted[RESET])
-    )
-    if differences:
-        detail += (
-            f"; the two flows quantized different graphs ({differences}), so part of the "
-            "difference comes from what was quantized, not from the state"
-        )
-    result.checks.append(
-        Check(
-            "the passes do not make the quantized decode worse",
-            mine <= theirs + grid + 1e-6,
             detail,
         )
     )

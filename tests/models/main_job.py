@@ -22,3 +22,31 @@ def not_exportable():
 
 def wrong_return():
     return torch.nn.ReLU()
+
+
+class CacheAndRunningSum(torch.nn.Module):
+    """A KV-style cache written with a projection's (quantized) values, and a running sum
+    of the scores read from it that starts from a prior off any 8-bit grid: with
+    --quantize-state the cache is stored as integers and the sum must stay float."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.randn(8, 8, generator=generator) / 3)
+            self.proj.bias.zero_()
+        self.register_buffer("cache", torch.zeros(1, 16, 8))
+        self.register_buffer("running_sum", torch.full((1, 16), 0.3))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(1, pos, self.proj(x))
+        scores = torch.matmul(x, self.cache.transpose(1, 2)).squeeze(1)
+        self.running_sum.add_(scores)
+        return scores.softmax(-1), self.running_sum * 0.5
+
+
+def cache_and_running_sum():
+    generator = torch.Generator().manual_seed(1)
+    steps = [(torch.randn(1, 1, 8, generator=generator), torch.tensor([i])) for i in range(4)]
+    return CacheAndRunningSum(), steps[0], steps

@@ -136,3 +136,55 @@ def test_bad_input(decoder):
         quantize_program(ep.module(), AnnotateEveryOpQuantizer(), steps)
     with pytest.raises(ValueError, match="at least one calibration call"):
         quantize_program(ep, AnnotateEveryOpQuantizer(), [])
+
+
+def test_the_report_says_what_each_stage_did(decoder):
+    """return_report=True: the same program, and each stage's report (the pipelines'
+    PassManager reports, the buffers reset, the frozen reads repaired, the steps' times)."""
+    _, steps, ep = decoder
+    calls = []
+    program, report = quantize_program(copy_program(ep), AnnotateEveryOpQuantizer(), steps,
+                                       return_report=True, on_call=calls.append)
+    plain = quantize_program(copy_program(ep), AnnotateEveryOpQuantizer(), steps)
+    assert first_difference(run_program(plain, steps), run_program(program, steps)) is None
+    assert calls == list(range(len(steps)))
+    assert [(stage, [r.name for r in r_.records]) for stage, r_ in report.passes] == [
+        ("before annotation", ["MarkMutableBuffers", "InplaceToFunctional"]),
+        ("after annotation", ["SkipAnnotateDataMovementOps"]),
+        ("after convert", ["UnfreezeMutableBuffer"]),
+    ]
+    marked, functionalized = report.passes[0][1].records
+    assert marked.statistics["mutable buffers marked"] == 2
+    assert functionalized.statistics["in-place ops rewritten: aten.index_copy_"] == 2
+    assert report.reset_buffers == CACHES
+    # Functional before annotation, torchao folds no buffer read: nothing to repair.
+    assert report.repaired_reads == []
+    assert list(report.seconds) == ["prepare", "calibrate", "reset", "convert", "unfreeze",
+                                    "lift"]
+    summary = report.summary()
+    assert summary[1] == f"reset after calibration (2): {', '.join(CACHES)}"
+    assert summary[2] == "frozen buffer reads repaired: none"
+    data = report.to_dict()
+    assert set(data["passes"]) == {"before annotation", "after annotation", "after convert"}
+    assert data["reset_buffers"] == CACHES
+
+
+def test_the_report_names_the_frozen_reads_it_repaired(monkeypatch):
+    """A read torchao folds anyway (here: no InplaceToFunctional before annotation, so
+    torchao does not see the accumulator's write) is repaired and named in the report."""
+    import passes.quantization as quantization
+
+    model, calls = DecayAccumulator(), accumulator_calls(4)
+    ep = torch.export.export(copy.deepcopy(model), calls[0])
+    real = quantization.PassQuantizer
+
+    def without_functionalization(quantizer, transform=(), after_annotate=(), **options):
+        return real(quantizer, [p for p in transform if not isinstance(p, InplaceToFunctional)],
+                    after_annotate, **options)
+
+    monkeypatch.setattr(quantization, "PassQuantizer", without_functionalization)
+    _, report = quantize_program(copy_program(ep), AnnotateEveryOpQuantizer(), calls[:3],
+                                       return_report=True)
+    assert report.reset_buffers == ["acc"]
+    assert len(report.repaired_reads) == 1 and "acc" in report.repaired_reads[0]
+    assert report.summary()[2] == "frozen buffer reads repaired: 1"

@@ -74,10 +74,11 @@ def test_flow_passes_every_check(factory):
     assert len(result.checks) == 6
     assert result.delegate_summary and "none" not in result.delegate_summary[0]
     # A partitioner delegating only the cache updates (and their quantize/dequantize) owns
-    # each layer's K and V cache after re-export (the cache lengths are updated outside).
+    # each layer's K and V cache of quantize_program's lifted program (the cache lengths are
+    # updated outside).
     caches = result.cache_update_delegation
     expected = 0 if factory is hf_models.no_grad_state else 4
-    assert (caches["owned"], caches["owned_before_copy_rewrite"]) == (expected, 0)
+    assert caches["owned"] == expected
     assert len(result.step_errors["full pipeline"]) == STEPS
 
 
@@ -92,11 +93,12 @@ def test_prefill_then_decode_uses_a_dynamic_token_dimension():
 
 
 def test_buffer_check_fails_when_the_calibration_state_is_left_behind(monkeypatch):
-    import passes
+    import passes.quantization
 
-    # Without reset_mutable_buffers the flow with the passes starts decoding from the
-    # calibration's last cache: the check against torchao's flow reset by hand must see it.
-    monkeypatch.setattr(passes, "reset_mutable_buffers", lambda program: [])
+    # Without reset_mutable_buffers the flow with the passes (quantize_program) starts
+    # decoding from the calibration's last cache: the check against torchao's flow reset by
+    # hand must see it.
+    monkeypatch.setattr(passes.quantization, "reset_mutable_buffers", lambda program: [])
     result = flow_on(hf_models.llama, delegate=False)
     failed = [c for c in result.checks if not c.passed]
     assert [c.name.split(":")[0] for c in failed] == ["quantized buffers"]
@@ -136,11 +138,11 @@ def test_cli_runs_hf_llama_through_the_whole_flow(tmp_path):
     assert "key_cache_0" in out.split("== delegates")[1]
     data = json.loads(report.read_text())
     assert data["ok"] is True and data["failure"] is None
-    # Issue 10, pattern 8 on HF's static cache, quantized by the every-op quantizer: after
-    # re-export, a partitioner delegating only the (quantized) cache updates gives every
-    # K/V cache to a delegate; before InplaceToFunctional, the whole-buffer copies hid them.
+    # HF's static cache, quantized by the every-op quantizer and lifted (no re-export): a
+    # partitioner delegating only the (quantized) cache updates gives every K/V cache to a
+    # delegate.
     caches = data["cache_update_delegation"]
-    assert (caches["owned"], caches["owned_before_copy_rewrite"]) == (4, 0)
+    assert caches["owned"] == 4
     assert sorted(b for owned in caches["delegates"].values() for b in owned) == [
         "key_cache_0", "key_cache_1", "value_cache_0", "value_cache_1"]
     assert "PASS  program with cache-update delegates matches its input program" in out
@@ -221,7 +223,7 @@ def test_a_failure_between_stages_is_a_flow_error_too(monkeypatch):
     def broken_checks(*args):
         raise KeyError("value_cache_9")
 
-    monkeypatch.setattr(flow, "_quantization_checks", broken_checks)
+    monkeypatch.setattr(flow, "quantization_checks", broken_checks)
     with pytest.raises(FlowError) as info:
         flow_on(hf_models.no_grad_state, delegate=False)
     assert info.value.failure.stage == "checks after decode quantized, with passes"

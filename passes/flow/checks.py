@@ -1,0 +1,105 @@
+"""The main job's checks on quantized programs, and the buffer errors they read.
+
+The passes must do no worse than torchao's flow with the caches reset by hand: both are
+compared with fp32 eager, and may differ by one step of the grid the compared values live on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.export import ExportedProgram
+from torch.fx import GraphModule
+
+from pass_manager.validation import Trace, buffer_errors
+
+from .quantization import RESET, WITH_PASSES
+from .quantized_graphs import buffer_grid, describe_op_difference, output_grid, quantized_ops
+from .result import Check, FlowResult
+
+__all__ = ["quantization_checks", "relative_buffer_errors"]
+
+
+def relative_buffer_errors(reference: Trace, trace: Trace) -> dict[str, float]:
+    """Per buffer: worst abs error over all calls, relative to the fp32 buffer's largest value."""
+    worst: dict[str, float] = {}
+    for call, errors in enumerate(buffer_errors(reference, trace)):
+        for name, error in errors.items():
+            scale = max(reference.buffers[call][name].abs().max().item(), 1e-12)
+            worst[name] = max(worst.get(name, 0.0), error / scale)
+    return worst
+
+
+def _graph_module(program: Any) -> GraphModule:
+    return program.module() if isinstance(program, ExportedProgram) else program
+
+
+def _worst_abs(reference: Trace, trace: Trace) -> dict[str, float]:
+    worst: dict[str, float] = {}
+    for errors in buffer_errors(reference, trace):
+        for name, error in errors.items():
+            worst[name] = max(worst.get(name, 0.0), error)
+    return worst
+
+
+def quantization_checks(
+    result: FlowResult, eager: Trace, traces: dict[str, Trace], converted: dict[str, Any]
+) -> None:
+    """The passes must do no worse than torchao's flow with the caches reset by hand.
+
+    Both are compared with fp32 eager; the passes may differ from it by one step of the
+    quantization grid the compared values live on (the buffer's or the output's qparams),
+    which is the resolution at which two quantized programs can be told apart.
+    """
+    with_passes, by_hand = _worst_abs(eager, traces[WITH_PASSES]), _worst_abs(eager, traces[RESET])
+    # quantize_program's ExportedProgram, read as the module it unlifts to (state as get_attr).
+    mine = _graph_module(converted[WITH_PASSES])
+    grids = buffer_grid(mine)
+    worse = {
+        name: (error, by_hand[name], grids.get(name, 0.0))
+        for name, error in with_passes.items()
+        if name in by_hand and error > by_hand[name] + grids.get(name, 0.0) + 1e-6
+    }
+    relative = result.buffer_errors[WITH_PASSES]
+    worst_name = max(relative, key=relative.get, default="")
+    detail = (
+        f"8-bit error itself (information): worst {worst_name or 'buffer'} "
+        f"{relative.get(worst_name, 0.0):.2%} of its fp32 magnitude with the passes, "
+        f"{result.buffer_errors[RESET].get(worst_name, 0.0):.2%} without"
+    )
+    if worse:
+        name, (error, theirs, grid) = next(iter(worse.items()))
+        detail = (
+            f"{name}: worst abs error {error:.6g} with the passes vs {theirs:.6g} without "
+            f"(grid step {grid:.3g}); " + detail
+        )
+    result.checks.append(
+        Check(
+            "quantized buffers: the passes do no worse than torchao's flow with the caches "
+            "reset by hand",
+            not worse,
+            detail,
+        )
+    )
+
+    worst, theirs = max(result.step_errors[WITH_PASSES]), max(result.step_errors[RESET])
+    grid = output_grid(mine)
+    detail = (
+        f"worst step error {worst:.6f} with the passes, {theirs:.6f} without "
+        f"(caches reset by hand in both; output grid step {grid:.3g})"
+    )
+    differences = describe_op_difference(
+        quantized_ops(mine), quantized_ops(_graph_module(converted[RESET]))
+    )
+    if differences:
+        detail += (
+            f"; the two flows quantized different graphs ({differences}), so part of the "
+            "difference comes from what was quantized, not from the state"
+        )
+    result.checks.append(
+        Check(
+            "the passes do not make the quantized decode worse",
+            worst <= theirs + grid + 1e-6,
+            detail,
+        )
+    )
