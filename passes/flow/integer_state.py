@@ -25,7 +25,7 @@ from ..quantize_mutable_buffers import QuantizeMutableBuffers
 from .result import Check, FlowResult
 
 __all__ = ["INTEGER_STATE", "StateReader", "dequantized_state", "integer_state_stage",
-           "state_lines"]
+           "state_lines", "storage_of"]
 
 INTEGER_STATE = "quantized, integer state"
 StateReader = Callable[[torch.nn.Module], dict[str, torch.Tensor]]
@@ -46,7 +46,7 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _storage(program: ExportedProgram, after: ExportedProgram, notes: list[str]) -> dict:
+def storage_of(program: ExportedProgram, after: ExportedProgram, notes: list[str]) -> dict:
     """Per mutable buffer: dtype and bytes before and after, the grid or why it kept its dtype."""
     before, stored = state_storage(program), state_storage(after)
     buffers = {}
@@ -108,7 +108,7 @@ def integer_state_stage(
                    lambda: manager.run(copy_program(quantized)))
     result.reports.append(("quantize state", stored.report))
     notes = [note for record in stored.report.records for note in record.notes]
-    result.state_storage = _storage(quantized, stored.program, notes)
+    result.state_storage = storage_of(quantized, stored.program, notes)
     grids = {fqn: info.grid for fqn, info in mutable_buffers(stored.program).items()
              if info.grid is not None}
     read = dequantized_state(grids)

@@ -28,6 +28,7 @@ from ..quantization import quantize_methods, quantize_program
 from ..quantize_mutable_buffers import QuantizeMutableBuffers
 from .examples import xnnpack_quantizer
 from .factory import Exported
+from .integer_state import dequantized_state, storage_of
 from .factory import MethodsSpec, export_methods
 from .quantized_graphs import output_grid
 from .result import Check, FlowResult
@@ -171,8 +172,6 @@ def _quantized_stages(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
 def _integer_stage(stage: _Stages, result: FlowResult, quantized: dict[str, Any], calls: list,
                    eager: Trace, reference: Trace, options: dict[str, Any]) -> dict[str, Any]:
     """QuantizeMutableBuffers on every method; bit for bit the fp32-stored methods."""
-    from .integer_state import dequantized_state, state_lines
-
     manager = PassManager([QuantizeMutableBuffers()], **options)
     stored = stage("store quantized state as integers (QuantizeMutableBuffers)",
                    lambda: manager.run(copy_program(dict(quantized))))
@@ -190,15 +189,22 @@ def _integer_stage(stage: _Stages, result: FlowResult, quantized: dict[str, Any]
         difference or f"outputs and dequantized state equal (atol 0) over {len(calls)} calls; "
         f"{len(grids)} shared buffers stored as integers, one grid each"))
     result.step_errors[INTEGER_METHODS] = output_errors(eager, trace)
-    result.state_lines = state_lines(_storage(quantized, programs))
+    result.state_storage = _storage(quantized, programs, stored)
     return programs
 
 
-def _storage(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict:
-    from .integer_state import _storage as storage
-
-    first = next(iter(before))
-    return storage(before[first], after[first], [])
+def _storage(before: Mapping[str, Any], after: Mapping[str, Any], stored: Any) -> dict:
+    """Each buffer's storage before and after, over every method (a shared buffer once)."""
+    merged: dict[str, Any] = {}
+    for method in before:
+        notes = [note for record in stored[method].report.records for note in record.notes]
+        merged.update(storage_of(before[method], after[method], notes)["buffers"])
+    return {
+        "buffers": merged,
+        "bytes_before": sum(b["bytes_before"] for b in merged.values()),
+        "bytes_after": sum(b["bytes_after"] for b in merged.values()),
+        "planned_mutable_buffer_bytes": {},
+    }
 
 
 def _runtime_stage(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
