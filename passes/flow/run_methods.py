@@ -34,7 +34,7 @@ from .quantized_graphs import output_grid
 from .result import Check, FlowResult
 from .run import EXPORT_ATOL, EXPORT_RTOL, _Stages
 
-__all__ = ["FP32_METHODS", "ONE_GRID", "PER_METHOD", "run_methods_flow"]
+__all__ = ["FP32_METHODS", "INTEGER_METHODS", "ONE_GRID", "PER_METHOD", "run_methods_flow"]
 
 Log = Callable[[str], None]
 FP32_METHODS = "fp32 methods"
@@ -221,6 +221,10 @@ def _runtime_stage(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
         tolerance = EXPORT_ATOL if label == "fp32" else max(
             output_grid(p.graph_module) for p in programs.values()) + 1e-6
         result.step_errors[f"{label} on ExecuTorch"] = errors
+        if result.state_storage:
+            stored_as = "integer-stored" if label == "quantized" else "fp32"
+            result.state_storage["planned_mutable_buffer_bytes"][
+                f"{stored_as} methods'"] = run.memory.shared_bytes
         result.notes += run.notes
         result.checks.append(Check(
             f"{label} methods on ExecuTorch's runtime match "

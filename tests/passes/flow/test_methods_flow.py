@@ -8,7 +8,13 @@ import pytest
 from passes.flow.cli import main
 from passes.flow.examples import AnnotateEveryOpQuantizer, prefill_decode_job, xnnpack_quantizer
 from passes.flow.factory import methods_spec
-from passes.flow.run_methods import FP32_METHODS, ONE_GRID, PER_METHOD, run_methods_flow
+from passes.flow.run_methods import (
+    FP32_METHODS,
+    INTEGER_METHODS,
+    ONE_GRID,
+    PER_METHOD,
+    run_methods_flow,
+)
 from tests.models import hf
 
 
@@ -20,7 +26,8 @@ def _checks(result) -> dict[str, bool]:
                          ids=["xnnpack", "every-op"])
 def test_the_decoder_as_prefill_and_decode_keeps_one_grid_per_cache(quantizer):
     spec = methods_spec(prefill_decode_job(n_layers=1, decode_steps=4), "job", 8)
-    result = run_methods_flow(spec, quantizer_factory=quantizer, log=lambda line: None)
+    result = run_methods_flow(spec, quantizer_factory=quantizer, quantize_state=True,
+                              log=lambda line: None)
     assert result.ok, result.checks
     assert max(result.step_errors[FP32_METHODS]) <= 1e-5
     checks = _checks(result)
@@ -31,6 +38,11 @@ def test_the_decoder_as_prefill_and_decode_keeps_one_grid_per_cache(quantizer):
     # calibrated along the deployment's calls, decode no longer reads prefill's cache on a
     # grid it never saw: the worst call is better than quantizing each method alone
     assert max(result.step_errors[ONE_GRID]) < max(result.step_errors[PER_METHOD])
+    # the shared caches stored as 8-bit integers, bit for bit the fp32-stored methods
+    assert checks["integer-stored methods compute exactly what the fp32-stored ones do"]
+    storage = result.state_storage
+    assert len(storage["buffers"]) == 2 and storage["bytes_before"] == 4 * storage["bytes_after"]
+    assert result.step_errors[INTEGER_METHODS] == result.step_errors[ONE_GRID]
 
 
 def test_a_hugging_face_llama_as_prefill_and_decode_through_the_command_line(capsys):
