@@ -29,7 +29,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from .._analysis.op_schema import facts_of
 from ..errors import LiftError
 
-__all__ = ["fake_mode_of", "fill_missing_values"]
+__all__ = ["fake_mode_of", "fake_state_value", "fill_missing_values", "storage_key"]
 
 
 def fake_mode_of(gm: GraphModule) -> FakeTensorMode:
@@ -38,10 +38,40 @@ def fake_mode_of(gm: GraphModule) -> FakeTensorMode:
     return mode if mode is not None else FakeTensorMode(shape_env=ShapeEnv())
 
 
-def fake_state_value(mode: FakeTensorMode, tensor: torch.Tensor) -> Any:
+def fake_state_value(mode: FakeTensorMode, tensor: torch.Tensor, shares_storage: bool) -> Any:
     """A fake value for a lifted tensor that has none (a frozen constant): static shapes,
-    as export gives parameters and buffers."""
+    as export gives parameters and buffers.
+
+    A plain tensor owning its whole storage alone (``shares_storage`` False: no other
+    lifted tensor uses it) is one new fake tensor of its layout, as the mode's converter
+    would make it (0.01 ms against 0.12 ms: the converter describes every tensor for its
+    memo of storages and views, which such a tensor does not need); any other tensor goes
+    through ``from_tensor``, which keeps views and shared storages shared.
+    """
+    if not shares_storage and _plain(tensor):
+        meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                   device="meta")
+        if meta.untyped_storage().nbytes() == tensor.untyped_storage().nbytes():
+            return FakeTensor(mode, meta, tensor.device)
     return mode.from_tensor(tensor, static_shapes=True)
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
+    """What identifies ``tensor``'s storage among tensors on its device (None for a
+    tensor subclass or a tensor without one: it is then taken as sharing)."""
+    if (type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type == "meta"
+            or tensor.layout != torch.strided or tensor.untyped_storage().nbytes() == 0):
+        return None
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A dense tensor at the start of its own storage, with nothing the converter would
+    carry over besides its layout (autograd, a subclass, a view's base, lazy bits)."""
+    return (type(tensor) is torch.Tensor and tensor.layout == torch.strided
+            and not tensor.requires_grad and not tensor.is_quantized
+            and not tensor.is_inference() and not tensor.is_conj() and not tensor.is_neg()
+            and tensor._base is None and tensor.storage_offset() == 0)
 
 
 def fill_missing_values(graph: Graph, gm: GraphModule, mode: FakeTensorMode) -> int:

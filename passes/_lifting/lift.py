@@ -12,7 +12,7 @@ constructor (with its verifier) builds the result from those parts.
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..errors import LiftError
 from .calls import call_specs, check_like, module_call_graph, range_constraints
-from .fake_values import fake_mode_of, fake_state_value, fill_missing_values
+from .fake_values import fake_mode_of, fake_state_value, fill_missing_values, storage_key
 from .state import LiftedState, export_name, graph_state
 from .write_backs import WriteBack, check_write_back_values, trailing_writes
 
@@ -101,8 +101,11 @@ def exported_program_from(gm: GraphModule, like: ExportedProgram | None = None) 
     graph = Graph()
     env: dict[Node, Any] = {}
     lifted_state: dict[Node, LiftedState] = {}  # by placeholder: fx may rename an illegal name
-    for state in states:
-        placeholder = _state_placeholder(graph, state, mode)
+    storages = [storage_key(s.value) for s in states]
+    tensors_per_storage = Counter(storages)
+    for state, storage in zip(states, storages, strict=True):
+        shared = storage is None or tensors_per_storage[storage] > 1
+        placeholder = _state_placeholder(graph, state, mode, shared)
         lifted_state[placeholder] = state
         env.update(dict.fromkeys(state.nodes, placeholder))
     for node in inputs:
@@ -180,13 +183,14 @@ def _name_inputs(states: list[LiftedState], inputs: list[Node], like: ExportedPr
                                                 wanted, is_placeholder=True)
 
 
-def _state_placeholder(graph: Graph, state: LiftedState, mode: Any) -> Node:
+def _state_placeholder(graph: Graph, state: LiftedState, mode: Any, shares_storage: bool
+                       ) -> Node:
     node = graph.placeholder(state.name)
     for read in state.nodes:  # marks (MarkMutableBuffers') may sit on any of the reads
         for key, value in read.meta.items():
             node.meta.setdefault(key, value)
     if "val" not in node.meta:
-        node.meta["val"] = fake_state_value(mode, state.value)
+        node.meta["val"] = fake_state_value(mode, state.value, shares_storage)
     return node
 
 
