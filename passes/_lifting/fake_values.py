@@ -121,11 +121,12 @@ _UNREAD_BY_META = {
         {"scale", "zero_point"}),
 }
 
-# op -> None (no fast path) or (its argument names, those left out of the layout key)
-_OP_PLANS: dict[Any, tuple[tuple[str, ...], frozenset[str]] | None] = {}
+# op -> None (no fast path) or, per positional argument, whether the key leaves it out, and
+# the keyword arguments it leaves out
+_OP_PLANS: dict[Any, tuple[tuple[bool, ...], frozenset[str]] | None] = {}
 
 
-def _plan(op: Any, node: Node) -> tuple[tuple[str, ...], frozenset[str]] | None:
+def _plan(op: Any, node: Node) -> tuple[tuple[bool, ...], frozenset[str]] | None:
     if op in _OP_PLANS:
         return _OP_PLANS[op]
     plan = None
@@ -133,8 +134,8 @@ def _plan(op: Any, node: Node) -> tuple[tuple[str, ...], frozenset[str]] | None:
         facts = facts_of(node)
         if (facts is not None and facts.fresh and not facts.may_write and not facts.maybe_view
                 and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta")):
-            names = tuple(a.name for a in op._schema.arguments)
-            plan = names, _UNREAD_BY_META.get((op.name(), op._overloadname), frozenset())
+            unread = _UNREAD_BY_META.get((op.name(), op._overloadname), frozenset())
+            plan = tuple(a.name in unread for a in op._schema.arguments), unread
     _OP_PLANS[op] = plan
     return plan
 
@@ -156,23 +157,23 @@ class _ResultLayouts:
         plan = _plan(node.target, node)
         if plan is None:
             return None
-        names, unread = plan
+        left_out, unread = plan
         devices: set[torch.device] = set()
+        key: list[Any] = [node.target]
         try:
-            key = (
-                node.target,
-                tuple(None if i < len(names) and names[i] in unread
-                      else self._key(a, devices) for i, a in enumerate(node.args)),
-                tuple((k, None if k in unread else self._key(v, devices))
-                      for k, v in node.kwargs.items()))
+            for i, arg in enumerate(node.args):
+                key.append(None if i < len(left_out) and left_out[i]
+                           else self._key(arg, devices))
+            for name, arg in node.kwargs.items():
+                key.append((name, None if name in unread else self._key(arg, devices)))
         except _Unkeyable:
             return None
         if len(devices) != 1:
             return None
         try:
-            layout = self.known[key]
+            layout = self.known[tuple(key)]
         except KeyError:
-            layout = self.known[key] = _run_meta_kernel(node)
+            layout = self.known[tuple(key)] = _run_meta_kernel(node)
         except TypeError:  # an unhashable argument: the kernel runs for this node alone
             layout = _run_meta_kernel(node)
         if layout is None:
@@ -184,18 +185,16 @@ class _ResultLayouts:
     def _key(self, value: Any, devices: set[torch.device]) -> Any:
         if isinstance(value, Node):
             v = value.meta.get("val")
-            if not isinstance(v, FakeTensor) or v.fake_mode is not self.mode:
+            if (not isinstance(v, FakeTensor) or v.fake_mode is not self.mode
+                    or v._has_symbolic_sizes_strides):
                 raise _Unkeyable
-            shape, stride = tuple(v.shape), v.stride()
-            if not all(type(d) is int for d in (*shape, *stride)):
-                raise _Unkeyable
-            devices.add(v.device)
-            return shape, stride, v.dtype, v.device  # the kernel sees no storage offset
+            devices.add(v.fake_device)
+            return v.shape, v.stride(), v.dtype, v.fake_device  # the kernel sees no offset
         if isinstance(value, (list, tuple)):
-            return (type(value).__name__, tuple(self._key(v, devices) for v in value))
+            return type(value), tuple(self._key(v, devices) for v in value)
         if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor)):
             raise _Unkeyable
-        return (type(value).__name__, value)  # 1 and 1.0 and True key apart
+        return type(value), value  # 1, 1.0 and True key apart
 
 
 def _run_meta_kernel(node: Node) -> tuple[torch.Size, tuple[int, ...], torch.dtype] | None:
