@@ -35,6 +35,8 @@ from torch.export.graph_signature import (
 )
 from torch.fx import Graph, GraphModule, Node
 
+from pass_manager.collector import collector_paused
+
 from ..errors import LiftError
 from .calls import call_specs, check_like, module_call_graph, range_constraints
 from .fake_values import fake_mode_of, fake_state_value, fill_missing_values, storage_key
@@ -83,6 +85,18 @@ def exported_program_from(gm: GraphModule, like: ExportedProgram | None = None) 
                         f"{type(gm).__name__}")
     if like is not None and not isinstance(like, ExportedProgram):
         raise TypeError(f"like must be an ExportedProgram, got {type(like).__name__}")
+    with collector_paused():  # nothing the lift allocates is garbage before it returns
+        parts = _program_parts(gm, like)
+    try:
+        return ExportedProgram(**parts)
+    except SpecViolationError as e:
+        message = str(e).splitlines()[0]
+        raise LiftError(message, _node_named_in(message, parts["graph"])) from e
+
+
+def _program_parts(gm: GraphModule, like: ExportedProgram | None) -> dict[str, Any]:
+    """The finished parts of the program: the lifted graph with a fake value on every
+    node, its signature, state, call graph and ranges (``ExportedProgram``'s arguments)."""
     states, state_of = graph_state(gm)
     writes = trailing_writes(gm, state_of)
     inputs = gm.graph.find_nodes(op="placeholder")
@@ -150,17 +164,13 @@ def exported_program_from(gm: GraphModule, like: ExportedProgram | None = None) 
     state_dict = {s.target: s.value for s in states
                   if s.kind == InputKind.PARAMETER or (s.kind == InputKind.BUFFER and s.persistent)}
     constants = {s.target: s.value for s in states if s.target not in state_dict}
-    try:
-        return ExportedProgram(
-            root=gm, graph=graph, graph_signature=signature, state_dict=state_dict,
-            range_constraints=ranges, module_call_graph=call_graph,
-            example_inputs=like.example_inputs if like is not None else None,
-            constants=constants,
-            verifiers=list(like.verifiers) if like is not None else [TrainingIRVerifier],
-        )
-    except SpecViolationError as e:
-        message = str(e).splitlines()[0]
-        raise LiftError(message, _node_named_in(message, graph)) from e
+    return {
+        "root": gm, "graph": graph, "graph_signature": signature, "state_dict": state_dict,
+        "range_constraints": ranges, "module_call_graph": call_graph,
+        "example_inputs": like.example_inputs if like is not None else None,
+        "constants": constants,
+        "verifiers": list(like.verifiers) if like is not None else [TrainingIRVerifier],
+    }
 
 
 def _name_inputs(states: list[LiftedState], inputs: list[Node], like: ExportedProgram | None
