@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch._export.utils import _detect_fake_mode_from_gm
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import Graph, GraphModule, Node, map_arg
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -33,8 +34,12 @@ __all__ = ["fake_mode_of", "fake_state_value", "fill_missing_values", "storage_k
 
 
 def fake_mode_of(gm: GraphModule) -> FakeTensorMode:
-    """The fake mode the graph's values were made in (a fresh one if it has none)."""
-    mode = _detect_fake_mode_from_gm(gm)
+    """The fake mode the graph's values were made in (a fresh one if it has none): its
+    inputs' (``_detect_fake_mode_from_gm``'s answer when they have one, without its walk
+    over every node), else its other values'."""
+    inputs = [v for p in gm.graph.find_nodes(op="placeholder")
+              if isinstance(v := p.meta.get("val"), torch.Tensor)]
+    mode = detect_fake_mode(inputs) if inputs else _detect_fake_mode_from_gm(gm)
     return mode if mode is not None else FakeTensorMode(shape_env=ShapeEnv())
 
 
