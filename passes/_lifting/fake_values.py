@@ -23,7 +23,7 @@ import torch
 from torch._export.utils import _detect_fake_mode_from_gm
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx import Graph, GraphModule, Node, map_arg
+from torch.fx import GraphModule, Node, map_arg
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -79,13 +79,13 @@ def _plain(tensor: torch.Tensor) -> bool:
             and tensor._base is None and tensor.storage_offset() == 0)
 
 
-def fill_missing_values(graph: Graph, gm: GraphModule, mode: FakeTensorMode) -> int:
-    """Give each call_function node of ``graph`` without a ``val`` one, from its inputs'.
+def fill_missing_values(missing: list[Node], gm: GraphModule, mode: FakeTensorMode) -> int:
+    """Give each node of ``missing`` (call_function nodes without a ``val``, in graph order)
+    one, from its inputs'.
 
-    ``gm`` holds the subgraphs ``graph``'s ``get_attr`` nodes name. Returns how many nodes
+    ``gm`` holds the subgraphs the nodes' ``get_attr`` inputs name. Returns how many nodes
     were propagated.
     """
-    missing = [n for n in graph.nodes if n.op == "call_function" and "val" not in n.meta]
     if not missing:
         return 0
     layouts = _ResultLayouts(mode)

@@ -127,6 +127,7 @@ def _program_parts(gm: GraphModule, like: ExportedProgram | None) -> dict[str, A
         env[node].meta = dict(node.meta)
     written = {w.node: w for w in writes}
     skipped = set()
+    missing: list[Node] = []  # the copies of the nodes convert left without a fake value
     for node in gm.graph.nodes:
         if node in env or node.op == "output":
             continue
@@ -140,6 +141,8 @@ def _program_parts(gm: GraphModule, like: ExportedProgram | None) -> dict[str, A
                             "exported_program_from does not trace", node.name)
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
+            if node.op == "call_function" and "val" not in node.meta:
+                missing.append(env[node])
 
     placeholders = {w.target: env[w.target] for w in writes}
     # Mutation outputs come first, in input order (parameters, buffers, user inputs), as
@@ -150,7 +153,7 @@ def _program_parts(gm: GraphModule, like: ExportedProgram | None) -> dict[str, A
     output = graph.output(tuple([env[w.value] for w in mutations] + user_outputs))
     output.meta = dict(source_output.meta)
 
-    fill_missing_values(graph, gm, mode)
+    fill_missing_values(missing, gm, mode)
     check_write_back_values([(w, placeholders[w.target], env[w.value]) for w in mutations])
     signature = ExportGraphSignature(
         [_input_spec(p, lifted_state.get(p)) for p in graph.find_nodes(op="placeholder")],
