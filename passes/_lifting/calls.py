@@ -77,16 +77,25 @@ def module_call_graph(
         return [ModuleCallEntry("", root)] + [
             ModuleCallEntry(fqn, None) for fqn, _ in gm.named_modules(remove_duplicate=False)
             if fqn and fqn.split(".")[0] not in skipped]
-    entries = copy.deepcopy(like.module_call_graph)
-    if entries and entries[0].fqn == "" and entries[0].signature is not None:
-        root.forward_arg_names = entries[0].signature.forward_arg_names
-        entries[0].signature = root
-    names = {node.name for node in graph.nodes}
+    # A copy of each entry, the root's signature replaced by the graph's (so not copied);
+    # one memo, so what two entries share stays shared.
+    memo: dict[int, Any] = {}
+    entries = []
+    for i, entry in enumerate(like.module_call_graph):
+        signature = entry.signature
+        if i == 0 and entry.fqn == "" and signature is not None:
+            root.forward_arg_names = copy.deepcopy(signature.forward_arg_names, memo)
+            entries.append(ModuleCallEntry("", root))
+        else:
+            entries.append(ModuleCallEntry(entry.fqn, copy.deepcopy(signature, memo)))
+    names: set[str] | None = None
     for entry in entries:
         if entry.signature is None:
             continue
         for arg in (*entry.signature.inputs, *entry.signature.outputs):
             name = getattr(arg, "name", None)
+            if name and names is None:
+                names = {node.name for node in graph.nodes}
             if name and name not in names:
                 raise LiftError(
                     f"`like` preserves the call signature of {entry.fqn!r}, which names "

@@ -12,7 +12,7 @@ constructor (with its verifier) builds the result from those parts.
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import torch
@@ -35,9 +35,11 @@ from torch.export.graph_signature import (
 )
 from torch.fx import Graph, GraphModule, Node
 
+from pass_manager.collector import collector_paused
+
 from ..errors import LiftError
 from .calls import call_specs, check_like, module_call_graph, range_constraints
-from .fake_values import fake_mode_of, fake_state_value, fill_missing_values
+from .fake_values import fake_mode_of, fake_state_value, fill_missing_values, storage_key
 from .state import LiftedState, export_name, graph_state
 from .write_backs import WriteBack, check_write_back_values, trailing_writes
 
@@ -83,6 +85,18 @@ def exported_program_from(gm: GraphModule, like: ExportedProgram | None = None) 
                         f"{type(gm).__name__}")
     if like is not None and not isinstance(like, ExportedProgram):
         raise TypeError(f"like must be an ExportedProgram, got {type(like).__name__}")
+    with collector_paused():  # nothing the lift allocates is garbage before it returns
+        parts = _program_parts(gm, like)
+    try:
+        return ExportedProgram(**parts)
+    except SpecViolationError as e:
+        message = str(e).splitlines()[0]
+        raise LiftError(message, _node_named_in(message, parts["graph"])) from e
+
+
+def _program_parts(gm: GraphModule, like: ExportedProgram | None) -> dict[str, Any]:
+    """The finished parts of the program: the lifted graph with a fake value on every
+    node, its signature, state, call graph and ranges (``ExportedProgram``'s arguments)."""
     states, state_of = graph_state(gm)
     writes = trailing_writes(gm, state_of)
     inputs = gm.graph.find_nodes(op="placeholder")
@@ -101,8 +115,11 @@ def exported_program_from(gm: GraphModule, like: ExportedProgram | None = None) 
     graph = Graph()
     env: dict[Node, Any] = {}
     lifted_state: dict[Node, LiftedState] = {}  # by placeholder: fx may rename an illegal name
-    for state in states:
-        placeholder = _state_placeholder(graph, state, mode)
+    storages = [storage_key(s.value) for s in states]
+    tensors_per_storage = Counter(storages)
+    for state, storage in zip(states, storages, strict=True):
+        shared = storage is None or tensors_per_storage[storage] > 1
+        placeholder = _state_placeholder(graph, state, mode, shared)
         lifted_state[placeholder] = state
         env.update(dict.fromkeys(state.nodes, placeholder))
     for node in inputs:
@@ -110,6 +127,7 @@ def exported_program_from(gm: GraphModule, like: ExportedProgram | None = None) 
         env[node].meta = dict(node.meta)
     written = {w.node: w for w in writes}
     skipped = set()
+    missing: list[Node] = []  # the copies of the nodes convert left without a fake value
     for node in gm.graph.nodes:
         if node in env or node.op == "output":
             continue
@@ -123,6 +141,8 @@ def exported_program_from(gm: GraphModule, like: ExportedProgram | None = None) 
                             "exported_program_from does not trace", node.name)
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
+            if node.op == "call_function" and "val" not in node.meta:
+                missing.append(env[node])
 
     placeholders = {w.target: env[w.target] for w in writes}
     # Mutation outputs come first, in input order (parameters, buffers, user inputs), as
@@ -133,7 +153,7 @@ def exported_program_from(gm: GraphModule, like: ExportedProgram | None = None) 
     output = graph.output(tuple([env[w.value] for w in mutations] + user_outputs))
     output.meta = dict(source_output.meta)
 
-    fill_missing_values(graph, gm, mode)
+    fill_missing_values(missing, gm, mode)
     check_write_back_values([(w, placeholders[w.target], env[w.value]) for w in mutations])
     signature = ExportGraphSignature(
         [_input_spec(p, lifted_state.get(p)) for p in graph.find_nodes(op="placeholder")],
@@ -147,17 +167,13 @@ def exported_program_from(gm: GraphModule, like: ExportedProgram | None = None) 
     state_dict = {s.target: s.value for s in states
                   if s.kind == InputKind.PARAMETER or (s.kind == InputKind.BUFFER and s.persistent)}
     constants = {s.target: s.value for s in states if s.target not in state_dict}
-    try:
-        return ExportedProgram(
-            root=gm, graph=graph, graph_signature=signature, state_dict=state_dict,
-            range_constraints=ranges, module_call_graph=call_graph,
-            example_inputs=like.example_inputs if like is not None else None,
-            constants=constants,
-            verifiers=list(like.verifiers) if like is not None else [TrainingIRVerifier],
-        )
-    except SpecViolationError as e:
-        message = str(e).splitlines()[0]
-        raise LiftError(message, _node_named_in(message, graph)) from e
+    return {
+        "root": gm, "graph": graph, "graph_signature": signature, "state_dict": state_dict,
+        "range_constraints": ranges, "module_call_graph": call_graph,
+        "example_inputs": like.example_inputs if like is not None else None,
+        "constants": constants,
+        "verifiers": list(like.verifiers) if like is not None else [TrainingIRVerifier],
+    }
 
 
 def _name_inputs(states: list[LiftedState], inputs: list[Node], like: ExportedProgram | None
@@ -180,13 +196,14 @@ def _name_inputs(states: list[LiftedState], inputs: list[Node], like: ExportedPr
                                                 wanted, is_placeholder=True)
 
 
-def _state_placeholder(graph: Graph, state: LiftedState, mode: Any) -> Node:
+def _state_placeholder(graph: Graph, state: LiftedState, mode: Any, shares_storage: bool
+                       ) -> Node:
     node = graph.placeholder(state.name)
     for read in state.nodes:  # marks (MarkMutableBuffers') may sit on any of the reads
         for key, value in read.meta.items():
             node.meta.setdefault(key, value)
     if "val" not in node.meta:
-        node.meta["val"] = fake_state_value(mode, state.value)
+        node.meta["val"] = fake_state_value(mode, state.value, shares_storage)
     return node
 
 

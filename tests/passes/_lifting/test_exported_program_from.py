@@ -16,6 +16,7 @@ from torch import nn
 from torch._guards import detect_fake_mode
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.multiprocessing.reductions import StorageWeakRef
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 from pass_manager import PassManager, assert_same_behaviour
@@ -229,6 +230,58 @@ def test_the_missing_fake_values_are_those_torch_propagates(quantized_decoder):
         return tuple(v.shape), v.stride(), v.dtype, v.device, type(v).__name__
 
     assert {k: layout(v) for k, v in ours.items()} == {k: layout(v) for k, v in torchs.items()}
+
+
+def test_frozen_constants_get_the_fake_values_from_tensor_gives(quantized_decoder):
+    """convert's frozen constants come without fake values: each lifted one has the
+    layout, device and type the fake mode's ``from_tensor`` gives the tensor."""
+    _, _, _, program, converted = quantized_decoder
+    frozen = {n.target for n in converted.graph.find_nodes(op="get_attr")
+              if "val" not in n.meta}
+    lifted = exported_program_from(copy_program(converted), like=program)
+    values = dict(zip([s.target for s in lifted.graph_signature.input_specs],
+                      [p.meta["val"] for p in lifted.graph.find_nodes(op="placeholder")],
+                      strict=True))
+    assert len(frozen) > 3 and frozen <= values.keys()
+    mode = detect_fake_mode(list(values.values()))
+
+    def layout(v):
+        return (tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.device,
+                v.requires_grad, type(v).__name__)
+
+    assert {t: layout(values[t]) for t in frozen} == {
+        t: layout(mode.from_tensor(lifted.constants.get(t, lifted.state_dict.get(t)),
+                                   static_shapes=True)) for t in frozen}
+
+
+class SharedStorageConstants(nn.Module):
+    """Two constants on one storage, neither a view (``set_``), and one on its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.arange(8.0)
+        self.v = torch.empty(0).set_(self.w.untyped_storage(), 0, (2, 4), (4, 1))
+        self.u = torch.linspace(0, 1, 8)
+
+    def forward(self, x):
+        return x * self.w + self.v.sum(0).repeat(2) + self.u
+
+
+def test_constants_sharing_a_storage_keep_sharing_it_in_their_fake_values():
+    """A constant without a fake value gets one sharing its storage with those of the other
+    state on its storage, as ``from_tensor`` (and export) make them."""
+    calls = [(torch.full((8,), float(i)),) for i in range(3)]
+    ep = torch.export.export(SharedStorageConstants(), calls[0])
+    gm = ep.module()
+    for node in gm.graph.find_nodes(op="get_attr"):
+        del node.meta["val"]  # as convert leaves a frozen constant
+    lifted = exported_program_from(gm, like=ep)
+    values = {s.target: p.meta["val"] for s, p in zip(
+        lifted.graph_signature.input_specs, lifted.graph.find_nodes(op="placeholder"),
+        strict=True)}
+    storage = {t: StorageWeakRef(values[t].untyped_storage()) for t in ("w", "v", "u")}
+    assert storage["w"] == storage["v"] != storage["u"]
+    assert_same_behaviour(SharedStorageConstants(), lifted, calls, calls=3)
 
 
 def test_a_lifted_program_keeps_its_marks_and_shares_its_state(quantized_decoder):
