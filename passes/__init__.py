@@ -10,6 +10,7 @@ from .errors import (
     AmbiguousFrozenBufferError,
     LiftError,
     QuantizationFlowError,
+    QuantizationInputError,
     QuantizedStateError,
     UnsupportedMutationError,
 )
@@ -30,6 +31,7 @@ __all__: list[str] = [
     "LiftError",
     "MarkMutableBuffers",
     "QuantizationFlowError",
+    "QuantizationInputError",
     "QuantizeMutableBuffers",
     "QuantizedStateError",
     "SkipAnnotateDataMovementOps",

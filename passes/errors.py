@@ -14,6 +14,7 @@ __all__ = [
     "AmbiguousFrozenBufferError",
     "LiftError",
     "QuantizationFlowError",
+    "QuantizationInputError",
     "QuantizedStateError",
     "UnsupportedMutationError",
 ]
@@ -103,3 +104,23 @@ class QuantizedStateError(QuantizationFlowError):
         self.reason = reason
         super().__init__(f"{reason}; the program was left unchanged",
                          pass_name="QuantizeMutableBuffers", node=node)
+
+
+class QuantizationInputError(PassManagerError, ValueError, TypeError):
+    """:func:`~passes.quantization.quantize_program` or
+    :func:`~passes.quantization.quantize_methods` was given what it cannot take (not an
+    ExportedProgram, no calibration call, a call naming no method, a method never called),
+    found before anything is prepared. A ``ValueError`` and a ``TypeError`` too, like a
+    call with the wrong arguments.
+
+    Attributes:
+        helper: the function called.
+        argument: the argument at fault, e.g. ``"calls[2]"``.
+        reason: what is wrong and what to pass instead.
+    """
+
+    def __init__(self, helper: str, argument: str, reason: str):
+        self.helper = helper
+        self.argument = argument
+        self.reason = reason
+        super().__init__(f"{helper}: {argument}: {reason}")

@@ -54,7 +54,7 @@ from ._analysis.marked_state import reset_mutable_buffers
 from ._lifting import exported_program_from
 from ._methods.calls import QuantizedMethods, method_calls, share_buffer_tensors
 from ._methods.observers import buffer_observers, share_observers
-from .errors import QuantizationFlowError
+from .errors import QuantizationFlowError, QuantizationInputError
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
 from .quantize_mutable_buffers import QuantizeMutableBuffers
@@ -248,11 +248,12 @@ def quantize_program(
         {'index_copy_default': 'layers.0.attn.k_cache', ...}
     """
     if not isinstance(program, ExportedProgram):
-        raise TypeError(f"quantize_program takes an ExportedProgram, got {type(program).__name__}")
+        raise QuantizationInputError("quantize_program", "program", "quantize_program takes an "
+                                     f"ExportedProgram, got {type(program).__name__}")
     calls = call_inputs(list(calibration))
     if not calls:
-        raise ValueError("quantize_program needs at least one calibration call: the "
-                         "observers have nothing to measure otherwise")
+        raise QuantizationInputError("quantize_program", "calibration", "needs at least one "
+                                     "calibration call: the observers measure nothing otherwise")
     report = QuantizationReport()
     clock = [time.perf_counter()]
 
@@ -365,7 +366,8 @@ def quantize_methods(
         pass_manager.SharedBufferError: the methods disagree about a shared buffer.
         QuantizationFlowError: the quantizer quantizes a shared buffer differently in two
             methods.
-        ValueError: a call names no method, or a method is never called.
+        QuantizationInputError: ``programs`` not a non-empty mapping of ExportedPrograms,
+            a call naming no method, or a method never called (also a ``ValueError``).
 
     Example:
         >>> quantized = quantize_methods({"prefill": prefill_ep, "decode": decode_ep},
@@ -374,10 +376,11 @@ def quantize_methods(
         >>> quantized["decode"](x, pos)   # reads the cache quantized["prefill"] wrote
     """
     if not isinstance(programs, Mapping) or not programs:
-        raise TypeError("quantize_methods takes a non-empty mapping {method: ExportedProgram}")
+        raise QuantizationInputError("quantize_methods", "programs", "takes a non-empty "
+                                     "mapping {method: ExportedProgram}")
     for name, program in programs.items():
         if not isinstance(program, ExportedProgram):
-            raise TypeError(f"quantize_methods: method {name!r} is a "
+            raise QuantizationInputError("quantize_methods", f"programs[{name!r}]", "is a "
                             f"{type(program).__name__}, not an ExportedProgram")
     calibration = method_calls(programs, calls, "quantize_methods")
     check_shared_buffers(programs, "quantize_methods")

@@ -13,6 +13,7 @@ from pass_manager import Report
 
 from .._analysis.buffers import BUFFER, buffer_tensor, replace_buffer_tensor
 from .._analysis.marked_state import mutable_buffers
+from ..errors import QuantizationInputError
 
 __all__ = ["MethodCall", "QuantizedMethods", "method_calls", "share_buffer_tensors"]
 
@@ -27,22 +28,23 @@ def method_calls(programs: Mapping[str, Any], calls: Iterable[Any], where: str,
     found = []
     for index, call in enumerate(calls):
         if not isinstance(call, (tuple, list)) or len(call) not in (2, 3):
-            raise ValueError(f"{where}: calls[{index}] is {type(call).__name__} "
-                             f"{call!r:.80}; each call is (method, args) or (method, args, "
-                             "kwargs), e.g. ('decode', (x, pos), {})")
+            raise QuantizationInputError(
+                where, f"calls[{index}]", f"is {type(call).__name__} {call!r:.80}; each call "
+                "is (method, args) or (method, args, kwargs), e.g. ('decode', (x, pos), {})")
         method, args, kwargs = (*call, {}) if len(call) == 2 else call
         if method not in programs:
-            raise ValueError(f"{where}: calls[{index}] names method {method!r}; the methods "
-                             f"are {', '.join(map(repr, programs))}")
+            raise QuantizationInputError(
+                where, f"calls[{index}]", f"names method {method!r}; the methods are "
+                f"{', '.join(map(repr, programs))}")
         if not isinstance(args, tuple):
             args = tuple(args) if isinstance(args, list) else (args,)
         if not isinstance(kwargs, Mapping):
-            raise ValueError(f"{where}: calls[{index}]: kwargs is a "
-                             f"{type(kwargs).__name__}, not a mapping")
+            raise QuantizationInputError(
+                where, f"calls[{index}]", f"kwargs is a {type(kwargs).__name__}, not a mapping")
         found.append((method, args, dict(kwargs)))
     uncalled = [name for name in programs if name not in {m for m, _, _ in found}]
     if uncalled:
-        raise ValueError(f"{where}: no calibration call for method(s) "
+        raise QuantizationInputError(where, "calls", "no calibration call for method(s) "
                          f"{', '.join(map(repr, uncalled))}: every method needs at least one, "
                          "or the observers only it has measure nothing")
     return found
