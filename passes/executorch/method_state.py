@@ -24,8 +24,9 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from .._analysis.buffers import BUFFER, find_mutations
+from . import ExecuTorchInputError
 
-__all__ = ["MethodState", "SharedBuffer", "method_state"]
+__all__ = ["MethodState", "SharedBuffer", "checked_methods", "method_state"]
 
 Fingerprint = tuple[tuple[Any, ...], tuple[Any, ...], frozenset[str]]
 
@@ -154,3 +155,21 @@ def method_state(programs: Mapping[str, ExportedProgram]) -> MethodState:
     known = set().union(*(_buffers(ep) for ep in programs.values()))
     prints = {name: _fingerprint(ep, known) for name, ep in programs.items()}
     return MethodState(used, frozenset().union(*writes.values()), prints, frozenset(known))
+
+
+def checked_methods(helper: str, argument: str, methods: Any) -> dict[str, ExportedProgram]:
+    """``methods`` as a dict, if it is a non-empty mapping of method names (strings) to
+    ExportedPrograms; ExecuTorchInputError naming ``helper`` and ``argument`` otherwise."""
+    if not isinstance(methods, Mapping) or not methods:
+        raise ExecuTorchInputError(
+            helper, argument, "the mapping {method name: ExportedProgram} of one model's "
+            f"methods, e.g. {{'prefill': ep4, 'decode': ep1}}, as to_edge_transform_and_lower "
+            f"takes it; got {type(methods).__name__}"
+            + (" (empty)" if isinstance(methods, Mapping) else ""))
+    for name, program in methods.items():
+        if not isinstance(name, str) or not isinstance(program, ExportedProgram):
+            raise ExecuTorchInputError(
+                helper, f"{argument}[{name!r}]", "each method is an ExportedProgram "
+                f"(torch.export.export) under its name (a str); got {type(name).__name__} "
+                f"-> {type(program).__name__}")
+    return dict(methods)

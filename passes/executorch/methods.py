@@ -37,6 +37,7 @@ from pass_manager import shared_buffer_differences
 from pass_manager.call_signature import describe_inputs, signature_of
 
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
+from .method_state import checked_methods
 from .partitioner import BufferOwningPartitioner
 from .plan import StatePlan, planned_state
 
@@ -75,17 +76,7 @@ def _kind(value: Any) -> str:
 
 
 def _checked_programs(programs: Any) -> dict[str, ExportedProgram]:
-    if not isinstance(programs, Mapping) or not programs:
-        raise ExecuTorchInputError(
-            HELPER, "programs", "the mapping {method name: ExportedProgram} of one model's "
-            f"methods, e.g. {{'prefill': ep4, 'decode': ep1}}; got {_kind(programs)}"
-            + (" (empty)" if isinstance(programs, Mapping) else ""))
-    for name, program in programs.items():
-        if not isinstance(name, str) or not isinstance(program, ExportedProgram):
-            raise ExecuTorchInputError(
-                HELPER, f"programs[{name!r}]", "each method is an ExportedProgram "
-                f"(torch.export.export) under its name; got {_kind(program)}")
-    return dict(programs)
+    return checked_methods(HELPER, "programs", programs)
 
 
 def _check_shared_state(programs: dict[str, ExportedProgram]) -> None:

@@ -46,7 +46,7 @@ from ..delegation.errors import BufferConsumptionError
 from ..delegation.ownership import BufferOwnership, tagged_buffer_ownership
 from ..delegation.partitioners import DELEGATION_TAG
 from . import ExecuTorchInputError, SharedBufferDelegationError
-from .method_state import MethodState, SharedBuffer, method_state
+from .method_state import MethodState, SharedBuffer, checked_methods, method_state
 from .new_value_copies import (
     CopyPlan,
     functional,
@@ -336,22 +336,8 @@ class BufferOwningPartitioner(Partitioner):
                 node.meta[DELEGATION_TAG] = tag
 
 
-def _checked_methods(
-    methods: Any,
-) -> dict[str, ExportedProgram] | None:
-    if methods is None:
-        return None
-    if not isinstance(methods, Mapping) or not methods:
-        raise ExecuTorchInputError(
-            PASS_NAME, "methods", "the mapping {method name: ExportedProgram} given to "
-            f"to_edge_transform_and_lower; got {type(methods).__name__}"
-            + (" (empty)" if isinstance(methods, Mapping) else ""))
-    for name, program in methods.items():
-        if not isinstance(name, str) or not isinstance(program, ExportedProgram):
-            raise ExecuTorchInputError(
-                PASS_NAME, f"methods[{name!r}]", "each method is an ExportedProgram under "
-                f"its name (a str); got {type(name).__name__} -> {type(program).__name__}")
-    return dict(methods)
+def _checked_methods(methods: Any) -> dict[str, ExportedProgram] | None:
+    return None if methods is None else checked_methods(PASS_NAME, "methods", methods)
 
 
 def executorch_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

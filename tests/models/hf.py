@@ -15,7 +15,8 @@ MAX_CACHE = 16
 STEPS = 8
 
 
-def _seeded(build):
+def seeded(build):
+    """``build()`` under torch's seed 0, the caller's random state kept."""
     state = torch.random.get_rng_state()
     torch.manual_seed(0)
     try:
@@ -28,7 +29,7 @@ def _exportable(model_class, config) -> torch.nn.Module:
     from transformers import GenerationConfig
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
-    model = _seeded(lambda: model_class(config)).eval()
+    model = seeded(lambda: model_class(config)).eval()
     model.generation_config = GenerationConfig(
         use_cache=True,
         cache_implementation="static",
@@ -176,7 +177,7 @@ def t5_decoder() -> dict:
         num_heads=4,
         decoder_start_token_id=0,
     )
-    model = _seeded(lambda: T5ForConditionalGeneration(config)).eval()
+    model = seeded(lambda: T5ForConditionalGeneration(config)).eval()
     module = Seq2SeqLMDecoderExportableModuleWithStaticCache(
         model, max_static_cache_length=MAX_CACHE, batch_size=1
     )
@@ -200,7 +201,7 @@ class NoGradState(torch.nn.Module):
 
     def __init__(self, dim: int = 8):
         super().__init__()
-        self.proj = _seeded(lambda: torch.nn.Linear(dim, dim))
+        self.proj = seeded(lambda: torch.nn.Linear(dim, dim))
         self.register_buffer("mean", torch.zeros(1, dim))
         self.register_buffer("count", torch.zeros((), dtype=torch.long))
 

@@ -39,6 +39,8 @@ from passes.flow.examples import (
 )
 from passes.quantization import PassQuantizer
 
+from .hf import seeded as _seeded
+
 QD = torch.ops.quantized_decomposed
 GRID = (0.05, 3, -128, 127, torch.int8)
 OTHER_GRID = (0.04, 0, -128, 127, torch.int8)
@@ -289,12 +291,3 @@ def accumulator_inputs(steps: int = STEPS, dim: int = 8) -> list[tuple[torch.Ten
     generator = torch.Generator().manual_seed(3)
     return [(torch.randn(1, dim, generator=generator), torch.tensor([i]))
             for i in range(steps)]
-
-
-def _seeded(build):
-    state = torch.random.get_rng_state()
-    torch.manual_seed(0)
-    try:
-        return build()
-    finally:
-        torch.random.set_rng_state(state)
