@@ -9,7 +9,9 @@ traceback.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,7 +47,7 @@ class Failure:
             lines.append(f"node:   {self.node}")
         lines.append(f"reason: {self.reason}")
         if self.reproducer:
-            lines.append(f"reproducer: {self.reproducer} (python -m pass_manager replay FOLDER)")
+            lines.append(f"reproducer: {self.reproducer} (rerun it: {_replay_command(self)})")
         return lines
 
 
@@ -128,6 +130,16 @@ class FlowError(Exception):
         self.failure = failure
         self.result = result
         super().__init__("; ".join(failure.lines()))
+
+
+def _replay_command(failure: Failure) -> str:
+    """The command the reproducer's manifest gives (with ``--trust`` when its files need
+    it), or the general one when the manifest cannot be read."""
+    try:
+        manifest = json.loads((Path(failure.reproducer) / "manifest.json").read_text())
+        return str(manifest["replay"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "python -m pass_manager replay FOLDER [--trust]"
 
 
 def _chain(error: BaseException) -> list[BaseException]:

@@ -43,6 +43,10 @@ def test_a_pass_failing_in_the_main_job_leaves_a_reproducer(tmp_path):
     line = next(x for x in done.stdout.splitlines() if x.startswith("reproducer: "))
     folder = Path(line.split()[1])
     assert folder.parent == tmp_path / "repro"
+    # the exact command to rerun it, as its manifest gives it (with --trust when its files
+    # need it)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert line.endswith(f"(rerun it: {manifest['replay']})")
     assert [p.name for p in dumps.iterdir()] == ["001-1-InplaceToFunctional-after-failure.txt"]
     replayed = _run(str(folder), module="pass_manager", command="replay")
     assert replayed.returncode == 1
