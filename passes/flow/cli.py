@@ -385,7 +385,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                        help="write those dumps to DIR, one file each (default: stdout)")
     debug.add_argument("--reproducer-dir", metavar="DIR",
                        help="when a pass fails, write a reproducer folder under DIR "
-                       "(rerun it with python -m pass_manager replay FOLDER)")
+                       "(rerun it with python -m pass_manager replay FOLDER [--trust])")
     return parser
 
 

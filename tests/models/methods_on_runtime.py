@@ -115,18 +115,16 @@ def accumulator_methods() -> MethodsCase:
 
 
 def hf_llama_prefill_decode(decodes: int = DECODES) -> MethodsCase:
-    """A tiny Hugging Face Llama with HF's static cache, exported strict as HF's ExecuTorch
-    recipe does, with ``input_ids`` / ``cache_position`` keyword inputs."""
-    from tests.models.hf import _tokens, decode_steps, llama_module
+    """A tiny Hugging Face Llama with HF's static cache as the main job's v3 factory gives
+    it (:func:`tests.models.hf.llama_prefill_and_decode_methods`), each method exported
+    strict, as HF's ExecuTorch recipe does, by the main job's ``export_methods``."""
+    from passes.flow.factory import export_methods, methods_spec
+    from tests.models.hf import llama_prefill_and_decode_methods
 
-    model = llama_module()
-    prompt = {"input_ids": torch.tensor([_tokens(PROMPT, 100)]),
-              "cache_position": torch.arange(PROMPT)}
-    steps = decode_steps(decodes, start=PROMPT)
-    programs = _export_methods(model, {"prefill": (), "decode": ()},
-                               {"prefill": prompt, "decode": steps[0][1]}, strict=True)
-    calls = [("prefill", (), prompt)] + [("decode", (), kwargs) for _, kwargs in steps]
-    return MethodsCase(model, programs, calls)
+    made = llama_prefill_and_decode_methods(prefill=PROMPT, decodes=decodes)
+    spec = methods_spec(made, "llama_prefill_and_decode_methods", len(made["steps"]))
+    programs = {method: exported.program for method, exported in export_methods(spec).items()}
+    return MethodsCase(spec.module, programs, spec.steps)
 
 
 def quantized_prefill_decode() -> MethodsCase:
