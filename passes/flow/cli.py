@@ -171,31 +171,16 @@ def run(args: argparse.Namespace) -> int:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return LOAD_FAILED
-    from .run import FlowError, run_model
+    from .run import run_model
 
     print(
         f"model: {spec} ({sum(p.numel() for p in model.module.parameters())} parameters), "
         f"{len(model.steps)} decode steps, exported {exported.mode}, runtime {args.runtime}",
         flush=True,
     )
-    try:
-        result = run_model(
-            model,
-            exported=exported,
-            quantize=not args.skip_quantization,
-            delegate=not args.skip_delegation,
-            quantizer_factory=_quantizer_factory(args.quantizer),
-            log=_notice(args),
-            pipeline=pipeline,
-            pass_options=pass_options,
-            runtime=args.runtime,
-            quantize_state=args.quantize_state,
-        )
-    except FlowError as e:
-        return _failed(args, e)
-    _print_report(result)
-    _write_outputs(args, result)
-    return 0 if result.ok else 1
+    return _finish(args, lambda: run_model(
+        model, exported=exported, delegate=not args.skip_delegation,
+        **_flow_options(args, pipeline, pass_options)))
 
 
 def _run_methods(args: argparse.Namespace, spec: str, model: MethodsSpec, pipeline: Any,
@@ -205,7 +190,6 @@ def _run_methods(args: argparse.Namespace, spec: str, model: MethodsSpec, pipeli
         exported = export_methods(model, args.export)
     except ModelError as e:
         raise ModelError(f"{spec}: {e}") from e
-    from .run import FlowError
     from .run_methods import run_methods_flow
 
     modes = ", ".join(f"{m} exported {e.mode}" for m, e in exported.items())
@@ -218,18 +202,30 @@ def _run_methods(args: argparse.Namespace, spec: str, model: MethodsSpec, pipeli
     if args.skip_delegation:
         _notice(args)("--skip-delegation: the several-method flow delegates only on "
                       "ExecuTorch's runtime (--runtime executorch)")
+    return _finish(args, lambda: run_methods_flow(
+        model, exported=exported, **_flow_options(args, pipeline, pass_options)))
+
+
+def _flow_options(args: argparse.Namespace, pipeline: Any, pass_options: dict[str, Any],
+                  ) -> dict[str, Any]:
+    """The options both flows take from the command line."""
+    return {
+        "quantize": not args.skip_quantization,
+        "quantize_state": args.quantize_state,
+        "quantizer_factory": _quantizer_factory(args.quantizer),
+        "log": _notice(args),
+        "pipeline": pipeline,
+        "pass_options": pass_options,
+        "runtime": args.runtime,
+    }
+
+
+def _finish(args: argparse.Namespace, flow: Callable[[], Any]) -> int:
+    """Run the flow; print its report (and where it failed) and give the exit status."""
+    from .run import FlowError
+
     try:
-        result = run_methods_flow(
-            model,
-            exported=exported,
-            quantize=not args.skip_quantization,
-            quantize_state=getattr(args, "quantize_state", False),
-            quantizer_factory=_quantizer_factory(args.quantizer),
-            log=_notice(args),
-            pipeline=pipeline,
-            pass_options=pass_options,
-            runtime=args.runtime,
-        )
+        result = flow()
     except FlowError as e:
         return _failed(args, e)
     _print_report(result)

@@ -89,15 +89,17 @@ def run_methods_flow(
         fp32_trace = stage("fp32 methods in turn", lambda: _in_turn(stage, fp32, calls))
         _check_against_eager(result, eager, fp32_trace, len(calls))
         result.step_errors[FP32_METHODS] = output_errors(eager, fp32_trace)
-        quantized: dict[str, Any] | None = None
+        # Each program the runtime stage lowers, with what it computed in Python.
+        lowered: list[tuple[str, dict[str, Any], Trace]] = [("fp32", fp32, eager)]
         if quantize:
             quantized, reference = _quantized_stages(stage, result, fp32, spec, calls, eager,
                                                      quantizer_factory, options)
             if quantize_state:
-                quantized = _integer_stage(stage, result, quantized, calls, eager, reference,
-                                           options)
+                quantized, reference = _integer_stage(stage, result, quantized, calls, eager,
+                                                      reference, options)
+            lowered.append(("quantized", quantized, reference))
         if runtime == "executorch":
-            _runtime_stage(stage, result, fp32, quantized, calls, eager)
+            _runtime_stage(stage, result, lowered, calls)
     return result
 
 
@@ -169,7 +171,8 @@ def _quantized_stages(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
 
 
 def _integer_stage(stage: _Stages, result: FlowResult, quantized: dict[str, Any], calls: list,
-                   eager: Trace, reference: Trace, options: dict[str, Any]) -> dict[str, Any]:
+                   eager: Trace, reference: Trace, options: dict[str, Any],
+                   ) -> tuple[dict[str, Any], Trace]:
     """QuantizeMutableBuffers on every method; bit for bit the fp32-stored methods."""
     manager = PassManager([QuantizeMutableBuffers()], **options)
     stored = stage("store quantized state as integers (QuantizeMutableBuffers)",
@@ -189,7 +192,7 @@ def _integer_stage(stage: _Stages, result: FlowResult, quantized: dict[str, Any]
         f"{len(grids)} shared buffers stored as integers, one grid each"))
     result.step_errors[INTEGER_METHODS] = output_errors(eager, trace)
     result.state_storage = _storage(quantized, programs, stored)
-    return programs
+    return programs, trace
 
 
 def _storage(before: Mapping[str, Any], after: Mapping[str, Any], stored: Any) -> dict:
@@ -206,17 +209,16 @@ def _storage(before: Mapping[str, Any], after: Mapping[str, Any], stored: Any) -
     }
 
 
-def _runtime_stage(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
-                   quantized: dict[str, Any] | None, calls: list, eager: Trace) -> None:
+def _runtime_stage(stage: _Stages, result: FlowResult,
+                   lowered: list[tuple[str, dict[str, Any], Trace]], calls: list) -> None:
+    """Each program from one .pte on ExecuTorch's runtime, against what it computed in
+    Python (fp32: eager, within float rounding; quantized: within one output grid step)."""
     from ..executorch.methods import run_methods_on_runtime
 
-    runs = [("fp32", fp32)] + ([("quantized", quantized)] if quantized is not None else [])
-    for label, programs in runs:
+    for label, programs, python in lowered:
         run = stage(f"{label} methods on ExecuTorch's runtime (one .pte, shared buffers)",
                     lambda programs=programs: run_methods_on_runtime(programs, calls))
-        python = eager if label == "fp32" else _in_turn(stage, programs, calls)
-        errors = [max((float((a - b).abs().max()) for a, b in zip(p, r, strict=True)),
-                      default=0.0) for p, r in zip(python.outputs, run.outputs, strict=True)]
+        errors = output_errors(python, Trace(run.outputs))
         tolerance = EXPORT_ATOL if label == "fp32" else max(
             output_grid(p.graph_module) for p in programs.values()) + 1e-6
         result.step_errors[f"{label} on ExecuTorch"] = errors

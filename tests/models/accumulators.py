@@ -5,6 +5,7 @@
 * :class:`Accumulator`: the quantization tests' and the decode-accuracy benchmark's
   stateful model (a decaying sum updated by a compute op, read through ops quantizers
   annotate), with :func:`accumulator_inputs`;
+* :class:`TwoBuffers`: updates one of two buffers and reads both;
 * :class:`ReadBeforeUpdate`: reads its state, then updates it in place, and returns both
   (the old value must not be read after the update, e.g. by a delegate owning the buffer).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Accumulate", "Accumulator", "ReadBeforeUpdate", "accumulator_inputs"]
+__all__ = ["Accumulate", "Accumulator", "ReadBeforeUpdate", "TwoBuffers", "accumulator_inputs"]
 
 
 class Accumulate(torch.nn.Module):
@@ -78,3 +79,16 @@ class ReadBeforeUpdate(torch.nn.Module):
         old = self.state * 2
         self.state.add_(x)
         return old + self.state
+
+
+class TwoBuffers(torch.nn.Module):
+    """Adds the input to ``a`` in place; ``b`` is only read."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("a", torch.zeros(4))
+        self.register_buffer("b", torch.zeros(4))
+
+    def forward(self, x):
+        self.a.add_(x)
+        return self.a + self.b

@@ -42,7 +42,7 @@ from passes.delegation import (
     to_delegate,
 )
 from passes.flow.examples import decode_inputs, kv_decoder
-from tests.models.accumulators import ReadBeforeUpdate
+from tests.models.accumulators import ReadBeforeUpdate, TwoBuffers
 
 aten = torch.ops.aten
 CALLS = 4
@@ -266,17 +266,6 @@ class ViewOfOldValue(nn.Module):
         first_row = self.state[0] * 2
         self.state.add_(x)
         return first_row + self.state.sum()
-
-
-class TwoBuffers(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("a", torch.zeros(4))
-        self.register_buffer("b", torch.zeros(4))
-
-    def forward(self, x):
-        self.a.add_(x)
-        return self.a + self.b
 
 
 def _export(model):

@@ -31,7 +31,7 @@ from passes import (
 from passes.delegation import AllNodePartitioner, OpSupportPartitioner, to_delegate
 from passes.flow.examples import xnnpack_quantizer
 from passes.flow.quantization import prepare
-from tests.models.accumulators import ReadBeforeUpdate
+from tests.models.accumulators import ReadBeforeUpdate, TwoBuffers
 
 ERRORS = {
     name: getattr(module, name)
@@ -58,17 +58,6 @@ class WritesConstant(nn.Module):
     def forward(self, x):
         self.c.add_(x)
         return self.c * 2
-
-
-class TwoBuffers(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("a", torch.zeros(4))
-        self.register_buffer("b", torch.zeros(4))
-
-    def forward(self, x):
-        self.a.add_(x)
-        return self.a + self.b
 
 
 class TwoAccumulators(nn.Module):
