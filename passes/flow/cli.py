@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import json
-import logging
+import os
 import sys
 import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,8 +30,9 @@ from pass_manager import PassManagerError, parse_pipeline
 from .. import __version__
 from .factory import EXPORT_MODES, Exported, ModelError, ModelSpec, export_program, model_spec
 from .factory import MethodsSpec, export_methods
+from .noise import held, hold_known_noise
 
-DEFAULT_MODEL = "passes.examples:decoder_job"
+DEFAULT_MODEL = "passes.examples:stateful_decoder_job"
 # The console command setup.cfg installs is named after the distribution.
 COMMAND = "mutable-buffer-passes"
 LOAD_FAILED, FLOW_FAILED = 2, 3
@@ -42,13 +43,42 @@ EXIT_STATUSES = """exit status:
   3  the flow failed after loading (the report so far, then where it failed)"""
 
 
+MODEL_FORMS = ("package.module:factory (importable from the current folder or PYTHONPATH) "
+               "or path/to/file.py:factory")
+
+
+def _import_model_module(module_name: str) -> Any:
+    """The factory's module: a file path, or a module importable from the current folder
+    (as ``python -m`` and ``make run`` see it) or from PYTHONPATH."""
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        path = Path(module_name)
+        if not path.is_file():
+            raise ModelError(f"no such file {module_name!r}; MODEL is {MODEL_FORMS}")
+        name = f"_mutable_buffer_passes_model_{path.stem}"
+        loader = importlib.util.spec_from_file_location(name, path.resolve())
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[name] = module
+        sys.path.insert(0, str(path.resolve().parent))  # the file's own sibling imports
+        loader.loader.exec_module(module)
+        return module
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return importlib.import_module(module_name)
+
+
 def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
-    """Import ``package.module:factory``, call it and read its result; ModelError otherwise."""
-    module_name, _, attr = spec.partition(":")
+    """Import the factory ``MODEL`` names, call it and read its result; ModelError otherwise."""
+    module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
-        raise ModelError(f"MODEL must look like package.module:factory, got {spec!r}")
+        raise ModelError(f"MODEL must be {MODEL_FORMS}, got {spec!r}")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_model_module(module_name)
+    except ModelError:
+        raise
+    except ModuleNotFoundError as e:
+        raise ModelError(
+            f"cannot import {module_name!r}: {e} (looked in the current folder {os.getcwd()} "
+            "and PYTHONPATH; a file path works too: path/to/file.py:factory)") from e
     except Exception as e:
         raise ModelError(f"cannot import {module_name!r}: {type(e).__name__}: {e}") from e
     factory = getattr(module, attr, None)
@@ -87,16 +117,6 @@ def _notice(args: argparse.Namespace) -> Callable[[str], None]:
     return lambda line: print(line, file=sys.stderr, flush=True)
 
 
-def _quiet_import_noise() -> None:
-    # torchao logs a warning per optional CUDA kernel library it cannot load on a CPU-only
-    # machine, and torch warns about its own deprecated internals (pytree registrations,
-    # LeafSpec checks when a program is deep-copied): noise in a report.
-    for name in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
-
-
 def _quantizer_factory(name: str) -> Any:
     from .examples import AnnotateEveryOpQuantizer, xnnpack_quantizer
 
@@ -105,6 +125,9 @@ def _quantizer_factory(name: str) -> Any:
 
 
 def _print_report(result: Any) -> None:
+    if result.bought:
+        _print_section("what the passes bought (quantized decode vs fp32 eager, torchao's "
+                       "recipe without them vs with them)", "\n".join(result.bought))
     if result.notes:
         _print_section("notes", "\n".join(result.notes))
     _print_section("pass plan", result.plan)
@@ -121,6 +144,8 @@ def _print_report(result: Any) -> None:
         _print_section("delegates", "\n".join(result.delegate_summary))
     if result.step_errors:
         _print_section("decode", result.decode_table())
+    if result.stage_times:
+        _print_section("slowest stages", "\n".join(result.slowest_stages()))
     if result.checks:
         _print_section(
             "checks",
@@ -143,7 +168,7 @@ def _quantization_lines(report: Any) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     spec = args.model or DEFAULT_MODEL
-    _quiet_import_noise()
+    hold_known_noise()
     pass_options = _pass_options(args)
     try:
         pipeline = parse_pipeline(args.pipeline, **pass_options) if args.pipeline else None
@@ -154,9 +179,15 @@ def run(args: argparse.Namespace) -> int:
         print("error: --quantize-state stores quantized state: it cannot go with "
               "--skip-quantization", file=sys.stderr)
         return LOAD_FAILED
-    if args.runtime == "executorch":
-        from ..executorch import INSTALL_HINT, available
+    from ..executorch import INSTALL_HINT, available
 
+    if args.runtime == "auto":
+        args.runtime = "executorch" if available() else "python"
+        if args.runtime == "python":
+            _notice(args)("ExecuTorch is not installed: decoding in Python only (install the "
+                          "executorch extra to also run ExecuTorch's runtime: " + INSTALL_HINT
+                          + ")")
+    elif args.runtime == "executorch":
         if not available():
             print("error: --runtime executorch needs the executorch extra; install it with: "
                   + INSTALL_HINT, file=sys.stderr)
@@ -214,6 +245,7 @@ def _flow_options(args: argparse.Namespace, pipeline: Any, pass_options: dict[st
         "quantize_state": args.quantize_state,
         "quantizer_factory": _quantizer_factory(args.quantizer),
         "log": _notice(args),
+        "progress_bars": not args.quiet,
         "pipeline": pipeline,
         "pass_options": pass_options,
         "runtime": args.runtime,
@@ -230,6 +262,7 @@ def _finish(args: argparse.Namespace, flow: Callable[[], Any]) -> int:
         return _failed(args, e)
     _print_report(result)
     _write_outputs(args, result)
+    _show_held_warnings(args)
     return 0 if result.ok else 1
 
 
@@ -241,7 +274,17 @@ def _failed(args: argparse.Namespace, e: Any) -> int:
     hint = "" if args.traceback else "\n(--traceback shows the full trace)"
     _print_section("failed", "\n".join(e.failure.lines()) + hint)
     _write_outputs(args, result)
+    _show_held_warnings(args)
     return FLOW_FAILED
+
+
+def _show_held_warnings(args: argparse.Namespace) -> None:
+    """With --show-warnings, what torch, torchao and ExecuTorch said that the job held back."""
+    if args.show_warnings:
+        lines = held()
+        print(f"\n== warnings held back as known harmless ({len(lines)})", file=sys.stderr)
+        for line in lines:
+            print(line, file=sys.stderr)
 
 
 def _pass_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -345,10 +388,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     run_parser.add_argument(
         "--runtime",
-        choices=("python", "executorch"),
-        default="python",
-        help="also decode on ExecuTorch's runtime (XNNPACK + BufferOwningPartitioner, .pte, "
-        "pybind runtime); needs the executorch extra",
+        choices=("auto", "python", "executorch"),
+        default="auto",
+        help="executorch: also decode on ExecuTorch's runtime (XNNPACK + "
+        "BufferOwningPartitioner, .pte, pybind runtime; needs the executorch extra); "
+        "python: Python only; auto (default): executorch when it is installed",
     )
     run_parser.add_argument("--skip-quantization", action="store_true",
                             help="run the flow in fp32: no pt2e quantization (the passes, "
@@ -364,10 +408,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     run_parser.add_argument("--dot", metavar="FILE", help="write the pass DAG as Graphviz DOT")
     run_parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
     run_parser.add_argument("-q", "--quiet", action="store_true",
-                            help="no progress lines or notices on stderr (errors still show)")
+                            help="no progress bars or notices on stderr (errors still show)")
     run_parser.add_argument(
         "--traceback", action="store_true", help="show the full trace when something fails"
     )
+    run_parser.add_argument(
+        "--show-warnings", action="store_true",
+        help="also print the warnings of torch, torchao and ExecuTorch held back as known "
+        "harmless (CPU-only kernel libraries, deprecations, native CPU probes)")
     debug = run_parser.add_argument_group("when a pass goes wrong")
     debug.add_argument("--print-before", metavar="PASS", action="append",
                        help="print the program before this pass (repeatable)")

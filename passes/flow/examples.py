@@ -40,6 +40,7 @@ __all__ = [
     "decoder_job",
     "kv_decoder",
     "prefill_decode_job",
+    "stateful_decoder_job",
     "xnnpack_quantizer",
 ]
 
@@ -53,6 +54,7 @@ class DecoderConfig:
         hidden: int = 64,
         max_seq: int = 16,
         cache_update: str = "index_copy",
+        running_state: bool = False,
     ):
         if cache_update not in ("index_copy", "index_put"):
             raise ValueError(
@@ -60,6 +62,7 @@ class DecoderConfig:
             )
         self.n_layers, self.dim, self.n_heads = n_layers, dim, n_heads
         self.hidden, self.max_seq, self.cache_update = hidden, max_seq, cache_update
+        self.running_state = running_state
         self.head_dim = dim // n_heads
 
 
@@ -121,7 +124,14 @@ class Block(nn.Module):
 
 
 class KVDecoder(nn.Module):
-    """Decodes one position per call: ``forward(x [1, 1, dim], input_pos [1]) -> [1, 1, dim]``."""
+    """Decodes one position per call: ``forward(x [1, 1, dim], input_pos [1]) -> [1, 1, dim]``.
+
+    With ``cfg.running_state`` it also keeps a decaying summary of what it has decoded
+    (``summary <- summary / 2 + h``, from a non-zero start), added to the last hidden state:
+    state read on every call and updated by a compute op (``add_``), the kind of buffer
+    whose quantized read ``convert_pt2e`` folds into a constant and whose calibration
+    leaves its value behind.
+    """
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -129,10 +139,15 @@ class KVDecoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim)
         self.out = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        if cfg.running_state:
+            self.register_buffer("summary", torch.randn(1, 1, cfg.dim))
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x, input_pos)
+        if self.cfg.running_state:
+            self.summary.mul_(0.5).add_(x)
+            x = x + self.summary
         return self.out(self.norm(x))
 
 
@@ -168,6 +183,14 @@ def decoder_job(
 ) -> tuple[KVDecoder, tuple[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
     """The main job's default model: a decoder, example inputs, and one input per decode step."""
     model, example = kv_decoder(n_layers, cache_update, seed)
+    return model, example, decode_inputs(model.cfg, steps, seed=seed)
+
+
+def stateful_decoder_job(n_layers: int = 2, steps: int = 8, seed: int = 0) -> tuple:
+    """The main job's default model: :func:`decoder_job`'s decoder with a running summary
+    beside its KV caches (``DecoderConfig(running_state=True)``), where what the passes fix
+    shows in the outputs, not only in the state."""
+    model, example = kv_decoder(n_layers, seed=seed, running_state=True)
     return model, example, decode_inputs(model.cfg, steps, seed=seed)
 
 

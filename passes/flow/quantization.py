@@ -40,6 +40,7 @@ from ..unfreeze_mutable_buffer import UnfreezeMutableBuffer
 from .result import FlowError
 
 __all__ = [
+    "COLUMN_NOTES",
     "Converted",
     "Prepared",
     "prepare",
@@ -53,6 +54,16 @@ NO_PASSES, RESET, WITH_PASSES = (
     "quantized, no passes, caches reset by hand",
     "quantized, with passes",
 )
+
+
+# What each of those programs is, for the main job's decode table.
+COLUMN_NOTES = {
+    NO_PASSES: "torchao's recipe as users run it (run_decompositions, prepare, calibrate, "
+               "convert): the state calibration left behind is where decoding starts",
+    RESET: "the same, with the buffers put back by hand after calibration",
+    WITH_PASSES: "quantize_program: the passes, reset_mutable_buffers after calibration, "
+                 "UnfreezeMutableBuffer after convert",
+}
 
 
 class Converted(NamedTuple):

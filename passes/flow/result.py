@@ -68,6 +68,12 @@ class FlowResult:
     quantization: Any = None
     # --quantize-state: per buffer dtype and bytes before/after, totals, planned .pte bytes
     state_storage: dict[str, Any] = field(default_factory=dict)
+    # (stage title, seconds) in the order the stages ran
+    stage_times: list[tuple[str, float]] = field(default_factory=list)
+    # what the passes changed, in a few measured lines (the report's first section)
+    bought: list[str] = field(default_factory=list)
+    # what each column of the decode table is, by column name
+    column_notes: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -78,9 +84,17 @@ class FlowResult:
         for stage, report in self.reports:
             for record in report.records:
                 merged.records.append(copy.copy(record))
+                # One numbering over the stages: '#' is the pass's row in this table.
+                merged.records[-1].index = len(merged.records) - 1
                 merged.records[-1].name = f"{stage}: {record.name}"
             merged.warnings += report.warnings
         return merged.table()
+
+    def slowest_stages(self, count: int = 3) -> list[str]:
+        """The ``count`` slowest stages with their share of the flow's time."""
+        total = sum(seconds for _, seconds in self.stage_times) or 1.0
+        ranked = sorted(self.stage_times, key=lambda item: item[1], reverse=True)[:count]
+        return [f"{title}: {seconds:.1f} s ({seconds / total:.0%})" for title, seconds in ranked]
 
     def decode_table(self) -> str:
         names = list(self.step_errors)
@@ -95,12 +109,16 @@ class FlowResult:
             ]
             rows.append(f"{s:>4}  " + "  ".join(cells))
         lines = ["max abs output error vs fp32 eager, per decode step", header, *rows]
+        explained = [(n, self.column_notes[n]) for n in names if n in self.column_notes]
+        if explained:
+            lines += ["columns:", *(f"  {name}: {note}" for name, note in explained)]
+        if self.buffer_errors:
+            lines.append("state: the worst buffer's max abs difference from fp32 eager over "
+                         "all steps, relative to its largest fp32 value")
         for name, errors in self.buffer_errors.items():
             worst = max(errors, key=errors.get, default=None)
             if worst is not None:
-                lines.append(
-                    f"{name}: worst buffer error {errors[worst]:.2%} of the fp32 value ({worst})"
-                )
+                lines.append(f"  {name}: {errors[worst]:.2%} ({worst})")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -117,6 +135,8 @@ class FlowResult:
                 if key != "passes"  # already under "passes", by stage
             },
             "state_storage": self.state_storage,
+            "stage_seconds": dict(self.stage_times),
+            "what_the_passes_bought": self.bought,
             "checks": [c.__dict__ for c in self.checks],
             "failure": None if self.failure is None else self.failure.__dict__,
             "ok": self.ok,

@@ -12,11 +12,13 @@ found so far.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from pass_manager import PassManager
 from pass_manager.validation import (
@@ -41,7 +43,8 @@ from .delegation import delegation_stages
 from .examples import xnnpack_quantizer
 from .factory import Exported, ModelSpec, export_program
 from .integer_state import INTEGER_STATE, integer_state_stage
-from .quantization import RESET, WITH_PASSES, quantize_both_ways
+from .noise import native_stderr_held
+from .quantization import COLUMN_NOTES, NO_PASSES, RESET, WITH_PASSES, quantize_both_ways
 from .result import Check, FlowError, FlowResult, check_same, failure_of, restricted
 
 __all__ = ["Check", "FlowError", "FlowResult", "run_flow", "run_model"]
@@ -53,17 +56,28 @@ EXPORT_RTOL, EXPORT_ATOL = 1e-4, 1e-5
 
 
 class _Stages:
-    """Runs the stages in order, logging each with its duration; a failure becomes FlowError."""
+    """Runs the stages in order and times each; a failure becomes FlowError.
 
-    def __init__(self, log: Log, result: FlowResult):
+    With ``bars`` each stage is one progress bar on stderr (tqdm: its calls and time);
+    otherwise ``log`` gets a line when a stage starts and ends.
+    """
+
+    def __init__(self, log: Log, result: FlowResult, bars: bool = False):
         self.log = log
         self.result = result
+        self.bars = bars
+        self.bar: Any = None
         self.title = ""
         self.calls: tuple[int, int] | None = None  # (calls done, calls planned) in this stage
 
     def __call__(self, title: str, fn: Callable[[], Any]) -> Any:
         self.title, self.calls = title, None
-        self.log(f"[{title}] ...")
+        if self.bars:
+            # A stage is one bar: its title, the time so far and, while it decodes, its calls.
+            self.bar = tqdm(desc=title, file=sys.stderr, leave=True, dynamic_ncols=True,
+                            bar_format="{desc} [{elapsed}]{postfix}")
+        else:
+            self.log(f"[{title}] ...")
         start = time.perf_counter()
         try:
             value = fn()
@@ -75,7 +89,14 @@ class _Stages:
                 where += f" (call {self.calls[0] + 1} of {self.calls[1]})"
             self.result.failure = failure_of(where, e)
             raise FlowError(self.result.failure, self.result) from e
-        self.log(f"[{title}] done in {time.perf_counter() - start:.2f} s")
+        finally:
+            seconds = time.perf_counter() - start
+            self.result.stage_times.append((title, seconds))
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+        if not self.bars:
+            self.log(f"[{title}] done in {seconds:.2f} s")
         return value
 
     @contextlib.contextmanager
@@ -90,14 +111,19 @@ class _Stages:
             raise FlowError(self.result.failure, self.result) from e
 
     def progress(self, calls: int) -> Callable[[int], None]:
-        """A per-call callback logging ``step i/n`` with the time since the previous one."""
+        """A per-call callback: the stage's bar counts calls, or ``log`` gets ``step i/n``."""
         last = [time.perf_counter()]
         self.calls = (0, calls)
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"call 0/{calls}")
 
         def step(index: int) -> None:
             self.calls = (index + 1, calls)
             now = time.perf_counter()
-            self.log(f"  [{self.title}] step {index + 1}/{calls} ({now - last[0]:.2f} s)")
+            if self.bar is not None:
+                self.bar.set_postfix_str(f"call {index + 1}/{calls}")
+            else:
+                self.log(f"  [{self.title}] step {index + 1}/{calls} ({now - last[0]:.2f} s)")
             last[0] = now
 
         return step
@@ -120,6 +146,7 @@ def run_flow(
     quantizer_factory: Callable[[], Any] = xnnpack_quantizer,
     calibration: Sequence[Any] | None = None,
     log: Log = print,
+    progress_bars: bool = False,
     pipeline: PassManager | None = None,
     pass_options: Mapping[str, Any] | None = None,
     runtime: str = "python",
@@ -138,6 +165,7 @@ def run_flow(
     InplaceToFunctional), e.g. ``parse_pipeline(text)`` from ``--pipeline``.
     ``pass_options`` are PassManager options for the pipelines the flow builds itself
     (the main job's ``--print-after``, ``--reproducer-dir`` ...).
+    ``progress_bars`` shows each stage as a progress bar on stderr instead of ``log`` lines.
     ``runtime="executorch"`` also decodes the fp32 and quantized programs on ExecuTorch's
     runtime (:func:`passes.flow.executorch_stage.flow_stage`; needs the executorch extra).
     ``quantize_state=True`` stores the quantized state as integers (QuantizeMutableBuffers
@@ -153,7 +181,7 @@ def run_flow(
     steps = call_inputs(list(steps) or [(args, kwargs)])
     calibration = steps if calibration is None else call_inputs(list(calibration))
     result = FlowResult()
-    stage = _Stages(log, result)
+    stage = _Stages(log, result, bars=progress_bars)
     with stage.guarded():
         options = dict(pass_options or {})
         functionalize = pipeline or PassManager(
@@ -206,11 +234,13 @@ def run_flow(
                 stage, exported.program, functional.program, quantizer_factory, calibration, steps,
                 options,
             )
+            result.column_notes.update(COLUMN_NOTES)
             for name, trace in traces.items():
                 result.step_errors[name] = output_errors(eager, trace)
                 result.buffer_errors[name] = relative_buffer_errors(eager, trace)
             if RESET in traces:
                 quantization_checks(result, eager, traces, converted)
+            result.bought = _bought(result)
             # quantize_program's ExportedProgram goes on as it is: no re-export, no second
             # functionalization (its cache updates are already its mutation outputs).
             program = quantized = converted[WITH_PASSES]
@@ -227,6 +257,8 @@ def run_flow(
                 stage, result, program, steps, (eager, reference), options, state
             )
             name = "full pipeline" if quantize else "fp32 pipeline"
+            result.column_notes[name] = ("the program with the passes, delegated (to_delegate + "
+                                         "ConsumeBufferMutationsInDelegate)")
             result.step_errors[name] = output_errors(eager, final)
             result.buffer_errors[name] = relative_buffer_errors(eager, final)
         elif not quantize:
@@ -239,7 +271,12 @@ def run_flow(
                 programs.append(("quantized", quantized))
             if quantize_state:
                 programs.append((INTEGER_STATE, program))
-            flow_stage(result, stage, programs, tuple(args), steps, eager)
+            for name, _ in programs:
+                result.column_notes[f"{name} on executorch"] = (
+                    f"the {name} program lowered (XNNPACK + BufferOwningPartitioner) and run "
+                    "on ExecuTorch's runtime")
+            with native_stderr_held():
+                flow_stage(result, stage, programs, tuple(args), steps, eager)
         return result
 
 
@@ -254,6 +291,21 @@ def run_model(model: ModelSpec, **options: Any) -> FlowResult:
         export=model.export,
         **options,
     )
+
+
+def _bought(result: FlowResult) -> list[str]:
+    """What the passes changed on this model's quantized decode, against torchao's recipe."""
+    if NO_PASSES not in result.step_errors or WITH_PASSES not in result.step_errors:
+        return []
+    without, with_ = result.step_errors[NO_PASSES], result.step_errors[WITH_PASSES]
+    state_without = max(result.buffer_errors[NO_PASSES].values(), default=0.0)
+    state_with = max(result.buffer_errors[WITH_PASSES].values(), default=0.0)
+    return [
+        f"first decode step off by {without[0]:.3g} without the passes, {with_[0]:.3g} with",
+        f"worst decode step off by {max(without):.3g} without, {max(with_):.3g} with",
+        f"worst state error {state_without:.1%} of its fp32 magnitude without, "
+        f"{state_with:.1%} with",
+    ]
 
 
 def _check_export(result: FlowResult, mode: str, eager: Trace, exported: Trace) -> None:

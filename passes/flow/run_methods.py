@@ -52,6 +52,7 @@ def run_methods_flow(
     export: str | None = None,
     exported: Mapping[str, Exported] | None = None,
     log: Log = print,
+    progress_bars: bool = False,
     pipeline: PassManager | None = None,
     pass_options: Mapping[str, Any] | None = None,
     runtime: str = "python",
@@ -64,7 +65,7 @@ def run_methods_flow(
     Raises :class:`~passes.flow.result.FlowError` (with the partial result) when a stage fails.
     """
     result = FlowResult()
-    stage = _Stages(log, result)
+    stage = _Stages(log, result, bars=progress_bars)
     calls = list(spec.steps)
     with stage.guarded():
         options = dict(pass_options or {})
@@ -99,7 +100,7 @@ def run_methods_flow(
                                                       reference, options)
             lowered.append(("quantized", quantized, reference))
         if runtime == "executorch":
-            _runtime_stage(stage, result, lowered, calls)
+            _runtime_stage(stage, result, lowered, calls, eager)
     return result
 
 
@@ -149,6 +150,10 @@ def _quantized_stages(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
                            lambda: _in_turn(stage, together, calls))
     result.step_errors[PER_METHOD] = output_errors(eager, separate_trace)
     result.step_errors[ONE_GRID] = output_errors(eager, together_trace)
+    result.column_notes[PER_METHOD] = ("quantize_program on each method with its own calls "
+                                       "(today's way): one grid per method for a shared cache")
+    result.column_notes[ONE_GRID] = ("quantize_methods: calibrated along the calls over one "
+                                     "state, one grid per shared buffer")
 
     split, merged = _grids(separate), _grids(together)
     result.checks.append(Check(
@@ -210,23 +215,29 @@ def _storage(before: Mapping[str, Any], after: Mapping[str, Any], stored: Any) -
 
 
 def _runtime_stage(stage: _Stages, result: FlowResult,
-                   lowered: list[tuple[str, dict[str, Any], Trace]], calls: list) -> None:
-    """Each program from one .pte on ExecuTorch's runtime, against what it computed in
-    Python (fp32: eager, within float rounding; quantized: within one output grid step)."""
+                   lowered: list[tuple[str, dict[str, Any], Trace]], calls: list,
+                   eager: Trace) -> None:
+    """Each program from one .pte on ExecuTorch's runtime, checked against what it computed
+    in Python (fp32: within float rounding; quantized: within one output grid step); its
+    column in the decode table is, like every other, its error against fp32 eager."""
     from ..executorch.methods import run_methods_on_runtime
 
     for label, programs, python in lowered:
         run = stage(f"{label} methods on ExecuTorch's runtime (one .pte, shared buffers)",
                     lambda programs=programs: run_methods_on_runtime(programs, calls))
-        errors = output_errors(python, Trace(run.outputs))
+        on_runtime = Trace(run.outputs)
+        errors = output_errors(python, on_runtime)
         tolerance = EXPORT_ATOL if label == "fp32" else max(
             output_grid(p.graph_module) for p in programs.values()) + 1e-6
-        result.step_errors[f"{label} on ExecuTorch"] = errors
+        result.step_errors[f"{label} on ExecuTorch"] = output_errors(eager, on_runtime)
+        result.column_notes[f"{label} on ExecuTorch"] = (
+            f"the {label} methods lowered into one .pte and called in turn on ExecuTorch's "
+            "runtime")
         if result.state_storage:
             stored_as = "integer-stored" if label == "quantized" else "fp32"
             result.state_storage["planned_mutable_buffer_bytes"][
                 f"{stored_as} methods'"] = run.memory.shared_bytes
-        result.notes += run.notes
+        result.notes += [f"{label} methods' lowering: {note}" for note in run.notes]
         result.checks.append(Check(
             f"{label} methods on ExecuTorch's runtime match "
             + ("fp32 eager" if label == "fp32" else "the same methods in Python"),
