@@ -28,8 +28,16 @@ from typing import Any
 from pass_manager import PassManagerError, parse_pipeline
 
 from .. import __version__
-from .factory import EXPORT_MODES, Exported, ModelError, ModelSpec, export_program, model_spec
-from .factory import MethodsSpec, export_methods
+from .factory import (
+    EXPORT_MODES,
+    Exported,
+    MethodsSpec,
+    ModelError,
+    ModelSpec,
+    export_methods,
+    export_program,
+    model_spec,
+)
 from .noise import held, hold_known_noise
 
 DEFAULT_MODEL = "passes.examples:stateful_decoder_job"

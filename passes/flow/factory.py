@@ -54,7 +54,6 @@ import torch
 
 from pass_manager.validation import Call, as_call, copy_program
 
-
 __all__ = [
     "EXPORT_MODES",
     "ExportError",

@@ -18,7 +18,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pass_manager import PassManager, shared_buffer_differences
-from pass_manager.validation import Trace, copy_program, first_difference, output_errors, run_methods
+from pass_manager.validation import (
+    Trace,
+    copy_program,
+    first_difference,
+    output_errors,
+    run_methods,
+)
 
 from .._analysis.marked_state import mutable_buffers
 from .._methods.calls import share_buffer_tensors
@@ -27,9 +33,8 @@ from ..mark_mutable_buffers import MarkMutableBuffers
 from ..quantization import quantize_methods, quantize_program
 from ..quantize_mutable_buffers import QuantizeMutableBuffers
 from .examples import xnnpack_quantizer
-from .factory import Exported
+from .factory import Exported, MethodsSpec, export_methods
 from .integer_state import dequantized_state, storage_of
-from .factory import MethodsSpec, export_methods
 from .quantized_graphs import output_grid
 from .result import Check, FlowResult, restricted
 from .run import EXPORT_ATOL, EXPORT_RTOL, _Stages

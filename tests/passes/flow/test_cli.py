@@ -82,7 +82,7 @@ def test_steps_that_are_not_positive_are_a_usage_error(monkeypatch, capsys, step
 
     monkeypatch.setattr(flow, "run_flow", flow_must_not_run)
     with pytest.raises(SystemExit) as exited:
-        cli.main(["run", MODEL, "--steps", steps], prog="python -m passes")
+        cli.main(["run", "--runtime", "python", MODEL, "--steps", steps], prog="python -m passes")
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: python -m passes run")
@@ -97,15 +97,17 @@ def test_the_report_alone_goes_to_stdout_and_progress_to_stderr(tmp_path):
     assert out[0].startswith(f"model: {MODEL}") and "2 decode steps" in out[0]
     assert [line for line in out if line.lstrip().startswith("[") or "wrote" in line] == []
     assert "== checks" in done.stdout and "FAIL" not in done.stdout
-    err = done.stderr.splitlines()
-    assert "  [decode the functional program] step 2/2" in " ".join(err)
-    assert any(line.startswith("[functionalize] done in") for line in err)
+    # One progress bar per stage: a line each, redrawn in place (\r) as its calls go by.
+    err = [line.split("\r")[-1] for line in done.stderr.splitlines()]
+    assert "decode the functional program [00:00], call 2/2" in done.stderr
+    assert any(line.startswith("functionalize [") for line in err)
     assert err[-1] == f"wrote the report to {report}"
 
 
 def test_quiet_keeps_the_report_and_drops_progress(capsys, tmp_path):
     report = tmp_path / "report.json"
-    status = cli.main(["run", MODEL, *FAST, "--quiet", "--json", str(report)])
+    status = cli.main(["run", "--runtime", "python",
+                       MODEL, *FAST, "--quiet", "--json", str(report)])
     captured = capsys.readouterr()
     assert status == 0, captured.out + captured.err
     assert captured.err == ""

@@ -53,7 +53,8 @@ def test_caches_take_a_quarter_of_the_bytes_and_compute_exactly_the_same(quantiz
 
 def test_the_cli_prints_each_buffer_and_keeps_the_accumulator_float(tmp_path, capsys):
     report = tmp_path / "report.json"
-    status = cli.main(["run", "tests.models.main_job:cache_and_running_sum", "--steps", "4",
+    status = cli.main(["run", "--runtime", "python",
+                       "tests.models.main_job:cache_and_running_sum", "--steps", "4",
                        "--quantize-state", "--quantizer", "every-op", "--json", str(report),
                        "--quiet"])
     out = capsys.readouterr().out
@@ -81,7 +82,8 @@ def test_a_wrong_integer_state_fails_the_check_with_status_1(monkeypatch, capsys
     from passes.flow import integer_state
 
     monkeypatch.setattr(integer_state, "dequantized_state", lambda grids: program_state)
-    status = cli.main(["run", "tests.models.main_job:one_layer_decoder", "--steps", "2",
+    status = cli.main(["run", "--runtime", "python",
+                       "tests.models.main_job:one_layer_decoder", "--steps", "2",
                        "--quantize-state", "--skip-delegation", "--quantizer", "every-op",
                        "--quiet"])
     out = capsys.readouterr().out
@@ -98,7 +100,8 @@ def test_a_failing_pass_is_a_short_report_with_status_3(monkeypatch, capsys):
         raise QuantizedStateError("dequantize_per_tensor_3", "quant_min 127 > quant_max -128")
 
     monkeypatch.setattr(QuantizeMutableBuffers, "call", refuse)
-    status = cli.main(["run", "tests.models.main_job:one_layer_decoder", "--steps", "2",
+    status = cli.main(["run", "--runtime", "python",
+                       "tests.models.main_job:one_layer_decoder", "--steps", "2",
                        "--quantize-state", "--skip-delegation", "--quantizer", "every-op",
                        "--quiet"])
     captured = capsys.readouterr()
@@ -112,7 +115,7 @@ def test_a_failing_pass_is_a_short_report_with_status_3(monkeypatch, capsys):
 
 
 def test_quantize_state_needs_quantization(capsys):
-    status = cli.main(["run", "--quantize-state", "--skip-quantization"])
+    status = cli.main(["run", "--runtime", "python", "--quantize-state", "--skip-quantization"])
     assert status == 2
     assert "--quantize-state" in capsys.readouterr().err
     with pytest.raises(ValueError, match="needs quantize=True"):
@@ -123,7 +126,8 @@ def test_quantize_state_needs_quantization(capsys):
 def test_planned_bytes_of_both_pte_files(tmp_path, capsys):
     pytest.importorskip("executorch")
     report = tmp_path / "report.json"
-    status = cli.main(["run", "tests.models.main_job:one_layer_decoder", "--steps", "3",
+    status = cli.main(["run", "--runtime", "python",
+                       "tests.models.main_job:one_layer_decoder", "--steps", "3",
                        "--quantize-state", "--runtime", "executorch", "--skip-delegation",
                        "--json", str(report), "--quiet"])
     out = capsys.readouterr().out

@@ -13,7 +13,7 @@ from .main_job_cli import run_main
         ("no_such_package.models:factory", "cannot import 'no_such_package.models'"),
         ("passes.examples:missing", "has no attribute 'missing'"),
         ("passes.examples:__doc__", "not a factory function"),
-        ("passes.examples", "must look like package.module:factory"),
+        ("passes.examples", "MODEL must be package.module:factory"),
         ("tests.models.main_job:not_exportable", "is not exportable"),
         ("tests.models.main_job:wrong_return", "must return (module, example_inputs)"),
     ],
@@ -88,6 +88,7 @@ def test_a_failing_check_makes_the_exit_status_non_zero(monkeypatch, capsys):
         return result
 
     monkeypatch.setattr(flow, "run_flow", failing_flow)
-    status = cli.main(["run", "tests.models.main_job:one_layer_decoder", "--steps", "2"])
+    status = cli.main(["run", "--runtime", "python",
+                       "tests.models.main_job:one_layer_decoder", "--steps", "2"])
     assert status == 1
     assert "FAIL  a check: it failed" in capsys.readouterr().out

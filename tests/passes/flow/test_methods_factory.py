@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from passes.flow.examples import prefill_decode_job
-from passes.flow.factory import ModelError, model_spec
-from passes.flow.factory import MethodsSpec, export_methods, methods_spec
+from passes.flow.factory import MethodsSpec, ModelError, export_methods, methods_spec, model_spec
 
 
 def test_the_builtin_prefill_decode_job_reads_as_two_methods_and_its_calls_in_order():

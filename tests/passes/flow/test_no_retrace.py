@@ -59,7 +59,8 @@ def test_the_flow_exports_once_and_quantizes_through_quantize_program(monkeypatc
 def test_the_report_prints_quantize_programs_stages(capsys):
     from passes.flow import cli
 
-    status = cli.main(["run", "tests.models.main_job:one_layer_decoder", "--steps", "2",
+    status = cli.main(["run", "--runtime", "python",
+                       "tests.models.main_job:one_layer_decoder", "--steps", "2",
                        "--skip-delegation", "--quantizer", "every-op", "--quiet"])
     out = capsys.readouterr().out
     assert status == 0, out

@@ -1,0 +1,157 @@
+"""What a newcomer meets in their second hour (issue 33), through the installed console
+command where it is the command line: their own model from their own folder or a file,
+a default run that shows what the passes bought, quiet progress, and a report that says
+which column is what and where the time went."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pass_manager import Report
+from pass_manager.report import PassRecord
+from pass_manager.validation import Trace
+from passes.flow import cli
+from passes.flow import run_methods as methods_flow
+from passes.flow.result import FlowResult
+
+from .main_job_cli import ROOT
+
+COMMAND = Path(sys.executable).with_name("mutable-buffer-passes")
+FAST = ("--steps", "2", "--skip-quantization", "--skip-delegation", "--runtime", "python")
+
+# A user's own decoder, outside the repository: an int64 position counter and a cache.
+HANDWRITTEN = textwrap.dedent('''
+    import torch
+
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(4, 3))
+            self.register_buffer("pos", torch.zeros((), dtype=torch.int64))
+
+        def forward(self, x):
+            self.cache.index_copy_(0, self.pos.view(1), x)
+            self.pos += 1
+            return self.cache.sum(0) * 2
+
+    def factory():
+        steps = [(torch.full((1, 3), float(i)),) for i in range(3)]
+        return Counter(), steps[0], steps
+''')
+
+
+def _command(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    # PYTHONPATH names the checkout only so a development worktree tests its own code; an
+    # installed package needs nothing (the editable install points at the checkout too).
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([str(COMMAND), "run", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def user_folder(tmp_path: Path) -> Path:
+    (tmp_path / "mymodels").mkdir()
+    (tmp_path / "mymodels" / "__init__.py").write_text("")
+    (tmp_path / "mymodels" / "handwritten.py").write_text(HANDWRITTEN)
+    return tmp_path
+
+
+@pytest.mark.parametrize("model", ["mymodels.handwritten:factory",
+                                   "mymodels/handwritten.py:factory"])
+def test_a_model_in_the_users_own_folder_runs(user_folder, model):
+    done = _command(model, *FAST, "--quiet", cwd=user_folder)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith(f"model: {model}") and "FAIL" not in done.stdout
+
+
+def test_a_model_that_cannot_be_found_says_where_it_looked(user_folder):
+    done = _command("mymodels.missing:factory", *FAST, cwd=user_folder)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert str(user_folder) in line and "PYTHONPATH" in line and "file.py:factory" in line
+    done = _command("mymodels/missing.py:factory", *FAST, cwd=user_folder)
+    assert done.returncode == 2 and "no such file 'mymodels/missing.py'" in done.stderr
+
+
+def test_the_default_run_shows_what_the_passes_bought_with_one_bar_per_stage(tmp_path):
+    done = _command("--runtime", "python", "--steps", "3", "--show-warnings", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    bought = done.stdout.split("== what the passes bought")[1].split("\n==")[0]
+    first = re.search(r"first decode step off by ([\d.e-]+) without the passes, ([\d.e-]+) with",
+                      bought)
+    assert first is not None, bought
+    without, with_ = float(first[1]), float(first[2])
+    assert without > 5 * with_, bought  # calibration's state left in the buffers, undone
+    assert "columns:" in done.stdout and "quantized, no passes: torchao's recipe" in done.stdout
+    assert "== slowest stages" in done.stdout
+    progress, _, held = done.stderr.partition("== warnings held back as known harmless")
+    assert held, done.stderr
+    # One line per stage (a tqdm bar redraws its line in place), nothing else.
+    lines = [line for line in progress.splitlines() if line.strip()]
+    stages = len(re.findall(r"^\S.*\[\d\d:\d\d\]", progress, re.M))
+    assert len(lines) <= stages + 1, progress
+    for noise in ("Warning", "Failed to load", "LeafSpec", "Traceback"):
+        assert noise not in progress
+    assert len(held.strip().splitlines()) >= 2  # the count line, then what was held
+
+
+def test_quiet_prints_nothing_on_stderr(tmp_path, user_folder):
+    done = _command("mymodels.handwritten:factory", "--steps", "2", "--runtime", "python",
+                    "--quiet", cwd=user_folder)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stderr == ""
+
+
+def test_auto_runtime_falls_back_to_python_with_a_notice(monkeypatch, capsys):
+    import passes.executorch as executorch
+
+    monkeypatch.setattr(executorch, "available", lambda: False)
+    status = cli.main(["run", "tests.models.main_job:one_layer_decoder", "--steps", "2",
+                       "--skip-quantization", "--skip-delegation"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.out + captured.err
+    assert "ExecuTorch is not installed: decoding in Python only" in captured.err
+    assert "runtime python" in captured.out.splitlines()[0]
+
+
+def test_the_pass_table_numbers_passes_once_across_stages():
+    def report(*names: str) -> Report:
+        r = Report()
+        r.records = [PassRecord(name=n, index=i) for i, n in enumerate(names)]
+        return r
+
+    result = FlowResult(reports=[("a", report("P", "Q")), ("b", report("R"))])
+    rows = result.pass_table().splitlines()[2:5]
+    assert [row.split()[0] for row in rows] == ["0", "1", "2"]
+
+
+def test_the_methods_runtime_column_is_its_error_against_eager(monkeypatch):
+    """The decode table's header says "vs fp32 eager": the runtime's column must hold that,
+    not the runtime's difference from the same methods in Python (which is the check's)."""
+    import passes.executorch.methods as methods
+
+    eager = Trace([[torch.tensor([1.0])], [torch.tensor([2.0])]])
+    python = Trace([[torch.tensor([1.5])], [torch.tensor([2.25])]])
+
+    run = SimpleNamespace(outputs=[list(o) for o in python.outputs],
+                          notes=["kept 'cache' at the top level"],
+                          memory=SimpleNamespace(shared_bytes=64))
+    monkeypatch.setattr(methods, "run_methods_on_runtime", lambda programs, calls: run)
+    monkeypatch.setattr(methods_flow, "output_grid", lambda gm: 0.1)
+    result = FlowResult()
+    stage = lambda title, fn: fn()  # noqa: E731
+    program = SimpleNamespace(graph_module=None)
+    methods_flow._runtime_stage(stage, result, [("quantized", {"m": program}, python)],
+                                [("m", (), {})] * 2, eager)
+    assert result.step_errors["quantized on ExecuTorch"] == [0.5, 0.25]
+    assert result.notes == ["quantized methods' lowering: kept 'cache' at the top level"]
+    assert result.checks[-1].passed  # runtime == Python
