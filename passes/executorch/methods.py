@@ -36,9 +36,9 @@ from pass_manager import shared_buffer_differences
 
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
 from .method_state import checked_methods
-from .runtime_inputs import CarriedState, carried_outputs, flat_inputs, user_input_names
 from .partitioner import BufferOwningPartitioner
 from .plan import StatePlan, planned_state
+from .runtime_inputs import CarriedState, carried_outputs, flat_inputs, user_input_names
 
 __all__ = ["MethodsRun", "lower_methods_to_pte", "run_methods_on_runtime"]
 

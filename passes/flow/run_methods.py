@@ -214,13 +214,15 @@ def _runtime_stage(stage: _Stages, result: FlowResult,
     """Each program from one .pte on ExecuTorch's runtime, against what it computed in
     Python (fp32: eager, within float rounding; quantized: within one output grid step)."""
     from ..executorch.methods import run_methods_on_runtime
+    from ..executorch.runtime import within_grid_steps
 
     for label, programs, python in lowered:
         run = stage(f"{label} methods on ExecuTorch's runtime (one .pte, shared buffers)",
                     lambda programs=programs: run_methods_on_runtime(programs, calls))
         errors = output_errors(python, Trace(run.outputs))
-        tolerance = EXPORT_ATOL if label == "fp32" else max(
-            output_grid(p.graph_module) for p in programs.values()) + 1e-6
+        grid = None if label == "fp32" else max(
+            output_grid(p.graph_module) for p in programs.values())
+        tolerance = EXPORT_ATOL if grid is None else grid
         result.step_errors[f"{label} on ExecuTorch"] = errors
         if result.state_storage:
             stored_as = "integer-stored" if label == "quantized" else "fp32"
@@ -230,6 +232,6 @@ def _runtime_stage(stage: _Stages, result: FlowResult,
         result.checks.append(Check(
             f"{label} methods on ExecuTorch's runtime match "
             + ("fp32 eager" if label == "fp32" else "the same methods in Python"),
-            max(errors) <= tolerance,
+            max(errors) <= tolerance if grid is None else within_grid_steps(max(errors), grid),
             f"worst call difference {max(errors):.3g} (tolerance {tolerance:.3g}); shared "
             f"mutable buffers planned once: {run.memory.shared_bytes:,} B"))
