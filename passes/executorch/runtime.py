@@ -391,7 +391,8 @@ def decode_on_runtime(
     value as an extra output and leaves the tensor passed as it was, so each later step
     that passes the same tensor is given that new value here (the caller's tensors are
     never written). A step that passes a new tensor for it starts from that tensor's
-    value, as in eager, and a note says so.
+    value, as in eager, and a note says so. (A ``.pte`` alone does not say which outputs
+    are written inputs: its leading outputs that are an input's own value are taken so.)
 
     Args:
         program: what a user holds at any stage: an ``ExportedProgram`` or a module

@@ -11,11 +11,11 @@ import torch
 
 pytest.importorskip("executorch")
 
-from pass_manager.validation import Trace  # noqa: E402
-from passes.executorch import ExecuTorchInputError  # noqa: E402
-from passes.executorch.runtime import GRID_ROUNDING_SLACK, within_grid_steps  # noqa: E402
-from passes.flow.executorch_stage import flow_stage  # noqa: E402
-from passes.flow.run import run_flow  # noqa: E402
+from pass_manager.validation import Trace
+from passes.executorch import ExecuTorchInputError
+from passes.executorch.runtime import GRID_ROUNDING_SLACK, within_grid_steps
+from passes.flow.executorch_stage import flow_stage
+from passes.flow.run import run_flow
 
 
 def test_one_grid_step_apart_passes_despite_float32_rounding():
