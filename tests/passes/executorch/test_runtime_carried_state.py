@@ -202,3 +202,26 @@ def test_a_dynamic_size_out_of_its_range_is_refused_before_lowering(monkeypatch)
                        r"was exported for \[s\w+, 8\].*<= 4") as info:
         decode_on_runtime(ep, None, [example, step])
     assert info.value.argument == "steps[1]"
+
+
+def test_a_pte_alone_says_which_inputs_it_writes_by_its_plan(exported):
+    """A ``.pte`` has no graph signature: the written input is the output that is the
+    input's own value; threading from the bytes matches eager too."""
+    from executorch.exir import to_edge_transform_and_lower
+
+    model, programs = exported
+    with torch.no_grad():
+        pte = to_edge_transform_and_lower(copy.deepcopy(programs["functional"])
+                                          ).to_executorch().buffer
+    cache = torch.zeros(SLOTS, DIM)
+    steps = _steps(cache)
+    expected, caches = _eager(model, steps)
+    flat = [(args[0], kwargs["pos"], kwargs["cache"]) for args, kwargs in steps]
+    decoded = decode_on_runtime(pte, None, flat)
+    for call in range(CALLS):
+        (output,) = decoded.outputs[call]
+        torch.testing.assert_close(output, expected[call], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(decoded.carried[call]["input #2"], caches[call],
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(ExecuTorchInputError, match=r"a \.pte program takes its inputs flat"):
+        decode_on_runtime(pte, None, steps)
