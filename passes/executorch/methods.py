@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 from executorch.exir.backend.partitioner import Partitioner
@@ -34,12 +33,12 @@ from executorch.runtime import Runtime
 from torch.export import ExportedProgram
 
 from pass_manager import shared_buffer_differences
-from pass_manager.call_signature import describe_inputs, signature_of
 
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
 from .method_state import checked_methods
 from .partitioner import BufferOwningPartitioner
 from .plan import StatePlan, planned_state
+from .runtime_inputs import CarriedState, carried_outputs, flat_inputs, user_input_names
 
 __all__ = ["MethodsRun", "lower_methods_to_pte", "run_methods_on_runtime"]
 
@@ -51,8 +50,12 @@ class MethodsRun:
     """What the runtime computed and what the lowering planned.
 
     Attributes:
-        outputs: one list of output tensors per call, in call order.
+        outputs: one list of output tensors per call, in call order (the methods' outputs,
+            without the new values of inputs they write, which the runtime returns ahead).
         methods: the method each call ran.
+        carried: per call, the new values of the inputs its method writes in place
+            (``USER_INPUT_MUTATION``), by input name; a later call that passes the same
+            tensor gets that value, as in Python eager (empty dicts when none is written).
         memory: the planned state of the ``.pte`` (:class:`StatePlan`):
             ``memory.shared_bytes`` is what the methods' shared buffers take, once.
         notes: the partitioner's notes on buffer ownership, per method.
@@ -63,6 +66,7 @@ class MethodsRun:
 
     outputs: list[list[Any]] = field(default_factory=list)
     methods: list[str] = field(default_factory=list)
+    carried: list[dict[str, torch.Tensor]] = field(default_factory=list)
     memory: StatePlan | None = None
     notes: list[str] = field(default_factory=list)
     delegates: dict[str, int] = field(default_factory=dict)
@@ -92,7 +96,7 @@ def _check_shared_state(programs: dict[str, ExportedProgram]) -> None:
 
 def _flat_calls(programs: dict[str, ExportedProgram], calls: Any) -> list[tuple[str, list]]:
     """Each call as (method, the flat positional inputs the runtime takes), checked against
-    the method's signature before anything is lowered."""
+    the method's inputs before anything is lowered."""
     if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
         raise ExecuTorchInputError(
             HELPER, "calls", "a list of (method, args, kwargs) in the order deployment runs "
@@ -112,56 +116,9 @@ def _flat_calls(programs: dict[str, ExportedProgram], calls: Any) -> list[tuple[
             raise ExecuTorchInputError(
                 HELPER, where, "args is a tuple and kwargs a mapping; got "
                 f"{_kind(args)} and {_kind(kwargs)}")
-        program = programs[method]
-        signature = signature_of(program)
-        reason = signature.mismatch(tuple(args), dict(kwargs))
-        if reason:
-            raise ExecuTorchInputError(
-                HELPER, where, f"{reason}; method {method!r} takes {signature}, {where} "
-                f"gives {describe_inputs(tuple(args), dict(kwargs))}")
-        # The runtime takes the exported input tree flattened: keyword arguments in the
-        # order the program was exported with.
-        keywords = list(program.call_spec.in_spec.children()[1].context or ())
-        flat = pytree.tree_leaves((tuple(args), {k: kwargs[k] for k in keywords}))
-        reason = _tensor_mismatch(program, flat)
-        if reason:
-            raise ExecuTorchInputError(
-                HELPER, where, f"{reason}; method {method!r} was exported for "
-                f"{_exported_inputs(program)}, {where} gives "
-                f"{describe_inputs(tuple(args), dict(kwargs))}")
+        flat = flat_inputs(HELPER, where, programs[method], (tuple(args), dict(kwargs)))
         checked.append((method, flat))
     return checked
-
-
-def _user_input_values(program: ExportedProgram) -> list[Any]:
-    placeholders = {n.name: n for n in program.graph.find_nodes(op="placeholder")}
-    return [placeholders[name].meta.get("val") for name in program.graph_signature.user_inputs
-            if name in placeholders]
-
-
-def _exported_inputs(program: ExportedProgram) -> str:
-    return ", ".join(f"Tensor{list(v.shape)} {str(v.dtype).removeprefix('torch.')}"
-                     if isinstance(v, torch.Tensor) else repr(v)
-                     for v in _user_input_values(program))
-
-
-def _tensor_mismatch(program: ExportedProgram, flat: list) -> str | None:
-    """Why the flat inputs do not fit the tensors ``program`` was exported for: a static
-    size (what a method of a static-shape backend has) or a dtype that differs."""
-    wanted = _user_input_values(program)
-    tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-    expected = [v for v in wanted if isinstance(v, torch.Tensor)]
-    if len(tensors) != len(expected):
-        return f"it gives {len(tensors)} tensor input(s), the method takes {len(expected)}"
-    for position, (got, want) in enumerate(zip(tensors, expected, strict=True)):
-        if got.dtype != want.dtype:
-            return f"tensor input #{position} is {got.dtype}, the method takes {want.dtype}"
-        static = [s if isinstance(s, int) else None for s in want.shape]
-        if got.dim() != len(static) or any(
-                s is not None and s != g for s, g in zip(static, got.shape, strict=True)):
-            return (f"tensor input #{position} has shape {list(got.shape)}, the method takes "
-                    f"{[s if s is not None else '*' for s in static]}")
-    return None
 
 
 def _wrapper(partitioner: Any, programs: dict[str, ExportedProgram]) -> BufferOwningPartitioner:
@@ -194,6 +151,22 @@ def lower_methods_to_pte(
             shared buffers differ, or ``partitioner`` is not an ExecuTorch Partitioner.
         ParameterMutationOnExecuTorchError: a method writes a parameter.
     """
+    lowered = _lower_methods(programs, partitioner, share_mutable_buffers)
+    return lowered.pte, lowered.wrapper, lowered.delegates
+
+
+@dataclass
+class _LoweredMethods:
+    pte: bytes
+    wrapper: BufferOwningPartitioner
+    delegates: dict[str, int]
+    carried: dict[str, dict[int, int]]
+    """method -> {output position: input position} of the inputs it writes in place."""
+    input_names: dict[str, list[str]]
+
+
+def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
+                   share_mutable_buffers: bool = True) -> _LoweredMethods:
     programs = _checked_programs(programs)
     _check_shared_state(programs)
     # Private copies: lowering must not touch the caller's programs or their state.
@@ -216,8 +189,12 @@ def lower_methods_to_pte(
             memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=share_mutable_buffers),
             passes=[InitializedMutableBufferPass(sorted(names))],
             emit_mutable_buffer_names=True)
-        pte = edge.to_executorch(config).buffer
-    return pte, wrapper, delegates
+        et = edge.to_executorch(config)
+    serialized = {method: et.exported_program(method) for method in edge.methods}
+    return _LoweredMethods(
+        et.buffer, wrapper, delegates,
+        {method: carried_outputs(ep) for method, ep in serialized.items()},
+        {method: user_input_names(ep) for method, ep in serialized.items()})
 
 
 def run_methods_on_runtime(
@@ -249,16 +226,18 @@ def run_methods_on_runtime(
     programs = _checked_programs(programs)
     flat_calls = _flat_calls(programs, calls)
     start = time.perf_counter()
-    pte, wrapper, delegates = lower_methods_to_pte(programs, partitioner)
+    lowered = _lower_methods(programs, partitioner)
     seconds = time.perf_counter() - start
+    pte = lowered.pte
     loaded = Runtime.get().load_program(pte)
     # Every method up front: loading one writes the shared buffers' initial values, which
     # must not land on state an earlier call wrote. (The pybind Module of
     # portable_lib gives each method arenas of its own: the decode would not see the
     # prefill's cache.)
     methods = {name: loaded.load_method(name) for name in sorted(loaded.method_names)}
-    run = MethodsRun(memory=planned_state(pte), notes=list(wrapper.notes),
-                     delegates=delegates, lower_seconds=seconds, pte_bytes=len(pte))
+    run = MethodsRun(memory=planned_state(pte), notes=list(lowered.wrapper.notes),
+                     delegates=lowered.delegates, lower_seconds=seconds, pte_bytes=len(pte))
+    state = CarriedState()
     for index, (method, flat) in enumerate(flat_calls):
         meta = methods[method].metadata
         if len(flat) != meta.num_inputs():
@@ -267,8 +246,11 @@ def run_methods_on_runtime(
             raise ExecuTorchInputError(
                 HELPER, f"calls[{index}]", f"gives {len(flat)} input(s); method {method!r} "
                 f"of the .pte takes {meta.num_inputs()} ({declared})")
-        inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in flat]
-        outputs = methods[method].execute(inputs)
-        run.outputs.append([o.clone() if isinstance(o, torch.Tensor) else o for o in outputs])
+        outputs = methods[method].execute(state.inputs(flat))
+        returned, written = state.update(f"calls[{index}]", flat, outputs,
+                                         lowered.carried[method], lowered.input_names[method])
+        run.outputs.append(returned)
+        run.carried.append(written)
         run.methods.append(method)
+    run.notes += state.notes
     return run

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,12 +38,29 @@ from executorch.extension.pybindings import portable_lib
 from torch.export import ExportedProgram
 
 from pass_manager.call_signature import describe_inputs, signature_of
-from pass_manager.validation import Trace, call_inputs
+from pass_manager.validation import Trace
 
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
 from .partitioner import BufferOwningPartitioner
+from .runtime_inputs import (
+    CarriedState,
+    aliased_outputs,
+    carried_outputs,
+    flat_inputs,
+    user_input_names,
+)
 
-__all__ = ["RuntimeDecode", "decode_on_runtime", "decode_pte", "lower_to_pte", "output_grid"]
+__all__ = [
+    "LoweredProgram",
+    "RuntimeDecode",
+    "decode_on_runtime",
+    "decode_pte",
+    "lower_for_runtime",
+    "lower_to_pte",
+    "output_grid",
+    "runtime_steps",
+    "within_grid_steps",
+]
 
 PROGRAM_FORMS = (
     "an ExportedProgram, a module (with example_inputs), an EdgeProgramManager (from "
@@ -55,21 +72,59 @@ PROGRAM_FORMS = (
 
 @dataclass
 class RuntimeDecode:
-    """What the runtime computed (``trace.outputs``, one entry per call) and what it took."""
+    """What the runtime computed, one entry per call, and what it took.
+
+    Attributes:
+        trace: the runtime's outputs (``trace.outputs``) and, after each call, its flat
+            inputs with the written ones at their new values (``trace.inputs``).
+        notes: the wrapper's notes on buffer ownership, notes on state a caller's
+            serialization did not keep, and on carried state a step did not carry.
+        delegates: the delegate calls of ``forward``.
+        lower_seconds: the lowering and serialization time (0 for a lowered program).
+        pte_bytes: the ``.pte`` size.
+        carried: per call, the new values of the inputs the program writes in place
+            (``USER_INPUT_MUTATION``), by input name; empty dicts when it writes none.
+    """
 
     trace: Trace
     notes: list[str] = field(default_factory=list)
     delegates: int = 0
     lower_seconds: float = 0.0
     pte_bytes: int = 0
+    carried: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list[list[Any]]:
+        """The runtime's outputs per call (the program's outputs, without the written
+        inputs' new values the runtime returns ahead of them: those are in ``carried``)."""
+        return self.trace.outputs
 
 
 @dataclass
-class _Lowered:
+class LoweredProgram:
+    """A program lowered for the runtime, with what decoding it needs to know.
+
+    Attributes:
+        pte: the ``.pte`` program.
+        wrapper: the :class:`BufferOwningPartitioner` used (None if it came lowered).
+        delegates: the delegate calls of ``forward``.
+        notes: the wrapper's notes, or notes on state the caller's serialization lost.
+        carried: ``{output position: input position}``: the inputs ``forward`` writes in
+            place, whose new values the runtime returns at those output positions.
+        input_names: ``forward``'s user inputs, in the runtime's order (empty if unknown).
+        program: the exported program whose call spec flattens the steps (None for a
+            ``.pte`` alone, which takes them flat).
+        lower_seconds: the lowering and serialization time.
+    """
+
     pte: bytes
     wrapper: BufferOwningPartitioner | None
     delegates: int
     notes: list[str]
+    carried: dict[int, int] = field(default_factory=dict)
+    input_names: list[str] = field(default_factory=list)
+    program: ExportedProgram | None = None
+    lower_seconds: float = 0.0
 
 
 def _kind(value: Any) -> str:
@@ -106,7 +161,7 @@ def _delegate_count(ep: ExportedProgram) -> int:
                if n.op == "get_attr" and str(n.target).startswith("lowered_module"))
 
 
-def _serialize(edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None) -> _Lowered:
+def _serialize(edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None) -> LoweredProgram:
     ep = edge.exported_program()
     sig = ep.graph_signature
     if sig.parameters_to_mutate:
@@ -119,7 +174,15 @@ def _serialize(edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None
     config = ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(names)],
                                      emit_mutable_buffer_names=True)
     notes = list(wrapper.notes) if wrapper is not None else []
-    return _Lowered(edge.to_executorch(config).buffer, wrapper, _delegate_count(ep), notes)
+    et = edge.to_executorch(config)
+    return _lowered(et, wrapper, _delegate_count(ep), notes)
+
+
+def _lowered(et: ExecutorchProgramManager, wrapper: BufferOwningPartitioner | None,
+             delegates: int, notes: list[str]) -> LoweredProgram:
+    serialized = et.exported_program()
+    return LoweredProgram(et.buffer, wrapper, delegates, notes, carried_outputs(serialized),
+                          user_input_names(serialized), serialized)
 
 
 def _initialized_allocations(pte: bytes) -> set[tuple[int, int]]:
@@ -159,7 +222,9 @@ def _state_notes(et: ExecutorchProgramManager) -> list[str]:
     return notes
 
 
-def _pte_delegates(helper: str, pte: bytes) -> int:
+def _pte_forward(helper: str, pte: bytes) -> tuple[int, dict[int, int]]:
+    """A ``.pte`` alone: the delegate calls of ``forward``, and the inputs it writes, read
+    from its plan (the runtime returns a written input's own value ahead of the outputs)."""
     try:
         plans = deserialize_pte_binary(pte).program.execution_plan
     except Exception as e:
@@ -167,7 +232,9 @@ def _pte_delegates(helper: str, pte: bytes) -> int:
             helper, "program", f"the {len(pte)} bytes given are not a .pte program "
             f"({type(e).__name__}: {e}); pass an ExecutorchProgramManager's .buffer or a "
             ".pte file's bytes") from e
-    return sum(len(plan.delegates) for plan in plans if plan.name == "forward")
+    forward = [plan for plan in plans if plan.name == "forward"]
+    return (sum(len(plan.delegates) for plan in forward),
+            aliased_outputs(forward[0]) if forward else {})
 
 
 def _no_partitioner(helper: str, partitioner: Any, program: Any) -> None:
@@ -178,18 +245,19 @@ def _no_partitioner(helper: str, partitioner: Any, program: Any) -> None:
             "partitioner, or drop the partitioner")
 
 
-def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> _Lowered:
+def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> LoweredProgram:
     if isinstance(program, (bytes, bytearray, memoryview)):
         _no_partitioner(helper, partitioner, program)
         pte = bytes(program)
-        return _Lowered(pte, None, _pte_delegates(helper, pte), [])
+        delegates, carried = _pte_forward(helper, pte)
+        return LoweredProgram(pte, None, delegates, [], carried)
     if isinstance(program, ExecutorchProgramManager):
         _no_partitioner(helper, partitioner, program)
         ep = program.exported_program()
         if ep.graph_signature.parameters_to_mutate:
             raise ParameterMutationOnExecuTorchError(
                 sorted(ep.graph_signature.parameters_to_mutate.values()))
-        return _Lowered(program.buffer, None, _delegate_count(ep), _state_notes(program))
+        return _lowered(program, None, _delegate_count(ep), _state_notes(program))
     # ExecuTorch's emitter writes buffers back in place; with autograd on, parameters that
     # require grad make those writes illegal.
     with torch.no_grad():
@@ -203,11 +271,71 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
                        if partitioner is None else BufferOwningPartitioner(partitioner))
             ep = _exported(helper, program, example_inputs)
             return _serialize(to_edge_transform_and_lower(ep, partitioner=[wrapper]), wrapper)
+    _refuse_form(helper, program)
+    raise ExecuTorchInputError(helper, "program", f"got {_kind(program)}; pass {PROGRAM_FORMS}")
+
+
+def _refuse_form(helper: str, program: Any) -> None:
     if isinstance(program, (str, os.PathLike)):
         raise ExecuTorchInputError(
             helper, "program", f"got the path {os.fspath(program)!r}; pass the .pte "
             "program's bytes: pathlib.Path(path).read_bytes()")
-    raise ExecuTorchInputError(helper, "program", f"got {_kind(program)}; pass {PROGRAM_FORMS}")
+    if not isinstance(program, (bytes, bytearray, memoryview, ExecutorchProgramManager,
+                                EdgeProgramManager, ExportedProgram, torch.nn.Module,
+                                LoweredProgram)):
+        raise ExecuTorchInputError(
+            helper, "program", f"got {_kind(program)}; pass {PROGRAM_FORMS}")
+
+
+def _steps_program(program: Any) -> ExportedProgram | None:
+    """The exported program whose call spec and inputs the steps are checked against."""
+    if isinstance(program, ExportedProgram):
+        return program
+    if isinstance(program, (EdgeProgramManager, ExecutorchProgramManager)):
+        return program.exported_program()
+    if isinstance(program, LoweredProgram):
+        return program.program
+    return None
+
+
+def runtime_steps(helper: str, program: Any, steps: Sequence[Any]) -> list[list[Any]]:
+    """Each step as the flat positional inputs the runtime takes, checked against
+    ``program`` (any form :func:`decode_on_runtime` takes; a module once exported): what
+    the helpers run before lowering, so that a step that cannot run fails in a moment.
+
+    Raises:
+        ExecuTorchInputError: naming ``helper`` and the step (``steps[i]``) and the input
+            that does not fit (see :func:`passes.executorch.runtime_inputs.flat_inputs`).
+    """
+    _refuse_form(helper, program)
+    if isinstance(steps, (str, bytes, Mapping, torch.Tensor)) or not isinstance(
+            steps, Sequence):
+        raise ExecuTorchInputError(
+            helper, "steps", f"a list with one entry per call (an argument tuple, an (args, "
+            f"kwargs) pair, or the inputs flat); got {_kind(steps)}")
+    checked = _steps_program(program)
+    return [flat_inputs(helper, f"steps[{index}]", checked, step)
+            for index, step in enumerate(steps)]
+
+
+def lower_for_runtime(
+    program: Any, example_inputs: tuple | None = None, partitioner: Partitioner | None = None
+) -> LoweredProgram:
+    """``program`` lowered once, for :func:`decode_on_runtime` to decode (maybe several times)
+    and :func:`passes.executorch.planned_memory` to read (``.pte``); the forms and errors of
+    :func:`lower_to_pte`. Timed in ``lower_seconds``."""
+    return _lower_timed("lower_for_runtime", program, example_inputs, partitioner)
+
+
+def _lower_timed(helper: str, program: Any, example_inputs: Any,
+                 partitioner: Any) -> LoweredProgram:
+    if isinstance(program, LoweredProgram):
+        _no_partitioner(helper, partitioner, program)
+        return program
+    start = time.perf_counter()
+    lowered = _lower(helper, program, example_inputs, partitioner)
+    lowered.lower_seconds = time.perf_counter() - start
+    return lowered
 
 
 def lower_to_pte(
@@ -236,27 +364,7 @@ def lower_to_pte(
     return lowered.pte, lowered.wrapper, lowered.delegates
 
 
-def _positional_steps(program: Any, steps: Sequence[Any]) -> list[tuple]:
-    """Each step's arguments, checked against what the Python program takes (before the
-    lowering, which takes seconds)."""
-    signature = signature_of(program) if isinstance(
-        program, (ExportedProgram, torch.nn.Module)) else None
-    checked = []
-    for index, (args, kwargs) in enumerate(call_inputs(list(steps))):
-        if kwargs:
-            raise ExecuTorchInputError(
-                "decode_on_runtime", f"steps[{index}]", "the ExecuTorch runtime takes "
-                f"positional inputs only; got the keyword argument(s) {', '.join(kwargs)}")
-        reason = signature.mismatch(args, {}) if signature is not None else None
-        if reason:
-            raise ExecuTorchInputError(
-                "decode_on_runtime", f"steps[{index}]", f"{reason}; the program takes "
-                f"{signature}, steps[{index}] gives {describe_inputs(args, {})}")
-        checked.append(args)
-    return checked
-
-
-def _shapes_as_declared(args: tuple, meta: Any) -> bool:
+def _shapes_as_declared(args: Sequence[Any], meta: Any) -> bool:
     return all(
         not isinstance(a, torch.Tensor)
         or tuple(a.shape) == tuple(meta.input_tensor_meta(i).sizes())
@@ -277,56 +385,82 @@ def decode_on_runtime(
 ) -> RuntimeDecode:
     """Lower ``program``, load it once, and call it once per step (state persists).
 
+    State persists as on a device: mutable buffers in the loaded program; inputs the
+    program writes in place (``USER_INPUT_MUTATION``, e.g. the KV caches of transformers'
+    own exporter) as in Python eager: ExecuTorch's runtime returns such an input's new
+    value as an extra output and leaves the tensor passed as it was, so each later step
+    that passes the same tensor is given that new value here (the caller's tensors are
+    never written). A step that passes a new tensor for it starts from that tensor's
+    value, as in eager, and a note says so. (A ``.pte`` alone does not say which outputs
+    are written inputs: its leading outputs that are an input's own value are taken so.)
+
     Args:
         program: what a user holds at any stage: an ``ExportedProgram`` or a module
             (lowered with ``partitioner``, XNNPACK by default, each delegate given the
             buffers it owns by :class:`BufferOwningPartitioner`); an
             ``EdgeProgramManager`` from ``to_edge_transform_and_lower`` (serialized here,
             its mutable buffers' values kept); an ``ExecutorchProgramManager`` from
-            ``.to_executorch()``, or its ``.pte`` bytes (run as serialized).
+            ``.to_executorch()``, its ``.pte`` bytes (run as serialized), or a
+            :class:`LoweredProgram` from :func:`lower_for_runtime`.
         example_inputs: the argument tuple of one call, to export a module; not used for
             the other forms (None is fine).
-        steps: one entry per call: an argument tuple (positional inputs only), checked
-            against the program's inputs before anything is lowered.
+        steps: one entry per call, as the program is called in Python (an argument tuple,
+            an ``(args, kwargs)`` pair, or a keyword mapping; flattened by the program's
+            call spec) or its inputs flat in the exported order (the runtime's form; the
+            only form a ``.pte`` alone takes). Checked against the program's inputs
+            before anything is lowered.
         partitioner: for a program not lowered yet.
 
     Returns:
-        The runtime's outputs per step, the wrapper's notes on buffer ownership (or, for
-        a program serialized by the caller, on state it may not have kept), the number of
-        delegates, the lowering time and the ``.pte`` size.
+        :class:`RuntimeDecode`: the runtime's outputs per step (``.outputs``), the new
+        values of the inputs the program writes (``.carried``), notes (buffer ownership,
+        state a caller's serialization may not have kept, state a step did not carry), the
+        number of delegates, the lowering time and the ``.pte`` size.
 
     Raises:
         ExecuTorchInputError: a ``program`` of none of those forms (the message lists
             them), bytes that are not a ``.pte`` program, a module without fitting
             ``example_inputs``, a ``partitioner`` with a lowered program, or a step that
-            does not fit the program's inputs (keyword arguments, the wrong number of
-            inputs, or inputs the runtime refuses).
+            does not fit the program's inputs (naming the step and the input: their
+            number, keyword names, a dtype, a static size or a dynamic size out of range),
+            or inputs the runtime refuses.
         ParameterMutationOnExecuTorchError: ``program`` writes a parameter.
     """
-    args_per_step = _positional_steps(program, steps)
-    start = time.perf_counter()
-    lowered = _lower("decode_on_runtime", program, example_inputs, partitioner)
-    seconds = time.perf_counter() - start
+    helper = "decode_on_runtime"
+    _refuse_form(helper, program)
+    if isinstance(program, torch.nn.Module):
+        program = _exported(helper, program, example_inputs)  # once: checked, then lowered
+    flat_steps = runtime_steps(helper, program, steps)
+    lowered = _lower_timed(helper, program, None, partitioner)
     module = portable_lib._load_for_executorch_from_buffer(lowered.pte)
     meta = module.method_meta("forward")
-    trace = Trace()
-    for index, args in enumerate(args_per_step):
-        if len(args) != meta.num_inputs():
+    state = CarriedState()
+    trace, carried = Trace(), []
+    for index, flat in enumerate(flat_steps):
+        where = f"steps[{index}]"
+        if len(flat) != meta.num_inputs():
             raise ExecuTorchInputError(
-                "decode_on_runtime", f"steps[{index}]", f"gives {len(args)} input(s); the "
+                helper, where, f"gives {len(flat)} input(s); the "
                 f"lowered method takes {meta.num_inputs()} ({_declared_inputs(meta)})")
-        flat = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        inputs = state.inputs(flat)
         try:
-            outputs = module.forward(flat)
+            outputs = module.forward(inputs)
         except RuntimeError as e:
-            if _shapes_as_declared(args, meta):
+            if _shapes_as_declared(flat, meta):
                 raise  # the inputs are as the method declares them: not theirs to fix
             raise ExecuTorchInputError(
-                "decode_on_runtime", f"steps[{index}]", f"the runtime refused the call "
-                f"({e}); steps[{index}] gives {describe_inputs(args, {})}, the lowered "
-                f"method takes {_declared_inputs(meta)}") from e
-        trace.outputs.append([o.clone() if isinstance(o, torch.Tensor) else o for o in outputs])
-    return RuntimeDecode(trace, lowered.notes, lowered.delegates, seconds, len(lowered.pte))
+                helper, where, f"the runtime refused the call ({e}); {where} gives "
+                f"{describe_inputs(tuple(flat), {})}, the lowered method takes "
+                f"{_declared_inputs(meta)}") from e
+        returned, written = state.update(where, flat, outputs, lowered.carried,
+                                         lowered.input_names)
+        trace.outputs.append(returned)
+        trace.inputs.append([written.get(name, value) for name, value in zip(
+            lowered.input_names or [f"input #{i}" for i in range(len(inputs))], inputs,
+            strict=True)])
+        carried.append(written)
+    return RuntimeDecode(trace, lowered.notes + state.notes, lowered.delegates,
+                         lowered.lower_seconds, len(lowered.pte), carried)
 
 
 def decode_pte(pte: bytes, steps: Sequence[Any]) -> Trace:
@@ -366,3 +500,22 @@ def output_grid(program: Any) -> float | None:
             if isinstance(scale, (float, int)):
                 scales.append(float(scale))
     return max(scales, default=None)
+
+
+# How far past a whole number of grid steps two dequantized outputs may be from float32
+# rounding alone, relative to the step. Each side is q * scale with an integer |q| < 2**15
+# (int8 and int16 grids), computed and stored in float32 (relative rounding 2**-24 per value,
+# and the runtime's scale is the float32 of the program's double): each value may sit up to
+# 2**15 * 2**-24 * step = 2**-9 step off its grid point, so their difference up to 2**-8 step.
+# Without the slack, a runtime one grid point away fails by a few float32 ulps (the main job
+# once reported 0.014555692 against a grid of 0.014555679 as a failure); any difference a real
+# disagreement makes is a further whole step away.
+GRID_ROUNDING_SLACK = 2.0**-8
+
+
+def within_grid_steps(difference: float, grid: float, steps: int = 1) -> bool:
+    """Whether ``difference`` between two dequantized outputs on the grid of step ``grid``
+    is at most ``steps`` grid steps, allowing float32 rounding (:data:`GRID_ROUNDING_SLACK`
+    of a step): a runtime whose integer kernels round differently lands ``steps`` grid
+    points away at most."""
+    return difference <= grid * (steps + GRID_ROUNDING_SLACK)

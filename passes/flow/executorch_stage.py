@@ -5,7 +5,6 @@ Needs the ``executorch`` extra; :mod:`passes.flow.run` imports this only for tha
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,10 +13,16 @@ import torch
 from pass_manager.validation import Trace, run_program
 
 from ..executorch.plan import planned_memory
-from ..executorch.runtime import decode_on_runtime, lower_to_pte, output_grid
+from ..executorch.runtime import (
+    decode_on_runtime,
+    lower_for_runtime,
+    output_grid,
+    runtime_steps,
+    within_grid_steps,
+)
 from .result import Check
 
-__all__ = ["flow_stage"]
+__all__ = ["check_runtime_steps", "flow_stage"]
 
 FP32_TOLERANCE = 1e-5
 
@@ -31,6 +36,19 @@ def _worst_per_step(reference: Trace, trace: Trace) -> list[float]:
     ]
 
 
+def check_runtime_steps(programs: Sequence[tuple[str, Any]], steps: Sequence[Any]) -> None:
+    """Check ``steps`` against every program the stage will lower, in a moment: a step the
+    runtime cannot take fails here, naming the step and the input, before the lowerings
+    (seconds to a minute each). :func:`flow_stage` runs it first; a flow may run it
+    earlier still.
+
+    Raises:
+        ExecuTorchInputError: a step does not fit a program's inputs.
+    """
+    for _, program in programs:
+        runtime_steps("decode_on_runtime", program, steps)
+
+
 def flow_stage(
     result: Any,
     stage: Any,
@@ -42,41 +60,42 @@ def flow_stage(
     """Lower each ``(name, program)`` to a ``.pte``, decode it on the runtime and add it to
     the flow's report.
 
-    Adds a ``"<name> on executorch"`` column to the per-step error table (vs fp32 eager),
-    a line per program to the delegate summary (delegates, .pte size, planned mutable-buffer
-    bytes read from its execution plan, the wrapper's notes) and a check that the runtime's
-    outputs match the Python program's at every step: within 1e-5 in fp32, within one step
-    of the output's quantization grid when quantized. With ``--quantize-state`` the planned
-    bytes of the quantized programs also go to ``result.state_storage``.
+    ``steps`` are the flow's calls as the program takes them in Python (argument tuples or
+    ``(args, kwargs)`` pairs); they are checked against every program before the first
+    lowering. Adds a ``"<name> on executorch"`` column to the per-step error table (vs fp32
+    eager), a line per program to the delegate summary (delegates, .pte size, planned
+    mutable-buffer bytes read from its execution plan, the wrapper's notes) and a check that
+    the runtime's outputs match the Python program's at every step: within 1e-5 in fp32,
+    within one step of the output's quantization grid when quantized
+    (:func:`~passes.executorch.runtime.within_grid_steps`). With ``--quantize-state`` the
+    planned bytes of the quantized programs also go to ``result.state_storage``.
     """
+    stage("check the steps against the programs' inputs",
+          lambda: check_runtime_steps(programs, steps))
     for name, program in programs:
         python = run_program(program, list(steps))
-
-        def lower(program: Any = program) -> tuple[bytes, Any, int, float]:
-            start = time.perf_counter()
-            pte, wrapper, delegates = lower_to_pte(program, example_inputs)
-            return pte, wrapper, delegates, time.perf_counter() - start
-
-        pte, wrapper, delegates, seconds = stage(f"lower the {name} program to a .pte", lower)
+        lowered = stage(f"lower the {name} program to a .pte",
+                        lambda program=program: lower_for_runtime(program, example_inputs))
         # Read from the .pte before it runs: the plan is in the report even if the run fails.
-        planned = planned_memory(pte).mutable_buffer_bytes
+        planned = planned_memory(lowered.pte).mutable_buffer_bytes
         if result.state_storage and name != "fp32":
             result.state_storage["planned_mutable_buffer_bytes"][name] = planned
         decoded = stage(f"decode the {name} program on ExecuTorch's runtime",
-                        lambda pte=pte: decode_on_runtime(pte, None, steps))
+                        lambda lowered=lowered: decode_on_runtime(lowered, None, steps))
         result.step_errors[f"{name} on executorch"] = _worst_per_step(eager, decoded.trace)
         grid = output_grid(program)
-        tolerance = FP32_TOLERANCE if grid is None else grid
         worst = max(_worst_per_step(python, decoded.trace), default=0.0)
+        close = worst <= FP32_TOLERANCE if grid is None else within_grid_steps(worst, grid)
         bound = "1e-5" if grid is None else f"one quantization step ({grid:.3g})"
         result.checks.append(Check(
             f"ExecuTorch runtime decodes the {name} program like Python (within {bound})",
-            len(decoded.trace.outputs) == len(python.outputs) and worst <= tolerance,
+            len(decoded.trace.outputs) == len(python.outputs) and close,
             f"worst step difference {worst:.3g} over {len(python.outputs)} steps",
         ))
         result.delegate_summary.append(
-            f"executorch {name}: {delegates} XNNPACK delegate(s), .pte {len(pte) / 1024:.0f} "
-            f"KiB, planned mutable buffers {planned:,} B, lowered in {seconds:.1f} s"
+            f"executorch {name}: {lowered.delegates} XNNPACK delegate(s), .pte "
+            f"{len(lowered.pte) / 1024:.0f} KiB, planned mutable buffers {planned:,} B, "
+            f"lowered in {lowered.lower_seconds:.1f} s"
         )
-        notes = wrapper.notes if wrapper is not None else []
-        result.delegate_summary += [f"  {note}" for note in notes]
+        # The wrapper's notes on buffer ownership, and any on state a step did not carry.
+        result.delegate_summary += [f"  {note}" for note in decoded.notes]

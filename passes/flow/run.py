@@ -208,6 +208,13 @@ def run_flow(
                 model, args, kwargs, dynamic_shapes=dynamic_shapes, mode=export))
         if exported.note:
             result.notes.append(exported.note)
+        if runtime == "executorch":
+            # A step ExecuTorch's runtime cannot take fails now, not after the quantization
+            # and the lowerings it would wait for (tens of seconds each).
+            from .executorch_stage import check_runtime_steps
+
+            stage("check the steps fit ExecuTorch's runtime",
+                  lambda: check_runtime_steps([("exported", exported.program)], steps))
         mode = exported.mode
         exported_trace = stage(
             "decode the exported program", lambda: stage.run(exported.program, steps)

@@ -63,7 +63,8 @@ def _bad_calls(case):
         ("not a list", "calls", "a list of (method, args, kwargs)"),
         ([("generate", prompt, {})], "calls[0]", "no method 'generate'"),
         ([("prefill", prompt, {"scale": 2.0})], "calls[0]", "no keyword argument"),
-        ([("decode", prompt, {})], "calls[0]", "shape [1, 4, 32], the method takes [1, 1, 32]"),
+        ([("decode", prompt, {})], "calls[0]",
+         "'x' has shape [1, 4, 32], the program was exported for [1, 1, 32]"),
         ([("decode", (prompt[0],), {})], "calls[0]", "positional argument"),
         ([("prefill",)], "calls[0]", "a (method, args, kwargs) tuple"),
     ]
