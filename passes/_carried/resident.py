@@ -70,7 +70,8 @@ def make_resident(view: ProgramView, carried: list[Carried], refuse: Any) -> Any
     inputs_before = list(view.inputs)
     dropped_inputs = {inputs_before.index(c.input) for c in carried if c.input is not None}
     dropped_outputs = {i for c in carried for i in c.output_indices}
-    in_spec = without_leaves(view.in_spec, dropped_inputs, refuse("input", inputs_before))
+    in_spec = without_leaves(view.in_spec, dropped_inputs, refuse("input", inputs_before),
+                             keep=2)
     out_spec = without_leaves(view.out_spec, dropped_outputs, refuse("output", None))
     example_inputs = None
     if view.exported and view.source.example_inputs is not None:

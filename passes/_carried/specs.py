@@ -55,27 +55,30 @@ def input_names(in_spec: TreeSpec, placeholders: Sequence[str]) -> list[tuple[st
             for name, path in zip(placeholders, paths, strict=True)]
 
 
-def without_leaves(spec: TreeSpec, drop: set[int], refuse: Callable[[int, str], Exception]
-                   ) -> TreeSpec:
+def without_leaves(spec: TreeSpec, drop: set[int], refuse: Callable[[int, str], Exception],
+                   keep: int = 1) -> TreeSpec:
     """``spec`` without the flat leaves ``drop``.
 
     A container whose leaves all go goes with them; a list, tuple or mapping (any container
     whose context lists its keys) keeps its other children. Dropping only some leaves of any
     other container (a ``StaticCache``, a namedtuple) cannot be said: ``refuse(leaf, type)``
     gives the error raised for its first dropped leaf.
+    The top ``keep`` levels stay even when empty: 2 for an ``(args, kwargs)`` spec, 1 for
+    the outputs (a returned tuple stays a tuple).
     """
-    new, _ = _drop(spec, drop, 0, refuse, top=True)
+    new, _ = _drop(spec, drop, 0, refuse, keep)
     return new
 
 
-def _drop(spec: TreeSpec, drop: set[int], first: int, refuse, top: bool = False
+def _drop(spec: TreeSpec, drop: set[int], first: int, refuse, keep: int = 0
           ) -> tuple[TreeSpec | None, int]:
+    """``keep``: how many levels from here stay even when all their leaves go."""
     if spec.is_leaf():
         return (None if first in drop else spec), first + 1
     kept, keys, index = [], [], first
     children = spec.children()
     for key, child in zip(_keys(spec), children, strict=True):
-        new, index = _drop(child, drop, index, refuse)
+        new, index = _drop(child, drop, index, refuse, max(keep - 1, 0))
         if new is not None:
             kept.append(new)
             keys.append(key)
@@ -83,7 +86,7 @@ def _drop(spec: TreeSpec, drop: set[int], first: int, refuse, top: bool = False
         return spec, index
     if len(kept) == len(children):
         return TreeSpec(spec.type, spec.context, kept), index
-    if not kept and spec.num_leaves > 0 and not top:
+    if not kept and spec.num_leaves > 0 and not keep:
         return None, index
     if spec.type in (list, tuple):
         return TreeSpec(spec.type, spec.context, kept), index
