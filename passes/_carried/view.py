@@ -135,9 +135,12 @@ class ProgramView:
         return cls(source, gm, inputs, outputs, in_spec, out_spec, writes)
 
     def arg_names(self) -> list[str] | None:
-        """The root call signature's ``forward_arg_names`` (ExportedProgram)."""
+        """The forward's argument names: the root call signature's ``forward_arg_names``
+        (ExportedProgram), the pytree codegen's ``orig_args`` (GraphModule)."""
         if not self.exported:
-            return None
+            codegen = self.gm.graph._codegen
+            return list(codegen.pytree_info.orig_args) if isinstance(
+                codegen, _PyTreeCodeGen) else None
         root = next((e for e in self.source.module_call_graph if e.fqn == ""), None)
         return None if root is None or root.signature is None else (
             root.signature.forward_arg_names)
@@ -149,10 +152,10 @@ class ProgramView:
         ExportedProgram, example inputs and forward argument names)."""
         if self.exported:
             return self._build_exported(in_spec, out_spec, example_inputs, arg_names)
-        return self._build_graph_module(in_spec, out_spec)
+        return self._build_graph_module(in_spec, out_spec, arg_names)
 
-    def _build_graph_module(self, in_spec: pytree.TreeSpec, out_spec: pytree.TreeSpec
-                            ) -> GraphModule:
+    def _build_graph_module(self, in_spec: pytree.TreeSpec, out_spec: pytree.TreeSpec,
+                            arg_names: list[str] | None) -> GraphModule:
         gm, graph = self.gm, self.gm.graph
         output = graph.output_node()
         with graph.inserting_before(output):
@@ -165,7 +168,7 @@ class ProgramView:
             output.args = (tuple(self.outputs) if isinstance(output.args[0], tuple)
                            else list(self.outputs),)
             codegen.pytree_info = codegen.pytree_info._replace(
-                orig_args=[p.name for p in self.inputs], in_spec=in_spec, out_spec=out_spec)
+                orig_args=arg_names, in_spec=in_spec, out_spec=out_spec)
             if hasattr(gm, "_in_spec"):
                 gm._in_spec = in_spec
             if hasattr(gm, "_out_spec"):

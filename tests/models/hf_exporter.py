@@ -44,6 +44,7 @@ __all__ = [
     "export_qwen3",
     "generation_config",
     "prompt_inputs",
+    "resident_cache_options",
     "thread_calls",
     "tiny_model",
 ]
@@ -228,3 +229,37 @@ def eager_generate(hf: HfExport, new_tokens: int) -> torch.Tensor:
     with torch.no_grad():
         tokens = copy.deepcopy(hf.model).generate(**inputs, generation_config=config)
     return tokens[0, inputs["input_ids"].shape[-1]:]
+
+
+_LAYER_LEAVES = ("keys", "values", "cumulative_length")
+
+
+def resident_cache_options(hf: HfExport) -> dict[str, dict[str, Any]]:
+    """``InputsToBuffers`` options making the prefill's and the decode's ``StaticCache`` one
+    resident state, per method: what a user writes for HF's programs.
+
+    The cache's flat leaves are per layer ``keys, values, cumulative_length``; the prefill
+    takes only the counters (``cache.<layer>``) and returns all three per layer. Each leaf
+    becomes ``cache.layers.<layer>.<leaf>`` in both methods: the decode's inputs are written
+    in place and returned (paired by name, ``cache.*`` with ``cache.*``) and start as a fresh
+    cache (zeros); the prefill's counters are written in place and returned, its keys and
+    values created in the graph and returned.
+    """
+    layers = hf.model.config.num_hidden_layers
+    names = {f"cache.{len(_LAYER_LEAVES) * layer + i}": f"cache.layers.{layer}.{leaf}"
+             for layer in range(layers) for i, leaf in enumerate(_LAYER_LEAVES)}
+    examples = torch.utils._pytree.tree_leaves(hf.decode_kwargs["cache"])
+    fresh = {buffer: torch.zeros_like(value) for buffer, value in zip(
+        names.values(), examples, strict=True)}
+    counters = {f"cache.{layer}": f"cache.layers.{layer}.cumulative_length"
+                for layer in range(layers)}
+    returned = {v: k for k, v in names.items()}
+    return {
+        "prefill": {
+            "buffers": counters,
+            "next_values": {i: returned[b] for i, b in counters.items()},
+            "created": {o: b for o, b in names.items() if not b.endswith("cumulative_length")},
+        },
+        "decode": {"buffers": names, "pair_by_name": ("cache.", "cache."),
+                   "initial_values": fresh},
+    }

@@ -224,3 +224,54 @@ def test_a_taken_buffer_name_is_refused():
     program = functional(models.SelectiveScan(), models.scan_inputs())
     error = _refused(program, CarriedStateError, next_values={"h": "1"}, buffers={"h": "a"})
     assert error.name == "a"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def hf(request):
+    pytest.importorskip("transformers.exporters")
+    from tests.models import hf_exporter
+
+    return hf_exporter.export(request.param)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_hf_exporters_prefill_and_decode_share_one_resident_cache(hf, form):
+    """HF's exporter's programs, made resident, generate what HF's programs generate with
+    the cache threaded as HF threads it: logits and cache bit for bit, call after call."""
+    from tests.models import hf_exporter
+
+    options = hf_exporter.resident_cache_options(hf)
+    methods = {}
+    for name in ("prefill", "decode"):
+        program = copy.deepcopy(getattr(hf, name))
+        program = program if form == "exported" else program.module()
+        program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program).program
+        methods[name] = runnable(resident(program, **options[name]).program)
+    state = {n: t for n, t in methods["decode"].named_buffers() if n.startswith("cache.")}
+    for name, tensor in state.items():  # one resident state for both methods
+        owner, leaf = name.rsplit(".", 1)
+        methods["prefill"].get_submodule(owner)._buffers[leaf] = tensor
+
+    def without_cache(module):
+        def call(**kwargs):
+            kwargs.pop("cache")
+            return module(**kwargs)[0], None
+        return call
+
+    # In lockstep: HF's decode writes its cache in place, so each step is compared at once.
+    expected = hf_exporter.thread_calls(hf, hf.prefill.module(), hf.decode.module(), 7)
+    got = hf_exporter.thread_calls(hf, without_cache(methods["prefill"]),
+                                   without_cache(methods["decode"]), 7)
+    for (logits, cache), (resident_logits, _) in zip(expected, got, strict=True):
+        assert torch.equal(resident_logits, logits)
+        for layer_index, layer in enumerate(cache.layers):
+            for leaf in ("keys", "values", "cumulative_length"):
+                assert torch.equal(state[f"cache.layers.{layer_index}.{leaf}"],
+                                   getattr(layer, leaf))
+
+
+def test_part_of_hf_cache_cannot_leave_the_call_alone(hf):
+    program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+        copy.deepcopy(hf.decode)).program
+    error = _refused(program, CarriedStateError, buffers=["cache.0"])
+    assert error.name == "cache_0" and "StaticCache" in error.reason
