@@ -5,6 +5,7 @@ torch.export, pt2e quantization and delegation.
 from . import _methods, conditions  # _methods: the grid the methods of a model must share
 from ._analysis.marked_state import mutable_buffers, reset_mutable_buffers
 from ._lifting import exported_program_from
+from .buffers_to_inputs import BuffersToInputs
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from .errors import (
     AmbiguousFrozenBufferError,
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 
 __all__: list[str] = [
     "AmbiguousFrozenBufferError",
+    "BuffersToInputs",
     "CarriedStateError",
     "ConsumeBufferMutationsInDelegate",
     "InplaceToFunctional",

@@ -41,12 +41,14 @@ class Moved:
 
 @dataclass(frozen=True)
 class CarriedRecord:
-    """One InputsToBuffers run: the call signature before it, and what it moved."""
+    """One InputsToBuffers run: the call signature before it (specs, example inputs, the
+    forward's argument names), and what it moved."""
 
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     moved: tuple[Moved, ...]
     example_inputs: Any = None
+    arg_names: tuple[str, ...] | None = None
 
 
 def records_of(program: Any) -> tuple[CarriedRecord, ...]:

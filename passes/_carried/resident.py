@@ -87,8 +87,10 @@ def make_resident(view: ProgramView, carried: list[Carried], refuse: Any) -> Any
     moved = tuple(Moved(c.buffer, c.input.name if c.input is not None else None,
                         inputs_before.index(c.input) if c.input is not None else None,
                         c.output_indices, c.in_place) for c in carried)
+    names = view.arg_names()
     record = CarriedRecord(view.in_spec, view.out_spec, moved,
-                           view.source.example_inputs if view.exported else None)
+                           view.source.example_inputs if view.exported else None,
+                           tuple(names) if names is not None else None)
     view.gm.meta[CARRIED_META] = (*view.gm.meta.get(CARRIED_META, ()), record)
     arg_names = kept_arg_names(view.arg_names(), view.in_spec, in_spec, dropped_inputs)
     return view.build(in_spec, out_spec, example_inputs, arg_names)
