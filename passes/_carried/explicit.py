@@ -98,7 +98,7 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
                 placed.append((state.input_index, node))
             if state.in_place and state.value is not None:
                 view.writes[node] = state.value
-        if state.value is not None and not state.in_place or state.output_indices:
+        if (state.value is not None and not state.in_place) or state.output_indices:
             indices = state.output_indices or (None,)
             returned.extend((i, state.value) for i in indices)
     for index, node in sorted(placed, key=lambda p: p[0]):

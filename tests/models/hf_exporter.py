@@ -55,7 +55,8 @@ ARCHITECTURES = ("llama", "qwen3")
 
 
 def tiny_model(architecture: str = "llama", layers: int = 2) -> torch.nn.Module:
-    """A seeded random ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (hidden 16, 2 heads, 1 KV head)."""
+    """A seeded random ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (hidden 16, 2 heads, one
+    KV head)."""
     import transformers
 
     config_class, model_class = {
@@ -126,7 +127,7 @@ class _Handover:
         return self.program
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _export(architecture: str, max_cache_len: int, prompt: int) -> HfExport:
     from transformers.exporters import ExecutorchConfig, ExecutorchExporter, exporter_executorch
     from transformers.exporters.utils import decompose_for_generation
