@@ -5,17 +5,22 @@ torch.export, pt2e quantization and delegation.
 from . import _methods, conditions  # _methods: the grid the methods of a model must share
 from ._analysis.marked_state import mutable_buffers, reset_mutable_buffers
 from ._lifting import exported_program_from
+from .buffers_to_inputs import BuffersToInputs
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from .errors import (
     AmbiguousFrozenBufferError,
+    CarriedStateError,
     LiftError,
     QuantizationFlowError,
     QuantizationInputError,
     QuantizedStateError,
+    StateNameError,
+    StatePairingError,
     UnsupportedMutationError,
 )
 from .functional_variants import register_functional_variant
 from .inplace_to_functional import InplaceToFunctional
+from .inputs_to_buffers import InputsToBuffers
 from .mark_mutable_buffers import MarkMutableBuffers
 from .quantize_mutable_buffers import QuantizeMutableBuffers
 from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
@@ -26,8 +31,11 @@ __version__ = "0.1.0"
 
 __all__: list[str] = [
     "AmbiguousFrozenBufferError",
+    "BuffersToInputs",
+    "CarriedStateError",
     "ConsumeBufferMutationsInDelegate",
     "InplaceToFunctional",
+    "InputsToBuffers",
     "LiftError",
     "MarkMutableBuffers",
     "QuantizationFlowError",
@@ -35,6 +43,8 @@ __all__: list[str] = [
     "QuantizeMutableBuffers",
     "QuantizedStateError",
     "SkipAnnotateDataMovementOps",
+    "StateNameError",
+    "StatePairingError",
     "UnfreezeMutableBuffer",
     "UnsupportedMutationError",
     "conditions",

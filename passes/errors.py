@@ -12,10 +12,13 @@ from pass_manager import PassManagerError
 
 __all__ = [
     "AmbiguousFrozenBufferError",
+    "CarriedStateError",
     "LiftError",
     "QuantizationFlowError",
     "QuantizationInputError",
     "QuantizedStateError",
+    "StateNameError",
+    "StatePairingError",
     "UnsupportedMutationError",
 ]
 
@@ -124,3 +127,33 @@ class QuantizationInputError(PassManagerError, ValueError, TypeError):
         self.argument = argument
         self.reason = reason
         super().__init__(f"{helper}: {argument}: {reason}")
+
+
+class CarriedStateError(PassManagerError):
+    """``InputsToBuffers`` / ``BuffersToInputs`` cannot move this state between the call
+    signature and resident buffers as asked; the program was left unchanged.
+
+    Attributes:
+        name: the input, output or buffer at fault, as the option named it.
+        reason: why, and what to pass instead.
+    """
+
+    def __init__(self, pass_name: str, name: str, reason: str):
+        self.name = name
+        self.reason = reason
+        super().__init__(f"{pass_name}: {name!r}: {reason}; the program was left unchanged",
+                         pass_name=pass_name)
+
+
+class StateNameError(CarriedStateError, KeyError):
+    """An option names no input, output or buffer of the program, or one that is not state
+    (an input the program neither mutates nor returns the next value of). A ``KeyError`` too.
+    """
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0]
+
+
+class StatePairingError(CarriedStateError):
+    """An input and the output named as its next value do not pair: another shape or dtype,
+    or the program writes the input in place with another value."""

@@ -1,0 +1,176 @@
+"""Making resident state explicit I/O: the rewrite :class:`passes.BuffersToInputs` plans.
+
+Each buffer's node becomes an input placeholder; the value the program writes into it is
+written into that input in place, or returned. Restoring an InputsToBuffers record puts every
+input and output back where it was (same names, specs, example inputs); other buffers become
+keyword inputs named by their FQN, their new values appended to the outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
+from torch.fx import Node
+
+from .._analysis.buffers import INITIAL_META, MUTABLE_BUFFER_META, MUTABLE_INPUT_META
+from .record import CARRIED_META, CarriedRecord
+from .specs import with_leaves
+from .view import ProgramView
+
+__all__ = ["Explicit", "make_explicit"]
+
+
+@dataclass
+class Explicit:
+    """One buffer to make an input.
+
+    Attributes:
+        buffer: its FQN.
+        nodes: the nodes reading it (its placeholder, or every get_attr of it).
+        value: the value the program writes into it (None: it is only read).
+        in_place: write that value into the input (else return it).
+        input_name: the input's name (a restored record's, or the buffer's FQN).
+        input_index: its flat input position (a restored record), else appended.
+        output_indices: where its value is returned (a restored record), else appended
+            once when not in place.
+        keep_input: False for state a restored prefill created: no input comes back.
+    """
+
+    buffer: str
+    nodes: list[Node]
+    value: Node | None
+    in_place: bool
+    input_name: str
+    input_index: int | None = None
+    output_indices: tuple[int, ...] = ()
+    keep_input: bool = True
+
+
+def _remove_buffer(view: ProgramView, fqn: str) -> None:
+    if view.exported:
+        view.constants.pop(fqn, None)
+        return
+    *path, leaf = fqn.split(".")
+    owner = view.gm
+    for part in path:
+        owner = getattr(owner, part)
+    owner._buffers.pop(leaf, None)
+
+
+def _clear_marks(node: Node, state: Explicit) -> None:
+    node.meta.pop(MUTABLE_BUFFER_META, None)
+    node.meta.pop(INITIAL_META, None)
+    if state.in_place and state.value is not None:
+        node.meta[MUTABLE_INPUT_META] = node.name
+
+
+def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRecord | None
+                  ) -> torch.nn.Module:
+    """The program of ``view`` with each of ``explicit`` an input; with ``record``, its call
+    signature restored exactly (and the record dropped)."""
+    graph = view.gm.graph
+    inputs = list(view.inputs)
+    outputs = list(view.outputs)
+    placed: list[tuple[int, Node]] = []
+    returned: list[tuple[int, Node]] = []
+    new_keywords: dict[str, int] = {}
+    for state in explicit:
+        for old in state.nodes:
+            view.writes.pop(old, None)
+        node = _input_node(view, state) if state.keep_input else None
+        for old in state.nodes:
+            if old is not node:
+                old.replace_all_uses_with(node) if node is not None else None
+                graph.erase_node(old)
+        _remove_buffer(view, state.buffer)
+        if node is not None:
+            _clear_marks(node, state)
+            if view.exported:
+                view.specs[node] = InputSpec(InputKind.USER_INPUT, TensorArgument(node.name),
+                                             target=None)
+            if state.input_index is None:
+                inputs.append(node)
+                new_keywords[state.input_name] = 0
+            else:
+                placed.append((state.input_index, node))
+            if state.in_place and state.value is not None:
+                view.writes[node] = state.value
+        if (state.value is not None and not state.in_place) or state.output_indices:
+            indices = state.output_indices or (None,)
+            returned.extend((i, state.value) for i in indices)
+    for index, node in sorted(placed, key=lambda p: p[0]):
+        inputs.insert(index, node)
+    for index, value in sorted((r for r in returned if r[0] is not None), key=lambda r: r[0]):
+        outputs.insert(index, value)
+    outputs.extend(value for index, value in returned if index is None)
+    _order_placeholders(view, inputs)
+    view.inputs, view.outputs = inputs, outputs
+    if record is not None:
+        records = view.gm.meta.get(CARRIED_META, ())
+        view.gm.meta[CARRIED_META] = tuple(r for r in records if r is not record)
+        names = list(record.arg_names) if record.arg_names is not None else None
+        return view.build(record.in_spec, record.out_spec, record.example_inputs, names)
+    in_spec = with_leaves(view.in_spec, new_keywords)
+    appended = sum(1 for index, _ in returned if index is None)
+    out_spec = view.out_spec
+    if appended:
+        leaves = [pytree.tree_structure(0)] * appended
+        out_spec = (pytree.TreeSpec(tuple, None, [*out_spec.children(), *leaves])
+                    if out_spec.type is tuple else
+                    pytree.TreeSpec(tuple, None, [out_spec, *leaves]))
+    names = view.arg_names()
+    if names is not None:
+        names = names + list(new_keywords)
+    example_inputs = None
+    if view.exported and view.source.example_inputs is not None:
+        args, kwargs = view.source.example_inputs
+        kwargs = dict(kwargs)
+        for state in explicit:
+            if state.keep_input and state.input_index is None:
+                kwargs[state.input_name] = _initial(view, state)
+        example_inputs = (args, kwargs)
+    return view.build(in_spec, out_spec, example_inputs, names)
+
+
+def _initial(view: ProgramView, state: Explicit) -> torch.Tensor:
+    source = view.source
+    held = source.constants if state.buffer in source.constants else source.state_dict
+    return held[state.buffer].clone()
+
+
+def _input_node(view: ProgramView, state: Explicit) -> Node:
+    """The placeholder the buffer becomes: its own placeholder (EP), or a new one (GM)."""
+    graph = view.gm.graph
+    if view.exported:
+        node = state.nodes[0]
+        if state.input_index is None and node.name != state.input_name:
+            node._rename(state.input_name)
+        return node
+    placeholders = graph.find_nodes(op="placeholder")
+    anchor = placeholders[-1] if placeholders else None
+    if anchor is None:
+        with graph.inserting_before(next(iter(graph.nodes))):
+            node = graph.placeholder(state.input_name)
+    else:
+        with graph.inserting_after(anchor):
+            node = graph.placeholder(state.input_name)
+    node.meta = dict(state.nodes[0].meta)
+    return node
+
+
+def _order_placeholders(view: ProgramView, inputs: list[Node]) -> None:
+    """The user inputs last among the placeholders, in call order."""
+    placeholders = view.gm.graph.find_nodes(op="placeholder")
+    rest = [p for p in placeholders if p not in set(inputs)]
+    anchor = rest[-1] if rest else None
+    for node in inputs:
+        if anchor is None:
+            first = next(iter(view.gm.graph.nodes))
+            if first is not node:
+                first.prepend(node)
+        else:
+            anchor.append(node)
+        anchor = node

@@ -1,0 +1,285 @@
+"""InputsToBuffers: make state a program carries through its call signature resident."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx import Node
+
+from pass_manager import Effects, Pass, PassResult
+from pass_manager.collector import collector_paused
+
+from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
+from ._analysis.buffers import USER_INPUT, state_nodes
+from ._carried.record import records_of
+from ._carried.resident import Carried, make_resident
+from ._carried.specs import input_names, output_names
+from ._carried.view import ProgramView
+from .errors import CarriedStateError, StateNameError, StatePairingError
+
+__all__ = ["InputsToBuffers", "carried_buffers"]
+
+_NAME = "InputsToBuffers"
+
+
+def carried_buffers(program: Any) -> dict[str, str]:
+    """Which input (by placeholder name) or created output (``"output:<name>"``) became which
+    buffer, over every InputsToBuffers run that changed ``program``."""
+    found: dict[str, str] = {}
+    for record in records_of(program):
+        names = output_names(record.out_spec)
+        for moved in record.moved:
+            key = moved.input if moved.input is not None else (
+                "output:" + names[moved.output_indices[0]])
+            found[key] = moved.buffer
+    return found
+
+
+@dataclass(frozen=True, repr=False)
+class InputsToBuffers(Pass):
+    """Turn state carried through the call signature into resident mutable buffers.
+
+    Three kinds of carried state become non-persistent buffers (as HF's and ExecuTorch's
+    caches are), which the program then reads and writes itself:
+
+    * an input the program mutates in place (a ``USER_INPUT_MUTATION`` output, or a
+      GraphModule's trailing ``copy_(input, value)``: run MarkMutableBuffers and
+      InplaceToFunctional first; this pass requires that functional form);
+    * an input paired with an output that returns its next value: by ``next_values``
+      (input name -> output name) or by ``pair_by_name`` (``("past_key_values.",
+      "present.")`` pairs ``past_key_values.0.key`` with ``present.0.key``, as OpenVINO's
+      stateful export does);
+    * state the graph creates and returns (HF's prefill builds its caches from ``zeros``):
+      ``created`` maps such an output to a buffer, which the program then writes instead.
+      A prefill and a decode converted with the same buffer names share one resident state.
+
+    An input is named by its placeholder (``cache_0``) or, for a keyword input, its dotted
+    path (``cache.0``: leaf 0 of keyword ``cache``); an output by its dotted path
+    (``logits``, ``cache.0``; ``0``, ``1`` for a returned tuple). ``buffers`` chooses the
+    inputs and names their buffers (a sequence: named after the input); by default every
+    input mutated in place or paired becomes a buffer named after its dotted path (else its
+    placeholder). The inputs and the outputs that carried the state leave the call signature
+    (pytree specs, graph signature, module call graph and example inputs agree). A buffer
+    starts as ``initial_values[buffer]``, else the example input's value (ExportedProgram),
+    else zeros (a note says so).
+
+    Which input became which buffer: ``passes.inputs_to_buffers.carried_buffers(result)``
+    (input name, or ``"output:<name>"`` for created state -> buffer), the notes (one line
+    each) and the statistics (``inputs made buffers``, ``in place``, ``paired``, ``created``).
+    The result is a new program; its input is left untouched.
+
+    Example (GraphModule form; an input ``h`` paired with output ``1``)::
+
+        before:  %h = placeholder[h]           after:  %h = get_attr[h]
+                 %x = placeholder[x]                   %x = placeholder[x]
+                 %mul = aten.mul(%h, 0.5)              %mul = aten.mul(%h, 0.5)
+                 %add = aten.add(%mul, %x)             %add = aten.add(%mul, %x)
+                 return (%add, %add)                   %copy_ = aten.copy_(%h, %add)
+                                                       return (%add,)
+
+    Raises:
+        PreconditionError: Functional or MutableBuffersMarked does not hold (in-place
+            writes left: run MarkMutableBuffers and InplaceToFunctional first).
+        ProgramFormError: the program is neither a GraphModule nor an ExportedProgram.
+        PassFailedError: run by a PassManager or as ``pass_(program)``, in place of the
+            errors below (its ``__cause__``); the program is left as it was.
+        StateNameError: an option names no input or output, or an input that is not state
+            (neither mutated in place nor paired), or a buffer no state gets.
+        StatePairingError: an input and its next value differ in shape or dtype, or the
+            program writes the input in place with another value than the paired output.
+        CarriedStateError: otherwise impossible: a buffer name already taken, an input that
+            is one leaf of a container (a ``StaticCache``) whose other leaves stay inputs, a
+            dynamic shape, an initial value of another shape or dtype.
+    """
+
+    buffers: Mapping[str, str] | Sequence[str] | None = None
+    next_values: Mapping[str, str] | None = None
+    pair_by_name: tuple[str, str] | None = None
+    created: Mapping[str, str] | None = None
+    initial_values: Mapping[str, torch.Tensor] | None = None
+
+    requires = frozenset({Functional, MutableBuffersMarked})
+    preserves = frozenset({Functional, MutableBuffersMarked})
+    effects = Effects.rewrite(in_place=False)  # a new program; its input is left untouched
+
+    def call(self, program: Any) -> PassResult:
+        with collector_paused():
+            view = ProgramView.of(program)
+            carried, notes = self._plan(view)
+            if not carried:
+                return PassResult(program, False, notes)
+            result = make_resident(view, carried, self._refuse)
+        statistics: Counter[str] = Counter()
+        for c in carried:
+            statistics["inputs made buffers" if c.input is not None else "created"] += 1
+            if c.input is not None:
+                statistics["in place" if c.in_place else "paired"] += 1
+            how = ("created by the graph" if c.input is None else
+                   "written in place" if c.in_place else "paired with its next value")
+            source = f"input {c.input.name!r}" if c.input is not None else "output"
+            notes.append(f"{source} -> buffer {c.buffer!r} ({how})")
+        return PassResult(result, True, notes, statistics)
+
+    # -- planning ---------------------------------------------------------------------
+    def _refuse(self, what: str, inputs: list[Node] | None):
+        def refuse(index: int, container: str) -> CarriedStateError:
+            name = inputs[index].name if inputs is not None else str(index)
+            return CarriedStateError(
+                _NAME, name, f"this {what} is one leaf of a {container} whose other leaves "
+                "stay in the call signature, and a "
+                f"{container} cannot be passed without it: make all of its leaves state or none")
+        return refuse
+
+    def _plan(self, view: ProgramView) -> tuple[list[Carried], list[str]]:
+        names = input_names(view.in_spec, [p.name for p in view.inputs])
+        by_input_name = {n: i for i, ns in enumerate(names) for n in ns}
+        outputs = output_names(view.out_spec)
+        by_output_name = {n: i for i, n in enumerate(outputs)}
+        notes: list[str] = []
+
+        def input_index(name: str, option: str) -> int:
+            if name not in by_input_name:
+                raise StateNameError(_NAME, name, f"{option} names no input of the program "
+                                     f"(inputs: {', '.join(sorted(by_input_name))})")
+            return by_input_name[name]
+
+        def output_index(name: str, option: str) -> int:
+            if name not in by_output_name:
+                raise StateNameError(_NAME, name, f"{option} names no output of the program "
+                                     f"(outputs: {', '.join(outputs)})")
+            return by_output_name[name]
+
+        pairs: dict[int, int] = {}
+        for name, out in (self.next_values or {}).items():
+            pairs[input_index(name, "next_values")] = output_index(out, "next_values")
+        if self.pair_by_name is not None:
+            prefix_in, prefix_out = self.pair_by_name
+            for i, ns in enumerate(names):
+                for n in ns:
+                    wanted = prefix_out + n[len(prefix_in):]
+                    if n.startswith(prefix_in) and wanted in by_output_name and i not in pairs:
+                        pairs[i] = by_output_name[wanted]
+        written = {view.inputs.index(p) for p in view.writes if p in view.inputs}
+        if self.buffers is None:
+            chosen = {i: names[i][-1] for i in sorted(written | set(pairs))}
+        elif isinstance(self.buffers, Mapping):
+            chosen = {input_index(n, "buffers"): b for n, b in self.buffers.items()}
+        else:
+            chosen = {input_index(n, "buffers"): names[input_index(n, "buffers")][-1]
+                      for n in self.buffers}
+        carried = []
+        for i, buffer in chosen.items():
+            node = view.inputs[i]
+            carried.append(self._input_state(view, node, buffer, pairs.get(i), outputs))
+        for out, buffer in (self.created or {}).items():
+            index = output_index(out, "created")
+            if index in pairs.values():
+                raise StateNameError(_NAME, out, "created names an output already paired "
+                                     "with an input")
+            value = view.outputs[index]
+            if not isinstance(value, Node) or not isinstance(value.meta.get("val"),
+                                                              torch.Tensor):
+                raise StateNameError(_NAME, out, "created names an output that is no tensor")
+            initial = self._initial(buffer, value, None, notes)
+            carried.append(Carried(buffer, None, value, (index,), False, initial))
+        self._check_buffers(view, carried)
+        return carried, notes
+
+    def _input_state(self, view: ProgramView, node: Node, buffer: str, output: int | None,
+                     outputs: list[str]) -> Carried:
+        written = view.writes.get(node)
+        if written is None and output is None:
+            raise StateNameError(_NAME, node.name, "buffers names an input the program neither "
+                                 "mutates in place nor returns the next value of: it is not "
+                                 "state (pair it with next_values or pair_by_name)")
+        value = written
+        if output is not None:
+            paired = view.outputs[output]
+            if written is not None and paired is not written:
+                raise StatePairingError(_NAME, node.name, f"the program writes it in place "
+                                        f"with {written.name}, but output {outputs[output]!r} "
+                                        f"returns {getattr(paired, 'name', paired)}")
+            if not isinstance(paired, Node):
+                raise StatePairingError(_NAME, node.name, f"output {outputs[output]!r} is a "
+                                        "constant, not its next value")
+            _check_pair(node, paired, outputs[output])
+            value = paired
+        example = _example_value(view, node)
+        initial = self._initial(buffer, value, example, [])
+        return Carried(buffer, node, value, (output,) if output is not None else (),
+                       written is not None, initial)
+
+    def _initial(self, buffer: str, value: Node, example: torch.Tensor | None,
+                 notes: list[str]) -> torch.Tensor:
+        val = value.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise CarriedStateError(_NAME, value.name, "its value has no fake tensor "
+                                    "(meta['val']): the buffer's shape is unknown")
+        if any(not isinstance(s, int) for s in val.shape):
+            raise CarriedStateError(_NAME, buffer, f"its shape {tuple(val.shape)} is "
+                                    "dynamic; a buffer's shape is fixed")
+        given = (self.initial_values or {}).get(buffer)
+        if given is not None:
+            if tuple(given.shape) != tuple(val.shape) or given.dtype != val.dtype:
+                raise CarriedStateError(_NAME, buffer, f"initial_values gives a "
+                                        f"{given.dtype} {tuple(given.shape)} tensor for a "
+                                        f"{val.dtype} {tuple(val.shape)} state")
+            return given.detach().clone()
+        if example is not None:
+            return example.detach().clone()
+        notes.append(f"buffer {buffer!r} starts as zeros (no example input or initial value)")
+        return torch.zeros(val.shape, dtype=val.dtype, device=val.device)
+
+    def _check_buffers(self, view: ProgramView, carried: list[Carried]) -> None:
+        taken = {s.name for s in state_nodes(view.gm if not view.exported else view.source
+                                             ).values() if s.kind != USER_INPUT}
+        taken |= set(view.constants)
+        seen: set[str] = set()
+        for c in carried:
+            if c.buffer in taken or c.buffer in seen or not c.buffer or (
+                    not view.exported and _attribute_taken(view.gm, c.buffer)):
+                raise CarriedStateError(_NAME, c.buffer, "the buffer name is taken (by state "
+                                        "the program has, another input, or an attribute)")
+            seen.add(c.buffer)
+        unknown = set(self.initial_values or {}) - seen
+        if unknown:
+            name = sorted(unknown)[0]
+            raise StateNameError(_NAME, name, "initial_values names a buffer no state becomes "
+                                 f"(buffers: {', '.join(sorted(seen))})")
+
+
+def _attribute_taken(gm: torch.nn.Module, fqn: str) -> bool:
+    owner: Any = gm
+    for part in fqn.split("."):
+        if isinstance(owner, torch.nn.Module) and part in owner._modules:
+            owner = owner._modules[part]
+        elif hasattr(owner, part):
+            return True
+        else:
+            return False
+    return True
+
+
+def _check_pair(node: Node, value: Node, output: str) -> None:
+    have, new = node.meta.get("val"), value.meta.get("val")
+    if not isinstance(have, torch.Tensor) or not isinstance(new, torch.Tensor):
+        raise StatePairingError(_NAME, node.name, f"the input or output {output!r} is no "
+                                "tensor with a known shape (meta['val'])")
+    if tuple(have.shape) != tuple(new.shape) or have.dtype != new.dtype:
+        raise StatePairingError(_NAME, node.name, f"the input is {have.dtype} "
+                                f"{tuple(have.shape)} but output {output!r} is {new.dtype} "
+                                f"{tuple(new.shape)}: not its next value")
+
+
+def _example_value(view: ProgramView, node: Node) -> torch.Tensor | None:
+    """The example input's value of ``node`` (an ExportedProgram keeps its example inputs)."""
+    if not view.exported or view.source.example_inputs is None:
+        return None
+    leaves = pytree.tree_leaves(view.source.example_inputs)
+    value = leaves[view.inputs.index(node)]
+    return value if isinstance(value, torch.Tensor) else None

@@ -1,0 +1,177 @@
+"""BuffersToInputs: resident buffers become explicit inputs (written in place, or returned),
+behaving like eager with the state threaded by hand; InputsToBuffers -> BuffersToInputs
+gives back the program it started from, outputs and state bit for bit over several calls,
+on both program forms."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+from pass_manager import PassFailedError, PassManager
+from passes import (
+    BuffersToInputs,
+    InplaceToFunctional,
+    InputsToBuffers,
+    MarkMutableBuffers,
+    StateNameError,
+)
+from tests.models import carried_state as models
+from tests.models.accumulators import Accumulate
+
+FORMS = ["exported", "module"]
+CALLS = 5
+
+
+def functional(program):
+    return PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program).program
+
+
+def exported(module, args, kwargs=None, form="exported"):
+    ep = torch.export.export(module, args, kwargs or {})
+    return functional(ep if form == "exported" else ep.module())
+
+
+def runnable(program):
+    return program.module() if isinstance(program, torch.export.ExportedProgram) else program
+
+
+def round_trip(program, **options):
+    resident = PassManager([InputsToBuffers(**options)]).run(program).program
+    return PassManager([BuffersToInputs()]).run(resident)
+
+
+def assert_same_calls(before, after, calls):
+    """``before`` and ``after`` called with the same inputs (each its own copy of the state
+    tensors, threaded the same way) give the same outputs and leave the same state."""
+    first, second = runnable(before), runnable(after)
+    for args, kwargs, thread in calls:
+        state_first, state_second = copy.deepcopy((args, kwargs)), copy.deepcopy((args, kwargs))
+        for _ in range(CALLS):
+            out_first = first(*state_first[0], **state_first[1])
+            out_second = second(*state_second[0], **state_second[1])
+            # Leaves: HF's StaticCache and model outputs are pytrees, not known to assert_close.
+            for a, b in ((out_second, out_first), (state_second, state_first)):
+                torch.testing.assert_close(pytree.tree_leaves(a), pytree.tree_leaves(b),
+                                           rtol=0, atol=0)
+            state_first = thread(state_first, out_first)
+            state_second = thread(state_second, out_second)
+
+
+def _in_place(state, _):
+    (x, *rest), kwargs = state
+    return (x * 1.5 + 0.25, *rest), kwargs
+
+
+def _returned_at(position, output):
+    def thread(state, out):
+        (x, *rest), kwargs = state
+        rest[position - 1] = out[output]
+        return (x * 1.5 + 0.25, *rest), kwargs
+    return thread
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_in_place_inputs_round_trip_exactly(form):
+    program = exported(models.InPlaceCache(), models.cache_inputs(), form=form)
+    result = round_trip(program)
+    assert "restored" in " ".join(result.report.records[0].notes)
+    if form == "exported":
+        assert result.program.graph_signature == program.graph_signature
+        assert result.program.call_spec.in_spec == program.call_spec.in_spec
+        torch.testing.assert_close(result.program.example_inputs, program.example_inputs)
+    else:
+        assert [p.name for p in result.program.graph.find_nodes(op="placeholder")] == [
+            "x", "cache", "position"]
+    assert_same_calls(program, result.program, [(models.cache_inputs(), {}, _in_place)])
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("case", ["scan", "window"])
+def test_pairs_round_trip_exactly(form, case):
+    model, inputs, name = {"scan": (models.SelectiveScan, models.scan_inputs, "h"),
+                           "window": (models.SlidingWindow, models.window_inputs, "window")}[case]
+    program = exported(model(), inputs(), form=form)
+    result = round_trip(program, next_values={name: "1"})
+    assert_same_calls(program, result.program, [(inputs(), {}, _returned_at(1, 1))])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_keyword_name_pairs_round_trip_exactly(form):
+    args, kwargs = models.named_state_inputs()
+    program = exported(models.NamedState(), args, kwargs, form=form)
+    result = round_trip(program, pair_by_name=("past_key_values.", "present."))
+
+    def thread(state, out):
+        (x,), _ = state
+        return (x * 1.5,), {"past_key_values": {"0.key": out["present.0.key"],
+                                                "0.value": out["present.0.value"]}}
+    assert_same_calls(program, result.program, [(args, kwargs, thread)])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_created_state_round_trips_exactly(form):
+    prompt = torch.randn(1, 3, models.DIM, generator=torch.Generator().manual_seed(5))
+    program = exported(models.Prefill(), (prompt,), form=form)
+    result = round_trip(program, created={"1": "cache", "2": "position"})
+    assert "cache" not in dict(runnable(result.program).named_buffers())
+    assert_same_calls(program, result.program, [((prompt,), {}, lambda s, _: s)])
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("returned", [False, True])
+def test_registered_buffers_become_inputs_and_behave_like_eager(form, returned):
+    x = torch.randn(4, generator=torch.Generator().manual_seed(6))
+    program = exported(Accumulate(), (x,), form=form)
+    result = PassManager([BuffersToInputs(returned=returned)]).run(program)
+    module = runnable(result.program)
+    assert "acc" not in dict(module.named_buffers())
+    eager = Accumulate()
+    acc = torch.zeros(4)
+    for step in range(CALLS):
+        x = torch.full((4,), 0.5 * step - 1)
+        expected = eager(x)
+        if returned:
+            out, acc = module(x, acc=acc)
+        else:
+            out = module(x, acc=acc)  # written in place
+        assert torch.equal(out, expected)
+        assert torch.equal(acc, eager.acc)
+
+
+def test_a_name_that_is_no_buffer_is_refused():
+    program = exported(Accumulate(), (torch.ones(4),))
+    before = copy.deepcopy(program)
+    with pytest.raises(PassFailedError) as caught:
+        PassManager([BuffersToInputs(buffers=["cache"])]).run(program)
+    error = caught.value.__cause__
+    assert isinstance(error, StateNameError) and error.name == "cache"
+    assert "BuffersToInputs" in str(error) and "acc" in str(error)
+    assert str(program.graph) == str(before.graph)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def hf(request):
+    pytest.importorskip("transformers.exporters")
+    from tests.models import hf_exporter
+
+    return hf_exporter.export(request.param)
+
+
+@pytest.mark.parametrize("method", ["prefill", "decode"])
+def test_hf_exporters_programs_round_trip_exactly(hf, method):
+    from tests.models import hf_exporter
+
+    options = hf_exporter.resident_cache_options(hf)[method]
+    program = functional(copy.deepcopy(getattr(hf, method)))
+    result = round_trip(program, **options).program
+    assert result.call_spec.in_spec == program.call_spec.in_spec
+    assert result.call_spec.out_spec == program.call_spec.out_spec
+    kwargs = getattr(hf, f"{method}_kwargs")
+    # The decode advances its cache call after call; each prefill starts a fresh one.
+    thread = (lambda s, _: s) if method == "decode" else (
+        lambda s, _: ((), copy.deepcopy(kwargs)))
+    assert_same_calls(program, result, [((), kwargs, thread)])

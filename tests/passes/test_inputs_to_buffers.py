@@ -1,0 +1,277 @@
+"""InputsToBuffers: carried state (inputs written in place, input/output pairs, state a
+prefill creates) becomes resident buffers; the programs then behave like eager with the state
+threaded by hand, call after call, bit for bit, on both program forms; refusals are typed and
+leave the program unchanged."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+from pass_manager import PassFailedError, PassManager, PreconditionError
+from passes import (
+    CarriedStateError,
+    InplaceToFunctional,
+    InputsToBuffers,
+    MarkMutableBuffers,
+    StateNameError,
+    StatePairingError,
+    mutable_buffers,
+    reset_mutable_buffers,
+)
+from passes.inputs_to_buffers import carried_buffers
+from tests.models import carried_state as models
+
+FORMS = ["exported", "module"]
+CALLS = 5
+
+
+def functional(module, args, kwargs=None, form="exported"):
+    """``module`` exported, marked and functionalized, in ``form``."""
+    ep = torch.export.export(module, args, kwargs or {})
+    program = ep if form == "exported" else ep.module()
+    return PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program).program
+
+
+def resident(program, **options):
+    return PassManager([InputsToBuffers(**options)]).run(program)
+
+
+def runnable(program):
+    return program.module() if isinstance(program, torch.export.ExportedProgram) else program
+
+
+def buffers(module, names):
+    found = dict(module.named_buffers())
+    return {n: found[n].clone() for n in names}
+
+
+def test_in_place_inputs_become_buffers_and_behave_like_eager(form="exported"):
+    for form in FORMS:
+        x, cache, position = models.cache_inputs()
+        program = functional(models.InPlaceCache(), (x, cache.clone(), position.clone()),
+                             form=form)
+        result = resident(program)
+        assert carried_buffers(result.program) == {"cache": "cache", "position": "position"}
+        assert result.report.records[0].statistics["in place"] == 2
+        module = runnable(result.program)
+        eager = models.InPlaceCache()
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(CALLS):
+            x = torch.randn(1, 1, models.DIM, generator=generator)
+            expected = eager(x, cache, position)  # eager threads its state in place
+            assert torch.equal(module(x), expected)
+            state = buffers(module, ["cache", "position"])
+            assert torch.equal(state["cache"], cache)
+            assert torch.equal(state["position"], position)  # the integer counter, exact
+        assert set(mutable_buffers(result.program)) >= {"cache", "position"}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_exported_program_keeps_no_trace_of_the_inputs(form):
+    program = functional(models.InPlaceCache(), models.cache_inputs(), form=form)
+    out = resident(program).program
+    if form == "exported":
+        kinds = {s.arg.name: s.kind.name for s in out.graph_signature.input_specs}
+        assert [n for n, k in kinds.items() if k == "USER_INPUT"] == ["x"]
+        assert out.call_spec.in_spec.num_leaves == 1
+        assert len(pytree.tree_leaves(out.example_inputs)) == 1
+        assert all(s.kind.name != "USER_INPUT_MUTATION" for s in out.graph_signature.output_specs)
+        assert not out.graph_signature.buffers_to_mutate.keys() - {
+            s.arg.name for s in out.graph_signature.output_specs}
+    else:
+        assert [p.name for p in out.graph.find_nodes(op="placeholder")] == ["x"]
+    assert "cache" in dict(runnable(out).named_buffers())
+    # Non-persistent, like HF's and ExecuTorch's caches: not in the state dict.
+    assert "cache" not in runnable(out).state_dict()
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("case", ["scan", "window"])
+def test_pairs_by_mapping_behave_like_eager(form, case):
+    model, inputs, state_name = {
+        "scan": (models.SelectiveScan, models.scan_inputs, "h"),
+        "window": (models.SlidingWindow, models.window_inputs, "window"),
+    }[case]
+    x, state = inputs()
+    program = functional(model(), (x, state), form=form)
+    result = resident(program, next_values={state_name: "1"})
+    assert carried_buffers(result.program) == {state_name: state_name}
+    module = runnable(result.program)
+    eager = model()
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(CALLS):
+        x = torch.randn(*x.shape, generator=generator)
+        expected, state = eager(x, state)  # eager threads the returned state
+        got = module(x)
+        got = got[0] if isinstance(got, tuple) else got
+        assert torch.equal(got, expected)
+        assert torch.equal(buffers(module, [state_name])[state_name], state)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_keyword_inputs_pair_with_outputs_by_name(form):
+    args, kwargs = models.named_state_inputs()
+    program = functional(models.NamedState(), args, kwargs, form=form)
+    result = resident(program, pair_by_name=("past_key_values.", "present."),
+                      buffers={"past_key_values.0.key": "kv.0.key",
+                               "past_key_values.0.value": "kv.0.value"})
+    assert carried_buffers(result.program) == {"past_key_values_0_key": "kv.0.key",
+                                               "past_key_values_0_value": "kv.0.value"}
+    module = runnable(result.program)
+    eager = models.NamedState()
+    past = kwargs["past_key_values"]
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(CALLS):
+        x = torch.randn(1, 1, models.DIM, generator=generator)
+        expected = eager(x, past_key_values=past)
+        past = {"0.key": expected["present.0.key"], "0.value": expected["present.0.value"]}
+        got = module(x)
+        assert list(got) == ["logits"]
+        assert torch.equal(got["logits"], expected["logits"])
+        state = buffers(module, ["kv.0.key", "kv.0.value"])
+        assert torch.equal(state["kv.0.key"], past["0.key"])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_prefill_created_state_is_shared_with_the_decode(form):
+    prompt = torch.randn(1, 3, models.DIM, generator=torch.Generator().manual_seed(3))
+    prefill = functional(models.Prefill(), (prompt,), form=form)
+    x, cache, position = models.cache_inputs()
+    decode = functional(models.Decode(), (x, cache, position), form=form)
+    prefill = resident(prefill, created={"1": "cache", "2": "position"}).program
+    decode = resident(decode).program
+    assert carried_buffers(prefill) == {"output:1": "cache", "output:2": "position"}
+    prefill_module, decode_module = runnable(prefill), runnable(decode)
+    # One resident state: the decode's buffers are the prefill's.
+    for name in ("cache", "position"):
+        decode_module._buffers[name] = prefill_module.get_buffer(name)
+    expected, cache, position = models.Prefill()(prompt)
+    assert torch.equal(prefill_module(prompt)[0], expected)  # a returned tuple stays one
+    eager = models.Decode()
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(CALLS - 1):
+        x = torch.randn(1, 1, models.DIM, generator=generator)
+        assert torch.equal(decode_module(x), eager(x, cache, position))
+        assert torch.equal(decode_module.get_buffer("cache"), cache)
+        assert torch.equal(decode_module.get_buffer("position"), position)
+    # A prefill starts the state afresh, whatever the decodes left.
+    assert torch.equal(prefill_module(prompt)[0], expected)  # a returned tuple stays one
+    assert int(prefill_module.get_buffer("position")) == 3
+
+
+def test_reset_restores_the_initial_value_given():
+    x, cache, position = models.cache_inputs()
+    program = functional(models.InPlaceCache(), (x, cache, position))
+    start = torch.full_like(cache, 0.25)
+    out = resident(program, initial_values={"cache": start}).program
+    module = out.module()
+    module(x)
+    assert not torch.equal(module.get_buffer("cache"), start)
+    reset_mutable_buffers(out)
+    assert torch.equal(out.module().get_buffer("cache"), start)
+
+
+def test_a_non_functional_program_is_refused_by_the_precondition():
+    ep = torch.export.export(models.InPlaceCache(), models.cache_inputs())
+    with pytest.raises(PreconditionError):
+        PassManager([InputsToBuffers()]).run(ep)
+
+
+def _refused(program, error, **options):
+    before = copy.deepcopy(program)
+    with pytest.raises(PassFailedError) as caught:
+        resident(program, **options)
+    assert isinstance(caught.value.__cause__, error)
+    assert "InputsToBuffers" in str(caught.value.__cause__)
+    assert str(program.graph) == str(before.graph)
+    return caught.value.__cause__
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_pair_of_another_shape_is_refused(form):
+    program = functional(models.NamedState(), *models.named_state_inputs(), form=form)
+    error = _refused(program, StatePairingError,
+                     next_values={"past_key_values.0.key": "logits"})
+    assert "past_key_values_0_key" in str(error) and "logits" in str(error)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_name_that_is_no_input_is_refused(form):
+    program = functional(models.SelectiveScan(), models.scan_inputs(), form=form)
+    error = _refused(program, StateNameError, next_values={"state": "1"})
+    assert error.name == "state" and "no input" in error.reason
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_mapping_naming_an_input_that_is_not_state_is_refused(form):
+    program = functional(models.SelectiveScan(), models.scan_inputs(), form=form)
+    error = _refused(program, StateNameError, buffers={"x": "x_state"})
+    assert error.name == "x" and "not state" in error.reason
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_an_input_written_in_place_paired_with_another_value_is_refused(form):
+    program = functional(models.InPlaceCache(), models.cache_inputs(), form=form)
+    error = _refused(program, StatePairingError, next_values={"cache": ""})
+    assert error.name == "cache"
+
+
+def test_a_taken_buffer_name_is_refused():
+    program = functional(models.SelectiveScan(), models.scan_inputs())
+    error = _refused(program, CarriedStateError, next_values={"h": "1"}, buffers={"h": "a"})
+    assert error.name == "a"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def hf(request):
+    pytest.importorskip("transformers.exporters")
+    from tests.models import hf_exporter
+
+    return hf_exporter.export(request.param)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_hf_exporters_prefill_and_decode_share_one_resident_cache(hf, form):
+    """HF's exporter's programs, made resident, generate what HF's programs generate with
+    the cache threaded as HF threads it: logits and cache bit for bit, call after call."""
+    from tests.models import hf_exporter
+
+    options = hf_exporter.resident_cache_options(hf)
+    methods = {}
+    for name in ("prefill", "decode"):
+        program = copy.deepcopy(getattr(hf, name))
+        program = program if form == "exported" else program.module()
+        program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program).program
+        methods[name] = runnable(resident(program, **options[name]).program)
+    state = {n: t for n, t in methods["decode"].named_buffers() if n.startswith("cache.")}
+    for name, tensor in state.items():  # one resident state for both methods
+        owner, leaf = name.rsplit(".", 1)
+        methods["prefill"].get_submodule(owner)._buffers[leaf] = tensor
+
+    def without_cache(module):
+        def call(**kwargs):
+            kwargs.pop("cache")
+            return module(**kwargs)[0], None
+        return call
+
+    # In lockstep: HF's decode writes its cache in place, so each step is compared at once.
+    expected = hf_exporter.thread_calls(hf, hf.prefill.module(), hf.decode.module(), 7)
+    got = hf_exporter.thread_calls(hf, without_cache(methods["prefill"]),
+                                   without_cache(methods["decode"]), 7)
+    for (logits, cache), (resident_logits, _) in zip(expected, got, strict=True):
+        assert torch.equal(resident_logits, logits)
+        for layer_index, layer in enumerate(cache.layers):
+            for leaf in ("keys", "values", "cumulative_length"):
+                assert torch.equal(state[f"cache.layers.{layer_index}.{leaf}"],
+                                   getattr(layer, leaf))
+
+
+def test_part_of_hf_cache_cannot_leave_the_call_alone(hf):
+    program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+        copy.deepcopy(hf.decode)).program
+    error = _refused(program, CarriedStateError, buffers=["cache.0"])
+    assert error.name == "cache_0" and "StaticCache" in error.reason
