@@ -119,6 +119,7 @@ class PassQuantizer(Quantizer):
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         model = self.quantizer.transform_for_annotation(model)
+        integer_constants_kept_integer(model)
         if self.transform is None:
             return model
         result = self.transform.run(model)
@@ -155,6 +156,48 @@ class PassQuantizer(Quantizer):
 
     def __repr__(self) -> str:
         return f"PassQuantizer({type(self.quantizer).__name__})"
+
+
+def integer_constants_kept_integer(model: GraphModule) -> list[str]:
+    """Give back their integer dtype to the constants of integer arithmetic that a
+    quantizer's ``transform_for_annotation`` made float; returns the nodes changed.
+
+    XNNPACK's quantizers (torchao's and ExecuTorch's ``_convert_scalars_to_attrs``) turn
+    every scalar argument of ``add`` / ``mul`` into a float32 tensor constant, also on an
+    integer tensor: a counter's ``add(pos, 1)`` becomes ``add(pos, tensor(1.))``, which
+    promotes to float in Python and makes ExecuTorch's runtime fail a dtype check
+    (``dtype={Float, Long}``) on every call. A node whose traced result (``meta["val"]``,
+    from before the transform) is an integer keeps integer operands: each 0-d float
+    constant it reads (a ``get_attr`` read by it alone) whose value the integer dtype holds
+    exactly becomes that dtype. Other constants are left as the quantizer made them.
+    """
+    changed = []
+    for node in model.graph.nodes:
+        value = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(value, torch.Tensor) or \
+                value.dtype.is_floating_point or value.dtype.is_complex or \
+                value.dtype == torch.bool:
+            continue
+        for arg in node.args:
+            if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr" or len(arg.users) != 1:
+                continue
+            constant = getattr(model, arg.target, None) if "." not in arg.target else None
+            if not isinstance(constant, torch.Tensor) or constant.dim() != 0 or \
+                    not constant.is_floating_point():
+                continue
+            integer = constant.to(value.dtype)
+            if not torch.equal(integer.to(constant.dtype), constant):
+                continue
+            if arg.target in model._buffers:
+                model.register_buffer(arg.target, integer)
+            else:
+                setattr(model, arg.target, integer)
+            fake = arg.meta.get("val")
+            mode = getattr(fake, "fake_mode", None)
+            arg.meta["val"] = mode.from_tensor(integer, static_shapes=True) \
+                if mode is not None else integer
+            changed.append(node.name)
+    return changed
 
 
 @dataclass
