@@ -8,6 +8,7 @@ from ._lifting import exported_program_from
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from .errors import (
     AmbiguousFrozenBufferError,
+    CalibrationInputError,
     LiftError,
     QuantizationFlowError,
     QuantizationInputError,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__: list[str] = [
     "AmbiguousFrozenBufferError",
+    "CalibrationInputError",
     "ConsumeBufferMutationsInDelegate",
     "InplaceToFunctional",
     "LiftError",

@@ -12,6 +12,7 @@ from pass_manager import PassManagerError
 
 __all__ = [
     "AmbiguousFrozenBufferError",
+    "CalibrationInputError",
     "LiftError",
     "QuantizationFlowError",
     "QuantizationInputError",
@@ -124,3 +125,28 @@ class QuantizationInputError(PassManagerError, ValueError, TypeError):
         self.argument = argument
         self.reason = reason
         super().__init__(f"{helper}: {argument}: {reason}")
+
+
+class CalibrationInputError(QuantizationInputError):
+    """A calibration call of :func:`~passes.quantization.quantize_program` or
+    :func:`~passes.quantization.quantize_methods` that the program cannot run: an input of
+    another dtype or shape than the program was exported with (found before anything is
+    prepared), or a call the prepared program raised on (the original error chained).
+
+    Attributes:
+        step: the index of the call in the calibration list.
+        method: the method called (``quantize_methods``), or None.
+        input: the input at fault, e.g. ``"input_pos"`` or ``"kwargs['cache_position']"``,
+            or None when the program's error does not say.
+    """
+
+    def __init__(self, helper: str, step: int, reason: str, *, input: str | None = None,
+                 method: str | None = None):
+        self.step = step
+        self.method = method
+        self.input = input
+        where = "calibration" if method is None else "calls"
+        argument = f"{where}[{step}]" + (f" ({method!r})" if method else "")
+        if input is not None:
+            argument += f", input {input!r}"
+        super().__init__(helper, argument, reason)

@@ -52,9 +52,10 @@ from pass_manager.validation import call_inputs
 from ._analysis.buffer_reads import record_observed_reads
 from ._analysis.marked_state import reset_mutable_buffers
 from ._lifting import exported_program_from
+from ._methods.calibration import check_calibration_call, run_calibration_call
 from ._methods.calls import QuantizedMethods, method_calls, share_buffer_tensors
 from ._methods.observers import buffer_observers, share_observers
-from .errors import QuantizationFlowError, QuantizationInputError
+from .errors import CalibrationInputError, QuantizationFlowError, QuantizationInputError
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
 from .quantize_mutable_buffers import QuantizeMutableBuffers
@@ -101,11 +102,7 @@ class PassQuantizer(Quantizer):
         **options: Any,
     ):
         super().__init__()
-        if not isinstance(quantizer, Quantizer):
-            raise TypeError(
-                f"PassQuantizer wraps a torchao Quantizer, got {type(quantizer).__name__}"
-            )
-        self.quantizer = quantizer
+        self.quantizer = checked_quantizer(quantizer, "PassQuantizer")
         # ``options`` are PassManager options for both pipelines (e.g. print_after,
         # reproducer_dir).
         self.transform = (
@@ -200,6 +197,61 @@ def integer_constants_kept_integer(model: GraphModule) -> list[str]:
     return changed
 
 
+def checked_quantizer(quantizer: Any, helper: str) -> Quantizer:
+    """``quantizer`` when it is a torchao pt2e ``Quantizer``; else a
+    :class:`QuantizationInputError` naming ``helper``'s ``quantizer`` argument, what was
+    given and what to pass instead."""
+    if isinstance(quantizer, Quantizer):
+        return quantizer
+    given = f"{type(quantizer).__name__} {quantizer!r:.80}"
+    hint = "pass a torchao pt2e Quantizer instance, e.g. passes.examples.xnnpack_quantizer()"
+    if isinstance(quantizer, type) and issubclass(quantizer, Quantizer):
+        given = f"the class {quantizer.__name__}"
+        hint = f"pass an instance: {quantizer.__name__}() (configured, e.g. .set_global(...))"
+    elif callable(quantizer) and _returns_quantizer(quantizer):
+        name = getattr(quantizer, "__name__", "it")
+        given = f"the function {name}"
+        hint = f"call it: {name}() returns the Quantizer"
+    elif isinstance(quantizer, str):
+        hint = ("quantizers are not looked up by name; "
+                f"pass an instance, e.g. passes.examples.xnnpack_quantizer(){_named(quantizer)}")
+    elif _is_torchao_config(quantizer):
+        hint = (f"{type(quantizer).__name__} is a torchao config for quantize_() on an "
+                "eager module, not a pt2e Quantizer; pass a Quantizer such as "
+                "passes.examples.xnnpack_quantizer()")
+    raise QuantizationInputError(helper, "quantizer", f"is {given}, not a torchao pt2e "
+                                 f"Quantizer: {hint}")
+
+
+def _returns_quantizer(function: Callable[..., Any]) -> bool:
+    """Whether ``function``'s return annotation is a Quantizer (read, not called)."""
+    import inspect
+    import typing
+
+    try:
+        returned = typing.get_type_hints(function).get("return")
+    except Exception:  # noqa: BLE001 - unresolvable annotations: fall back to their text
+        try:
+            returned = inspect.signature(function).return_annotation
+        except (TypeError, ValueError):
+            return False
+    if isinstance(returned, type):
+        return issubclass(returned, Quantizer)
+    return isinstance(returned, str) and returned.split(".")[-1].endswith("Quantizer")
+
+
+def _named(name: str) -> str:
+    return " for XNNPACK" if "xnnpack" in name.lower() else ""
+
+
+def _is_torchao_config(value: Any) -> bool:
+    try:
+        from torchao.core.config import AOBaseConfig
+    except ImportError:  # pragma: no cover - torchao without the config base class
+        return False
+    return isinstance(value, AOBaseConfig)
+
+
 @dataclass
 class QuantizationReport:
     """What :func:`quantize_program` did, stage by stage (``return_report=True``).
@@ -280,6 +332,14 @@ def quantize_program(
         **options: PassManager options for the pipelines it runs (``print_after``,
             ``reproducer_dir``, ...), as :class:`PassQuantizer` takes them.
 
+    Raises:
+        QuantizationInputError: ``program`` not an ExportedProgram, ``quantizer`` not a
+            Quantizer (the message says what to pass, e.g. "call xnnpack_quantizer()"), or
+            no calibration call; its :class:`~passes.errors.CalibrationInputError` names the
+            call and the input when a call does not fit the program (another dtype, a static
+            size, another structure: checked before anything is prepared) or the prepared
+            program raises on it (the original error chained).
+
     The result shares the program's buffer tensors (as ``program.module()`` does): the
     calibration writes them and the reset puts back, bit for bit, the values they had (or,
     on a program MarkMutableBuffers marked before, the values it saw then). Copy the
@@ -293,10 +353,13 @@ def quantize_program(
     if not isinstance(program, ExportedProgram):
         raise QuantizationInputError("quantize_program", "program", "quantize_program takes an "
                                      f"ExportedProgram, got {type(program).__name__}")
+    checked_quantizer(quantizer, "quantize_program")
     calls = call_inputs(list(calibration))
     if not calls:
         raise QuantizationInputError("quantize_program", "calibration", "needs at least one "
                                      "calibration call: the observers measure nothing otherwise")
+    for index, (args, kwargs) in enumerate(calls):
+        check_calibration_call(program, args, kwargs, "quantize_program", index)
     report = QuantizationReport()
     clock = [time.perf_counter()]
 
@@ -309,10 +372,14 @@ def quantize_program(
     prepared = _prepare(program, wrapped)
     timed("prepare")
     with torch.no_grad():
-        for index, (args, kwargs) in enumerate(calls):
-            prepared(*args, **kwargs)
-            if on_call is not None:
-                on_call(index)
+        try:
+            for index, (args, kwargs) in enumerate(calls):
+                run_calibration_call(prepared, args, kwargs, "quantize_program", index)
+                if on_call is not None:
+                    on_call(index)
+        except CalibrationInputError:
+            reset_mutable_buffers(prepared)  # the program's buffers as they were given
+            raise
     timed("calibrate")
     report.reset_buffers = reset_mutable_buffers(prepared)
     timed("reset")
@@ -410,7 +477,10 @@ def quantize_methods(
         QuantizationFlowError: the quantizer quantizes a shared buffer differently in two
             methods.
         QuantizationInputError: ``programs`` not a non-empty mapping of ExportedPrograms,
-            a call naming no method, or a method never called (also a ``ValueError``).
+            ``quantizer`` not a Quantizer (the message says what to pass, e.g. "call
+            xnnpack_quantizer()"), a call naming no method, or a method never called (also
+            a ``ValueError``); its :class:`~passes.errors.CalibrationInputError` names the
+            call and the input when a call does not fit its method's program.
 
     Example:
         >>> quantized = quantize_methods({"prefill": prefill_ep, "decode": decode_ep},
@@ -425,7 +495,10 @@ def quantize_methods(
         if not isinstance(program, ExportedProgram):
             raise QuantizationInputError("quantize_methods", f"programs[{name!r}]", "is a "
                             f"{type(program).__name__}, not an ExportedProgram")
+    checked_quantizer(quantizer, "quantize_methods")
     calibration = method_calls(programs, calls, "quantize_methods")
+    for index, (method, args, kwargs) in enumerate(calibration):
+        check_calibration_call(programs[method], args, kwargs, "quantize_methods", index, method)
     check_shared_buffers(programs, "quantize_methods")
     wrapped = {name: _flow_quantizer(quantizer, _MethodQuantizer) for name in programs}
     prepared = {name: _prepare(program, wrapped[name]) for name, program in programs.items()}
@@ -433,8 +506,13 @@ def quantize_methods(
     observers = share_observers(
         prepared, {name: wrapped[name].buffer_observers for name in programs})
     with torch.no_grad():
-        for method, args, kwargs in calibration:
-            prepared[method](*args, **kwargs)
+        try:
+            for index, (method, args, kwargs) in enumerate(calibration):
+                run_calibration_call(prepared[method], args, kwargs, "quantize_methods",
+                                     index, method)
+        except CalibrationInputError:
+            reset_mutable_buffers(prepared)  # the programs' buffers as they were given
+            raise
     reset_mutable_buffers(prepared)
     reports: dict[str, dict[str, Report]] = {}
     quantized = {}

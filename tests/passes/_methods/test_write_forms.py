@@ -19,7 +19,6 @@ from pass_manager.validation import copy_program
 from passes._methods.grid_facet import buffer_grids
 from passes.flow.examples import xnnpack_quantizer
 from passes.quantization import quantize_methods
-from tests.models.methods import calls_in_sequence
 from tests.models.write_forms import WRITE_FORMS, write_form_calls, write_form_methods
 
 
