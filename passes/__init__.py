@@ -9,6 +9,7 @@ from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelega
 from .errors import (
     AmbiguousFrozenBufferError,
     CalibrationInputError,
+    InputStateError,
     LiftError,
     QuantizationFlowError,
     QuantizationInputError,
@@ -30,6 +31,7 @@ __all__: list[str] = [
     "CalibrationInputError",
     "ConsumeBufferMutationsInDelegate",
     "InplaceToFunctional",
+    "InputStateError",
     "LiftError",
     "MarkMutableBuffers",
     "QuantizationFlowError",

@@ -13,6 +13,7 @@ from pass_manager import PassManagerError
 __all__ = [
     "AmbiguousFrozenBufferError",
     "CalibrationInputError",
+    "InputStateError",
     "LiftError",
     "QuantizationFlowError",
     "QuantizationInputError",
@@ -150,3 +151,22 @@ class CalibrationInputError(QuantizationInputError):
         if input is not None:
             argument += f", input {input!r}"
         super().__init__(helper, argument, reason)
+
+
+class InputStateError(QuantizationInputError):
+    """State a method carries in an input it writes in place (the caller's tensor, as
+    Hugging Face's exporter passes its caches) that :func:`~passes.quantization.quantize_methods`
+    cannot calibrate along as deployment threads it: the prepared method does not write
+    the caller's tensor back.
+
+    Attributes:
+        method: the method.
+        input: the input's name.
+    """
+
+    def __init__(self, helper: str, method: str, input: str, reason: str):
+        self.method = method
+        self.input = input
+        super().__init__(helper, f"programs[{method!r}], input {input!r}",
+                         f"{reason}; make the state resident first (passes.InputsToBuffers "
+                         "turns such inputs into buffers the methods share), then quantize")

@@ -53,7 +53,13 @@ from ._analysis.buffer_reads import record_observed_reads
 from ._analysis.marked_state import reset_mutable_buffers
 from ._lifting import exported_program_from
 from ._methods.calibration import check_calibration_call, run_calibration_call
-from ._methods.calls import QuantizedMethods, method_calls, share_buffer_tensors
+from ._methods.calls import (
+    QuantizedMethods,
+    carried_inputs,
+    check_write_backs,
+    method_calls,
+    share_buffer_tensors,
+)
 from ._methods.observers import buffer_observers, share_observers
 from .errors import CalibrationInputError, QuantizationFlowError, QuantizationInputError
 from .inplace_to_functional import InplaceToFunctional
@@ -433,7 +439,8 @@ class _MethodQuantizer(PassQuantizer):
     def prepare_obs_or_fq_callback(self, model: GraphModule, edge_or_node_to_obs_or_fq: dict,
                                    ) -> None:
         super().prepare_obs_or_fq_callback(model, edge_or_node_to_obs_or_fq)
-        self.buffer_observers = buffer_observers(model, edge_or_node_to_obs_or_fq)
+        self.buffer_observers = buffer_observers(model, edge_or_node_to_obs_or_fq,
+                                                 getattr(self, "carried_inputs", None))
 
 
 def quantize_methods(
@@ -456,6 +463,16 @@ def quantize_methods(
     unfrozen and lifted (``like=`` its program). The methods must agree on their shared
     buffers before (shape, dtype, initial value) and agree after, the grid included
     (:func:`pass_manager.check_shared_buffers`).
+
+    State carried in inputs the methods write in place (the caller's tensors, as Hugging
+    Face's exporter passes its caches) is calibrated as deployment threads it: the calls
+    pass one tensor, each prepared method writes it back (checked: an
+    :class:`~passes.errors.InputStateError` otherwise), and inputs given one tensor object
+    in several methods are one state with one observer, hence one grid
+    (:attr:`QuantizedMethods.shared_inputs`). The caller's tensors hold the last
+    calibration call's state afterwards (they are the caller's, not reset). State passed
+    as an input and returned as a new output value is not recognised as one state: make
+    such state resident (``passes.InputsToBuffers``) first.
 
     Args:
         programs: method name -> ExportedProgram of one model (functional or not).
@@ -480,7 +497,9 @@ def quantize_methods(
             ``quantizer`` not a Quantizer (the message says what to pass, e.g. "call
             xnnpack_quantizer()"), a call naming no method, or a method never called (also
             a ``ValueError``); its :class:`~passes.errors.CalibrationInputError` names the
-            call and the input when a call does not fit its method's program.
+            call and the input when a call does not fit its method's program, its
+            :class:`~passes.errors.InputStateError` a method that would not write an input
+            it writes in place back into the caller's tensor.
 
     Example:
         >>> quantized = quantize_methods({"prefill": prefill_ep, "decode": decode_ep},
@@ -500,8 +519,12 @@ def quantize_methods(
     for index, (method, args, kwargs) in enumerate(calibration):
         check_calibration_call(programs[method], args, kwargs, "quantize_methods", index, method)
     check_shared_buffers(programs, "quantize_methods")
+    carried = carried_inputs(programs, calibration)
     wrapped = {name: _flow_quantizer(quantizer, _MethodQuantizer) for name in programs}
+    for name, inputs in carried.items():
+        wrapped[name].carried_inputs = inputs
     prepared = {name: _prepare(program, wrapped[name]) for name, program in programs.items()}
+    check_write_backs(prepared, carried)
     shared = share_buffer_tensors(prepared)
     observers = share_observers(
         prepared, {name: wrapped[name].buffer_observers for name in programs})
@@ -527,5 +550,12 @@ def quantize_methods(
             reports[name]["quantize_state"] = result.report
     else:
         check_shared_buffers(quantized, "after quantize_methods")
+    shared_inputs: dict[str, dict[str, str]] = {}
+    for method, inputs in carried.items():
+        for name, label in inputs.items():
+            shared_inputs.setdefault(label, {})[method] = name
+    shared_inputs = {label: by_method for label, by_method in shared_inputs.items()
+                     if len(by_method) > 1}
     return QuantizedMethods(quantized, reports, shared,
-                            {fqn: observers.get(fqn, 0) for fqn in shared})
+                            {key: observers.get(key, 0) for key in [*shared, *shared_inputs]},
+                            shared_inputs)

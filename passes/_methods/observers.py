@@ -33,7 +33,7 @@ from torch.fx import GraphModule, Node
 
 from .._analysis.aliasing import aliased_argument
 from .._analysis.buffer_reads import OBSERVED_READS_META
-from .._analysis.buffers import MUTABLE_BUFFER_META
+from .._analysis.buffers import MUTABLE_BUFFER_META, MUTABLE_INPUT_META
 from .._analysis.data_movement import DATA_MOVEMENT_OPS
 from ..errors import QuantizationFlowError
 
@@ -90,13 +90,21 @@ class BufferObservers:
     reads: dict[str, list[torch.nn.Module]] = field(default_factory=dict)
 
 
-def buffer_observers(model: GraphModule, observer_of: Mapping[Any, Any]) -> BufferObservers:
+def buffer_observers(model: GraphModule, observer_of: Mapping[Any, Any],
+                     inputs: Mapping[str, str] | None = None) -> BufferObservers:
     """The observers of each marked buffer, read from ``prepare_pt2e``'s map of edges and
-    nodes to observers (the annotated graph, before the observers are inserted)."""
+    nodes to observers (the annotated graph, before the observers are inserted).
+
+    ``inputs`` maps the names of user inputs the method writes in place (marked by
+    MarkMutableBuffers) to the label of the state each carries: their observers are found
+    as a buffer's are, under that label."""
+    inputs = inputs or {}
     contents: dict[Node, str] = {}
     for node in model.graph.nodes:  # in order: an argument comes before its users
         if node.op in ("get_attr", "placeholder"):
             fqn = node.meta.get(MUTABLE_BUFFER_META)
+            if fqn is None and node.meta.get(MUTABLE_INPUT_META) in inputs:
+                fqn = inputs[node.meta[MUTABLE_INPUT_META]]
         else:
             fqn = contents.get(_carried(node))
         if fqn is not None:
