@@ -8,15 +8,19 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from pass_manager import Report
 
-from torch.utils import _pytree as pytree
-
-from .._analysis.buffers import BUFFER, USER_INPUT, buffer_tensor, find_mutations, \
-    replace_buffer_tensor
+from .._analysis.buffers import (
+    BUFFER,
+    MUTABLE_INPUT_META,
+    USER_INPUT,
+    buffer_tensor,
+    find_mutations,
+    replace_buffer_tensor,
+)
 from .._analysis.marked_state import mutable_buffers
-from .._analysis.buffers import MUTABLE_INPUT_META
 from .._analysis.op_schema import written_nodes
 from ..errors import InputStateError, QuantizationInputError
 
