@@ -33,6 +33,18 @@ def _input_name(path: tuple, positional: tuple[str, ...]) -> str:
     return name + pytree.keystr(tuple(rest))
 
 
+def _keywords_bound(positional: tuple[str, ...], args: tuple, kwargs: dict,
+                    ) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the keyword arguments naming positional inputs moved into
+    ``args``, as ``ep.module()`` binds them when it is called."""
+    args = list(args)
+    for name in positional[len(args):]:
+        if name not in kwargs:
+            break
+        args.append(kwargs.pop(name))
+    return tuple(args), kwargs
+
+
 def _describe(value: torch.Tensor) -> str:
     return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
 
@@ -44,6 +56,7 @@ def check_calibration_call(program: ExportedProgram, args: tuple, kwargs: Mappin
     another dtype, or a size other than a static size the program was exported with
     (symbolic sizes are the program's guards' to check, when the call runs)."""
     signature = signature_of(program)
+    args, kwargs = _keywords_bound(signature.positional, tuple(args), dict(kwargs))
     mismatch = signature.mismatch(args, kwargs)
     if mismatch is not None:
         raise CalibrationInputError(helper, step, mismatch, method=method)

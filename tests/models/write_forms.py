@@ -78,6 +78,14 @@ class Select(_CacheModel):
         return self.query(x) @ self.cache.t()
 
 
+class Unflattened(_CacheModel):
+    """``cache.unflatten(0, (2, 4))[1, :L] = v``: a view, a select and a slice (the decode
+    writes the second half's first row)."""
+
+    def write(self, v, pos):
+        self.cache.unflatten(0, (2, SEQ // 2))[1, :v.shape[0]] = v
+
+
 class Mixed(_CacheModel):
     """Written two ways in one model: ``index_copy_`` at ``pos`` and a narrow copy of
     half the value into the first rows' first columns."""
@@ -88,7 +96,7 @@ class Mixed(_CacheModel):
 
 
 WRITE_FORMS = {cls.__name__: cls for cls in (Transposed, Narrow, Window, ShiftedWindow, Select,
-                                             Mixed)}
+                                             Unflattened, Mixed)}
 
 
 def write_form_calls(decodes: int, seed: int) -> list[tuple[str, tuple, dict]]:
