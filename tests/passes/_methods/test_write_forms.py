@@ -2,10 +2,10 @@
 
 Each model of tests/models/write_forms.py writes its cache its own way (through a
 transposed view, a narrow, a sliding window with and without a shift, row selects, an
-unflattened view, and two ways at once); its prefill (4 tokens) and decode (1 token) are quantized together with
-XNNPACK's quantizer, then run along calls other than the calibration ones and compared with
-the eager module, outputs and cache, call after call. The cache holds one grid in both
-methods.
+unflattened view, and two ways at once); its prefill (4 tokens) and decode (1 token) are
+quantized together with XNNPACK's quantizer, then run along calls other than the
+calibration ones and compared with the eager module, outputs and cache, call after call.
+The cache holds one grid in both methods.
 """
 
 from __future__ import annotations
