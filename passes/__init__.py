@@ -9,7 +9,9 @@ from .buffers_to_inputs import BuffersToInputs
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from .errors import (
     AmbiguousFrozenBufferError,
+    CalibrationInputError,
     CarriedStateError,
+    InputStateError,
     LiftError,
     QuantizationFlowError,
     QuantizationInputError,
@@ -32,9 +34,11 @@ __version__ = "0.1.0"
 __all__: list[str] = [
     "AmbiguousFrozenBufferError",
     "BuffersToInputs",
+    "CalibrationInputError",
     "CarriedStateError",
     "ConsumeBufferMutationsInDelegate",
     "InplaceToFunctional",
+    "InputStateError",
     "InputsToBuffers",
     "LiftError",
     "MarkMutableBuffers",

@@ -12,7 +12,9 @@ from pass_manager import PassManagerError
 
 __all__ = [
     "AmbiguousFrozenBufferError",
+    "CalibrationInputError",
     "CarriedStateError",
+    "InputStateError",
     "LiftError",
     "QuantizationFlowError",
     "QuantizationInputError",
@@ -157,3 +159,47 @@ class StateNameError(CarriedStateError, KeyError):
 class StatePairingError(CarriedStateError):
     """An input and the output named as its next value do not pair: another shape or dtype,
     or the program writes the input in place with another value."""
+
+
+class CalibrationInputError(QuantizationInputError):
+    """A calibration call of :func:`~passes.quantization.quantize_program` or
+    :func:`~passes.quantization.quantize_methods` that the program cannot run: an input of
+    another dtype or shape than the program was exported with (found before anything is
+    prepared), or a call the prepared program raised on (the original error chained).
+
+    Attributes:
+        step: the index of the call in the calibration list.
+        method: the method called (``quantize_methods``), or None.
+        input: the input at fault, e.g. ``"input_pos"`` or ``"kwargs['cache_position']"``,
+            or None when the program's error does not say.
+    """
+
+    def __init__(self, helper: str, step: int, reason: str, *, input: str | None = None,
+                 method: str | None = None):
+        self.step = step
+        self.method = method
+        self.input = input
+        where = "calibration" if method is None else "calls"
+        argument = f"{where}[{step}]" + (f" ({method!r})" if method else "")
+        if input is not None:
+            argument += f", input {input!r}"
+        super().__init__(helper, argument, reason)
+
+
+class InputStateError(QuantizationInputError):
+    """State a method carries in an input it writes in place (the caller's tensor, as
+    Hugging Face's exporter passes its caches) that :func:`~passes.quantization.quantize_methods`
+    cannot calibrate along as deployment threads it: the prepared method does not write
+    the caller's tensor back.
+
+    Attributes:
+        method: the method.
+        input: the input's name.
+    """
+
+    def __init__(self, helper: str, method: str, input: str, reason: str):
+        self.method = method
+        self.input = input
+        super().__init__(helper, f"programs[{method!r}], input {input!r}",
+                         f"{reason}; make the state resident first (passes.InputsToBuffers "
+                         "turns such inputs into buffers the methods share), then quantize")

@@ -52,9 +52,16 @@ from pass_manager.validation import call_inputs
 from ._analysis.buffer_reads import record_observed_reads
 from ._analysis.marked_state import reset_mutable_buffers
 from ._lifting import exported_program_from
-from ._methods.calls import QuantizedMethods, method_calls, share_buffer_tensors
+from ._methods.calibration import check_calibration_call, run_calibration_call
+from ._methods.calls import (
+    QuantizedMethods,
+    carried_inputs,
+    check_write_backs,
+    method_calls,
+    share_buffer_tensors,
+)
 from ._methods.observers import buffer_observers, share_observers
-from .errors import QuantizationFlowError, QuantizationInputError
+from .errors import CalibrationInputError, QuantizationFlowError, QuantizationInputError
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
 from .quantize_mutable_buffers import QuantizeMutableBuffers
@@ -101,11 +108,7 @@ class PassQuantizer(Quantizer):
         **options: Any,
     ):
         super().__init__()
-        if not isinstance(quantizer, Quantizer):
-            raise TypeError(
-                f"PassQuantizer wraps a torchao Quantizer, got {type(quantizer).__name__}"
-            )
-        self.quantizer = quantizer
+        self.quantizer = checked_quantizer(quantizer, "PassQuantizer")
         # ``options`` are PassManager options for both pipelines (e.g. print_after,
         # reproducer_dir).
         self.transform = (
@@ -119,6 +122,7 @@ class PassQuantizer(Quantizer):
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         model = self.quantizer.transform_for_annotation(model)
+        integer_constants_kept_integer(model)
         if self.transform is None:
             return model
         result = self.transform.run(model)
@@ -155,6 +159,103 @@ class PassQuantizer(Quantizer):
 
     def __repr__(self) -> str:
         return f"PassQuantizer({type(self.quantizer).__name__})"
+
+
+def integer_constants_kept_integer(model: GraphModule) -> list[str]:
+    """Give back their integer dtype to the constants of integer arithmetic that a
+    quantizer's ``transform_for_annotation`` made float; returns the nodes changed.
+
+    XNNPACK's quantizers (torchao's and ExecuTorch's ``_convert_scalars_to_attrs``) turn
+    every scalar argument of ``add`` / ``mul`` into a float32 tensor constant, also on an
+    integer tensor: a counter's ``add(pos, 1)`` becomes ``add(pos, tensor(1.))``, which
+    promotes to float in Python and makes ExecuTorch's runtime fail a dtype check
+    (``dtype={Float, Long}``) on every call. A node whose traced result (``meta["val"]``,
+    from before the transform) is an integer keeps integer operands: each 0-d float
+    constant it reads (a ``get_attr`` read by it alone) whose value the integer dtype holds
+    exactly becomes that dtype. Other constants are left as the quantizer made them.
+    """
+    changed = []
+    for node in model.graph.nodes:
+        value = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(value, torch.Tensor) or \
+                value.dtype.is_floating_point or value.dtype.is_complex or \
+                value.dtype == torch.bool:
+            continue
+        for arg in node.args:
+            if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr" or len(arg.users) != 1:
+                continue
+            constant = getattr(model, arg.target, None) if "." not in arg.target else None
+            if not isinstance(constant, torch.Tensor) or constant.dim() != 0 or \
+                    not constant.is_floating_point():
+                continue
+            integer = constant.to(value.dtype)
+            if not torch.equal(integer.to(constant.dtype), constant):
+                continue
+            if arg.target in model._buffers:
+                model.register_buffer(arg.target, integer)
+            else:
+                setattr(model, arg.target, integer)
+            fake = arg.meta.get("val")
+            mode = getattr(fake, "fake_mode", None)
+            arg.meta["val"] = mode.from_tensor(integer, static_shapes=True) \
+                if mode is not None else integer
+            changed.append(node.name)
+    return changed
+
+
+def checked_quantizer(quantizer: Any, helper: str) -> Quantizer:
+    """``quantizer`` when it is a torchao pt2e ``Quantizer``; else a
+    :class:`QuantizationInputError` naming ``helper``'s ``quantizer`` argument, what was
+    given and what to pass instead."""
+    if isinstance(quantizer, Quantizer):
+        return quantizer
+    given = f"{type(quantizer).__name__} {quantizer!r:.80}"
+    hint = "pass a torchao pt2e Quantizer instance, e.g. passes.examples.xnnpack_quantizer()"
+    if isinstance(quantizer, type) and issubclass(quantizer, Quantizer):
+        given = f"the class {quantizer.__name__}"
+        hint = f"pass an instance: {quantizer.__name__}() (configured, e.g. .set_global(...))"
+    elif callable(quantizer) and _returns_quantizer(quantizer):
+        name = getattr(quantizer, "__name__", "it")
+        given = f"the function {name}"
+        hint = f"call it: {name}() returns the Quantizer"
+    elif isinstance(quantizer, str):
+        hint = ("quantizers are not looked up by name; "
+                f"pass an instance, e.g. passes.examples.xnnpack_quantizer(){_named(quantizer)}")
+    elif _is_torchao_config(quantizer):
+        hint = (f"{type(quantizer).__name__} is a torchao config for quantize_() on an "
+                "eager module, not a pt2e Quantizer; pass a Quantizer such as "
+                "passes.examples.xnnpack_quantizer()")
+    raise QuantizationInputError(helper, "quantizer", f"is {given}, not a torchao pt2e "
+                                 f"Quantizer: {hint}")
+
+
+def _returns_quantizer(function: Callable[..., Any]) -> bool:
+    """Whether ``function``'s return annotation is a Quantizer (read, not called)."""
+    import inspect
+    import typing
+
+    try:
+        returned = typing.get_type_hints(function).get("return")
+    except Exception:  # noqa: BLE001 - unresolvable annotations: fall back to their text
+        try:
+            returned = inspect.signature(function).return_annotation
+        except (TypeError, ValueError):
+            return False
+    if isinstance(returned, type):
+        return issubclass(returned, Quantizer)
+    return isinstance(returned, str) and returned.split(".")[-1].endswith("Quantizer")
+
+
+def _named(name: str) -> str:
+    return " for XNNPACK" if "xnnpack" in name.lower() else ""
+
+
+def _is_torchao_config(value: Any) -> bool:
+    try:
+        from torchao.core.config import AOBaseConfig
+    except ImportError:  # pragma: no cover - torchao without the config base class
+        return False
+    return isinstance(value, AOBaseConfig)
 
 
 @dataclass
@@ -237,6 +338,14 @@ def quantize_program(
         **options: PassManager options for the pipelines it runs (``print_after``,
             ``reproducer_dir``, ...), as :class:`PassQuantizer` takes them.
 
+    Raises:
+        QuantizationInputError: ``program`` not an ExportedProgram, ``quantizer`` not a
+            Quantizer (the message says what to pass, e.g. "call xnnpack_quantizer()"), or
+            no calibration call; its :class:`~passes.errors.CalibrationInputError` names the
+            call and the input when a call does not fit the program (another dtype, a static
+            size, another structure: checked before anything is prepared) or the prepared
+            program raises on it (the original error chained).
+
     The result shares the program's buffer tensors (as ``program.module()`` does): the
     calibration writes them and the reset puts back, bit for bit, the values they had (or,
     on a program MarkMutableBuffers marked before, the values it saw then). Copy the
@@ -250,10 +359,13 @@ def quantize_program(
     if not isinstance(program, ExportedProgram):
         raise QuantizationInputError("quantize_program", "program", "quantize_program takes an "
                                      f"ExportedProgram, got {type(program).__name__}")
+    checked_quantizer(quantizer, "quantize_program")
     calls = call_inputs(list(calibration))
     if not calls:
         raise QuantizationInputError("quantize_program", "calibration", "needs at least one "
                                      "calibration call: the observers measure nothing otherwise")
+    for index, (args, kwargs) in enumerate(calls):
+        check_calibration_call(program, args, kwargs, "quantize_program", index)
     report = QuantizationReport()
     clock = [time.perf_counter()]
 
@@ -266,10 +378,14 @@ def quantize_program(
     prepared = _prepare(program, wrapped)
     timed("prepare")
     with torch.no_grad():
-        for index, (args, kwargs) in enumerate(calls):
-            prepared(*args, **kwargs)
-            if on_call is not None:
-                on_call(index)
+        try:
+            for index, (args, kwargs) in enumerate(calls):
+                run_calibration_call(prepared, args, kwargs, "quantize_program", index)
+                if on_call is not None:
+                    on_call(index)
+        except CalibrationInputError:
+            reset_mutable_buffers(prepared)  # the program's buffers as they were given
+            raise
     timed("calibrate")
     report.reset_buffers = reset_mutable_buffers(prepared)
     timed("reset")
@@ -323,7 +439,8 @@ class _MethodQuantizer(PassQuantizer):
     def prepare_obs_or_fq_callback(self, model: GraphModule, edge_or_node_to_obs_or_fq: dict,
                                    ) -> None:
         super().prepare_obs_or_fq_callback(model, edge_or_node_to_obs_or_fq)
-        self.buffer_observers = buffer_observers(model, edge_or_node_to_obs_or_fq)
+        self.buffer_observers = buffer_observers(model, edge_or_node_to_obs_or_fq,
+                                                 getattr(self, "carried_inputs", None))
 
 
 def quantize_methods(
@@ -347,6 +464,16 @@ def quantize_methods(
     buffers before (shape, dtype, initial value) and agree after, the grid included
     (:func:`pass_manager.check_shared_buffers`).
 
+    State carried in inputs the methods write in place (the caller's tensors, as Hugging
+    Face's exporter passes its caches) is calibrated as deployment threads it: the calls
+    pass one tensor, each prepared method writes it back (checked: an
+    :class:`~passes.errors.InputStateError` otherwise), and inputs given one tensor object
+    in several methods are one state with one observer, hence one grid
+    (:attr:`QuantizedMethods.shared_inputs`). The caller's tensors hold the last
+    calibration call's state afterwards (they are the caller's, not reset). State passed
+    as an input and returned as a new output value is not recognised as one state: make
+    such state resident (``passes.InputsToBuffers``) first.
+
     Args:
         programs: method name -> ExportedProgram of one model (functional or not).
         quantizer: a torchao pt2e ``Quantizer``, used for every method.
@@ -367,7 +494,12 @@ def quantize_methods(
         QuantizationFlowError: the quantizer quantizes a shared buffer differently in two
             methods.
         QuantizationInputError: ``programs`` not a non-empty mapping of ExportedPrograms,
-            a call naming no method, or a method never called (also a ``ValueError``).
+            ``quantizer`` not a Quantizer (the message says what to pass, e.g. "call
+            xnnpack_quantizer()"), a call naming no method, or a method never called (also
+            a ``ValueError``); its :class:`~passes.errors.CalibrationInputError` names the
+            call and the input when a call does not fit its method's program, its
+            :class:`~passes.errors.InputStateError` a method that would not write an input
+            it writes in place back into the caller's tensor.
 
     Example:
         >>> quantized = quantize_methods({"prefill": prefill_ep, "decode": decode_ep},
@@ -382,16 +514,28 @@ def quantize_methods(
         if not isinstance(program, ExportedProgram):
             raise QuantizationInputError("quantize_methods", f"programs[{name!r}]", "is a "
                             f"{type(program).__name__}, not an ExportedProgram")
+    checked_quantizer(quantizer, "quantize_methods")
     calibration = method_calls(programs, calls, "quantize_methods")
+    for index, (method, args, kwargs) in enumerate(calibration):
+        check_calibration_call(programs[method], args, kwargs, "quantize_methods", index, method)
     check_shared_buffers(programs, "quantize_methods")
+    carried = carried_inputs(programs, calibration)
     wrapped = {name: _flow_quantizer(quantizer, _MethodQuantizer) for name in programs}
+    for name, inputs in carried.items():
+        wrapped[name].carried_inputs = inputs
     prepared = {name: _prepare(program, wrapped[name]) for name, program in programs.items()}
+    check_write_backs(prepared, carried)
     shared = share_buffer_tensors(prepared)
     observers = share_observers(
         prepared, {name: wrapped[name].buffer_observers for name in programs})
     with torch.no_grad():
-        for method, args, kwargs in calibration:
-            prepared[method](*args, **kwargs)
+        try:
+            for index, (method, args, kwargs) in enumerate(calibration):
+                run_calibration_call(prepared[method], args, kwargs, "quantize_methods",
+                                     index, method)
+        except CalibrationInputError:
+            reset_mutable_buffers(prepared)  # the programs' buffers as they were given
+            raise
     reset_mutable_buffers(prepared)
     reports: dict[str, dict[str, Report]] = {}
     quantized = {}
@@ -406,5 +550,12 @@ def quantize_methods(
             reports[name]["quantize_state"] = result.report
     else:
         check_shared_buffers(quantized, "after quantize_methods")
+    shared_inputs: dict[str, dict[str, str]] = {}
+    for method, inputs in carried.items():
+        for name, label in inputs.items():
+            shared_inputs.setdefault(label, {})[method] = name
+    shared_inputs = {label: by_method for label, by_method in shared_inputs.items()
+                     if len(by_method) > 1}
     return QuantizedMethods(quantized, reports, shared,
-                            {fqn: observers.get(fqn, 0) for fqn in shared})
+                            {key: observers.get(key, 0) for key in [*shared, *shared_inputs]},
+                            shared_inputs)

@@ -8,14 +8,24 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from pass_manager import Report
 
-from .._analysis.buffers import BUFFER, buffer_tensor, replace_buffer_tensor
+from .._analysis.buffers import (
+    BUFFER,
+    MUTABLE_INPUT_META,
+    USER_INPUT,
+    buffer_tensor,
+    find_mutations,
+    replace_buffer_tensor,
+)
 from .._analysis.marked_state import mutable_buffers
-from ..errors import QuantizationInputError
+from .._analysis.op_schema import written_nodes
+from ..errors import InputStateError, QuantizationInputError
 
-__all__ = ["MethodCall", "QuantizedMethods", "method_calls", "share_buffer_tensors"]
+__all__ = ["MethodCall", "QuantizedMethods", "carried_inputs", "check_write_backs",
+           "method_calls", "share_buffer_tensors"]
 
 MethodCall = tuple[str, tuple, dict]
 
@@ -50,6 +60,67 @@ def method_calls(programs: Mapping[str, Any], calls: Iterable[Any], where: str,
     return found
 
 
+def _user_input_values(program: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The value each user input placeholder of ``program`` gets in the call, by name."""
+    order = list(program.call_spec.in_spec.children()[1].context or ())
+    leaves = pytree.tree_leaves((tuple(args), {key: kwargs[key] for key in order}))
+    names = list(program.graph_signature.user_inputs)
+    return dict(zip(names, leaves, strict=False)) if len(leaves) == len(names) else {}
+
+
+def carried_inputs(programs: Mapping[str, Any], calls: list[MethodCall],
+                   ) -> dict[str, dict[str, str]]:
+    """Per method, each user input it writes in place (state the caller carries between
+    calls, as Hugging Face's exporter passes its caches) and the label of the state it is.
+
+    The calls thread such state as deployment does: the caller passes one tensor, the
+    method writes it. Inputs that are given one tensor object (in any call, of any
+    method) are one state, labelled ``"input <name>"`` by the first method's input name;
+    :func:`passes._methods.observers.share_observers` then gives that state one grid in
+    every method it flows through.
+    """
+    mutated = {name: [state.name for state in find_mutations(program).writers
+                      if state.kind == USER_INPUT] for name, program in programs.items()}
+    parent: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def find(key: tuple[str, str]) -> tuple[str, str]:
+        while parent[key] != key:
+            key = parent[key]
+        return key
+
+    owner: dict[int, tuple[str, str]] = {}
+    for method, args, kwargs in calls:
+        values = _user_input_values(programs[method], args, kwargs)
+        for name in mutated[method]:
+            key = (method, name)
+            parent.setdefault(key, key)
+            value = values.get(name)
+            if not isinstance(value, torch.Tensor):
+                continue
+            other = owner.setdefault(id(value), key)
+            if find(other) != find(key):
+                parent[find(key)] = find(other)
+    return {method: {name: f"input {find((method, name))[1]}" for name in names}
+            for method, names in mutated.items() if names}
+
+
+def check_write_backs(prepared: Mapping[str, Any], carried: Mapping[str, Mapping[str, str]],
+                      ) -> None:
+    """Raise :class:`InputStateError` for an input a method writes in place whose prepared
+    graph module does not write it back into the caller's tensor: calibrating it would
+    not thread the state from call to call as deployment does."""
+    for method, inputs in carried.items():
+        graph = prepared[method].graph
+        written = {node.meta.get(MUTABLE_INPUT_META) for writer in graph.nodes
+                   for node in written_nodes(writer) if node.op == "placeholder"}
+        for name in inputs:
+            if name not in written:
+                raise InputStateError(
+                    "quantize_methods", method, name, "the method writes this input in "
+                    "place but its prepared graph module does not write the caller's tensor "
+                    "back, so calibration cannot carry the state from call to call")
+
+
 def share_buffer_tensors(programs: Mapping[str, Any]) -> dict[str, list[str]]:
     """Make each mutable buffer one tensor object in every method holding it (the first
     method's), so that running the methods in turn runs them on one state; returns, per
@@ -80,17 +151,24 @@ class QuantizedMethods(dict):
             (UnfreezeMutableBuffer after convert_pt2e) and, with ``quantize_state=True``,
             ``"quantize_state"`` (QuantizeMutableBuffers).
         shared_buffers: per buffer more than one method holds, those methods.
-        observers: per shared buffer, how many observer instances (over all methods) were
-            made its one observer.
+        observers: per shared buffer, and per shared input state (``"input <name>"``),
+            how many observer instances (over all methods) were made its one observer.
+        shared_inputs: per state carried in inputs the methods write in place and given
+            one tensor (``"input <name>"``, see :func:`carried_inputs`), the methods it
+            flows through, by method: ``{label: {method: input name}}``.
     """
 
     def __init__(self, programs: Mapping[str, Any], reports: dict[str, dict[str, Report]],
-                 shared_buffers: dict[str, list[str]], observers: dict[str, int]):
+                 shared_buffers: dict[str, list[str]], observers: dict[str, int],
+                 shared_inputs: dict[str, dict[str, str]] | None = None):
         super().__init__(programs)
         self.reports = reports
         self.shared_buffers = shared_buffers
         self.observers = observers
+        self.shared_inputs = shared_inputs or {}
 
     def __repr__(self) -> str:
+        inputs = f"; shared input state: {', '.join(self.shared_inputs)}" \
+            if self.shared_inputs else ""
         return (f"QuantizedMethods({', '.join(self)}; shared buffers: "
-                f"{', '.join(self.shared_buffers) or 'none'})")
+                f"{', '.join(self.shared_buffers) or 'none'}{inputs})")

@@ -10,10 +10,12 @@ calibration over all the methods' calls fills one min/max and ``convert_pt2e`` g
 method the same grid. A buffer's observers are:
 
 * the values written into it: the written argument of each write (``index_copy``,
-  ``index_put``, ``copy_``, the ``*_scatter`` ops) and what it is a view of, back to the op
-  that computed it;
-* its contents: the buffer, every data-movement op on it (views, the functional write's
-  result) and their outputs;
+  ``index_put``, ``copy_``, the ``*_scatter`` ops) whose destination is its contents, and
+  what that argument is a view or a copy of, back to the op that computed it;
+* its contents: the buffer and every value carrying it on: any view of it (whatever op,
+  read from the op's schema: ``t``, ``narrow``, ``select``, ``slice``, ...), a copy of it,
+  a functional write's result on it, and so on transitively, so that a write through a
+  transposed view, a narrow or a sliding window is found as a direct one is;
 * its reads: each input edge of a consumer of those contents, when that edge's observer
   quantizes like the buffer's (the same dtype, range and scheme); a read re-quantized on
   a grid of another kind keeps its own.
@@ -29,8 +31,9 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
+from .._analysis.aliasing import aliased_argument
 from .._analysis.buffer_reads import OBSERVED_READS_META
-from .._analysis.buffers import MUTABLE_BUFFER_META
+from .._analysis.buffers import MUTABLE_BUFFER_META, MUTABLE_INPUT_META
 from .._analysis.data_movement import DATA_MOVEMENT_OPS
 from ..errors import QuantizationFlowError
 
@@ -49,14 +52,29 @@ def _describe(observer: torch.nn.Module) -> str:
     return f"{type(observer).__name__}({', '.join(parts)})"
 
 
-def _value_index(node: Node) -> tuple[bool, int | None]:
-    """(is data movement, index of the written value or None for a view)."""
-    if node.op != "call_function" or not hasattr(node.target, "overloadpacket"):
-        return False, None
-    packet = node.target.overloadpacket
-    if packet not in DATA_MOVEMENT_OPS:
-        return False, None
-    return True, DATA_MOVEMENT_OPS[packet]
+def _written_value_index(node: Node) -> int | None:
+    """The argument index of the value a write op (functional or in place: ``index_put``,
+    ``copy_``, the ``*_scatter`` ops) writes into its argument 0, or None."""
+    if node.op != "call_function":
+        return None
+    return DATA_MOVEMENT_OPS.get(getattr(node.target, "overloadpacket", None))
+
+
+def _carried(node: Node) -> Node | None:
+    """The argument whose values ``node``'s value carries on unchanged, or None.
+
+    A view or an in-place result (any op whose schema says its result aliases an
+    argument: ``t``, ``narrow``, ``select``, ``as_strided``, ``copy_``, ...), a copy of an
+    argument (``clone``, ``contiguous``) and a functional write (``index_put``,
+    ``slice_scatter``, ``copy``: a new version of its destination, argument 0).
+    """
+    found = aliased_argument(node)
+    if found is not None:
+        return found[1]
+    if node.op == "call_function" and node.args and isinstance(node.args[0], Node) and \
+            getattr(node.target, "overloadpacket", None) in DATA_MOVEMENT_OPS:
+        return node.args[0]
+    return None
 
 
 @dataclass
@@ -72,16 +90,23 @@ class BufferObservers:
     reads: dict[str, list[torch.nn.Module]] = field(default_factory=dict)
 
 
-def buffer_observers(model: GraphModule, observer_of: Mapping[Any, Any]) -> BufferObservers:
+def buffer_observers(model: GraphModule, observer_of: Mapping[Any, Any],
+                     inputs: Mapping[str, str] | None = None) -> BufferObservers:
     """The observers of each marked buffer, read from ``prepare_pt2e``'s map of edges and
-    nodes to observers (the annotated graph, before the observers are inserted)."""
+    nodes to observers (the annotated graph, before the observers are inserted).
+
+    ``inputs`` maps the names of user inputs the method writes in place (marked by
+    MarkMutableBuffers) to the label of the state each carries: their observers are found
+    as a buffer's are, under that label."""
+    inputs = inputs or {}
     contents: dict[Node, str] = {}
-    for node in model.graph.nodes:  # in order: a view's argument comes before it
-        fqn = node.meta.get(MUTABLE_BUFFER_META) if node.op in ("get_attr", "placeholder") \
-            else None
-        moves, _ = _value_index(node)
-        if fqn is None and moves and node.args and node.args[0] in contents:
-            fqn = contents[node.args[0]]
+    for node in model.graph.nodes:  # in order: an argument comes before its users
+        if node.op in ("get_attr", "placeholder"):
+            fqn = node.meta.get(MUTABLE_BUFFER_META)
+            if fqn is None and node.meta.get(MUTABLE_INPUT_META) in inputs:
+                fqn = inputs[node.meta[MUTABLE_INPUT_META]]
+        else:
+            fqn = contents.get(_carried(node))
         if fqn is not None:
             contents[node] = fqn
     found = BufferObservers()
@@ -95,19 +120,16 @@ def buffer_observers(model: GraphModule, observer_of: Mapping[Any, Any]) -> Buff
         add(found.grid, fqn, node)
         for user in node.users:
             add(found.grid if user in contents else found.reads, fqn, (node, user))
-        _, index = _value_index(node)
+        index = _written_value_index(node)
         if index is None or index >= len(node.args):
             continue
         value, consumer = node.args[index], node
         seen: set[Node] = set()
         while isinstance(value, Node) and value not in contents and value not in seen:
-            seen.add(value)  # the written value, and what it views, back to its producer
+            seen.add(value)  # the written value, and what it carries on, back to its producer
             add(found.grid, fqn, (value, consumer))
             add(found.grid, fqn, value)
-            moves, index = _value_index(value)
-            if not moves or index is not None or not value.args:
-                break
-            value, consumer = value.args[0], value
+            value, consumer = _carried(value), value
     return found
 
 

@@ -56,7 +56,7 @@ def test_pass_quantizer_runs_pipelines_around_the_wrapped_quantizer():
 
 
 def test_pass_quantizer_rejects_a_non_quantizer_and_out_of_place_annotation():
-    with pytest.raises(TypeError, match="wraps a torchao Quantizer"):
+    with pytest.raises(TypeError, match="not a torchao pt2e Quantizer"):
         PassQuantizer(AnnotateEveryOpQuantizer)
 
     class Replacing(_RecordingQuantizer):

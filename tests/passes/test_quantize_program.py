@@ -188,3 +188,37 @@ def test_the_report_names_the_frozen_reads_it_repaired(monkeypatch):
     assert report.reset_buffers == ["acc"]
     assert len(report.repaired_reads) == 1 and "acc" in report.repaired_reads[0]
     assert report.summary()[2] == "frozen buffer reads repaired: 1"
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["exported", "functional"])
+def test_an_integer_counter_stays_integer_through_the_xnnpack_quantizer(functional):
+    """XNNPACK's quantizer turns the scalar of ``add(pos, 1)`` into a float32 constant in
+    its transform_for_annotation; on a program already functional (``add``, not ``add_``)
+    the counter's update became ``add(int64, float32)``. It keeps an int64 operand."""
+    from passes.flow.examples import xnnpack_quantizer
+    from tests.models.counters import CountedCache, counted_cache_calls
+
+    module = CountedCache()
+    reference = copy.deepcopy(module)
+    calls = counted_cache_calls(6, seed=1)
+    with torch.no_grad():
+        program = torch.export.export(module, calls[0])
+    if functional:
+        program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program).program
+    quantized = quantize_program(program, xnnpack_quantizer(), calls)
+    update = {fqn: name for name, fqn in quantized.graph_signature.buffers_to_mutate.items()}
+    nodes = {node.name: node for node in quantized.graph.nodes}
+    counter_update = nodes[update["pos"]]
+    for node in (counter_update, *counter_update.all_input_nodes):
+        assert node.meta["val"].dtype == torch.int64, (node.name, node.meta["val"].dtype)
+    assert quantized.state_dict["pos"].dtype == torch.int64
+    assert not quantized.state_dict["pos"].any()  # reset after calibration
+    program_module = quantized.module()
+    with torch.no_grad():
+        for step, args in enumerate(counted_cache_calls(5, seed=2)):
+            (want, want_pos), (got, got_pos) = reference(*args), program_module(*args)
+            assert got_pos.dtype == torch.int64 and torch.equal(got_pos, want_pos), step
+            assert torch.equal(program_module.get_buffer("pos"), reference.pos), step
+            assert program_module.get_buffer("pos").dtype == torch.int64
+            assert (got - want).abs().max() < 0.1, step
+            assert (program_module.get_buffer("cache") - reference.cache).abs().max() < 0.1

@@ -1,0 +1,101 @@
+"""The calibration calls of :func:`~passes.quantization.quantize_program` and
+:func:`~passes.quantization.quantize_methods`, checked against the program before anything
+is prepared, and run so that a call the prepared program raises on says which call it was.
+
+A wrong calibration input otherwise surfaces as torch's own error from deep inside the
+prepared program (``index_copy_(): Expected a long tensor for index``, ``Guard failed:
+x.size()[1] == 1``), without the call's index or the input's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.utils import _pytree as pytree
+
+from pass_manager.call_signature import signature_of
+
+from ..errors import CalibrationInputError
+
+__all__ = ["check_calibration_call", "run_calibration_call"]
+
+
+def _input_name(path: tuple, positional: tuple[str, ...]) -> str:
+    """``x``, ``kwargs['cache_position']`` or ``past[0]``: a leaf's place in ``(args, kwargs)``."""
+    where, key, *rest = path
+    if where.idx == 0:  # a positional argument
+        name = positional[key.idx] if key.idx < len(positional) else f"args[{key.idx}]"
+    else:
+        name = str(key.key)
+    return name + pytree.keystr(tuple(rest))
+
+
+def _keywords_bound(positional: tuple[str, ...], args: tuple, kwargs: dict,
+                    ) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the keyword arguments naming positional inputs moved into
+    ``args``, as ``ep.module()`` binds them when it is called."""
+    args = list(args)
+    for name in positional[len(args):]:
+        if name not in kwargs:
+            break
+        args.append(kwargs.pop(name))
+    return tuple(args), kwargs
+
+
+def _describe(value: torch.Tensor) -> str:
+    return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+
+
+def check_calibration_call(program: ExportedProgram, args: tuple, kwargs: Mapping[str, Any],
+                           helper: str, step: int, method: str | None = None) -> None:
+    """Raise :class:`CalibrationInputError` naming the call and the input when
+    ``(args, kwargs)`` does not fit ``program``: another structure, a tensor input of
+    another dtype, or a size other than a static size the program was exported with
+    (symbolic sizes are the program's guards' to check, when the call runs)."""
+    signature = signature_of(program)
+    args, kwargs = _keywords_bound(signature.positional, tuple(args), dict(kwargs))
+    mismatch = signature.mismatch(args, kwargs)
+    if mismatch is not None:
+        raise CalibrationInputError(helper, step, mismatch, method=method)
+    order = list(program.call_spec.in_spec.children()[1].context or ())
+    ordered = {key: kwargs[key] for key in order}
+    leaves = pytree.tree_flatten_with_path((tuple(args), ordered))[0]
+    user_inputs = set(program.graph_signature.user_inputs)
+    placeholders = [node for node in program.graph.nodes
+                    if node.op == "placeholder" and node.name in user_inputs]
+    for (path, value), node in zip(leaves, placeholders, strict=False):
+        expected = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or not isinstance(expected, torch.Tensor):
+            continue
+        name = _input_name(path, signature.positional)
+        if value.dtype != expected.dtype:
+            raise CalibrationInputError(
+                helper, step, f"is {_describe(value)}; the program was exported with "
+                f"{str(expected.dtype).removeprefix('torch.')}: pass that dtype",
+                input=name, method=method)
+        static = [size if isinstance(size, int) else None for size in expected.shape]
+        if value.dim() != len(static) or any(
+                want is not None and got != want for got, want in zip(value.shape, static,
+                                                                      strict=True)):
+            shape = ", ".join("*" if size is None else str(size) for size in static)
+            raise CalibrationInputError(
+                helper, step, f"is {_describe(value)}; the program was exported for shape "
+                f"[{shape}] (* a dynamic size)", input=name, method=method)
+
+
+def run_calibration_call(call: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any],
+                         helper: str, step: int, method: str | None = None) -> Any:
+    """``call(*args, **kwargs)``; an error it raises becomes a :class:`CalibrationInputError`
+    naming the call, chained to the original."""
+    try:
+        return call(*args, **kwargs)
+    except CalibrationInputError:
+        raise
+    except Exception as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise CalibrationInputError(
+            helper, step, f"the prepared program raised {type(error).__name__}: {first}",
+            method=method) from error
