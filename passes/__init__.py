@@ -8,10 +8,12 @@ from ._lifting import exported_program_from
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from .errors import (
     AmbiguousFrozenBufferError,
+    CarriedStateWarning,
     LiftError,
     QuantizationFlowError,
     QuantizationInputError,
     QuantizedStateError,
+    StateOwnerError,
     UnsupportedMutationError,
 )
 from .functional_variants import register_functional_variant
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__: list[str] = [
     "AmbiguousFrozenBufferError",
+    "CarriedStateWarning",
     "ConsumeBufferMutationsInDelegate",
     "InplaceToFunctional",
     "LiftError",
@@ -35,6 +38,7 @@ __all__: list[str] = [
     "QuantizeMutableBuffers",
     "QuantizedStateError",
     "SkipAnnotateDataMovementOps",
+    "StateOwnerError",
     "UnfreezeMutableBuffer",
     "UnsupportedMutationError",
     "conditions",

@@ -94,8 +94,10 @@ class LiftError(PassManagerError):
 
 
 class QuantizedStateError(QuantizationFlowError):
-    """QuantizeMutableBuffers met a graph it cannot read: a malformed quantize/dequantize
-    node, or a buffer whose recorded grid disagrees with its tensor. Nothing was rewritten.
+    """QuantizeMutableBuffers met a graph it cannot read (a malformed quantize/dequantize
+    node, a buffer whose recorded grid disagrees with its tensor), an option it cannot take
+    (an unknown ``state_owner``), or, with ``strict``, a buffer or a mutated user input that
+    stays float (``reason`` says why). Nothing was rewritten.
 
     Attributes:
         node: the name of the node (or buffer) at fault.
