@@ -314,6 +314,20 @@ class CarriedCache(nn.Module):
         return self.out((cache * x).sum(1))
 
 
+class CarriedGridCache(nn.Module):
+    """:class:`CarriedCache` quantized by hand (values of ``GRID`` written with
+    ``index_copy_``), to see carried state in every form export gives, in-place writes
+    included."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = _seeded(lambda: nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(1, pos, on_grid(self.proj(x)))
+        return (cache * x).sum(-1).softmax(-1)
+
+
 def carried_cache() -> torch.Tensor:
     """A fresh (zero) cache for :class:`CarriedCache`."""
     return torch.zeros(2, 8, 4)

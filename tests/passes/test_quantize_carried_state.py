@@ -29,7 +29,14 @@ from passes import (
 )
 from passes._analysis.grids import same_bits
 from passes.errors import CarriedStateWarning
-from tests.models.quantized_state import carried_cache, quantized_carried
+from tests.models.quantized_state import (
+    HAND_FORMS,
+    CarriedGridCache,
+    carried_cache,
+    exported,
+    grid_inputs,
+    quantized_carried,
+)
 
 FORMS = ("exported_program", "graph_module")
 WRITES = ("index_copy", "index_put")
@@ -118,6 +125,37 @@ def test_carried_cache_stored_as_integers_bit_for_bit(write, form):
             assert same_bits(grid.dequantize(got), want), f"call {call}: cache differs"
         start = expected[7]
         assert not torch.equal(start, carried_cache())
+    if form == "exported_program":  # torch's verifier takes the integer input
+        decomposed = program.run_decompositions({})
+        (cache,) = [n for n in decomposed.graph.nodes if n.name == "cache"]
+        assert cache.meta["val"].dtype == torch.int8
+
+
+def assert_carried_bit_for_bit(reference, program, calls, grid) -> None:
+    """Both called in a row from a zero cache: outputs bit for bit, the integer cache
+    dequantized equal to the float one after every call."""
+    float_cache = carried_cache()
+    int_cache = grid.quantize(float_cache)
+    expected = run_carried(reference, calls, float_cache)
+    actual = run_carried(program, calls, int_cache)
+    for call in range(len(calls)):
+        assert same_bits(expected[2 * call], actual[2 * call]), f"call {call}: output"
+        assert same_bits(grid.dequantize(actual[2 * call + 1]), expected[2 * call + 1]), (
+            f"call {call}: cache")
+
+
+@pytest.mark.parametrize("form", HAND_FORMS)
+def test_carried_cache_in_every_form_export_gives(form):
+    """Quantized by hand: the in-place write into the input (exported, or its module), the
+    trailing ``copy_`` of the functional module, the ``USER_INPUT_MUTATION`` output."""
+    calls = grid_inputs()
+    program = exported(CarriedGridCache(), (*calls[0], carried_cache()), form)
+    reference = copy.deepcopy(program)
+    result, record = quantize_state(program, carried_state=True)
+    assert result.modified and record.statistics["call signature changed"] == 1
+    grid = mutable_buffers(program)["cache"].grid
+    assert grid.describe() == "int8 [-128, 127], scale=0.05, zero_point=3"
+    assert_carried_bit_for_bit(reference, program, calls, grid)
 
 
 def test_a_second_run_leaves_the_integer_input_as_it_is():
