@@ -110,7 +110,7 @@ class QuantizeMutableBuffers(Pass):
     Raises:
         QuantizedStateError: a malformed quantize/dequantize node on the way to a buffer
             write, a buffer recorded as quantized whose tensor is float, an unknown
-            ``state_owner``, or (``strict``) a buffer or mutated input that stays float.
+            ``state_owner`` or ``owned_buffers`` name, or (``strict``) a buffer or mutated input that stays float.
             The program is left unchanged.
         StateOwnerError: (``strict``) a buffer that could be stored as integers, which
             ``state_owner`` takes only as float. The program is left unchanged.
@@ -150,9 +150,14 @@ class QuantizeMutableBuffers(Pass):
             raise QuantizedStateError(str(self.state_owner), f"state_owner "
                                       f"{self.state_owner!r} is not a stateful delegate it "
                                       f"knows ({known})")
-        if self.owned_buffers is not None:
-            return dict.fromkeys(self.owned_buffers, self.state_owner)
-        return {name: self.state_owner for name, state in _mutable_buffer_names(program)}
+        buffers = _mutable_buffer_names(program)
+        if self.owned_buffers is None:
+            return dict.fromkeys(buffers, self.state_owner)
+        unknown = [name for name in self.owned_buffers if name not in buffers]
+        if unknown:  # a misspelt name would leave the buffer it meant stored as integers
+            raise QuantizedStateError(unknown[0], f"owned_buffers names {unknown[0]!r}, not a "
+                                      f"mutable buffer of the program ({', '.join(buffers)})")
+        return dict.fromkeys(self.owned_buffers, self.state_owner)
 
     @classmethod
     def for_partitioner(cls, partitioner: Any, **options: Any) -> QuantizeMutableBuffers:
@@ -177,9 +182,8 @@ def state_owner_of(partitioner: Any) -> str | None:
     return None
 
 
-def _mutable_buffer_names(program: Any) -> list[tuple[str, Any]]:
-    scan = find_mutations(program)
-    return [(state.name, state) for state in scan.writers if state.kind == BUFFER]
+def _mutable_buffer_names(program: Any) -> list[str]:
+    return [state.name for state in find_mutations(program).writers if state.kind == BUFFER]
 
 
 def _refuse(plan: BufferPlan) -> None:

@@ -88,12 +88,20 @@ def test_owned_buffers_names_which_buffers_the_owner_takes():
     assert "acc: kept float for coreml" not in record.statistics  # float for its own reason
 
 
-def test_an_unknown_owner_is_a_typed_error():
+def test_an_unknown_owner_or_owned_buffer_is_a_typed_error():
     program, _ = grid_cache()
+    before = program_text(program)
     with pytest.raises(PassFailedError) as error:
         quantize_state(program, QuantizeMutableBuffers(state_owner="vulkan"))
     cause = error.value.__cause__
     assert isinstance(cause, QuantizedStateError) and "'coreml'" in cause.reason
+    with pytest.raises(PassFailedError) as error:  # misspelt: "cache" would become int8
+        quantize_state(program, QuantizeMutableBuffers(state_owner="coreml",
+                                                       owned_buffers=("cahce",)))
+    cause = error.value.__cause__
+    assert isinstance(cause, QuantizedStateError) and cause.node == "cahce"
+    assert "not a mutable buffer of the program (cache)" in cause.reason
+    assert program_text(program) == before
 
 
 # -- Core ML --------------------------------------------------------------------------------
