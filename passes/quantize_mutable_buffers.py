@@ -110,8 +110,8 @@ class QuantizeMutableBuffers(Pass):
     Raises:
         QuantizedStateError: a malformed quantize/dequantize node on the way to a buffer
             write, a buffer recorded as quantized whose tensor is float, an unknown
-            ``state_owner`` or ``owned_buffers`` name, or (``strict``) a buffer or mutated input that stays float.
-            The program is left unchanged.
+            ``state_owner`` or ``owned_buffers`` name, or (``strict``) a buffer or mutated
+            input that stays float. The program is left unchanged.
         StateOwnerError: (``strict``) a buffer that could be stored as integers, which
             ``state_owner`` takes only as float. The program is left unchanged.
     """

@@ -9,11 +9,10 @@ for a buffer filled with one value (the usual zeros of a KV cache), a copy other
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import warnings
 
 import torch
 

@@ -66,7 +66,7 @@ def run_carried(program, calls, cache: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("write", WRITES)
 def test_carried_cache_stays_float_by_default_and_the_notes_say_why(write, form):
-    program, calls = quantized_carried(write, form)
+    program, _ = quantized_carried(write, form)
     before = program_text(program)
     result, record = quantize_state(program)
     assert not result.modified
@@ -159,7 +159,7 @@ def test_carried_cache_in_every_form_export_gives(form):
 
 
 def test_a_second_run_leaves_the_integer_input_as_it_is():
-    program, calls = quantized_carried()
+    program, _ = quantized_carried()
     quantize_state(program, carried_state=True)
     before = program_text(program)
     result, record = quantize_state(program, carried_state=True)

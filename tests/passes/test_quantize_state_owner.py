@@ -166,7 +166,7 @@ def test_state_owner_is_read_from_the_partitioner(coreml):
 def test_integer_state_fails_inside_core_ml_and_the_owner_keeps_it_float(coreml):
     """Today's failure: the cache stored as int8 and lowered. With the owner known, a typed
     error before lowering (strict), or the float cache Core ML lowers and owns."""
-    program, calls = grid_cache()
+    program, _ = grid_cache()
     stored = copy.deepcopy(program)
     PassManager([QuantizeMutableBuffers()]).run(stored)
     assert stored.state_dict["cache"].dtype == torch.int8
