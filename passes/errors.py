@@ -14,12 +14,14 @@ __all__ = [
     "AmbiguousFrozenBufferError",
     "CalibrationInputError",
     "CarriedStateError",
+    "CarriedStateWarning",
     "InputStateError",
     "LiftError",
     "QuantizationFlowError",
     "QuantizationInputError",
     "QuantizedStateError",
     "StateNameError",
+    "StateOwnerError",
     "StatePairingError",
     "UnsupportedMutationError",
 ]
@@ -97,8 +99,10 @@ class LiftError(PassManagerError):
 
 
 class QuantizedStateError(QuantizationFlowError):
-    """QuantizeMutableBuffers met a graph it cannot read: a malformed quantize/dequantize
-    node, or a buffer whose recorded grid disagrees with its tensor. Nothing was rewritten.
+    """QuantizeMutableBuffers met a graph it cannot read (a malformed quantize/dequantize
+    node, a buffer whose recorded grid disagrees with its tensor), an option it cannot take
+    (an unknown ``state_owner``), or, with ``strict``, a buffer or a mutated user input that
+    stays float (``reason`` says why). Nothing was rewritten.
 
     Attributes:
         node: the name of the node (or buffer) at fault.
@@ -109,6 +113,40 @@ class QuantizedStateError(QuantizationFlowError):
         self.reason = reason
         super().__init__(f"{reason}; the program was left unchanged",
                          pass_name="QuantizeMutableBuffers", node=node)
+
+
+class StateOwnerError(QuantizedStateError):
+    """QuantizeMutableBuffers (``strict``) was told a stateful delegate will own a buffer
+    that could be stored as integers, in a dtype that delegate does not take (Core ML keeps
+    state as float only). Nothing was rewritten.
+
+    Attributes:
+        node: the buffer's name.
+        owner: the backend that will own it (``"coreml"``).
+        reason: what the owner takes, and the grid the buffer's values lie on.
+    """
+
+    def __init__(self, buffer: str, owner: str, reason: str):
+        self.owner = owner
+        super().__init__(buffer, reason)
+
+
+class CarriedStateWarning(UserWarning):
+    """:func:`~passes.reset_mutable_buffers` was asked to reset state that lives in the
+    caller's tensors (inputs the program mutates in place): it resets none of it.
+
+    Attributes:
+        inputs: the names of those inputs.
+    """
+
+    def __init__(self, inputs: list[str]):
+        self.inputs = list(inputs)
+        names = ", ".join(map(repr, self.inputs))
+        super().__init__(
+            f"reset_mutable_buffers: the state of input(s) {names} lives in the caller's "
+            "tensors, which it cannot reset (nothing was reset for them): pass fresh "
+            "tensors on the next call, or make the state resident with "
+            "passes.InputsToBuffers")
 
 
 class QuantizationInputError(PassManagerError, ValueError, TypeError):

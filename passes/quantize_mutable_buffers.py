@@ -18,6 +18,7 @@ from pass_manager.collector import collector_paused
 from ._analysis.aliasing import aliased_argument
 from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
 from ._analysis.buffers import (
+    BUFFER,
     GRID_META,
     INITIAL_META,
     find_mutations,
@@ -31,10 +32,16 @@ from ._analysis.grid_flow import FUNCTIONAL_WRITES, MOVES, GridFlow, value_opera
 from ._analysis.grids import Grid, dequantize_grid, quantize_grid
 from ._analysis.marked_state import initial_copy
 from ._analysis.op_schema import argument_value
-from ._analysis.quantized_state import BufferPlan, plan_quantized_state, resolver
-from .errors import QuantizedStateError
+from ._analysis.quantized_state import (
+    FLOAT_STATE_OWNERS,
+    BufferPlan,
+    plan_quantized_state,
+    resolver,
+)
+from .errors import QuantizedStateError, StateOwnerError
 
-__all__ = ["QuantizeMutableBuffers", "QuantizedStateError"]
+__all__ = ["QuantizeMutableBuffers", "QuantizedStateError", "StateOwnerError",
+           "state_owner_of"]
 
 _QUANTIZE = (torch.ops.quantized_decomposed.quantize_per_tensor.default,
              torch.ops.quantized_decomposed.quantize_per_channel.default)
@@ -60,6 +67,16 @@ class QuantizeMutableBuffers(Pass):
     statistics say why. The marks follow: ``mutable_buffers`` reports the grid,
     ``reset_mutable_buffers`` restores the integer initial value.
 
+    State the caller carries, a user input the program mutates in place (transformers'
+    exporter passes its KV caches so; a ``USER_INPUT_MUTATION`` output once functional),
+    is read the same way but stays float unless ``carried_state=True``: stored as integers,
+    the caller passes (and gets written back) integers instead of floats, a change of the
+    call signature the notes and statistics name (input, old dtype -> new dtype;
+    ``mutable_buffers(program)[name].grid.quantize(x)`` gives what to pass for float
+    state ``x``). Otherwise the notes say why it stays float. A buffer a stateful delegate
+    will own stays in a dtype that delegate takes (``state_owner``: Core ML keeps state as
+    float only, and fails to lower integer state).
+
     Requires MutableBuffersMarked; may touch the buffers' tensors (replaced, never written
     in place), their nodes' ``val``, kept initial value and grid, and the nodes reading or
     writing them.
@@ -79,12 +96,24 @@ class QuantizeMutableBuffers(Pass):
 
     Args:
         strict: raise :class:`QuantizedStateError` when a floating-point mutable buffer
-            must stay float, instead of leaving it float with a note.
+            (or mutated input) must stay float, instead of leaving it float with a note.
+        carried_state: also store a mutated user input holding values of one grid as
+            that grid's integers; the caller then passes integer tensors.
+        state_owner: the stateful delegate that will own the mutable buffers, one of
+            :data:`~passes._analysis.quantized_state.FLOAT_STATE_OWNERS` (``"coreml"``
+            for ``CoreMLPartitioner(take_over_mutable_buffer=True)``;
+            :func:`state_owner_of` reads it from a partitioner): the buffers it owns stay
+            in a dtype it takes, each with a note naming the buffer and the owner.
+        owned_buffers: the FQNs of the buffers ``state_owner`` will own; None: every
+            mutable buffer.
 
     Raises:
         QuantizedStateError: a malformed quantize/dequantize node on the way to a buffer
-            write, a buffer recorded as quantized whose tensor is float, or (``strict``)
-            a buffer that stays float. The program is left unchanged.
+            write, a buffer recorded as quantized whose tensor is float, an unknown
+            ``state_owner`` or ``owned_buffers`` name, or (``strict``) a buffer or mutated
+            input that stays float. The program is left unchanged.
+        StateOwnerError: (``strict``) a buffer that could be stored as integers, which
+            ``state_owner`` takes only as float. The program is left unchanged.
     """
 
     requires = frozenset({MutableBuffersMarked})
@@ -95,24 +124,83 @@ class QuantizeMutableBuffers(Pass):
     effects = Effects.rewrite(meta_keys=(INITIAL_META, GRID_META, "val", "tensor_meta"))
 
     strict: bool = False
+    carried_state: bool = False
+    state_owner: str | None = None
+    owned_buffers: tuple[str, ...] | None = None
 
     def call(self, program: Any) -> PassResult:
+        owners = self._owners(program)
         with collector_paused():  # nothing it allocates is garbage before it returns
-            plans, flow = plan_quantized_state(program)
+            plans, flow = plan_quantized_state(program, self.carried_state, owners)
             notes, statistics = _report(plans)
             refused = [p for p in plans if p.grid is None and not p.skipped]
             if self.strict and refused:
-                raise QuantizedStateError(refused[0].fqn, f"buffer {refused[0].fqn!r} stays "
-                                          f"float: {refused[0].reason}")
+                _refuse(refused[0])
             accepted = [p for p in plans if p.grid is not None]
             if accepted:
                 _Rewrite(program, accepted, flow).run()
         return PassResult(program, bool(accepted), notes, statistics)
 
+    def _owners(self, program: Any) -> dict[str, str]:
+        """Buffer FQN -> the stateful delegate that will own it."""
+        if self.state_owner is None:
+            return {}
+        if self.state_owner not in FLOAT_STATE_OWNERS:
+            known = ", ".join(map(repr, sorted(FLOAT_STATE_OWNERS)))
+            raise QuantizedStateError(str(self.state_owner), f"state_owner "
+                                      f"{self.state_owner!r} is not a stateful delegate it "
+                                      f"knows ({known})")
+        buffers = _mutable_buffer_names(program)
+        if self.owned_buffers is None:
+            return dict.fromkeys(buffers, self.state_owner)
+        unknown = [name for name in self.owned_buffers if name not in buffers]
+        if unknown:  # a misspelt name would leave the buffer it meant stored as integers
+            raise QuantizedStateError(unknown[0], f"owned_buffers names {unknown[0]!r}, not a "
+                                      f"mutable buffer of the program ({', '.join(buffers)})")
+        return dict.fromkeys(self.owned_buffers, self.state_owner)
+
+    @classmethod
+    def for_partitioner(cls, partitioner: Any, **options: Any) -> QuantizeMutableBuffers:
+        """The pass for a program ``partitioner`` will lower: ``state_owner`` read from it
+        (:func:`state_owner_of`), the other options as given."""
+        return cls(state_owner=state_owner_of(partitioner), **options)
+
+
+def state_owner_of(partitioner: Any) -> str | None:
+    """The stateful delegate (a key of ``FLOAT_STATE_OWNERS``) that ``partitioner`` makes own
+    the mutable buffers, or None: ``"coreml"`` for ExecuTorch's
+    ``CoreMLPartitioner(take_over_mutable_buffer=True)``, also wrapped (an object holding
+    it as ``.partitioner``, as ``BufferOwningPartitioner`` does)."""
+    seen: set[int] = set()
+    while partitioner is not None and id(partitioner) not in seen:
+        seen.add(id(partitioner))
+        kind = type(partitioner)
+        if kind.__name__ == "CoreMLPartitioner" and kind.__module__.startswith(
+                "executorch.backends.apple.coreml"):
+            return "coreml" if getattr(partitioner, "take_over_mutable_buffer", False) else None
+        partitioner = getattr(partitioner, "partitioner", None)
+    return None
+
+
+def _mutable_buffer_names(program: Any) -> list[str]:
+    return [state.name for state in find_mutations(program).writers if state.kind == BUFFER]
+
+
+def _refuse(plan: BufferPlan) -> None:
+    """Raise the strict refusal of a plan that stays float."""
+    if plan.owner is not None:
+        raise StateOwnerError(plan.fqn, plan.owner, f"buffer {plan.fqn!r} stays float: "
+                              f"{plan.reason}")
+    what = f"input {plan.fqn!r}" if plan.carried else f"buffer {plan.fqn!r}"
+    raise QuantizedStateError(plan.fqn, f"{what} stays float: {plan.reason}")
+
 
 def _report(plans: list[BufferPlan]) -> tuple[list[str], Counter]:
     notes, statistics = [], Counter()
     for plan in plans:
+        if plan.carried:
+            _report_carried(plan, notes, statistics)
+            continue
         before = plan.tensor.numel() * plan.tensor.element_size()
         if plan.grid is not None:
             after = plan.tensor.numel() * plan.grid.dtype.itemsize
@@ -130,8 +218,29 @@ def _report(plans: list[BufferPlan]) -> tuple[list[str], Counter]:
             statistics["state bytes before"] += before
             statistics["state bytes after"] += before
             statistics[f"{plan.fqn}: left float"] = 1
+            if plan.owner is not None:
+                statistics[f"{plan.fqn}: kept float for {plan.owner}"] = 1
             notes.append(f"{plan.fqn}: stays {_name(plan.tensor.dtype)}: {plan.reason}")
     return notes, statistics
+
+
+def _report_carried(plan: BufferPlan, notes: list[str], statistics: Counter) -> None:
+    """A mutated user input: the call signature changed, or why it did not."""
+    label, old = plan.label, _name(plan.tensor.dtype)
+    if plan.grid is not None:
+        new = _name(plan.grid.dtype)
+        statistics["inputs stored as integers"] += 1
+        statistics["call signature changed"] = 1
+        statistics[f"{label}: {old} -> {new}"] = 1
+        notes.append(f"{label}: {old} -> {new} on {plan.grid.describe()}; the call signature "
+                     f"changed: the caller passes {label} as {new} (was {old}), the grid's "
+                     f"integers of its state")
+    elif plan.skipped:
+        notes.append(f"{label}: left as it is ({plan.reason})")
+    else:
+        statistics["inputs left float"] += 1
+        statistics[f"{label}: left float"] = 1
+        notes.append(f"{label}: stays {old}: {plan.reason}")
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -355,6 +464,10 @@ class _Rewrite:
     # -- state and fake values ---------------------------------------------------------
     def _swap_tensors(self) -> None:
         for plan in self.plans:
+            if plan.carried:  # the caller's tensors: only the marks change
+                for node in plan.nodes:
+                    node.meta[GRID_META] = plan.grid
+                continue
             integers = plan.grid.integers_of(plan.tensor.detach(), plan.fill)
             replace_buffer_tensor(self.program, plan.fqn, integers)
             for node in plan.nodes:

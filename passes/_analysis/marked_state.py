@@ -9,6 +9,7 @@ for a buffer filled with one value (the usual zeros of a KV cache), a copy other
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from pass_manager import graph_module_of
 
+from ..errors import CarriedStateWarning
 from .buffers import (
     BUFFER,
     GRID_META,
@@ -101,7 +103,8 @@ class MutableBuffer:
         grid: for a buffer ``QuantizeMutableBuffers`` stores as the integers of a
             quantization grid, that :class:`~passes._analysis.grids.Grid`
             (``grid.dequantize(tensor)`` is the value the program computes with); None for
-            a float buffer.
+            a float buffer. For a user input it stores so (``carried_state=True``), the grid
+            of the integers the caller now passes (``grid.quantize(float_state)``).
     """
 
     fqn: str
@@ -148,7 +151,7 @@ def _marked(program: Any) -> dict[str, MutableBuffer]:
             entry.nodes.append(node.name)
             if entry.initial is None and node.meta.get(INITIAL_META) is not None:
                 entry.initial = node.meta[INITIAL_META]
-            if entry.grid is None and key == MUTABLE_BUFFER_META:
+            if entry.grid is None:
                 entry.grid = node.meta.get(GRID_META)
     return found
 
@@ -171,23 +174,36 @@ def reset_mutable_buffers(program: Any) -> list[str]:
     ``program`` may be the methods of one model, ``{name: program}``: a buffer the methods
     hold as one tensor (as ``quantize_methods`` returns them) is restored once, from the
     first method marking it; each FQN is listed once.
+
+    State the program carries in user inputs it mutates in place lives in the caller's
+    tensors: nothing here can reset it. When there is such state, a
+    :class:`~passes.errors.CarriedStateWarning` naming the inputs says so (the program's
+    own buffers are still reset).
     """
+    carried: list[str] = []
     if isinstance(program, Mapping):
         restored: list[str] = []
         done: set[int] = set()
         for method in program.values():
-            for fqn in _reset(method, done):
+            for fqn in _reset(method, done, carried):
                 if fqn not in restored:
                     restored.append(fqn)
-        return restored
-    return _reset(program, set())
+    else:
+        restored = _reset(program, set(), carried)
+    if carried:
+        warnings.warn(CarriedStateWarning(list(dict.fromkeys(carried))), stacklevel=2)
+    return restored
 
 
-def _reset(program: Any, done: set[int]) -> list[str]:
-    """Reset ``program``'s marked buffers whose tensor is not in ``done`` (ids), adding them."""
+def _reset(program: Any, done: set[int], carried: list[str]) -> list[str]:
+    """Reset ``program``'s marked buffers whose tensor is not in ``done`` (ids), adding them;
+    the marked user inputs (state nothing here can reset) go to ``carried``."""
     restored = []
     for fqn, info in _marked(program).items():
-        if info.kind == USER_INPUT or info.initial is None:
+        if info.kind == USER_INPUT:
+            carried.append(fqn)
+            continue
+        if info.initial is None:
             continue
         tensor = buffer_tensor(program, fqn)
         if id(tensor) in done:

@@ -6,6 +6,12 @@ write stores values of one :class:`~passes._analysis.grids.Grid` (through data m
 initial value; if so the buffer can hold the grid's integers and the program compute exactly
 what it did. Otherwise the plan says why it stays float. :func:`state_storage` reports the
 dtype and bytes of each mutable buffer of a program, quantized or not.
+
+State the program carries in user inputs it mutates in place is planned like a buffer
+(its writes' grid is read the same way; the caller's tensors have no contents to check),
+but stored as integers only when asked (``carried_state``): the caller then passes
+integers. A buffer a stateful delegate will own stays in a dtype that delegate takes
+(:data:`FLOAT_STATE_OWNERS`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from .buffers import (
     GRID_META,
     INITIAL_META,
     PARAMETER,
+    USER_INPUT,
     Mutations,
     buffer_tensor,
     find_mutations,
@@ -34,7 +41,23 @@ from .grids import Grid
 from .marked_state import fill_value
 from .op_schema import argument_value
 
-__all__ = ["BufferPlan", "StateStorage", "Write", "plan_quantized_state", "state_storage"]
+__all__ = [
+    "FLOAT_STATE_OWNERS",
+    "BufferPlan",
+    "StateStorage",
+    "Write",
+    "plan_quantized_state",
+    "state_storage",
+]
+
+FLOAT_STATE_OWNERS = {
+    "coreml": "Core ML keeps state as float only (float16 on device; it casts float32 "
+              "state to float16)",
+}
+"""Stateful delegates that take the mutable buffers they own only as floating point, by the
+owner name :class:`~passes.QuantizeMutableBuffers` takes (``state_owner``): what they take.
+ExecuTorch's ``CoreMLPartitioner(take_over_mutable_buffer=True)`` fails on integer state
+(``slice_update ... update has dtype int8 whereas x has dtype fp32``)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +89,10 @@ class BufferPlan:
         reason: why it stays as it is, otherwise.
         skipped: True for state that is not floating point (nothing to quantize).
         fill: the one value every element holds (a fresh cache's zeros), or None.
+        carried: True for a user input the program mutates in place (state the caller
+            carries); ``tensor`` is then its fake value (dtype and shape, no contents).
+        owner: the stateful delegate whose dtypes keep it float (``"coreml"``), when
+            that is why it stays float.
     """
 
     fqn: str
@@ -77,10 +104,17 @@ class BufferPlan:
     reason: str | None = None
     skipped: bool = False
     fill: torch.Tensor | None = None  # the one value the buffer holds, when it holds one
+    carried: bool = False
+    owner: str | None = None
     _candidates: list[Grid] = field(default_factory=list, repr=False)
 
     def refuse(self, reason: str) -> None:
         self.grid, self.reason, self._candidates = None, reason, []
+
+    @property
+    def label(self) -> str:
+        """How notes and errors name it: ``input 'cache'`` or the buffer's FQN."""
+        return f"input {self.fqn!r}" if self.carried else self.fqn
 
 
 def resolver(program: Any, scan: Mutations) -> Any:
@@ -99,11 +133,12 @@ def resolver(program: Any, scan: Mutations) -> Any:
 def _writes(program: Any, scan: Mutations, state: Any, plan: BufferPlan) -> None:
     """Fill ``plan.writes``, or refuse the buffer for a write that is not data movement."""
     outputs: dict[Node, list[int]] = {}
+    mutation = OutputKind.USER_INPUT_MUTATION if plan.carried else OutputKind.BUFFER_MUTATION
     if isinstance(program, ExportedProgram):
         values = program.graph.output_node().args[0]
         for i, (spec, value) in enumerate(zip(program.graph_signature.output_specs, values,
                                               strict=True)):
-            if spec.kind == OutputKind.BUFFER_MUTATION and spec.target == plan.fqn:
+            if spec.kind == mutation and spec.target == plan.fqn:
                 outputs.setdefault(value, []).append(i)
     for node in scan.writers.get(state, []):
         if node is None or node in outputs:
@@ -145,6 +180,13 @@ def _candidates(flow: GridFlow, plan: BufferPlan) -> None:
     axes = [None] if not proposed.per_channel else [
         a for a in range(tensor.dim()) if tensor.shape[a] == proposed.scale.numel()]
     candidates = [proposed.on_axis(a) for a in axes]
+    if plan.carried:  # the caller's tensors: no contents here to check
+        plan._candidates = candidates[1:]
+        plan.grid = candidates[0] if candidates else None
+        if plan.grid is None:
+            plan.refuse(f"no dim of its shape {tuple(tensor.shape)} holds the "
+                        f"{proposed.scale.numel()} channels of {proposed.describe()}")
+        return None
     initial = next((n.meta[INITIAL_META] for n in plan.nodes
                     if n.meta.get(INITIAL_META) is not None), None)
     plan.fill = fill_value(tensor)
@@ -183,8 +225,15 @@ def _verify(flow: GridFlow, plan: BufferPlan, views: list[Node]) -> str | None:
     return None
 
 
-def plan_quantized_state(program: Any) -> tuple[list[BufferPlan], GridFlow]:
-    """A plan for every mutable buffer, and the grid flow the accepted grids verified.
+def plan_quantized_state(program: Any, carried_state: bool = False,
+                         owners: dict[str, str] | None = None,
+                         ) -> tuple[list[BufferPlan], GridFlow]:
+    """A plan for every mutable buffer and mutated user input, and the grid flow the
+    accepted grids verified.
+
+    ``carried_state``: a user input the program mutates in place may be stored as integers
+    (otherwise it stays float, the plan saying why). ``owners``: buffer FQN -> the stateful
+    delegate (a key of :data:`FLOAT_STATE_OWNERS`) that will own it: it stays float.
 
     Raises:
         QuantizedStateError: a buffer recorded as quantized whose tensor is float, or a
@@ -196,11 +245,19 @@ def plan_quantized_state(program: Any) -> tuple[list[BufferPlan], GridFlow]:
              if n in aliases}
     plans: list[BufferPlan] = []
     for state in scan.writers:
-        if state.kind != BUFFER:
+        if state.kind not in (BUFFER, USER_INPUT):
             continue
         nodes = scan.nodes_of(state)
-        plan = BufferPlan(state.name, aliases[nodes[0]].root, nodes,
-                          buffer_tensor(program, state.name))
+        if not nodes:
+            continue
+        if state.kind == USER_INPUT:
+            tensor = nodes[0].meta.get("val")
+            if not isinstance(tensor, torch.Tensor):
+                continue  # no fake value: nothing says what the caller passes
+        else:
+            tensor = buffer_tensor(program, state.name)
+        plan = BufferPlan(state.name, aliases[nodes[0]].root, nodes, tensor,
+                          carried=state.kind == USER_INPUT)
         plans.append(plan)
         recorded = next((n.meta[GRID_META] for n in nodes if GRID_META in n.meta), None)
         if recorded is not None and plan.tensor.dtype != recorded.dtype:
@@ -213,7 +270,7 @@ def plan_quantized_state(program: Any) -> tuple[list[BufferPlan], GridFlow]:
                            else f"{plan.tensor.dtype} state, not floating point")
             continue
         _writes(program, scan, state, plan)
-    _refuse_shared_storage(program, [p for p in plans if p.reason is None])
+    _refuse_shared_storage(program, [p for p in plans if p.reason is None and not p.carried])
     _refuse_reinterpreted(scan, [p for p in plans if p.reason is None])
     resolve = resolver(program, scan)
     live = [p for p in plans if p.reason is None]
@@ -221,6 +278,8 @@ def plan_quantized_state(program: Any) -> tuple[list[BufferPlan], GridFlow]:
                          resolve)
     for plan in live:
         _candidates(proposing, plan)
+        if plan.grid is not None:
+            _keep_float_for_its_owner(plan, carried_state, owners or {})
     views: dict[Node, list[Node]] = {p.root: [] for p in live}
     for node, alias in aliases.items():
         if alias.root in views and node.users:
@@ -238,6 +297,24 @@ def plan_quantized_state(program: Any) -> tuple[list[BufferPlan], GridFlow]:
                 plan.grid = plan._candidates.pop(0)
             else:
                 plan.refuse(why)
+
+
+def _keep_float_for_its_owner(plan: BufferPlan, carried_state: bool,
+                              owners: dict[str, str]) -> None:
+    """Refuse a plan whose storage as integers its owner would not take: the caller (state
+    it carries, unless ``carried_state``) or the stateful delegate owning the buffer."""
+    grid = plan.grid.describe()
+    if plan.carried and not carried_state:
+        plan.refuse(f"it is state the caller carries: its writes store values of {grid}, "
+                    f"but storing it as integers changes the call signature (the caller "
+                    f"would pass {str(plan.grid.dtype).removeprefix('torch.')}); pass "
+                    "carried_state=True to store it so, or make it resident with "
+                    "passes.InputsToBuffers")
+    elif not plan.carried and plan.fqn in owners:
+        owner = owners[plan.fqn]
+        plan.refuse(f"{owner} will own it: {FLOAT_STATE_OWNERS[owner]}, so it stays float "
+                    f"(its writes store values of {grid})")
+        plan.owner = owner
 
 
 def _held_tensors(program: Any) -> list[tuple[str, torch.Tensor]]:

@@ -291,3 +291,67 @@ def accumulator_inputs(steps: int = STEPS, dim: int = 8) -> list[tuple[torch.Ten
     generator = torch.Generator().manual_seed(3)
     return [(torch.randn(1, dim, generator=generator), torch.tensor([i]))
             for i in range(steps)]
+
+
+# -- state the caller carries ------------------------------------------------------------------
+class CarriedCache(nn.Module):
+    """A cache ``[2, 8, 4]`` passed in by the caller and written in place, as transformers'
+    exporter passes its KV caches: ``forward(x [2, 1, 4], pos [1], cache)`` writes the
+    projection of ``x`` at ``pos`` (``index_copy`` or ``index_put``) and reads all of it."""
+
+    def __init__(self, write: str = "index_copy"):
+        super().__init__()
+        self.write = write
+        self.proj = _seeded(lambda: nn.Linear(4, 4))
+        self.out = _seeded(lambda: nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        v = self.proj(x)
+        if self.write == "index_copy":
+            cache.index_copy_(1, pos, v)
+        else:
+            cache[:, pos] = v
+        return self.out((cache * x).sum(1))
+
+
+class CarriedGridCache(nn.Module):
+    """:class:`CarriedCache` quantized by hand (values of ``GRID`` written with
+    ``index_copy_``), to see carried state in every form export gives, in-place writes
+    included."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = _seeded(lambda: nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(1, pos, on_grid(self.proj(x)))
+        return (cache * x).sum(-1).softmax(-1)
+
+
+def carried_cache() -> torch.Tensor:
+    """A fresh (zero) cache for :class:`CarriedCache`."""
+    return torch.zeros(2, 8, 4)
+
+
+@functools.cache
+def _carried(write: str) -> tuple:
+    from passes.quantization import quantize_program
+
+    calls = grid_inputs()
+    with torch.no_grad():
+        ep = torch.export.export(CarriedCache(write), (*calls[0], carried_cache()))
+    ep = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(ep).program
+    calibration_cache = carried_cache()  # the calibration's own state, threaded along it
+    quantized = quantize_program(ep, xnnpack_quantizer(), [
+        (*args, calibration_cache) for args in calls[:4]])
+    return quantized, calls
+
+
+def quantized_carried(write: str = "index_copy", form: str = "exported_program"):
+    """``(program, calls)``: :class:`CarriedCache` exported, functionalized (its cache a
+    ``USER_INPUT_MUTATION`` output) and quantized by ``quantize_program`` with the XNNPACK
+    quantizer, as ``form`` (``graph_module``: its ``.module()``); ``calls`` are
+    ``(x, pos)`` pairs, the caller adds its cache."""
+    quantized, calls = _carried(write)
+    program = copy.deepcopy(quantized)
+    return (program if form == "exported_program" else program.module()), calls

@@ -278,7 +278,15 @@ def test_a_second_run_changes_nothing(hand_quantized):
 def test_pipeline_text():
     manager = parse_pipeline("QuantizeMutableBuffers{strict=true}")
     assert manager.pipeline_text() == "QuantizeMutableBuffers{strict=true}"
-    assert repr(QuantizeMutableBuffers()) == "QuantizeMutableBuffers(strict=False)"
+    assert repr(QuantizeMutableBuffers()) == (
+        "QuantizeMutableBuffers(strict=False, carried_state=False, state_owner=None, "
+        "owned_buffers=None)")
+    text = ("QuantizeMutableBuffers{carried_state=true,state_owner='coreml',"
+            "owned_buffers=('k_cache',)}")
+    (pass_,) = parse_pipeline(text).plan()
+    assert (pass_.carried_state, pass_.state_owner, pass_.owned_buffers) == (
+        True, "coreml", ("k_cache",))
+    assert parse_pipeline(text).pipeline_text() == text
 
 
 # -- a Hugging Face Llama with a static cache ---------------------------------------------------
