@@ -266,9 +266,15 @@ class _MetaLayout(torch.Tensor):
 def _fresh_fake_tensor(mode: FakeTensorMode, layout: _Layout, device: torch.device
                        ) -> FakeTensor:
     """A new fake tensor of ``layout`` on a storage of its own, as the fake mode wraps a
-    kernel's result: the meta tensor is built with its storage size given, so symbolic
-    sizes cost no arithmetic, then wrapped (its ``detach`` below the Python key: the
-    carrier dispatches nothing)."""
+    kernel's result. On static sizes ``empty_strided`` gives the meta tensor when its
+    storage is the layout's size (2 us less than the carrier); otherwise the meta tensor is
+    built with its storage size given, so symbolic sizes cost no arithmetic, then wrapped
+    (its ``detach`` below the Python key: the carrier dispatches nothing)."""
+    if isinstance(layout.nbytes, int):
+        meta = torch.empty_strided(layout.shape, layout.stride, dtype=layout.dtype,
+                                   device="meta")
+        if meta.untyped_storage().nbytes() == layout.nbytes:
+            return FakeTensor(mode, meta, device)
     meta = torch.Tensor._make_wrapper_subclass(
         _MetaLayout, layout.shape, layout.stride, 0, dtype=layout.dtype, device="meta",
         storage_size=layout.nbytes)
