@@ -4,7 +4,11 @@ against the re-export it replaces.
 Programs: the built-in KV decoder at several depths (default 1, 4, 16, 32 layers) and a
 decoder with Llama 3.2 1B's shapes (``tests.models.llama_shaped``: 16 layers, dim 2,048, 32
 heads, 8 K/V heads, MLP 8,192, vocabulary 128,256; 1.5 B fp32 parameters, random weights,
-``--no-1b`` leaves it out). Each is exported strict under ``no_grad``, functionalized,
+``--no-1b`` leaves it out), exported for one-token decodes (static shapes); and, in the same
+run, the KV decoder at ``--dynamic-layers`` depths (default 2, 16) and the 1B-shaped decoder
+exported with a dynamic token dimension (``Dim`` 1 .. max_seq on the tokens of every input,
+as transformers' exporter exports), called with a prefill of 4 tokens, one of 7, then a
+one-token decode. Each is exported strict under ``no_grad``, functionalized,
 quantized through the passes' flow (PassQuantizer with MarkMutableBuffers and
 SkipAnnotateDataMovementOps, the every-op quantizer: the most (de)quantize nodes torchao
 inserts without a fake value), calibrated on one call, reset, converted with folding and
@@ -27,15 +31,22 @@ that leaves the graph module unchanged pays with torch's APIs (second table):
 * graph copy: ``Graph.graph_copy`` of the converted graph (torch.fx's ``node_copy`` of every
   node, which the lift's copy also is);
 * fake tensors: one ``FakeTensor`` per value the lift makes (each node convert left without
-  one, each frozen constant), built from its finished layout (``empty_strided`` on meta,
-  wrapped) - the least giving those values can cost in the graph's fake mode.
+  one, each frozen constant), built from its finished layout as the lift builds one (a meta
+  tensor of that layout and storage size, wrapped) - the least giving those values can cost
+  in the graph's fake mode (``empty_strided`` on meta costs as much on static shapes and
+  ~10x more on symbolic ones, which it computes a storage size for in Python arithmetic);
+* Meta kernels: one run of the op's Meta kernel on the finished input values per distinct
+  layout key (op, input layouts, other arguments) among those nodes, which the lift runs to
+  learn each key's result layout (on symbolic sizes each run is torch's symbolic
+  arithmetic).
 
 Before timing, the lift and the re-export are each called ``--calls`` times from the same
 state (outputs and buffers compared exactly; the shared buffers are reset in between, not
 deep-copied, which the 1B model's 6 GB would not afford): the ratios compare programs that
 compute the same thing.
 
-    python -m benchmarks.bench_lifting [--layers 1 4 16 32] [--repeat 5] [--no-1b]
+    python -m benchmarks.bench_lifting [--layers 1 4 16 32] [--dynamic-layers 2 16]
+        [--repeat 5] [--no-1b]
 """
 
 from __future__ import annotations
@@ -50,7 +61,6 @@ from typing import Any
 
 import torch
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import ExportedProgram
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -64,6 +74,12 @@ from passes import (
     UnfreezeMutableBuffer,
     exported_program_from,
     reset_mutable_buffers,
+)
+from passes._lifting.fake_values import (  # the lift's own steps, timed apart
+    _Layout,
+    _fresh_fake_tensor,
+    _ResultLayouts,
+    _run_meta_kernel,
 )
 from passes.flow.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder
 from passes.quantization import PassQuantizer
@@ -92,10 +108,29 @@ def _timed_rounds(measured: dict[str, tuple[Callable[[Any], Any], Callable[[], A
     return timings
 
 
-def _converted(model: torch.nn.Module, example: tuple, calls: list[tuple]) -> tuple[Any, Any]:
+TOKEN_LENGTHS = (4, 7, 1)  # the dynamic rows' calls: a prefill of 4, one of 7, a decode
+
+
+def _token_calls(make: Callable[[int, torch.Generator], torch.Tensor]) -> list[tuple]:
+    """One ``(tokens [1, n, ...], positions [n])`` call per length of TOKEN_LENGTHS, the
+    positions following on; ``make(n, generator)`` gives the tokens."""
+    generator, start, calls = torch.Generator().manual_seed(3), 0, []
+    for n in TOKEN_LENGTHS:
+        calls.append((make(n, generator), torch.arange(start, start + n)))
+        start += n
+    return calls
+
+
+def _dynamic_tokens(max_seq: int) -> tuple[dict[int, Any], dict[int, Any]]:
+    tokens = torch.export.Dim("tokens", min=1, max=max_seq)
+    return {1: tokens}, {0: tokens}
+
+
+def _converted(model: torch.nn.Module, example: tuple, calls: list[tuple],
+               dynamic_shapes: Any = None) -> tuple[Any, Any]:
     """(the functional program, its converted GraphModule) through the passes' flow."""
     with torch.no_grad():
-        ep = torch.export.export(model, example, strict=True)
+        ep = torch.export.export(model, example, strict=True, dynamic_shapes=dynamic_shapes)
     program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(ep).program
     quantizer = PassQuantizer(AnnotateEveryOpQuantizer(), transform=[MarkMutableBuffers()],
                               after_annotate=[SkipAnnotateDataMovementOps()])
@@ -131,35 +166,61 @@ def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.Graph:
     return graph
 
 
-def _made_values(converted: Any, lifted: ExportedProgram) -> list[tuple]:
-    """(shape, stride, dtype, device) of each fake value the lift makes: the nodes convert
-    left without one (by name: the lift keeps names) and the frozen constants."""
-    missing = {n.name for n in converted.graph.nodes
-               if n.op == "call_function" and "val" not in n.meta}
-    values = [n.meta["val"] for n in lifted.graph.nodes if n.name in missing]
+def _missing(converted: Any, lifted: ExportedProgram) -> list[torch.fx.Node]:
+    """The lifted graph's copies of the nodes convert left without a fake value (by name:
+    the lift keeps names)."""
+    names = {n.name for n in converted.graph.nodes
+             if n.op == "call_function" and "val" not in n.meta}
+    return [n for n in lifted.graph.nodes if n.name in names]
+
+
+def _made_values(converted: Any, lifted: ExportedProgram) -> list[tuple[_Layout, Any]]:
+    """(layout, device) of each fake value the lift makes: the nodes convert left without
+    one and the frozen constants."""
+    values = [n.meta["val"] for n in _missing(converted, lifted)]
     constants = {id(t): t for t in (operator.attrgetter(str(n.target))(converted)
                                     for n in converted.graph.find_nodes(op="get_attr")
                                     if "val" not in n.meta)}
     values += constants.values()
-    return [(v.shape, v.stride(), v.dtype, v.device) for v in values]
+    return [(_Layout(v.shape, v.stride(), v.dtype, v.untyped_storage().nbytes()), v.device)
+            for v in values]
 
 
-def _fake_tensors(mode: Any) -> Callable[[list[tuple]], None]:
-    def make(layouts: list[tuple]) -> None:
-        for shape, stride, dtype, device in layouts:
-            FakeTensor(mode, torch.empty_strided(shape, stride, dtype=dtype, device="meta"),
-                       device)
+def _fake_tensors(mode: Any) -> Callable[[list[tuple[_Layout, Any]]], None]:
+    def make(layouts: list[tuple[_Layout, Any]]) -> None:
+        for layout, device in layouts:
+            _fresh_fake_tensor(mode, layout, device)
     return make
 
 
-def _reexport(converted: Any, example: tuple) -> ExportedProgram:
+def _kernel_nodes(converted: Any, lifted: ExportedProgram, mode: Any) -> list[torch.fx.Node]:
+    """One node per distinct layout key among the values the lift makes: those whose Meta
+    kernel the lift runs."""
+    layouts, first = _ResultLayouts(mode), {}
+    for node in _missing(converted, lifted):
+        keyed = layouts.key_of(node)
+        if keyed is not None:
+            first.setdefault(keyed[0], node)
+    return list(first.values())
+
+
+def _meta_kernels(mode: Any) -> Callable[[list[torch.fx.Node]], None]:
+    def run(nodes: list[torch.fx.Node]) -> None:
+        for node in nodes:
+            _run_meta_kernel(node, mode)
+    return run
+
+
+def _reexport(converted: Any, example: tuple, dynamic_shapes: Any = None) -> ExportedProgram:
     with torch.no_grad():
-        return torch.export.export(converted, example, strict=True)
+        return torch.export.export(converted, example, strict=True,
+                                   dynamic_shapes=dynamic_shapes)
 
 
-def _reexport_functional(converted: Any, example: tuple) -> ExportedProgram:
+def _reexport_functional(converted: Any, example: tuple, dynamic_shapes: Any = None
+                         ) -> ExportedProgram:
     functionalize = PassManager([MarkMutableBuffers(), InplaceToFunctional()])
-    return functionalize.run(_reexport(converted, example)).program
+    return functionalize.run(_reexport(converted, example, dynamic_shapes)).program
 
 
 def _decode(program: ExportedProgram, marked: ExportedProgram, calls: list[tuple]) -> Trace:
@@ -176,12 +237,14 @@ def _decode(program: ExportedProgram, marked: ExportedProgram, calls: list[tuple
 
 
 def measure(label: str, model: torch.nn.Module, example: tuple, calls: list[tuple],
-            repeat: int, export_repeat: int) -> tuple[str, str]:
-    program, converted = _converted(model, example, calls)
+            repeat: int, export_repeat: int, dynamic_shapes: Any = None) -> tuple[str, str]:
+    program, converted = _converted(model, example, calls, dynamic_shapes)
     missing = sum(1 for n in converted.graph.nodes
                   if n.op == "call_function" and "val" not in n.meta)
     lifted = exported_program_from(converted, like=program)
-    reexported = _reexport(converted, example)
+    if lifted.range_constraints != program.range_constraints:
+        raise AssertionError(f"{label}: the lift lost the program's range constraints")
+    reexported = _reexport(converted, example, dynamic_shapes)
     difference = first_difference(_decode(reexported, lifted, calls),
                                   _decode(lifted, lifted, calls))
     if difference is not None:
@@ -189,14 +252,18 @@ def measure(label: str, model: torch.nn.Module, example: tuple, calls: list[tupl
 
     layouts = _made_values(converted, lifted)
     mode = detect_fake_mode([p.meta["val"] for p in lifted.graph.find_nodes(op="placeholder")])
+    kernel_nodes = _kernel_nodes(converted, lifted, mode)
     t = _timed_rounds({
         "floor": (_construct(lifted), _floor_parts(lifted), repeat),
         "lift": (lambda gm: exported_program_from(gm, like=program), lambda: converted, repeat),
         "graph copy": (_graph_copy, lambda: converted, repeat),
         "fake tensors": (_fake_tensors(mode), lambda: layouts, repeat),
-        "re-export": (lambda gm: _reexport(gm, example), lambda: converted, export_repeat),
-        "re-export + functionalize": (lambda gm: _reexport_functional(gm, example),
-                                      lambda: converted, export_repeat),
+        "Meta kernels": (_meta_kernels(mode), lambda: kernel_nodes, repeat),
+        "re-export": (lambda gm: _reexport(gm, example, dynamic_shapes), lambda: converted,
+                      export_repeat),
+        "re-export + functionalize": (
+            lambda gm: _reexport_functional(gm, example, dynamic_shapes), lambda: converted,
+            export_repeat),
     })
     floor, lift = t["floor"], t["lift"]
     reexport, refunctional = t["re-export"], t["re-export + functionalize"]
@@ -204,9 +271,9 @@ def measure(label: str, model: torch.nn.Module, example: tuple, calls: list[tupl
     def cell(t: Timings) -> str:
         return f"{t.min * 1e3:.0f} ({t.median * 1e3:.0f})"
 
-    copy_, fakes = t["graph copy"], t["fake tensors"]
+    copy_, fakes, kernels = t["graph copy"], t["fake tensors"], t["Meta kernels"]
     above = lift.min - floor.min
-    other = above - copy_.min - fakes.min
+    other = above - copy_.min - fakes.min - kernels.min
 
     def share(seconds: float) -> str:
         return f"{seconds * 1e3:.1f} ({seconds / floor.min:.2f})"
@@ -216,15 +283,20 @@ def measure(label: str, model: torch.nn.Module, example: tuple, calls: list[tupl
             f"| {lift.min / floor.min:.2f} ({lift.median / floor.median:.2f}) "
             f"| {reexport.min / lift.min:.1f} | {refunctional.min / lift.min:.1f} |",
             f"| {label} | {share(above)} | {share(copy_.min)} | {len(layouts)}: "
-            f"{share(fakes.min)} | {share(other)} |")
+            f"{share(fakes.min)} | {len(kernel_nodes)}: {share(kernels.min)} "
+            f"| {share(other)} |")
 
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--layers", type=int, nargs="*", default=[1, 4, 16, 32],
+                        help="the KV decoder's depths, static shapes")
+    parser.add_argument("--dynamic-layers", type=int, nargs="*", default=[2, 16],
+                        help="the KV decoder's depths, dynamic token dimension")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3, help="decode calls compared")
-    parser.add_argument("--no-1b", action="store_true", help="leave out the 1B-shaped model")
+    parser.add_argument("--no-1b", action="store_true",
+                        help="leave out the 1B-shaped model (both rows)")
     args = parser.parse_args(argv)
     export_repeat = max(1, args.repeat // 2)
     lines = [
@@ -233,7 +305,9 @@ def main(argv: list[str] | None = None) -> str:
         "",
         "CPU ms, min (median) over repeated runs; ratios of minima from the same run. "
         "Nodes: the converted GraphModule's; missing: its call_function nodes without a "
-        "fake value (torchao's (de)quantize nodes), which the lift propagates.",
+        "fake value (torchao's (de)quantize nodes), which the lift propagates. Dynamic "
+        "tokens: exported with a dynamic token dimension, called with 4, 7 then 1 tokens "
+        "(the static rows: one-token decodes).",
         "",
         "| program | nodes | missing | floor: ExportedProgram(...) | lift "
         "| re-export | re-export + functionalize | lift / floor (of medians) "
@@ -244,25 +318,36 @@ def main(argv: list[str] | None = None) -> str:
         "",
         "What lift - floor is made of (CPU ms of the minima, in parentheses as a fraction of "
         "the floor): torch.fx's copy of the converted graph, one FakeTensor per value the "
-        "lift makes (their number first), and the rest (the layout keys, the state and "
+        "lift makes (their number first), one Meta kernel run per distinct layout key "
+        "among them (their number first), and the rest (the layout keys, the state and "
         "signature, the collections of the lift's new objects).",
         "",
-        "| program | lift - floor | graph copy | fake tensors | rest |",
-        "|---|---:|---:|---:|---:|",
+        "| program | lift - floor | graph copy | fake tensors | Meta kernels | rest |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    programs = [(f"KV decoder, {layers} layers", layers) for layers in args.layers]
+    programs = [(f"KV decoder, {layers} layers", layers, False) for layers in args.layers]
+    programs += [(f"KV decoder, {layers} layers, dynamic tokens", layers, True)
+                 for layers in args.dynamic_layers]
     if not args.no_1b:
-        programs.append(("Llama 3.2 1B-shaped (16 layers, dim 2,048)", None))
-    for label, layers in programs:
+        programs += [("Llama 3.2 1B-shaped (16 layers, dim 2,048)", None, False),
+                     ("Llama 3.2 1B-shaped, dynamic tokens", None, True)]
+    for label, layers, dynamic in programs:
         if layers is None:
             model = llama_shaped(seed=0, **LLAMA_1B)
-            calls = llama_inputs(model.cfg, 1)
-            row, split = measure(label, model, calls[0], calls, max(1, args.repeat // 2), 1)
+            vocab = model.cfg.vocab
+            calls = (_token_calls(lambda n, g: torch.randint(vocab, (1, n), generator=g))
+                     if dynamic else llama_inputs(model.cfg, 1))
+            shapes = _dynamic_tokens(model.cfg.max_seq) if dynamic else None
+            row, split = measure(label, model, calls[0], calls, max(1, args.repeat // 2), 1,
+                                 shapes)
         else:
-            model, example = kv_decoder(layers)
-            calls = decode_inputs(model.cfg, args.calls)
-            row, split = measure(label, copy.deepcopy(model), example, calls, args.repeat,
-                                 export_repeat)
+            model, _ = kv_decoder(layers)
+            dim = model.cfg.dim
+            calls = (_token_calls(lambda n, g: torch.randn(1, n, dim, generator=g))
+                     if dynamic else decode_inputs(model.cfg, args.calls))
+            shapes = _dynamic_tokens(model.cfg.max_seq) if dynamic else None
+            row, split = measure(label, copy.deepcopy(model), calls[0], calls, args.repeat,
+                                 export_repeat, shapes)
         lines.append(row)
         breakdown.append(split)
         print(row, split, sep="\n", flush=True)

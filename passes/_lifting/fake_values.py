@@ -5,24 +5,34 @@ Only those nodes are propagated, each from its inputs' recorded values, in the g
 mode (its shape environment included): a program from ``ep.module()`` has values everywhere
 else, and re-running them would be a trace.
 
-A fresh-result op on static shapes (torchao's quantize / dequantize) has a result whose
-layout its Meta kernel computes from its inputs' layouts and its other arguments alone, so
-the kernel runs once per distinct such key (on meta tensors) and each node gets a new fake
-tensor of that layout, built as the fake mode's converter wraps a kernel's result: about
-0.01 ms a node, against 0.1 ms for a kernel run per node and 0.4-1 ms through the mode's
-dispatch. The scale and zero point of a per-tensor (de)quantize, different at every node,
-are left out of the key: its Meta kernel never reads them. Anything else goes through
-torch's ``FakeTensorProp``.
+A fresh-result op (torchao's quantize / dequantize) has a result whose layout its Meta
+kernel computes from its inputs' layouts and its other arguments alone, so the kernel runs
+once per distinct such key (on the inputs' fake values, as the fake mode runs it) and each
+node gets a new fake tensor of that layout, built as the fake mode's converter wraps a
+kernel's result: about 0.01 ms a node, against 0.1 ms for a kernel run per node and
+0.4-1 ms through the mode's dispatch. The scale and zero point of a per-tensor
+(de)quantize, different at every node, are left out of the key: its Meta kernel never
+reads them. Anything else goes through torch's ``FakeTensorProp``.
+
+Symbolic sizes (a dynamic token dimension) key by their expressions. Their new fake tensor
+takes the kernel's storage size as it is instead of computing it again from the symbolic
+sizes and strides (``empty_strided`` does, in Python ``SymNode`` arithmetic: 0.3 ms a
+node against 0.03 ms), the way torch's nested tensors build theirs
+(``_make_wrapper_subclass(..., storage_size=)``); each still gets a storage of its own.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch._export.utils import _detect_fake_mode_from_gm
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorMode,
+    in_kernel_invocation_manager,
+)
 from torch.fx import GraphModule, Node, map_arg
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -149,16 +159,42 @@ class _Unkeyable(Exception):
     """An argument the layout key cannot hold (a symbolic or foreign value)."""
 
 
+class _Layout(NamedTuple):
+    """A kernel result's layout; sizes are ints or SymInts of the graph's shape env."""
+
+    shape: torch.Size
+    stride: tuple[Any, ...]
+    dtype: torch.dtype
+    nbytes: Any  # its storage's size in bytes
+
+
 class _ResultLayouts:
-    """Fake values of fresh-result nodes on static shapes, from their op's Meta kernel run
-    once per (op, input layouts, other arguments)."""
+    """Fake values of fresh-result nodes, from their op's Meta kernel run once per (op,
+    input layouts, other arguments)."""
 
     def __init__(self, mode: FakeTensorMode) -> None:
         self.mode = mode
-        self.known: dict[tuple, tuple[torch.Size, tuple[int, ...], torch.dtype] | None] = {}
+        self.known: dict[tuple, _Layout | None] = {}
 
     def value_of(self, node: Node) -> FakeTensor | None:
         """``node``'s fake value, or None where the fast path does not apply."""
+        keyed = self.key_of(node)
+        if keyed is None:
+            return None
+        key, device = keyed
+        try:
+            layout = self.known[key]
+        except KeyError:
+            layout = self.known[key] = _run_meta_kernel(node, self.mode)
+        except TypeError:  # an unhashable argument: the kernel runs for this node alone
+            layout = _run_meta_kernel(node, self.mode)
+        if layout is None:
+            return None
+        return _fresh_fake_tensor(self.mode, layout, device)
+
+    def key_of(self, node: Node) -> tuple[tuple, torch.device] | None:
+        """What ``node``'s result layout depends on (op, input layouts, other arguments)
+        and the device of its inputs, or None where the fast path does not apply."""
         plan = _plan(node.target, node)
         if plan is None:
             return None
@@ -175,26 +211,18 @@ class _ResultLayouts:
             return None
         if len(devices) != 1:
             return None
-        try:
-            layout = self.known[tuple(key)]
-        except KeyError:
-            layout = self.known[tuple(key)] = _run_meta_kernel(node)
-        except TypeError:  # an unhashable argument: the kernel runs for this node alone
-            layout = _run_meta_kernel(node)
-        if layout is None:
-            return None
-        shape, stride, dtype = layout
-        return FakeTensor(self.mode, torch.empty_strided(shape, stride, dtype=dtype,
-                                                         device="meta"), devices.pop())
+        return tuple(key), devices.pop()
 
     def _key(self, value: Any, devices: set[torch.device]) -> Any:
         if isinstance(value, Node):
             v = value.meta.get("val")
-            if (not isinstance(v, FakeTensor) or v.fake_mode is not self.mode
-                    or v._has_symbolic_sizes_strides):
+            if not isinstance(v, FakeTensor) or v.fake_mode is not self.mode:
                 raise _Unkeyable
             devices.add(v.fake_device)
-            return v.shape, v.stride(), v.dtype, v.fake_device  # the kernel sees no offset
+            if not v._has_symbolic_sizes_strides:
+                return v.shape, v.stride(), v.storage_offset(), v.dtype, v.fake_device
+            return (tuple(map(_size_key, v.shape)), tuple(map(_size_key, v.stride())),
+                    _size_key(v.storage_offset()), v.dtype, v.fake_device)
         if isinstance(value, (list, tuple)):
             return type(value), tuple(self._key(v, devices) for v in value)
         if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor)):
@@ -202,22 +230,53 @@ class _ResultLayouts:
         return type(value), value  # 1, 1.0 and True key apart
 
 
-def _run_meta_kernel(node: Node) -> tuple[torch.Size, tuple[int, ...], torch.dtype] | None:
-    """The layout of ``node``'s result as its op's Meta kernel gives it, or None if the
-    kernel fails or gives no single meta tensor (the general path then reports or handles
-    it)."""
+def _size_key(size: Any) -> Any:
+    """A size as a key: an int, or a symbolic size's expression (equal expressions are
+    equal sizes)."""
+    return size.node.expr if isinstance(size, torch.SymInt) else size
 
-    def as_meta(arg: Node) -> torch.Tensor:
-        v = arg.meta["val"]
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
 
-    args, kwargs = map_arg((node.args, node.kwargs), as_meta)
+def _run_meta_kernel(node: Node, mode: FakeTensorMode) -> _Layout | None:
+    """The layout of ``node``'s result as its op's Meta kernel gives it on the inputs'
+    fake values (as the fake mode runs kernels), or None if the kernel fails or gives no
+    single meta tensor at offset 0 (the general path then reports or handles it)."""
+    args, kwargs = map_arg((node.args, node.kwargs), lambda arg: arg.meta["val"])
     try:
-        result = node.target(*args, **kwargs)
+        with in_kernel_invocation_manager(mode):
+            result = node.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - the general path reports the failure
         return None
-    if not isinstance(result, torch.Tensor) or result.device.type != "meta":
+    if (type(result) is not torch.Tensor or result.device.type != "meta"
+            or result.storage_offset() != 0):
         return None
-    if result.storage_offset() != 0:
-        return None
-    return result.shape, result.stride(), result.dtype
+    return _Layout(result.shape, result.stride(), result.dtype,
+                   result.untyped_storage().nbytes())
+
+
+class _MetaLayout(torch.Tensor):
+    """The type ``_make_wrapper_subclass`` needs to build a meta tensor of a given layout
+    and storage size; only ever wrapped at once into a FakeTensor."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        raise LiftError(f"{func} reached a layout carrier, which runs no op")
+
+
+def _fresh_fake_tensor(mode: FakeTensorMode, layout: _Layout, device: torch.device
+                       ) -> FakeTensor:
+    """A new fake tensor of ``layout`` on a storage of its own, as the fake mode wraps a
+    kernel's result. On static sizes ``empty_strided`` gives the meta tensor when its
+    storage is the layout's size (2 us less than the carrier); otherwise the meta tensor is
+    built with its storage size given, so symbolic sizes cost no arithmetic, then wrapped
+    (its ``detach`` below the Python key: the carrier dispatches nothing)."""
+    if isinstance(layout.nbytes, int):
+        meta = torch.empty_strided(layout.shape, layout.stride, dtype=layout.dtype,
+                                   device="meta")
+        if meta.untyped_storage().nbytes() == layout.nbytes:
+            return FakeTensor(mode, meta, device)
+    meta = torch.Tensor._make_wrapper_subclass(
+        _MetaLayout, layout.shape, layout.stride, 0, dtype=layout.dtype, device="meta",
+        storage_size=layout.nbytes)
+    with torch._C._DisableTorchDispatch():
+        return FakeTensor(mode, meta, device)
