@@ -76,8 +76,8 @@ from passes import (
     reset_mutable_buffers,
 )
 from passes._lifting.fake_values import (  # the lift's own steps, timed apart
-    _Layout,
     _fresh_fake_tensor,
+    _Layout,
     _ResultLayouts,
     _run_meta_kernel,
 )
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> str:
         if layers is None:
             model = llama_shaped(seed=0, **LLAMA_1B)
             vocab = model.cfg.vocab
-            calls = (_token_calls(lambda n, g: torch.randint(vocab, (1, n), generator=g))
+            calls = (_token_calls(lambda n, g, v=vocab: torch.randint(v, (1, n), generator=g))
                      if dynamic else llama_inputs(model.cfg, 1))
             shapes = _dynamic_tokens(model.cfg.max_seq) if dynamic else None
             row, split = measure(label, model, calls[0], calls, max(1, args.repeat // 2), 1,
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> str:
         else:
             model, _ = kv_decoder(layers)
             dim = model.cfg.dim
-            calls = (_token_calls(lambda n, g: torch.randn(1, n, dim, generator=g))
+            calls = (_token_calls(lambda n, g, dim=dim: torch.randn(1, n, dim, generator=g))
                      if dynamic else decode_inputs(model.cfg, args.calls))
             shapes = _dynamic_tokens(model.cfg.max_seq) if dynamic else None
             row, split = measure(label, copy.deepcopy(model), calls[0], calls, args.repeat,
