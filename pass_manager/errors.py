@@ -56,7 +56,7 @@ class PassManagerError(Exception):
         report: the run's :class:`Report` up to and including the failed pass (its record
             has ``error`` set, and the statistics the error carried), or None when the
             error did not come from a run.
-        reproducer: the folder a ``reproducer_dir`` run wrote for this failure, or None.
+        reproducer: the folder a Reproducer instrument wrote for this failure, or None.
     """
 
     def __init__(self, message: str, *, pass_name: str | None = None, index: int | None = None):
@@ -260,13 +260,13 @@ class UntrustedFileError(ArchiveError):
             "python -m pass_manager replay",
         )
 class ValidationInputError(PassManagerError, TypeError):
-    """The inputs given to check what the program computes (``PassManager(validate=...)``)
+    """The inputs given to check what the program computes (``SemanticValidation(inputs)``)
     do not fit the program, found before any pass runs.
 
     A ``TypeError`` too: like a call with the wrong arguments.
 
     Attributes:
-        option: where the inputs came from, e.g. ``"PassManager(validate=...)"``.
+        option: where the inputs came from, e.g. ``"SemanticValidation(inputs=...)"``.
         call: which inputs, e.g. ``"validate[1]"`` (None: the option as a whole).
         reason: what is wrong.
         expected: the inputs the program takes, e.g. ``"(x, pos)"`` ("" if not known).

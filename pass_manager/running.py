@@ -136,7 +136,6 @@ class Runner:
     Args:
         passes: planned passes (anything with the Pass attributes).
         instruments: hooks around every pass (see ``instruments``).
-        max_iterations: repeat until no pass changes the program, at most this often.
         name: what to call the pipeline in an error about the program it was given.
         plan: the plan's explanation, for the report.
         start: the place of the first pass in the plan (a replay runs one pass of a
@@ -151,7 +150,6 @@ class Runner:
         passes: Sequence[Any],
         instruments: Iterable[Instrumentation],
         *,
-        max_iterations: int = 1,
         name: str = "PassManager",
         plan: str = "",
         start: int = 0,
@@ -163,7 +161,6 @@ class Runner:
         self.strict = strict
         self.start = start
         self.instruments = list(instruments)
-        self.max_iterations = max_iterations
         self.name = name
         self.plan = plan
 
@@ -177,37 +174,24 @@ class Runner:
             raise ProgramFormError(
                 self.name, None, type(program).__name__, [GRAPH_MODULE, EXPORTED_PROGRAM], advice
             ) from e
-        report = Report(plan=self.plan)
+        report = Report(plan=self.plan, strict=self.strict)
         for instrument in self.instruments:
             instrument.before_run(program, report)
         state = _RunState()
-        any_change = False
-        for iteration in range(self.max_iterations):
-            changed_this_round = False
-            for index, p in enumerate(self.passes, self.start):
-                record = PassRecord(p.name, index, iteration)
-                try:
-                    program = self._run_pass(p, index, program, state, record)
-                except PassManagerError as e:
-                    # The report so far, ending with the failed pass, travels with the
-                    # error (the outermost pipeline's, when groups nest).
-                    report.records.append(record)
-                    e.report = report
-                    raise
+        for index, p in enumerate(self.passes, self.start):
+            record = PassRecord(p.name, index)
+            try:
+                program = self._run_pass(p, index, program, state, record)
+            except PassManagerError as e:
+                # The report so far, ending with the failed pass, travels with the
+                # error (the outermost pipeline's, when groups nest).
                 report.records.append(record)
-                changed_this_round |= record.modified
-            any_change |= changed_this_round
-            if not changed_this_round:
-                break
-        else:
-            if self.max_iterations > 1:
-                report.warnings.append(
-                    f"no fixed point after {self.max_iterations} iterations; "
-                    "the last one still changed the program"
-                )
+                e.report = report
+                raise
+            report.records.append(record)
         for instrument in reversed(self.instruments):
             instrument.after_run(program, report)
-        return RunResult(program, any_change, report)
+        return RunResult(program, any(r.modified for r in report.records), report)
 
     # -- one pass ----------------------------------------------------------------------
     def _run_pass(
