@@ -16,7 +16,13 @@ from typing import Any
 
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
-from .conditions import ALL_CONDITIONS, ConditionSet, preserves_of, provides_of, requires_of
+from .conditions import (
+    EVERYTHING,
+    preserves_everything,
+    preserves_of,
+    provides_of,
+    requires_of,
+)
 from .effects import Effects
 from .errors import PassManagerError
 from .instruments import Instrumentation
@@ -94,11 +100,9 @@ class PassManager(Pass):
         return frozenset().union(*(provides_of(p) for p in self.plan()))
 
     @property
-    def preserves(self) -> ConditionSet:
-        preserved: ConditionSet = ALL_CONDITIONS
-        for p in self.plan():
-            preserved = preserved & preserves_of(p)
-        return preserved
+    def preserves(self) -> frozenset | str:
+        named = [preserves_of(p) for p in self.plan() if not preserves_everything(p)]
+        return frozenset.intersection(*named) if named else EVERYTHING
 
     @property
     def accepts(self) -> tuple[str, ...]:

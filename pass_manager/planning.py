@@ -89,8 +89,6 @@ def _check_condition_names(passes: Sequence[Any]) -> None:
     for p in passes:
         declared = [requires_of(p), provides_of(p), preserves_of(p)]
         for conditions in declared:
-            if not isinstance(conditions, frozenset):  # ALL_CONDITIONS names no condition
-                continue
             for c in conditions:
                 known = by_name.setdefault(c.name, c)
                 if known is not c:

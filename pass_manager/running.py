@@ -23,7 +23,14 @@ import torch
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from ._rollback import take
-from .conditions import Condition, as_condition_set, preserves_of, provides_of, requires_of
+from .conditions import (
+    Condition,
+    as_condition_set,
+    preserves_everything,
+    preserves_of,
+    provides_of,
+    requires_of,
+)
 from .errors import (
     InPlaceContractError,
     PassFailedError,
@@ -295,9 +302,8 @@ class Runner:
     def _provide(
         self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord
     ) -> None:
-        if record.modified:
-            preserved = preserves_of(p)
-            state.holds = {c for c in state.holds if c in preserved}
+        if record.modified and not preserves_everything(p):
+            state.holds &= preserves_of(p)
         failed = self._check(provides_of(p), program, state, record)
         if failed:
             condition, violations = failed
