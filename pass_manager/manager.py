@@ -50,9 +50,9 @@ class PassManager(Pass):
         strict: a pass that claims "unmodified" but changed the program is an error
             (rolled back) instead of a report warning; and every pass's ``effects`` are
             checked in full: its rollback record is the full snapshot whatever it
-            declares, and an edit it does not declare is a typed error (an in-place
-            edit of a meta object, MetaEditError; other meta keys or more than meta,
-            UndeclaredEditError).
+            declares, and an edit it does not declare is an EffectsError (an in-place
+            edit of a meta object, kind "edits_meta_in_place"; other meta keys or more
+            than meta, kind "meta_keys").
         name: what to call the pipeline (in errors, and as a group in a larger one).
 
     Example:

@@ -32,7 +32,7 @@ from .conditions import (
     requires_of,
 )
 from .errors import (
-    InPlaceContractError,
+    EffectsError,
     PassFailedError,
     PassManagerError,
     PostconditionError,
@@ -282,19 +282,15 @@ class Runner:
             )
         in_place = p.effects.in_place
         if in_place is True and new_program is not program:
-            raise InPlaceContractError(
-                p.name, index,
+            raise EffectsError(p.name, index, "in_place", reason=(
                 "declares in_place = True (in its effects) but returned a different program "
-                "object",
-            )
+                "object"))
         change = rollback.compare(new_program, record.claimed_modified)
         record.modified = change.anything
         if in_place is False and new_program is program and record.modified:
-            raise InPlaceContractError(
-                p.name, index,
+            raise EffectsError(p.name, index, "in_place", reason=(
                 "declares in_place = False (returns a new program) but changed the program "
-                "it was given",
-            )
+                "it was given"))
         if change.structure:
             graph_module_of(new_program).recompile()
         record.nodes_after = node_count(new_program)

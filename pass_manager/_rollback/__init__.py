@@ -22,7 +22,7 @@ from typing import Any
 
 from ..analysis import unchanged
 from ..effects import Effects
-from ..errors import MetaEditError, StateWriteError, UndeclaredEditError
+from ..errors import EffectsError
 from .meta_keys import MetaKeysSnapshot, undeclared_edits
 from .snapshot import Change, Snapshot
 
@@ -74,11 +74,11 @@ class RollbackRecord:
         effects = self.effects
         self._written = self._record.written()
         if self._written and not effects.writes_state:
-            raise StateWriteError(pass_name, index, self._written)
+            raise EffectsError(pass_name, index, "writes_state", self._written)
         if not effects.edits_meta_in_place and self.strict:
             edited = self._record.edited_in_place()
             if edited:
-                raise MetaEditError(pass_name, index, edited)
+                raise EffectsError(pass_name, index, "edits_meta_in_place", edited)
         if effects.meta_keys is None:
             return
         if isinstance(self._record, MetaKeysSnapshot):
@@ -88,7 +88,7 @@ class RollbackRecord:
         else:
             edits = []
         if edits:
-            raise UndeclaredEditError(pass_name, index, edits)
+            raise EffectsError(pass_name, index, "meta_keys", edits)
 
     def compare(self, result: Any, claimed_modified: bool | None) -> Change:
         """What the pass changed (after :meth:`check`)."""

@@ -8,12 +8,11 @@ import torch
 
 from pass_manager import (
     Effects,
+    EffectsError,
     Pass,
     PassFailedError,
     PassManager,
     PassResult,
-    StateWriteError,
-    UndeclaredEditError,
     assert_same_behaviour,
     function_pass,
     graph_of,
@@ -125,7 +124,7 @@ def test_strict_checks_the_meta_keys_a_rewrite_names(traced):
 
     declared = function_pass(touches_an_existing_node, effects=Effects.rewrite(meta_keys=()),
                              name="touches")
-    with pytest.raises(UndeclaredEditError, match="relu: meta keys other than") as info:
+    with pytest.raises(EffectsError, match="relu: meta keys other than") as info:
         PassManager([declared], strict=True).run(traced)
     assert info.value.pass_name == "touches" and info.value.rolled_back
     assert program_text(traced) == text and meta_of(traced) == before
@@ -165,5 +164,5 @@ def test_a_declared_state_write_is_restored_and_an_undeclared_one_is_an_error(tr
     with pytest.raises(PassFailedError) as info:
         PassManager([_Reset()]).run(traced)
     assert info.value.unrestored == [] and torch.equal(traced.acc, acc)  # data restored
-    with pytest.raises(StateWriteError, match="writes_state = True"):
+    with pytest.raises(EffectsError, match="writes_state = True"):
         PassManager([_Undeclared()]).run(traced)

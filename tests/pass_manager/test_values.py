@@ -11,7 +11,7 @@ from pass_manager import (
     ALL_CONDITIONS,
     Condition,
     Effects,
-    InPlaceContractError,
+    EffectsError,
     Instrumentation,
     Pass,
     PassFailedError,
@@ -154,7 +154,7 @@ def _copy_of(program):
 def test_an_in_place_pass_returning_another_program_is_a_typed_error(traced):
     before = traced.code
     returns_copy = function_pass(_copy_of, effects=Effects(in_place=True), name="returns_copy")
-    with pytest.raises(InPlaceContractError, match="in_place = True") as info:
+    with pytest.raises(EffectsError, match="in_place = True") as info:
         PassManager([returns_copy]).run(traced)
     assert isinstance(info.value, PassFailedError) and info.value.rolled_back
     assert traced.code == before
@@ -165,7 +165,7 @@ def test_a_pass_declaring_a_new_program_must_not_change_its_input(traced):
         targets(program, "relu")[0].target = torch.abs
         return PassResult(program, True)
 
-    with pytest.raises(InPlaceContractError, match="in_place = False"):
+    with pytest.raises(EffectsError, match="in_place = False"):
         PassManager([function_pass(edits_input, effects=Effects(in_place=False))]).run(traced)
     assert "relu" in traced.code
 
