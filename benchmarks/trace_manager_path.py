@@ -11,7 +11,8 @@ Traces ``PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(ep)`` on
 * ``program_form`` calls: how often the program's form is decided.
 
 A warm-up run (imports, caches) comes first on its own export; the traced run gets a fresh
-one. Run it on two trees to compare them: ``PYTHONPATH=TREE python -m benchmarks.trace_manager_path``.
+one. Run it on two trees to compare them:
+``PYTHONPATH=TREE python -m benchmarks.trace_manager_path``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ error as ``diff`` and ``unrestored``; the message is rendered from them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "ArchiveError",
@@ -180,7 +180,7 @@ class EffectsError(PassFailedError):
         edits: what it changed: tensors, ``node: key`` entries or edits ([] for in_place).
     """
 
-    _REASONS = {
+    _REASONS: ClassVar[dict[str, str]] = {
         "writes_state": "wrote tensor data in place without declaring writes_state = True "
                         "in its effects: {}",
         "edits_meta_in_place": "edited meta objects in place while its effects declare "

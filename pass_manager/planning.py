@@ -161,7 +161,8 @@ def _dependency_graph(passes: Sequence[Any]) -> nx.DiGraph:
 
 def _list_order_plan(passes: Sequence[Any]) -> Plan | None:
     """The plan when every requirement is provided only by passes listed before it (or by
-    none): then the list order is the DAG's order, with no cycle; None otherwise. Most pipelines are so; no graph is built for them."""
+    none): then the list order is the DAG's order, with no cycle; None otherwise. Most
+    pipelines are so; no graph is built for them."""
     providers: dict[Condition, list[int]] = {}
     for index, p in enumerate(passes):
         for c in provides_of(p) - requires_of(p):

@@ -11,14 +11,14 @@ from pass_manager import (
     PassFailedError,
     PassManager,
     PassResult,
-    PrintDiff,
     PreconditionError,
+    PrintDiff,
     ProgramFormError,
     function_pass,
     graph_of,
 )
 
-from .conftest import HasMul, NoRelu, ReluToAbs, targets
+from .conftest import NoRelu, ReluToAbs, targets
 
 
 class CountingCondition(Condition):

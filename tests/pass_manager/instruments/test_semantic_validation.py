@@ -1,5 +1,6 @@
-"""Semantic validation against example inputs (the SemanticValidation instrument): the first pass that changes what the program computes is
-named, with the difference, and rolled back."""
+"""Semantic validation against example inputs (the SemanticValidation instrument): the
+first pass that changes what the program computes is named, with the difference, and
+rolled back."""
 
 import pytest
 import torch
@@ -56,7 +57,8 @@ def test_semantic_validation_accepts_an_equivalent_rewrite(exported):
                 node.args = (node.args[0], node.args[0])
 
     inputs = [(torch.full((4,), float(i)),) for i in range(4)]
-    result = PassManager([mul_by_two_to_add_self], instruments=[SemanticValidation(inputs)]).run(exported)
+    result = PassManager([mul_by_two_to_add_self],
+                         instruments=[SemanticValidation(inputs)]).run(exported)
     assert result.modified and not targets(result.program, "mul")
 
 
@@ -177,7 +179,8 @@ def test_inputs_the_given_program_fails_on_are_named_with_the_cause():
 
 
 def test_validate_given_a_tensor_or_a_list_of_arguments_says_how_to_write_it():
-    with pytest.raises(ValidationInputError, match=r"got a Tensor: write SemanticValidation\(\(x,\)\)"):
+    with pytest.raises(ValidationInputError,
+                       match=r"got a Tensor: write SemanticValidation\(\(x,\)\)"):
         SemanticValidation(_X)
     pm, _ = _pipeline([_X, _POS])
     with pytest.raises(ValidationInputError, match=r"one call's arguments are a tuple"):
