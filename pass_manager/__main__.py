@@ -1,6 +1,6 @@
 """Command line of the pass manager: ``python -m pass_manager replay FOLDER [--trust] [--pdb]``.
 
-``replay`` loads a reproducer folder (written by ``PassManager(reproducer_dir=...)``) and
+``replay`` loads a reproducer folder (written by a ``Reproducer`` instrument) and
 runs its failing pass again on the saved program, with the same checks. Exit status: 1
 when the pass fails (the output says whether with the recorded error), 0 when it no
 longer fails, 2 when the folder cannot be replayed. A folder whose program or validation
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     replay_parser = commands.add_parser("replay", help="rerun the failing pass of a reproducer")
-    replay_parser.add_argument("folder", help="a folder written by reproducer_dir")
+    replay_parser.add_argument("folder", help="a folder written by a Reproducer")
     replay_parser.add_argument(
         "--trust", action="store_true",
         help="read pickled files and import the modules the folder names (runs code from the "

@@ -75,9 +75,9 @@ class _Measure:
         return self.signature
 
 
-# Graphs known not to change for a while (the manager checking conditions), by id: their
-# nodes are measured once for every stamp made or matched meanwhile (see ``unchanged``).
-_unchanged: dict[int, _Measure] = {}
+# Graphs the manager declared unchanged for a while (checking conditions): their nodes
+# are measured once for every stamp made or matched meanwhile (see ``unchanged``).
+_unchanged: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @contextmanager
@@ -86,24 +86,25 @@ def unchanged(graph: torch.fx.Graph, nodes: list | None = None,
     """Declare that ``graph`` (and its program) does not change inside the block.
 
     Stamps made or matched inside share one measurement of its nodes instead of taking
-    one each: the manager wraps its condition checks in this, passing the node records
-    it has just measured for its snapshot (``nodes`` and ``fields``, as
-    :func:`node_fields`). A condition's check must not change the program.
+    one each. The core loop wraps its condition checks in this, passing the node records
+    the rollback record has just taken (``nodes`` and ``fields``, as :func:`node_fields`);
+    without them the nodes are measured once, when first needed. A condition's check must
+    not change the program.
     """
-    previous = _unchanged.get(id(graph))
-    _unchanged[id(graph)] = _Measure(graph, nodes, fields)
+    previous = _unchanged.get(graph)
+    _unchanged[graph] = _Measure(graph, nodes, fields)
     try:
         yield
     finally:
         if previous is None:
-            del _unchanged[id(graph)]
+            del _unchanged[graph]
         else:
-            _unchanged[id(graph)] = previous
+            _unchanged[graph] = previous
 
 
 def _measure(graph: torch.fx.Graph) -> _Measure:
-    found = _unchanged.get(id(graph))
-    return found if found is not None and found.graph is graph else _Measure(graph)
+    found = _unchanged.get(graph)
+    return found if found is not None else _Measure(graph)
 
 
 def _same_records(a: list[tuple], b: list[tuple]) -> bool:

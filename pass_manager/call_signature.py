@@ -1,6 +1,6 @@
 """What inputs a program takes, and why one call's inputs do not fit it.
 
-Inputs are checked where they enter (``PassManager(validate=...)``, a runtime's decode
+Inputs are checked where they enter (``SemanticValidation(inputs)``, a runtime's decode
 steps), so that a wrong input tuple is reported as such, naming the call and the inputs
 the program takes, rather than as a pytree ``TreeSpec`` mismatch or a missing argument
 raised from deep inside the first call.

@@ -14,9 +14,10 @@ from typing import Any
 
 __all__ = [
     "ALL_CONDITIONS",
+    "EVERYTHING",
     "Condition",
-    "ConditionSet",
     "as_condition_set",
+    "preserves_everything",
     "preserves_of",
     "provides_of",
     "requires_of",
@@ -62,103 +63,20 @@ class Condition:
         return self.name
 
 
-class _AllConditions:
-    """``preserves = ALL_CONDITIONS``: the pass leaves every condition as it found it.
-
-    It is the set of all conditions, not an empty set: ``ALL | s`` is ``ALL``, ``ALL & s``
-    is ``s``, ``s - ALL`` is empty. Operations whose result has no finite spelling
-    (``ALL - s``, ``ALL ^ s``, iterating, ``len``) raise TypeError rather than guess.
-    """
-
-    _instance: _AllConditions | None = None
-
-    def __new__(cls) -> _AllConditions:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __contains__(self, item: object) -> bool:
-        return isinstance(item, Condition)
-
-    def __bool__(self) -> bool:
-        return True
-
-    @staticmethod
-    def _other(other: object) -> frozenset | _AllConditions | None:
-        if isinstance(other, _AllConditions):
-            return other
-        if isinstance(other, (set, frozenset)):
-            return frozenset(other)
-        return None
-
-    def __or__(self, other: object) -> _AllConditions:
-        return self if self._other(other) is not None else NotImplemented
-
-    __ror__ = __or__
-
-    def __and__(self, other: object) -> frozenset | _AllConditions:
-        other = self._other(other)
-        return NotImplemented if other is None else other
-
-    __rand__ = __and__
-
-    def __rsub__(self, other: object) -> frozenset:
-        return frozenset() if self._other(other) is not None else NotImplemented
-
-    def __sub__(self, other: object) -> _AllConditions:
-        if isinstance(other, (set, frozenset)) and not other:
-            return self
-        raise TypeError("ALL_CONDITIONS minus a set has no finite spelling")
-
-    def __xor__(self, other: object) -> Any:
-        raise TypeError("ALL_CONDITIONS ^ a set has no finite spelling")
-
-    __rxor__ = __xor__
-
-    def __iter__(self) -> Any:
-        raise TypeError("ALL_CONDITIONS cannot be iterated: it stands for every condition")
-
-    def __len__(self) -> int:
-        raise TypeError("ALL_CONDITIONS has no length: it stands for every condition")
-
-    def issuperset(self, other: Iterable[Condition]) -> bool:
-        return True
-
-    def __ge__(self, other: object) -> bool:
-        return True if self._other(other) is not None else NotImplemented
-
-    def __le__(self, other: object) -> bool:
-        if self._other(other) is None:
-            return NotImplemented
-        return isinstance(other, _AllConditions)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _AllConditions)
-
-    def __hash__(self) -> int:
-        return hash(_AllConditions)
-
-    def __repr__(self) -> str:
-        return "ALL_CONDITIONS"
-
-    def __reduce__(self) -> str:
-        return "ALL_CONDITIONS"
+# ``preserves = "everything"``: a flag, not a set: the pass leaves every condition as it
+# found it (it changes only what no condition reads). ALL_CONDITIONS is its name.
+EVERYTHING = ALL_CONDITIONS = "everything"
 
 
-ALL_CONDITIONS = _AllConditions()
-
-# What requires / provides / preserves normalize to.
-ConditionSet = frozenset | _AllConditions
-
-
-def as_condition_set(conditions: Iterable[Condition] | Condition | None) -> ConditionSet:
+def as_condition_set(conditions: Iterable[Condition] | Condition | None) -> frozenset:
     """Normalize a declaration (None, a single Condition, or an iterable) to a frozenset."""
     if conditions is None:
         return frozenset()
-    if isinstance(conditions, _AllConditions):
-        return conditions
     if isinstance(conditions, Condition):
         return frozenset([conditions])
+    if isinstance(conditions, str):
+        raise TypeError(f"expected Condition objects, got the string {conditions!r} (only "
+                        f"preserves takes {EVERYTHING!r})")
     result = frozenset(conditions)
     for item in result:
         if not isinstance(item, Condition):
@@ -166,14 +84,20 @@ def as_condition_set(conditions: Iterable[Condition] | Condition | None) -> Cond
     return result
 
 
-def requires_of(pass_: Any) -> ConditionSet:
+def preserves_everything(pass_: Any) -> bool:
+    """Whether a pass declares ``preserves = "everything"``."""
+    return isinstance(pass_.preserves, str) and pass_.preserves == EVERYTHING
+
+
+def requires_of(pass_: Any) -> frozenset:
     """What a pass (anything with the Pass attributes) requires, as a condition set."""
     return as_condition_set(pass_.requires)
 
 
-def provides_of(pass_: Any) -> ConditionSet:
+def provides_of(pass_: Any) -> frozenset:
     return as_condition_set(pass_.provides)
 
 
-def preserves_of(pass_: Any) -> ConditionSet:
-    return as_condition_set(pass_.preserves)
+def preserves_of(pass_: Any) -> frozenset:
+    """The conditions a pass names in ``preserves`` (none for "everything", a flag)."""
+    return frozenset() if preserves_everything(pass_) else as_condition_set(pass_.preserves)

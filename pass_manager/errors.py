@@ -10,12 +10,11 @@ error as ``diff`` and ``unrestored``; the message is rendered from them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "ArchiveError",
-    "InPlaceContractError",
-    "MetaEditError",
+    "EffectsError",
     "PassFailedError",
     "PassManagerError",
     "PipelineError",
@@ -23,8 +22,6 @@ __all__ = [
     "PreconditionError",
     "ProgramFormError",
     "SemanticsError",
-    "StateWriteError",
-    "UndeclaredEditError",
     "UntrustedFileError",
     "ValidationInputError",
 ]
@@ -56,7 +53,7 @@ class PassManagerError(Exception):
         report: the run's :class:`Report` up to and including the failed pass (its record
             has ``error`` set, and the statistics the error carried), or None when the
             error did not come from a run.
-        reproducer: the folder a ``reproducer_dir`` run wrote for this failure, or None.
+        reproducer: the folder a Reproducer instrument wrote for this failure, or None.
     """
 
     def __init__(self, message: str, *, pass_name: str | None = None, index: int | None = None):
@@ -163,26 +160,42 @@ class PassFailedError(PassManagerError):
         self.diff = diff
 
 
-class InPlaceContractError(PassFailedError):
-    """A pass broke the ``in_place`` part of its effects: an in-place pass returned another
-    program object, or a pass declaring it returns a new program changed the one it was
-    given."""
+class EffectsError(PassFailedError):
+    """A pass changed what its ``effects`` (:class:`~pass_manager.Effects`) say it does not.
 
+    Attributes:
+        kind: which declaration it broke, each with its own message:
 
-class StateWriteError(PassFailedError):
-    """A pass wrote tensor data (a buffer or parameter) in place without declaring
-    ``writes_state=True`` in its effects; ``written`` (also ``unrestored``) names those
-    tensors."""
+            * ``"in_place"``: an in-place pass returned another program object, or a pass
+              declaring it returns a new program changed the one it was given;
+            * ``"writes_state"``: it wrote tensor data (a buffer or parameter) in place
+              without declaring ``writes_state=True`` (also in ``unrestored``);
+            * ``"edits_meta_in_place"``: it edited an object held in node meta in place
+              while declaring it does not (found under ``PassManager(strict=True)``);
+            * ``"meta_keys"``: it declares the meta keys it changes (``Effects.only_meta``,
+              ``Effects.rewrite(meta_keys=...)``) and changed something else: other keys
+              and, for a meta-only pass, nodes, arguments, modules, tensors or the
+              signature (found under ``strict=True``, or a meta-only pass's nodes added
+              or removed in any mode).
+        edits: what it changed: tensors, ``node: key`` entries or edits ([] for in_place).
+    """
 
-    def __init__(self, pass_name: str, index: int | None, written: Sequence[str]):
-        super().__init__(
-            pass_name,
-            index,
-            f"wrote tensor data in place without declaring writes_state = True in its "
-            f"effects: "
-            f"{', '.join(written)}",
-        )
-        self.written = list(written)
+    _REASONS: ClassVar[dict[str, str]] = {
+        "writes_state": "wrote tensor data in place without declaring writes_state = True "
+                        "in its effects: {}",
+        "edits_meta_in_place": "edited meta objects in place while its effects declare "
+                               "edits_meta_in_place = False (replace them instead: "
+                               "node.meta[key] = new): {}",
+        "meta_keys": "changed more than the node meta keys its effects declare (meta_keys): {}",
+    }
+
+    def __init__(self, pass_name: str, index: int | None, kind: str,
+                 edits: Sequence[str] = (), reason: str = ""):
+        separator = "; " if kind == "meta_keys" else ", "
+        super().__init__(pass_name, index,
+                         reason or self._REASONS[kind].format(separator.join(edits)))
+        self.kind = kind
+        self.edits = list(edits)
 
 
 class SemanticsError(PassManagerError):
@@ -195,40 +208,6 @@ class SemanticsError(PassManagerError):
             pass_name=pass_name,
             index=index,
         )
-
-
-class MetaEditError(PassFailedError):
-    """A pass whose effects exclude ``edits_meta_in_place`` edited an object held in node
-    meta in place (found under ``PassManager(strict=True)``); ``edited`` names
-    ``node: key``."""
-
-    def __init__(self, pass_name: str, index: int | None, edited: Sequence[str]):
-        super().__init__(
-            pass_name,
-            index,
-            "edited meta objects in place while its effects declare edits_meta_in_place = "
-            "False "
-            f"(replace them instead: node.meta[key] = new): {', '.join(edited)}",
-        )
-        self.edited = list(edited)
-
-
-class UndeclaredEditError(PassFailedError):
-    """A pass whose effects name the meta keys it changes (``Effects.only_meta`` or
-    ``Effects.rewrite(meta_keys=...)``) changed something else: other meta keys and, for a
-    meta-only pass, nodes, arguments, modules, tensors or the signature (found under
-    ``PassManager(strict=True)``, or a meta-only pass's nodes added or removed in any
-    mode). ``edits`` names what changed; what the record could not undo is in
-    ``unrestored``."""
-
-    def __init__(self, pass_name: str, index: int | None, edits: Sequence[str]):
-        super().__init__(
-            pass_name,
-            index,
-            "changed more than the node meta keys its effects declare (meta_keys): "
-            + "; ".join(edits),
-        )
-        self.edits = list(edits)
 
 
 class ArchiveError(PassManagerError):
@@ -260,13 +239,13 @@ class UntrustedFileError(ArchiveError):
             "python -m pass_manager replay",
         )
 class ValidationInputError(PassManagerError, TypeError):
-    """The inputs given to check what the program computes (``PassManager(validate=...)``)
+    """The inputs given to check what the program computes (``SemanticValidation(inputs)``)
     do not fit the program, found before any pass runs.
 
     A ``TypeError`` too: like a call with the wrong arguments.
 
     Attributes:
-        option: where the inputs came from, e.g. ``"PassManager(validate=...)"``.
+        option: where the inputs came from, e.g. ``"SemanticValidation(inputs=...)"``.
         call: which inputs, e.g. ``"validate[1]"`` (None: the option as a whole).
         reason: what is wrong.
         expected: the inputs the program takes, e.g. ``"(x, pos)"`` ("" if not known).

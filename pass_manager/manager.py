@@ -1,10 +1,10 @@
 """PassManager: plan passes by their conditions, run them transactionally, report.
 
-The manager holds the options and the plan; the loop itself is ``running.Runner``
+The manager holds the plan and the instruments; the loop itself is ``running.Runner``
 (require -> snapshot -> call -> measure -> provide), and everything around it is an
-instrument: timing, the "unmodified" claim check (``strict``), semantic validation
-(``validate``), diff printing (``print_diff``), printing the program around passes
-(``print_before`` ...), crash reproducers (``reproducer_dir``) and whatever the user adds.
+instrument the user passes (``instruments=[...]``): semantic validation, diff printing,
+printing the program around passes, crash reproducers, or their own. Timing and the
+"unmodified" claim check (``strict``) are always on.
 ``pipeline_text()`` prints the plan as text and :func:`parse_pipeline` reads it back.
 """
 
@@ -12,22 +12,25 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
-import torch
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
-from .conditions import ALL_CONDITIONS, ConditionSet, preserves_of, provides_of, requires_of
+from .conditions import (
+    EVERYTHING,
+    preserves_everything,
+    preserves_of,
+    provides_of,
+    requires_of,
+)
 from .effects import Effects
-from .errors import PassManagerError, ValidationInputError
-from .instruments import Instrumentation, PrintDiff, PrintIR, Reproducer, SemanticValidation
+from .errors import PassManagerError
+from .instruments import Instrumentation
 from .methods import MethodsRunResult, check_shared_buffers, share_again, shared_objects
 from .pass_base import Pass, PassResult, as_pass
 from .pipeline_text import format_pipeline, parse_passes
 from .planning import Plan, build_plan
 from .running import Runner, RunResult, default_instruments
-from .validation import StateReader, call_inputs
 
 __all__ = ["PassManager", "RunResult", "parse_pipeline"]
 
@@ -37,44 +40,25 @@ class PassManager(Pass):
 
     Args:
         passes: Pass instances, torch ``PassBase`` objects, plain ``gm -> ...`` callables,
-            or nested PassManagers (a group, e.g. with its own ``max_iterations``).
-        reorder: order by dependencies (default); with False, keep the list order and
-            raise PipelineError when a requirement is provided only later.
+            or nested PassManagers (a group).
+        instruments: Instrumentation objects, hooks around every pass and run (MLIR's
+            instrumentation): :class:`~pass_manager.instruments.SemanticValidation`,
+            :class:`~pass_manager.instruments.PrintIR`,
+            :class:`~pass_manager.instruments.PrintDiff`,
+            :class:`~pass_manager.instruments.Reproducer` or your own. Timing and the
+            check of "unmodified" claims are always on.
         strict: a pass that claims "unmodified" but changed the program is an error
             (rolled back) instead of a report warning; and every pass's ``effects`` are
             checked in full: its rollback record is the full snapshot whatever it
-            declares, and an edit it does not declare is a typed error (an in-place
-            edit of a meta object, MetaEditError; other meta keys or more than meta,
-            UndeclaredEditError).
-        max_iterations: repeat the pipeline until no pass changes the program, at most
-            this many times (1 = run once); hitting the bound is a report warning.
-        validate: example inputs (one argument tuple, or one tuple per call) to check
-            after every changing pass that the program still computes what it did
-            before the pipeline; the first divergence raises SemanticsError. Inputs that
-            do not fit the program (the inputs it takes, or the input tree it was
-            exported with), or on which the given program already fails, raise
-            ValidationInputError (a TypeError) naming the call before any pass runs.
-        validation_calls: number of successive calls to compare (default: one per
-            input tuple, or 3 for a single tuple).
-        atol, rtol: tolerances of that comparison (exact by default).
-        validation_state: ``module -> {fqn: tensor}`` reading the state to compare after
-            each call (default: the module's named buffers); pass a reader that also sees
-            state a delegate owns.
-        instruments: extra Instrumentation objects (hooks around every pass).
-        print_diff: print a unified diff of the program after every changing pass.
-        print_before, print_after: names of passes (or True: every pass) to print the
-            program before / after (MLIR's ``-print-ir-before`` / ``-after``).
-        print_after_change: print the program after every pass that changed it.
-        print_after_failure: print what a failing pass had changed, and the rolled-back
-            program.
-        print_to: where those go: a text stream (default stdout) or a folder path, one
-            file per dump.
-        reproducer_dir: when a pass fails, write a reproducer folder under this path
-            (the program before the pass, its pipeline text, validation inputs, the error
-            and versions); ``python -m pass_manager replay FOLDER`` reruns the pass.
+            declares, and an edit it does not declare is an EffectsError (an in-place
+            edit of a meta object, kind "edits_meta_in_place"; other meta keys or more
+            than meta, kind "meta_keys").
+        name: what to call the pipeline (in errors, and as a group in a larger one).
 
     Example:
-        >>> result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(ep)
+        >>> checked = SemanticValidation((x, pos))
+        >>> result = PassManager([MarkMutableBuffers(), InplaceToFunctional()],
+        ...                      instruments=[checked, PrintIR(after_change=True)]).run(ep)
         >>> print(result.report)
     """
 
@@ -84,45 +68,17 @@ class PassManager(Pass):
         self,
         passes: Sequence[Any],
         *,
-        reorder: bool = True,
-        strict: bool = False,
-        max_iterations: int = 1,
-        validate: Any = None,
-        validation_calls: int | None = None,
-        atol: float = 0.0,
-        rtol: float = 0.0,
-        validation_state: StateReader | None = None,
         instruments: Iterable[Instrumentation] = (),
-        print_diff: bool = False,
-        print_before: bool | Iterable[str] = (),
-        print_after: bool | Iterable[str] = (),
-        print_after_change: bool = False,
-        print_after_failure: bool = False,
-        print_to: TextIO | str | Path | None = None,
-        reproducer_dir: str | Path | None = None,
+        strict: bool = False,
         name: str | None = None,
     ):
-        if max_iterations < 1:
-            raise ValueError("max_iterations must be at least 1")
         self._passes = [as_pass(p) for p in passes]
-        self._plan: Plan = build_plan(self._passes, reorder=reorder)
+        self._plan: Plan = build_plan(self._passes)
         self.strict = strict
-        self.max_iterations = max_iterations
-        # Validation, diffs and user hooks run innermost-last: after-hooks run in reverse,
-        # so a check that rejects a pass runs before the user's hooks see it succeed.
+        # The user's hooks run innermost-last: after-hooks run in reverse, so a check that
+        # rejects a pass (SemanticValidation) runs before the hooks listed before it see
+        # the pass succeed.
         self.instruments: list[Instrumentation] = [*default_instruments(strict), *instruments]
-        if print_diff:
-            self.instruments.append(PrintDiff())
-        if print_before or print_after or print_after_change or print_after_failure:
-            self.instruments.append(PrintIR(
-                print_before, print_after, print_after_change, print_after_failure, print_to
-            ))
-        validation = None
-        if validate is not None:
-            validation = _validation(validate, validation_calls, atol, rtol, validation_state)
-            self.instruments.append(validation)
-        if reproducer_dir is not None:
-            self.instruments.append(Reproducer(reproducer_dir, validation, strict))
         self._name = name
 
     # -- a PassManager is itself a pass, so pipelines nest as groups -------------------
@@ -144,11 +100,9 @@ class PassManager(Pass):
         return frozenset().union(*(provides_of(p) for p in self.plan()))
 
     @property
-    def preserves(self) -> ConditionSet:
-        preserved: ConditionSet = ALL_CONDITIONS
-        for p in self.plan():
-            preserved = preserved & preserves_of(p)
-        return preserved
+    def preserves(self) -> frozenset | str:
+        named = [preserves_of(p) for p in self.plan() if not preserves_everything(p)]
+        return frozenset.intersection(*named) if named else EVERYTHING
 
     @property
     def accepts(self) -> tuple[str, ...]:
@@ -219,7 +173,6 @@ class PassManager(Pass):
         runner = Runner(
             self.plan(),
             self.instruments,
-            max_iterations=self.max_iterations,
             name=self.name,
             strict=self.strict,
             plan=self.explain(),
@@ -247,43 +200,6 @@ class PassManager(Pass):
         after = {name: result.program for name, result in results.items()}
         check_shared_buffers(after, f"after {self.name}")
         return MethodsRunResult(results, share_again(after, groups))
-
-
-_VALIDATE = "PassManager(validate=...)"
-
-
-def _validation(
-    validate: Any, calls: int | None, atol: float, rtol: float, state: StateReader | None
-) -> SemanticValidation:
-    """The instrument checking ``validate``'s calls; what it is given is checked here (its
-    shape) and, before the first pass, against the program (see SemanticValidation)."""
-    single = isinstance(validate, (tuple, Mapping))
-    if isinstance(validate, (torch.Tensor, str, bytes)) or not isinstance(validate, Iterable):
-        example = "(x,)" if isinstance(validate, torch.Tensor) else "(...)"
-        raise ValidationInputError(
-            _VALIDATE, None,
-            f"validate= takes one call's inputs (an argument tuple, an (args, kwargs) pair "
-            f"or a keyword mapping) or a list of them, one per call; got a "
-            f"{type(validate).__name__}: write validate={example}",
-        )
-    if not single:
-        validate = list(validate)
-        if calls is not None and calls > len(validate):
-            raise ValidationInputError(
-                _VALIDATE, None,
-                f"validation_calls={calls} asks for more calls than the {len(validate)} "
-                f"given: give {calls} entries, or validation_calls={len(validate)} or less")
-    inputs = call_inputs(validate, calls or (3 if single else None))
-    labels = ["validate"] * len(inputs) if single else [f"validate[{i}]" for i in
-                                                         range(len(inputs))]
-    hint = ""
-    if not single and validate and not any(
-        isinstance(entry, (tuple, list, Mapping)) for entry in validate
-    ):
-        hint = (" (a list of single values is one call per value; one call's arguments "
-                "are a tuple: validate=(x, pos))")
-    return SemanticValidation(inputs, atol, rtol, state, option=_VALIDATE, labels=labels,
-                              hint=hint)
 
 
 def parse_pipeline(text: str, **options: Any) -> PassManager:

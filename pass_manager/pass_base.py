@@ -12,7 +12,6 @@ implements ``call``. Options are dataclass fields, so a pass prints as
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -20,7 +19,7 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
-from .conditions import Condition, as_condition_set
+from .conditions import EVERYTHING, Condition, as_condition_set
 from .effects import Effects
 from .pipeline_text import format_value, pass_options
 from .program import EXPORTED_PROGRAM, GRAPH_MODULE, program_form
@@ -29,31 +28,6 @@ from .result import PassResult
 from .running import run_alone
 
 __all__ = ["Pass", "PassResult", "as_pass", "function_pass", "known_passes"]
-
-
-# The four class attributes ``effects`` replaced, and how each maps onto it.
-_LEGACY_EFFECTS = ("in_place", "writes_state", "edits_meta_in_place", "edits_only_meta_keys")
-
-
-def _translate_legacy_effects(cls: type) -> None:
-    """A pass written against the old declaration keeps working: its attributes become
-    ``effects`` (with a DeprecationWarning naming the one-line replacement)."""
-    legacy = {name: cls.__dict__[name] for name in _LEGACY_EFFECTS if name in cls.__dict__}
-    if not legacy or "effects" in cls.__dict__:
-        return
-    effects = cls.effects
-    fields = {k: v for k, v in legacy.items() if k != "edits_only_meta_keys"}
-    if "edits_only_meta_keys" in legacy:
-        keys = legacy["edits_only_meta_keys"]
-        fields["rewrites"] = keys is None
-        fields["meta_keys"] = None if keys is None else frozenset(keys)
-    effects = Effects(**{**vars(effects), **fields})
-    cls.effects = effects
-    warnings.warn(
-        f"{cls.__name__} declares {', '.join(sorted(legacy))}; declare "
-        f"effects = {effects!r} instead (pass_manager.Effects)",
-        DeprecationWarning, stacklevel=3,
-    )
 
 
 class Pass:
@@ -88,7 +62,6 @@ class Pass:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _translate_legacy_effects(cls)
         register(cls)
 
     @property
@@ -187,7 +160,7 @@ def function_pass(
         attrs = {
             "requires": as_condition_set(requires),
             "provides": as_condition_set(provides),
-            "preserves": as_condition_set(preserves),
+            "preserves": preserves if preserves == EVERYTHING else as_condition_set(preserves),
             "accepts": tuple(accepts),
             "effects": effects,
             "call": lambda self, program: func(program),

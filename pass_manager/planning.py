@@ -89,8 +89,6 @@ def _check_condition_names(passes: Sequence[Any]) -> None:
     for p in passes:
         declared = [requires_of(p), provides_of(p), preserves_of(p)]
         for conditions in declared:
-            if not isinstance(conditions, frozenset):  # ALL_CONDITIONS names no condition
-                continue
             for c in conditions:
                 known = by_name.setdefault(c.name, c)
                 if known is not c:
@@ -102,7 +100,7 @@ def _check_condition_names(passes: Sequence[Any]) -> None:
                     )
 
 
-def build_plan(passes: Sequence[Any], *, reorder: bool = True) -> Plan:
+def build_plan(passes: Sequence[Any]) -> Plan:
     """Order ``passes``; raise PipelineError on a cycle, an impossible placement or two
     conditions sharing a name."""
     _check_condition_names(passes)
@@ -126,17 +124,12 @@ def build_plan(passes: Sequence[Any], *, reorder: bool = True) -> Plan:
         # Conditions are released as soon as all their providers are placed.
         return (0, 0) if data["kind"] == "condition" else (1, data["index"])
 
-    if reorder:
-        order = [
-            n
-            for n in nx.lexicographical_topological_sort(graph, key=key)
-            if graph.nodes[n]["kind"] == "pass"
-        ]
-    else:
-        order = [_pass_key(i, p) for i, p in enumerate(passes)]
-
+    order = [
+        n
+        for n in nx.lexicographical_topological_sort(graph, key=key)
+        if graph.nodes[n]["kind"] == "pass"
+    ]
     placements = []
-    placed: set[str] = set()
     for node in order:
         p = graph.nodes[node]["pass_"]
         placement = Placement(p, graph.nodes[node]["index"])
@@ -145,17 +138,8 @@ def build_plan(passes: Sequence[Any], *, reorder: bool = True) -> Plan:
             if not providers:
                 placement.unprovided.append(c.name)
                 continue
-            earlier = [u for u in providers if u in placed]
-            if not earlier:
-                names = ", ".join(graph.nodes[u]["label"] for u in providers)
-                raise PipelineError(
-                    f"{p.name} (listed #{placement.listed_at}) requires {c.name}, which only "
-                    f"{names} provides, and that runs after it "
-                    "(reorder=False keeps the list order)",
-                    condition=c.name,
-                )
-            placement.after.extend((graph.nodes[u]["label"], c.name) for u in earlier)
-        placed.add(node)
+            # The topological order placed every provider before the pass.
+            placement.after.extend((graph.nodes[u]["label"], c.name) for u in providers)
         placements.append(placement)
     return Plan(placements, graph, passes)
 
@@ -177,8 +161,8 @@ def _dependency_graph(passes: Sequence[Any]) -> nx.DiGraph:
 
 def _list_order_plan(passes: Sequence[Any]) -> Plan | None:
     """The plan when every requirement is provided only by passes listed before it (or by
-    none): then the list order is the DAG's order, with no cycle, whether or not passes
-    may be reordered; None otherwise. Most pipelines are so; no graph is built for them."""
+    none): then the list order is the DAG's order, with no cycle; None otherwise. Most
+    pipelines are so; no graph is built for them."""
     providers: dict[Condition, list[int]] = {}
     for index, p in enumerate(passes):
         for c in provides_of(p) - requires_of(p):

@@ -36,7 +36,7 @@ class _StoredValidation(SemanticValidation):
     """Semantic validation against the reference trace saved with the reproducer."""
 
     def __init__(self, saved: dict, state: Any):
-        super().__init__(saved["inputs"], saved["atol"], saved["rtol"], state)
+        super().__init__(saved["inputs"], atol=saved["atol"], rtol=saved["rtol"], state=state)
         reference = saved["reference"]
         self._stored = Trace(**reference) if isinstance(reference, dict) else reference
 

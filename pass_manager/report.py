@@ -14,7 +14,6 @@ class PassRecord:
 
     name: str
     index: int
-    iteration: int = 0
     wall_time: float = 0.0
     check_time: float = 0.0
     nodes_before: int = 0
@@ -39,6 +38,8 @@ class Report:
     records: list[PassRecord] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     plan: str = ""
+    # The run's ``strict`` option (a reproducer replays the pass the same way).
+    strict: bool = False
 
     @property
     def total_time(self) -> float:
@@ -52,7 +53,7 @@ class Report:
         header = ("#", "pass", "time ms", "checks ms", "nodes", "modified")
         rows = [
             (
-                str(r.index) + (f".{r.iteration}" if r.iteration else ""),
+                str(r.index),
                 r.name,
                 f"{r.wall_time * 1e3:.2f}",
                 f"{r.check_time * 1e3:.2f}",
@@ -78,10 +79,9 @@ class Report:
         for r in self.records:
             if not r.statistics:
                 continue
-            place = str(r.index) + (f".{r.iteration}" if r.iteration else "")
             if not lines:
                 lines.append("statistics:")
-            lines.append(f"  #{place} {r.name}")
+            lines.append(f"  #{r.index} {r.name}")
             width = max(len(_count(v)) for v in r.statistics.values())
             lines += [f"    {_count(v):>{width}}  {key}" for key, v in r.statistics.items()]
         return lines
@@ -92,6 +92,7 @@ class Report:
     def to_dict(self) -> dict:
         return {
             "plan": self.plan,
+            "strict": self.strict,
             "records": [asdict(r) for r in self.records],
             "warnings": list(self.warnings),
             "total_time": self.total_time,

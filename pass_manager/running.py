@@ -1,6 +1,11 @@
 """The core loop: for each planned pass, require -> record -> call -> measure -> provide.
 
-* require: the program form, then every required condition (cached results reused).
+The program's form (GraphModule or ExportedProgram) is decided once, where it enters
+(:meth:`Runner.run`); every step reads it from the run's state.
+
+* require: the form the pass accepts, then every required condition (cached results
+  reused; the checks share the rollback record's measurement of the nodes, passed to
+  the analysis cache with ``analysis.unchanged``).
 * record: what a rollback needs, chosen from the pass's ``effects`` (``_rollback``).
 * call: the pass; whatever it raises becomes a typed, rolled-back error.
 * measure: the pass kept its declaration, what it changed (compared with the record by
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +29,17 @@ import torch
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from ._rollback import take
-from .conditions import Condition, as_condition_set, preserves_of, provides_of, requires_of
+from .analysis import unchanged
+from .conditions import (
+    Condition,
+    as_condition_set,
+    preserves_everything,
+    preserves_of,
+    provides_of,
+    requires_of,
+)
 from .errors import (
-    InPlaceContractError,
+    EffectsError,
     PassFailedError,
     PassManagerError,
     PostconditionError,
@@ -99,7 +113,8 @@ _FORM_ADVICE = {
 }
 
 
-def _unpack(out: Any, program: Any) -> tuple[Any, bool | None, list[str], dict[str, Any]]:
+def _unpack(out: Any, program: Any, exported: bool
+            ) -> tuple[Any, bool | None, list[str], dict[str, Any]]:
     """A pass's return value -> (program, claimed modified, notes, statistics)."""
     if out is None:
         return program, None, [], {}
@@ -107,12 +122,17 @@ def _unpack(out: Any, program: Any) -> tuple[Any, bool | None, list[str], dict[s
         return out.program, out.modified, list(out.notes), dict(out.statistics)
     if isinstance(out, TorchPassResult):
         gm = out.graph_module
-        if program_form(program) == "ExportedProgram" and gm is not program.graph_module:
+        if exported and gm is not program.graph_module:
             return program._update(gm, program.graph_signature), out.modified, [], {}
         return (program if gm is graph_module_of(program) else gm), out.modified, [], {}
     if isinstance(out, (torch.fx.GraphModule, torch.export.ExportedProgram)):
         return out, None, [], {}
     raise TypeError(f"a pass returned {type(out).__name__}; expected PassResult, a program or None")
+
+
+def _unchanged(record: Any, program: Any, after: bool) -> Any:
+    """The analysis cache takes ``program`` as unchanged, measured as ``record`` did."""
+    return unchanged(*record.measured(program, after))
 
 
 def _error_statistics(error: BaseException) -> dict[str, Any]:
@@ -124,9 +144,13 @@ def _error_statistics(error: BaseException) -> dict[str, Any]:
 
 
 class _RunState:
-    """What the loop carries from one pass to the next."""
+    """What the loop carries from one pass to the next: the program's form, decided once
+    where the program enters, and the conditions known to hold."""
 
-    def __init__(self) -> None:
+    def __init__(self, form: str) -> None:
+        self.form = form
+        self.exported = form == EXPORTED_PROGRAM
+        self.type = torch.export.ExportedProgram if self.exported else torch.fx.GraphModule
         self.holds: set[Condition] = set()
 
 
@@ -136,7 +160,6 @@ class Runner:
     Args:
         passes: planned passes (anything with the Pass attributes).
         instruments: hooks around every pass (see ``instruments``).
-        max_iterations: repeat until no pass changes the program, at most this often.
         name: what to call the pipeline in an error about the program it was given.
         plan: the plan's explanation, for the report.
         start: the place of the first pass in the plan (a replay runs one pass of a
@@ -151,7 +174,6 @@ class Runner:
         passes: Sequence[Any],
         instruments: Iterable[Instrumentation],
         *,
-        max_iterations: int = 1,
         name: str = "PassManager",
         plan: str = "",
         start: int = 0,
@@ -163,13 +185,12 @@ class Runner:
         self.strict = strict
         self.start = start
         self.instruments = list(instruments)
-        self.max_iterations = max_iterations
         self.name = name
         self.plan = plan
 
     def run(self, program: Any) -> RunResult:
         try:
-            program_form(program)
+            state = _RunState(program_form(program))
         except TypeError as e:
             advice = ("export it first (torch.export.export(module, example_args)) and pass "
                       "the ExportedProgram or its .module()"
@@ -177,37 +198,23 @@ class Runner:
             raise ProgramFormError(
                 self.name, None, type(program).__name__, [GRAPH_MODULE, EXPORTED_PROGRAM], advice
             ) from e
-        report = Report(plan=self.plan)
+        report = Report(plan=self.plan, strict=self.strict)
         for instrument in self.instruments:
             instrument.before_run(program, report)
-        state = _RunState()
-        any_change = False
-        for iteration in range(self.max_iterations):
-            changed_this_round = False
-            for index, p in enumerate(self.passes, self.start):
-                record = PassRecord(p.name, index, iteration)
-                try:
-                    program = self._run_pass(p, index, program, state, record)
-                except PassManagerError as e:
-                    # The report so far, ending with the failed pass, travels with the
-                    # error (the outermost pipeline's, when groups nest).
-                    report.records.append(record)
-                    e.report = report
-                    raise
+        for index, p in enumerate(self.passes, self.start):
+            record = PassRecord(p.name, index)
+            try:
+                program = self._run_pass(p, index, program, state, record)
+            except PassManagerError as e:
+                # The report so far, ending with the failed pass, travels with the
+                # error (the outermost pipeline's, when groups nest).
                 report.records.append(record)
-                changed_this_round |= record.modified
-            any_change |= changed_this_round
-            if not changed_this_round:
-                break
-        else:
-            if self.max_iterations > 1:
-                report.warnings.append(
-                    f"no fixed point after {self.max_iterations} iterations; "
-                    "the last one still changed the program"
-                )
+                e.report = report
+                raise
+            report.records.append(record)
         for instrument in reversed(self.instruments):
             instrument.after_run(program, report)
-        return RunResult(program, any_change, report)
+        return RunResult(program, any(r.modified for r in report.records), report)
 
     # -- one pass ----------------------------------------------------------------------
     def _run_pass(
@@ -219,14 +226,17 @@ class Runner:
                 instrument.before_pass(p, program, record)
             record.nodes_before = node_count(program)
             taken = take(program, p.effects, self.strict)
-            with taken.during_pass(program):
-                with taken.around_checks(program, after=False):
+            # The checks share the node records the rollback record took; a pass that
+            # leaves the nodes alone runs inside that one measurement too.
+            through = taken.leaves_nodes_alone
+            with _unchanged(taken, program, False) if through else nullcontext():
+                with nullcontext() if through else _unchanged(taken, program, False):
                     self._require(p, index, program, state, record)
                 rollback = taken  # from here on, a failure restores the program
-                current = self._call(p, index, program, record)
+                current = self._call(p, index, program, state, record)
                 rollback.check(p.name, index, current)
-                self._measure(p, index, program, current, rollback, record)
-                with rollback.around_checks(current, after=True):
+                self._measure(p, index, program, current, rollback, state, record)
+                with nullcontext() if through else _unchanged(rollback, current, True):
                     self._provide(p, index, current, state, record)
             for instrument in reversed(self.instruments):
                 instrument.after_pass(p, current, record)
@@ -253,7 +263,8 @@ class Runner:
             instrument.after_pass_failed(p, program, record, error)
         return error
 
-    def _call(self, p: Any, index: int, program: Any, record: PassRecord) -> Any:
+    def _call(self, p: Any, index: int, program: Any, state: _RunState,
+              record: PassRecord) -> Any:
         """Run the pass; its result program, with its claim, notes and statistics recorded."""
         try:
             out = p.call(program)
@@ -263,15 +274,16 @@ class Runner:
             raise PassFailedError(p.name, index, f"{type(e).__name__}: {e}") from e
         except Exception as e:
             raise PassFailedError(p.name, index, f"{type(e).__name__}: {e}") from e
-        current, record.claimed_modified, record.notes, record.statistics = _unpack(out, program)
+        current, record.claimed_modified, record.notes, record.statistics = _unpack(
+            out, program, state.exported)
         return current
 
     def _require(
         self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord
     ) -> None:
-        form = program_form(program)
-        if form not in p.accepts:
-            raise ProgramFormError(p.name, index, form, p.accepts, _FORM_ADVICE.get(form, ""))
+        if state.form not in p.accepts:
+            raise ProgramFormError(p.name, index, state.form, p.accepts,
+                                   _FORM_ADVICE.get(state.form, ""))
         failed = self._check(requires_of(p), program, state, record)
         if failed:
             condition, violations = failed
@@ -282,28 +294,22 @@ class Runner:
 
     def _measure(
         self, p: Any, index: int, program: Any, new_program: Any, rollback: Any,
-        record: PassRecord,
+        state: _RunState, record: PassRecord,
     ) -> None:
-        form = program_form(program)
-        if new_program is not program and program_form(new_program) != form:
-            raise PassFailedError(
-                p.name, index, f"returned a {type(new_program).__name__} for a {form} input"
-            )
+        if new_program is not program and not isinstance(new_program, state.type):
+            raise PassFailedError(p.name, index, f"returned a {type(new_program).__name__} "
+                                                 f"for a {state.form} input")
         in_place = p.effects.in_place
         if in_place is True and new_program is not program:
-            raise InPlaceContractError(
-                p.name, index,
+            raise EffectsError(p.name, index, "in_place", reason=(
                 "declares in_place = True (in its effects) but returned a different program "
-                "object",
-            )
+                "object"))
         change = rollback.compare(new_program, record.claimed_modified)
         record.modified = change.anything
         if in_place is False and new_program is program and record.modified:
-            raise InPlaceContractError(
-                p.name, index,
+            raise EffectsError(p.name, index, "in_place", reason=(
                 "declares in_place = False (returns a new program) but changed the program "
-                "it was given",
-            )
+                "it was given"))
         if change.structure:
             graph_module_of(new_program).recompile()
         record.nodes_after = node_count(new_program)
@@ -311,9 +317,8 @@ class Runner:
     def _provide(
         self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord
     ) -> None:
-        if record.modified:
-            preserved = preserves_of(p)
-            state.holds = {c for c in state.holds if c in preserved}
+        if record.modified and not preserves_everything(p):
+            state.holds &= preserves_of(p)
         failed = self._check(provides_of(p), program, state, record)
         if failed:
             condition, violations = failed

@@ -91,3 +91,57 @@ def test_every_public_error_type_has_a_row_in_the_errors_guide():
                 public.add(name)
     assert public - rows == set(), "error types without a row in docs/errors.md"
     assert rows - public == set(), "rows in docs/errors.md naming no public error type"
+
+
+# The public names of the design's contract (DESIGN.md, "Public API" and the rounds after it),
+# one import statement each as the design writes it.
+PUBLIC_API = """
+from pass_manager import PassManager, Pass, Condition, PassResult
+from pass_manager import (PassManagerError, PipelineError, PreconditionError,
+                          PostconditionError, PassFailedError, SemanticsError)
+from passes import (MarkMutableBuffers, InplaceToFunctional, SkipAnnotateDataMovementOps,
+                    UnfreezeMutableBuffer, ConsumeBufferMutationsInDelegate)
+from passes import conditions
+from passes import mutable_buffers, reset_mutable_buffers
+from passes.quantization import PassQuantizer
+from passes.delegation import to_delegate, AllNodePartitioner, OpSupportPartitioner, delegates
+from pass_manager import parse_pipeline
+from passes.executorch import BufferOwningPartitioner
+from passes import QuantizeMutableBuffers
+from passes import exported_program_from
+from passes.quantization import quantize_program, quantize_methods
+from passes.executorch import run_methods_on_runtime
+"""
+
+
+def test_every_public_name_of_the_design_is_importable():
+    exec(compile(PUBLIC_API, "DESIGN.md Public API", "exec"), {})
+    assert importlib.import_module("passes.examples").__all__
+
+
+def _layout_folders(readme: str) -> set[str]:
+    """The folders the README's Layout block lists, as paths (``pass_manager/instruments``)."""
+    section = readme[readme.index("## Layout\n"):]
+    block = FENCE.search(section).group(2)
+    folders, parent = set(), ""
+    for line in block.splitlines():
+        entry = line.split()[0] if line.strip() else ""
+        if not entry.endswith("/"):
+            continue
+        if line.startswith(" "):
+            folders.add(parent + entry.rstrip("/"))
+        else:
+            parent = entry
+            folders.add(entry.rstrip("/"))
+    return folders
+
+
+def test_the_readme_layout_names_every_package_folder():
+    packages = {
+        path.parent.relative_to(ROOT).as_posix()
+        for top in ("pass_manager", "passes")
+        for path in (ROOT / top).rglob("__init__.py")
+    }
+    listed = _layout_folders((ROOT / "README.md").read_text())
+    assert packages - listed == set(), "package folders missing from the README's Layout"
+    assert {p for p in listed if p.split("/")[0] in ("pass_manager", "passes")} <= packages

@@ -16,13 +16,10 @@ declaration) and :meth:`RollbackRecord.compare` (what it changed) -> :meth:`Roll
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from typing import Any
 
-from ..analysis import unchanged
 from ..effects import Effects
-from ..errors import MetaEditError, StateWriteError, UndeclaredEditError
+from ..errors import EffectsError
 from .meta_keys import MetaKeysSnapshot, undeclared_edits
 from .snapshot import Change, Snapshot
 
@@ -45,28 +42,18 @@ class RollbackRecord:
                 copy_meta_values=effects.edits_meta_in_place or strict,
                 meta_keys=None if strict else effects.meta_keys,
             )
-        # A pass changing only meta keys other than the fake values leaves what an
-        # analysis stamp measures alone: the checks around it and the pass's own cached
-        # analyses share one measurement of the nodes.
-        self._one_measurement = (
-            isinstance(self._record, MetaKeysSnapshot) and "val" not in effects.meta_keys
-        )
 
-    # -- around the checks and the pass ------------------------------------------------
-    @contextmanager
-    def during_pass(self, program: Any) -> Iterator[None]:
-        """Wraps the checks and the pass when one measurement serves them all."""
-        if not self._one_measurement:
-            yield
-            return
-        with unchanged(*self._record.measured(program, after=False)):
-            yield
+    @property
+    def leaves_nodes_alone(self) -> bool:
+        """The pass changes only node meta other than the fake values: nothing a cached
+        analysis's stamp measures (so the checks around it can share one measurement)."""
+        return isinstance(self._record, MetaKeysSnapshot) and "val" not in self.effects.meta_keys
 
-    def around_checks(self, program: Any, after: bool) -> Any:
-        """Wraps a condition check: it shares the record's measurement of the nodes."""
-        if self._one_measurement:
-            return nullcontext()
-        return unchanged(*self._record.measured(program, after=after))
+    def measured(self, program: Any, after: bool) -> tuple[Any, list | None, list | None]:
+        """``program``'s graph and the node records this record took of it (before the
+        pass, or after it once :meth:`compare` measured them; None when it did not), for
+        the analysis cache (``analysis.unchanged``)."""
+        return self._record.measured(program, after)
 
     # -- after the pass ----------------------------------------------------------------
     def check(self, pass_name: str, index: int, result: Any) -> None:
@@ -74,11 +61,11 @@ class RollbackRecord:
         effects = self.effects
         self._written = self._record.written()
         if self._written and not effects.writes_state:
-            raise StateWriteError(pass_name, index, self._written)
+            raise EffectsError(pass_name, index, "writes_state", self._written)
         if not effects.edits_meta_in_place and self.strict:
             edited = self._record.edited_in_place()
             if edited:
-                raise MetaEditError(pass_name, index, edited)
+                raise EffectsError(pass_name, index, "edits_meta_in_place", edited)
         if effects.meta_keys is None:
             return
         if isinstance(self._record, MetaKeysSnapshot):
@@ -88,7 +75,7 @@ class RollbackRecord:
         else:
             edits = []
         if edits:
-            raise UndeclaredEditError(pass_name, index, edits)
+            raise EffectsError(pass_name, index, "meta_keys", edits)
 
     def compare(self, result: Any, claimed_modified: bool | None) -> Change:
         """What the pass changed (after :meth:`check`)."""

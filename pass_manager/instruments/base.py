@@ -8,7 +8,7 @@ instruments nest. An instrument observes: it must not change the program. An
 manager then rolls the pass back like any other failure.
 
 Hook API (all optional; ``pass_`` is the Pass, ``record`` its :class:`PassRecord`, whose
-``index`` and ``iteration`` give its place in the plan):
+``index`` gives its place in the plan):
 
 * ``before_run(program, report)`` / ``after_run(program, report)``: once per run
   (``after_run`` only when the run succeeds).

@@ -1,9 +1,9 @@
 """Printing a program around passes, MLIR style: before, after, after a change, after a failure.
 
-:class:`PrintIR` is an instrument: ``PassManager(print_before=[...], print_after=[...],
-print_after_change=True, print_after_failure=True, print_to=...)`` adds one. Passes are
-chosen by name (``True`` means every pass); output goes to a stream (stdout by default)
-or, when ``print_to`` is a folder path, to one file per dump, numbered in run order::
+:class:`PrintIR` is an instrument: ``PassManager(passes, instruments=[PrintIR(before=[...],
+after=[...], after_change=True, after_failure=True, to=...)])``. Passes are chosen by name
+(``True`` means every pass); output goes to a stream (stdout by default) or, when ``to``
+is a folder path, to one file per dump, numbered in run order::
 
     // -----// IR Dump After InplaceToFunctional (#1) //----- //
     graph():

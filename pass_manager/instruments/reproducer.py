@@ -1,6 +1,6 @@
 """Crash reproducers: a failing pass leaves a folder from which it can be run again.
 
-``PassManager(..., reproducer_dir=PATH)`` adds a :class:`Reproducer` instrument. When a
+``PassManager(..., instruments=[Reproducer(PATH)])``: When a
 pass fails (any PassManagerError), it writes a fresh folder under PATH holding:
 
 * ``program.pt``: the program as the failing pass was given it (the rollback has already
@@ -17,7 +17,7 @@ pass fails (any PassManagerError), it writes a fresh folder under PATH holding:
   form, the format of each file and why, what could not be saved, what a replay needs
   trust for (``needs_trust``), and library / torch / torchao versions;
 * ``error.txt``: the error and the traceback of what the pass raised;
-* ``validation.pt`` when ``validate=`` was given: the inputs, tolerances, the reference
+* ``validation.pt`` when given the run's SemanticValidation: the inputs, tolerances, the reference
   trace (what the program computed before the pipeline) and the name of the state
   reader, as plain data when they are (``plain`` format, loads with
   ``weights_only=True``), else ``pickled``.
@@ -54,7 +54,7 @@ from ..archive import PICKLED, save_data, save_program
 from ..errors import PassManagerError
 from ..pipeline_text import format_pass
 from ..program import program_form, program_text
-from ..report import PassRecord
+from ..report import PassRecord, Report
 from .base import Instrumentation
 from .semantic_validation import SemanticValidation
 
@@ -152,19 +152,23 @@ class Reproducer(Instrumentation):
 
     Args:
         directory: where the folders go (created if missing).
-        validation: the run's SemanticValidation, whose inputs and reference are saved.
-        strict: the run's ``strict`` option (the replay checks claims the same way).
+        validation: the run's SemanticValidation (also in ``instruments``), whose inputs
+            and reference are saved so that the replay validates the same way.
+
+    The replay checks the pass as the run did (its ``strict`` option, from the report).
+
+    Example:
+        >>> checked = SemanticValidation((x, pos))
+        >>> PassManager(passes, instruments=[checked, Reproducer("repro", checked)]).run(ep)
     """
 
-    def __init__(
-        self,
-        directory: str | Path,
-        validation: SemanticValidation | None = None,
-        strict: bool = False,
-    ):
+    def __init__(self, directory: str | Path, validation: SemanticValidation | None = None):
         self.directory = Path(directory)
         self.validation = validation
-        self.strict = strict
+        self.strict = False
+
+    def before_run(self, program: Any, report: Report) -> None:
+        self.strict = report.strict
 
     def after_pass_failed(
         self, pass_: Any, program: Any, record: PassRecord, error: PassManagerError
@@ -200,7 +204,6 @@ class Reproducer(Instrumentation):
         manifest = {
             "pass": record.name,
             "index": record.index,
-            "iteration": record.iteration,
             "group": callable(getattr(pass_, "pipeline_text", None)),
             "pipeline": pipeline,
             "modules": modules,

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+import torch
 
 from ..call_signature import describe_inputs, signature_of
 from ..errors import SemanticsError, ValidationInputError
 from ..report import PassRecord, Report
-from ..validation import StateReader, Trace, first_difference, run_program
+from ..validation import StateReader, Trace, call_inputs, first_difference, run_program
 from .base import Instrumentation
 
 __all__ = ["SemanticValidation"]
@@ -18,28 +20,62 @@ class SemanticValidation(Instrumentation):
     """Runs (a deep copy of) the program before the pipeline and after every changing pass;
     the first pass whose outputs, buffers or mutated inputs diverge raises SemanticsError.
 
+    Args:
+        inputs: one call's inputs (an argument tuple, an ``(args, kwargs)`` pair or a
+            keyword mapping), repeated ``calls`` times (default 3), or a list of them,
+            one per call.
+        calls: number of successive calls to compare (default: one per entry of a list,
+            or 3 for a single call's inputs).
+        atol, rtol: tolerances of the comparison (exact by default).
+        state: ``module -> {fqn: tensor}`` reading the state to compare after each call
+            (default: the module's named buffers); pass a reader that also sees state a
+            delegate owns.
+
+    Inputs of the wrong shape raise :class:`ValidationInputError` (a TypeError) here.
     Before any pass runs, each call's inputs are checked against the inputs the program
-    takes, and the program is run on them: inputs that do not fit, or on which the
-    program given to the pipeline already fails, raise :class:`ValidationInputError`
-    naming ``option`` and the call (``labels[i]``, by default ``inputs[i]``).
+    takes (or the input tree it was exported with), and the program is run on them:
+    inputs that do not fit, or on which the program given to the pipeline already fails,
+    raise ValidationInputError naming the call (``inputs[i]``).
+
+    Example:
+        >>> PassManager(passes, instruments=[SemanticValidation((x, pos), atol=1e-6)]).run(ep)
     """
+
+    option = "SemanticValidation(inputs=...)"
 
     def __init__(
         self,
-        inputs: list[tuple],
+        inputs: Any,
+        *,
+        calls: int | None = None,
         atol: float = 0.0,
         rtol: float = 0.0,
         state: StateReader | None = None,
-        *,
-        option: str = "SemanticValidation(inputs=...)",
-        labels: Sequence[str] | None = None,
-        hint: str = "",
     ):
-        self.inputs, self.atol, self.rtol, self.state = inputs, atol, rtol, state
-        self.option = option
-        self.labels = list(labels) if labels is not None else [
-            f"inputs[{i}]" for i in range(len(inputs))]
-        self.hint = hint
+        single = isinstance(inputs, (tuple, Mapping))
+        if isinstance(inputs, (torch.Tensor, str, bytes)) or not isinstance(inputs, Iterable):
+            example = "(x,)" if isinstance(inputs, torch.Tensor) else "(...)"
+            raise ValidationInputError(
+                self.option, None,
+                f"SemanticValidation takes one call's inputs (an argument tuple, an "
+                f"(args, kwargs) pair or a keyword mapping) or a list of them, one per "
+                f"call; got a {type(inputs).__name__}: write SemanticValidation({example})",
+            )
+        self.hint = ""
+        if not single:
+            inputs = list(inputs)
+            if calls is not None and calls > len(inputs):
+                raise ValidationInputError(
+                    self.option, None,
+                    f"calls={calls} asks for more calls than the {len(inputs)} given: give "
+                    f"{calls} entries, or calls={len(inputs)} or less")
+            if inputs and not any(isinstance(e, (tuple, list, Mapping)) for e in inputs):
+                self.hint = (" (a list of single values is one call per value; one call's "
+                             "arguments are a tuple: SemanticValidation((x, pos)))")
+        self.inputs = call_inputs(inputs, calls or (3 if single else None))
+        self.labels = (["inputs"] * len(self.inputs) if single
+                       else [f"inputs[{i}]" for i in range(len(self.inputs))])
+        self.atol, self.rtol, self.state = atol, rtol, state
         self._reference: Trace | None = None
 
     def _trace(self, program: Any, on_call: Any = None) -> Trace:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pass_manager import PassManagerError, parse_pipeline
+from pass_manager import PassManagerError, PrintIR, Reproducer, parse_pipeline
 
 from .. import __version__
 from .factory import (
@@ -296,21 +296,16 @@ def _show_held_warnings(args: argparse.Namespace) -> None:
 
 
 def _pass_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The debugging flags as PassManager options, for every pipeline the job runs."""
-    options: dict[str, Any] = {}
-    if args.print_before:
-        options["print_before"] = args.print_before
-    if args.print_after:
-        options["print_after"] = args.print_after
-    if args.print_after_change:
-        options["print_after_change"] = True
-    if args.print_after_failure:
-        options["print_after_failure"] = True
-    if args.print_to:
-        options["print_to"] = args.print_to
+    """The debugging flags as PassManager instruments, for every pipeline the job runs."""
+    instruments: list[Any] = []
+    if args.print_before or args.print_after or args.print_after_change \
+            or args.print_after_failure:
+        instruments.append(PrintIR(args.print_before or (), args.print_after or (),
+                                   args.print_after_change, args.print_after_failure,
+                                   args.print_to))
     if args.reproducer_dir:
-        options["reproducer_dir"] = args.reproducer_dir
-    return options
+        instruments.append(Reproducer(args.reproducer_dir))
+    return {"instruments": instruments} if instruments else {}
 
 
 def _write_outputs(args: argparse.Namespace, result: Any) -> None:

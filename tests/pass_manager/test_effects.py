@@ -2,19 +2,17 @@
 loop picks from it, a rewrite that names the meta keys it touches (its rollback is exact,
 ``strict`` checks the claim), groups, and passes written against the old attributes."""
 
-import warnings
 
 import pytest
 import torch
 
 from pass_manager import (
     Effects,
+    EffectsError,
     Pass,
     PassFailedError,
     PassManager,
     PassResult,
-    StateWriteError,
-    UndeclaredEditError,
     assert_same_behaviour,
     function_pass,
     graph_of,
@@ -126,7 +124,7 @@ def test_strict_checks_the_meta_keys_a_rewrite_names(traced):
 
     declared = function_pass(touches_an_existing_node, effects=Effects.rewrite(meta_keys=()),
                              name="touches")
-    with pytest.raises(UndeclaredEditError, match="relu: meta keys other than") as info:
+    with pytest.raises(EffectsError, match="relu: meta keys other than") as info:
         PassManager([declared], strict=True).run(traced)
     assert info.value.pass_name == "touches" and info.value.rolled_back
     assert program_text(traced) == text and meta_of(traced) == before
@@ -144,8 +142,8 @@ def test_a_group_declares_what_its_passes_may_touch():
     assert PassManager([tag, writes]).effects.in_place is None
 
 
-class _OldStyleReset(Pass):
-    writes_state = True  # the declaration before Effects
+class _Reset(Pass):
+    effects = Effects(writes_state=True)
 
     def call(self, program):
         for buffer in program.buffers():
@@ -153,35 +151,18 @@ class _OldStyleReset(Pass):
         raise RuntimeError("fails after writing")
 
 
-class _OldStyleUndeclared(Pass):
-    in_place = True
-
+class _Undeclared(Pass):
     def call(self, program):
         for buffer in program.buffers():
             buffer.add_(1)
         return PassResult(program, True)
 
 
-def test_passes_declaring_the_old_attributes_keep_their_meaning(traced):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-
-        class OldMarker(Pass):
-            edits_meta_in_place = False
-            edits_only_meta_keys = frozenset({"tag"})
-
-            def call(self, program):
-                return None
-
-    assert OldMarker.effects == Effects.only_meta("tag")
-    assert any(issubclass(w.category, DeprecationWarning) and "Effects.only_meta('tag')"
-               in str(w.message) for w in caught)
-    assert _OldStyleReset.effects.writes_state and _OldStyleUndeclared.effects == Effects()
-
+def test_a_declared_state_write_is_restored_and_an_undeclared_one_is_an_error(traced):
     traced(torch.ones(4))
     acc = traced.acc.clone()
     with pytest.raises(PassFailedError) as info:
-        PassManager([_OldStyleReset()]).run(traced)
+        PassManager([_Reset()]).run(traced)
     assert info.value.unrestored == [] and torch.equal(traced.acc, acc)  # data restored
-    with pytest.raises(StateWriteError, match="writes_state = True"):
-        PassManager([_OldStyleUndeclared()]).run(traced)
+    with pytest.raises(EffectsError, match="writes_state = True"):
+        PassManager([_Undeclared()]).run(traced)

@@ -47,13 +47,6 @@ def test_cycle_is_a_pipeline_error_naming_the_cycle():
     assert "x" in message and "y" in message
 
 
-def test_no_reorder_rejects_a_requirement_only_provided_later():
-    with pytest.raises(PipelineError) as info:
-        PassManager([make("needs_a", requires={A}), make("gives_a", provides={A})], reorder=False)
-    assert info.value.condition == "A"
-    assert "needs_a" in str(info.value) and "gives_a" in str(info.value)
-
-
 def test_explain_gives_a_reason_for_each_placement():
     pm = PassManager([make("needs_a", requires={A, C}), make("gives_a", provides={A})])
     text = pm.explain()

@@ -12,12 +12,13 @@ from pass_manager import (
     PassManager,
     PassResult,
     PreconditionError,
+    PrintDiff,
     ProgramFormError,
     function_pass,
     graph_of,
 )
 
-from .conftest import HasMul, NoRelu, ReluToAbs, targets
+from .conftest import NoRelu, ReluToAbs, targets
 
 
 class CountingCondition(Condition):
@@ -234,7 +235,7 @@ def test_hooks_wrap_every_pass_and_after_hooks_run_in_reverse(traced):
 
 
 def test_print_diff_shows_the_change(traced, capsys):
-    PassManager([ReluToAbs()], print_diff=True).run(traced)
+    PassManager([ReluToAbs()], instruments=[PrintDiff()]).run(traced)
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == ["--- before ReluToAbs", "+++ after ReluToAbs"]
     removed = [line for line in lines[2:] if line.startswith("-")]
@@ -246,7 +247,8 @@ def test_print_diff_shows_the_change(traced, capsys):
 
 
 def test_print_diff_is_silent_when_nothing_changed(traced, capsys):
-    PassManager([function_pass(lambda p: None, name="look")], print_diff=True).run(traced)
+    PassManager([function_pass(lambda p: None, name="look")], instruments=[PrintDiff()]).run(
+        traced)
     assert capsys.readouterr().out == ""
 
 
@@ -257,68 +259,3 @@ def test_report_separates_check_time_and_serializes(traced):
     data = result.report.to_dict()
     assert data["records"][0]["name"] == "ReluToAbs"
     assert '"ReluToAbs"' in result.report.to_json()
-
-
-def test_fixed_point_repeats_until_nothing_changes(traced):
-    counter = {"n": 0}
-
-    @function_pass()
-    def strip_one_unary(program):
-        graph = graph_of(program)
-        for node in graph.nodes:
-            if node.op == "call_function" and node.target in (torch.relu, torch.abs):
-                node.replace_all_uses_with(node.args[0])
-                graph.erase_node(node)
-                counter["n"] += 1
-                return PassResult(program, True)
-        return PassResult(program, False)
-
-    relu = next(n for n in traced.graph.nodes if n.target is torch.relu)
-    with traced.graph.inserting_after(relu):
-        extra = traced.graph.call_function(torch.abs, (relu,))
-    relu.replace_all_uses_with(extra, delete_user_cb=lambda user: user is not extra)
-    traced.recompile()
-    x = torch.tensor([-1.0, 2.0, -3.0, 4.0])
-    result = PassManager([strip_one_unary], max_iterations=5).run(traced)
-    assert counter["n"] == 2 and not result.report.warnings
-    assert [r.modified for r in result.report.records] == [True, True, False]
-    assert "relu" not in traced.code and "abs" not in traced.code
-    expected = traced.linear(x) * 2 + 1  # both unary ops stripped; acc starts at zero
-    torch.testing.assert_close(traced(x), expected)
-
-
-def test_fixed_point_bound_is_a_warning():
-    @function_pass()
-    def always_changes(program):
-        graph_of(program).create_node("call_function", torch.relu, (), name="extra").meta["x"] = 1
-        return PassResult(program, True)
-
-    result = PassManager([always_changes], max_iterations=3).run(
-        torch.fx.symbolic_trace(torch.nn.ReLU())
-    )
-    assert len(result.report.records) == 3
-    assert "no fixed point after 3 iterations" in result.report.warnings[0]
-
-
-def test_nested_manager_is_a_group_with_merged_conditions(traced):
-    group = PassManager([ReluToAbs()], name="cleanup")
-    assert group.provides == {NoRelu}
-
-    @function_pass(requires={NoRelu, HasMul})
-    def consume(program):
-        return None
-
-    result = PassManager([consume, group]).run(traced)
-    assert [r.name for r in result.report.records] == ["cleanup", "consume"]
-    assert not targets(result.program, "relu")
-
-
-def test_group_preserves_what_all_its_passes_preserve():
-    x = Condition("X", lambda p: [])
-    y = Condition("Y", lambda p: [])
-    keeps_all = function_pass(lambda p: None, preserves=ALL_CONDITIONS, name="keeps_all")
-    keeps_x = function_pass(lambda p: None, preserves={x, y}, name="keeps_x")
-    keeps_y = function_pass(lambda p: None, preserves={y}, name="keeps_y")
-    assert PassManager([keeps_all, keeps_x]).preserves == {x, y}
-    assert PassManager([keeps_x, keeps_y, keeps_all]).preserves == {y}
-    assert PassManager([keeps_all]).preserves is ALL_CONDITIONS

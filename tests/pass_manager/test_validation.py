@@ -5,7 +5,14 @@ import copy
 import pytest
 import torch
 
-from pass_manager import PassManager, PassResult, SemanticsError, function_pass, graph_of
+from pass_manager import (
+    PassManager,
+    PassResult,
+    SemanticsError,
+    SemanticValidation,
+    function_pass,
+    graph_of,
+)
 from pass_manager.validation import (
     as_call,
     assert_same_behaviour,
@@ -96,7 +103,7 @@ def test_manager_validates_with_keyword_inputs():
         return PassResult(program, True)
 
     with pytest.raises(SemanticsError, match="call 0"):
-        PassManager([drop_cache_write], validate=steps).run(ep)
+        PassManager([drop_cache_write], instruments=[SemanticValidation(steps)]).run(ep)
 
 
 class HoldsComputedTensor(torch.nn.Module):

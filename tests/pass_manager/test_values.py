@@ -1,4 +1,4 @@
-"""Conditions and passes as values: ALL_CONDITIONS, condition identity, immutable passes
+"""Conditions and passes as values: preserves "everything", condition identity, immutable passes
 with options, pipeline text, the in_place contract and the failure hook."""
 
 import copy
@@ -11,7 +11,7 @@ from pass_manager import (
     ALL_CONDITIONS,
     Condition,
     Effects,
-    InPlaceContractError,
+    EffectsError,
     Instrumentation,
     Pass,
     PassFailedError,
@@ -32,47 +32,25 @@ X = Condition("X", lambda p: [])
 Y = Condition("Y", lambda p: [])
 
 
-# -- ALL_CONDITIONS is the set of every condition -----------------------------------------
-def test_all_conditions_is_truthy_and_contains_every_condition():
-    assert ALL_CONDITIONS
-    assert X in ALL_CONDITIONS and Condition("new", lambda p: []) in ALL_CONDITIONS
-    assert "X" not in ALL_CONDITIONS
+# -- preserves = "everything" is a flag --------------------------------------------------
+def test_preserves_everything_is_a_flag_not_a_set():
+    assert ALL_CONDITIONS == "everything"
+    with pytest.raises(TypeError, match="only preserves takes 'everything'"):
+        function_pass(lambda p: None, requires="everything")
+    group = PassManager([function_pass(lambda p: None, preserves="everything", name="a"),
+                         function_pass(lambda p: None, preserves={X}, name="b")])
+    assert group.preserves == frozenset({X})
+    assert PassManager([function_pass(lambda p: None, preserves="everything")]).preserves == (
+        "everything")
 
 
-def test_all_conditions_set_operations_are_those_of_the_full_set():
-    assert ALL_CONDITIONS | {X} is ALL_CONDITIONS
-    assert {X} | ALL_CONDITIONS is ALL_CONDITIONS
-    assert frozenset({X}) | ALL_CONDITIONS is ALL_CONDITIONS
-    assert ALL_CONDITIONS & {X, Y} == frozenset({X, Y})
-    assert frozenset({X}) & ALL_CONDITIONS == frozenset({X})
-    assert ALL_CONDITIONS & ALL_CONDITIONS is ALL_CONDITIONS
-    assert frozenset({X}) - ALL_CONDITIONS == frozenset()
-    assert ALL_CONDITIONS - frozenset() is ALL_CONDITIONS
-    assert frozenset({X}) <= ALL_CONDITIONS and not ALL_CONDITIONS <= frozenset({X})
-
-
-@pytest.mark.parametrize(
-    "operation",
-    [
-        lambda: ALL_CONDITIONS - {X},
-        lambda: ALL_CONDITIONS ^ {X},
-        lambda: {X} ^ ALL_CONDITIONS,
-        lambda: list(ALL_CONDITIONS),
-        lambda: len(ALL_CONDITIONS),
-    ],
-)
-def test_all_conditions_operations_without_a_finite_answer_raise(operation):
-    with pytest.raises(TypeError):
-        operation()
-
-
-def test_a_pass_preserving_all_or_x_keeps_every_cached_result(traced):
+def test_a_pass_preserving_everything_keeps_every_cached_result(traced):
     calls = []
     watched = Condition("Watched", lambda p: calls.append(1) or [])
 
     provide = function_pass(lambda p: None, provides={watched}, name="provide")
 
-    @function_pass(preserves=ALL_CONDITIONS | {X})  # was "only X" when ALL was an empty set
+    @function_pass(preserves="everything")
     def annotate(program):
         for node in graph_of(program).nodes:
             node.meta["seen"] = True
@@ -176,7 +154,7 @@ def _copy_of(program):
 def test_an_in_place_pass_returning_another_program_is_a_typed_error(traced):
     before = traced.code
     returns_copy = function_pass(_copy_of, effects=Effects(in_place=True), name="returns_copy")
-    with pytest.raises(InPlaceContractError, match="in_place = True") as info:
+    with pytest.raises(EffectsError, match="in_place = True") as info:
         PassManager([returns_copy]).run(traced)
     assert isinstance(info.value, PassFailedError) and info.value.rolled_back
     assert traced.code == before
@@ -187,7 +165,7 @@ def test_a_pass_declaring_a_new_program_must_not_change_its_input(traced):
         targets(program, "relu")[0].target = torch.abs
         return PassResult(program, True)
 
-    with pytest.raises(InPlaceContractError, match="in_place = False"):
+    with pytest.raises(EffectsError, match="in_place = False"):
         PassManager([function_pass(edits_input, effects=Effects(in_place=False))]).run(traced)
     assert "relu" in traced.code
 

@@ -1,7 +1,7 @@
 """Passes whose effects are only some node meta keys: the manager records only those
 meta entries, rolls them back exactly when the pass fails, notices nodes added or removed
 in any mode and puts the graph back, and under ``strict=True`` checks that nothing else changed
-(UndeclaredEditError)."""
+(EffectsError, kind "meta_keys")."""
 
 import pytest
 import torch
@@ -9,8 +9,8 @@ import torch
 from pass_manager import (
     Condition,
     Effects,
+    EffectsError,
     PassManager,
-    UndeclaredEditError,
     assert_same_behaviour,
     function_pass,
     graph_of,
@@ -133,7 +133,7 @@ def test_nodes_a_meta_only_pass_adds_or_removes_are_an_error_and_put_back(
     program = request.getfixturevalue(form)
     text, tags = program_text(program), meta_of(program, "tag")
     reference = Accumulate()
-    with pytest.raises(UndeclaredEditError, match=message) as caught:
+    with pytest.raises(EffectsError, match=message) as caught:
         PassManager([broken]).run(program)
     # The meta-only record keeps the nodes' fields: the graph is rebuilt as it was.
     assert caught.value.rolled_back and not caught.value.unrestored
@@ -150,12 +150,12 @@ def test_strict_mode_finds_and_undoes_any_undeclared_edit(form, request):
     program = request.getfixturevalue(form)
     text, tags = program_text(program), meta_of(program, "tag", "undeclared")
     reference = Accumulate()
-    with pytest.raises(UndeclaredEditError, match="arguments") as caught:
+    with pytest.raises(EffectsError, match="arguments") as caught:
         PassManager([tag_and_change_an_argument], strict=True).run(program)
     assert caught.value.rolled_back and not caught.value.unrestored
-    with pytest.raises(UndeclaredEditError, match="meta keys other than"):
+    with pytest.raises(EffectsError, match="meta keys other than"):
         PassManager([tag_and_set_another_key], strict=True).run(program)
-    with pytest.raises(UndeclaredEditError, match="nodes or their arguments") as caught:
+    with pytest.raises(EffectsError, match="nodes or their arguments") as caught:
         PassManager([tag_and_add_a_node], strict=True).run(program)
     assert not caught.value.unrestored  # the full snapshot took the node back out
     assert program_text(program) == text

@@ -1,6 +1,6 @@
 """Rollback of meta: objects held in node meta are copied unless a pass's effects exclude
 ``edits_meta_in_place``; either way a failing pass is undone exactly, and under
-``strict=True`` a broken declaration is a MetaEditError."""
+``strict=True`` a broken declaration is an EffectsError."""
 
 import copy
 
@@ -14,7 +14,7 @@ from torchao.quantization.pt2e.quantizer import (
 
 from pass_manager import (
     Effects,
-    MetaEditError,
+    EffectsError,
     PassFailedError,
     PassManager,
     function_pass,
@@ -131,11 +131,12 @@ def test_strict_turns_an_undeclared_in_place_edit_into_a_typed_error(traced):
         targets(program, "relu")[0].meta["quantization_annotation"].output_qspec = None
 
     declared = function_pass(edits, effects=Effects.rewrite(in_place=None), name="edits")
-    with pytest.raises(MetaEditError) as info:
+    with pytest.raises(EffectsError) as info:
         PassManager([declared], strict=True).run(traced)
     error = info.value
     assert error.pass_name == "edits" and error.rolled_back
-    assert any("quantization_annotation" in e and "relu" in e for e in error.edited)
+    assert any("quantization_annotation" in e and "relu" in e for e in error.edits)
+    assert error.kind == "edits_meta_in_place"
     assert program_text(traced) == text and meta_state(traced) == before
 
 

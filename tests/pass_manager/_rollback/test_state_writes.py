@@ -8,11 +8,11 @@ import torch
 
 from pass_manager import (
     Effects,
+    EffectsError,
     Pass,
     PassFailedError,
     PassManager,
     PassResult,
-    StateWriteError,
     graph_of,
 )
 
@@ -51,11 +51,11 @@ def test_undeclared_state_write_is_a_typed_error_naming_the_tensor(form, request
     with torch.no_grad():
         buffer_of(program).fill_(3.0)
     code = graph_of(program).python_code("self").src
-    with pytest.raises(StateWriteError) as info:
+    with pytest.raises(EffectsError) as info:
         PassManager([ResetAndRewrite()]).run(program)
     error = info.value
     assert isinstance(error, PassFailedError) and error.pass_name == "ResetAndRewrite"
-    assert error.written == ["acc"] and error.unrestored == ["acc"]
+    assert error.kind == "writes_state" and error.edits == ["acc"] and error.unrestored == ["acc"]
     assert "writes_state" in str(error) and "Not restored" in str(error)
     # The graph is rolled back; the write it could not undo is named, not hidden.
     assert graph_of(program).python_code("self").src == code
@@ -70,7 +70,7 @@ def test_failing_pass_that_declares_state_writes_is_restored_exactly(form, reque
     before = buffer_of(program).clone()
     with pytest.raises(PassFailedError) as info:
         PassManager([DeclaredReset(fail=True)]).run(program)
-    assert not isinstance(info.value, StateWriteError) and info.value.unrestored == []
+    assert not isinstance(info.value, EffectsError) and info.value.unrestored == []
     torch.testing.assert_close(buffer_of(program), before, rtol=0, atol=0)
     assert not targets(program, "abs")
 

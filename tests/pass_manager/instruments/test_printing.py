@@ -1,4 +1,4 @@
-"""print_before, print_after, print_after_change, print_after_failure: to a stream or folder."""
+"""PrintIR(before, after, after_change, after_failure, to): to a stream or folder."""
 
 import io
 
@@ -12,15 +12,15 @@ from .failing_passes import AddToSub, FailAfterRewrite, Nothing
 def _run(program, passes, **options):
     stream = io.StringIO()
     try:
-        PassManager(passes, print_to=stream, **options).run(program)
+        PassManager(passes, instruments=[PrintIR(to=stream, **options)]).run(program)
     except PassManagerError:
         pass
     return stream.getvalue()
 
 
 def test_print_before_and_after_named_passes(exported):
-    out = _run(exported, [Nothing(), AddToSub()], print_before=["AddToSub"],
-               print_after=["AddToSub"])
+    out = _run(exported, [Nothing(), AddToSub()], before=["AddToSub"],
+               after=["AddToSub"])
     assert out.count("IR Dump") == 2
     before, after = out.split("// -----// IR Dump After AddToSub (#1) //----- //")
     assert "// -----// IR Dump Before AddToSub (#1) //----- //" in before
@@ -29,18 +29,18 @@ def test_print_before_and_after_named_passes(exported):
 
 
 def test_print_after_change_prints_only_passes_that_changed_something(exported):
-    out = _run(exported.module(), [Nothing(), AddToSub()], print_after_change=True)
+    out = _run(exported.module(), [Nothing(), AddToSub()], after_change=True)
     assert "IR Dump After AddToSub (#1)" in out
     assert "Nothing" not in out
 
 
 def test_print_after_all(exported):
-    out = _run(exported, [Nothing(), AddToSub()], print_after=True)
+    out = _run(exported, [Nothing(), AddToSub()], after=True)
     assert "IR Dump After Nothing (#0)" in out and "IR Dump After AddToSub (#1)" in out
 
 
 def test_print_after_failure_shows_what_the_pass_changed_and_the_rolled_back_program(exported):
-    out = _run(exported, [FailAfterRewrite(message="boom")], print_after_failure=True)
+    out = _run(exported, [FailAfterRewrite(message="boom")], after_failure=True)
     assert "IR Dump After Failure of FailAfterRewrite (#0)" in out
     assert "PassFailedError: pass #0 FailAfterRewrite failed: RuntimeError: boom" in out
     diff, rolled_back = out.split("// the program, rolled back:")
@@ -55,8 +55,8 @@ def test_nothing_is_printed_without_the_options(exported, capsys):
 
 def test_print_to_a_folder_writes_one_file_per_dump(exported, tmp_path):
     with pytest.raises(PassManagerError):
-        PassManager([AddToSub(), FailAfterRewrite()], print_before=True,
-                    print_after_failure=True, print_to=tmp_path / "ir").run(exported)
+        PassManager([AddToSub(), FailAfterRewrite()], instruments=[
+            PrintIR(before=True, after_failure=True, to=tmp_path / "ir")]).run(exported)
     names = sorted(p.name for p in (tmp_path / "ir").iterdir())
     assert names == [
         "001-0-AddToSub-before.txt",

@@ -15,7 +15,9 @@ from pass_manager import (
     PassFailedError,
     PassManager,
     PassManagerError,
+    Reproducer,
     SemanticsError,
+    SemanticValidation,
     UntrustedFileError,
     load_program,
     load_reproducer,
@@ -48,7 +50,7 @@ def _program(form):
 def test_failing_pass_writes_a_folder_that_replays_the_error(form, tmp_path):
     program = _program(form)
     before = program_text(program)
-    manager = PassManager([FailAfterRewrite(message="boom")], reproducer_dir=tmp_path)
+    manager = PassManager([FailAfterRewrite(message="boom")], instruments=[Reproducer(tmp_path)])
     with pytest.raises(PassFailedError) as info:
         manager.run(program)
     folder = info.value.reproducer
@@ -82,8 +84,9 @@ def test_failing_pass_writes_a_folder_that_replays_the_error(form, tmp_path):
 def test_replay_keeps_the_pass_place_and_the_validation_reference(tmp_path):
     """A pass that silently computes something else fails validation; the replay compares
     with the reference from before the pipeline, which the folder holds."""
-    manager = PassManager([Nothing(), AddToSub()], reproducer_dir=tmp_path,
-                          validate=(torch.ones(4),))
+    checked = SemanticValidation((torch.ones(4),))
+    manager = PassManager([Nothing(), AddToSub()],
+                          instruments=[checked, Reproducer(tmp_path, checked)])
     with pytest.raises(SemanticsError) as info:
         manager.run(_program("GraphModule"))
     folder = info.value.reproducer
@@ -99,7 +102,8 @@ def test_replay_keeps_the_pass_place_and_the_validation_reference(tmp_path):
 
 def test_replay_of_a_fixed_pass_exits_zero_and_an_unreadable_folder_two(tmp_path):
     with pytest.raises(PassManagerError) as info:
-        PassManager([FailAfterRewrite()], reproducer_dir=tmp_path).run(_program("ExportedProgram"))
+        PassManager([FailAfterRewrite()], instruments=[Reproducer(tmp_path)]).run(
+            _program("ExportedProgram"))
     folder = info.value.reproducer
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["pipeline"] = "AddToSub"  # "the fix": a pass that does not raise
@@ -111,7 +115,8 @@ def test_replay_of_a_fixed_pass_exits_zero_and_an_unreadable_folder_two(tmp_path
 
 def test_replay_pdb_stops_at_the_pass_exception(tmp_path):
     with pytest.raises(PassManagerError) as info:
-        PassManager([FailAfterRewrite()], reproducer_dir=tmp_path).run(_program("GraphModule"))
+        PassManager([FailAfterRewrite()], instruments=[Reproducer(tmp_path)]).run(
+            _program("GraphModule"))
     debugged = subprocess.run(
         [sys.executable, "-m", "pass_manager", "replay", str(info.value.reproducer), "--trust",
          "--pdb"],
@@ -125,8 +130,9 @@ def _library_reproducer(directory):
     """A reproducer a stranger could send: a library pass (InplaceToFunctional refuses to
     functionalize a write to a constant) on an ExportedProgram, with validation."""
     model, example = writes_constant()
-    manager = PassManager([MarkMutableBuffers(), InplaceToFunctional()], reproducer_dir=directory,
-                          validate=example, validation_state=program_state)
+    checked = SemanticValidation(example, state=program_state)
+    manager = PassManager([MarkMutableBuffers(), InplaceToFunctional()],
+                          instruments=[checked, Reproducer(directory, checked)])
     with pytest.raises(PassFailedError) as info:
         manager.run(torch.export.export(model, example))
     return info.value.reproducer
@@ -218,7 +224,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     """
     import resource, sys
     import torch
-    from pass_manager import PassManager, PassManagerError
+    from pass_manager import PassManager, PassManagerError, Reproducer
     from tests.pass_manager.instruments.failing_passes import FailAfterRewrite, Nothing
 
     class Big(torch.nn.Module):
@@ -244,7 +250,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     PassManager([Nothing()]).run(program)  # warm up the manager
     before = peak()
     try:
-        PassManager([FailAfterRewrite()], reproducer_dir=sys.argv[1]).run(program)
+        PassManager([FailAfterRewrite()], instruments=[Reproducer(sys.argv[1])]).run(program)
     except PassManagerError as e:
         folder = e.reproducer
     grown = peak() - before
@@ -278,7 +284,7 @@ def test_a_pass_that_cannot_be_rebuilt_is_recorded_and_load_refuses_it_by_name(t
         raise RuntimeError("boom")
 
     with pytest.raises(PassManagerError) as info:
-        PassManager([fails], reproducer_dir=tmp_path).run(_program("ExportedProgram"))
+        PassManager([fails], instruments=[Reproducer(tmp_path)]).run(_program("ExportedProgram"))
     folder = info.value.reproducer
     manifest = json.loads((folder / "manifest.json").read_text())
     assert not manifest["replayable"] and manifest["not_replayable_because"]

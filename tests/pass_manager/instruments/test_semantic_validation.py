@@ -1,6 +1,6 @@
-"""Semantic validation against example inputs (``PassManager(validate=...)``, the
-SemanticValidation instrument): the first pass that changes what the program computes is
-named, with the difference, and rolled back."""
+"""Semantic validation against example inputs (the SemanticValidation instrument): the
+first pass that changes what the program computes is named, with the difference, and
+rolled back."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ from pass_manager import (
     PassManager,
     PassResult,
     SemanticsError,
+    SemanticValidation,
     ValidationInputError,
     function_pass,
     graph_of,
@@ -33,9 +34,7 @@ def test_semantic_validation_names_the_first_diverging_pass_and_difference(trace
     untouched = traced.acc.clone()
     pm = PassManager(
         [harmless, ReluToAbs(), wrong_constant],
-        validate=(torch.ones(4),),
-        validation_calls=3,
-        atol=1e-6,
+        instruments=[SemanticValidation((torch.ones(4),), calls=3, atol=1e-6)],
     )
     with pytest.raises(SemanticsError) as info:
         pm.run(traced)
@@ -58,7 +57,8 @@ def test_semantic_validation_accepts_an_equivalent_rewrite(exported):
                 node.args = (node.args[0], node.args[0])
 
     inputs = [(torch.full((4,), float(i)),) for i in range(4)]
-    result = PassManager([mul_by_two_to_add_self], validate=inputs).run(exported)
+    result = PassManager([mul_by_two_to_add_self],
+                         instruments=[SemanticValidation(inputs)]).run(exported)
     assert result.modified and not targets(result.program, "mul")
 
 
@@ -71,9 +71,8 @@ def test_semantic_validation_catches_a_wrong_buffer_update(exported):
         graph.owning_module.recompile()
 
     with pytest.raises(SemanticsError) as info:
-        PassManager([drop_accumulation], validate=(torch.ones(4),), validation_calls=2).run(
-            exported
-        )
+        PassManager([drop_accumulation],
+                    instruments=[SemanticValidation((torch.ones(4),), calls=2)]).run(exported)
     assert "buffer 'acc'" in info.value.difference or "call 1" in info.value.difference
 
 
@@ -88,8 +87,7 @@ def test_validation_reads_state_through_a_custom_reader(exported):
 
     pm = PassManager(
         [drop_accumulation],
-        validate=[(torch.ones(4),)] * 2,
-        validation_state=summed_state,
+        instruments=[SemanticValidation([(torch.ones(4),)] * 2, state=summed_state)],
     )
     with pytest.raises(SemanticsError) as info:
         pm.run(exported)
@@ -126,7 +124,7 @@ def _pipeline(validate):
         ran.append(program)
         return PassResult(program, False)
 
-    return PassManager([records_that_it_ran], validate=validate), ran
+    return PassManager([records_that_it_ran], instruments=[SemanticValidation(validate)]), ran
 
 
 @pytest.mark.parametrize("form", ["exported", "ep.module()", "module"])
@@ -138,9 +136,9 @@ def test_validation_inputs_that_do_not_fit_are_named_before_any_pass_runs(form):
         pm.run(program)
     error = info.value
     assert isinstance(error, TypeError) and not ran
-    assert error.option == "PassManager(validate=...)" and error.call == "validate[1]"
+    assert error.option == "SemanticValidation(inputs=...)" and error.call == "inputs[1]"
     assert error.expected.startswith("(x, pos") and "Tensor[4] float32" in error.given
-    assert "validate[1] does not fit the program" in str(error)
+    assert "inputs[1] does not fit the program" in str(error)
     # Found by comparing with the inputs the program takes, not by a failing call.
     assert "before any pass" not in error.reason and error.__cause__ is None
     # The same inputs, all good, validate and run the pass.
@@ -153,7 +151,7 @@ def test_a_missing_keyword_of_an_exported_program_is_named():
     pm, ran = _pipeline((_ARGS, {}))
     with pytest.raises(ValidationInputError) as info:
         pm.run(_programs()["exported"])
-    assert info.value.call == "validate" and "'scale' are missing" in info.value.reason
+    assert info.value.call == "inputs" and "'scale' are missing" in info.value.reason
     assert info.value.expected == "(x, pos, *, scale)" and not ran
 
 
@@ -175,14 +173,15 @@ def test_inputs_the_given_program_fails_on_are_named_with_the_cause():
     pm, ran = _pipeline([(_ARGS, _KWARGS), ((torch.ones(5), _POS), _KWARGS)])
     with pytest.raises(ValidationInputError) as info:
         pm.run(program)
-    assert info.value.call == "validate[1]" and not ran
+    assert info.value.call == "inputs[1]" and not ran
     assert "before any pass, raised" in info.value.reason
     assert info.value.__cause__ is not None
 
 
 def test_validate_given_a_tensor_or_a_list_of_arguments_says_how_to_write_it():
-    with pytest.raises(ValidationInputError, match=r"got a Tensor: write validate=\(x,\)"):
-        PassManager([], validate=_X)
+    with pytest.raises(ValidationInputError,
+                       match=r"got a Tensor: write SemanticValidation\(\(x,\)\)"):
+        SemanticValidation(_X)
     pm, _ = _pipeline([_X, _POS])
     with pytest.raises(ValidationInputError, match=r"one call's arguments are a tuple"):
         pm.run(_programs()["exported"])
@@ -190,8 +189,8 @@ def test_validate_given_a_tensor_or_a_list_of_arguments_says_how_to_write_it():
 
 def test_more_validation_calls_than_inputs_is_named_before_any_pass_runs():
     calls: list[str] = []
-    with pytest.raises(ValidationInputError, match=r"validation_calls=3 asks for more calls "
+    with pytest.raises(ValidationInputError, match=r"calls=3 asks for more calls "
                                                    r"than the 2 given"):
         PassManager([lambda p: calls.append("ran") or p],
-                    validate=[(_X, _POS), (_X, _POS)], validation_calls=3)
+                    instruments=[SemanticValidation([(_X, _POS), (_X, _POS)], calls=3)])
     assert calls == []

@@ -96,7 +96,7 @@ def test_conditions_are_checked_on_edge_ops():
         _write_cache_in_place(graph_module)
         return PassResult(graph_module, True)
 
-    manager = PassManager([in_place_update, RecordEdgeOps()], reorder=False)
+    manager = PassManager([in_place_update, RecordEdgeOps()])
     with pytest.raises(Exception, match="PassManager") as info:
         edge.transform([manager])
     error = info.value.__cause__

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.export.graph_signature import InputKind
 
-from pass_manager import PassManager, assert_same_behaviour
+from pass_manager import PassManager, SemanticValidation, assert_same_behaviour
 from passes import InplaceToFunctional, MarkMutableBuffers
 from passes.flow.examples import AnnotateEveryOpQuantizer
 from passes.flow.factory import export_program, model_spec
@@ -46,7 +46,8 @@ def test_hf_llama_functional_program_matches_eager_over_six_steps():
     exported = export_program(spec["module"], (), spec["example_kwargs"], mode="strict")
     kinds = {spec.kind for spec in exported.program.graph_signature.input_specs}
     assert InputKind.CONSTANT_TENSOR not in kinds  # strict export keeps HF's caches as buffers
-    manager = PassManager([MarkMutableBuffers(), InplaceToFunctional()], validate=spec["steps"][:3])
+    manager = PassManager([MarkMutableBuffers(), InplaceToFunctional()],
+                          instruments=[SemanticValidation(spec["steps"][:3])])
     functional = manager.run(exported.program).program
     mutated = set(functional.graph_signature.buffers_to_mutate.values())
     assert {"key_cache_0", "value_cache_1", "cumulative_length_0"} <= mutated
