@@ -111,6 +111,7 @@ from passes import QuantizeMutableBuffers
 from passes import exported_program_from
 from passes.quantization import quantize_program, quantize_methods
 from passes.executorch import run_methods_on_runtime
+from passes import InputsToBuffers, BuffersToInputs
 """
 
 
