@@ -178,12 +178,13 @@ def run_program(
 
     ``inputs`` is one call's inputs (repeated ``calls`` times) or a list of them; each is an
     argument tuple, an ``(args, kwargs)`` pair or a keyword mapping (see :func:`call_inputs`).
-    ``on_call(index)`` runs after each call (progress reports).
+    ``on_call(index)`` runs after each call (progress reports). The inputs of all calls
+    are copied together, so a tensor several calls pass (state a program writes in place,
+    as Hugging Face's exporter passes its caches) stays one tensor across the calls.
     """
     module = _runnable(program)
     trace = Trace()
-    for index, (args, kwargs) in enumerate(call_inputs(inputs, calls)):
-        args, kwargs = copy.deepcopy((args, kwargs))
+    for index, (args, kwargs) in enumerate(copy.deepcopy(call_inputs(inputs, calls))):
         with torch.no_grad():
             out = module(*args, **kwargs)
         trace.outputs.append(_snapshot(out))
@@ -222,12 +223,13 @@ def run_methods(
     if share_by_name:
         _share_buffers_by_name(modules)
     trace = Trace()
-    for index, (method, args, kwargs) in enumerate(calls):
+    # Copied together: a tensor several calls pass (input-carried state) stays one tensor.
+    for index, (method, args, kwargs) in enumerate(copy.deepcopy(list(calls))):
         if method not in modules:
             raise ValidationInputError("run_methods", f"calls[{index}]",
                                        f"names method {method!r}; the methods are "
                                        f"{', '.join(map(repr, modules))}")
-        args, kwargs = copy.deepcopy((tuple(args), dict(kwargs)))
+        args, kwargs = tuple(args), dict(kwargs)
         with torch.no_grad():
             out = modules[method](*args, **kwargs)
         trace.outputs.append(_snapshot(out))
