@@ -22,8 +22,12 @@ from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPar
 from executorch.exir import to_edge_transform_and_lower
 
 from pass_manager import PassManager
+from pass_manager.validation import output_errors, run_program
 from passes import InplaceToFunctional, MarkMutableBuffers
 from passes.executorch import BufferOwningPartitioner, decode_on_runtime
+from passes.executorch.runtime import output_grid
+from passes.flow.examples import xnnpack_quantizer
+from passes.quantization import quantize_program
 from tests.models.shared_values import (
     ReturnsNewValue,
     ReturnsWritten,
@@ -74,6 +78,19 @@ def test_xnnpack_on_the_runtime(case, wrapped):
         assert len(want) == len(got)
         for w, g in zip(want, got, strict=True):
             assert torch.allclose(w, g, atol=ATOL, rtol=0), f"call {step}: {w} != {g}"
+
+
+def test_quantized_written_twice_on_the_runtime():
+    """quantize_program lifts the converted graph module (two write-backs of one value);
+    the runtime computes what the quantized Python program computes, within one step of
+    the output grid, call after call."""
+    calls = vector_calls(calls=6)
+    ep = torch.export.export(WrittenTwiceAndReturned(), calls[0])
+    quantized = quantize_program(ep, xnnpack_quantizer(), calls)
+    decoded = decode_on_runtime(quantized, None, calls)
+    grid = output_grid(quantized)
+    assert grid is not None
+    assert max(output_errors(run_program(quantized, calls), decoded.trace)) <= grid + 1e-6
 
 
 def _coreml():
