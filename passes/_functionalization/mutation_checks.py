@@ -3,10 +3,10 @@
 Refused: a write to a lifted constant (torch refuses it too), a write through a view with
 no write-back, a written tensor that may partially overlap another argument of the same
 op, an opaque node (no schema, or a higher-order op writing inside its subgraph) that
-receives mutable state, and written state sharing its storage with other state. Each is an :class:`~passes.errors.UnsupportedMutationError` naming
-the node and
-the reason. A write through a view addressing an element twice is checked where it is
-written back (``overlapping_writes``).
+receives mutable state, and written state sharing its storage with other state. Each is
+an :class:`~passes.errors.UnsupportedMutationError` naming the node and the reason. A
+write through a view addressing an element twice is checked where it is written back
+(``overlapping_writes``).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def check_shared_storage(program: object, states: dict[Node, State], written: se
     reads the new one. Tied state (one tensor, two names) is one input and passes."""
     seen: dict[StorageWeakRef, tuple[Node, State]] = {}
     for node, state in states.items():
-        if state.kind == USER_INPUT or not node.users and state not in written:
+        if state.kind == USER_INPUT or (not node.users and state not in written):
             continue
         value = node.meta.get("val") if is_ep else buffer_tensor(program, state.name)
         if not isinstance(value, torch.Tensor) or value.layout != torch.strided:

@@ -68,7 +68,8 @@ def test_quantize_program_gives_a_valid_program(case):
     ep = torch.export.export(cls(), calls[0])
     quantized = quantize_program(copy.deepcopy(ep), xnnpack_quantizer(), calls)
     assert set(quantized.graph_signature.buffers_to_mutate.values()) == {"a", "b"}
-    assert quantized.graph_signature.non_persistent_buffers == ep.graph_signature.non_persistent_buffers
+    signature = quantized.graph_signature
+    assert signature.non_persistent_buffers == ep.graph_signature.non_persistent_buffers
     decomposed = quantized.run_decompositions({})
     assert_same_behaviour(quantized, decomposed, calls)
     # within the int8 grids' error of eager (outputs of a few units)

@@ -25,7 +25,6 @@ from passes.quantization import quantize_program
 from passes.quantize_mutable_buffers import QuantizeMutableBuffers
 from tests.models.shared_values import NonPersistentCache, WrittenTwice, vector_calls
 
-
 # The models' buffers (a quantized program adds folded weights, as buffers, beside them).
 BUFFERS = {"cache", "count", "a", "b"}
 
@@ -78,7 +77,9 @@ def test_each_pass_on_a_graph_module_and_the_lift(exported, pipeline):
     result = PassManager(passes).run(gm).program
     assert graph_module_persistence(result) == graph_module_persistence(ep.module())
     for like in (ep, None):
-        assert persistence(exported_program_from(result, like=like)) == persistence(ep)
+        lifted = exported_program_from(result, like=like)
+        assert persistence(lifted) == persistence(ep)
+        assert_same_behaviour(NonPersistentCache(), lifted, calls)
 
 
 def test_quantize_program_and_quantized_state(exported):
