@@ -19,6 +19,7 @@ __all__ = [
     "ReturnsWritten",
     "ReturnsWrittenAndSum",
     "SharedStorage",
+    "TiedBuffers",
     "WrittenTwice",
     "WrittenTwiceAndReturned",
     "vector_calls",
@@ -111,6 +112,20 @@ class SharedStorage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.head.add_(x)
         return self.whole * 2
+
+
+class TiedBuffers(nn.Module):
+    """One tensor registered under two names: written through one, read through the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        tensor = torch.zeros(4)
+        self.register_buffer("a", tensor)
+        self.register_buffer("b", tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.a.add_(x)
+        return self.b * 2
 
 
 class NonPersistentCache(nn.Module):

@@ -24,6 +24,7 @@ from tests.models.shared_values import (
     ReturnsWritten,
     ReturnsWrittenAndSum,
     SharedStorage,
+    TiedBuffers,
     WrittenTwice,
     WrittenTwiceAndReturned,
     vector_calls,
@@ -116,3 +117,15 @@ def test_buffers_sharing_a_storage_are_refused(form):
         InplaceToFunctional().call(program)
     assert caught.value.kind == "shared-storage"
     assert str(program.graph) == before
+
+
+def test_tied_buffers_are_one_piece_of_state():
+    """One tensor under two names is not refused: export reads and writes it through one
+    input (the other is unused), the graph module through one tensor, so the functional
+    programs are exact. (torch 2.13's own run_decompositions fails on this export.)"""
+    calls = vector_calls()
+    ep = torch.export.export(TiedBuffers(), calls[0])
+    assert_same_behaviour(TiedBuffers(), _functional(copy.deepcopy(ep)), calls)
+    functional = _functional(copy.deepcopy(ep).module())
+    assert_same_behaviour(TiedBuffers(), functional, calls)
+    assert_same_behaviour(TiedBuffers(), exported_program_from(functional, like=ep), calls)
