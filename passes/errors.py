@@ -64,7 +64,8 @@ class UnsupportedMutationError(PassManagerError):
             tensor's storage, an ``out=`` resize of state or of a viewed tensor) or
             "storage" (an op reading a written tensor's storage, such as ``as_strided``,
             whose root is not a contiguous tensor owning all of its storage, or program
-            state whose strides a metadata mutation changes).
+            state whose strides a metadata mutation changes) or "shared-storage"
+            (written state sharing its storage with other state the program reads).
     """
 
     def __init__(self, node: Node, reason: str, kind: str):

@@ -25,7 +25,10 @@ class InplaceToFunctional(Pass):
     new value. Program state ends as ``PARAMETER_MUTATION`` / ``BUFFER_MUTATION`` /
     ``USER_INPUT_MUTATION`` outputs (ExportedProgram, ordered as ``run_decompositions({})``
     orders them) or as one trailing ``aten.copy_(state, final)`` per mutated parameter,
-    buffer or input (GraphModule). A write to a lifted constant is refused. No
+    buffer or input (GraphModule). Each mutation output has a value of its own: a new
+    value written into several pieces of state, or also returned, is copied
+    (``aten.copy(state, value)``) for each further mutation output, since torch's
+    signature keys mutations by output name. A write to a lifted constant is refused. No
     re-tracing: one walk over the graph, fake tensors evaluated only for new nodes.
     Like every Pass, ``call`` leaves ``recompile()`` to the PassManager (or to the caller).
 
@@ -56,8 +59,10 @@ class InplaceToFunctional(Pass):
             see through, such as one inside a higher-order op ("opaque"), an op failing
             on its fake values ("fake-failure"), a metadata mutation (``unsqueeze_``,
             ``resize_``, ``set_``, ...) changing the shape of program state ("relayout";
-            those of intermediates and views become views or renames), or a read of a
-            written tensor's storage that cannot be kept ("storage").
+            those of intermediates and views become views or renames), a read of a
+            written tensor's storage that cannot be kept ("storage"), or written state
+            sharing its storage with other state the program reads, such as a buffer
+            registered as a view of another ("shared-storage").
     """
 
     requires = frozenset({MutableBuffersMarked})

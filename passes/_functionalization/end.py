@@ -10,6 +10,7 @@ import operator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.export.graph_signature import (
     ExportGraphSignature,
     OutputSpec,
@@ -103,6 +104,7 @@ class ProgramEnd:
             for (_, old), (_, new) in zip(self.other_outputs, user, strict=True):
                 if isinstance(old, Node) and isinstance(new, Node):
                     self.boundary[old.name] = new
+            finals = self._own_values(finals, [arg for _, arg in user])
             outputs = [final for _, _, final in finals] + [arg for _, arg in user]
             specs = [OutputSpec(_OUTPUT_KIND[s.kind], TensorArgument(name=f.name), s.name)
                      for s, _, f in finals]
@@ -123,6 +125,30 @@ class ProgramEnd:
                 copy.meta["val"] = root.meta["val"]
             self.notes.append(f"{state.kind} {state.name!r} written back by {copy.name}")
         self._set_args(output, returned, output.kwargs)
+
+    def _own_values(self, finals: list[tuple[Any, Node, Node]], user: list[Any]
+                    ) -> list[tuple[Any, Node, Node]]:
+        """Each mutation output its own value: one that is also a user output, or another
+        piece of state's final value, becomes ``aten.copy(state, value)`` (a copy of its
+        own, as torch's functionalization writes ``state.copy_(value)``).
+
+        torch's signature keys mutations by output name (``buffers_to_mutate``), so two
+        mutation outputs on one node collapse into one and the verifier rejects the
+        program; a backend owning the state (Core ML) refuses a mutation output that is
+        also a user output. ``clone`` would do for torch, not for XNNPACK, which drops it
+        and then refuses the delegate output it leaves as a pass-through; ``copy`` stays
+        a copy (a portable kernel) in every lowering tried."""
+        taken = {arg for arg in pytree.tree_leaves(user) if isinstance(arg, Node)}
+        owned = []
+        for state, root, final in finals:
+            if final in taken:
+                final = self.emit(self.last_writer[root], aten.copy.default, root, final)
+                self.statistics["mutation outputs given their own copy"] += 1
+                self.notes.append(f"{state.kind} {state.name!r} gets its own value "
+                                  f"{final.name}: its new value is also another output")
+            taken.add(final)
+            owned.append((state, root, final))
+        return owned
 
     def _own_coordinates(self, output: Node) -> dict[Node, Node]:
         """For state whose strides a metadata mutation changed and that a user output

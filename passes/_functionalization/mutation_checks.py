@@ -2,24 +2,26 @@
 
 Refused: a write to a lifted constant (torch refuses it too), a write through a view with
 no write-back, a written tensor that may partially overlap another argument of the same
-op, and an opaque node (no schema, or a higher-order op writing inside its subgraph) that
-receives mutable state. Each is an :class:`~passes.errors.UnsupportedMutationError` naming
-the node and
-the reason. A write through a view addressing an element twice is checked where it is
-written back (``overlapping_writes``).
+op, an opaque node (no schema, or a higher-order op writing inside its subgraph) that
+receives mutable state, and written state sharing its storage with other state. Each is
+an :class:`~passes.errors.UnsupportedMutationError` naming the node and the reason. A
+write through a view addressing an element twice is checked where it is written back
+(``overlapping_writes``).
 """
 
 from __future__ import annotations
 
+import torch
 from torch.fx import Node
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analysis.aliasing import Alias
-from .._analysis.buffers import CONSTANT, State
+from .._analysis.buffers import CONSTANT, USER_INPUT, State, buffer_tensor
 from ..errors import UnsupportedMutationError
 from .element_overlap import may_overlap
 from .view_inverse import write_back_reason
 
-__all__ = ["check_opaque", "check_write"]
+__all__ = ["check_opaque", "check_shared_storage", "check_write"]
 
 
 
@@ -64,3 +66,31 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
                 raise UnsupportedMutationError(
                     node, f"the written {w.name} and the argument {other.name} are views of "
                           "one storage that may partially overlap", "overlap")
+
+
+def check_shared_storage(program: object, states: dict[Node, State], written: set[State],
+                         is_ep: bool) -> None:
+    """Refuse a written piece of state that shares its storage with another one the
+    program reads (``register_buffer("head", whole[:4])``): the graph names them as two
+    inputs, so a functional program would read the other one's old value where eager
+    reads the new one. Tied state (one tensor, two names) is one input and passes."""
+    seen: dict[StorageWeakRef, tuple[Node, State]] = {}
+    for node, state in states.items():
+        if state.kind == USER_INPUT or (not node.users and state not in written):
+            continue
+        value = node.meta.get("val") if is_ep else buffer_tensor(program, state.name)
+        if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+            continue
+        try:
+            storage = StorageWeakRef(value.untyped_storage())
+        except (RuntimeError, NotImplementedError):  # a subclass without one storage
+            continue
+        first, other = seen.setdefault(storage, (node, state))
+        if other != state and (state in written or other in written):
+            writer, shared = (node, other) if state in written else (first, state)
+            raise UnsupportedMutationError(
+                writer, f"the written {states[writer].kind} {states[writer].name!r} shares "
+                f"its storage with {shared.kind} {shared.name!r}: the graph takes them as "
+                "two inputs, so a functional program would not see one's write in the "
+                "other; register one buffer and take the other as a view of it in forward",
+                "shared-storage")

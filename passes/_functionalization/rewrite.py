@@ -40,7 +40,7 @@ from ..errors import UnsupportedMutationError
 from ..functional_variants import functional_variant
 from .end import VALUE_META, ProgramEnd, fresh_like
 from .fake_values import is_contiguous, same_metadata, same_strides
-from .mutation_checks import check_opaque, check_write
+from .mutation_checks import check_opaque, check_shared_storage, check_write
 from .overlapping_writes import OverlappingWrites
 from .start import ProgramStart
 from .storage_reads import StorageReads
@@ -203,6 +203,8 @@ class Rewrite(ProgramStart, StorageReads, OverlappingWrites, ProgramEnd):
         return [n for n in self.graph.nodes if n in visit]
 
     def run(self) -> None:
+        check_shared_storage(self.program, self.states,
+                             {self.states[r] for r in self.roots if r in self.states}, self.is_ep)
         for node in self._to_visit():
             self.cursor = node
             if node in self.skipped:  # an inlined region, erased on commit

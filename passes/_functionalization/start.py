@@ -79,8 +79,12 @@ class ProgramStart:
         self.has_writes = bool(self.skipped) or bool(self.refused_metadata) or any(
             str(n.target).endswith("_") or "writes" in reason
             for n, reason in self.opaque.items() if n not in self.skipped)
+        # A whole-state copy as a mutation output is a write to fold away, unless its
+        # source is another output too: then it is that output's own value (ProgramEnd).
+        returned = set(self.output.all_input_nodes)
         self.has_writes |= any(n not in write_backs for n in scan.writing_nodes) or any(
-            isinstance(a, Node) and target_of(a) is aten.copy.default and fresh_like(a.args[1], a)
+            isinstance(a, Node) and target_of(a) is aten.copy.default
+            and fresh_like(a.args[1], a) and a.args[1] not in returned
             for _, a in self.mutation_outputs)
         return inlined, metadata
 

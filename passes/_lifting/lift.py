@@ -98,6 +98,8 @@ def _program_parts(gm: GraphModule, like: ExportedProgram | None) -> dict[str, A
     """The finished parts of the program: the lifted graph with a fake value on every
     node, its signature, state, call graph and ranges (``ExportedProgram``'s arguments)."""
     states, state_of = graph_state(gm)
+    if like is not None:
+        _keep_non_persistent(states, like)
     writes = trailing_writes(gm, state_of)
     inputs = gm.graph.find_nodes(op="placeholder")
     for node in inputs:
@@ -150,15 +152,18 @@ def _program_parts(gm: GraphModule, like: ExportedProgram | None) -> dict[str, A
     position = {p: i for i, p in enumerate(graph.find_nodes(op="placeholder"))}
     mutations = sorted(writes, key=lambda w: position[placeholders[w.target]])
     user_outputs = [env[o] if isinstance(o, Node) else o for o in flat_outputs]
-    output = graph.output(tuple([env[w.value] for w in mutations] + user_outputs))
+    values = _own_values(graph, [(w, placeholders[w.target], env[w.value]) for w in mutations],
+                         user_outputs, missing)
+    output = graph.output(tuple(values + user_outputs))
     output.meta = dict(source_output.meta)
 
     fill_missing_values(missing, gm, mode)
     check_write_back_values([(w, placeholders[w.target], env[w.value]) for w in mutations])
     signature = ExportGraphSignature(
         [_input_spec(p, lifted_state.get(p)) for p in graph.find_nodes(op="placeholder")],
-        [_mutation_spec(w, placeholders[w.target], env[w.value], state_of)
-         for w in mutations] + [_user_output_spec(o) for o in user_outputs],
+        [_mutation_spec(w, placeholders[w.target], value, state_of)
+         for w, value in zip(mutations, values, strict=True)]
+        + [_user_output_spec(o) for o in user_outputs],
     )
     call_graph = module_call_graph(gm, specs, like, graph, skipped)
     shape_env = mode.shape_env
@@ -174,6 +179,39 @@ def _program_parts(gm: GraphModule, like: ExportedProgram | None) -> dict[str, A
         "constants": constants,
         "verifiers": list(like.verifiers) if like is not None else [TrainingIRVerifier],
     }
+
+
+def _keep_non_persistent(states: list[LiftedState], like: ExportedProgram) -> None:
+    """A buffer ``like`` holds as non-persistent (a KV cache registered with
+    ``persistent=False``, as HF and ExecuTorch register theirs) stays so: torchao's
+    ``prepare_pt2e`` copies the graph module and re-registers every buffer as persistent,
+    which would move it from the program's constants into its state dict."""
+    non_persistent = set(like.graph_signature.non_persistent_buffers)
+    for state in states:
+        if state.kind == InputKind.BUFFER and state.target in non_persistent:
+            state.persistent = False
+
+
+def _own_values(graph: Graph, mutations: list[tuple[WriteBack, Node, Node]],
+                user_outputs: list[Any], missing: list[Node]) -> list[Node]:
+    """Each mutation output's value, each its own: one value written back into several
+    pieces of state (``a.copy_(v); b.copy_(v)``), or also returned, is copied
+    (``aten.copy(state, value)``) for every write-back after its first use, as
+    InplaceToFunctional makes it. torch's signature keys mutations by output name, so a
+    node standing for two would collapse into one and fail the verifier; the new copies
+    join ``missing`` to get their fake values."""
+    taken = {o for o in user_outputs if isinstance(o, Node)}
+    values = []
+    for write, target, value in mutations:
+        if value in taken:
+            copy = graph.call_function(torch.ops.aten.copy.default, (target, value))
+            copy.meta.update((k, v) for k, v in write.node.meta.items()
+                             if k not in ("val", "tensor_meta"))
+            missing.append(copy)
+            value = copy
+        taken.add(value)
+        values.append(value)
+    return values
 
 
 def _name_inputs(states: list[LiftedState], inputs: list[Node], like: ExportedProgram | None
