@@ -25,6 +25,7 @@ from passes import (
     mutable_buffers,
     reset_mutable_buffers,
 )
+from passes._analysis.buffers import buffer_tensor
 from passes._methods.grid_facet import buffer_grids
 from passes.flow.examples import AnnotateEveryOpQuantizer, xnnpack_quantizer
 from passes.flow.quantized_graphs import output_grid
@@ -152,7 +153,7 @@ def test_integer_caches_decode_bit_for_bit_as_the_fp32_stored_methods(quantizer)
     dtype = torch.int8 if quantizer == "xnnpack" else torch.uint8
     for fqn in CACHES:
         assert stored["prefill"].state_dict[fqn].dtype == dtype
-        assert stored["prefill"].state_dict[fqn] is stored["decode"].state_dict[fqn]
+        assert buffer_tensor(stored["prefill"], fqn) is buffer_tensor(stored["decode"], fqn)
     prefill, decode = (stored[m].module() for m in ("prefill", "decode"))
     reference = {m: floats[m].module() for m in ("prefill", "decode")}
     infos = mutable_buffers(stored["decode"])
@@ -288,7 +289,7 @@ def test_hugging_face_llama_prefill_and_decode(quantizer):
     grids = {name: buffer_grids(program) for name, program in stored.items()}
     for fqn in HF_CACHES:
         assert grids["prefill"][fqn] == grids["decode"][fqn] and grids["decode"][fqn].stored
-        assert stored["prefill"].state_dict[fqn] is stored["decode"].state_dict[fqn]
+        assert buffer_tensor(stored["prefill"], fqn) is buffer_tensor(stored["decode"], fqn)
     ours = errors_per_call(expected, calls_in_sequence(stored, evaluation))
     if quantizer == "every_op":  # today's way, for comparison (XNNPACK's doubles the time)
         alone = per_method(programs, QUANTIZERS[quantizer], calibration)
