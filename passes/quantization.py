@@ -285,6 +285,11 @@ class QuantizationReport:
         lines.append(f"frozen buffer reads repaired: {len(self.repaired_reads) or 'none'}")
         return lines + [f"  {read}" for read in self.repaired_reads]
 
+    def __str__(self) -> str:
+        """``print(report)`` gives :meth:`summary`'s lines, then each stage's pass table."""
+        tables = [f"{stage}:\n{report.table()}" for stage, report in self.passes]
+        return "\n".join([*self.summary(), *tables])
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "passes": {stage: report.to_dict() for stage, report in self.passes},

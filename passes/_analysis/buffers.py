@@ -330,8 +330,11 @@ def _hop_opaque(node: Node, written: list[Node] | None) -> OpaqueNode | None:
     if written == []:
         return None
     what = "something" if written is None else ", ".join(n.name for n in written)
+    hint = ("; write the state outside the branches instead: compute the new value with "
+            "torch.where(condition, new, old) (or torch.cond returning it) and write it with "
+            "one copy_" if node.target.name() == "cond" else "")
     return OpaqueNode(node, f"higher-order op {node.target.name()} writes {what} inside its "
-                            f"subgraph")
+                            f"subgraph{hint}")
 
 
 def find_mutations(program: Any) -> Mutations:

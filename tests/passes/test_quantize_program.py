@@ -222,3 +222,14 @@ def test_an_integer_counter_stays_integer_through_the_xnnpack_quantizer(function
             assert program_module.get_buffer("pos").dtype == torch.int64
             assert (got - want).abs().max() < 0.1, step
             assert (program_module.get_buffer("cache") - reference.cache).abs().max() < 0.1
+
+
+def test_the_report_prints_as_its_summary_and_tables():
+    """``print(report)`` is for a person: the steps, the reset buffers, each stage's table."""
+    model, example, steps = decoder_job(n_layers=1, steps=2)
+    with torch.no_grad():
+        ep = torch.export.export(model, example)
+    _, report = quantize_program(ep, AnnotateEveryOpQuantizer(), steps, return_report=True)
+    text = str(report)
+    assert text.startswith("steps: prepare ") and "reset after calibration (2)" in text
+    assert "before annotation:\n#" in text and "after convert:\n#" in text

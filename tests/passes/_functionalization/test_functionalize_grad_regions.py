@@ -233,6 +233,8 @@ def test_cond_writing_captured_state_in_a_no_grad_block_is_refused_like_torch(st
         copy.deepcopy(ep).run_decompositions({})
     error = refused_in_both_forms_of(ep, "opaque")
     assert "inside its subgraph" in str(error)
+    # What to do instead, in the refusal itself (issue 33, item 8).
+    assert "torch.where(condition, new, old)" in str(error) and "copy_" in str(error)
 
 
 # -- autocast regions: export keeps them (autocast changes values), with their writes ------
