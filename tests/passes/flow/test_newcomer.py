@@ -46,6 +46,10 @@ HANDWRITTEN = textwrap.dedent('''
     def factory():
         steps = [(torch.full((1, 3), float(i)),) for i in range(3)]
         return Counter(), steps[0], steps
+
+    def keyword_factory():  # the Hugging Face form: every input by keyword
+        steps = [((), {"x": torch.full((1, 3), float(i))}) for i in range(3)]
+        return {"module": Counter(), "example_kwargs": steps[0][1], "steps": steps}
 ''')
 
 
@@ -71,6 +75,17 @@ def test_a_model_in_the_users_own_folder_runs(user_folder, model):
     done = _command(model, *FAST, "--quiet", cwd=user_folder)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith(f"model: {model}") and "FAIL" not in done.stdout
+
+
+def test_keyword_inputs_run_on_executorchs_runtime(user_folder):
+    """Issue 33, item 1: keyword steps (the HF form) reached the runtime after 140 s of
+    lowering and were refused there; they are flattened by the program's call spec."""
+    pytest.importorskip("executorch")
+    done = _command("mymodels.handwritten:keyword_factory", "--steps", "3", "--runtime",
+                    "executorch", "--skip-quantization", "--skip-delegation", "--quiet",
+                    cwd=user_folder)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PASS  ExecuTorch runtime decodes the fp32 program like Python" in done.stdout
 
 
 def test_a_model_that_cannot_be_found_says_where_it_looked(user_folder):
