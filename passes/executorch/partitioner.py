@@ -89,6 +89,10 @@ class BufferOwningPartitioner(Partitioner):
             ``tag_mutated_buffer``); XNNPACK's gives none, and an XNNPACK delegate handed a
             buffer to update crashes the runtime, so its buffers stay at the top level.
 
+    Raises:
+        ExecuTorchInputError: ``partitioner`` is not a ``Partitioner`` instance (the class
+            itself, ``XnnpackPartitioner`` for ``XnnpackPartitioner()``, names the fix).
+
     After ``transform_for_pre_decomposition``, ``copy_plan`` says which new buffer values
     got a copy for their uses outside the owner (:class:`CopyPlan`). After each
     ``partition`` call, ``notes`` says what happened to every mutable buffer and
@@ -108,7 +112,7 @@ class BufferOwningPartitioner(Partitioner):
         strict: bool = False,
         own_buffers: bool | None = None,
     ):
-        super().__init__(getattr(partitioner, "spec", {}))
+        super().__init__(getattr(_checked_partitioner(partitioner), "spec", {}))
         self.partitioner = partitioner
         self.methods = _checked_methods(methods)
         self.strict = strict
@@ -334,6 +338,22 @@ class BufferOwningPartitioner(Partitioner):
                 node.meta.pop(DELEGATION_TAG, None)
             else:
                 node.meta[DELEGATION_TAG] = tag
+
+
+def _checked_partitioner(partitioner: Any) -> Partitioner:
+    """``partitioner`` if it is a Partitioner instance; the class itself (an easy slip:
+    ``BufferOwningPartitioner(XnnpackPartitioner)``) would fail deep inside ExecuTorch."""
+    if isinstance(partitioner, type) and issubclass(partitioner, Partitioner):
+        raise ExecuTorchInputError(
+            PASS_NAME, "partitioner",
+            f"got the class {partitioner.__name__}, not a partitioner; pass an instance: "
+            f"{partitioner.__name__}()")
+    if not isinstance(partitioner, Partitioner):
+        raise ExecuTorchInputError(
+            PASS_NAME, "partitioner",
+            f"got {type(partitioner).__name__} {partitioner!r:.80}; pass an ExecuTorch "
+            "Partitioner instance, e.g. XnnpackPartitioner()")
+    return partitioner
 
 
 def _checked_methods(methods: Any) -> dict[str, ExportedProgram] | None:

@@ -178,3 +178,20 @@ def test_own_buffers_false_keeps_every_buffer_at_the_top_level():
     assert owners(lowered) == {}
     assert all("gives its delegates no mutable buffers" in note for note in wrapper.notes)
     assert_same_behaviour(model, lowered, inputs, atol=ATOL, state=executorch_state)
+
+
+@pytest.mark.parametrize("given", ["class", "string", "none"])
+def test_a_partitioner_that_is_not_an_instance_is_refused_at_construction(given):
+    """``BufferOwningPartitioner(XnnpackPartitioner)`` used to be accepted and fail later
+    inside ExecuTorch; it is refused at once, naming the argument and the fix."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    from passes.executorch import ExecuTorchInputError
+
+    argument = {"class": XnnpackPartitioner, "string": "xnnpack", "none": None}[given]
+    with pytest.raises(ExecuTorchInputError) as info:
+        BufferOwningPartitioner(argument)
+    assert info.value.argument == "partitioner"
+    assert info.value.helper == "BufferOwningPartitioner"
+    hint = "pass an instance: XnnpackPartitioner()" if given == "class" else "Partitioner instance"
+    assert hint in str(info.value)
