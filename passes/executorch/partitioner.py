@@ -33,6 +33,7 @@ every use stays inside the owner, which would otherwise copy a KV cache per toke
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,10 +43,16 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
+from .._analysis.buffers import buffer_tensor
 from ..delegation.errors import BufferConsumptionError
 from ..delegation.ownership import BufferOwnership, tagged_buffer_ownership
 from ..delegation.partitioners import DELEGATION_TAG
-from . import ExecuTorchInputError, SharedBufferDelegationError
+from . import (
+    DelegateStateDtypeError,
+    DelegateStateWarning,
+    ExecuTorchInputError,
+    SharedBufferDelegationError,
+)
 from .method_state import MethodState, SharedBuffer, checked_methods, method_state
 from .new_value_copies import (
     CopyPlan,
@@ -57,6 +64,14 @@ from .new_value_copies import (
 __all__ = ["BufferOwningPartitioner", "executorch_state", "separate_new_buffer_values"]
 
 PASS_NAME = "BufferOwningPartitioner"
+
+# Backends whose state on the device is not the buffer as the program holds it: the dtype
+# kept, and whether state starts zero-filled. Core ML (coremltools 9) casts fp32 state to
+# fp16 with a warning, refuses other dtypes deep in its converter, and zero-fills state when
+# the model is prewarmed.
+COREML_BACKEND = "CoreMLBackend"
+_STATE_DTYPE = {COREML_BACKEND: torch.float16}
+_ZERO_FILLED = {COREML_BACKEND}
 
 
 def _is_value_copy(node: Node) -> bool:
@@ -92,6 +107,16 @@ class BufferOwningPartitioner(Partitioner):
     Raises:
         ExecuTorchInputError: ``partitioner`` is not a ``Partitioner`` instance (the class
             itself, ``XnnpackPartitioner`` for ``XnnpackPartitioner()``, names the fix).
+        DelegateStateDtypeError: from ``partition``, a Core ML delegate would own a buffer
+            stored as integers (``QuantizeMutableBuffers``): Core ML keeps fp16 state only
+            (its converter fails with ``slice_update ... dtype int8`` otherwise). Raised, not
+            kept at the top level with a note: kept there, the Core ML partition fails too
+            (``KeyError: torch.int8``, coremltools 9).
+
+    Warns:
+        DelegateStateWarning: from ``partition``, a Core ML delegate will own an fp32 buffer
+            (fp16 on the device), or a buffer whose initial value is not all zeros (Core ML
+            zero-fills state when the model is prewarmed).
 
     After ``transform_for_pre_decomposition``, ``copy_plan`` says which new buffer values
     got a copy for their uses outside the owner (:class:`CopyPlan`). After each
@@ -195,6 +220,12 @@ class BufferOwningPartitioner(Partitioner):
             self._restore(graph, before)
             v = refused[0]
             raise BufferConsumptionError(v.fqn, v.partitions, v.reason, PASS_NAME)
+        for verdict, _ in owned:
+            backend = self._backend(result.partition_tags, verdict.owner_tag)
+            error = _state_on_device(program, verdict, backend)
+            if error is not None:
+                self._restore(graph, before)
+                raise error
         notes = []
         if copy_plan is not None and copy_plan.failure is not None:
             notes.append(
@@ -338,6 +369,35 @@ class BufferOwningPartitioner(Partitioner):
                 node.meta.pop(DELEGATION_TAG, None)
             else:
                 node.meta[DELEGATION_TAG] = tag
+
+
+def _state_on_device(
+    program: ExportedProgram, verdict: BufferOwnership, backend: str | None
+) -> DelegateStateDtypeError | None:
+    """Warn where ``backend``'s state will not hold the buffer as the program does; the
+    error to raise where it cannot hold it at all."""
+    kept = _STATE_DTYPE.get(backend)
+    if kept is None and backend not in _ZERO_FILLED:
+        return None
+    value = buffer_tensor(program, verdict.fqn)
+    if kept is not None and value.dtype != kept:
+        if not value.is_floating_point():
+            return DelegateStateDtypeError(
+                verdict.fqn, verdict.owner_tag, backend, value.dtype, str(kept).split(".")[-1])
+        warnings.warn(DelegateStateWarning(
+            verdict.fqn, backend, "fp16",
+            f"{PASS_NAME}: {backend} keeps {verdict.fqn!r} ({value.dtype}) as "
+            f"{str(kept).split('.')[-1]} state on the device: its values are rounded there"),
+            stacklevel=3)
+    if backend in _ZERO_FILLED and bool(value.count_nonzero()):
+        warnings.warn(DelegateStateWarning(
+            verdict.fqn, backend, "initial value",
+            f"{PASS_NAME}: {backend} zero-fills its state when the model is prewarmed, and "
+            f"the initial value of {verdict.fqn!r} is not all zeros "
+            f"({int(value.count_nonzero())} of {value.numel()} elements): it is lost on the "
+            "device (require passes.conditions.ZeroInitialState to refuse such programs)"),
+            stacklevel=3)
+    return None
 
 
 def _checked_partitioner(partitioner: Any) -> Partitioner:
