@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from executorch.exir.backend.partitioner import Partitioner, PartitionResult
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
@@ -149,6 +150,7 @@ class BufferOwningPartitioner(Partitioner):
         self._state: MethodState | None = (
             method_state(self.methods) if self.methods is not None else None)
         self._copy_plans: dict[str, CopyPlan] = {}
+        self._nonzero: dict[str, int] = {}
 
     def __repr__(self) -> str:
         methods = f", methods={list(self.methods)}" if self.methods is not None else ""
@@ -172,6 +174,9 @@ class BufferOwningPartitioner(Partitioner):
         return self.partitioner.ops_to_not_decompose(ep)
 
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
+        # ExecuTorch hands ``partition`` a copy whose state holds fake tensors: the values
+        # of the buffers (is an initial value zeros?) are read here, where they are real.
+        self._nonzero.update(_nonzero_elements(exported_program))
         program = self.partitioner.transform_for_pre_decomposition(exported_program)
         # The copies only serve a delegate that owns the buffer and leave it by a use outside
         # (any other copy is one whole-buffer copy per call for nothing), so the trial
@@ -222,7 +227,7 @@ class BufferOwningPartitioner(Partitioner):
             raise BufferConsumptionError(v.fqn, v.partitions, v.reason, PASS_NAME)
         for verdict, _ in owned:
             backend = self._backend(result.partition_tags, verdict.owner_tag)
-            error = _state_on_device(program, verdict, backend)
+            error = _state_on_device(program, verdict, backend, self._nonzero)
             if error is not None:
                 self._restore(graph, before)
                 raise error
@@ -371,11 +376,24 @@ class BufferOwningPartitioner(Partitioner):
                 node.meta[DELEGATION_TAG] = tag
 
 
+def _nonzero_elements(program: ExportedProgram) -> dict[str, int]:
+    """Buffer FQN -> how many of its elements are not zero, for the real tensors of
+    ``program`` (a fake one has no values)."""
+    found = {}
+    for fqn in program.graph_signature.inputs_to_buffers.values():
+        value = buffer_tensor(program, fqn)
+        if not isinstance(value, FakeTensor):
+            found[fqn] = int(value.count_nonzero())
+    return found
+
+
 def _state_on_device(
-    program: ExportedProgram, verdict: BufferOwnership, backend: str | None
+    program: ExportedProgram, verdict: BufferOwnership, backend: str | None,
+    nonzero: Mapping[str, int],
 ) -> DelegateStateDtypeError | None:
     """Warn where ``backend``'s state will not hold the buffer as the program does; the
-    error to raise where it cannot hold it at all."""
+    error to raise where it cannot hold it at all. ``nonzero``: the non-zero element
+    counts read before ExecuTorch made the state fake (used when ``program``'s is)."""
     kept = _STATE_DTYPE.get(backend)
     if kept is None and backend not in _ZERO_FILLED:
         return None
@@ -389,12 +407,14 @@ def _state_on_device(
             f"{PASS_NAME}: {backend} keeps {verdict.fqn!r} ({value.dtype}) as "
             f"{str(kept).split('.')[-1]} state on the device: its values are rounded there"),
             stacklevel=3)
-    if backend in _ZERO_FILLED and bool(value.count_nonzero()):
+    count = (nonzero.get(verdict.fqn, 0) if isinstance(value, FakeTensor)
+             else int(value.count_nonzero()))
+    if backend in _ZERO_FILLED and count:
         warnings.warn(DelegateStateWarning(
             verdict.fqn, backend, "initial value",
             f"{PASS_NAME}: {backend} zero-fills its state when the model is prewarmed, and "
             f"the initial value of {verdict.fqn!r} is not all zeros "
-            f"({int(value.count_nonzero())} of {value.numel()} elements): it is lost on the "
+            f"({count} of {value.numel()} elements): it is lost on the "
             "device (require passes.conditions.ZeroInitialState to refuse such programs)"),
             stacklevel=3)
     return None

@@ -22,7 +22,11 @@ pytest.importorskip("coremltools")
 from executorch.exir import to_edge_transform_and_lower  # noqa: E402
 
 from pass_manager import assert_same_behaviour  # noqa: E402
-from passes.executorch import BufferOwningPartitioner, executorch_state  # noqa: E402
+from passes.executorch import (  # noqa: E402
+    BufferOwningPartitioner,
+    DelegateStateWarning,
+    executorch_state,
+)
 from tests.models.coreml_cases import (  # noqa: E402
     CASES,
     COREML_BACKEND,
@@ -100,6 +104,10 @@ def test_wrapped_lowers_and_the_delegate_owns_the_state(name, lowered):
     # The .mlpackage has one state per owned buffer, in fp16 (Core ML's only state type).
     assert coreml_states(delegate) == {fqn.replace(".", "_"): "FLOAT16" for fqn in case.owned}
     assert sorted(note.split("'")[1] for note in result.wrapper.notes) == sorted(case.owned)
+    # Each owned fp32 buffer is said to become fp16 on the device; every one starts at zeros.
+    said = [(w.message.buffer, w.message.issue) for w in result.warnings
+            if isinstance(w.message, DelegateStateWarning)]
+    assert sorted(said) == sorted((fqn, "fp16") for fqn in case.owned)
     if name == "mm_outside":
         top = {str(n.target) for n in result.program.graph.nodes if n.op == "call_function"}
         assert any("mm" in target for target in top)
