@@ -210,6 +210,7 @@ class BufferOwningPartitioner(Partitioner):
                 fqn, list(shared[fqn].methods), partitions,
                 f"{shared[fqn].describe()}; ExecuTorch shares a top-level buffer between "
                 "methods, never a delegate's copy")
+        scalar_notes = self._keep_scalar_state_out(program, result.partition_tags)
         verdicts = self._verdicts(program, result.partition_tags, shared)
         owned = []
         for verdict in verdicts:
@@ -231,7 +232,7 @@ class BufferOwningPartitioner(Partitioner):
             if error is not None:
                 self._restore(graph, before)
                 raise error
-        notes = []
+        notes = list(scalar_notes)
         if copy_plan is not None and copy_plan.failure is not None:
             notes.append(
                 f"the trial partition deciding the copies of new buffer values failed "
@@ -266,6 +267,47 @@ class BufferOwningPartitioner(Partitioner):
             self.notes = [f"[{method}] {note}"
                           for method, kept in self.method_notes.items() for note in kept]
         return PartitionResult(program, result.partition_tags)
+
+    def _keep_scalar_state_out(
+        self, program: ExportedProgram, partition_tags: dict[str, Any]
+    ) -> list[str]:
+        """Drop each partition that owns no state and computes with a 0-d value, when the
+        program has 0-d mutable state; a note per partition dropped.
+
+        XNNPACK mis-lowers a program with 0-d quantized state: its
+        ``ChannelsLastTaggedReshapePass`` indexes a 0-d delegate input (``IndexError:
+        invalid index of a 0-dim tensor``), and keeping only the 0-d ops out of its
+        partition leaves delegates that hand int8 values to each other and compute wrong
+        values on the runtime. The whole partition runs at the top level instead, where
+        ExecuTorch's portable kernels compute what the program does.
+        """
+        sig = program.graph_signature
+        placeholders = {n.name: n for n in program.graph.find_nodes(op="placeholder")}
+        mutated = set(sig.buffers_to_mutate.values())
+        scalar_state = sorted(
+            fqn for name, fqn in sig.inputs_to_buffers.items()
+            if fqn in mutated and name in placeholders and _is_scalar(placeholders[name]))
+        if not scalar_state:
+            return []
+        owning = {n.meta.get(DELEGATION_TAG) for n in placeholders.values()
+                  if sig.inputs_to_buffers.get(n.name) in mutated}
+        dropped: dict[str, str] = {}
+        for node in program.graph.nodes:
+            tag = node.meta.get(DELEGATION_TAG)
+            if (node.op == "call_function" and tag is not None and tag not in owning
+                    and tag not in dropped
+                    and (_is_scalar(node) or any(map(_is_scalar, node.all_input_nodes)))):
+                dropped[tag] = node.name
+        for node in program.graph.nodes:
+            if node.meta.get(DELEGATION_TAG) in dropped:
+                del node.meta[DELEGATION_TAG]
+        for tag in dropped:
+            partition_tags.pop(tag, None)
+        state = ", ".join(map(repr, scalar_state))
+        return [f"kept partition {tag!r} at the top level: its {name} computes with a 0-d "
+                f"value and the program has 0-d state ({state}), which a delegate owning no "
+                "state mis-lowers (XNNPACK: IndexError in ChannelsLastTaggedReshapePass, or "
+                "wrong values on the runtime)" for tag, name in dropped.items()]
 
     @staticmethod
     def _taken_shared(
@@ -374,6 +416,11 @@ class BufferOwningPartitioner(Partitioner):
                 node.meta.pop(DELEGATION_TAG, None)
             else:
                 node.meta[DELEGATION_TAG] = tag
+
+
+def _is_scalar(node: Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.dim() == 0
 
 
 def _nonzero_elements(program: ExportedProgram) -> dict[str, int]:

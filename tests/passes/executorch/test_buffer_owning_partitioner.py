@@ -195,3 +195,47 @@ def test_a_partitioner_that_is_not_an_instance_is_refused_at_construction(given)
     assert info.value.helper == "BufferOwningPartitioner"
     hint = "pass an instance: XnnpackPartitioner()" if given == "class" else "Partitioner instance"
     assert hint in str(info.value)
+
+
+class ScalarState(torch.nn.Module):
+    """A 0-d state value: a running mean of a projection, scaling the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("s", torch.zeros(()))
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.s.copy_(self.s * 0.5 + y.mean())
+        return y * self.s
+
+
+def test_zero_d_quantized_state_stays_out_of_xnnpack_and_runs_like_python():
+    """XNNPACK alone crashes inside its ChannelsLastTaggedReshapePass on a 0-d quantized
+    state value (an untyped ``Exception`` around ``IndexError: invalid index of a 0-dim
+    tensor``); wrapped, the partition computing with 0-d values runs at the top level
+    (with a note) and ExecuTorch's runtime equals the quantized program over 4 calls
+    (keeping only the 0-d ops out left XNNPACK delegates that computed wrong values)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    from passes.executorch import decode_on_runtime
+    from passes.flow.examples import xnnpack_quantizer
+    from passes.quantization import quantize_program
+
+    generator = torch.Generator().manual_seed(0)
+    inputs = [(torch.randn(2, 4, generator=generator),) for _ in range(CALLS)]
+    with torch.no_grad():
+        model = ScalarState().eval()
+        quantized = quantize_program(torch.export.export(model, inputs[0]),
+                                     xnnpack_quantizer(), inputs)
+        with pytest.raises(Exception, match="ChannelsLastTaggedReshapePass") as info:
+            to_edge_transform_and_lower(copy.deepcopy(quantized),
+                                        partitioner=[XnnpackPartitioner()])
+        assert "invalid index of a 0-dim tensor" in str(info.value.__cause__)
+        run = decode_on_runtime(copy.deepcopy(quantized), None, inputs,
+                                partitioner=XnnpackPartitioner())
+    assert any("0-d state ('s')" in note for note in run.notes), run.notes
+    expected = run_program(copy.deepcopy(quantized), inputs).outputs
+    for step, (got, want) in enumerate(zip(run.trace.outputs, expected, strict=True)):
+        assert torch.equal(got[0], want[0]), (step, float((got[0] - want[0]).abs().max()))
