@@ -19,15 +19,15 @@ import pytest
 
 pytest.importorskip("coremltools")
 
-from executorch.exir import to_edge_transform_and_lower  # noqa: E402
+from executorch.exir import to_edge_transform_and_lower
 
-from pass_manager import assert_same_behaviour  # noqa: E402
-from passes.executorch import (  # noqa: E402
+from pass_manager import assert_same_behaviour
+from passes.executorch import (
     BufferOwningPartitioner,
     DelegateStateWarning,
     executorch_state,
 )
-from tests.models.coreml_cases import (  # noqa: E402
+from tests.models.coreml_cases import (
     CASES,
     COREML_BACKEND,
     coreml_partitioner,

@@ -17,25 +17,25 @@ import pytest
 
 pytest.importorskip("coremltools")
 
-import torch  # noqa: E402
-from executorch.exir import to_edge, to_edge_transform_and_lower  # noqa: E402
+import torch
+from executorch.exir import to_edge, to_edge_transform_and_lower
 
-from pass_manager import PassManager  # noqa: E402
-from passes import QuantizeMutableBuffers  # noqa: E402
-from passes.executorch import (  # noqa: E402
+from pass_manager import PassManager
+from passes import QuantizeMutableBuffers
+from passes.executorch import (
     BufferOwningPartitioner,
     DelegateStateDtypeError,
     DelegateStateWarning,
 )
-from tests.models.coreml_cases import (  # noqa: E402
+from tests.models.coreml_cases import (
     CacheWrite,
     cache_inputs,
     coreml_partitioner,
     exported,
 )
-from tests.models.executorch_cases import everything  # noqa: E402
-from tests.models.quantized_state import GridCache, grid_inputs  # noqa: E402
-from tests.models.quantized_state import exported as quantized_form  # noqa: E402
+from tests.models.executorch_cases import everything
+from tests.models.quantized_state import GridCache, grid_inputs
+from tests.models.quantized_state import exported as quantized_form
 
 
 @pytest.fixture(scope="module")
