@@ -24,6 +24,7 @@ from ..delegation.errors import BufferConsumptionError
 __all__ = [
     "INSTALL_HINT",
     "BufferOwningPartitioner",
+    "DelegateScalarStateError",
     "DelegateStateDtypeError",
     "DelegateStateWarning",
     "ExecuTorchInputError",
@@ -129,6 +130,23 @@ class DelegateStateDtypeError(BufferConsumptionError):
             "float for this backend (do not run QuantizeMutableBuffers on it) or lower it "
             "with a backend that leaves state at the top level (XNNPACK)",
             "BufferOwningPartitioner")
+
+
+class DelegateScalarStateError(BufferConsumptionError):
+    """``BufferOwningPartitioner``: a partition of a backend that owns no state computes
+    with a 0-d value while the program has 0-d mutable state (XNNPACK crashes on it, or
+    computes wrong values), and the wrapper cannot run that partition at the top level
+    because it holds an op the backend kept undecomposed (``aten.linear``).
+
+    Attributes:
+        buffer: the 0-d buffer(s), comma-separated.
+        node: the undecomposed op that keeps the partition in the backend.
+        partitions: the partition.
+    """
+
+    def __init__(self, buffer: str, partition: str, node: str, reason: str):
+        self.node = node
+        super().__init__(buffer, [partition], reason, "BufferOwningPartitioner")
 
 
 class DelegateStateWarning(UserWarning):

@@ -49,6 +49,7 @@ from ..delegation.errors import BufferConsumptionError
 from ..delegation.ownership import BufferOwnership, tagged_buffer_ownership
 from ..delegation.partitioners import DELEGATION_TAG
 from . import (
+    DelegateScalarStateError,
     DelegateStateDtypeError,
     DelegateStateWarning,
     ExecuTorchInputError,
@@ -298,16 +299,36 @@ class BufferOwningPartitioner(Partitioner):
                     and tag not in dropped
                     and (_is_scalar(node) or any(map(_is_scalar, node.all_input_nodes)))):
                 dropped[tag] = node.name
+        kept_whole = self._undecomposed(program)
+        state = ", ".join(map(repr, scalar_state))
+        for node in program.graph.nodes:
+            tag = node.meta.get(DELEGATION_TAG)
+            if tag in dropped and _aten_op(node) in kept_whole:
+                raise DelegateScalarStateError(
+                    ", ".join(scalar_state), tag, node.name,
+                    f"partition {tag!r} computes with a 0-d value ({dropped[tag]}) and the "
+                    f"program has 0-d state ({state}), which XNNPACK mis-lowers; it cannot "
+                    f"run at the top level because {node.name} ({_aten_op(node)}) was kept "
+                    "undecomposed for the backend. Make the state 1-element "
+                    "(torch.zeros(1)) instead of 0-d")
         for node in program.graph.nodes:
             if node.meta.get(DELEGATION_TAG) in dropped:
                 del node.meta[DELEGATION_TAG]
         for tag in dropped:
             partition_tags.pop(tag, None)
-        state = ", ".join(map(repr, scalar_state))
         return [f"kept partition {tag!r} at the top level: its {name} computes with a 0-d "
                 f"value and the program has 0-d state ({state}), which a delegate owning no "
                 "state mis-lowers (XNNPACK: IndexError in ChannelsLastTaggedReshapePass, or "
                 "wrong values on the runtime)" for tag, name in dropped.items()]
+
+    def _undecomposed(self, program: ExportedProgram) -> set[Any]:
+        """The ATen ops the wrapped partitioner keeps undecomposed (they cannot run at the
+        top level)."""
+        try:
+            ops, _ = self.partitioner.ops_to_not_decompose(program)
+        except Exception:  # noqa: BLE001  (a partitioner that cannot say: assume none)
+            return set()
+        return set(ops)
 
     @staticmethod
     def _taken_shared(
@@ -416,6 +437,11 @@ class BufferOwningPartitioner(Partitioner):
                 node.meta.pop(DELEGATION_TAG, None)
             else:
                 node.meta[DELEGATION_TAG] = tag
+
+
+def _aten_op(node: Node) -> Any:
+    """The ATen overload an Edge op wraps (the node's target otherwise)."""
+    return getattr(node.target, "_op", node.target)
 
 
 def _is_scalar(node: Node) -> bool:

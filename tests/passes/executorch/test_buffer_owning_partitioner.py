@@ -211,6 +211,50 @@ class ScalarState(torch.nn.Module):
         return y * self.s
 
 
+class ScalarCounter(torch.nn.Module):
+    """A 0-d counter beside a projection that never reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("n", torch.zeros(()))
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.n.add_(1.0)
+        return self.lin(x), self.n + 0
+
+
+def _quantized(model, inputs):
+    from passes.flow.examples import xnnpack_quantizer
+    from passes.quantization import quantize_program
+
+    return quantize_program(torch.export.export(model, inputs[0]), xnnpack_quantizer(), inputs)
+
+
+def _scalar_inputs():
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(2, 4, generator=generator),) for _ in range(CALLS)]
+
+
+def test_zero_d_state_in_a_partition_that_must_stay_delegated_is_a_typed_error():
+    """XNNPACK alone crashes here too (IndexError in ChannelsLastTaggedReshapePass); the
+    partition with the 0-d ops also holds the linear XNNPACK kept undecomposed, so it
+    cannot run at the top level: a typed error names the state, the op and the fix."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    from passes.executorch import DelegateScalarStateError
+
+    inputs = _scalar_inputs()
+    with torch.no_grad():
+        quantized = _quantized(ScalarCounter().eval(), inputs)
+        with pytest.raises(DelegateScalarStateError) as info:
+            to_edge_transform_and_lower(
+                copy.deepcopy(quantized),
+                partitioner=[BufferOwningPartitioner(XnnpackPartitioner())])
+    assert info.value.buffer == "n" and "linear" in info.value.node
+    assert "torch.zeros(1)" in str(info.value)
+
+
 def test_zero_d_quantized_state_stays_out_of_xnnpack_and_runs_like_python():
     """XNNPACK alone crashes inside its ChannelsLastTaggedReshapePass on a 0-d quantized
     state value (an untyped ``Exception`` around ``IndexError: invalid index of a 0-dim
