@@ -11,12 +11,13 @@ MODEL ?=
 
 # ExecuTorch (the `executorch` extra) is installed with --no-deps: its own requirements
 # would pull ~20 packages it never imports here and must not move torch/torchao; the extra
-# holds what it does import (see setup.cfg).
+# holds what it does import (see setup.cfg). The `coreml` extra (coremltools) lets the
+# suite lower with ExecuTorch's Core ML partitioner on Linux.
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip -c constraints.txt
 	$(PIP) install --quiet -c constraints.txt torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e '.[test,executorch]'
+	$(PIP) install --quiet -c constraints.txt -e '.[test,executorch,coreml]'
 	$(PIP) install --quiet -c constraints.txt --no-deps executorch
 	touch $(STAMP)
 

@@ -24,6 +24,9 @@ from ..delegation.errors import BufferConsumptionError
 __all__ = [
     "INSTALL_HINT",
     "BufferOwningPartitioner",
+    "DelegateScalarStateError",
+    "DelegateStateDtypeError",
+    "DelegateStateWarning",
     "ExecuTorchInputError",
     "ExecuTorchMissingError",
     "ParameterMutationOnExecuTorchError",
@@ -104,6 +107,66 @@ class SharedBufferDelegationError(BufferConsumptionError):
     def __init__(self, buffer: str, methods: list[str], partitions: list[str], reason: str):
         self.methods = list(methods)
         super().__init__(buffer, partitions, reason, "BufferOwningPartitioner")
+
+
+class DelegateStateDtypeError(BufferConsumptionError):
+    """``BufferOwningPartitioner``: a delegate would own a buffer stored in a dtype its
+    backend cannot keep as state (Core ML keeps float state only, as fp16: an int8 cache
+    from ``QuantizeMutableBuffers`` fails inside Core ML's converter otherwise).
+
+    Attributes:
+        buffer: the buffer's FQN.
+        backend: the delegate's backend id, e.g. ``"CoreMLBackend"``.
+        dtype: the buffer's dtype.
+        partitions: the partition that would own it.
+    """
+
+    def __init__(self, buffer: str, partition: str, backend: str, dtype: Any, accepted: str):
+        self.backend = backend
+        self.dtype = dtype
+        super().__init__(
+            buffer, [partition],
+            f"{backend} keeps {accepted} state only and it is stored as {dtype}; keep it "
+            "float for this backend (QuantizeMutableBuffers.for_partitioner(partitioner), or "
+            "QuantizeMutableBuffers(state_owner='coreml'), stores the rest as integers) or "
+            "lower it with a backend that leaves state at the top level (XNNPACK)",
+            "BufferOwningPartitioner")
+
+
+class DelegateScalarStateError(BufferConsumptionError):
+    """``BufferOwningPartitioner``: a partition of a backend that owns no state computes
+    with a 0-d value while the program has 0-d mutable state (XNNPACK crashes on it, or
+    computes wrong values), and the wrapper cannot run that partition at the top level
+    because it holds an op the backend kept undecomposed (``aten.linear``).
+
+    Attributes:
+        buffer: the 0-d buffer(s), comma-separated.
+        node: the undecomposed op that keeps the partition in the backend.
+        partitions: the partition.
+    """
+
+    def __init__(self, buffer: str, partition: str, node: str, reason: str):
+        self.node = node
+        super().__init__(buffer, [partition], reason, "BufferOwningPartitioner")
+
+
+class DelegateStateWarning(UserWarning):
+    """``BufferOwningPartitioner``: a delegate will own a buffer whose value on the device
+    is not the program's: Core ML keeps fp32 state as fp16, and zero-fills state when the
+    model is prewarmed (a non-zero initial value is lost; require
+    :data:`passes.conditions.ZeroInitialState` to refuse such programs).
+
+    Attributes:
+        buffer: the buffer's FQN.
+        backend: the delegate's backend id.
+        issue: ``"fp16"`` or ``"initial value"``.
+    """
+
+    def __init__(self, buffer: str, backend: str, issue: str, message: str):
+        self.buffer = buffer
+        self.backend = backend
+        self.issue = issue
+        super().__init__(message)
 
 
 class ParameterMutationOnExecuTorchError(PassManagerError):

@@ -33,19 +33,28 @@ every use stays inside the owner, which would otherwise copy a KV cache per toke
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from executorch.exir.backend.partitioner import Partitioner, PartitionResult
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
+from .._analysis.buffers import buffer_tensor
 from ..delegation.errors import BufferConsumptionError
 from ..delegation.ownership import BufferOwnership, tagged_buffer_ownership
 from ..delegation.partitioners import DELEGATION_TAG
-from . import ExecuTorchInputError, SharedBufferDelegationError
+from . import (
+    DelegateScalarStateError,
+    DelegateStateDtypeError,
+    DelegateStateWarning,
+    ExecuTorchInputError,
+    SharedBufferDelegationError,
+)
 from .method_state import MethodState, SharedBuffer, checked_methods, method_state
 from .new_value_copies import (
     CopyPlan,
@@ -57,6 +66,14 @@ from .new_value_copies import (
 __all__ = ["BufferOwningPartitioner", "executorch_state", "separate_new_buffer_values"]
 
 PASS_NAME = "BufferOwningPartitioner"
+
+# Backends whose state on the device is not the buffer as the program holds it: the dtype
+# kept, and whether state starts zero-filled. Core ML (coremltools 9) casts fp32 state to
+# fp16 with a warning, refuses other dtypes deep in its converter, and zero-fills state when
+# the model is prewarmed.
+COREML_BACKEND = "CoreMLBackend"
+_STATE_DTYPE = {COREML_BACKEND: torch.float16}
+_ZERO_FILLED = {COREML_BACKEND}
 
 
 def _is_value_copy(node: Node) -> bool:
@@ -89,6 +106,20 @@ class BufferOwningPartitioner(Partitioner):
             ``tag_mutated_buffer``); XNNPACK's gives none, and an XNNPACK delegate handed a
             buffer to update crashes the runtime, so its buffers stay at the top level.
 
+    Raises:
+        ExecuTorchInputError: ``partitioner`` is not a ``Partitioner`` instance (the class
+            itself, ``XnnpackPartitioner`` for ``XnnpackPartitioner()``, names the fix).
+        DelegateStateDtypeError: from ``partition``, a Core ML delegate would own a buffer
+            stored as integers (``QuantizeMutableBuffers``): Core ML keeps fp16 state only
+            (its converter fails with ``slice_update ... dtype int8`` otherwise). Raised, not
+            kept at the top level with a note: kept there, the Core ML partition fails too
+            (``KeyError: torch.int8``, coremltools 9).
+
+    Warns:
+        DelegateStateWarning: from ``partition``, a Core ML delegate will own an fp32 buffer
+            (fp16 on the device), or a buffer whose initial value is not all zeros (Core ML
+            zero-fills state when the model is prewarmed).
+
     After ``transform_for_pre_decomposition``, ``copy_plan`` says which new buffer values
     got a copy for their uses outside the owner (:class:`CopyPlan`). After each
     ``partition`` call, ``notes`` says what happened to every mutable buffer and
@@ -108,7 +139,7 @@ class BufferOwningPartitioner(Partitioner):
         strict: bool = False,
         own_buffers: bool | None = None,
     ):
-        super().__init__(getattr(partitioner, "spec", {}))
+        super().__init__(getattr(_checked_partitioner(partitioner), "spec", {}))
         self.partitioner = partitioner
         self.methods = _checked_methods(methods)
         self.strict = strict
@@ -120,6 +151,7 @@ class BufferOwningPartitioner(Partitioner):
         self._state: MethodState | None = (
             method_state(self.methods) if self.methods is not None else None)
         self._copy_plans: dict[str, CopyPlan] = {}
+        self._nonzero: dict[str, int] = {}
 
     def __repr__(self) -> str:
         methods = f", methods={list(self.methods)}" if self.methods is not None else ""
@@ -143,6 +175,9 @@ class BufferOwningPartitioner(Partitioner):
         return self.partitioner.ops_to_not_decompose(ep)
 
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
+        # ExecuTorch hands ``partition`` a copy whose state holds fake tensors: the values
+        # of the buffers (is an initial value zeros?) are read here, where they are real.
+        self._nonzero.update(_nonzero_elements(exported_program))
         program = self.partitioner.transform_for_pre_decomposition(exported_program)
         # The copies only serve a delegate that owns the buffer and leave it by a use outside
         # (any other copy is one whole-buffer copy per call for nothing), so the trial
@@ -176,6 +211,7 @@ class BufferOwningPartitioner(Partitioner):
                 fqn, list(shared[fqn].methods), partitions,
                 f"{shared[fqn].describe()}; ExecuTorch shares a top-level buffer between "
                 "methods, never a delegate's copy")
+        scalar_notes = self._keep_scalar_state_out(program, result.partition_tags)
         verdicts = self._verdicts(program, result.partition_tags, shared)
         owned = []
         for verdict in verdicts:
@@ -191,7 +227,13 @@ class BufferOwningPartitioner(Partitioner):
             self._restore(graph, before)
             v = refused[0]
             raise BufferConsumptionError(v.fqn, v.partitions, v.reason, PASS_NAME)
-        notes = []
+        for verdict, _ in owned:
+            backend = self._backend(result.partition_tags, verdict.owner_tag)
+            error = _state_on_device(program, verdict, backend, self._nonzero)
+            if error is not None:
+                self._restore(graph, before)
+                raise error
+        notes = list(scalar_notes)
         if copy_plan is not None and copy_plan.failure is not None:
             notes.append(
                 f"the trial partition deciding the copies of new buffer values failed "
@@ -226,6 +268,67 @@ class BufferOwningPartitioner(Partitioner):
             self.notes = [f"[{method}] {note}"
                           for method, kept in self.method_notes.items() for note in kept]
         return PartitionResult(program, result.partition_tags)
+
+    def _keep_scalar_state_out(
+        self, program: ExportedProgram, partition_tags: dict[str, Any]
+    ) -> list[str]:
+        """Drop each partition that owns no state and computes with a 0-d value, when the
+        program has 0-d mutable state; a note per partition dropped.
+
+        XNNPACK mis-lowers a program with 0-d quantized state: its
+        ``ChannelsLastTaggedReshapePass`` indexes a 0-d delegate input (``IndexError:
+        invalid index of a 0-dim tensor``), and keeping only the 0-d ops out of its
+        partition leaves delegates that hand int8 values to each other and compute wrong
+        values on the runtime. The whole partition runs at the top level instead, where
+        ExecuTorch's portable kernels compute what the program does.
+        """
+        sig = program.graph_signature
+        placeholders = {n.name: n for n in program.graph.find_nodes(op="placeholder")}
+        mutated = set(sig.buffers_to_mutate.values())
+        scalar_state = sorted(
+            fqn for name, fqn in sig.inputs_to_buffers.items()
+            if fqn in mutated and name in placeholders and _is_scalar(placeholders[name]))
+        if not scalar_state:
+            return []
+        owning = {n.meta.get(DELEGATION_TAG) for n in placeholders.values()
+                  if sig.inputs_to_buffers.get(n.name) in mutated}
+        dropped: dict[str, str] = {}
+        for node in program.graph.nodes:
+            tag = node.meta.get(DELEGATION_TAG)
+            if (node.op == "call_function" and tag is not None and tag not in owning
+                    and tag not in dropped
+                    and (_is_scalar(node) or any(map(_is_scalar, node.all_input_nodes)))):
+                dropped[tag] = node.name
+        kept_whole = self._undecomposed(program)
+        state = ", ".join(map(repr, scalar_state))
+        for node in program.graph.nodes:
+            tag = node.meta.get(DELEGATION_TAG)
+            if tag in dropped and _aten_op(node) in kept_whole:
+                raise DelegateScalarStateError(
+                    ", ".join(scalar_state), tag, node.name,
+                    f"partition {tag!r} computes with a 0-d value ({dropped[tag]}) and the "
+                    f"program has 0-d state ({state}), which XNNPACK mis-lowers; it cannot "
+                    f"run at the top level because {node.name} ({_aten_op(node)}) was kept "
+                    "undecomposed for the backend. Make the state 1-element "
+                    "(torch.zeros(1)) instead of 0-d")
+        for node in program.graph.nodes:
+            if node.meta.get(DELEGATION_TAG) in dropped:
+                del node.meta[DELEGATION_TAG]
+        for tag in dropped:
+            partition_tags.pop(tag, None)
+        return [f"kept partition {tag!r} at the top level: its {name} computes with a 0-d "
+                f"value and the program has 0-d state ({state}), which a delegate owning no "
+                "state mis-lowers (XNNPACK: IndexError in ChannelsLastTaggedReshapePass, or "
+                "wrong values on the runtime)" for tag, name in dropped.items()]
+
+    def _undecomposed(self, program: ExportedProgram) -> set[Any]:
+        """The ATen ops the wrapped partitioner keeps undecomposed (they cannot run at the
+        top level)."""
+        try:
+            ops, _ = self.partitioner.ops_to_not_decompose(program)
+        except Exception:  # noqa: BLE001  (a partitioner that cannot say: assume none)
+            return set()
+        return set(ops)
 
     @staticmethod
     def _taken_shared(
@@ -334,6 +437,76 @@ class BufferOwningPartitioner(Partitioner):
                 node.meta.pop(DELEGATION_TAG, None)
             else:
                 node.meta[DELEGATION_TAG] = tag
+
+
+def _aten_op(node: Node) -> Any:
+    """The ATen overload an Edge op wraps (the node's target otherwise)."""
+    return getattr(node.target, "_op", node.target)
+
+
+def _is_scalar(node: Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+def _nonzero_elements(program: ExportedProgram) -> dict[str, int]:
+    """Buffer FQN -> how many of its elements are not zero, for the real tensors of
+    ``program`` (a fake one has no values)."""
+    found = {}
+    for fqn in program.graph_signature.inputs_to_buffers.values():
+        value = buffer_tensor(program, fqn)
+        if not isinstance(value, FakeTensor):
+            found[fqn] = int(value.count_nonzero())
+    return found
+
+
+def _state_on_device(
+    program: ExportedProgram, verdict: BufferOwnership, backend: str | None,
+    nonzero: Mapping[str, int],
+) -> DelegateStateDtypeError | None:
+    """Warn where ``backend``'s state will not hold the buffer as the program does; the
+    error to raise where it cannot hold it at all. ``nonzero``: the non-zero element
+    counts read before ExecuTorch made the state fake (used when ``program``'s is)."""
+    kept = _STATE_DTYPE.get(backend)
+    if kept is None and backend not in _ZERO_FILLED:
+        return None
+    value = buffer_tensor(program, verdict.fqn)
+    if kept is not None and value.dtype != kept:
+        if not value.is_floating_point():
+            return DelegateStateDtypeError(
+                verdict.fqn, verdict.owner_tag, backend, value.dtype, str(kept).split(".")[-1])
+        warnings.warn(DelegateStateWarning(
+            verdict.fqn, backend, "fp16",
+            f"{PASS_NAME}: {backend} keeps {verdict.fqn!r} ({value.dtype}) as "
+            f"{str(kept).split('.')[-1]} state on the device: its values are rounded there"),
+            stacklevel=3)
+    count = (nonzero.get(verdict.fqn, 0) if isinstance(value, FakeTensor)
+             else int(value.count_nonzero()))
+    if backend in _ZERO_FILLED and count:
+        warnings.warn(DelegateStateWarning(
+            verdict.fqn, backend, "initial value",
+            f"{PASS_NAME}: {backend} zero-fills its state when the model is prewarmed, and "
+            f"the initial value of {verdict.fqn!r} is not all zeros "
+            f"({count} of {value.numel()} elements): it is lost on the "
+            "device (require passes.conditions.ZeroInitialState to refuse such programs)"),
+            stacklevel=3)
+    return None
+
+
+def _checked_partitioner(partitioner: Any) -> Partitioner:
+    """``partitioner`` if it is a Partitioner instance; the class itself (an easy slip:
+    ``BufferOwningPartitioner(XnnpackPartitioner)``) would fail deep inside ExecuTorch."""
+    if isinstance(partitioner, type) and issubclass(partitioner, Partitioner):
+        raise ExecuTorchInputError(
+            PASS_NAME, "partitioner",
+            f"got the class {partitioner.__name__}, not a partitioner; pass an instance: "
+            f"{partitioner.__name__}()")
+    if not isinstance(partitioner, Partitioner):
+        raise ExecuTorchInputError(
+            PASS_NAME, "partitioner",
+            f"got {type(partitioner).__name__} {partitioner!r:.80}; pass an ExecuTorch "
+            "Partitioner instance, e.g. XnnpackPartitioner()")
+    return partitioner
 
 
 def _checked_methods(methods: Any) -> dict[str, ExportedProgram] | None:

@@ -179,3 +179,108 @@ def test_own_buffers_false_keeps_every_buffer_at_the_top_level():
     assert owners(lowered) == {}
     assert all("gives its delegates no mutable buffers" in note for note in wrapper.notes)
     assert_same_behaviour(model, lowered, inputs, atol=ATOL, state=executorch_state)
+
+
+@pytest.mark.parametrize("given", ["class", "string", "none"])
+def test_a_partitioner_that_is_not_an_instance_is_refused_at_construction(given):
+    """``BufferOwningPartitioner(XnnpackPartitioner)`` used to be accepted and fail later
+    inside ExecuTorch; it is refused at once, naming the argument and the fix."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    from passes.executorch import ExecuTorchInputError
+
+    argument = {"class": XnnpackPartitioner, "string": "xnnpack", "none": None}[given]
+    with pytest.raises(ExecuTorchInputError) as info:
+        BufferOwningPartitioner(argument)
+    assert info.value.argument == "partitioner"
+    assert info.value.helper == "BufferOwningPartitioner"
+    hint = "pass an instance: XnnpackPartitioner()" if given == "class" else "Partitioner instance"
+    assert hint in str(info.value)
+
+
+class ScalarState(torch.nn.Module):
+    """A 0-d state value: a running mean of a projection, scaling the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("s", torch.zeros(()))
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.s.copy_(self.s * 0.5 + y.mean())
+        return y * self.s
+
+
+class ScalarCounter(torch.nn.Module):
+    """A 0-d counter beside a projection that never reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("n", torch.zeros(()))
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.n.add_(1.0)
+        return self.lin(x), self.n + 0
+
+
+def _quantized(model, inputs):
+    from passes.flow.examples import xnnpack_quantizer
+    from passes.quantization import quantize_program
+
+    return quantize_program(torch.export.export(model, inputs[0]), xnnpack_quantizer(), inputs)
+
+
+def _scalar_inputs():
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(2, 4, generator=generator),) for _ in range(CALLS)]
+
+
+def test_zero_d_state_in_a_partition_that_must_stay_delegated_is_a_typed_error():
+    """XNNPACK alone crashes here too (IndexError in ChannelsLastTaggedReshapePass); the
+    partition with the 0-d ops also holds the linear XNNPACK kept undecomposed, so it
+    cannot run at the top level: a typed error names the state, the op and the fix."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    from passes.executorch import DelegateScalarStateError
+
+    inputs = _scalar_inputs()
+    with torch.no_grad():
+        quantized = _quantized(ScalarCounter().eval(), inputs)
+        with pytest.raises(DelegateScalarStateError) as info:
+            to_edge_transform_and_lower(
+                copy.deepcopy(quantized),
+                partitioner=[BufferOwningPartitioner(XnnpackPartitioner())])
+    assert info.value.buffer == "n" and "linear" in info.value.node
+    assert "torch.zeros(1)" in str(info.value)
+
+
+def test_zero_d_quantized_state_stays_out_of_xnnpack_and_runs_like_python():
+    """XNNPACK alone crashes inside its ChannelsLastTaggedReshapePass on a 0-d quantized
+    state value (an untyped ``Exception`` around ``IndexError: invalid index of a 0-dim
+    tensor``); wrapped, the partition computing with 0-d values runs at the top level
+    (with a note) and ExecuTorch's runtime equals the quantized program over 4 calls
+    (keeping only the 0-d ops out left XNNPACK delegates that computed wrong values)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    from passes.executorch import decode_on_runtime
+    from passes.flow.examples import xnnpack_quantizer
+    from passes.quantization import quantize_program
+
+    generator = torch.Generator().manual_seed(0)
+    inputs = [(torch.randn(2, 4, generator=generator),) for _ in range(CALLS)]
+    with torch.no_grad():
+        model = ScalarState().eval()
+        quantized = quantize_program(torch.export.export(model, inputs[0]),
+                                     xnnpack_quantizer(), inputs)
+        with pytest.raises(Exception, match="ChannelsLastTaggedReshapePass") as info:
+            to_edge_transform_and_lower(copy.deepcopy(quantized),
+                                        partitioner=[XnnpackPartitioner()])
+        assert "invalid index of a 0-dim tensor" in str(info.value.__cause__)
+        run = decode_on_runtime(copy.deepcopy(quantized), None, inputs,
+                                partitioner=XnnpackPartitioner())
+    assert any("0-d state ('s')" in note for note in run.notes), run.notes
+    expected = run_program(copy.deepcopy(quantized), inputs).outputs
+    for step, (got, want) in enumerate(zip(run.trace.outputs, expected, strict=True)):
+        assert torch.equal(got[0], want[0]), (step, float((got[0] - want[0]).abs().max()))

@@ -1,0 +1,160 @@
+"""Core ML: the cases of issue 31's table, lowered with ExecuTorch's own Core ML partitioner.
+
+``coreml_partitioner`` is ``CoreMLPartitioner(take_over_mutable_buffer=True)`` with an iOS 18
+compile spec (Core ML state needs iOS 18 / macOS 15); conversion to an ``.mlpackage`` runs on
+Linux, only running it needs macOS. A lowered delegate keeps its Edge sub-program
+(``original_module``), which ExecuTorch's Python execution of the lowered program runs, and
+its processed bytes (the flattened ``.mlpackage``), whose spec :func:`coreml_states` reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import coremltools
+import torch
+from executorch.backends.apple.coreml import executorchcoreml
+from executorch.backends.apple.coreml.compiler import CoreMLBackend
+from executorch.backends.apple.coreml.partition import CoreMLPartitioner
+from executorch.exir.lowered_backend_module import LoweredBackendModule
+from torch import nn
+
+from passes.flow.examples import decode_inputs, kv_decoder
+
+from .executorch_cases import ReturnsBuffer
+
+__all__ = [
+    "CALLS",
+    "CASES",
+    "COREML_BACKEND",
+    "CacheWrite",
+    "CoreMLCase",
+    "ReturnsBufferAndSum",
+    "coreml_partitioner",
+    "coreml_states",
+    "delegates",
+    "owned_buffers",
+]
+
+COREML_BACKEND = "CoreMLBackend"
+CALLS = 4
+# The spec of the .mlpackage, inside the delegate's flattened directory.
+MLPACKAGE = os.path.join("lowered_module", "model.mlpackage")
+
+
+def coreml_partitioner(skip_ops: tuple[str, ...] = ()) -> CoreMLPartitioner:
+    """ExecuTorch's Core ML partitioner taking mutable buffers over as Core ML state."""
+    specs = CoreMLBackend.generate_compile_specs(
+        minimum_deployment_target=coremltools.target.iOS18)
+    return CoreMLPartitioner(compile_specs=specs, take_over_mutable_buffer=True,
+                             skip_ops_for_coreml_delegation=list(skip_ops))
+
+
+class CacheWrite(nn.Module):
+    """PR #4830's model: a row written into a cache with ``index_put_``, then ``mm``."""
+
+    def __init__(self, initial: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(8, 4) if initial is None else initial)
+        self.weight = nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.cache.index_put_((pos,), x)
+        return torch.mm(self.cache, self.weight)
+
+
+class ReturnsBufferAndSum(nn.Module):
+    """The mutated buffer returned beside a value computed from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("b", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.b.add_(x)
+        return self.b, x + self.b
+
+
+def cache_inputs(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(1, 4, generator=generator), torch.tensor([step % 8]))
+            for step in range(CALLS)]
+
+
+def vector_inputs(seed: int = 0) -> list[tuple[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, generator=generator),) for _ in range(CALLS)]
+
+
+def decoder() -> tuple[nn.Module, list[tuple]]:
+    model, _ = kv_decoder(1)
+    return model, decode_inputs(model.cfg, CALLS, start=2)
+
+
+@dataclass(frozen=True)
+class CoreMLCase:
+    """A model with state, its inputs, the ops Core ML must leave out, what ExecuTorch 1.5.1
+    alone does (``None``: lowers; else the error type and a piece of its message), and the
+    buffers the Core ML delegate owns once wrapped."""
+
+    description: str
+    make: Callable[[], tuple[nn.Module, list[tuple]]]
+    skip_ops: tuple[str, ...]
+    alone: tuple[type[BaseException], str] | None
+    owned: frozenset[str]
+
+
+_RETURNED = (AssertionError, "currently not supported")
+CACHES = frozenset({"layers.0.attn.k_cache", "layers.0.attn.v_cache"})
+CASES = {
+    "cache_write": CoreMLCase(
+        "#4830's model: index_put_ into a cache, mm", lambda: (CacheWrite(), cache_inputs()),
+        (), None, frozenset({"cache"})),
+    "returns_buffer": CoreMLCase(
+        "b.add_(x); return b", lambda: (ReturnsBuffer(), vector_inputs()),
+        (), _RETURNED, frozenset({"acc"})),
+    "returns_buffer_and_sum": CoreMLCase(
+        "b.add_(x); return b, x + b", lambda: (ReturnsBufferAndSum(), vector_inputs()),
+        (), _RETURNED, frozenset({"b"})),
+    "mm_outside": CoreMLCase(
+        "#4830's model with mm kept out of Core ML", lambda: (CacheWrite(), cache_inputs()),
+        ("aten.mm.default",), (ValueError, "Cannot lower a model with no outputs"),
+        frozenset({"cache"})),
+    "decoder": CoreMLCase("a 1-layer decoder", decoder, (), None, CACHES),
+}
+
+
+def exported(model: nn.Module, inputs: list[tuple]) -> torch.export.ExportedProgram:
+    """A fresh export of a copy: each lowering owns its buffers (ExecuTorch's Python run of
+    a delegate updates the tensors its program holds)."""
+    return torch.export.export(copy.deepcopy(model), inputs[0])
+
+
+def delegates(program: torch.export.ExportedProgram) -> list[LoweredBackendModule]:
+    return [getattr(program.graph_module, node.target)
+            for node in program.graph.find_nodes(op="get_attr")
+            if node.target.startswith("lowered_module")]
+
+
+def owned_buffers(delegate: LoweredBackendModule) -> set[str]:
+    """The buffers a delegate owns: its sub-program reads them and writes them back."""
+    sig = delegate.original_module.graph_signature
+    return set(sig.buffers_to_mutate.values()) & set(sig.inputs_to_buffers.values())
+
+
+def coreml_states(delegate: LoweredBackendModule) -> dict[str, str]:
+    """State name -> data type (``"FLOAT16"``) in the spec of a Core ML delegate's
+    ``.mlpackage`` (names are FQNs with ``.`` as ``_``)."""
+    from coremltools.proto import FeatureTypes_pb2
+
+    with tempfile.TemporaryDirectory() as folder:
+        if not executorchcoreml.unflatten_directory_contents(delegate.processed_bytes, folder):
+            raise ValueError(f"{delegate.backend_id} delegate: not a flattened .mlpackage")
+        spec = coremltools.utils.load_spec(os.path.join(folder, MLPACKAGE))
+    return {state.name: FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(
+                state.type.stateType.arrayType.dataType)
+            for state in spec.description.state}
