@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pass_manager import PassManager, shared_buffer_differences
+from pass_manager import PassManager
 from pass_manager.validation import (
     Trace,
     copy_program,
@@ -28,6 +28,7 @@ from pass_manager.validation import (
 
 from .._analysis.marked_state import mutable_buffers
 from .._methods.calls import share_buffer_tensors
+from .._methods.shared_buffers import shared_buffer_differences
 from ..inplace_to_functional import InplaceToFunctional
 from ..mark_mutable_buffers import MarkMutableBuffers
 from ..quantization import quantize_methods, quantize_program
