@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pass_manager import ValidationInputError
-from pass_manager.validation import run_methods
+from passes._methods.in_turn import run_methods
 
 
 class Counter(torch.nn.Module):
@@ -48,7 +48,8 @@ def test_methods_called_in_turn_share_their_state_like_the_eager_module():
 def test_methods_holding_separate_copies_do_not_see_each_others_writes():
     programs = _methods()
     programs["one"].state_dict["total"] = copy.deepcopy(programs["many"].state_dict["total"])
-    trace = run_methods(programs, [("many", (torch.ones(4, 3),), {}), ("one", (torch.ones(1, 3),), {})])
+    trace = run_methods(programs, [("many", (torch.ones(4, 3),), {}),
+                                   ("one", (torch.ones(1, 3),), {})])
     assert torch.equal(trace.outputs[1][0], torch.full((3,), 2.0))  # not 10: its own zeros
 
 
