@@ -53,7 +53,6 @@ from ._analysis.buffer_reads import record_observed_reads
 from ._analysis.marked_state import reset_mutable_buffers
 from ._lifting import exported_program_from
 from ._methods.calibration import check_calibration_call, run_calibration_call
-from ._methods.shared_buffers import check_shared_buffers
 from ._methods.calls import (
     QuantizedMethods,
     carried_inputs,
@@ -62,6 +61,7 @@ from ._methods.calls import (
     share_buffer_tensors,
 )
 from ._methods.observers import buffer_observers, share_observers
+from ._methods.shared_buffers import check_shared_buffers
 from .errors import CalibrationInputError, QuantizationFlowError, QuantizationInputError
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
