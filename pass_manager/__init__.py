@@ -35,16 +35,9 @@ from .instruments import (
     Timing,
 )
 from .manager import PassManager, parse_pipeline
-from .methods import (
-    BufferDifference,
-    MethodsRunResult,
-    SharedBufferError,
-    check_shared_buffers,
-    register_buffer_facet,
-    shared_buffer_differences,
-)
 from .pass_base import Pass, PassResult, as_pass, function_pass, known_passes
 from .program import EXPORTED_PROGRAM, GRAPH_MODULE, graph_module_of, graph_of
+from .program_sets import JointCondition, MethodsRunResult, register_joint_condition
 from .replay import load_reproducer, replay
 from .report import PassRecord, Report
 from .running import RunResult
@@ -55,12 +48,12 @@ __all__ = [
     "EXPORTED_PROGRAM",
     "GRAPH_MODULE",
     "ArchiveError",
-    "BufferDifference",
     "ClaimCheck",
     "Condition",
     "Effects",
     "EffectsError",
     "Instrumentation",
+    "JointCondition",
     "MethodsRunResult",
     "Pass",
     "PassFailedError",
@@ -79,13 +72,11 @@ __all__ = [
     "RunResult",
     "SemanticValidation",
     "SemanticsError",
-    "SharedBufferError",
     "Timing",
     "UntrustedFileError",
     "ValidationInputError",
     "as_pass",
     "assert_same_behaviour",
-    "check_shared_buffers",
     "first_difference",
     "function_pass",
     "graph_module_of",
@@ -94,9 +85,8 @@ __all__ = [
     "load_program",
     "load_reproducer",
     "parse_pipeline",
-    "register_buffer_facet",
+    "register_joint_condition",
     "replay",
     "run_program",
     "save_program",
-    "shared_buffer_differences",
 ]

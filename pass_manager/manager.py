@@ -24,12 +24,11 @@ from .conditions import (
     requires_of,
 )
 from .effects import Effects
-from .errors import PassManagerError
 from .instruments import Instrumentation
-from .methods import MethodsRunResult, check_shared_buffers, share_again, shared_objects
 from .pass_base import Pass, PassResult, as_pass
 from .pipeline_text import format_pipeline, parse_passes
 from .planning import Plan, build_plan
+from .program_sets import MethodsRunResult, run_each
 from .running import Runner, RunResult, default_instruments
 
 __all__ = ["PassManager", "RunResult", "parse_pipeline"]
@@ -159,17 +158,15 @@ class PassManager(Pass):
     def run(self, program: Any) -> RunResult | MethodsRunResult:
         """Run the plan on ``program``; return the program (same form) and a report.
 
-        ``program`` may also be the methods of one model, ``{name: program}`` sharing
-        buffers by fully-qualified name: the methods must agree on every buffer they share
-        (shape, dtype, initial value and each registered facet, see
-        :mod:`pass_manager.methods`) before the first pass and again after the last, or
-        :class:`~pass_manager.methods.SharedBufferError` names the buffer, the methods and
-        what differs. The pipeline runs on each method in turn (an error from one says
-        which: its ``method`` attribute); the result is a
-        :class:`~pass_manager.methods.MethodsRunResult` with each method's RunResult.
+        ``program`` may also be several programs that belong together, ``{name: program}``
+        (the methods of one model): the pipeline runs on each in turn, every registered
+        joint condition is checked before the first pass and after the last (see
+        :mod:`pass_manager.program_sets`), and an error from one program says which (its
+        ``method`` attribute); the result is a
+        :class:`~pass_manager.program_sets.MethodsRunResult` with each one's RunResult.
         """
         if isinstance(program, Mapping):
-            return self._run_methods(program)
+            return run_each(self.run, program, self.name)
         runner = Runner(
             self.plan(),
             self.instruments,
@@ -178,28 +175,6 @@ class PassManager(Pass):
             plan=self.explain(),
         )
         return runner.run(program)
-
-    def _run_methods(self, programs: Mapping[str, Any]) -> MethodsRunResult:
-        if not programs:
-            raise ValueError("PassManager.run got an empty mapping of methods")
-        for name in programs:
-            if not isinstance(name, str):
-                raise TypeError(f"method names are strings, got {name!r}")
-        check_shared_buffers(programs, "before the pipeline")
-        groups = shared_objects(programs)
-        results = {}
-        for name, program in programs.items():
-            try:
-                results[name] = self.run(program)
-            except PassManagerError as e:
-                e.method = name
-                done = f" (methods already run: {', '.join(results)})" if results else ""
-                e.args = (f"method {name!r}{done}: {e.args[0] if e.args else ''}",
-                          *e.args[1:])
-                raise
-        after = {name: result.program for name, result in results.items()}
-        check_shared_buffers(after, f"after {self.name}")
-        return MethodsRunResult(results, share_again(after, groups))
 
 
 def parse_pipeline(text: str, **options: Any) -> PassManager:

@@ -93,7 +93,8 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
     Args:
         folder: a folder a :class:`~.instruments.Reproducer` wrote.
         trusted: also read pickled files and import modules outside this library's
-            packages, which runs code from the folder: only for a folder you made or
+            packages (from the folders the manifest's ``import_paths`` names, put first on
+            ``sys.path``), which runs code from the folder: only for a folder you made or
             whose author you trust.
 
     Raises:
@@ -113,6 +114,11 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
         raise ArchiveError(folder, because, f"{folder} cannot be replayed: {because}; its "
                            "program.pt and program.txt still show the program the pass met")
     _check_modules(manifest["modules"], manifest_file, trusted)  # all, before importing any
+    # The folders of the user's own passes, only with trust: an untrusted manifest must
+    # not put a folder of its choosing before this library's packages on sys.path.
+    for root in reversed(manifest.get("import_paths", []) if trusted else []):
+        if isinstance(root, str) and Path(root).is_dir() and root not in sys.path:
+            sys.path.insert(0, root)
     for module in manifest["modules"]:
         importlib.import_module(module)
     passes = parse_passes(manifest["pipeline"])

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
-
-from .errors import ValidationInputError
 
 __all__ = [
     "Call",
@@ -32,10 +30,11 @@ __all__ = [
     "buffer_errors",
     "call_inputs",
     "copy_program",
+    "default_state",
     "first_difference",
     "output_errors",
-    "run_methods",
     "run_program",
+    "snapshot",
 ]
 
 StateReader = Callable[[torch.nn.Module], dict[str, torch.Tensor]]
@@ -149,7 +148,8 @@ def _held_tensors(root: Any) -> list[torch.Tensor]:
     return found
 
 
-def _default_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def default_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state a trace records by default: a copy of every buffer, by name."""
     return {name: buf.detach().clone() for name, buf in module.named_buffers()}
 
 
@@ -162,7 +162,7 @@ def _runnable(program: Any) -> torch.nn.Module:
     raise TypeError(f"cannot run a {type(program).__name__}")
 
 
-def _snapshot(values: Any) -> list[Any]:
+def snapshot(values: Any) -> list[Any]:
     flat, _ = pytree.tree_flatten(values)
     return [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in flat]
 
@@ -171,7 +171,7 @@ def run_program(
     program: Any,
     inputs: Any,
     calls: int | None = None,
-    state: StateReader = _default_state,
+    state: StateReader = default_state,
     on_call: Callable[[int], None] | None = None,
 ) -> Trace:
     """Call a deep copy of ``program`` once per call's inputs; the caller's state is untouched.
@@ -187,78 +187,12 @@ def run_program(
     for index, (args, kwargs) in enumerate(copy.deepcopy(call_inputs(inputs, calls))):
         with torch.no_grad():
             out = module(*args, **kwargs)
-        trace.outputs.append(_snapshot(out))
+        trace.outputs.append(snapshot(out))
         trace.buffers.append(state(module))
-        trace.inputs.append(_snapshot((args, kwargs)))
+        trace.inputs.append(snapshot((args, kwargs)))
         if on_call is not None:
             on_call(index)
     return trace
-
-
-def run_methods(
-    programs: Mapping[str, Any],
-    calls: Sequence[tuple[str, tuple, Mapping[str, Any]]],
-    state: StateReader = _default_state,
-    on_call: Callable[[int], None] | None = None,
-    share_by_name: bool = False,
-) -> Trace:
-    """Call the methods of one model in deployment order, on one copy of them all.
-
-    ``programs`` maps method names to programs (an ``nn.Module`` each, or an
-    ``ExportedProgram``, whose ``module()`` runs on its own state tensors); ``calls`` are
-    ``(method, args, kwargs)`` triples. The mapping is copied as a whole, so buffer tensors
-    the methods share stay shared in the copy: a prefill's writes are what the next decode
-    reads, as on a device. ``share_by_name`` also makes the copies' buffers of one name one
-    tensor (the first method's), as a ``.pte``'s shared mutable buffers are, for methods
-    whose state was copied apart (each exported or quantized on its own). Each call's entry
-    in ``trace.buffers`` holds every method's buffers by name (a shared buffer once). The
-    caller's programs are untouched.
-    """
-    copies = copy_program(dict(programs))
-    modules = {name: program.module() if isinstance(program, ExportedProgram) else program
-               for name, program in copies.items()}
-    for name, module in modules.items():
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"cannot run method {name!r}: a {type(module).__name__}")
-    if share_by_name:
-        _share_buffers_by_name(modules)
-    trace = Trace()
-    # Copied together: a tensor several calls pass (input-carried state) stays one tensor.
-    for index, (method, args, kwargs) in enumerate(copy.deepcopy(list(calls))):
-        if method not in modules:
-            raise ValidationInputError("run_methods", f"calls[{index}]",
-                                       f"names method {method!r}; the methods are "
-                                       f"{', '.join(map(repr, modules))}")
-        args, kwargs = tuple(args), dict(kwargs)
-        with torch.no_grad():
-            out = modules[method](*args, **kwargs)
-        trace.outputs.append(_snapshot(out))
-        buffers: dict[str, torch.Tensor] = {}
-        for module in modules.values():
-            buffers.update(state(module))
-        trace.buffers.append(buffers)
-        trace.inputs.append(_snapshot((args, kwargs)))
-        if on_call is not None:
-            on_call(index)
-    return trace
-
-
-def _share_buffers_by_name(modules: Mapping[str, torch.nn.Module]) -> None:
-    first: dict[str, tuple[str, torch.Tensor]] = {}
-    for method, module in modules.items():
-        for fqn, tensor in list(module.named_buffers()):
-            if fqn not in first:
-                first[fqn] = method, tensor
-                continue
-            other, shared = first[fqn]
-            if (shared.shape, shared.dtype) != (tensor.shape, tensor.dtype):
-                raise ValidationInputError(
-                    "run_methods", None, f"buffer {fqn!r} is {tuple(shared.shape)} "
-                    f"{shared.dtype} in method {other!r} but {tuple(tensor.shape)} "
-                    f"{tensor.dtype} in {method!r}: one buffer cannot hold both")
-            *path, leaf = fqn.split(".")
-            owner = module.get_submodule(".".join(path)) if path else module
-            owner._buffers[leaf] = shared
 
 
 def _tensor_difference(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> str | None:
@@ -359,7 +293,7 @@ def assert_same_behaviour(
     calls: int | None = None,
     atol: float = 0.0,
     rtol: float = 0.0,
-    state: StateReader = _default_state,
+    state: StateReader = default_state,
 ) -> None:
     """Raise AssertionError naming the first difference between two programs' behaviour."""
     diff = first_difference(

@@ -2,9 +2,18 @@
 torch.export, pt2e quantization and delegation.
 """
 
-from . import _methods, conditions  # _methods: the grid the methods of a model must share
+from pass_manager.program_sets import register_joint_condition
+
+from . import conditions
 from ._analysis.marked_state import mutable_buffers, reset_mutable_buffers
 from ._lifting import exported_program_from
+from ._methods.shared_buffers import (
+    SHARED_BUFFERS,
+    BufferDifference,
+    check_shared_buffers,
+    register_buffer_facet,
+    shared_buffer_differences,
+)
 from .buffers_to_inputs import BuffersToInputs
 from .consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from .errors import (
@@ -17,6 +26,7 @@ from .errors import (
     QuantizationFlowError,
     QuantizationInputError,
     QuantizedStateError,
+    SharedBufferError,
     StateNameError,
     StateOwnerError,
     StatePairingError,
@@ -30,11 +40,15 @@ from .quantize_mutable_buffers import QuantizeMutableBuffers
 from .skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from .unfreeze_mutable_buffer import UnfreezeMutableBuffer
 
+# PassManager.run({name: program}) checks that the methods agree on the buffers they share.
+register_joint_condition(SHARED_BUFFERS)
+
 # The one place the version is written: setup.cfg reads it (attr:), --version prints it.
 __version__ = "0.1.0"
 
 __all__: list[str] = [
     "AmbiguousFrozenBufferError",
+    "BufferDifference",
     "BuffersToInputs",
     "CalibrationInputError",
     "CarriedStateError",
@@ -49,15 +63,19 @@ __all__: list[str] = [
     "QuantizationInputError",
     "QuantizeMutableBuffers",
     "QuantizedStateError",
+    "SharedBufferError",
     "SkipAnnotateDataMovementOps",
     "StateNameError",
     "StateOwnerError",
     "StatePairingError",
     "UnfreezeMutableBuffer",
     "UnsupportedMutationError",
+    "check_shared_buffers",
     "conditions",
     "exported_program_from",
     "mutable_buffers",
+    "register_buffer_facet",
     "register_functional_variant",
     "reset_mutable_buffers",
+    "shared_buffer_differences",
 ]

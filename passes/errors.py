@@ -6,6 +6,8 @@ program exactly as it was.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch.fx import Node
 
 from pass_manager import PassManagerError
@@ -20,6 +22,7 @@ __all__ = [
     "QuantizationFlowError",
     "QuantizationInputError",
     "QuantizedStateError",
+    "SharedBufferError",
     "StateNameError",
     "StateOwnerError",
     "StatePairingError",
@@ -242,3 +245,33 @@ class InputStateError(QuantizationInputError):
         super().__init__(helper, f"programs[{method!r}], input {input!r}",
                          f"{reason}; make the state resident first (passes.InputsToBuffers "
                          "turns such inputs into buffers the methods share), then quantize")
+
+
+class SharedBufferError(PassManagerError):
+    """Methods of one program disagree about a buffer they share by name.
+
+    Attributes:
+        buffer: the buffer's fully-qualified name.
+        methods: the methods that disagree (the reference first).
+        difference: what differs, in words.
+        aspect: shape, dtype, initial value or the facet's name.
+        differences: every ``BufferDifference`` found (the first is the one above).
+    """
+
+    def __init__(self, differences: list[Any], when: str = ""):
+        first = differences[0]
+        self.buffer = first.buffer
+        self.methods = list(first.methods)
+        self.aspect = first.aspect
+        self.difference = first.difference
+        self.differences = list(differences)
+        message = f"{when}: " if when else ""
+        message += (
+            f"the methods do not share buffer {first.buffer!r}: {first.methods[0]!r} and "
+            f"{first.methods[1]!r} differ in {first.aspect}: {first.difference}. Methods of "
+            "one program share each buffer by name (one buffer for all of them on a "
+            "device), so each must hold it alike: export them from one model."
+        )
+        if len(differences) > 1:
+            message += "\nAll differences:\n" + "\n".join(f"  - {d}" for d in differences)
+        super().__init__(message)

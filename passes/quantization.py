@@ -46,7 +46,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule
 from torchao.quantization.pt2e.quantizer import Quantizer
 
-from pass_manager import PassManager, Report, check_shared_buffers
+from pass_manager import PassManager, Report
 from pass_manager.validation import call_inputs
 
 from ._analysis.buffer_reads import record_observed_reads
@@ -61,6 +61,7 @@ from ._methods.calls import (
     share_buffer_tensors,
 )
 from ._methods.observers import buffer_observers, share_observers
+from ._methods.shared_buffers import check_shared_buffers
 from .errors import CalibrationInputError, QuantizationFlowError, QuantizationInputError
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
@@ -467,7 +468,7 @@ def quantize_methods(
     observers measure every method's values; the state is reset, each method converted,
     unfrozen and lifted (``like=`` its program). The methods must agree on their shared
     buffers before (shape, dtype, initial value) and agree after, the grid included
-    (:func:`pass_manager.check_shared_buffers`).
+    (:func:`passes.check_shared_buffers`).
 
     State carried in inputs the methods write in place (the caller's tensors, as Hugging
     Face's exporter passes its caches) is calibrated as deployment threads it: the calls

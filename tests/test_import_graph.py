@@ -3,7 +3,10 @@
 * no cycle between modules (package and benchmarks);
 * the package never imports benchmarks or tests, and no module under tests/ imports
   benchmarks (what both need lives in tests/models, or in the package);
-* ``pass_manager`` never imports ``passes``;
+* ``pass_manager`` never imports ``passes``, and has no module about buffers: none named
+  for buffers or methods, none defining a shared-buffer condition or facet (running over
+  several methods and their shared state lives in ``passes._methods``; the manager offers
+  a generic joint-condition hook);
 * among package modules only ``passes.inplace_to_functional`` (and the engine's own
   modules) import InplaceToFunctional's engine, ``passes._functionalization``;
 * no package module imports ExecuTorch's test backends (``executorch.exir.backend.test``):
@@ -122,6 +125,26 @@ def pass_manager_imports_of_passes(root: Path) -> list[str]:
     return _edges(import_graph(root, PACKAGES), "pass_manager", "passes")
 
 
+BUFFER_WORDS = ("sharedbuffer", "bufferfacet", "bufferdifference", "shareagain",
+                "sharedobjects")
+
+
+def buffer_specific_modules(root: Path) -> list[str]:
+    """pass_manager modules named for buffers or methods, or defining a top-level name about
+    buffers several programs share."""
+    bad = []
+    for module, path in module_files(root, ("pass_manager",)).items():
+        leaf = module.rsplit(".", 1)[-1].lower()
+        if "buffer" in leaf or leaf == "methods":
+            bad.append(f"{module} is named for buffers or methods")
+        for node in ast.parse(path.read_text(), str(path)).body:
+            targets = ([node.name] if isinstance(node, ast.FunctionDef | ast.ClassDef) else
+                       [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)])
+            bad += [f"{module} defines {name}" for name in targets
+                    if any(word in name.lower().replace("_", "") for word in BUFFER_WORDS)]
+    return sorted(bad)
+
+
 def imports_of_the_engine(root: Path) -> list[str]:
     """Package modules importing passes._functionalization, other than the allowed ones."""
     return sorted(
@@ -156,6 +179,11 @@ def test_package_never_imports_benchmarks_or_tests():
 
 def test_pass_manager_never_imports_passes():
     bad = pass_manager_imports_of_passes(ROOT)
+    assert not bad, "\n".join(bad)
+
+
+def test_pass_manager_has_no_buffer_specific_module():
+    bad = buffer_specific_modules(ROOT)
     assert not bad, "\n".join(bad)
 
 
@@ -216,6 +244,7 @@ def test_each_boundary_rule_reports_the_module_that_breaks_it(tmp_path):
     rules = {
         "package": package_imports_of_tests_or_benchmarks,
         "pass_manager": pass_manager_imports_of_passes,
+        "buffers": buffer_specific_modules,
         "engine": imports_of_the_engine,
         "tests": benchmarks_imported_by_tests,
         "executorch": imports_of_executorch_test_backends,
@@ -226,6 +255,8 @@ def test_each_boundary_rule_reports_the_module_that_breaks_it(tmp_path):
                     "passes.flow imports tests.models.cases"),
         "pass_manager": ("pass_manager/uses.py", "from passes import InplaceToFunctional\n",
                          "pass_manager.uses imports passes"),
+        "buffers": ("pass_manager/checks.py", "class SharedBufferError(Exception):\n    pass\n",
+                    "pass_manager.checks defines SharedBufferError"),
         "engine": ("passes/other.py", "from ._functionalization.start import start\n",
                    "passes.other imports passes._functionalization"),
         "tests": ("tests/helper.py", "from benchmarks.bench import f\n",

@@ -13,7 +13,9 @@ pass fails (any PassManagerError), it writes a fresh folder under PATH holding:
   pickle runs the code it names;
 * ``program.txt``: the same program as readable text;
 * ``manifest.json``: the pass, its place, the pipeline text that builds it with its
-  options, the modules defining its passes, the error's type and message, the program
+  options, the modules defining its passes and the folders they were imported from
+  (``import_paths``: a trusted replay puts them on ``sys.path``, so a pass of your project
+  replays without setting ``PYTHONPATH``), the error's type and message, the program
   form, the format of each file and why, what could not be saved, what a replay needs
   trust for (``needs_trust``), and library / torch / torchao versions;
 * ``error.txt``: the error and the traceback of what the pass raised;
@@ -109,6 +111,23 @@ def library_module(name: str) -> bool:
     return any(name == package or name.startswith(f"{package}.") for package in LIBRARY_PACKAGES)
 
 
+def import_root(module: str) -> str | None:
+    """The folder ``module`` was imported from (the ``sys.path`` entry holding it), if it
+    is a file of a folder outside this library; a replay puts it on ``sys.path``."""
+    if library_module(module):
+        return None
+    file = getattr(sys.modules.get(module), "__file__", None)
+    if not file:
+        return None
+    path, parts = Path(file).resolve(), module.split(".")
+    depth = len(parts) if path.name == "__init__.py" else len(parts) - 1
+    if depth >= len(path.parents):
+        return None
+    root = path.parents[depth]
+    inside = path.relative_to(root).with_suffix("").parts
+    return str(root) if list(inside[: len(parts)]) == parts else None
+
+
 def _qualified_name(function: Any) -> str | None:
     """``module:qualname`` of a function a replay can import, else None."""
     module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", "")
@@ -200,6 +219,8 @@ class Reproducer(Instrumentation):
             validation_format = save_data(_validation_record(self.validation),
                                           folder / "validation.pt")
         trust = _needs_trust(saved.pickled_because, validation_format, modules)
+        # The user's own passes: the replay (trusted) imports them from where they came from.
+        import_paths = sorted({root for m in modules if (root := import_root(m)) is not None})
         form = program_form(program)
         manifest = {
             "pass": record.name,
@@ -207,6 +228,7 @@ class Reproducer(Instrumentation):
             "group": callable(getattr(pass_, "pipeline_text", None)),
             "pipeline": pipeline,
             "modules": modules,
+            "import_paths": import_paths,
             "replayable": not not_replayable,
             "not_replayable_because": not_replayable,
             "strict": self.strict,

@@ -125,7 +125,7 @@ def share_buffer_tensors(programs: Mapping[str, Any]) -> dict[str, list[str]]:
     """Make each mutable buffer one tensor object in every method holding it (the first
     method's), so that running the methods in turn runs them on one state; returns, per
     buffer, the methods sharing it. The methods must already agree on its shape, dtype and
-    value (``pass_manager.check_shared_buffers``)."""
+    value (``passes.check_shared_buffers``)."""
     shared: dict[str, list[str]] = {}
     first: dict[str, torch.Tensor] = {}
     for name, program in programs.items():

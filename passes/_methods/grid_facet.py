@@ -1,6 +1,6 @@
 """The quantization grid of a buffer, as a facet methods sharing it must agree on.
 
-Registered with :func:`pass_manager.register_buffer_facet` when ``passes`` is imported, so
+One of the facets :mod:`passes._methods.shared_buffers` compares, so
 ``PassManager.run({name: program})`` compares it without the manager knowing about
 quantization. A buffer's grid is the one ``QuantizeMutableBuffers`` stores it on, or, for a
 float-stored quantized program, the one grid every write of it stores values of; a buffer
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pass_manager import graph_of, register_buffer_facet
+from pass_manager import graph_of
 
 from .._analysis.buffers import GRID_META
 from .._analysis.grids import Grid
@@ -70,5 +70,3 @@ def buffer_grids(program: Any) -> dict[str, BufferGrid]:
             found[plan.fqn] = BufferGrid(plan.grid, stored=False)
     return found
 
-
-register_buffer_facet(GRID_FACET, buffer_grids)

@@ -32,8 +32,7 @@ from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPas
 from executorch.runtime import Runtime
 from torch.export import ExportedProgram
 
-from pass_manager import shared_buffer_differences
-
+from .._methods.shared_buffers import shared_buffer_differences
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
 from .method_state import checked_methods
 from .partitioner import BufferOwningPartitioner

@@ -17,17 +17,18 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pass_manager import PassManager, shared_buffer_differences
+from pass_manager import PassManager
 from pass_manager.validation import (
     Trace,
     copy_program,
     first_difference,
     output_errors,
-    run_methods,
 )
 
 from .._analysis.marked_state import mutable_buffers
 from .._methods.calls import share_buffer_tensors
+from .._methods.in_turn import run_methods
+from .._methods.shared_buffers import shared_buffer_differences
 from ..inplace_to_functional import InplaceToFunctional
 from ..mark_mutable_buffers import MarkMutableBuffers
 from ..quantization import quantize_methods, quantize_program

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
-from pass_manager.validation import run_methods
+from passes._methods.in_turn import run_methods
 from passes.flow.examples import decode_inputs, kv_decoder, xnnpack_quantizer
 from passes.quantization import quantize_methods
 

@@ -21,7 +21,6 @@ from pass_manager.validation import (
     copy_program,
     first_difference,
     output_errors,
-    run_methods,
     run_program,
 )
 
@@ -166,8 +165,5 @@ def test_state_carried_in_an_input_carries_across_calls_and_the_caller_keeps_its
     cache = torch.zeros(3)
     expected = [[2.0] * 3, [4.0] * 3, [6.0] * 3]
     trace = run_program(_WritesItsInput(), [((torch.ones(3), cache), {})] * 3)
-    assert [out[0].tolist() for out in trace.outputs] == expected
-    trace = run_methods({"step": _WritesItsInput()},
-                        [("step", (torch.ones(3), cache), {})] * 3)
     assert [out[0].tolist() for out in trace.outputs] == expected
     assert cache.tolist() == [0.0] * 3

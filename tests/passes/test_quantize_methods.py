@@ -16,7 +16,8 @@ import statistics
 import pytest
 import torch
 
-from pass_manager import PassManager, SharedBufferError
+from pass_manager import PassManager
+from passes import SharedBufferError
 from pass_manager.validation import copy_program
 from passes import (
     InplaceToFunctional,

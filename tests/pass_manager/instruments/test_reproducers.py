@@ -291,3 +291,49 @@ def test_a_pass_that_cannot_be_rebuilt_is_recorded_and_load_refuses_it_by_name(t
     with pytest.raises(ArchiveError, match="cannot be replayed") as refused:
         load_reproducer(folder, trusted=True)
     assert refused.value.reason == manifest["not_replayable_because"]
+
+
+_USER_PASS = """
+import torch
+from pass_manager import Pass, PassResult, graph_module_of
+
+
+class {name}(Pass):
+    '''A pass of the user's own project, outside this library and the tests.'''
+
+    def call(self, program):
+        for node in graph_module_of(program).graph.nodes:
+            if node.target == torch.ops.aten.add.Tensor:
+                node.target = torch.ops.aten.sub.Tensor
+        raise RuntimeError("the user's pass failed")
+"""
+
+
+def test_a_reproducer_of_a_users_own_pass_replays_without_setting_pythonpath(
+    tmp_path, monkeypatch
+):
+    project = tmp_path / "project"
+    (project / "user_passes").mkdir(parents=True)
+    (project / "user_passes" / "__init__.py").write_text("")
+    (project / "user_passes" / "rewrite.py").write_text(_USER_PASS.format(name="UserRewrite"))
+    monkeypatch.syspath_prepend(str(project))
+    from user_passes.rewrite import UserRewrite
+
+    with pytest.raises(PassFailedError) as info:
+        PassManager([UserRewrite()], instruments=[Reproducer(tmp_path / "out")]).run(
+            _program("ExportedProgram"))
+    folder = info.value.reproducer
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["modules"] == ["user_passes.rewrite"]
+    assert manifest["import_paths"] == [str(project.resolve())]
+    assert manifest["replay"].endswith(f"replay {folder} --trust")
+
+    # Only the library is on the path: the replay finds the user's pass where it came from.
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    replayed = _replay(folder, "--trust", env=env)
+    assert replayed.returncode == 1, replayed.stdout + replayed.stderr
+    assert "RuntimeError: the user's pass failed" in replayed.stdout
+    assert "reproduced: the recorded error" in replayed.stdout
+    # Without trust the module is not imported at all, and the folder is not put on the path.
+    refused = _replay(folder, env=env)
+    assert refused.returncode == 2 and "'user_passes.rewrite'" in refused.stdout

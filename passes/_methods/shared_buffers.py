@@ -3,39 +3,44 @@
 A model deployed as several methods (a prefill of N tokens and a one-token decode) is a
 mapping ``{name: program}``; ExecuTorch plans one buffer per fully-qualified name for all
 of them (``share_mutable_buffers=True``), so each buffer two methods hold must be the same
-buffer in both: the same shape, dtype and initial value, and whatever else a library
-registers as a *facet* of it (:func:`register_buffer_facet`; ``passes`` registers the
-quantization grid of a buffer's values). :func:`shared_buffer_differences` lists what
-differs, :func:`check_shared_buffers` raises :class:`SharedBufferError` on the first.
+buffer in both: the same shape, dtype and initial value, and each *facet* of it
+(:func:`register_buffer_facet`; the quantization grid of a buffer's values is one).
+:func:`shared_buffer_differences` lists what differs, :func:`check_shared_buffers` raises
+:class:`~passes.errors.SharedBufferError` on the first.
 
-``PassManager.run`` on such a mapping checks the condition before the first pass and after
-the last, runs the pipeline on each method and returns a :class:`MethodsRunResult`. Buffer
-tensors the methods held as one object before the run are one object again after it (a
-pass may give each method a new tensor, e.g. integer storage), so calling the methods in
-sequence in Python shares their state as the deployed program does.
+:data:`SHARED_BUFFERS` is that condition as the pass manager's joint condition, registered
+by ``passes``: ``PassManager.run({name: program})`` checks it before the first pass and
+after the last. Buffer tensors the methods held as one object before the run are one
+object again after it (a pass may give each method a new tensor, e.g. integer storage),
+so calling the methods in sequence in Python shares their state as the deployed program
+does; ``result.notes["reshared"]`` lists those buffers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
 
-from .errors import PassManagerError
-from .program import graph_module_of
-from .report import Report
+from pass_manager import graph_module_of
+from pass_manager.program_sets import JointCondition
+
+from ..errors import SharedBufferError
+from .grid_facet import GRID_FACET, buffer_grids
 
 __all__ = [
+    "SHARED_BUFFERS",
     "BufferDifference",
-    "MethodsRunResult",
-    "SharedBufferError",
+    "SharedBuffers",
     "buffer_facets",
     "check_shared_buffers",
     "register_buffer_facet",
+    "share_again",
     "shared_buffer_differences",
+    "shared_objects",
 ]
 
 Describer = Callable[[Any], Mapping[str, Any]]
@@ -44,7 +49,7 @@ something to say about. Descriptions are compared with ``==`` and shown with ``s
 buffer a method's describer leaves out (or describes as None) has no such facet there and
 is not compared on it (e.g. a method that only reads a cache has no grid of its writes)."""
 
-_FACETS: dict[str, Describer] = {}
+_FACETS: dict[str, Describer] = {GRID_FACET: buffer_grids}
 
 
 def register_buffer_facet(name: str, describe: Describer) -> None:
@@ -85,36 +90,6 @@ class BufferDifference:
         first, second = self.methods
         return (f"buffer {self.buffer!r}: methods {first!r} and {second!r} differ in "
                 f"{self.aspect}: {self.difference}")
-
-
-class SharedBufferError(PassManagerError):
-    """Methods of one program disagree about a buffer they share by name.
-
-    Attributes:
-        buffer: the buffer's fully-qualified name.
-        methods: the methods that disagree (the reference first).
-        difference: what differs, in words.
-        aspect: shape, dtype, initial value or the facet's name.
-        differences: every :class:`BufferDifference` found (the first is the one above).
-    """
-
-    def __init__(self, differences: list[BufferDifference], when: str = ""):
-        first = differences[0]
-        self.buffer = first.buffer
-        self.methods = list(first.methods)
-        self.aspect = first.aspect
-        self.difference = first.difference
-        self.differences = list(differences)
-        message = f"{when}: " if when else ""
-        message += (
-            f"the methods do not share buffer {first.buffer!r}: {first.methods[0]!r} and "
-            f"{first.methods[1]!r} differ in {first.aspect}: {first.difference}. Methods of "
-            "one program share each buffer by name (one buffer for all of them on a "
-            "device), so each must hold it alike: export them from one model."
-        )
-        if len(differences) > 1:
-            message += "\nAll differences:\n" + "\n".join(f"  - {d}" for d in differences)
-        super().__init__(message)
 
 
 def _buffer_tensors(program: Any) -> dict[str, torch.Tensor]:
@@ -284,47 +259,21 @@ def share_again(programs: Mapping[str, Any], groups: Mapping[str, list[str]]) ->
     return reshared
 
 
-@dataclass
-class MethodsRunResult(Mapping):
-    """The outcome of a run on several methods: a ``RunResult`` per method, by name
-    (``result["decode"].program``), in the mapping's order.
+class SharedBuffers(JointCondition):
+    """The methods agree on every buffer they share (:func:`check_shared_buffers`), and
+    the buffers they held as one tensor stay one tensor (:func:`share_again`)."""
 
-    Attributes:
-        results: the per-method ``RunResult``.
-        reshared: buffers whose tensor a pass replaced in some methods, made one object
-            across them again.
-    """
+    name = "shared buffers"
 
-    results: dict[str, Any]
-    reshared: list[str]
+    def check(self, programs: Mapping[str, Any], when: str) -> None:
+        check_shared_buffers(programs, when)
 
-    def __getitem__(self, name: str) -> Any:
-        return self.results[name]
+    def remember(self, programs: Mapping[str, Any]) -> dict[str, list[str]]:
+        return shared_objects(programs)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.results)
+    def settle(self, programs: Mapping[str, Any],
+               remembered: dict[str, list[str]]) -> dict[str, list[str]]:
+        return {"reshared": share_again(programs, remembered)}
 
-    def __len__(self) -> int:
-        return len(self.results)
 
-    @property
-    def programs(self) -> dict[str, Any]:
-        """The methods' programs, by name (the form each was given in)."""
-        return {name: result.program for name, result in self.results.items()}
-
-    @property
-    def program(self) -> dict[str, Any]:
-        """The same as :attr:`programs`: what ``.program`` is for one program."""
-        return self.programs
-
-    @property
-    def modified(self) -> bool:
-        return any(result.modified for result in self.results.values())
-
-    @property
-    def reports(self) -> dict[str, Report]:
-        return {name: result.report for name, result in self.results.items()}
-
-    def __str__(self) -> str:
-        return "\n".join(f"method {name!r}:\n{result.report}"
-                         for name, result in self.results.items())
+SHARED_BUFFERS = SharedBuffers()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pass_manager import ValidationInputError
-from pass_manager.validation import run_methods
+from passes._methods.in_turn import run_methods
 
 
 class Counter(torch.nn.Module):
@@ -48,7 +48,8 @@ def test_methods_called_in_turn_share_their_state_like_the_eager_module():
 def test_methods_holding_separate_copies_do_not_see_each_others_writes():
     programs = _methods()
     programs["one"].state_dict["total"] = copy.deepcopy(programs["many"].state_dict["total"])
-    trace = run_methods(programs, [("many", (torch.ones(4, 3),), {}), ("one", (torch.ones(1, 3),), {})])
+    trace = run_methods(programs, [("many", (torch.ones(4, 3),), {}),
+                                   ("one", (torch.ones(1, 3),), {})])
     assert torch.equal(trace.outputs[1][0], torch.full((3,), 2.0))  # not 10: its own zeros
 
 
@@ -72,3 +73,19 @@ def test_share_by_name_refuses_buffers_of_one_name_that_cannot_be_one_tensor():
     with pytest.raises(ValidationInputError, match=r"buffer 'total' is \(3,\) torch.float32 in "
                                                    r"method 'many' but \(5,\)"):
         run_methods(programs, [("many", (torch.ones(4, 3),), {})], share_by_name=True)
+
+
+class _WritesItsInput(torch.nn.Module):
+    def forward(self, x, cache):
+        cache.add_(x)
+        return cache * 2
+
+
+def test_state_carried_in_an_input_carries_across_calls_and_the_caller_keeps_its_tensor():
+    """Input-carried state (Hugging Face's exporter passes its caches so): the calls share
+    one copy of the tensor they all pass, as eager does, and the caller's stays as it was."""
+    cache = torch.zeros(3)
+    trace = run_methods({"step": _WritesItsInput()},
+                        [("step", (torch.ones(3), cache), {})] * 3)
+    assert [out[0].tolist() for out in trace.outputs] == [[2.0] * 3, [4.0] * 3, [6.0] * 3]
+    assert cache.tolist() == [0.0] * 3

@@ -1,4 +1,5 @@
-"""PassManager.run on several methods of one model: {name: program} sharing buffers by name.
+"""PassManager.run on several methods of one model: {name: program} sharing buffers by name,
+the joint condition ``passes`` registers with the manager (passes/_methods/shared_buffers.py).
 
 The methods are tests/models/accumulators.py's ``Accumulate`` exported twice from one
 module, with a 4-element and a 1-element (broadcast) input: one running sum ``acc`` for
@@ -14,21 +15,38 @@ import copy
 import pytest
 import torch
 
-import pass_manager.methods as methods
+import passes._methods.shared_buffers as methods
 from pass_manager import (
+    Condition,
     MethodsRunResult,
+    Pass,
     PassFailedError,
     PassManager,
+    PassResult,
     RunResult,
-    SharedBufferError,
     function_pass,
     graph_module_of,
     graph_of,
-    shared_buffer_differences,
 )
+from passes import SharedBufferError, shared_buffer_differences
 from tests.models.accumulators import Accumulate
 
-from .conftest import NoRelu, ReluToAbs
+NoRelu = Condition("NoRelu", lambda p: [n.name for n in graph_of(p).nodes if "relu" in str(
+    n.target)], doc="no relu node")
+
+
+class ReluToAbs(Pass):
+    """Replaces relu with abs: a real rewrite that changes each method's outputs."""
+
+    provides = frozenset({NoRelu})
+
+    def call(self, program):
+        changed = False
+        for node in graph_of(program).nodes:
+            if node.target in (torch.relu, torch.ops.aten.relu.default):
+                node.target = torch.abs if node.target is torch.relu else torch.ops.aten.abs.default
+                changed = True
+        return PassResult(program, changed)
 
 CALLS = [("four", (torch.arange(4.0),)), ("one", (torch.tensor([2.0]),)),
          ("one", (torch.tensor([-1.0]),)), ("four", (torch.ones(4),))]
@@ -136,7 +154,7 @@ def test_buffers_a_pass_replaced_in_every_method_are_one_tensor_again():
 
     programs = exported()
     result = PassManager([fresh]).run(programs)
-    assert result.reshared == ["acc"]
+    assert result.notes["reshared"] == ["acc"]
     after = result.programs
     assert after["four"].state_dict["acc"] is after["one"].state_dict["acc"]
 
@@ -196,3 +214,18 @@ def test_only_buffers_some_method_writes_are_shared_state():
     programs["b"] = torch.export.export(other, (torch.ones(4),))
     assert [(d.buffer, d.aspect) for d in shared_buffer_differences(programs)] == [
         ("acc", "initial value")]
+
+
+def test_the_manager_checks_only_the_joint_conditions_registered_with_it(monkeypatch):
+    # The manager itself knows nothing of buffers: without the condition ``passes``
+    # registers, methods that disagree about their state run as any programs do.
+    import pass_manager.program_sets as program_sets
+
+    monkeypatch.setattr(program_sets, "_JOINT", {})
+    wider = Accumulate()
+    wider.acc = torch.zeros(8)
+    wider.linear = torch.nn.Linear(8, 4)
+    programs = {"four": exported()["four"],
+                "eight": torch.export.export(wider, (torch.ones(8),))}
+    result = PassManager([ReluToAbs()]).run(programs)
+    assert list(result) == ["four", "eight"] and result.notes == {}

@@ -1,0 +1,86 @@
+"""The methods of one model called in turn on one state, as on a device.
+
+:func:`run_methods` is :func:`pass_manager.validation.run_program` for a mapping
+``{name: program}`` of methods sharing their buffers by name: the buffers the methods
+share stay one tensor, so a prefill's writes are what the next decode reads.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from pass_manager import ValidationInputError
+from pass_manager.validation import StateReader, Trace, copy_program, default_state, snapshot
+
+__all__ = ["run_methods"]
+
+
+def run_methods(
+    programs: Mapping[str, Any],
+    calls: Sequence[tuple[str, tuple, Mapping[str, Any]]],
+    state: StateReader = default_state,
+    on_call: Callable[[int], None] | None = None,
+    share_by_name: bool = False,
+) -> Trace:
+    """Call the methods of one model in deployment order, on one copy of them all.
+
+    ``programs`` maps method names to programs (an ``nn.Module`` each, or an
+    ``ExportedProgram``, whose ``module()`` runs on its own state tensors); ``calls`` are
+    ``(method, args, kwargs)`` triples. The mapping is copied as a whole, so buffer tensors
+    the methods share stay shared in the copy: a prefill's writes are what the next decode
+    reads, as on a device. ``share_by_name`` also makes the copies' buffers of one name one
+    tensor (the first method's), as a ``.pte``'s shared mutable buffers are, for methods
+    whose state was copied apart (each exported or quantized on its own). Each call's entry
+    in ``trace.buffers`` holds every method's buffers by name (a shared buffer once). The
+    caller's programs are untouched.
+    """
+    copies = copy_program(dict(programs))
+    modules = {name: program.module() if isinstance(program, ExportedProgram) else program
+               for name, program in copies.items()}
+    for name, module in modules.items():
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"cannot run method {name!r}: a {type(module).__name__}")
+    if share_by_name:
+        _share_buffers_by_name(modules)
+    trace = Trace()
+    # Copied together: a tensor several calls pass (input-carried state) stays one tensor.
+    for index, (method, args, kwargs) in enumerate(copy.deepcopy(list(calls))):
+        if method not in modules:
+            raise ValidationInputError("run_methods", f"calls[{index}]",
+                                       f"names method {method!r}; the methods are "
+                                       f"{', '.join(map(repr, modules))}")
+        args, kwargs = tuple(args), dict(kwargs)
+        with torch.no_grad():
+            out = modules[method](*args, **kwargs)
+        trace.outputs.append(snapshot(out))
+        buffers: dict[str, torch.Tensor] = {}
+        for module in modules.values():
+            buffers.update(state(module))
+        trace.buffers.append(buffers)
+        trace.inputs.append(snapshot((args, kwargs)))
+        if on_call is not None:
+            on_call(index)
+    return trace
+
+
+def _share_buffers_by_name(modules: Mapping[str, torch.nn.Module]) -> None:
+    first: dict[str, tuple[str, torch.Tensor]] = {}
+    for method, module in modules.items():
+        for fqn, tensor in list(module.named_buffers()):
+            if fqn not in first:
+                first[fqn] = method, tensor
+                continue
+            other, shared = first[fqn]
+            if (shared.shape, shared.dtype) != (tensor.shape, tensor.dtype):
+                raise ValidationInputError(
+                    "run_methods", None, f"buffer {fqn!r} is {tuple(shared.shape)} "
+                    f"{shared.dtype} in method {other!r} but {tuple(tensor.shape)} "
+                    f"{tensor.dtype} in {method!r}: one buffer cannot hold both")
+            *path, leaf = fqn.split(".")
+            owner = module.get_submodule(".".join(path)) if path else module
+            owner._buffers[leaf] = shared
