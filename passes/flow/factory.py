@@ -28,6 +28,19 @@ one ``.pte`` over one KV cache). Its mapping holds
   export example once, in the order ``methods`` lists them);
 * ``export`` (optional): the default export mode of the methods.
 
+In place of ``methods``, a v3 mapping may give the methods already exported:
+
+* ``programs``: method name -> ``ExportedProgram`` (what another exporter produced, e.g.
+  Hugging Face's ``export_for_generation`` stopped before lowering); ``steps`` is then
+  required, in the form the methods take after ``carried``;
+* ``carried`` (optional): method name -> ``passes.InputsToBuffers`` options, for programs
+  that carry their state through their inputs and outputs (HF's ``StaticCache``): after
+  functionalization each such method is made resident with its options, so the methods
+  share that state as buffers;
+* ``module`` is then the fp32 reference the calls are checked against, called with the
+  ``steps`` (e.g. the programs' own modules with the state threaded as their exporter
+  threads it, holding it as buffers named as ``carried`` names them).
+
 Every method is exported from the same module, so the methods name their buffers alike:
 the same fully-qualified name is the same state in every method.
 
@@ -220,7 +233,7 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-_V3_KEYS = {"module", "methods", "steps", "export"}
+_V3_KEYS = {"module", "methods", "programs", "carried", "steps", "export"}
 _METHOD_KEYS = {"example_args", "example_kwargs", "dynamic_shapes", "export"}
 
 
@@ -249,6 +262,10 @@ class MethodsSpec:
     module: torch.nn.Module
     methods: dict[str, MethodSpec]
     steps: list[MethodCall]
+    programs: dict[str, torch.export.ExportedProgram] = field(default_factory=dict)
+    """Methods exported by the factory (then ``methods`` holds empty specs)."""
+    carried: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per method, ``InputsToBuffers`` options making its carried state resident."""
 
     @property
     def calls_by_method(self) -> dict[str, list[tuple[tuple, dict]]]:
@@ -260,8 +277,9 @@ class MethodsSpec:
 
 
 def is_methods_factory(made: Any) -> bool:
-    """Whether a factory's result is contract v3 (a mapping naming ``methods``)."""
-    return isinstance(made, Mapping) and "methods" in made
+    """Whether a factory's result is contract v3 (a mapping naming ``methods`` or
+    ``programs``)."""
+    return isinstance(made, Mapping) and ("methods" in made or "programs" in made)
 
 
 def methods_spec(made: Mapping, name: str, steps: int) -> MethodsSpec:
@@ -279,6 +297,8 @@ def methods_spec(made: Mapping, name: str, steps: int) -> MethodsSpec:
     with contextlib.suppress(NotImplementedError):  # an ep.module() is inference form already
         module.eval()
     default_mode = _mode(made.get("export"), name, "'export'")
+    if "programs" in made:
+        return _given_programs(made, module, name, steps)
     methods = made["methods"]
     if not isinstance(methods, Mapping) or not methods:
         raise ModelError(f"{name}(): 'methods' must map method names to their export "
@@ -294,9 +314,42 @@ def methods_spec(made: Mapping, name: str, steps: int) -> MethodsSpec:
     return MethodsSpec(module, specs, calls[:steps])
 
 
+def _given_programs(made: Mapping, module: torch.nn.Module, name: str,
+                    steps: int) -> MethodsSpec:
+    """A v3 result naming ``programs`` (already exported) and maybe ``carried``."""
+    if "methods" in made:
+        raise ModelError(f"{name}() returned both 'methods' (how to export) and 'programs' "
+                         "(already exported): give one")
+    programs = made["programs"]
+    if (not isinstance(programs, Mapping) or not programs or not all(
+            isinstance(p, torch.export.ExportedProgram) for p in programs.values())):
+        raise ModelError(f"{name}(): 'programs' must map method names to ExportedPrograms")
+    carried = made.get("carried") or {}
+    if not isinstance(carried, Mapping) or not all(
+            isinstance(o, Mapping) for o in carried.values()):
+        raise ModelError(f"{name}(): 'carried' must map method names to InputsToBuffers "
+                         "options (mappings)")
+    unknown = sorted(set(carried) - set(programs))
+    if unknown:
+        raise ModelError(f"{name}(): 'carried' names {', '.join(map(repr, unknown))}, not "
+                         f"among the programs ({', '.join(map(repr, programs))})")
+    given = made.get("steps")
+    if not given or not isinstance(given, Sequence) or isinstance(given, str):
+        raise ModelError(f"{name}(): with 'programs', 'steps' must list the calls "
+                         "(method, args[, kwargs]) in deployment order")
+    specs = {str(method): MethodSpec() for method in programs}
+    calls = [_step(step, index, specs, name) for index, step in enumerate(given)]
+    return MethodsSpec(module, specs, calls[:steps], dict(programs),
+                       {m: dict(o) for m, o in carried.items()})
+
+
 def export_methods(spec: MethodsSpec, mode: str | None = None) -> dict[str, Exported]:
     """Export every method of ``spec`` as :func:`~passes.flow.factory.export_program` does;
-    ``mode`` forces an export mode for all of them. ModelError names the failing method."""
+    ``mode`` forces an export mode for all of them. ModelError names the failing method.
+    Methods the factory gave already exported (``programs``) are copied, not exported."""
+    if spec.programs:
+        return {method: Exported(copy_program(program), "by the factory")
+                for method, program in spec.programs.items()}
     exported = {}
     for method, entry in spec.methods.items():
         try:

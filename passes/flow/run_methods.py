@@ -30,6 +30,7 @@ from .._methods.calls import share_buffer_tensors
 from .._methods.in_turn import run_methods
 from .._methods.shared_buffers import shared_buffer_differences
 from ..inplace_to_functional import InplaceToFunctional
+from ..inputs_to_buffers import InputsToBuffers
 from ..mark_mutable_buffers import MarkMutableBuffers
 from ..quantization import quantize_methods, quantize_program
 from ..quantize_mutable_buffers import QuantizeMutableBuffers
@@ -89,6 +90,9 @@ def run_methods_flow(
         for method, run in functional.items():
             result.reports.append((f"functionalize {method}", run.report))
         fp32 = {method: run.program for method, run in functional.items()}
+        if spec.carried:
+            fp32 = stage("make carried state resident (InputsToBuffers)",
+                         lambda: _resident(result, fp32, spec.carried, options))
         shared = share_buffer_tensors(fp32)
         result.notes.append(
             "buffers shared by " + " and ".join(map(repr, fp32)) + ": "
@@ -108,6 +112,17 @@ def run_methods_flow(
         if runtime == "executorch":
             _runtime_stage(stage, result, lowered, calls, eager)
     return result
+
+
+def _resident(result: FlowResult, programs: dict[str, Any],
+              carried: Mapping[str, Mapping[str, Any]], options: dict[str, Any]) -> dict:
+    """Each method with carried-state options made resident by InputsToBuffers."""
+    resident = dict(programs)
+    for method, method_options in carried.items():
+        run = PassManager([InputsToBuffers(**method_options)], **options).run(programs[method])
+        result.reports.append((f"make {method}'s carried state resident", run.report))
+        resident[method] = run.program
+    return resident
 
 
 def _in_turn(stage: _Stages, programs: Mapping[str, Any], calls: list, **options: Any) -> Trace:
