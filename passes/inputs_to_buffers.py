@@ -200,7 +200,7 @@ class InputsToBuffers(Pass):
         value = written
         if output is not None:
             paired = view.outputs[output]
-            if written is not None and paired is not written:
+            if written is not None and _own_value(paired) is not _own_value(written):
                 raise StatePairingError(_NAME, node.name, f"the program writes it in place "
                                         f"with {written.name}, but output {outputs[output]!r} "
                                         f"returns {getattr(paired, 'name', paired)}")
@@ -283,3 +283,12 @@ def _example_value(view: ProgramView, node: Node) -> torch.Tensor | None:
     leaves = pytree.tree_leaves(view.source.example_inputs)
     value = leaves[view.inputs.index(node)]
     return value if isinstance(value, torch.Tensor) else None
+
+
+def _own_value(value: object) -> object:
+    """The value a write carries: InplaceToFunctional gives a mutation output that is also
+    another output ``aten.copy(state, value)``, a value of its own for torch's signature."""
+    if (isinstance(value, Node) and value.op == "call_function"
+            and value.target is torch.ops.aten.copy.default):
+        return value.args[1]
+    return value

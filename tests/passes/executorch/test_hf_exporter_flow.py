@@ -28,8 +28,9 @@ import copy
 import pytest
 import torch
 
-from pass_manager import PassManager, SharedBufferError
+from pass_manager import PassManager
 from passes import InplaceToFunctional, InputsToBuffers, MarkMutableBuffers, QuantizeMutableBuffers
+from passes.errors import SharedBufferError
 from passes.examples import xnnpack_quantizer
 from passes.executorch import run_methods_on_runtime
 from passes.executorch.runtime import output_grid, within_grid_steps
@@ -179,11 +180,6 @@ def test_quantize_mutable_buffers_stores_both_methods_caches_as_int8(llama_quant
         assert state_bytes(program, CACHES) == FP32_CACHE_BYTES // 4
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "QuantizeMutableBuffers is silently inert on caches carried as inputs: on HF's functional "
-    "decode (6 USER_INPUT_MUTATION outputs) it reports 'modified no' with no note, and "
-    "strict=True raises nothing (issue 30 item 3 asks for a note per input, or integer "
-    "storage opt-in); measured the same on the quantize_methods-quantized decode"))
 def test_quantize_mutable_buffers_says_why_it_leaves_cache_inputs_float(llama):
     decode = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
         copy.deepcopy(llama.hf.decode)).program
