@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from pass_manager import PassManager
-from passes import SharedBufferError
 from pass_manager.validation import copy_program
 from passes import (
     InplaceToFunctional,
     MarkMutableBuffers,
     QuantizeMutableBuffers,
+    SharedBufferError,
     mutable_buffers,
     reset_mutable_buffers,
 )

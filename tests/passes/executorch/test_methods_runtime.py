@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from passes.executorch import ExecuTorchInputError, run_methods_on_runtime
-from tests.models.methods_on_runtime import accumulator_methods, eager_outputs, prefill_decode, worst
+from tests.models.methods_on_runtime import (
+    accumulator_methods,
+    eager_outputs,
+    prefill_decode,
+    worst,
+)
 
 CACHES = {"layers.0.attn.k_cache", "layers.0.attn.v_cache"}
 CACHE_BYTES = 1 * 2 * 16 * 16 * 4  # [1, heads, max_seq, head_dim] fp32

@@ -135,7 +135,7 @@ def test_cli_runs_hf_llama_through_the_whole_flow(tmp_path):
     assert "exported strict" in out and "FAIL" not in out and out.count("PASS") == 6
     progress = done.stderr  # stdout holds the report alone
     # One progress bar per stage, counting its calls (calibration among them).
-    assert f"quantize with the passes [00:0" in progress and f"call {STEPS}/{STEPS}" in progress
+    assert "quantize with the passes [00:0" in progress and f"call {STEPS}/{STEPS}" in progress
     assert "decode the lowered program [" in progress
     assert "key_cache_0" in out.split("== delegates")[1]
     data = json.loads(report.read_text())
