@@ -46,7 +46,8 @@ def test_the_decoder_as_prefill_and_decode_keeps_one_grid_per_cache(quantizer):
 
 
 def test_a_hugging_face_llama_as_prefill_and_decode_through_the_command_line(capsys):
-    status = main(["run", "tests.models.hf:llama_prefill_and_decode_methods", "--quiet"])
+    status = main(["run", "tests.models.hf:llama_prefill_and_decode_methods", "--quiet",
+                   "--runtime", "python"])
     report = capsys.readouterr().out
     assert status == 0, report
     assert "4 calls of 2 methods over one state (prefill exported strict, decode exported " \
