@@ -200,7 +200,7 @@ class InputsToBuffers(Pass):
         value = written
         if output is not None:
             paired = view.outputs[output]
-            if written is not None and paired is not written:
+            if written is not None and not _same_value(written, paired, node):
                 raise StatePairingError(_NAME, node.name, f"the program writes it in place "
                                         f"with {written.name}, but output {outputs[output]!r} "
                                         f"returns {getattr(paired, 'name', paired)}")
@@ -208,7 +208,7 @@ class InputsToBuffers(Pass):
                 raise StatePairingError(_NAME, node.name, f"output {outputs[output]!r} is a "
                                         "constant, not its next value")
             _check_pair(node, paired, outputs[output])
-            value = paired
+            value = written if written is not None else paired  # the copy, when written
         example = _example_value(view, node)
         initial = self._initial(buffer, value, example, [])
         return Carried(buffer, node, value, (output,) if output is not None else (),
@@ -263,6 +263,15 @@ def _attribute_taken(gm: torch.nn.Module, fqn: str) -> bool:
         else:
             return False
     return True
+
+
+def _same_value(written: Node, paired: Any, node: Node) -> bool:
+    """Whether the value written into ``node`` in place is the paired output's: the same node,
+    or the functionalizer's own copy of it (``aten.copy(node, paired)``, which gives a
+    mutation output that is also a user output a value of its own)."""
+    return written is paired or (
+        written.target is torch.ops.aten.copy.default and written.args[0] is node
+        and written.args[1] is paired)
 
 
 def _check_pair(node: Node, value: Node, output: str) -> None:

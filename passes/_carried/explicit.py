@@ -100,7 +100,8 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
                 view.writes[node] = state.value
         if (state.value is not None and not state.in_place) or state.output_indices:
             indices = state.output_indices or (None,)
-            returned.extend((i, state.value) for i in indices)
+            value = _returned_value(state.value, node)
+            returned.extend((i, value) for i in indices)
     for index, node in sorted(placed, key=lambda p: p[0]):
         inputs.insert(index, node)
     for index, value in sorted((r for r in returned if r[0] is not None), key=lambda r: r[0]):
@@ -133,6 +134,16 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
                 kwargs[state.input_name] = _initial(view, state)
         example_inputs = (args, kwargs)
     return view.build(in_spec, out_spec, example_inputs, names)
+
+
+def _returned_value(value: Node, node: Node | None) -> Node:
+    """The value to return for state written in place with ``value``: the source of the
+    functionalizer's own copy (``aten.copy(node, source)``, a mutation output's value of its
+    own), so the output and the write stay two values as they were."""
+    if (node is not None and value.target is torch.ops.aten.copy.default
+            and value.args[0] is node):
+        return value.args[1]
+    return value
 
 
 def _initial(view: ProgramView, state: Explicit) -> torch.Tensor:
