@@ -77,13 +77,16 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
     placed: list[tuple[int, Node]] = []
     returned: list[tuple[int, Node]] = []
     new_keywords: dict[str, int] = {}
+    replaced: dict[Node, Node] = {}  # each buffer read erased -> the input replacing it
     for state in explicit:
         for old in state.nodes:
             view.writes.pop(old, None)
         node = _input_node(view, state) if state.keep_input else None
         for old in state.nodes:
             if old is not node:
-                old.replace_all_uses_with(node) if node is not None else None
+                if node is not None:
+                    old.replace_all_uses_with(node)
+                    replaced[old] = node
                 graph.erase_node(old)
         _remove_buffer(view, state.buffer)
         if node is not None:
@@ -102,6 +105,10 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
             indices = state.output_indices or (None,)
             value = _returned_value(state.value, node)
             returned.extend((i, value) for i in indices)
+    # A value that is itself a buffer's read (state passed through unchanged) is its input.
+    view.writes = {k: replaced.get(v, v) for k, v in view.writes.items()}
+    returned = [(i, replaced.get(v, v)) for i, v in returned]
+    outputs = [replaced.get(o, o) if isinstance(o, Node) else o for o in outputs]
     for index, node in sorted(placed, key=lambda p: p[0]):
         inputs.insert(index, node)
     for index, value in sorted((r for r in returned if r[0] is not None), key=lambda r: r[0]):

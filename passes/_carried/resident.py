@@ -120,6 +120,7 @@ def _into_graph_module(view: ProgramView, carried: list[Carried]) -> None:
     graph = gm.graph
     anchor = graph.find_nodes(op="placeholder")[-1] if graph.find_nodes(
         op="placeholder") else None
+    reads: dict[Node, Node] = {}  # each input made a buffer -> the get_attr replacing it
     for state in carried:
         register_buffer(gm, state.buffer, state.initial)
         if anchor is None:
@@ -135,8 +136,13 @@ def _into_graph_module(view: ProgramView, carried: list[Carried]) -> None:
             if anchor is state.input:
                 anchor = read
             graph.erase_node(state.input)
+            reads[state.input] = read
         else:
             read.meta["val"] = state.value.meta["val"]
         anchor = read
         _mark(read, state)
         view.writes[read] = state.value
+    # A value that is itself an input made a buffer (a pass-through pair ``return x, h``, a
+    # state written with another's old value) is that buffer's read now.
+    view.writes = {k: reads.get(v, v) for k, v in view.writes.items()}
+    view.outputs = [reads.get(o, o) if isinstance(o, Node) else o for o in view.outputs]

@@ -118,6 +118,21 @@ def state_of(case: Case, inputs: tuple[tuple, dict]) -> list[torch.Tensor]:
         kwargs)
 
 
+class PassThrough(torch.nn.Module):
+    """State paired with an output that returns it unchanged (its next value is itself)."""
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x + h, h
+
+
+class ReturnedInPlace(torch.nn.Module):
+    """An fp16 state written in place and also returned (``h.mul_(0.5).add_(x); return h``)."""
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h.mul_(0.5).add_(x)
+        return h, x * 2
+
+
 @dataclass
 class Case:
     """One model and how its state is carried.
@@ -154,6 +169,11 @@ def _scan_thread(inputs: tuple[tuple, dict], out: Any) -> tuple[tuple, dict]:
     return (_next_x(x), out[0]), kwargs
 
 
+def _pass_through_thread(inputs: tuple[tuple, dict], out: Any) -> tuple[tuple, dict]:
+    (x, _), kwargs = inputs
+    return (_next_x(x), out[1]), kwargs
+
+
 def _transposed_thread(inputs: tuple[tuple, dict], _: Any) -> tuple[tuple, dict]:
     (x, pos, cache), kwargs = inputs
     return (_next_x(x), (pos + 1) % LENGTH, cache), kwargs
@@ -184,4 +204,10 @@ CASES: dict[str, Case] = {
         SeenMask, lambda: ((torch.randn(DIM), torch.zeros(DIM, dtype=torch.bool),
                             torch.zeros(DIM, dtype=torch.int32)), {}),
         ("seen", "hits"), thread=_in_place),
+    "pass-through pair": Case(
+        PassThrough, lambda: ((torch.randn(DIM), torch.ones(DIM)), {}), ("h",),
+        options={"next_values": {"h": "1"}}, thread=_pass_through_thread),
+    "fp16 state written in place and returned": Case(
+        ReturnedInPlace, lambda: ((torch.randn(DIM).half(), torch.ones(DIM).half()), {}),
+        ("h",), options={"next_values": {"h": "0"}}, thread=_in_place),
 }
