@@ -41,13 +41,14 @@ def runnable(program):
     return program.module() if isinstance(program, torch.export.ExportedProgram) else program
 
 
-def eager_calls(case: shapes.Case):
+def eager_calls(case: shapes.Case, inputs=None):
     """Per call: the inputs eager was given, its outputs, and its state afterwards."""
-    model, inputs = case.model(), case.inputs()
+    model, inputs = case.model(), case.inputs() if inputs is None else inputs
     calls = []
     for _ in range(CALLS):
         given = copy.deepcopy(inputs)
-        out = model(*inputs[0], **inputs[1])
+        # A clone: an output may be the state itself, which later calls write.
+        out = pytree.tree_map(torch.clone, model(*inputs[0], **inputs[1]))
         inputs = case.thread(inputs, out)
         calls.append((given, out, [t.clone() for t in shapes.state_of(case, inputs)]))
     return calls
@@ -92,3 +93,49 @@ def test_resident_state_behaves_like_eager_and_round_trips(name, form):
         leaves_equal(inputs_second, inputs_first)
         inputs_first = case.thread(inputs_first, out_first)
         inputs_second = case.thread(inputs_second, out_second)
+
+
+def runtime_steps(case: shapes.Case):
+    """Eager's calls as the runtime gets them: state written in place passed as the same
+    (initial) tensors every call, for the runtime to thread; returned state passed back."""
+    first = case.inputs()
+    steps, expected = [], []
+    for given, out, state in eager_calls(case, copy.deepcopy(first)):
+        if case.options.get("next_values"):
+            steps.append(given)
+        else:
+            args = tuple(a if i in case.keep else first[0][i] for i, a in enumerate(given[0]))
+            steps.append((args, first[1]))
+        expected.append((out, state))
+    return steps, expected
+
+
+def close(got, expected):
+    torch.testing.assert_close(pytree.tree_leaves(got), pytree.tree_leaves(expected),
+                               rtol=1e-5, atol=1e-5)  # XNNPACK's fp32 kernels
+
+
+@pytest.mark.parametrize("name", list(shapes.CASES))
+def test_carried_and_resident_state_on_the_runtime_follow_eager(name):
+    """The carried program on ExecuTorch's runtime (decode_on_runtime threading each input
+    the program writes), and the resident one (state in the loaded program), over several
+    calls: outputs and the threaded state follow eager."""
+    pytest.importorskip("executorch")
+    from passes.executorch import decode_on_runtime
+
+    case = shapes.CASES[name]
+    program = functional(case, "exported")
+    resident = PassManager([InputsToBuffers(**case.options)]).run(program).program
+    steps, expected = runtime_steps(case)
+    returned = {int(o) for o in case.options.get("next_values", {}).values()}
+
+    carried = decode_on_runtime(program, None, steps)
+    for outputs, written, (out, state) in zip(carried.outputs, carried.carried, expected,
+                                              strict=True):
+        close(outputs, out)
+        if not returned:
+            close(list(written.values()), state)
+
+    on_runtime = decode_on_runtime(resident, None, [shapes.stateless(case, s) for s in steps])
+    for outputs, (out, _) in zip(on_runtime.outputs, expected, strict=True):
+        close(outputs, [o for i, o in enumerate(pytree.tree_leaves(out)) if i not in returned])
