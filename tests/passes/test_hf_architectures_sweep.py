@@ -23,7 +23,7 @@ from passes import BuffersToInputs, InplaceToFunctional, InputsToBuffers, MarkMu
 
 pytest.importorskip("transformers.exporters")
 
-from tests.models import hf_exporter  # noqa: E402
+from tests.models import hf_exporter
 
 FORMS = ["exported", "module"]
 DECODES = 4  # the prompt is 4 tokens, the sliding window 8
