@@ -19,7 +19,10 @@ the prefill takes only the counters (mutated in place), creates the keys and val
 (``zeros`` then ``index_copy_``) and returns them inside a new ``StaticCache``. HF threads that
 returned cache into the next decode (:func:`thread_calls`).
 
-Models are seeded and built from tiny configs: no download.
+Models are seeded and built from tiny configs: no download. Other architectures
+(:data:`SWEEP_ARCHITECTURES`: Mistral, Phi3, Gemma 1-3, GPT-NeoX, OLMo2, Phi, Qwen2) export the
+same way; :func:`cache_options` reads the cache mapping from the programs' call specs for any of
+them, sliding-window layers included.
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ __all__ = [
     "SWEEP_ARCHITECTURES",
     "HfExport",
     "cache_options",
+    "cache_paths",
     "decode_kwargs",
     "eager_generate",
     "export",
     "export_llama",
     "export_qwen3",
+    "exported_cache_calls",
     "generation_config",
     "prompt_inputs",
     "resident_cache_options",
@@ -389,3 +394,9 @@ def exported_cache_calls(hf: HfExport, program: Any, keyword: str = "cache") -> 
         kwargs[keyword] = torch.utils._pytree.tree_unflatten(leaves, spec)
         return program(**kwargs)
     return call
+
+
+def cache_paths(hf: HfExport, keyword: str = "cache") -> list[str]:
+    """The attribute path of each flat leaf of the decode's cache input (``layers.0.keys``,
+    ...), in flat order."""
+    return _leaf_paths(_cache_spec(hf.decode.call_spec.in_spec.child(1), keyword))
