@@ -107,7 +107,9 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
             returned.extend((i, value) for i in indices)
     # A value that is itself a buffer's read (state passed through unchanged) is its input.
     view.writes = {k: replaced.get(v, v) for k, v in view.writes.items()}
-    returned = [(i, replaced.get(v, v)) for i, v in returned]
+    # One output paired with several states (one value into two) comes back once.
+    returned = [(i, replaced.get(v, v)) for n, (i, v) in enumerate(returned)
+                if i is None or all(j != i for j, _ in returned[:n])]
     outputs = [replaced.get(o, o) if isinstance(o, Node) else o for o in outputs]
     for index, node in sorted(placed, key=lambda p: p[0]):
         inputs.insert(index, node)

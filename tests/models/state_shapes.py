@@ -133,6 +133,32 @@ class ReturnedInPlace(torch.nn.Module):
         return h, x * 2
 
 
+class OneValueTwoStates(torch.nn.Module):
+    """Two state inputs whose next value is one output (one value into two states)."""
+
+    def forward(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        v = a + b * 0.5 + x
+        return v * 2, v
+
+
+class Swap(torch.nn.Module):
+    """Two states paired with each other's old value (``return y, b, a``)."""
+
+    def forward(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x + a - b * 0.5, b, a
+
+
+class CopyOther(torch.nn.Module):
+    """A state written in place with another state's old value, which is then advanced."""
+
+    def forward(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a.copy_(b)
+        b.add_(x)
+        return a * 2 + b
+
+
 @dataclass
 class Case:
     """One model and how its state is carried.
@@ -174,6 +200,13 @@ def _pass_through_thread(inputs: tuple[tuple, dict], out: Any) -> tuple[tuple, d
     return (_next_x(x), out[1]), kwargs
 
 
+def _pair_thread(*outputs: int):
+    def thread(inputs: tuple[tuple, dict], out: Any) -> tuple[tuple, dict]:
+        (x, *_), kwargs = inputs
+        return (_next_x(x), *(out[i] for i in outputs)), kwargs
+    return thread
+
+
 def _transposed_thread(inputs: tuple[tuple, dict], _: Any) -> tuple[tuple, dict]:
     (x, pos, cache), kwargs = inputs
     return (_next_x(x), (pos + 1) % LENGTH, cache), kwargs
@@ -210,4 +243,13 @@ CASES: dict[str, Case] = {
     "fp16 state written in place and returned": Case(
         ReturnedInPlace, lambda: ((torch.randn(DIM).half(), torch.ones(DIM).half()), {}),
         ("h",), options={"next_values": {"h": "0"}}, thread=_in_place),
+    "one value into two states": Case(
+        OneValueTwoStates, lambda: ((torch.randn(DIM), torch.zeros(DIM), torch.ones(DIM)), {}),
+        ("a", "b"), options={"next_values": {"a": "1", "b": "1"}}, thread=_pair_thread(1, 1)),
+    "swapped pair": Case(
+        Swap, lambda: ((torch.randn(DIM), torch.zeros(DIM), torch.ones(DIM)), {}),
+        ("a", "b"), options={"next_values": {"a": "1", "b": "2"}}, thread=_pair_thread(1, 2)),
+    "written with another state's old value": Case(
+        CopyOther, lambda: ((torch.randn(DIM), torch.zeros(DIM), torch.ones(DIM)), {}),
+        ("a", "b"), thread=_in_place),
 }

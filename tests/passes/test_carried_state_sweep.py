@@ -1,7 +1,8 @@
 """Carried state of other shapes and write forms (a sliding window shifted in place, an int64
 counter, an SSM-style state returned with its input, a write through a transpose and a
 narrow, two states in one dict input, a 0-d state, bool and int32 masks, state returned
-unchanged, fp16 state written in place and also returned): functionalized,
+unchanged, fp16 state written in place and also returned, one value into two states, two
+states swapped, a state written with another's old value): functionalized,
 made resident by InputsToBuffers, the programs behave like eager over several calls (outputs
 and state, bit for bit), and BuffersToInputs gives back the program it started from; on
 ExecuTorch's runtime the carried form (the runtime threading written inputs) and the resident
