@@ -66,7 +66,9 @@ class InputsToBuffers(Pass):
     placeholder). The inputs and the outputs that carried the state leave the call signature
     (pytree specs, graph signature, module call graph and example inputs agree). A buffer
     starts as ``initial_values[buffer]``, else the example input's value (ExportedProgram),
-    else zeros (a note says so).
+    else zeros (a note says so). Each write keeps a value of its own, as InplaceToFunctional
+    leaves them: state paired with another state's old value reads a ``clone`` of it, one
+    output paired with two inputs is written into the second through ``aten.copy``.
 
     Which input became which buffer: ``passes.inputs_to_buffers.carried_buffers(result)``
     (input name, or ``"output:<name>"`` for created state -> buffer), the notes (one line
