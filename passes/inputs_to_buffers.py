@@ -66,7 +66,9 @@ class InputsToBuffers(Pass):
     placeholder). The inputs and the outputs that carried the state leave the call signature
     (pytree specs, graph signature, module call graph and example inputs agree). A buffer
     starts as ``initial_values[buffer]``, else the example input's value (ExportedProgram),
-    else zeros (a note says so).
+    else zeros (a note says so). Each write keeps a value of its own, as InplaceToFunctional
+    leaves them: state paired with another state's old value reads a ``clone`` of it, one
+    output paired with two inputs is written into the second through ``aten.copy``.
 
     Which input became which buffer: ``passes.inputs_to_buffers.carried_buffers(result)``
     (input name, or ``"output:<name>"`` for created state -> buffer), the notes (one line
@@ -200,7 +202,7 @@ class InputsToBuffers(Pass):
         value = written
         if output is not None:
             paired = view.outputs[output]
-            if written is not None and _own_value(paired) is not _own_value(written):
+            if written is not None and not _same_value(written, paired, node):
                 raise StatePairingError(_NAME, node.name, f"the program writes it in place "
                                         f"with {written.name}, but output {outputs[output]!r} "
                                         f"returns {getattr(paired, 'name', paired)}")
@@ -208,7 +210,7 @@ class InputsToBuffers(Pass):
                 raise StatePairingError(_NAME, node.name, f"output {outputs[output]!r} is a "
                                         "constant, not its next value")
             _check_pair(node, paired, outputs[output])
-            value = paired
+            value = written if written is not None else paired  # the copy, when written
         example = _example_value(view, node)
         initial = self._initial(buffer, value, example, [])
         return Carried(buffer, node, value, (output,) if output is not None else (),
@@ -265,6 +267,15 @@ def _attribute_taken(gm: torch.nn.Module, fqn: str) -> bool:
     return True
 
 
+def _same_value(written: Node, paired: Any, node: Node) -> bool:
+    """Whether the value written into ``node`` in place is the paired output's: the same node,
+    or the functionalizer's own copy of it (``aten.copy(node, paired)``, which gives a
+    mutation output that is also a user output a value of its own)."""
+    return written is paired or (
+        written.target is torch.ops.aten.copy.default and written.args[0] is node
+        and written.args[1] is paired)
+
+
 def _check_pair(node: Node, value: Node, output: str) -> None:
     have, new = node.meta.get("val"), value.meta.get("val")
     if not isinstance(have, torch.Tensor) or not isinstance(new, torch.Tensor):
@@ -283,12 +294,3 @@ def _example_value(view: ProgramView, node: Node) -> torch.Tensor | None:
     leaves = pytree.tree_leaves(view.source.example_inputs)
     value = leaves[view.inputs.index(node)]
     return value if isinstance(value, torch.Tensor) else None
-
-
-def _own_value(value: object) -> object:
-    """The value a write carries: InplaceToFunctional gives a mutation output that is also
-    another output ``aten.copy(state, value)``, a value of its own for torch's signature."""
-    if (isinstance(value, Node) and value.op == "call_function"
-            and value.target is torch.ops.aten.copy.default):
-        return value.args[1]
-    return value

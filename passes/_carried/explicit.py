@@ -77,13 +77,16 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
     placed: list[tuple[int, Node]] = []
     returned: list[tuple[int, Node]] = []
     new_keywords: dict[str, int] = {}
+    replaced: dict[Node, Node] = {}  # each buffer read erased -> the input replacing it
     for state in explicit:
         for old in state.nodes:
             view.writes.pop(old, None)
         node = _input_node(view, state) if state.keep_input else None
         for old in state.nodes:
             if old is not node:
-                old.replace_all_uses_with(node) if node is not None else None
+                if node is not None:
+                    old.replace_all_uses_with(node)
+                    replaced[old] = node
                 graph.erase_node(old)
         _remove_buffer(view, state.buffer)
         if node is not None:
@@ -100,7 +103,14 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
                 view.writes[node] = state.value
         if (state.value is not None and not state.in_place) or state.output_indices:
             indices = state.output_indices or (None,)
-            returned.extend((i, state.value) for i in indices)
+            value = _returned_value(state.value, node)
+            returned.extend((i, value) for i in indices)
+    # A value that is itself a buffer's read (state passed through unchanged) is its input.
+    view.writes = {k: replaced.get(v, v) for k, v in view.writes.items()}
+    # One output paired with several states (one value into two) comes back once.
+    returned = [(i, replaced.get(v, v)) for n, (i, v) in enumerate(returned)
+                if i is None or all(j != i for j, _ in returned[:n])]
+    outputs = [replaced.get(o, o) if isinstance(o, Node) else o for o in outputs]
     for index, node in sorted(placed, key=lambda p: p[0]):
         inputs.insert(index, node)
     for index, value in sorted((r for r in returned if r[0] is not None), key=lambda r: r[0]):
@@ -133,6 +143,16 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
                 kwargs[state.input_name] = _initial(view, state)
         example_inputs = (args, kwargs)
     return view.build(in_spec, out_spec, example_inputs, names)
+
+
+def _returned_value(value: Node, node: Node | None) -> Node:
+    """The value to return for state written in place with ``value``: the source of the
+    functionalizer's own copy (``aten.copy(node, source)``, a mutation output's value of its
+    own), so the output and the write stay two values as they were."""
+    if (node is not None and value.target is torch.ops.aten.copy.default
+            and value.args[0] is node):
+        return value.args[1]
+    return value
 
 
 def _initial(view: ProgramView, state: Explicit) -> torch.Tensor:

@@ -84,6 +84,7 @@ def make_resident(view: ProgramView, carried: list[Carried], refuse: Any) -> Any
         _into_exported(view, carried)
     else:
         _into_graph_module(view, carried)
+    _own_values(view)
     moved = tuple(Moved(c.buffer, c.input.name if c.input is not None else None,
                         inputs_before.index(c.input) if c.input is not None else None,
                         c.output_indices, c.in_place) for c in carried)
@@ -94,6 +95,31 @@ def make_resident(view: ProgramView, carried: list[Carried], refuse: Any) -> Any
     view.gm.meta[CARRIED_META] = (*view.gm.meta.get(CARRIED_META, ()), record)
     arg_names = kept_arg_names(view.arg_names(), view.in_spec, in_spec, dropped_inputs)
     return view.build(in_spec, out_spec, example_inputs, arg_names)
+
+
+def _own_values(view: ProgramView) -> None:
+    """Each write its own value, as the functionalizer leaves them: a value that is a piece
+    of state's read (state paired with another's old value: ``return x, b, a``) becomes a
+    ``clone`` taken before any write-back, or the GraphModule's trailing ``copy_`` nodes
+    would read a state already written; a value written into two pieces of state (two
+    inputs paired with one output) gets ``aten.copy(state, value)`` for the second, since
+    torch's signature keys mutations by output name and would collapse them."""
+    graph = view.gm.graph
+    output = graph.output_node()
+    seen: set[Node] = set()
+    for target, value in list(view.writes.items()):
+        if value.op in ("placeholder", "get_attr"):
+            with graph.inserting_before(output):
+                value = graph.call_function(torch.ops.aten.clone.default, (value,))
+        elif value in seen:
+            with graph.inserting_before(output):
+                value = graph.call_function(torch.ops.aten.copy.default, (target, value))
+        else:
+            seen.add(value)
+            continue
+        value.meta["val"] = target.meta.get("val")
+        seen.add(value)
+        view.writes[target] = value
 
 
 def _into_exported(view: ProgramView, carried: list[Carried]) -> None:
@@ -120,6 +146,7 @@ def _into_graph_module(view: ProgramView, carried: list[Carried]) -> None:
     graph = gm.graph
     anchor = graph.find_nodes(op="placeholder")[-1] if graph.find_nodes(
         op="placeholder") else None
+    reads: dict[Node, Node] = {}  # each input made a buffer -> the get_attr replacing it
     for state in carried:
         register_buffer(gm, state.buffer, state.initial)
         if anchor is None:
@@ -135,8 +162,13 @@ def _into_graph_module(view: ProgramView, carried: list[Carried]) -> None:
             if anchor is state.input:
                 anchor = read
             graph.erase_node(state.input)
+            reads[state.input] = read
         else:
             read.meta["val"] = state.value.meta["val"]
         anchor = read
         _mark(read, state)
         view.writes[read] = state.value
+    # A value that is itself an input made a buffer (a pass-through pair ``return x, h``, a
+    # state written with another's old value) is that buffer's read now.
+    view.writes = {k: reads.get(v, v) for k, v in view.writes.items()}
+    view.outputs = [reads.get(o, o) if isinstance(o, Node) else o for o in view.outputs]

@@ -275,7 +275,7 @@ class BufferOwningPartitioner(Partitioner):
         """Drop each partition that owns no state and computes with a 0-d value, when the
         program has 0-d mutable state; a note per partition dropped.
 
-        XNNPACK mis-lowers a program with 0-d quantized state: its
+        XNNPACK mis-lowers a program with 0-d quantized (float) state: its
         ``ChannelsLastTaggedReshapePass`` indexes a 0-d delegate input (``IndexError:
         invalid index of a 0-dim tensor``), and keeping only the 0-d ops out of its
         partition leaves delegates that hand int8 values to each other and compute wrong
@@ -287,7 +287,8 @@ class BufferOwningPartitioner(Partitioner):
         mutated = set(sig.buffers_to_mutate.values())
         scalar_state = sorted(
             fqn for name, fqn in sig.inputs_to_buffers.items()
-            if fqn in mutated and name in placeholders and _is_scalar(placeholders[name]))
+            if fqn in mutated and name in placeholders
+            and _is_quantizable_scalar(placeholders[name]))
         if not scalar_state:
             return []
         owning = {n.meta.get(DELEGATION_TAG) for n in placeholders.values()
@@ -447,6 +448,15 @@ def _aten_op(node: Node) -> Any:
 def _is_scalar(node: Node) -> bool:
     value = node.meta.get("val")
     return isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+def _is_quantizable_scalar(node: Node) -> bool:
+    """0-d state a quantizer puts on a grid (float, or stored as 8-bit integers): what
+    XNNPACK mis-lowers. An integer counter (Hugging Face's 0-d int64 ``cumulative_length``)
+    is never quantized, and XNNPACK lowers programs holding it as they are."""
+    value = node.meta.get("val")
+    return _is_scalar(node) and (value.is_floating_point()
+                                 or value.dtype in (torch.int8, torch.uint8))
 
 
 def _nonzero_elements(program: ExportedProgram) -> dict[str, int]:

@@ -19,7 +19,10 @@ the prefill takes only the counters (mutated in place), creates the keys and val
 (``zeros`` then ``index_copy_``) and returns them inside a new ``StaticCache``. HF threads that
 returned cache into the next decode (:func:`thread_calls`).
 
-Models are seeded and built from tiny configs: no download.
+Models are seeded and built from tiny configs: no download. Other architectures
+(:data:`SWEEP_ARCHITECTURES`: Mistral, Phi3, Gemma 1-3, GPT-NeoX, OLMo2, Phi, Qwen2) export the
+same way; :func:`cache_options` reads the cache mapping from the programs' call specs for any of
+them, sliding-window layers included.
 """
 
 from __future__ import annotations
@@ -36,17 +39,22 @@ __all__ = [
     "ARCHITECTURES",
     "MAX_CACHE",
     "PROMPT",
+    "SWEEP_ARCHITECTURES",
     "HfExport",
+    "cache_options",
+    "cache_paths",
     "decode_kwargs",
     "eager_generate",
     "export",
     "export_llama",
     "export_qwen3",
+    "exported_cache_calls",
     "generation_config",
     "prompt_inputs",
     "resident_cache_options",
     "thread_calls",
     "tiny_model",
+    "tiny_sweep_model",
 ]
 
 MAX_CACHE = 16
@@ -132,7 +140,8 @@ def _export(architecture: str, max_cache_len: int, prompt: int) -> HfExport:
     from transformers.exporters import ExecutorchConfig, ExecutorchExporter, exporter_executorch
     from transformers.exporters.utils import decompose_for_generation
 
-    model = tiny_model(architecture)
+    model = (tiny_model(architecture) if architecture in ARCHITECTURES
+             else tiny_sweep_model(architecture))
     inputs = prompt_inputs(prompt)
     config = generation_config(max_cache_len)
     captured = {name: kwargs for name, (_, kwargs) in decompose_for_generation(
@@ -264,3 +273,130 @@ def resident_cache_options(hf: HfExport) -> dict[str, dict[str, Any]]:
         "decode": {"buffers": names, "pair_by_name": ("cache.", "cache."),
                    "initial_values": fresh},
     }
+
+
+# -- other architectures, and the cache mapping read from the programs' call specs -----------
+
+SWEEP_ARCHITECTURES = ("mistral", "phi3", "gemma", "gemma2", "gemma3", "gpt_neox", "olmo2",
+                       "phi", "qwen2")
+"""Tiny random decoders HF's exporter takes, with the cache layout each gives: every one a
+``StaticCache`` of per-layer ``keys, values, cumulative_length``; ``mistral`` all sliding-window
+layers (``StaticSlidingWindowLayer``, window 8 < the cache's 16), ``gemma2`` / ``gemma3`` one
+sliding and one global layer."""
+
+
+def tiny_sweep_model(architecture: str, layers: int = 2) -> torch.nn.Module:
+    """A seeded random causal LM of ``architecture`` (hidden 32, 2 heads, vocab 64; sliding
+    window 8 where the architecture has one)."""
+    import transformers as t
+
+    config_class, model_class, extra = {
+        "mistral": (t.MistralConfig, t.MistralForCausalLM, {"sliding_window": 8, "head_dim": 16}),
+        "phi3": (t.Phi3Config, t.Phi3ForCausalLM, {"pad_token_id": 0}),
+        "gemma": (t.GemmaConfig, t.GemmaForCausalLM, {"head_dim": 16}),
+        "gemma2": (t.Gemma2Config, t.Gemma2ForCausalLM, {"head_dim": 16, "sliding_window": 8}),
+        "gemma3": (t.Gemma3TextConfig, t.Gemma3ForCausalLM, {
+            "head_dim": 16, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"][:layers]}),
+        "gpt_neox": (t.GPTNeoXConfig, t.GPTNeoXForCausalLM, {}),
+        "olmo2": (t.Olmo2Config, t.Olmo2ForCausalLM, {}),
+        "phi": (t.PhiConfig, t.PhiForCausalLM, {}),
+        "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM, {}),
+    }[architecture]
+    options = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+               "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "max_position_embeddings": 64, "use_cache": True, **extra}
+    if architecture == "gpt_neox":
+        del options["num_key_value_heads"]
+    state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        return model_class(config_class(**options)).eval()
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def _leaf_paths(spec: Any) -> list[str]:
+    """The attribute path of each flat leaf of a cache input or output (``layers.0.keys``),
+    read from HF's pytree context (``{"_t": "tensor", "i": n}`` marks leaf ``n``); plain
+    positions for any other container."""
+    found: dict[int, str] = {}
+
+    def walk(context: Any, path: str) -> None:
+        if isinstance(context, dict) and context.get("_t") == "tensor":
+            found[context["i"]] = path
+        elif isinstance(context, dict) and context.get("_t") == "obj":
+            walk(context["s"], path)
+        elif isinstance(context, dict) and "_t" not in context:
+            for key, value in context.items():
+                walk(value, f"{path}.{key}" if path else str(key))
+        elif isinstance(context, list):
+            for index, value in enumerate(context):
+                walk(value, f"{path}.{index}" if path else str(index))
+
+    walk(spec.context, "")
+    if sorted(found) != list(range(spec.num_leaves)):
+        return [str(i) for i in range(spec.num_leaves)]
+    return [found[i] for i in range(spec.num_leaves)]
+
+
+def _cache_spec(spec: Any, keyword: str) -> Any:
+    keys = spec.context
+    return spec.children()[list(keys).index(keyword)]
+
+
+def cache_options(hf: HfExport, keyword: str = "cache") -> dict[str, dict[str, Any]]:
+    """``InputsToBuffers`` options making the prefill's and the decode's cache one resident
+    state, derived from the programs' call specs (any layer layout, sliding or not).
+
+    Each cache leaf becomes the buffer ``cache.<its attribute path>``
+    (``cache.layers.1.values``) in both methods. The decode's leaves are inputs written in
+    place and returned (paired by name); they start as zeros. The prefill's cache inputs (the
+    counters) are written in place and returned; the outputs it creates (keys, values) become
+    the same buffers.
+    """
+    decode_in = _cache_spec(hf.decode.call_spec.in_spec.child(1), keyword)
+    prefill_in = _cache_spec(hf.prefill.call_spec.in_spec.child(1), keyword)
+    prefill_out = _cache_spec(hf.prefill.call_spec.out_spec, keyword)
+    decode_names = {f"{keyword}.{i}": f"{keyword}.{path}"
+                    for i, path in enumerate(_leaf_paths(decode_in))}
+    examples = torch.utils._pytree.tree_leaves(hf.decode_kwargs[keyword])
+    fresh = {buffer: torch.zeros_like(value) for buffer, value in zip(
+        decode_names.values(), examples, strict=True)}
+    returned = {f"{keyword}.{path}": f"{keyword}.{i}"
+                for i, path in enumerate(_leaf_paths(prefill_out))}
+    taken = {f"{keyword}.{i}": f"{keyword}.{path}"
+             for i, path in enumerate(_leaf_paths(prefill_in))}
+    return {
+        "prefill": {
+            "buffers": taken,
+            "next_values": {i: returned[b] for i, b in taken.items()},
+            "created": {o: b for b, o in returned.items() if b not in taken.values()},
+        },
+        "decode": {"buffers": decode_names, "pair_by_name": (f"{keyword}.", f"{keyword}."),
+                   "initial_values": fresh},
+    }
+
+
+def exported_cache_calls(hf: HfExport, program: Any, keyword: str = "cache") -> Any:
+    """``program`` (HF's decode, as a module) called with the cache re-wrapped in the
+    structure it was exported with: the tensors threaded, the Python attributes as at export.
+
+    A sliding-window layer keeps a Python int (``cumulative_length_int``) that HF's pytree
+    context bakes into the decode's input spec, so the cache a decode returns no longer
+    matches that spec and HF's decode cannot take it again; a runtime passes tensors only,
+    which this does.
+    """
+    spec = _cache_spec(hf.decode.call_spec.in_spec.child(1), keyword)
+
+    def call(**kwargs: Any) -> Any:
+        leaves = torch.utils._pytree.tree_leaves(kwargs[keyword])
+        kwargs[keyword] = torch.utils._pytree.tree_unflatten(leaves, spec)
+        return program(**kwargs)
+    return call
+
+
+def cache_paths(hf: HfExport, keyword: str = "cache") -> list[str]:
+    """The attribute path of each flat leaf of the decode's cache input (``layers.0.keys``,
+    ...), in flat order."""
+    return _leaf_paths(_cache_spec(hf.decode.call_spec.in_spec.child(1), keyword))
