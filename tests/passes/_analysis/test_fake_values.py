@@ -112,3 +112,27 @@ def test_no_fake_values_no_inference():
     assert fake.mode is None
     fake.infer(node)
     assert "val" not in node.meta
+
+
+def test_views_and_symbolic_sizes_fall_back_to_fake_tensor_prop():
+    """A view is never keyed: FakeTensorProp gives it a value on its input's storage. An op
+    on a symbolic size gets what FakeTensorProp gives; an input without a value leaves the
+    node without one."""
+    ep = torch.export.export(Ops(), _program()[1], dynamic_shapes=(
+        {0: torch.export.Dim("batch", min=2, max=8)}, None, None, None))
+    graph = ep.graph
+    _cache, k, _pos, row, _x = (n for n in graph.nodes if n.op == "placeholder")
+    output = next(n for n in graph.nodes if n.op == "output")
+    fake = FakeValues(graph)
+    view = _new_node(graph, output, aten.transpose.int, k, 0, 1)
+    assert fake.infer(view)
+    assert view.meta["val"].untyped_storage()._cdata == k.meta["val"].untyped_storage()._cdata
+    assert _metadata(view.meta["val"]) == _metadata(_expected(fake.mode, aten.transpose.int,
+                                                              (k, 0, 1), {}))
+    summed = _new_node(graph, output, aten.sum.dim_IntList, k, [1])
+    assert fake.infer(summed)
+    assert not isinstance(summed.meta["val"].shape[0], int)  # the symbolic batch size
+    assert "tensor_meta" not in summed.meta  # only asked for with tensor_meta=True
+    del row.meta["val"]
+    orphan = _new_node(graph, output, aten.mul.Tensor, row, 2)
+    assert not fake.infer(orphan) and "val" not in orphan.meta
