@@ -75,7 +75,7 @@ from passes import (
     exported_program_from,
     reset_mutable_buffers,
 )
-from passes._lifting.fake_values import (  # the lift's own steps, timed apart
+from passes._analysis.fake_values import (  # the lift's own steps, timed apart
     _fresh_fake_tensor,
     _Layout,
     _ResultLayouts,

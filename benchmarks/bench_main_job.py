@@ -71,14 +71,20 @@ def quantization_stage(rounds: int, quantizer_name: str) -> str:
     import copy
 
     import torch
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     from pass_manager import PassManager
-    from pass_manager.validation import copy_program, first_difference, run_program
-    from passes import InplaceToFunctional, MarkMutableBuffers
+    from pass_manager.validation import call_inputs, copy_program, first_difference, run_program
+    from passes import (
+        InplaceToFunctional,
+        MarkMutableBuffers,
+        SkipAnnotateDataMovementOps,
+        UnfreezeMutableBuffer,
+        reset_mutable_buffers,
+    )
     from passes.flow.examples import AnnotateEveryOpQuantizer, decoder_job, xnnpack_quantizer
     from passes.flow.factory import export_program
-    from passes.flow.quantization import prepare
-    from passes.quantization import quantize_program
+    from passes.quantization import PassQuantizer, quantize_program
 
     quantizer = {"xnnpack": xnnpack_quantizer, "every-op": AnnotateEveryOpQuantizer}[
         quantizer_name]
@@ -88,10 +94,15 @@ def quantization_stage(rounds: int, quantizer_name: str) -> str:
         functional = functionalize.run(torch.export.export(copy.deepcopy(model), example)).program
 
     def before() -> torch.export.ExportedProgram:
-        prepared = prepare(functional, quantizer(), passes=True)
-        prepared.calibrate([steps])
-        prepared.reset()
-        converted = prepared.convert(copy=False).program
+        # The steps quantize_program runs, up to UnfreezeMutableBuffer; then the re-export.
+        prepared = prepare_pt2e(copy_program(functional).module(), PassQuantizer(
+            quantizer(), transform=[MarkMutableBuffers(), InplaceToFunctional()],
+            after_annotate=[SkipAnnotateDataMovementOps()]))
+        with torch.no_grad():
+            for args, kwargs in copy_program(call_inputs(steps)):
+                prepared(*args, **kwargs)
+        reset_mutable_buffers(prepared)
+        converted = PassManager([UnfreezeMutableBuffer()]).run(convert_pt2e(prepared)).program
         reexported = export_program(converted, example, {}, mode="strict").program
         return functionalize.run(reexported).program
 

@@ -5,14 +5,19 @@ updated by ``add_``), quantizer (annotate-every-op QNN style, torchao's XNNPACK-
 program form (in-place ``ep.module()``, functional after InplaceToFunctional) and
 ``fold_quantize``, prints the max abs error vs the fp32 eager model at every decode step:
 
-* ``plain``: torchao's flow as is (prepare, calibrate, convert; no reset);
-* ``passes``: PassQuantizer(MarkMutableBuffers [+ InplaceToFunctional],
-  SkipAnnotateDataMovementOps), reset_mutable_buffers, convert, UnfreezeMutableBuffer.
+* ``plain``: torchao's flow as is (prepare, calibrate, convert; no reset):
+  :func:`passes.flow.quantization.torchao_recipe`, on ``ep.module()`` (in-place) or after
+  ``run_decompositions`` (functional);
+* ``passes``: :func:`passes.quantization.quantize_program` (PassQuantizer with
+  MarkMutableBuffers + InplaceToFunctional and SkipAnnotateDataMovementOps,
+  reset_mutable_buffers, convert, UnfreezeMutableBuffer), on the exported program
+  (in-place) or on its functional form (MarkMutableBuffers + InplaceToFunctional first).
 
 The fp32 reference has error 0 by definition. The KV decoders are calibrated on single
-tokens at position 0 (the cache is only ever seen empty), the accumulator on one decode
-sequence. Both flows are :mod:`passes.flow.quantization`'s, the main job's; the models and
-the decode measure come from ``tests/models``. Run:
+tokens at position 0 (without the passes the cache is put back to empty before each;
+with them calibration is one run of calls, the cache sharing the written value's grid),
+the accumulator on one decode sequence. Both flows are the main job's; the models and the
+decode measure come from ``tests/models``. Run:
 ``python -m benchmarks.bench_quantization_accuracy [--steps N]``.
 """
 
@@ -24,13 +29,17 @@ import warnings
 
 import torch
 
+from pass_manager import PassManager
+from pass_manager.validation import copy_program
+from passes import InplaceToFunctional, MarkMutableBuffers
 from passes.flow.examples import (
     AnnotateEveryOpQuantizer,
     decode_inputs,
     kv_decoder,
     xnnpack_quantizer,
 )
-from passes.flow.quantization import prepare_and_calibrate
+from passes.flow.quantization import torchao_recipe
+from passes.quantization import quantize_program
 from tests.models.accumulators import Accumulator, accumulator_inputs
 from tests.models.decode import decode
 
@@ -55,31 +64,32 @@ def accuracy_rows(steps: int = 10):
     for name, model, example, inputs, calibration in _cases(steps):
         for quantizer, functional in itertools.product(sorted(QUANTIZERS), (False, True)):
             form = "functional" if functional else "inplace"
-            for passes in (False, True):
-                prepared = prepare_and_calibrate(
-                    model,
-                    example,
-                    QUANTIZERS[quantizer](),
-                    calibration,
-                    passes=passes,
-                    functional=functional,
-                    reset=passes,
+            for passes, fold in itertools.product((False, True), (True, False)):
+                program = torch.export.export(copy_program(model), example)
+                if passes:
+                    if functional:
+                        program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]
+                                              ).run(program).program
+                    quantized = quantize_program(program, QUANTIZERS[quantizer](),
+                                                 [call for sequence in calibration
+                                                  for call in sequence], fold=fold)
+                else:
+                    quantized = torchao_recipe(program, QUANTIZERS[quantizer](), calibration,
+                                               decompose=functional, fold=fold).left
+                result = decode(model, quantized, inputs)
+                worst_buffer = max(
+                    result.worst_buffer_error(b) / result.buffer_scale[b]
+                    for b in result.buffer_scale
                 )
-                for fold in (True, False):
-                    result = decode(model, prepared.convert(fold_quantize=fold).program, inputs)
-                    worst_buffer = max(
-                        result.worst_buffer_error(b) / result.buffer_scale[b]
-                        for b in result.buffer_scale
-                    )
-                    yield (
-                        name,
-                        quantizer,
-                        form,
-                        fold,
-                        "passes" if passes else "plain",
-                        result.output_errors,
-                        worst_buffer,
-                    )
+                yield (
+                    name,
+                    quantizer,
+                    form,
+                    fold,
+                    "passes" if passes else "plain",
+                    result.output_errors,
+                    worst_buffer,
+                )
 
 
 def main(argv: list[str] | None = None) -> str:

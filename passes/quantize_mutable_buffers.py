@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
 from torch.fx import Graph, Node
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
@@ -27,6 +26,7 @@ from ._analysis.buffers import (
     trailing_write_backs,
 )
 from ._analysis.data_movement import DataMovementNotAnnotated
+from ._analysis.fake_values import FakeValues
 from ._analysis.frozen_reads import NoFrozenMutableBuffers
 from ._analysis.grid_flow import FUNCTIONAL_WRITES, MOVES, GridFlow, value_operands
 from ._analysis.grids import Grid, dequantize_grid, quantize_grid
@@ -478,14 +478,12 @@ class _Rewrite:
 
     def _refresh_values(self) -> None:
         """Fake values for new nodes and for every node of a quantized buffer's storage."""
-        graph = self.graph
-        vals = [n.meta["val"] for n in graph.nodes
-                if n.op in ("placeholder", "get_attr") and "val" in n.meta]
-        mode = detect_fake_mode(vals) if vals else None
+        values = FakeValues(self.graph)
+        mode = values.mode
         if mode is None:
             return
         stale = set(self.created).union(*self.alias_nodes.values())
-        for node in graph.nodes:
+        for node in self.graph.nodes:
             if node not in stale:
                 continue
             if node.op in ("placeholder", "get_attr"):
@@ -496,11 +494,7 @@ class _Rewrite:
                         new = torch.empty_strided(old.shape, old.stride(), dtype=plan.grid.dtype)
                     _set_value(node, new)
                 continue
-            if not all("val" in n.meta for n in node.all_input_nodes):
-                continue
-            args = torch.fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-            with mode:
-                _set_value(node, node.target(*args[0], **args[1]))
+            values.infer(node)
 
 
 def _set_value(node: Node, value: Any) -> None:

@@ -29,6 +29,7 @@ from torch.fx import GraphModule, Node, map_arg
 
 from .._analysis.aliasing import aliased_argument
 from .._analysis.buffers import CONSTANT, PARAMETER, State, state_nodes
+from .._analysis.fake_values import FakeValues, same_static_layout
 from .._analysis.op_schema import (
     argument_value,
     in_dialect_of,
@@ -37,7 +38,6 @@ from .._analysis.op_schema import (
     view_base_index,
 )
 from ..functional_variants import METADATA_VIEWS
-from .fake_values import FakeValues, same_static_layout
 
 __all__ = ["METADATA_MUTATIONS", "MetadataMutations", "normalize_metadata_mutations"]
 

@@ -25,6 +25,7 @@ from torch.fx import Node, map_arg
 from pass_manager import graph_module_of
 
 from .._analysis.buffers import call_graph_names
+from .._analysis.fake_values import is_contiguous, same_metadata, same_strides
 from .._analysis.op_schema import (
     MAYBE_VIEWS,
     METADATA_QUERIES,
@@ -39,7 +40,6 @@ from .._analysis.op_schema import (
 from ..errors import UnsupportedMutationError
 from ..functional_variants import functional_variant
 from .end import VALUE_META, ProgramEnd, fresh_like
-from .fake_values import is_contiguous, same_metadata, same_strides
 from .mutation_checks import check_opaque, check_shared_storage, check_write
 from .overlapping_writes import OverlappingWrites
 from .start import ProgramStart

@@ -16,9 +16,9 @@ from torch.export.graph_signature import OutputSpec
 from torch.fx import Node
 
 from .._analysis.buffers import MUTATION_OUTPUT_KINDS, State, find_mutations, trailing_write_backs
+from .._analysis.fake_values import FakeValues
 from .._analysis.op_schema import target_of
 from .end import fresh_like
-from .fake_values import FakeValues
 from .grad_regions import InlinedRegions, inline_grad_regions
 from .metadata_mutations import MetadataMutations, normalize_metadata_mutations
 
@@ -46,7 +46,7 @@ class ProgramStart:
             inlined.replaced_bodies or inlined.meta_changes
         ):
             scan = find_mutations(program)
-        self.fake = FakeValues(self.graph)
+        self.fake = FakeValues(self.graph, tensor_meta=True)
         # Metadata mutations become views / renames first (logged for undo/commit too).
         metadata = normalize_metadata_mutations(program, self.gm, self.fake, scan.candidates)
         if metadata.new_nodes or metadata.arg_changes or metadata.dead:

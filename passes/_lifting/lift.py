@@ -37,9 +37,9 @@ from torch.fx import Graph, GraphModule, Node
 
 from pass_manager.collector import collector_paused
 
+from .._analysis.fake_values import fake_mode_of, fake_state_value, fill_missing_values, storage_key
 from ..errors import LiftError
 from .calls import call_specs, check_like, module_call_graph, range_constraints
-from .fake_values import fake_mode_of, fake_state_value, fill_missing_values, storage_key
 from .state import LiftedState, export_name, graph_state
 from .write_backs import WriteBack, check_write_back_values, trailing_writes
 

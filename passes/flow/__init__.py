@@ -3,8 +3,9 @@
 * :mod:`~passes.flow.cli`: the command line, its report and exit statuses;
 * :mod:`~passes.flow.factory`: the factory contract (v1 tuple, v2 mapping) and export;
 * :mod:`~passes.flow.run`: export -> passes -> quantization -> delegation -> decode, checked
-  against eager (:func:`run_flow`); its stages live in :mod:`~passes.flow.quantization`
-  (through ``quantize_program``, no re-export), :mod:`~passes.flow.integer_state`
+  against eager (:func:`run_flow`), quantizing through ``quantize_program`` (no re-export)
+  next to torchao's recipe without the passes (:mod:`~passes.flow.quantization`); its
+  other stages live in :mod:`~passes.flow.integer_state`
   (``--quantize-state``), :mod:`~passes.flow.delegation` and
   :mod:`~passes.flow.executorch_stage`; the checks on quantized programs in
   :mod:`~passes.flow.checks`;

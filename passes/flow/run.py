@@ -35,6 +35,7 @@ from ..consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDeleg
 from ..delegation.ownership import program_state
 from ..inplace_to_functional import InplaceToFunctional
 from ..mark_mutable_buffers import MarkMutableBuffers
+from ..quantization import quantize_program
 from ..quantize_mutable_buffers import QuantizeMutableBuffers
 from ..skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from ..unfreeze_mutable_buffer import UnfreezeMutableBuffer
@@ -44,7 +45,7 @@ from .examples import xnnpack_quantizer
 from .factory import Exported, ModelSpec, export_program
 from .integer_state import INTEGER_STATE, integer_state_stage
 from .noise import native_stderr_held
-from .quantization import COLUMN_NOTES, NO_PASSES, RESET, WITH_PASSES, quantize_both_ways
+from .quantization import COLUMN_NOTES, NO_PASSES, RESET, WITH_PASSES, torchao_recipe
 from .result import Check, FlowError, FlowResult, check_same, failure_of, restricted
 
 __all__ = ["Check", "FlowError", "FlowResult", "run_flow", "run_model"]
@@ -285,6 +286,64 @@ def run_flow(
             with native_stderr_held():
                 flow_stage(result, stage, programs, tuple(args), steps, eager)
         return result
+
+
+def quantize_both_ways(
+    stage: Any,
+    exported: torch.export.ExportedProgram,
+    functional: torch.export.ExportedProgram,
+    quantizer_factory: Callable[[], Any],
+    calibration: list,
+    steps: list,
+    pass_options: dict[str, Any] | None = None,
+) -> tuple[dict[str, Trace], dict[str, Any]]:
+    """Quantize ``exported`` without the passes and ``functional`` with them; decode each.
+
+    Without the passes it is torchao's recipe (:func:`~passes.flow.quantization.torchao_recipe`),
+    the reference for today's way: graph modules (which its users re-export to lower them),
+    as calibration left the buffers and reset by hand. With them it is
+    :func:`~passes.quantization.quantize_program`: an ExportedProgram, lifted, not
+    re-traced; its report goes to ``stage.result`` (pass reports and ``quantization``).
+    ``stage`` is the flow's stage runner (titles, timing, per-step progress). Returns the
+    decode traces and the quantized programs by flow name; when torchao's flow fails on
+    its own, only the flow with the passes (and a note saying why). ``pass_options`` are
+    PassManager options for the passes' pipelines.
+    """
+    converted: dict[str, Any] = {}
+
+    def without_passes() -> None:
+        recipe = torchao_recipe(exported, quantizer_factory(), [calibration],
+                                on_call=stage.progress(len(calibration)))
+        converted[NO_PASSES], converted[RESET] = recipe.left, recipe.reset
+
+    def with_passes() -> None:
+        # prepare, calibrate, reset, convert, UnfreezeMutableBuffer, and the lift back into
+        # an ExportedProgram, where torchao's recipe re-exports.
+        quantized, report = quantize_program(
+            copy_program(functional), quantizer_factory(), calibration, return_report=True,
+            on_call=stage.progress(len(calibration)), **(pass_options or {}),
+        )
+        stage.result.reports += report.passes
+        stage.result.quantization = report
+        converted[WITH_PASSES] = quantized
+
+    try:
+        stage("quantize without the passes", without_passes)
+    except FlowError as e:
+        # torchao's own flow failing on this model is no failure of the passes: the flow
+        # goes on with the passes, and the comparisons that need the baseline are skipped.
+        stage.result.failure = None
+        converted.pop(NO_PASSES, None)
+        stage.result.notes.append(
+            f"torchao's flow without the passes failed ({'; '.join(e.failure.lines())}); "
+            "the checks comparing with it are skipped"
+        )
+    stage("quantize with the passes", with_passes)
+    traces = {
+        name: stage(f"decode {name}", lambda program=program: stage.run(program, steps))
+        for name, program in converted.items()
+    }
+    return traces, converted
 
 
 def run_model(model: ModelSpec, **options: Any) -> FlowResult:

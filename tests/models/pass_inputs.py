@@ -23,7 +23,7 @@ from passes import (
 )
 from passes.delegation import AllNodePartitioner, to_delegate
 from passes.flow.examples import AnnotateEveryOpQuantizer, kv_decoder
-from passes.flow.quantization import prepare
+from passes.flow.quantization import torchao_recipe
 
 __all__ = ["PASSES", "inputs_for"]
 
@@ -49,9 +49,8 @@ def _annotated(functional: Any) -> torch.fx.GraphModule:
 def _converted(functional: Any, example: tuple) -> torch.fx.GraphModule:
     """The graph UnfreezeMutableBuffer sees: torchao's flow (no passes, no reset) after one
     calibration call."""
-    prepared = prepare(functional, AnnotateEveryOpQuantizer(), passes=False)
-    prepared.calibrate([[example]])
-    return prepared.convert(copy=False).program
+    return torchao_recipe(functional, AnnotateEveryOpQuantizer(), [[example]],
+                          decompose=False).left
 
 
 def inputs_for(

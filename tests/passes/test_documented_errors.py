@@ -30,7 +30,7 @@ from passes import (
 )
 from passes.delegation import AllNodePartitioner, OpSupportPartitioner, to_delegate
 from passes.flow.examples import xnnpack_quantizer
-from passes.flow.quantization import prepare
+from passes.flow.quantization import torchao_recipe
 from tests.models.accumulators import ReadBeforeUpdate, TwoBuffers
 
 ERRORS = {
@@ -103,9 +103,8 @@ def _sharing_storage() -> torch.export.ExportedProgram:
 @functools.cache
 def _converted_without_provenance() -> torch.fx.GraphModule:
     torch.manual_seed(0)
-    prepared = prepare(_exported(TwoAccumulators().eval()), xnnpack_quantizer(), passes=False)
-    prepared.calibrate([[(torch.randn(1, 4),) for _ in range(3)]])
-    return prepared.convert(copy=False).program
+    return torchao_recipe(_exported(TwoAccumulators().eval()), xnnpack_quantizer(),
+                          [[(torch.randn(1, 4),) for _ in range(3)]], decompose=False).left
 
 
 # The programs the passes meet, each built fresh (passes rewrite what they are given).

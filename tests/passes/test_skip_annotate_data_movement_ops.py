@@ -18,7 +18,7 @@ from passes import (
     conditions,
 )
 from passes.flow.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder
-from passes.flow.quantization import prepare_and_calibrate
+from passes.quantization import quantize_program
 from tests.models.accumulators import Accumulator, accumulator_inputs
 from tests.models.decode import decode
 
@@ -69,9 +69,8 @@ def test_converted_cache_holds_values_on_the_written_value_grid():
     qparams of the value written into it (one set of qparams for value and cache)."""
     model, example = _kv()
     inputs = decode_inputs(model.cfg, 6, seed=3)
-    prepared = prepare_and_calibrate(model, example, AnnotateEveryOpQuantizer(), [inputs],
-                                     passes=True, functional=True)
-    converted = prepared.convert().program
+    converted = quantize_program(torch.export.export(copy.deepcopy(model), example),
+                                 AnnotateEveryOpQuantizer(), inputs)
     index_copy = _node(converted, aten.index_copy.default)
     written_q = index_copy.args[3].args[0]
     cache_q = next(iter(index_copy.users))
@@ -79,7 +78,7 @@ def test_converted_cache_holds_values_on_the_written_value_grid():
     assert written_q.args[1:] == cache_q.args[1:]
     scale, zero_point, qmin, qmax, dtype = written_q.args[1:]
 
-    program = copy.deepcopy(converted)
+    program = copy.deepcopy(converted).module()
     with torch.no_grad():
         for args in inputs:
             program(*args)

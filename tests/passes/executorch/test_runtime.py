@@ -20,6 +20,7 @@ from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
 from pass_manager import PassManager, run_program
+from pass_manager.validation import copy_program
 from passes import InplaceToFunctional, MarkMutableBuffers
 from passes.executorch import (
     BufferOwningPartitioner,
@@ -29,7 +30,7 @@ from passes.executorch import (
 )
 from passes.executorch.runtime import PROGRAM_FORMS, lower_to_pte, output_grid
 from passes.flow.examples import decoder_job, xnnpack_quantizer
-from passes.flow.quantization import prepare
+from passes.quantization import quantize_program
 
 STEPS = 5
 CALLS = 4
@@ -70,10 +71,7 @@ def test_fp32_decode_on_the_runtime(job):
 
 def test_quantized_decode_on_the_runtime(job):
     _, example, steps, functional = job
-    prepared = prepare(functional, xnnpack_quantizer(), passes=True)
-    prepared.calibrate([steps])
-    prepared.reset()
-    quantized = prepared.convert(copy=False).program
+    quantized = quantize_program(copy_program(functional), xnnpack_quantizer(), steps)
     grid = output_grid(quantized)
     assert grid is not None and grid > 0
     expected = run_program(quantized, steps)

@@ -1,5 +1,6 @@
-"""The whole pt2e flow (passes.flow.quantization) on programs with mutable buffers, with real
-torchao; PassQuantizer itself is tested in tests/passes/test_quantization.py.
+"""The main job's two quantizations of programs with mutable buffers, with real torchao:
+torchao's recipe without the passes (passes.flow.quantization) and quantize_program;
+PassQuantizer itself is tested in tests/passes/test_quantization.py.
 
 Each case decodes 10 calls with changing positions and compares outputs and buffers with
 the fp32 eager model. Without the passes the three failures of issue 4 are asserted
@@ -14,13 +15,18 @@ import functools
 import pytest
 import torch
 
+import passes.quantization
+from pass_manager import PassManager
+from pass_manager.validation import copy_program
+from passes import InplaceToFunctional, MarkMutableBuffers
 from passes.flow.examples import (
     AnnotateEveryOpQuantizer,
     decode_inputs,
     kv_decoder,
     xnnpack_quantizer,
 )
-from passes.flow.quantization import prepare_and_calibrate, quantize
+from passes.flow.quantization import torchao_recipe
+from passes.quantization import quantize_program
 from tests.models.accumulators import Accumulator, accumulator_inputs
 from tests.models.decode import decode
 
@@ -50,12 +56,27 @@ def case(name: str):
     return accumulator_case() if name == "accumulator" else kv_case(name)
 
 
-@functools.cache
-def calibrated(model_name: str, quantizer: str, functional: bool):
-    """Prepared with the passes and calibrated on one decode sequence; convert a copy."""
-    model, example, inputs = case(model_name)
-    return prepare_and_calibrate(model, example, QUANTIZERS[quantizer](), [inputs],
-                                 passes=True, functional=functional)
+def exported(model, example, functional: bool = False) -> torch.export.ExportedProgram:
+    """A copy of ``model`` exported (its buffers its own); functional after
+    MarkMutableBuffers + InplaceToFunctional when asked."""
+    program = torch.export.export(copy_program(model), example)
+    if functional:
+        program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program).program
+    return program
+
+
+def with_passes(model, example, quantizer, calibration, *, functional: bool = False,
+                fold: bool = True) -> torch.export.ExportedProgram:
+    """quantize_program on the exported model (in place, or functional already)."""
+    return quantize_program(exported(model, example, functional), quantizer, calibration,
+                            fold=fold)
+
+
+def without_passes(model, example, quantizer, sequences, *, decompose: bool,
+                   fold: bool = True) -> torch.fx.GraphModule:
+    """torchao's recipe, the buffers put back by hand after calibration."""
+    return torchao_recipe(exported(model, example), quantizer, sequences, decompose=decompose,
+                          fold=fold).reset
 
 
 def assert_tracks_fp32(result) -> None:
@@ -74,10 +95,12 @@ def assert_tracks_fp32(result) -> None:
 @pytest.mark.parametrize("quantizer", sorted(QUANTIZERS))
 @pytest.mark.parametrize("model_name", ["index_copy", "index_put", "accumulator"])
 def test_decode_tracks_fp32_with_passes(model_name, quantizer, functional, fold):
-    """Calibrated on one decode sequence (the state reset afterwards)."""
-    model, _, inputs = case(model_name)
-    converted = calibrated(model_name, quantizer, functional).convert(fold_quantize=fold).program
-    assert_tracks_fp32(decode(model, converted, inputs))
+    """Calibrated on one decode sequence (the state reset afterwards), from the in-place
+    program export gives or from its functional form."""
+    model, example, inputs = case(model_name)
+    quantized = with_passes(model, example, QUANTIZERS[quantizer](), inputs,
+                            functional=functional, fold=fold)
+    assert_tracks_fp32(decode(model, quantized, inputs))
 
 
 # -- failure 1: a cache observed on its initial state ---------------------------------------
@@ -91,10 +114,10 @@ def test_cache_observed_on_initial_state_saturates_without_passes(cache_update):
     """
     model, example, inputs = kv_case(cache_update)
     calibration = [[(x, torch.tensor([0]))] for x, _ in inputs]
-    broken = decode(model, quantize(model, example, AnnotateEveryOpQuantizer(), calibration,
-                                    passes=False, functional=True), inputs)
-    fixed = decode(model, quantize(model, example, AnnotateEveryOpQuantizer(), calibration,
-                                   passes=True, functional=True), inputs)
+    broken = decode(model, without_passes(model, example, AnnotateEveryOpQuantizer(),
+                                          calibration, decompose=True), inputs)
+    fixed = decode(model, with_passes(model, example, AnnotateEveryOpQuantizer(),
+                                      [call for (call,) in calibration]), inputs)
     for name in CACHES:
         scale = broken.buffer_scale[name]
         assert broken.worst_buffer_error(name) > 0.9 * scale, f"{name} was not wiped"
@@ -107,26 +130,27 @@ def test_cache_observed_on_initial_state_saturates_without_passes(cache_update):
 @pytest.mark.parametrize("quantizer", sorted(QUANTIZERS))
 def test_accumulator_read_is_frozen_without_passes(quantizer):
     model, example, inputs = accumulator_case()
-    frozen = quantize(model, example, QUANTIZERS[quantizer](), [inputs], passes=False)
+    frozen = without_passes(model, example, QUANTIZERS[quantizer](), [inputs], decompose=False)
     assert any(name.startswith("_frozen_param") and not buf.is_floating_point()
                and buf.shape == model.acc.shape
                for name, buf in frozen.named_buffers()), "no frozen copy of acc"
     stale = decode(model, frozen, inputs)
     assert min(stale.output_errors[2:]) > 10 * stale.output_errors[0]
     assert stale.worst_buffer_error("acc") > 0.5 * stale.buffer_scale["acc"]
-    unfolded = quantize(model, example, QUANTIZERS[quantizer](), [inputs], passes=False,
-                        fold_quantize=False)
+    unfolded = without_passes(model, example, QUANTIZERS[quantizer](), [inputs],
+                              decompose=False, fold=False)
     assert_tracks_fp32(decode(model, unfolded, inputs))  # folding alone breaks it
 
 
 # -- failure 3: calibration leaves its state ------------------------------------------------
-def test_calibration_state_is_left_without_reset():
+def test_calibration_state_is_left_without_reset(monkeypatch):
     model, example, inputs = accumulator_case()
-    calibration = [inputs]
-    left = quantize(model, example, xnnpack_quantizer(), calibration, passes=True, reset=False)
-    reset = quantize(model, example, xnnpack_quantizer(), calibration, passes=True)
-    assert not torch.equal(left.get_buffer("acc"), model.acc)
-    assert torch.equal(reset.get_buffer("acc"), model.acc)
+    reset = with_passes(model, example, xnnpack_quantizer(), inputs)
+    # quantize_program with its reset_mutable_buffers step left out.
+    monkeypatch.setattr(passes.quantization, "reset_mutable_buffers", lambda program: [])
+    left = with_passes(model, example, xnnpack_quantizer(), inputs)
+    assert not torch.equal(left.module().get_buffer("acc"), model.acc)
+    assert torch.equal(reset.module().get_buffer("acc"), model.acc)
     with_left = decode(model, left, inputs)
     with_reset = decode(model, reset, inputs)
     assert with_left.output_errors[0] > 10 * with_reset.output_errors[0]

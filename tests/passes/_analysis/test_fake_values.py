@@ -12,7 +12,7 @@ import torch
 from torch.fx import Graph, GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from passes._functionalization.fake_values import FakeValues
+from passes._analysis.fake_values import FakeValues
 
 aten = torch.ops.aten
 
@@ -56,7 +56,7 @@ def test_new_nodes_get_the_fake_values_of_a_dispatch_also_when_cached():
     cache, _k, pos, row, x = (n for n in graph.nodes if n.op == "placeholder")
     kt = next(n for n in graph.nodes if n.op == "call_function")
     output = next(n for n in graph.nodes if n.op == "output")
-    fake = FakeValues(graph)
+    fake = FakeValues(graph, tensor_meta=True)
     assert fake.mode is cache.meta["val"].fake_mode
     assert not kt.meta["val"].is_contiguous()
     cases = [
@@ -88,7 +88,7 @@ def test_tuple_results_and_the_mode_found_past_inputs_without_fake_values():
     graph = gm.graph
     first, second = (n for n in graph.nodes if n.op == "placeholder")
     del first.meta["val"]  # the mode is read from the next input that has one
-    fake = FakeValues(graph)
+    fake = FakeValues(graph, tensor_meta=True)
     assert fake.mode is second.meta["val"].fake_mode
     output = next(n for n in graph.nodes if n.op == "output")
     add = next(n for n in graph.nodes if n.target is aten.add.Tensor)
@@ -108,7 +108,31 @@ def test_no_fake_values_no_inference():
     node = graph.call_function(aten.add.Tensor, (x, x))
     graph.output(node)
     GraphModule(torch.nn.Module(), graph)
-    fake = FakeValues(graph)
+    fake = FakeValues(graph, tensor_meta=True)
     assert fake.mode is None
     fake.infer(node)
     assert "val" not in node.meta
+
+
+def test_views_and_symbolic_sizes_fall_back_to_fake_tensor_prop():
+    """A view is never keyed: FakeTensorProp gives it a value on its input's storage. An op
+    on a symbolic size gets what FakeTensorProp gives; an input without a value leaves the
+    node without one."""
+    ep = torch.export.export(Ops(), _program()[1], dynamic_shapes=(
+        {0: torch.export.Dim("batch", min=2, max=8)}, None, None, None))
+    graph = ep.graph
+    _cache, k, _pos, row, _x = (n for n in graph.nodes if n.op == "placeholder")
+    output = next(n for n in graph.nodes if n.op == "output")
+    fake = FakeValues(graph)
+    view = _new_node(graph, output, aten.transpose.int, k, 0, 1)
+    assert fake.infer(view)
+    assert view.meta["val"].untyped_storage()._cdata == k.meta["val"].untyped_storage()._cdata
+    assert _metadata(view.meta["val"]) == _metadata(_expected(fake.mode, aten.transpose.int,
+                                                              (k, 0, 1), {}))
+    summed = _new_node(graph, output, aten.sum.dim_IntList, k, [1])
+    assert fake.infer(summed)
+    assert not isinstance(summed.meta["val"].shape[0], int)  # the symbolic batch size
+    assert "tensor_meta" not in summed.meta  # only asked for with tensor_meta=True
+    del row.meta["val"]
+    orphan = _new_node(graph, output, aten.mul.Tensor, row, 2)
+    assert not fake.infer(orphan) and "val" not in orphan.meta

@@ -1,0 +1,467 @@
+"""Fake values (``meta["val"]``) for nodes that lack one or whose inputs changed: the one
+helper of the functionalization engine (each node it creates), the lift (the nodes
+torchao's convert inserts without one, and its frozen constants) and QuantizeMutableBuffers
+(nodes whose buffer became integer).
+
+A node's value is computed from its inputs' recorded values in the graph's fake mode (its
+shape environment included): nothing else of the program runs again, which would be a
+trace. :class:`FakeValues` tries two fast paths, then falls back to torch's
+``FakeTensorProp`` (``run_node`` on that node alone).
+
+A fresh-result op (torchao's quantize / dequantize, a functional cache update) has a result
+whose layout its Meta kernel computes from its inputs' layouts and its other arguments
+alone, so the kernel runs once per distinct such key (on the inputs' fake values, as the
+fake mode runs it) and each node gets a new fake tensor of that layout, built as the fake
+mode's converter wraps a kernel's result: about 0.01 ms a node, against 0.1 ms for a kernel
+run per node and 0.4-1 ms through the mode's dispatch. The scale and zero point of a
+per-tensor (de)quantize, different at every node, are left out of the key: its Meta kernel
+never reads them. Other non-view ops on static shapes (layers of a model repeat the same
+rewrite on the same shapes) are dispatched once per (op, input metadata) and later nodes
+get a fresh fake tensor of that metadata.
+
+Symbolic sizes (a dynamic token dimension) key by their expressions. Their new fake tensor
+takes the kernel's storage size as it is instead of computing it again from the symbolic
+sizes and strides (``empty_strided`` does, in Python ``SymNode`` arithmetic: 0.3 ms a
+node against 0.03 ms), the way torch's nested tensors build theirs
+(``_make_wrapper_subclass(..., storage_size=)``); each still gets a storage of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorMode,
+    in_kernel_invocation_manager,
+)
+from torch.fx import Graph, GraphModule, Node, map_arg
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from ..errors import LiftError
+from .op_schema import facts_of, view_base_index
+
+__all__ = [
+    "FakeValues",
+    "fake_mode_of",
+    "fake_state_value",
+    "fill_missing_values",
+    "graph_fake_mode",
+    "is_contiguous",
+    "same_metadata",
+    "same_static_layout",
+    "same_strides",
+    "static_layout",
+    "storage_key",
+]
+
+_UNKNOWN = object()
+
+
+def graph_fake_mode(graph: Graph) -> FakeTensorMode | None:
+    """The fake mode the graph's values were made in, None if it has no fake value: its
+    first input's (placeholder or ``get_attr``; a graph's inputs share one, and come first,
+    so the graph is not walked), else any other value's."""
+    first = next((v for n in graph.nodes if n.op in ("placeholder", "get_attr")
+                  and isinstance(v := n.meta.get("val"), FakeTensor)), None)
+    if first is None:
+        first = next((v for n in graph.nodes if isinstance(v := n.meta.get("val"), FakeTensor)),
+                     None)
+    return detect_fake_mode([first]) if first is not None else None
+
+
+def fake_mode_of(gm: GraphModule) -> FakeTensorMode:
+    """:func:`graph_fake_mode` of ``gm``'s graph, or a fresh mode (with a shape environment)
+    when it has no fake value."""
+    mode = graph_fake_mode(gm.graph)
+    return mode if mode is not None else FakeTensorMode(shape_env=ShapeEnv())
+
+
+class FakeValues:
+    """Computes nodes' ``meta["val"]`` in the graph's fake mode from their inputs' values.
+
+    ``mode`` is the graph's (:func:`graph_fake_mode`, found on first use) unless given.
+    ``tensor_meta`` also sets ``meta["tensor_meta"]`` on every node given a tensor value;
+    a node that had one gets it refreshed either way.
+    """
+
+    def __init__(self, graph: Graph, mode: Any = _UNKNOWN, *, tensor_meta: bool = False):
+        self._graph = graph
+        self._mode = mode
+        self._tensor_meta = tensor_meta
+        self._layouts: _ResultLayouts | None = None
+        self._static: dict[tuple, tuple[Any, Any]] = {}
+        self._prop: FakeTensorProp | None = None
+
+    @property
+    def mode(self) -> FakeTensorMode | None:
+        """The fake mode values are computed in (None: the graph has no fake values)."""
+        if self._mode is _UNKNOWN:
+            self._mode = graph_fake_mode(self._graph)
+        return self._mode
+
+    def infer(self, node: Node) -> bool:
+        """Set ``node``'s fake value from its inputs'; False (nothing set) when there is no
+        fake mode or an input has no value (a subgraph ``get_attr`` needs none).
+
+        Raises whatever the op raises on these fake inputs.
+        """
+        mode = self.mode
+        if mode is None:
+            return False
+        if self._layouts is None:
+            self._layouts = _ResultLayouts(mode)
+        # The fast path first: it finds each input's value itself, and most nodes take it.
+        val, tensor_meta = self._layouts.value_of(node), None
+        if val is None:
+            if not all("val" in arg.meta or self._subgraph(arg)
+                       for arg in node.all_input_nodes):
+                return False
+            key = _static_key(node)
+            if key is not None and key in self._static:
+                like, tensor_meta = self._static[key]
+                val = _fresh_fake(mode, like)
+            else:
+                val = self._propagate(node, mode)
+                if key is not None:
+                    # TensorMetadata is an immutable tuple: nodes with equal metadata share it.
+                    tensor_meta = (_extract_tensor_metadata(val)
+                                   if isinstance(val, torch.Tensor) else None)
+                    self._static[key] = (val, tensor_meta)
+        node.meta["val"] = val
+        if isinstance(val, torch.Tensor) and (self._tensor_meta or "tensor_meta" in node.meta):
+            node.meta["tensor_meta"] = tensor_meta or _extract_tensor_metadata(val)
+        return True
+
+    def _subgraph(self, node: Node) -> bool:
+        owner = self._graph.owning_module
+        return (node.op == "get_attr" and owner is not None
+                and isinstance(getattr(owner, str(node.target), None), torch.nn.Module))
+
+    def _propagate(self, node: Node, mode: FakeTensorMode) -> Any:
+        """``FakeTensorProp.run_node`` on ``node`` alone, its inputs' values as the
+        environment (a subgraph fetched from the graph's module)."""
+        if self._prop is None:
+            owner = self._graph.owning_module
+            self._prop = FakeTensorProp(
+                owner if isinstance(owner, GraphModule)
+                else GraphModule(torch.nn.Module(), Graph()), mode)
+        prop = self._prop
+        prop.env = {arg: arg.meta["val"] if "val" in arg.meta else prop.fetch_attr(str(arg.target))
+                    for arg in node.all_input_nodes}
+        try:
+            with mode:
+                result = prop.run_node(node)
+        finally:
+            prop.env = {}
+        return node.meta["val"] if result is not None else None
+
+
+def fake_state_value(mode: FakeTensorMode, tensor: torch.Tensor, shares_storage: bool) -> Any:
+    """A fake value for a lifted tensor that has none (a frozen constant): static shapes,
+    as export gives parameters and buffers.
+
+    A plain tensor owning its whole storage alone (``shares_storage`` False: no other
+    lifted tensor uses it) is one new fake tensor of its layout, as the mode's converter
+    would make it (0.01 ms against 0.12 ms: the converter describes every tensor for its
+    memo of storages and views, which such a tensor does not need); any other tensor goes
+    through ``from_tensor``, which keeps views and shared storages shared.
+    """
+    if not shares_storage and _plain(tensor):
+        meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                   device="meta")
+        if meta.untyped_storage().nbytes() == tensor.untyped_storage().nbytes():
+            return FakeTensor(mode, meta, tensor.device)
+    return mode.from_tensor(tensor, static_shapes=True)
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
+    """What identifies ``tensor``'s storage among tensors on its device (None for a
+    tensor subclass or a tensor without one: it is then taken as sharing)."""
+    if (type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type == "meta"
+            or tensor.layout != torch.strided or tensor.untyped_storage().nbytes() == 0):
+        return None
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A dense tensor at the start of its own storage, with nothing the converter would
+    carry over besides its layout (autograd, a subclass, a view's base, lazy bits)."""
+    return (type(tensor) is torch.Tensor and tensor.layout == torch.strided
+            and not tensor.requires_grad and not tensor.is_quantized
+            and not tensor.is_inference() and not tensor.is_conj() and not tensor.is_neg()
+            and tensor._base is None and tensor.storage_offset() == 0)
+
+
+def fill_missing_values(missing: list[Node], gm: GraphModule, mode: FakeTensorMode) -> int:
+    """Give each node of ``missing`` (call_function nodes without a ``val``, in graph order)
+    one, from its inputs' (:class:`FakeValues` in ``mode``; the lift's step).
+
+    ``gm`` holds the subgraphs the nodes' ``get_attr`` inputs name. Returns how many nodes
+    were propagated.
+
+    Raises:
+        LiftError: naming the node, for an input without a fake value or an op that fails on
+            the fake values.
+    """
+    values = FakeValues(gm.graph, mode)
+    for node in missing:
+        try:
+            done = values.infer(node)
+        except Exception as e:  # any failure of the op on fake values is this error
+            raise LiftError(f"cannot compute its fake value ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''})", node.name) from e
+        if not done:
+            arg = next(a for a in node.all_input_nodes if "val" not in a.meta)
+            raise LiftError(f"its input {arg.name} has no fake value", node.name)
+    return len(missing)
+
+
+# Per-tensor (de)quantize ops whose Meta kernel reads neither the scale nor the zero point
+# (torch/ao/quantization/fx/_decomposed.py: an ``empty_like`` of the input in the output
+# dtype, after checks on dtypes and bounds only); by (qualified name, overload).
+_UNREAD_BY_META = {
+    ("quantized_decomposed::quantize_per_tensor", "default"): frozenset({"scale", "zero_point"}),
+    ("quantized_decomposed::dequantize_per_tensor", "default"): frozenset(
+        {"scale", "zero_point"}),
+}
+
+# op -> None (no fast path) or, per positional argument, whether the key leaves it out, and
+# the keyword arguments it leaves out
+_OP_PLANS: dict[Any, tuple[tuple[bool, ...], frozenset[str]] | None] = {}
+
+
+def _plan(op: Any, node: Node) -> tuple[tuple[bool, ...], frozenset[str]] | None:
+    if op in _OP_PLANS:
+        return _OP_PLANS[op]
+    plan = None
+    if isinstance(op, torch._ops.OpOverload):
+        facts = facts_of(node)
+        if (facts is not None and facts.fresh and not facts.may_write and not facts.maybe_view
+                and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta")):
+            unread = _UNREAD_BY_META.get((op.name(), op._overloadname), frozenset())
+            plan = tuple(a.name in unread for a in op._schema.arguments), unread
+    _OP_PLANS[op] = plan
+    return plan
+
+
+class _Unkeyable(Exception):
+    """An argument the layout key cannot hold (a symbolic or foreign value)."""
+
+
+class _Layout(NamedTuple):
+    """A kernel result's layout; sizes are ints or SymInts of the graph's shape env."""
+
+    shape: torch.Size
+    stride: tuple[Any, ...]
+    dtype: torch.dtype
+    nbytes: Any  # its storage's size in bytes
+
+
+class _ResultLayouts:
+    """Fake values of fresh-result nodes, from their op's Meta kernel run once per (op,
+    input layouts, other arguments)."""
+
+    def __init__(self, mode: FakeTensorMode) -> None:
+        self.mode = mode
+        self.known: dict[tuple, _Layout | None] = {}
+
+    def value_of(self, node: Node) -> FakeTensor | None:
+        """``node``'s fake value, or None where the fast path does not apply."""
+        keyed = self.key_of(node)
+        if keyed is None:
+            return None
+        key, device = keyed
+        try:
+            layout = self.known[key]
+        except KeyError:
+            layout = self.known[key] = _run_meta_kernel(node, self.mode)
+        except TypeError:  # an unhashable argument: the kernel runs for this node alone
+            layout = _run_meta_kernel(node, self.mode)
+        if layout is None:
+            return None
+        return _fresh_fake_tensor(self.mode, layout, device)
+
+    def key_of(self, node: Node) -> tuple[tuple, torch.device] | None:
+        """What ``node``'s result layout depends on (op, input layouts, other arguments)
+        and the device of its inputs, or None where the fast path does not apply."""
+        plan = _plan(node.target, node)
+        if plan is None:
+            return None
+        left_out, unread = plan
+        devices: set[torch.device] = set()
+        key: list[Any] = [node.target]
+        try:
+            for i, arg in enumerate(node.args):
+                key.append(None if i < len(left_out) and left_out[i]
+                           else self._key(arg, devices))
+            for name, arg in node.kwargs.items():
+                key.append((name, None if name in unread else self._key(arg, devices)))
+        except _Unkeyable:
+            return None
+        if len(devices) != 1:
+            return None
+        return tuple(key), devices.pop()
+
+    def _key(self, value: Any, devices: set[torch.device]) -> Any:
+        if isinstance(value, Node):
+            v = value.meta.get("val")
+            if not isinstance(v, FakeTensor) or v.fake_mode is not self.mode:
+                raise _Unkeyable
+            devices.add(v.fake_device)
+            if not v._has_symbolic_sizes_strides:
+                return v.shape, v.stride(), v.storage_offset(), v.dtype, v.fake_device
+            return (tuple(map(_size_key, v.shape)), tuple(map(_size_key, v.stride())),
+                    _size_key(v.storage_offset()), v.dtype, v.fake_device)
+        if isinstance(value, (list, tuple)):
+            return type(value), tuple(self._key(v, devices) for v in value)
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor)):
+            raise _Unkeyable
+        return type(value), value  # 1, 1.0 and True key apart
+
+
+def _size_key(size: Any) -> Any:
+    """A size as a key: an int, or a symbolic size's expression (equal expressions are
+    equal sizes)."""
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
+def _run_meta_kernel(node: Node, mode: FakeTensorMode) -> _Layout | None:
+    """The layout of ``node``'s result as its op's Meta kernel gives it on the inputs'
+    fake values (as the fake mode runs kernels), or None if the kernel fails or gives no
+    single meta tensor at offset 0 (the general path then reports or handles it)."""
+    args, kwargs = map_arg((node.args, node.kwargs), lambda arg: arg.meta["val"])
+    try:
+        with in_kernel_invocation_manager(mode):
+            result = node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the general path reports the failure
+        return None
+    if (type(result) is not torch.Tensor or result.device.type != "meta"
+            or result.storage_offset() != 0):
+        return None
+    return _Layout(result.shape, result.stride(), result.dtype,
+                   result.untyped_storage().nbytes())
+
+
+class _MetaLayout(torch.Tensor):
+    """The type ``_make_wrapper_subclass`` needs to build a meta tensor of a given layout
+    and storage size; only ever wrapped at once into a FakeTensor."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        raise LiftError(f"{func} reached a layout carrier, which runs no op")
+
+
+def _fresh_fake_tensor(mode: FakeTensorMode, layout: _Layout, device: torch.device
+                       ) -> FakeTensor:
+    """A new fake tensor of ``layout`` on a storage of its own, as the fake mode wraps a
+    kernel's result. On static sizes ``empty_strided`` gives the meta tensor when its
+    storage is the layout's size (2 us less than the carrier); otherwise the meta tensor is
+    built with its storage size given, so symbolic sizes cost no arithmetic, then wrapped
+    (its ``detach`` below the Python key: the carrier dispatches nothing)."""
+    if isinstance(layout.nbytes, int):
+        meta = torch.empty_strided(layout.shape, layout.stride, dtype=layout.dtype,
+                                   device="meta")
+        if meta.untyped_storage().nbytes() == layout.nbytes:
+            return FakeTensor(mode, meta, device)
+    meta = torch.Tensor._make_wrapper_subclass(
+        _MetaLayout, layout.shape, layout.stride, 0, dtype=layout.dtype, device="meta",
+        storage_size=layout.nbytes)
+    with torch._C._DisableTorchDispatch():
+        return FakeTensor(mode, meta, device)
+
+
+def _static_key(node: Node) -> tuple | None:
+    """A key for the fake result of a non-view op with static shapes (the op and its inputs'
+    metadata), else None. Views are never keyed: their result shares its input's storage."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or view_base_index(node) is not None:
+        return None
+    try:
+        args, kwargs = map_arg((node.args, node.kwargs), lambda arg: arg.meta["val"])
+        # The op by identity: an OpOverload hashes in Python, the rest of the key in C.
+        key = (id(target), _key_of(args), _key_of(kwargs) if kwargs else ())
+        hash(key)
+    except (KeyError, TypeError, _Dynamic):
+        return None
+    return key
+
+
+class _Dynamic(Exception):
+    """A symbolic size, stride or scalar: no static key."""
+
+
+def _key_of(value: Any) -> Any:
+    # A hand-rolled flatten: pytree's generic one costs more than the dispatch it saves.
+    if isinstance(value, torch.Tensor):
+        shape, stride = value.shape, value.stride()
+        for d in (*shape, *stride):
+            if not isinstance(d, int):
+                raise _Dynamic
+        return (shape, stride, value.dtype, value.device)
+    if isinstance(value, (tuple, list)):
+        return (type(value), *(_key_of(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, *((k, _key_of(v)) for k, v in value.items()))
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise _Dynamic
+    return (type(value), value)
+
+
+def _fresh_fake(mode: Any, like: Any) -> Any:
+    """A new fake tensor (or tuple of them) with the metadata of ``like``."""
+    if isinstance(like, (tuple, list)):
+        return type(like)(_fresh_fake(mode, v) for v in like)
+    if not isinstance(like, torch.Tensor):
+        return like
+    meta = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
+    return FakeTensor(mode, meta, like.device)
+
+
+# -- layouts of nodes' fake values -------------------------------------------------------
+def static_layout(node: Node) -> tuple | None:
+    """The shape, strides and storage offset of the node's fake tensor, flattened, when it
+    has one and all are static integers (else None)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    layout = (*val.shape, *val.stride(), val.storage_offset())
+    return layout if all(isinstance(x, int) for x in layout) else None
+
+
+def same_static_layout(a: Node, b: Node) -> bool:
+    """Whether both nodes' fake tensors are known to have one shape, strides and offset
+    (False when either is unknown or symbolic)."""
+    layout = static_layout(a)
+    return layout is not None and layout == static_layout(b)
+
+
+def same_strides(a: Node, b: Node) -> bool:
+    """Same strides (True when unknown: no fake values or symbolic strides)."""
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+        return True
+    strides = (*va.stride(), *vb.stride())
+    return not all(isinstance(x, int) for x in strides) or va.stride() == vb.stride()
+
+
+def same_metadata(old: list[Node], new: list[Node]) -> bool:
+    """Inputs whose fake values agree in everything but storage (static shapes only)."""
+    return len(old) == len(new) and all(
+        same_static_layout(a, b) and _dtype_device(a) == _dtype_device(b)
+        for a, b in zip(old, new, strict=True))
+
+
+def _dtype_device(node: Node) -> tuple:
+    val = node.meta["val"]
+    return val.dtype, val.device
+
+
+def is_contiguous(node: Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_contiguous()
