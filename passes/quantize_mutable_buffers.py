@@ -265,6 +265,7 @@ class _Rewrite:
         self.writers = {p.root: [self.index[w.node] for w in p.writes if w.output is None]
                         for p in plans}
         self.ints: dict[Node, Node] = {}
+        self.storing: Grid | None = None  # the grid of the buffer a write stores into
         self.created: set[Node] = set()
         self.resolve = resolver(program, scan)
         self.stores = {w.node for p in plans for w in p.writes if w.output is None}
@@ -282,8 +283,10 @@ class _Rewrite:
     def run(self) -> None:
         direct = self._direct_reads()  # decided before anything changes
         for plan in self.plans:  # every write stores the integers
+            self.storing = plan.grid
             for write in plan.writes:
                 self._store(write)
+        self.storing = None
         for node, source in direct:
             self.reads_integers.update(node.users)
             node.replace_all_uses_with(self.int_of(source))
@@ -313,6 +316,8 @@ class _Rewrite:
         if dequantize_grid(node, self.resolve) is not None:
             self.ints[node] = node.args[0]
             return node.args[0]
+        if node in self.flow.zero_fills:
+            return self._zero_point_fill(node)
         schema = node.target._schema
         args, kwargs = list(node.args), dict(node.kwargs)
         for i in value_operands(node):
@@ -327,6 +332,21 @@ class _Rewrite:
             mirror = self._call(node.target, tuple(args), kwargs, like=node)
         self.ints[node] = mirror
         return mirror
+
+    def _zero_point_fill(self, zeros: Node) -> Node:
+        """The integers of a tensor of zeros on the grid being stored: its zero point."""
+        grid = self.storing
+        if grid is None or grid.per_channel:
+            raise QuantizedStateError(zeros.name, "a tensor of zeros stored on a per-channel "
+                                      "grid (one zero point per channel) is not supported")
+        value = zeros.meta["val"]
+        size = zeros.args[0] if zeros.target is torch.ops.aten.zeros.default else list(
+            value.shape)
+        with self.graph.inserting_after(zeros):
+            fill = self._call(torch.ops.aten.full.default, (size, int(grid.zero_point)),
+                              {"dtype": grid.dtype, "device": value.device}, like=zeros)
+        self.ints[zeros] = fill
+        return fill
 
     def _call(self, target: Any, args: tuple, kwargs: dict, like: Node) -> Node:
         new = self.graph.call_function(target, args, kwargs)

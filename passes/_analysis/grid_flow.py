@@ -178,6 +178,8 @@ class GridFlow:
         """Nodes whose value is computed from an assumed buffer's contents."""
         self.sources: list[tuple[Node, Grid]] = []
         """The dequantize nodes met, with their grids."""
+        self.zero_fills: set[Node] = set()
+        """Tensors of zeros a write starts from (a prefill's fresh cache): on any grid."""
 
     def grid(self, node: Any) -> Result:
         if not isinstance(node, Node):
@@ -198,6 +200,11 @@ class GridFlow:
             return found
         if node.op != "call_function":
             return Refusal(node.name, f"{node.op} {node.target}, not a quantized value")
+        if is_zero_fill(node):
+            # Zero lies on every grid pt2e makes (it is the grid's zero point): a fresh
+            # cache of zeros that a prefill writes its keys into is stored as integers too.
+            self.zero_fills.add(node)
+            return WILD
         target = node.target
         if target in MOVES:
             return self._moved(node, self.grid(node.args[0]))
@@ -297,6 +304,22 @@ def _into_destination(node: Node, src: Grid) -> Any:
                   aten._unsafe_index_put.default) and given[0] == moved:
         return _LOST
     return src.on_axis(moved)
+
+
+_ZERO_FILLS = {aten.zeros.default: None, aten.zeros_like.default: None,
+               aten.new_zeros.default: None, aten.full.default: 1, aten.full_like.default: 1,
+               aten.new_full.default: 2}
+
+
+def is_zero_fill(node: Node) -> bool:
+    """``node`` makes a float tensor of zeros (``zeros``, ``full(..., 0)``, ...)."""
+    if node.op != "call_function" or node.target not in _ZERO_FILLS:
+        return False
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return False
+    index = _ZERO_FILLS[node.target]
+    return index is None or (len(node.args) > index and node.args[index] == 0)
 
 
 def _unify(node: Node, a: Result, b: Result) -> Result:

@@ -123,13 +123,21 @@ def buffer_observers(model: GraphModule, observer_of: Mapping[Any, Any],
         index = _written_value_index(node)
         if index is None or index >= len(node.args):
             continue
-        value, consumer = node.args[index], node
+        pending = [(node.args[index], node)]
         seen: set[Node] = set()
-        while isinstance(value, Node) and value not in contents and value not in seen:
-            seen.add(value)  # the written value, and what it carries on, back to its producer
+        while pending:  # the written value, and what it carries on, back to its producers
+            value, consumer = pending.pop()
+            if not isinstance(value, Node) or value in contents or value in seen:
+                continue
+            seen.add(value)
             add(found.grid, fqn, (value, consumer))
             add(found.grid, fqn, value)
-            value, consumer = _carried(value), value
+            pending.append((_carried(value), value))
+            # A write into a fresh tensor (a prefill's index_copy into zeros) carries the
+            # values it writes too.
+            written = _written_value_index(value)
+            if written is not None and written < len(value.args):
+                pending.append((value.args[written], value))
     return found
 
 

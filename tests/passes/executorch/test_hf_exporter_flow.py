@@ -30,7 +30,6 @@ import torch
 
 from pass_manager import PassManager
 from passes import InplaceToFunctional, InputsToBuffers, MarkMutableBuffers, QuantizeMutableBuffers
-from passes.errors import SharedBufferError
 from passes.examples import xnnpack_quantizer
 from passes.executorch import run_methods_on_runtime
 from passes.executorch.runtime import output_grid, within_grid_steps
@@ -154,7 +153,7 @@ def test_quantized_logits_on_the_runtime_within_one_grid_step_of_python(llama, l
     for index, (difference, (method, _, _)) in enumerate(
             zip(worst(expected, run.outputs), llama.calls, strict=True)):
         assert within_grid_steps(difference, grids[method]), (index, difference, grids)
-    _assert_shared_resident_cache(run)  # the caches stay float32 (see the xfail below)
+    _assert_shared_resident_cache(run)  # fp32-stored caches here; int8 below
 
 
 def test_quantize_mutable_buffers_stores_the_decodes_caches_as_int8(llama_quantized):
@@ -167,13 +166,6 @@ def test_quantize_mutable_buffers_stores_the_decodes_caches_as_int8(llama_quanti
     assert all(found[n].dtype == torch.int8 for n in CACHES)
 
 
-@pytest.mark.xfail(strict=True, raises=SharedBufferError, reason=(
-    "QuantizeMutableBuffers leaves the prefill's caches float32: after InputsToBuffers "
-    "(created=...) the prefill writes index_copy(zeros(...), 2, positions, dequantized keys) "
-    "into each cache, and the pass refuses a write computed by zeros.default ('not data "
-    "movement of a dequantized value') although zero lies on every affine grid; the decode's "
-    "caches become int8, so the pass on both methods (what quantize_methods(quantize_state="
-    "True) runs) raises SharedBufferError (the methods disagree on the caches' dtype)"))
 def test_quantize_mutable_buffers_stores_both_methods_caches_as_int8(llama_quantized):
     stored = PassManager([QuantizeMutableBuffers()]).run(copy.deepcopy(dict(llama_quantized)))
     for program in stored.programs.values():
