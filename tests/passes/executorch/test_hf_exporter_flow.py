@@ -166,10 +166,32 @@ def test_quantize_mutable_buffers_stores_the_decodes_caches_as_int8(llama_quanti
     assert all(found[n].dtype == torch.int8 for n in CACHES)
 
 
-def test_quantize_mutable_buffers_stores_both_methods_caches_as_int8(llama_quantized):
+def test_both_methods_store_their_caches_as_int8(llama_quantized):
     stored = PassManager([QuantizeMutableBuffers()]).run(copy.deepcopy(dict(llama_quantized)))
     for program in stored.programs.values():
         assert state_bytes(program, CACHES) == FP32_CACHE_BYTES // 4
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "ExecuTorch's runtime fails the int8-stored HF methods: aten::index_put.out reads an "
+    "index far out of bounds ('Index 2025524839466146844 is out of bounds for input "
+    "dimension 2 with size 16', error 0x12) in the prefill; the same methods compute "
+    "exactly in Python and with fp32 caches on the runtime; cause not found yet"))
+def test_both_methods_int8_caches_run_from_one_pte_like_python(llama, llama_quantized):
+    """Both methods store the caches as int8 (the prefill writes them into a fresh tensor of
+    zeros, which lies on every grid), one .pte plans them once at a quarter of the bytes,
+    and the runtime computes what the int8-stored methods compute in Python."""
+    stored = PassManager([QuantizeMutableBuffers()]).run(copy.deepcopy(dict(llama_quantized)))
+    methods = {name: run.program for name, run in stored.items()}
+    for program in methods.values():
+        assert state_bytes(program, CACHES) == FP32_CACHE_BYTES // 4
+    run = _runtime(methods, llama.calls)
+    assert run.memory.shared_bytes == FP32_CACHE_BYTES // 4 + COUNTER_BYTES
+    expected = run_sharing_state(methods, llama.calls)
+    grids = {name: output_grid(ep) for name, ep in methods.items()}
+    for difference, (method, _, _) in zip(worst(expected, run.outputs), llama.calls,
+                                          strict=True):
+        assert within_grid_steps(difference, grids[method]), (difference, grids)
 
 
 def test_quantize_mutable_buffers_says_why_it_leaves_cache_inputs_float(llama):
