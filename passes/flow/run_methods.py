@@ -37,6 +37,7 @@ from ..quantize_mutable_buffers import QuantizeMutableBuffers
 from .examples import xnnpack_quantizer
 from .factory import Exported, MethodsSpec, export_methods
 from .integer_state import dequantized_state, storage_of
+from .noise import native_stderr_held
 from .quantized_graphs import output_grid
 from .result import Check, FlowResult, restricted
 from .run import EXPORT_ATOL, EXPORT_RTOL, _Stages
@@ -110,7 +111,8 @@ def run_methods_flow(
                                                       reference, options)
             lowered.append(("quantized", quantized, reference))
         if runtime == "executorch":
-            _runtime_stage(stage, result, lowered, calls, eager)
+            with native_stderr_held():  # ExecuTorch's native CPU probe, among others
+                _runtime_stage(stage, result, lowered, calls, eager)
     return result
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["InputCache", "input_cache_calls", "input_cache_methods"]
+__all__ = ["InputCache", "WritesItsInput", "input_cache_calls", "input_cache_methods"]
 
 SEQ, DIM, PREFILL = 8, 6, 4
 
@@ -53,3 +53,11 @@ def input_cache_methods(seed: int = 0):
         programs = {method: torch.export.export(module, args, kwargs)
                     for method, (args, kwargs) in examples.items()}
     return module, programs
+
+
+class WritesItsInput(torch.nn.Module):
+    """The smallest input-carried state: ``cache += x``, returning ``2 * cache``."""
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.add_(x)
+        return cache * 2

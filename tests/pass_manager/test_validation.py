@@ -23,6 +23,7 @@ from pass_manager.validation import (
     output_errors,
     run_program,
 )
+from tests.models.input_state import WritesItsInput
 
 
 class KeywordDecoder(torch.nn.Module):
@@ -153,17 +154,11 @@ def test_error_sizes_per_call():
     assert [round(step["cache"], 6) for step in per_call] == [0.5, 0.5, 0.5]
 
 
-class _WritesItsInput(torch.nn.Module):
-    def forward(self, x, cache):
-        cache.add_(x)
-        return cache * 2
-
-
 def test_state_carried_in_an_input_carries_across_calls_and_the_caller_keeps_its_tensor():
     """Input-carried state (Hugging Face's exporter passes its caches so): the calls share
     one copy of the tensor they all pass, as eager does, and the caller's stays as it was."""
     cache = torch.zeros(3)
     expected = [[2.0] * 3, [4.0] * 3, [6.0] * 3]
-    trace = run_program(_WritesItsInput(), [((torch.ones(3), cache), {})] * 3)
+    trace = run_program(WritesItsInput(), [((torch.ones(3), cache), {})] * 3)
     assert [out[0].tolist() for out in trace.outputs] == expected
     assert cache.tolist() == [0.0] * 3

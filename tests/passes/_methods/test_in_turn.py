@@ -9,6 +9,7 @@ import torch
 
 from pass_manager import ValidationInputError
 from passes._methods.in_turn import run_methods
+from tests.models.input_state import WritesItsInput
 
 
 class Counter(torch.nn.Module):
@@ -75,17 +76,11 @@ def test_share_by_name_refuses_buffers_of_one_name_that_cannot_be_one_tensor():
         run_methods(programs, [("many", (torch.ones(4, 3),), {})], share_by_name=True)
 
 
-class _WritesItsInput(torch.nn.Module):
-    def forward(self, x, cache):
-        cache.add_(x)
-        return cache * 2
-
-
 def test_state_carried_in_an_input_carries_across_calls_and_the_caller_keeps_its_tensor():
     """Input-carried state (Hugging Face's exporter passes its caches so): the calls share
     one copy of the tensor they all pass, as eager does, and the caller's stays as it was."""
     cache = torch.zeros(3)
-    trace = run_methods({"step": _WritesItsInput()},
+    trace = run_methods({"step": WritesItsInput()},
                         [("step", (torch.ones(3), cache), {})] * 3)
     assert [out[0].tolist() for out in trace.outputs] == [[2.0] * 3, [4.0] * 3, [6.0] * 3]
     assert cache.tolist() == [0.0] * 3
