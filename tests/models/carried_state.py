@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.models.hf import seeded
+
 __all__ = [
     "Decode",
     "InPlaceCache",
@@ -35,12 +37,7 @@ LENGTH = 8
 
 
 def _linear(seed: int) -> torch.nn.Linear:
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        return torch.nn.Linear(DIM, DIM)
-    finally:
-        torch.random.set_rng_state(state)
+    return seeded(lambda: torch.nn.Linear(DIM, DIM), seed)
 
 
 class InPlaceCache(torch.nn.Module):

@@ -15,10 +15,10 @@ MAX_CACHE = 16
 STEPS = 8
 
 
-def seeded(build):
-    """``build()`` under torch's seed 0, the caller's random state kept."""
+def seeded(build, seed: int = 0):
+    """``build()`` under torch's ``seed``, the caller's random state kept."""
     state = torch.random.get_rng_state()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     try:
         return build()
     finally:

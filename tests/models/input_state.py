@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.models.hf import seeded
+
 __all__ = ["InputCache", "WritesItsInput", "input_cache_calls", "input_cache_methods"]
 
 SEQ, DIM, PREFILL = 8, 6, 4
@@ -16,13 +18,8 @@ class InputCache(torch.nn.Module):
 
     def __init__(self, seed: int = 0):
         super().__init__()
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(seed)
-        try:
-            self.value = torch.nn.Linear(DIM, DIM)
-            self.query = torch.nn.Linear(DIM, DIM)
-        finally:
-            torch.random.set_rng_state(generator_state)
+        self.value, self.query = seeded(
+            lambda: (torch.nn.Linear(DIM, DIM), torch.nn.Linear(DIM, DIM)), seed)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         cache.index_copy_(0, pos, self.value(x))

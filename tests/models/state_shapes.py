@@ -15,18 +15,15 @@ from typing import Any
 
 import torch
 
+from tests.models.hf import seeded
+
 __all__ = ["CASES", "Case", "state_of", "stateless"]
 
 DIM, LENGTH = 4, 6
 
 
 def _linear(seed: int) -> torch.nn.Linear:
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        return torch.nn.Linear(DIM, DIM)
-    finally:
-        torch.random.set_rng_state(state)
+    return seeded(lambda: torch.nn.Linear(DIM, DIM), seed)
 
 
 class ShiftingWindow(torch.nn.Module):

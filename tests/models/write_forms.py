@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.models.hf import seeded
+
 __all__ = ["WRITE_FORMS", "write_form_calls", "write_form_methods"]
 
 SEQ, DIM, PREFILL = 8, 6, 4
@@ -18,13 +20,8 @@ SEQ, DIM, PREFILL = 8, 6, 4
 class _CacheModel(torch.nn.Module):
     def __init__(self, seed: int = 0):
         super().__init__()
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(seed)
-        try:
-            self.value = torch.nn.Linear(DIM, DIM)
-            self.query = torch.nn.Linear(DIM, DIM)
-        finally:
-            torch.random.set_rng_state(generator_state)
+        self.value, self.query = seeded(
+            lambda: (torch.nn.Linear(DIM, DIM), torch.nn.Linear(DIM, DIM)), seed)
         self.register_buffer("cache", torch.zeros(SEQ, DIM))
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
