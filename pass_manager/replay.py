@@ -112,7 +112,7 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
     if not manifest["replayable"]:
         because = manifest["not_replayable_because"]
         raise ArchiveError(folder, because, f"{folder} cannot be replayed: {because}; its "
-                           "program.pt and program.txt still show the program the pass met")
+                           "program files and program.txt still show the program the pass met")
     _check_modules(manifest["modules"], manifest_file, trusted)  # all, before importing any
     # The folders of the user's own passes, only with trust: an untrusted manifest must
     # not put a folder of its choosing before this library's packages on sys.path.
@@ -122,7 +122,10 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
     for module in manifest["modules"]:
         importlib.import_module(module)
     passes = parse_passes(manifest["pipeline"])
-    program = load_program(folder / "program.pt", trusted=trusted)
+    program_file = folder / "program.pt2"
+    if not program_file.exists():
+        program_file = folder / "program.pt"  # pickled
+    program = load_program(program_file, trusted=trusted)
     instruments = default_instruments(manifest["strict"])
     if manifest["validation"]:
         validation_file = folder / "validation.pt"

@@ -1,3 +1,3 @@
-"""The two file formats behind :mod:`pass_manager.archive` (its one interface):
-``exported`` (read without running code from the file, checked by ``untrusted``) and
-``pickled`` (read only when the caller trusts the file)."""
+"""What :mod:`pass_manager.archive` builds on: the fx-aware pickler (``pickled``, read only
+when the caller trusts the file) and the checks that let a ``torch.export`` archive from
+someone else be read without running code from it (``untrusted``)."""

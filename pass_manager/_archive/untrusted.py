@@ -27,6 +27,7 @@ import math
 import operator
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import sympy
@@ -159,10 +160,12 @@ def _code_strings(value: Any, path: str) -> Iterator[str]:
         yield f"{path}: {value[:80]!r}"
 
 
-def archive_refusals(data: bytes) -> list[str]:
-    """Why the ``torch.export.save`` archive ``data`` is not read without trust ([] if it is)."""
+def archive_refusals(path: str | Path) -> list[str]:
+    """Why the ``torch.export.save`` archive at ``path`` is not read without trust ([] if
+    it is)."""
     try:
-        return _refusals(PT2ArchiveReader(io.BytesIO(data)))
+        with PT2ArchiveReader(str(path)) as reader:
+            return _refusals(reader)
     except Exception as e:  # noqa: BLE001 - what cannot be checked is not read untrusted
         return [f"it cannot be checked as a torch.export archive ({type(e).__name__}: {e})"]
 

@@ -3,14 +3,15 @@
 ``PassManager(..., instruments=[Reproducer(PATH)])``: When a
 pass fails (any PassManagerError), it writes a fresh folder under PATH holding:
 
-* ``program.pt``: the program as the failing pass was given it (the rollback has already
-  restored it), node meta included (:mod:`pass_manager.archive`). An ExportedProgram is
-  saved in the ``exported`` format (torch.export.save inside a file of plain data), which
-  loads without running code from the file; a node meta entry that is not plain data
-  (torch's ``original_aten``, an observer) is left out and listed in the manifest's
-  ``not_saved``. A GraphModule, or an ExportedProgram that format cannot hold (a delegate
-  call, a tensor subclass in its state), is ``pickled``, with everything, and loading a
-  pickle runs the code it names;
+* ``program.pt2`` and ``program.state.pt``: the program as the failing pass was given it
+  (the rollback has already restored it), saved by :func:`~pass_manager.archive.save_program`.
+  An ExportedProgram is its ``torch.export.save`` archive (tensors as stand-ins) and a
+  file of plain data (its tensors, and the node meta torch.export does not keep: the
+  passes' marks), which load without running code from the folder; a node meta entry
+  that is not plain data (torch's ``original_aten``, an observer) is left out and listed
+  in the manifest's ``not_saved``. A GraphModule, or an ExportedProgram torch.export.save
+  cannot hold (a delegate call, a tensor subclass in its state), is ``program.pt``, a
+  pickle with all of its meta, and loading a pickle runs the code it names;
 * ``program.txt``: the same program as readable text;
 * ``manifest.json``: the pass, its place, the pipeline text that builds it with its
   options, the modules defining its passes and the folders they were imported from
@@ -90,18 +91,6 @@ def _pipeline_of(pass_: Any) -> tuple[str | None, list[str], str]:
     return text, modules, ""
 
 
-_SAVED_AS = {
-    "exported": (
-        "program.pt: the {form} as plain data for torch.load(weights_only=True) holding its "
-        "torch.export.save archive, its tensors and the node meta torch.export does not keep; "
-        "load with pass_manager.load_program (no code from the file runs)"
-    ),
-    "pickled": (
-        "program.pt: the {form} pickled by torch.save with pass_manager's fx pickler (graph as "
-        "node records with their meta, tensor data as torch.save storages); load with "
-        "pass_manager.load_program(path, trusted=True): reading a pickle runs code it names"
-    ),
-}
 # The packages of this distribution (setup.cfg): a replay imports their modules untrusted.
 LIBRARY_PACKAGES = ("pass_manager", "passes")
 
@@ -210,7 +199,9 @@ class Reproducer(Instrumentation):
         safe = "".join(c if c.isalnum() else "_" for c in record.name)[:40]
         folder = Path(tempfile.mkdtemp(prefix=f"{record.index}-{safe}-", dir=self.directory))
         pipeline, modules, not_replayable = _pipeline_of(pass_)
-        saved = save_program(program, folder / "program.pt")
+        saved = save_program(program, folder / "program.pt2")
+        if saved.needs_trust:  # a pickle, not a torch.export archive: named as one
+            saved.path.rename(folder / "program.pt")
         (folder / "program.txt").write_text(program_text(program))
         message = str(error)
         (folder / "error.txt").write_text(f"{type(error).__name__}: {message}\n\n{trace}")
@@ -236,7 +227,6 @@ class Reproducer(Instrumentation):
             "error_message": message,
             "form": form,
             "program_format": saved.format,
-            "saved_as": _SAVED_AS[saved.format].format(form=form),
             "pickled_because": saved.pickled_because,
             "not_saved": saved.dropped,
             "not_restored_before_saving": list(error.unrestored),

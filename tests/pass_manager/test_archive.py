@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import zipfile
 
 import pytest
@@ -22,7 +23,7 @@ from pass_manager import (
     save_program,
 )
 from pass_manager._archive.untrusted import graph_refusals
-from pass_manager.archive import load_data, save_data
+from pass_manager.archive import load_data, save_data, state_file
 from pass_manager.program import program_text
 from tests.models.accumulators import Accumulate
 
@@ -68,10 +69,14 @@ def test_an_exported_program_loads_without_trust_with_its_meta_and_state(tmp_pat
     acc = next(n for n in ep.graph.nodes if n.name == "b_acc")
     acc.meta["mutable_buffer"] = "acc"  # what a pass writes: carried beside the archive
     acc.meta["mutable_buffer_initial"] = torch.zeros(4)
-    saved = save_program(ep, tmp_path / "program.pt")
+    saved = save_program(ep, tmp_path / "program.pt2")
     assert (saved.format, saved.pickled_because, saved.needs_trust) == ("exported", "", False)
+    # The archive is torch.export.save's own (its tensors stand-ins, the data beside it).
+    archived = torch.export.load(tmp_path / "program.pt2")
+    assert program_text(archived) == program_text(ep)
+    assert all(t.is_meta for t in archived.state_dict.values())
 
-    loaded = load_program(tmp_path / "program.pt")
+    loaded = load_program(tmp_path / "program.pt2")
     assert isinstance(loaded, torch.export.ExportedProgram)
     assert program_text(loaded) == program_text(ep)
     mark = next(n for n in loaded.graph.nodes if n.name == "b_acc").meta
@@ -84,10 +89,19 @@ def test_an_exported_program_loads_without_trust_with_its_meta_and_state(tmp_pat
 def test_a_dynamic_shape_program_loads_without_trust(tmp_path):
     ep = torch.export.export(_Window(), (torch.ones(3),),
                              dynamic_shapes=({0: Dim("n", max=4)},))
-    assert save_program(ep, tmp_path / "program.pt").format == "exported"
-    loaded = load_program(tmp_path / "program.pt")
+    assert save_program(ep, tmp_path / "program.pt2").format == "exported"
+    loaded = load_program(tmp_path / "program.pt2")
     calls = [(torch.ones(2),), (torch.ones(4),)]
     assert first_difference(run_program(ep, calls), run_program(loaded, calls)) is None
+
+
+def test_a_pickle_in_place_of_the_state_file_is_refused_without_trust(tmp_path):
+    marker = tmp_path / "marker"
+    save_program(torch.export.export(Accumulate(), CALLS[0]), tmp_path / "program.pt2")
+    state_file(tmp_path / "program.pt2").write_bytes(_pickle_of(_RunsCode(marker)))
+    with pytest.raises(UntrustedFileError) as info:
+        load_program(tmp_path / "program.pt2")
+    assert info.value.path == tmp_path / "program.state.pt" and not marker.exists()
 
 
 def test_a_graph_module_is_pickled_and_read_only_with_trust(tmp_path):
@@ -114,18 +128,16 @@ def test_a_crafted_pickle_is_refused_without_trust_and_runs_with_it(tmp_path):
     assert marker.exists()
 
 
-def _rewrite_archive(path, edit) -> bytes:
-    """The program file at ``path`` with its torch.export archive's entries edited."""
-    container = torch.load(path, weights_only=True)
-    source = zipfile.ZipFile(io.BytesIO(container["program"]))
-    crafted = io.BytesIO()
-    with zipfile.ZipFile(crafted, "w") as target:
+def _rewrite_archive(path, edit, target):
+    """Copy the program at ``path`` (its archive and state file) to ``target``, the
+    archive's entries edited."""
+    source = zipfile.ZipFile(path)
+    with zipfile.ZipFile(target, "w") as crafted:
         for entry in source.infolist():
             root, name = entry.filename.split("/", 1)
             for new_name, content in edit(name, source.read(entry.filename)).items():
-                target.writestr(f"{root}/{new_name}", content)
-    container["program"] = crafted.getvalue()
-    return container
+                crafted.writestr(f"{root}/{new_name}", content)
+    shutil.copy(state_file(path), state_file(target))
 
 
 def _input_name(code):
@@ -213,25 +225,24 @@ def test_an_archive_crafted_to_run_code_is_refused_before_torch_reads_it(attack,
         ep = torch.export.export(_Window(), (torch.ones(3),),
                                  dynamic_shapes=({0: Dim("n", max=4)},))
         call = ((torch.ones(3),), {})
-    save_program(ep, tmp_path / "program.pt")
-    crafted = _rewrite_archive(tmp_path / "program.pt", edit(code))
-    torch.save(crafted, tmp_path / "crafted.pt")
+    save_program(ep, tmp_path / "program.pt2")
+    _rewrite_archive(tmp_path / "program.pt2", edit(code), tmp_path / "crafted.pt2")
 
     with pytest.raises(UntrustedFileError) as info:
-        load_program(tmp_path / "crafted.pt")
+        load_program(tmp_path / "crafted.pt2")
     assert not marker.exists()
-    assert info.value.path == tmp_path / "crafted.pt" and "--trust" in str(info.value)
+    assert info.value.path == tmp_path / "crafted.pt2" and "--trust" in str(info.value)
 
     # The attack is real: torch.export.load, or the forward it generates, runs the code.
     try:
-        torch.export.load(io.BytesIO(crafted["program"])).module().forward(*call[0], **call[1])
+        torch.export.load(tmp_path / "crafted.pt2").module().forward(*call[0], **call[1])
     except Exception:  # noqa: BLE001 - the code ran before the archive failed
         pass
     assert marker.exists()
 
 
 def test_an_archive_with_an_entry_save_program_does_not_write_is_refused(tmp_path):
-    save_program(torch.export.export(Accumulate(), CALLS[0]), tmp_path / "program.pt")
+    save_program(torch.export.export(Accumulate(), CALLS[0]), tmp_path / "program.pt2")
 
     def add_compiled_code(name, content):
         entries = {name: content}
@@ -239,10 +250,9 @@ def test_an_archive_with_an_entry_save_program_does_not_write_is_refused(tmp_pat
             entries["data/aotinductor/model/model.so"] = b"\x7fELF"
         return entries
 
-    torch.save(_rewrite_archive(tmp_path / "program.pt", add_compiled_code),
-               tmp_path / "crafted.pt")
+    _rewrite_archive(tmp_path / "program.pt2", add_compiled_code, tmp_path / "crafted.pt2")
     with pytest.raises(UntrustedFileError) as info:
-        load_program(tmp_path / "crafted.pt")
+        load_program(tmp_path / "crafted.pt2")
     assert "data/aotinductor/model/model.so" in str(info.value)
 
 

@@ -66,7 +66,11 @@ def test_failing_pass_writes_a_folder_that_replays_the_error(form, tmp_path):
     # The saved program is the one the pass was given (rolled back), and still runs. An
     # ExportedProgram is saved in the safe format; a GraphModule is pickled (needs trust).
     assert manifest["program_format"] == ("exported" if form == "ExportedProgram" else "pickled")
-    saved = load_program(folder / "program.pt", trusted=form == "GraphModule")
+    assert sorted(f.name for f in folder.iterdir() if f.name.startswith("program.")) == (
+        ["program.pt2", "program.state.pt", "program.txt"] if form == "ExportedProgram"
+        else ["program.pt", "program.txt"])
+    program_file = folder / ("program.pt2" if form == "ExportedProgram" else "program.pt")
+    saved = load_program(program_file, trusted=form == "GraphModule")
     assert isinstance(saved, torch.export.ExportedProgram) == (form == "ExportedProgram")
     assert program_text(saved) == before
     x = [(torch.ones(4),), (torch.full((4,), 2.0),)]
@@ -161,7 +165,7 @@ class _RunsCode:
         return exec, (f"open({self.marker!r}, 'w').write('ran')",)
 
 
-@pytest.mark.parametrize("file", ["program.pt", "validation.pt"])
+@pytest.mark.parametrize("file", ["program.pt2", "validation.pt"])
 def test_a_crafted_pickle_in_a_reproducer_is_refused_without_trust(file, tmp_path):
     folder = _library_reproducer(tmp_path / "out")
     marker = tmp_path / "marker"
@@ -256,7 +260,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     grown = peak() - before
     resident = rss()
     copy = bytes(memoryview(model.cache.numpy()))  # the measure sees one copy of the state
-    print(grown, rss() - resident, (folder / "program.pt").stat().st_size)
+    print(grown, rss() - resident, sum(f.stat().st_size for f in folder.iterdir()))
     """
 )
 
