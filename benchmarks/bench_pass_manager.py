@@ -11,15 +11,101 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
+from typing import Any, NamedTuple
 
 import torch
+from torch.export import ExportedProgram
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 from torch.fx.passes.infra.pass_manager import PassManager as TorchPassManager
 
 from pass_manager import Condition, PassManager, function_pass
 from pass_manager._rollback.snapshot import Snapshot
 from pass_manager.benchmarking import time_call
-from pass_manager.program import fingerprint
+from pass_manager.program import graph_module_of
+
+# The digest the manager once measured change with (it compares against its rollback
+# record now): kept here as the reference cost the snapshot column is read against.
+# Meta entries that describe values or provenance rather than program structure; they
+# are costly to hash and no pass's correctness claim depends on their identity.
+_UNHASHED_META = frozenset(
+    {
+        "val",
+        "tensor_meta",
+        "example_value",
+        "stack_trace",
+        "nn_module_stack",
+        "source_fn_stack",
+        "from_node",
+        "seq_nr",
+        "original_aten",
+        "torch_fn",
+        "unbacked_bindings",
+        "custom",
+        "fwd_nn_module_stack",
+        "fwd_source_fn_stack",
+    }
+)
+
+
+def _meta_token(value: Any) -> str:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return f"tensor@{id(value)}"
+    if isinstance(value, (list, tuple)) and len(value) <= 16:
+        return "(" + ",".join(_meta_token(v) for v in value) + ")"
+    try:
+        return repr(value)
+    except Exception:  # noqa: BLE001 - a meta value whose repr fails still counts as "some object"
+        return f"{type(value).__name__}@{id(value)}"
+
+
+def _tensor_token(t: torch.Tensor) -> str:
+    return f"{id(t)}:{t._version}:{tuple(t.shape)}:{t.dtype}"
+
+
+class Fingerprint(NamedTuple):
+    """Digests of a program: ``code`` covers what recompile() depends on, ``state`` the rest."""
+
+    code: str
+    state: str
+
+
+def fingerprint(program: Any) -> Fingerprint:
+    """A structural digest: graph (ops, targets, args, meta), module state, signature.
+
+    Two programs with equal fingerprints run the same code on the same state objects.
+    Tensor *contents* enter through identity and the in-place version counter, so an
+    in-place update of a buffer by a pass is seen without hashing its data.
+    """
+    gm = graph_module_of(program)
+    code = hashlib.blake2b(digest_size=16)
+    h = hashlib.blake2b(digest_size=16)
+    for node in gm.graph.nodes:
+        code.update(f"{node.op}|{node.name}|{node.target}|{node.args}|{node.kwargs}\n".encode())
+        meta = ";".join(
+            f"{k}={_meta_token(v)}" for k, v in node.meta.items() if k not in _UNHASHED_META
+        )
+        h.update(f"{node.name}|{meta}\n".encode())
+    for name, module in gm.named_modules():
+        for key, value in module.__dict__.items():
+            if isinstance(value, torch.Tensor):
+                h.update(f"{name}.{key}={_tensor_token(value)}\n".encode())
+        for kind in ("_buffers", "_parameters"):
+            for key, value in getattr(module, kind, {}).items():
+                token = _tensor_token(value) if value is not None else "None"
+                h.update(f"{name}.{kind}.{key}={token}\n".encode())
+        h.update(f"{name}:{type(module).__name__}\n".encode())
+    if isinstance(program, ExportedProgram):
+        h.update(repr(program.graph_signature).encode())
+        for key, value in program.state_dict.items():
+            h.update(f"state.{key}={_tensor_token(value)}\n".encode())
+        for key, value in program.constants.items():
+            token = _tensor_token(value) if isinstance(value, torch.Tensor) else id(value)
+            h.update(f"const.{key}={token}\n".encode())
+    return Fingerprint(code.hexdigest(), h.hexdigest())
+
 
 OPS = (torch.ops.aten.relu.default, torch.ops.aten.neg.default, torch.ops.aten.sin.default)
 

@@ -238,6 +238,8 @@ class UntrustedFileError(ArchiveError):
             "trusted=True to load_program / load_reproducer / replay, or --trust to "
             "python -m pass_manager replay",
         )
+
+
 class ValidationInputError(PassManagerError, TypeError):
     """The inputs given to check what the program computes (``SemanticValidation(inputs)``)
     do not fit the program, found before any pass runs.

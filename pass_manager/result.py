@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from .program import graph_module_of
 
@@ -35,6 +34,3 @@ class PassResult:
     @property
     def graph_module(self) -> torch.fx.GraphModule:
         return graph_module_of(self.program)
-
-    def to_torch(self) -> TorchPassResult:
-        return TorchPassResult(self.graph_module, bool(self.modified))

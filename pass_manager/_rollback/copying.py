@@ -111,7 +111,8 @@ def same(value: Any, recorded: Any, depth: int = 0) -> bool:
 
 
 def equal(a: Any, b: Any) -> bool:
-    """Equal values assigned anew (``node.args = tuple(node.args)``) are no change."""
+    """``a == b`` (lists compare in C, identity first); values that cannot compare (fake
+    tensors, whose truth value is undefined) are not equal."""
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - values that cannot compare (tensors) count as changed

@@ -12,17 +12,9 @@ from typing import Any
 
 from torch.export.graph_signature import ExportGraphSignature
 
-from .copying import same
+from .copying import equal, same
 
-__all__ = ["ObjectsRecord", "SignatureRecord", "equal_lists"]
-
-
-def equal_lists(a: list, b: list) -> bool:
-    """``a == b`` compared in C (identity first); values that cannot compare: not equal."""
-    try:
-        return a == b
-    except Exception:  # noqa: BLE001 - e.g. fake tensors, whose truth value is undefined
-        return False
+__all__ = ["ObjectsRecord", "SignatureRecord"]
 
 
 class SignatureRecord:
@@ -44,9 +36,9 @@ class SignatureRecord:
         specs = [*signature.input_specs, *signature.output_specs]
         return not (
             len(signature.input_specs) == len(self.inputs)
-            and equal_lists(specs, self.inputs + self.outputs)
-            and equal_lists(list(map(vars, specs)), self.fields)
-            and equal_lists([vars(s.arg) for s in specs], self.arg_fields)
+            and equal(specs, self.inputs + self.outputs)
+            and equal(list(map(vars, specs)), self.fields)
+            and equal([vars(s.arg) for s in specs], self.arg_fields)
         )
 
     def rebuilt(self) -> ExportGraphSignature:
@@ -119,7 +111,7 @@ class ObjectsRecord:
 
     def changed(self) -> bool:
         now = [obj.copy() if isinstance(obj, list) else obj.__dict__ for obj, _ in self.items]
-        return not equal_lists(now, [contents for _, contents in self.items])
+        return not equal(now, [contents for _, contents in self.items])
 
     def restore(self) -> None:
         for obj, contents in self.items:

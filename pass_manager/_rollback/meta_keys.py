@@ -13,16 +13,13 @@ the full snapshot and checks all of it instead (:func:`undeclared_edits`).
 
 from __future__ import annotations
 
-import copy
-import operator
 from typing import Any
 
 import torch
 
-from ..analysis import node_fields
 from ..program import graph_module_of, program_text
-from .copying import MISSING, meta_entries
-from .snapshot import Change, rebuild_graph
+from .copying import MISSING
+from .snapshot import Change, GraphRecord
 
 __all__ = ["MetaKeysSnapshot", "undeclared_edits"]
 
@@ -36,19 +33,13 @@ class MetaKeysSnapshot:
     def __init__(self, program: Any, keys: frozenset[str]):
         self.program = program
         self._gm = graph_module_of(program)
-        self._graph = self._gm.graph
-        self._nodes = list(self._graph.nodes)
-        self._fields = node_fields(self._nodes)
-        self._tracer_cls = self._graph._tracer_cls
-        self._codegen = copy.copy(self._graph._codegen)
-        metas = list(map(operator.attrgetter("meta"), self._nodes))
-        self._metas = metas
-        self._values = {key: meta_entries(metas, key) for key in keys}
+        self._graph = GraphRecord(self._gm.graph, copy_values=False, meta_keys=keys)
 
     def measured(self, program: Any, after: bool) -> tuple[torch.fx.Graph, list, list | None]:
         """The graph, its nodes and (before the pass) their fields, for the stamps of the
         checks and of the pass's own cached analyses (``analysis.unchanged``)."""
-        return graph_module_of(program).graph, self._nodes, None if after else self._fields
+        record = self._graph
+        return graph_module_of(program).graph, record._nodes, None if after else record._fields
 
     def written(self) -> list[str]:
         return []  # tensors are not recorded: the declaration says none are touched
@@ -58,58 +49,35 @@ class MetaKeysSnapshot:
 
     def added_or_removed_nodes(self, program: Any) -> list[str]:
         """Nodes the pass added or removed (what this record cannot undo)."""
-        graph = graph_module_of(program).graph
-        nodes = list(graph.nodes)
-        if graph is self._graph and nodes == self._nodes:
+        graph, recorded = graph_module_of(program).graph, self._graph._nodes
+        if not self._graph.nodes_changed(graph):
             return []
-        before, after = set(self._nodes), set(nodes)
+        nodes = list(graph.nodes)
+        before, after = set(recorded), set(nodes)
         return sorted([f"added {n.name}" for n in nodes if n not in before]
-                      + [f"removed {n.name}" for n in self._nodes if n not in after]
+                      + [f"removed {n.name}" for n in recorded if n not in after]
                       or ["the graph object was replaced"])
 
     def compare(self, program: Any, written: list[str] | None = None) -> Change:
-        metas = self._metas
-        if not all(map(operator.is_, map(operator.attrgetter("meta"), self._nodes), metas)):
-            return Change(False, True)  # a node's meta dict replaced
-        changed = any(
-            meta_entries(metas, key) != values
-            for key, values in self._values.items()
-        )
-        return Change(False, changed or program is not self.program)
+        return Change(False, self._graph.meta_changed() or program is not self.program)
 
     def unrestorable_changes(self) -> list[str]:
         return []  # nodes added or removed: the graph is rebuilt from the recorded nodes
 
-    def _nodes_changed(self) -> bool:
-        graph = self._gm.graph
-        return graph is not self._graph or list(graph.nodes) != self._nodes
-
-    def _rebuilt(self) -> torch.fx.Graph:
-        return rebuild_graph(self._tracer_cls, self._codegen, self._nodes, self._fields,
-                             self._metas)
-
     @property
     def text(self) -> str:
         """The program as it was (its code changes only if the pass broke its declaration)."""
-        if not self._nodes_changed():
+        if not self._graph.nodes_changed(self._gm.graph):
             return program_text(self.program)
-        text = str(self._rebuilt())
+        text = str(self._graph.rebuild())
         signature = getattr(self.program, "graph_signature", None)
         return text if signature is None else f"{text}\n{signature}"
 
     def restore(self) -> None:
-        rebuild = self._nodes_changed()
-        for node, meta in zip(self._nodes, self._metas, strict=True):
-            if node.meta is not meta:
-                node.meta = meta
-        for key, values in self._values.items():
-            for meta, value in zip(self._metas, values, strict=True):
-                if value is MISSING:
-                    meta.pop(key, None)
-                else:
-                    meta[key] = value
+        rebuild = self._graph.nodes_changed(self._gm.graph)
+        self._graph.restore_entries()
         if rebuild:  # after the metas: the rebuilt nodes get copies of them as restored
-            self._gm.graph = self._rebuilt()
+            self._gm.graph = self._graph.rebuild()
             self._gm.recompile()
 
 

@@ -24,10 +24,10 @@ from ..analysis import node_fields
 from ..collector import collector_paused
 from ..program import graph_module_of, modules_of
 from .copying import MISSING, copy_value, equal, is_container, meta_entries, same
-from .export_state import ObjectsRecord, SignatureRecord, equal_lists
+from .export_state import ObjectsRecord, SignatureRecord
 from .state import TENSOR, ModulesRecord, TensorsRecord, same_dicts
 
-__all__ = ["Change", "Snapshot", "rebuild_graph"]
+__all__ = ["Change", "GraphRecord", "Snapshot"]
 
 # Meta entries that hold values or provenance: kept by reference (the meta dict itself
 # is copied, so replacing them is still undone). Passes replace these, never edit them in
@@ -51,7 +51,7 @@ _SHARED_META = frozenset(
 )
 
 
-class _GraphRecord:
+class GraphRecord:
     """The nodes of a graph as plain records; a graph is rebuilt from them only on demand.
 
     Per node: the node, its fields and its meta entries, by reference (built and compared
@@ -96,7 +96,7 @@ class _GraphRecord:
             return True
         current = node_fields(nodes)
         self.after = (nodes, current)
-        if equal_lists(current, self._fields):
+        if equal(current, self._fields):
             return False
         # Equal values assigned anew (``node.args = tuple(node.args)``) are no change.
         return not all(
@@ -111,7 +111,7 @@ class _GraphRecord:
                 return True  # a node's meta dict replaced
             if any(meta_entries(self._meta, k) != v for k, v in self._entries.items()):
                 return True
-        elif not equal_lists([n.meta for n in nodes], self._meta):
+        elif not equal([n.meta for n in nodes], self._meta):
             return True
         return not all(
             same(nodes[i].meta.get(k, MISSING), c)
@@ -140,41 +140,42 @@ class _GraphRecord:
                     meta[key] = value
         return metas
 
+    def nodes_changed(self, graph: torch.fx.Graph) -> bool:
+        """Nodes added, removed or reordered, or the graph replaced (not their fields)."""
+        return graph is not self.graph or list(graph.nodes) != self._nodes
+
+    def restore_entries(self) -> None:
+        """With ``meta_keys``: each node's meta dict, and the recorded entries in it, back."""
+        for node, meta in zip(self._nodes, self._meta, strict=True):
+            if node.meta is not meta:
+                node.meta = meta
+        for key, values in (self._entries or {}).items():
+            for meta, value in zip(self._meta, values, strict=True):
+                if value is MISSING:
+                    meta.pop(key, None)
+                else:
+                    meta[key] = value
+
     def rebuild(self) -> torch.fx.Graph:
-        return rebuild_graph(self._tracer_cls, self._codegen, self._nodes, self._fields,
-                             self._recorded_metas(), self._copies)
-
-
-def rebuild_graph(tracer_cls: Any, codegen: Any, nodes: list[torch.fx.Node],
-                  fields: list[tuple], metas: list[dict],
-                  copies: dict[int, dict] | None = None) -> torch.fx.Graph:
-    """A new graph of the recorded nodes: ``fields`` as :func:`~.analysis.node_fields`
-    measured them (arguments still naming the recorded ``nodes``), a copy of each meta
-    in ``metas`` plus copies of the values in ``copies`` (node index -> key -> value)."""
-    graph = torch.fx.Graph(tracer_cls=tracer_cls)
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for i, (old, (name, op, target, args, kwargs, type_), items) in enumerate(
-        zip(nodes, fields, metas, strict=True)
-    ):
-        new = graph.create_node(
-            op,
-            target,
-            torch.fx.node.map_arg(args, env.__getitem__),
-            torch.fx.node.map_arg(kwargs, env.__getitem__),
-            name=name,
-            type_expr=type_,
-        )
-        new.meta = dict(items)  # a copy: the record may be restored again
-        if copies:
-            new.meta.update((k, copy_value(v)) for k, v in copies.get(i, {}).items())
-        env[old] = new
-    graph._codegen = copy.copy(codegen)
-    return graph
-
-
-def _same_entries(mapping: dict, recorded: dict) -> bool:
-    """The same keys in the same order, holding the very same objects (C loops)."""
-    return same_dicts([mapping], [recorded])
+        """A new graph of the recorded nodes, fields and (copies of their) meta."""
+        graph = torch.fx.Graph(tracer_cls=self._tracer_cls)
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        for i, (old, (name, op, target, args, kwargs, type_), items) in enumerate(
+            zip(self._nodes, self._fields, self._recorded_metas(), strict=True)
+        ):
+            new = graph.create_node(
+                op,
+                target,
+                torch.fx.node.map_arg(args, env.__getitem__),
+                torch.fx.node.map_arg(kwargs, env.__getitem__),
+                name=name,
+                type_expr=type_,
+            )
+            new.meta = dict(items)  # a copy: the record may be restored again
+            new.meta.update((k, copy_value(v)) for k, v in self._copies.get(i, {}).items())
+            env[old] = new
+        graph._codegen = copy.copy(self._codegen)
+        return graph
 
 
 class Change(NamedTuple):
@@ -212,7 +213,7 @@ class Snapshot:
         self.program = program
         gm = graph_module_of(program)
         self._gm = gm
-        self._graph = _GraphRecord(gm.graph, copy_meta_values, meta_keys)
+        self._graph = GraphRecord(gm.graph, copy_meta_values, meta_keys)
         self._modules = ModulesRecord(modules_of(gm))
         tensors = self._modules.tensors()
         named = self._modules.named_tensors
@@ -276,9 +277,9 @@ class Snapshot:
         the modules and, for an ExportedProgram, its signature, state and call graph."""
         items, copies = self._gm_meta
         if (
-            not equal_lists(list(self._gm.meta.items()), list(items))
+            not equal(list(self._gm.meta.items()), list(items))
             or not all(same(self._gm.meta.get(k, MISSING), c) for k, c in copies.items())
-            or self._modules_changed()
+            or self._modules.changed()
         ):
             return True
         if self._ep_state is None:
@@ -286,16 +287,13 @@ class Snapshot:
         state = self._ep_state
         return not (
             not state["_graph_signature"].changed(program._graph_signature)
-            and _same_entries(program._state_dict, state["_state_dict"])
-            and _same_entries(program._constants, state["_constants"])
+            and same_dicts([program._state_dict], [state["_state_dict"]])
+            and same_dicts([program._constants], [state["_constants"]])
             and program._module_call_graph is state["_module_call_graph"]
             and not state["_call_graph_record"].changed()
             and program._range_constraints == state["_range_constraints"]
             and program._verifiers == state["_verifiers"]
         )
-
-    def _modules_changed(self) -> bool:
-        return self._modules.changed()
 
     def written(self) -> list[str]:
         """Tensors whose data was written in place since the snapshot (version counter)."""
