@@ -31,7 +31,7 @@ from torch.export import ExportedProgram
 
 from .program import graph_module_of, modules_of
 
-__all__ = ["Same", "Stamp", "cached", "invalidate", "node_fields", "unchanged"]
+__all__ = ["Same", "Stamp", "cached", "equal", "invalidate", "node_fields", "unchanged"]
 
 T = TypeVar("T")
 
@@ -107,11 +107,12 @@ def _measure(graph: torch.fx.Graph) -> _Measure:
     return found if found is not None else _Measure(graph)
 
 
-def _same_records(a: list[tuple], b: list[tuple]) -> bool:
-    """Compared in C, identity first; a value that cannot compare (a fake tensor) differs."""
+def equal(a: Any, b: Any) -> bool:
+    """``a == b`` (lists compare in C, identity first); values that cannot compare (fake
+    tensors, whose truth value is undefined) are not equal."""
     try:
-        return a == b
-    except Exception:  # noqa: BLE001 - e.g. a replaced fake tensor: the stamp does not match
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. a replaced fake tensor: counted as a change
         return False
 
 
@@ -168,8 +169,8 @@ class Stamp:
         measure = _measure(graph)
         return (
             measure.nodes == self._nodes  # Node equality is identity: a C loop
-            and _same_records(measure.fields, self._records)
-            and _same_records(measure.values(), self._vals)
+            and equal(measure.fields, self._records)
+            and equal(measure.values(), self._vals)
         )
 
     def matches(self, program: Any) -> bool:

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["MISSING", "copy_value", "equal", "is_container", "meta_entries", "same", "shallow"]
+from ..analysis import equal
+
+__all__ = ["MISSING", "copy_value", "is_container", "meta_entries", "same", "shallow"]
 
 MISSING = object()
 
@@ -104,19 +106,7 @@ def same(value: Any, recorded: Any, depth: int = 0) -> bool:
         )
     if isinstance(value, (torch._C.TensorBase, torch.fx.Node)):
         return False
-    try:
-        return bool(value == recorded)
-    except Exception:  # noqa: BLE001 - an object that cannot compare counts as changed
-        return False
-
-
-def equal(a: Any, b: Any) -> bool:
-    """``a == b`` (lists compare in C, identity first); values that cannot compare (fake
-    tensors, whose truth value is undefined) are not equal."""
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - values that cannot compare (tensors) count as changed
-        return False
+    return equal(value, recorded)  # an object that cannot compare counts as changed
 
 
 def shallow(obj: Any) -> Any:

@@ -12,7 +12,8 @@ from typing import Any
 
 from torch.export.graph_signature import ExportGraphSignature
 
-from .copying import equal, same
+from ..analysis import equal
+from .copying import same
 
 __all__ = ["ObjectsRecord", "SignatureRecord"]
 

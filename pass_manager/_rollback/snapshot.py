@@ -20,10 +20,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.export import ExportedProgram
 
-from ..analysis import node_fields
+from ..analysis import equal, node_fields
 from ..collector import collector_paused
 from ..program import graph_module_of, modules_of
-from .copying import MISSING, copy_value, equal, is_container, meta_entries, same
+from .copying import MISSING, copy_value, is_container, meta_entries, same
 from .export_state import ObjectsRecord, SignatureRecord
 from .state import TENSOR, ModulesRecord, TensorsRecord, same_dicts
 
