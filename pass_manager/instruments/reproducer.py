@@ -200,8 +200,9 @@ class Reproducer(Instrumentation):
         folder = Path(tempfile.mkdtemp(prefix=f"{record.index}-{safe}-", dir=self.directory))
         pipeline, modules, not_replayable = _pipeline_of(pass_)
         saved = save_program(program, folder / "program.pt2")
-        if saved.needs_trust:  # a pickle, not a torch.export archive: named as one
-            saved.path.rename(folder / "program.pt")
+        program_file = saved.path
+        if saved.needs_trust:  # a pickle, not a torch.export archive: not named as one
+            program_file = saved.path.rename(folder / "program.pt")
         (folder / "program.txt").write_text(program_text(program))
         message = str(error)
         (folder / "error.txt").write_text(f"{type(error).__name__}: {message}\n\n{trace}")
@@ -226,6 +227,7 @@ class Reproducer(Instrumentation):
             "error_type": f"{type(error).__module__}.{type(error).__qualname__}",
             "error_message": message,
             "form": form,
+            "program_file": program_file.name,
             "program_format": saved.format,
             "pickled_because": saved.pickled_because,
             "not_saved": saved.dropped,

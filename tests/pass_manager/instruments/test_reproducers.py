@@ -69,7 +69,8 @@ def test_failing_pass_writes_a_folder_that_replays_the_error(form, tmp_path):
     assert sorted(f.name for f in folder.iterdir() if f.name.startswith("program.")) == (
         ["program.pt2", "program.state.pt", "program.txt"] if form == "ExportedProgram"
         else ["program.pt", "program.txt"])
-    program_file = folder / ("program.pt2" if form == "ExportedProgram" else "program.pt")
+    program_file = folder / manifest["program_file"]
+    assert program_file.suffix == (".pt2" if form == "ExportedProgram" else ".pt")
     saved = load_program(program_file, trusted=form == "GraphModule")
     assert isinstance(saved, torch.export.ExportedProgram) == (form == "ExportedProgram")
     assert program_text(saved) == before
