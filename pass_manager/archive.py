@@ -208,6 +208,8 @@ def _load_exported(path: Path, trusted: bool) -> ExportedProgram:
     if not trusted and (refusals := archive_refusals(path)):
         raise UntrustedFileError(path, EXPORTED, "; ".join(refusals))
     state_path = state_file(path)
+    if not state_path.exists():
+        raise ArchiveError(state_path, f"it is missing; save_program writes it beside {path.name}")
     _, state = _read(state_path, trusted, lambda p: torch.load(str(p), weights_only=False))
     if not (isinstance(state, dict) and set(state) == _STATE_KEYS
             and all(isinstance(v, dict) for v in state.values())):

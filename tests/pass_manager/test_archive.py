@@ -104,6 +104,14 @@ def test_a_pickle_in_place_of_the_state_file_is_refused_without_trust(tmp_path):
     assert info.value.path == tmp_path / "program.state.pt" and not marker.exists()
 
 
+def test_an_exported_program_without_its_state_file_is_an_archive_error(tmp_path):
+    save_program(torch.export.export(Accumulate(), CALLS[0]), tmp_path / "program.pt2")
+    state_file(tmp_path / "program.pt2").unlink()
+    with pytest.raises(ArchiveError, match="missing") as info:
+        load_program(tmp_path / "program.pt2")
+    assert info.value.path == tmp_path / "program.state.pt"
+
+
 def test_a_graph_module_is_pickled_and_read_only_with_trust(tmp_path):
     gm = torch.export.export(Accumulate(), CALLS[0]).module()
     saved = save_program(gm, tmp_path / "program.pt")
