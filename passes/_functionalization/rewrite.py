@@ -13,7 +13,7 @@ view whose root has moved on replays the chain on the current value. Ops reading
 written tensor's storage or layout, not only its values, are re-addressed in the root's
 new value or read an original node's layout. At the output, each mutated buffer / input
 gets its final value as a mutation output (ExportedProgram) or a trailing ``copy_``
-(GraphModule); on success the replaced nodes go, on failure the new ones.
+(GraphModule); on success the replaced nodes go.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ from .._analysis.op_schema import (
 from ..errors import UnsupportedMutationError
 from ..functional_variants import functional_variant
 from .element_overlap import overlaps_itself
-from .grad_regions import InlinedRegions, inline_grad_regions
-from .metadata_mutations import MetadataMutations, normalize_metadata_mutations
+from .grad_regions import inline_grad_regions
+from .metadata_mutations import normalize_metadata_mutations
 from .mutation_checks import check_opaque, check_shared_storage, check_write
 from .overlapping_writes import needs_written_positions, written_positions
 from .view_inverse import view_steps, write_back_chain
@@ -81,28 +81,25 @@ _PLURAL = {PARAMETER: "parameters", BUFFER: "buffers", USER_INPUT: "user inputs"
 class Rewrite:
     """One functionalization of one program: ``Rewrite(program)`` prepares it (and says
     whether it ``has_writes``), :meth:`run` rewrites it in place, :meth:`commit` erases
-    the nodes it replaced and installs the new signature; :meth:`undo` instead removes
-    what :meth:`run` (or the preparation) added."""
+    the nodes it replaced and installs the new signature. Both change the program as they
+    go: a failure leaves it half-rewritten, for the caller's rollback record to restore
+    (InplaceToFunctional's ``call``)."""
 
     def __init__(self, program: Any):
         self.program = program
         self.is_ep = isinstance(program, ExportedProgram)
         self.gm = graph_module_of(program)
         self.graph = self.gm.graph
-        inlined, metadata = self._prepare(program)
+        inlined_dead, metadata_dead = self._prepare(program)
         self.cur: dict[Node, Node] = {}
         self.version: dict[Node, int] = {}
         self.value: dict[Node, tuple[Node, int]] = {}
         self.memo: dict[tuple, Node] = {}
         self.last_writer: dict[Node, Node] = {}
         self.multi_results: dict[Node, list[Node | None]] = {}
-        self.new_nodes: list[Node] = inlined.new_nodes + metadata.new_nodes
-        self.arg_changes: list[tuple[Node, tuple, dict]] = (
-            inlined.arg_changes + metadata.arg_changes)
-        self.fake_changes: list[tuple[Node, Any]] = []
         self.dead: list[Node] = []
         # Erased first: they read nodes that die too.
-        self.inlined_dead = inlined.dead + metadata.dead
+        self.inlined_dead = inlined_dead + metadata_dead
         # Roots whose shape/strides a write changed: their storage order is not eager's.
         self.relaid: set[Node] = set(self.state_views)
         self.stale: list[Node] = []  # original nodes whose users now read a new node
@@ -114,28 +111,26 @@ class Rewrite:
         self.notes: list[str] = []
         self.statistics: Counter[str] = Counter()  # what the rewrite did, for the report
         self.statistics.update(f"metadata mutations as views or renames: {m.target}"
-                               for m in metadata.dead)
+                               for m in metadata_dead)
 
     # -- before the walk ---------------------------------------------------------------
-    def _prepare(self, program: Any) -> tuple[InlinedRegions, MetadataMutations]:
+    def _prepare(self, program: Any) -> tuple[list[Node], list[Node]]:
         """Inline state-writing grad-mode regions, turn metadata mutations into views and
-        read the program's state, roots and outputs from the mutation scan; the logs of the
-        first two steps are returned (their changes join the rewrite's undo log)."""
+        read the program's state, roots and outputs from the mutation scan; the nodes the
+        first two steps replaced are returned (erased on commit)."""
         _repair_use_lists(self.graph)
         # The scan MarkMutableBuffers made (cached), whose candidates (the nodes that may
         # write) are all the two steps below look at. It is taken again only after one of
-        # them changed the graph: their undo logs record every change they make.
+        # them changed the graph.
         scan = find_mutations(program)
-        # no_grad regions that write state are inlined first (logged for undo/commit).
-        inlined = self.inlined = inline_grad_regions(self.gm, type(self), scan.candidates)
-        if inlined.new_nodes or inlined.arg_changes or inlined.dead or (
-            inlined.replaced_bodies or inlined.meta_changes
-        ):
+        # no_grad regions that write state are inlined first.
+        inlined = inline_grad_regions(self.gm, type(self), scan.candidates)
+        if inlined.dead or inlined.functionalized:
             scan = find_mutations(program)
         self.fake = FakeValues(self.graph, tensor_meta=True)
-        # Metadata mutations become views / renames first (logged for undo/commit too).
+        # Metadata mutations become views / renames first.
         metadata = normalize_metadata_mutations(program, self.gm, self.fake, scan.candidates)
-        if metadata.new_nodes or metadata.arg_changes or metadata.dead:
+        if metadata.dead:
             scan = find_mutations(program)
         self.refused_metadata = metadata.refused
         self.state_views = metadata.state_views
@@ -172,7 +167,7 @@ class Rewrite:
             isinstance(a, Node) and target_of(a) is aten.copy.default
             and _fresh_like(a.args[1], a) and a.args[1] not in returned
             for _, a in self.mutation_outputs)
-        return inlined, metadata
+        return inlined.dead, metadata.dead
 
     @functools.cached_property
     def order(self) -> dict[Node, int]:
@@ -184,7 +179,6 @@ class Rewrite:
     def emit(self, like: Node, target: Any, *args: Any, **kwargs: Any) -> Node:
         with self.graph.inserting_before(self.cursor):
             node = self.graph.call_function(in_dialect_of(like, target), args, kwargs)
-        self.new_nodes.append(node)
         node.meta.update((k, v) for k, v in like.meta.items() if k not in _VALUE_META)
         self._infer(node, like)
         return node
@@ -239,7 +233,6 @@ class Rewrite:
         return self.emit(view, view.target, *args, **kwargs)
 
     def _set_args(self, node: Node, args: tuple, kwargs: dict) -> None:
-        self.arg_changes.append((node, node.args, node.kwargs))
         # Each assignment re-links every input's use list: assign only what changed.
         if args is not node.args:
             node.args = args
@@ -259,7 +252,6 @@ class Rewrite:
             # Whether it is a view is read from storage sharing: keep that true of its new input.
             # A copy (reshape of an expanded cache) of inputs with unchanged metadata stays a
             # copy with the same metadata, so its value needs no new fake dispatch.
-            self.fake_changes.append((node, node.meta["val"]))
             self._infer(node, node)
 
     def _track(self, node: Node, root: Node) -> None:
@@ -568,7 +560,7 @@ class Rewrite:
 
         self._set_args(node, *map_arg((node.args, node.kwargs), twin))
 
-    # -- the output, undo and commit ---------------------------------------------------
+    # -- the output and commit ----------------------------------------------------------
     def _finish(self, output: Node) -> None:
         own = self._own_coordinates(output)
         for root, form in self.state_views.items():
@@ -621,7 +613,6 @@ class Rewrite:
         for state, root, final in finals:
             with self.graph.inserting_before(output):
                 copy = self.graph.call_function(aten.copy_.default, (root, final))
-            self.new_nodes.append(copy)
             copy.meta.update((k, v) for k, v in self.last_writer[root].meta.items()
                              if k not in _VALUE_META)
             if "val" in root.meta:  # copy_ returns its (unchanged-shape) destination
@@ -665,15 +656,6 @@ class Rewrite:
             else:
                 own[root] = self.emit(root, aten.clone.default, root)
         return own
-
-    def undo(self) -> None:
-        for node, args, kwargs in reversed(self.arg_changes):
-            node.args, node.kwargs = args, kwargs
-        for node, val in self.fake_changes:
-            node.meta["val"] = val
-        for node in reversed(self.new_nodes):
-            self.graph.erase_node(node)
-        self.inlined.undo_bodies(self.gm)  # regions given a functional body
 
     def commit(self) -> None:
         candidates = []
