@@ -38,21 +38,11 @@ _BODY_INDEX = {_SET_GRAD: 1, _AUTOCAST: 4}
 
 @dataclass
 class InlinedRegions:
-    """What inlining changed, for the Rewrite's undo log and commit."""
+    """What inlining changed: the nodes it replaced (erased on the Rewrite's commit) and
+    the regions it gave a functional body."""
 
-    new_nodes: list[Node] = field(default_factory=list)
-    arg_changes: list[tuple[Node, tuple, dict]] = field(default_factory=list)
     dead: list[Node] = field(default_factory=list)
-    # regions whose body was replaced by its functional form: (attribute, old body), and
-    # the region nodes' old fake values
-    replaced_bodies: list[tuple[str, GraphModule]] = field(default_factory=list)
-    meta_changes: list[tuple[Node, object]] = field(default_factory=list)
-
-    def undo_bodies(self, gm: GraphModule) -> None:
-        for name, body in reversed(self.replaced_bodies):
-            setattr(gm, name, body)
-        for node, val in reversed(self.meta_changes):
-            node.meta["val"] = val
+    functionalized: list[Node] = field(default_factory=list)
 
 
 def _inlinable(node: Node, gm: GraphModule) -> GraphModule | None:
@@ -78,7 +68,7 @@ def _written_results(sub: GraphModule) -> dict[int, Node] | None:
     an in-place op on one: result index -> placeholder. None when a result is a view of a
     placeholder (its functional form would not alias the operand, and is not regenerated)."""
     aliases, _ = alias_map(sub.graph.nodes)
-    results = next(n for n in reversed(sub.graph.nodes) if n.op == "output").args[0]
+    results = sub.graph.output_node().args[0]
     found = {}
     for k, result in enumerate(results if isinstance(results, (tuple, list)) else ()):
         alias = aliases.get(result) if isinstance(result, Node) else None
@@ -115,7 +105,7 @@ def _functional_body(node: Node, gm: GraphModule, rewrite_of: Callable[[GraphMod
     rewrite.commit()
     backs = trailing_write_backs(new)
     placeholders = [n for n in new.graph.nodes if n.op == "placeholder"]
-    output = next(n for n in reversed(new.graph.nodes) if n.op == "output")
+    output = new.graph.output_node()
     results = output.args[0]
     if not backs or any(b.args[0] not in placeholders for b in backs) or not isinstance(
             results, (tuple, list)):
@@ -144,11 +134,9 @@ def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions,
     written = [operands[i] for i in positions]
     if not all(isinstance(w, Node) for w in written) or len(set(written)) < len(written):
         return
-    name = str(node.args[index].target)
-    log.replaced_bodies.append((name, getattr(gm, name)))
-    setattr(gm, name, new)
-    finals = next(n for n in reversed(new.graph.nodes) if n.op == "output").args[0][len(val):]
-    log.meta_changes.append((node, val))
+    log.functionalized.append(node)
+    setattr(gm, str(node.args[index].target), new)
+    finals = new.graph.output_node().args[0][len(val):]
     node.meta["val"] = type(val)((*val, *(f.meta.get("val") for f in finals)))
     graph = gm.graph
     kept = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
@@ -162,7 +150,6 @@ def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions,
                 made_node.meta.update(kept)
                 if value is not None:
                     made_node.meta["val"] = value
-            log.new_nodes += [item, back]
     # A result that was a written operand itself (an in-place op's result) is now its new
     # value, a fresh tensor: its readers read the operand, as written back, so that later
     # writes through it still reach the operand.
@@ -170,7 +157,6 @@ def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions,
         if item.args[1] in same:
             back = backs[same[item.args[1]]]
             for user in list(item.users):
-                log.arg_changes.append((user, user.args, user.kwargs))
                 user.args, user.kwargs = torch.fx.map_arg(
                     (user.args, user.kwargs), lambda a, old=item, new=back: new if a is old else a)
 
@@ -194,14 +180,11 @@ def inline_grad_regions(gm: GraphModule, rewrite_of: Callable[[GraphModule], Any
             continue
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         copied: dict[Node, Node] = dict(zip(placeholders, node.args[2:], strict=True))
-        before = set(graph.nodes)
         with graph.inserting_before(node):
             results = graph.graph_copy(sub.graph, copied)
-        log.new_nodes += [n for n in graph.nodes if n not in before]
         results = results if isinstance(results, (tuple, list)) else (results,)
         for item in list(node.users):
             for user in list(item.users):
-                log.arg_changes.append((user, user.args, user.kwargs))
                 user.args, user.kwargs = torch.fx.map_arg(
                     (user.args, user.kwargs),
                     lambda a, item=item, results=results: results[item.args[1]] if a is item else a)

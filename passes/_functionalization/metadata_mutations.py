@@ -52,18 +52,18 @@ METADATA_MUTATIONS = frozenset({*METADATA_VIEWS, *_RESIZES, aten.as_strided_.def
 
 @dataclass
 class MetadataMutations:
-    """What the normalization changed (for the Rewrite's undo log and commit) and found.
+    """What the normalization changed and found.
 
     Attributes:
+        dead: the metadata mutations it replaced (erased on the Rewrite's commit).
+        forms: each of them -> the node now holding its value.
         state_views: program state whose object ends with new strides but its own shape:
             state node -> the node holding the object's last form (its logical value).
         refused: metadata mutations left in the graph -> why they cannot be rewritten.
     """
 
-    new_nodes: list[Node] = field(default_factory=list)
-    arg_changes: list[tuple[Node, tuple, dict]] = field(default_factory=list)
     dead: list[Node] = field(default_factory=list)
-    forms: dict[Node, Node] = field(default_factory=dict)  # mutation -> its new form
+    forms: dict[Node, Node] = field(default_factory=dict)
     state_views: dict[Node, Node] = field(default_factory=dict)
     refused: dict[Node, str] = field(default_factory=dict)
 
@@ -209,7 +209,6 @@ def _normalize(gm: GraphModule, mutation: Node, objects: dict[Node, Node],
             node = gm.graph.call_function(in_dialect_of(mutation, new[0]), new[1])
         node.meta.update((k, v) for k, v in mutation.meta.items()
                          if k not in ("val", "tensor_meta"))
-        log.new_nodes.append(node)
         fake.infer(node)
         new = node
         order[node] = order[mutation] - 0.5  # placed right before the mutation
@@ -220,11 +219,9 @@ def _normalize(gm: GraphModule, mutation: Node, objects: dict[Node, Node],
         for user in list(old.users):
             if user is mutation or order.get(user, -1) <= order[mutation]:
                 continue
-            log.arg_changes.append((user, user.args, user.kwargs))
             user.args, user.kwargs = map_arg(
                 (user.args, user.kwargs), lambda a, old=old: new if a is old else a)
     for user in list(mutation.users):
-        log.arg_changes.append((user, user.args, user.kwargs))
         user.args, user.kwargs = map_arg(
             (user.args, user.kwargs), lambda a: new if a is mutation else a)
     objects.setdefault(new, new)

@@ -22,12 +22,11 @@ from one position and a stale one from another. Exact writes through it:
   stale values there.
 
 Anything else written through such a view is refused (``overlap``).
-Part of :class:`passes._functionalization.rewrite.Rewrite`.
+The write-back itself is :meth:`passes._functionalization.rewrite.Rewrite._write_back`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -35,11 +34,9 @@ import torch
 from torch.fx import Node
 
 from .._analysis.op_schema import STORAGE_VIEWS, argument_value, target_of
-from ..errors import UnsupportedMutationError
 from .element_overlap import ENUMERATION_LIMIT, element_offsets, overlaps_itself
-from .view_inverse import view_steps, write_back_chain
 
-__all__ = ["OverlappingWrites", "written_positions"]
+__all__ = ["needs_written_positions", "written_positions"]
 
 aten = torch.ops.aten
 # In-place writes storing one value, independent of the old ones, at every position.
@@ -113,7 +110,7 @@ def _uniform_where_written(node: Node, schema: Any) -> bool:
     return False
 
 
-def _needs_written_positions(chain: tuple[Node, ...], writer: Node, written: Node) -> bool:
+def needs_written_positions(chain: tuple[Node, ...], writer: Node, written: Node) -> bool:
     """Whether ``written`` (reached through ``chain``) may address an element at two
     positions and ``writer`` does not store one value everywhere: its write-back must
     store only the positions the op writes (or the write is refused)."""
@@ -219,45 +216,3 @@ def _scatter_positions_once(sizes: list[int], strides: list[int], dim: int,
     fibres = offsets.movedim(dim, -1).reshape(-1, sizes[dim]).sort(dim=1).values
     distinct_per_fibre = 1 + (fibres[:, 1:] != fibres[:, :-1]).sum(dim=1)
     return int(distinct_per_fibre.sum()) == offsets.unique().numel()
-
-
-class OverlappingWrites:
-    """The write-back of a written view into its storage root (mixed into Rewrite)."""
-
-    def _write_back(self, writer: Node, written: Node, new: Node) -> tuple[Node, Node | None]:
-        """The root's new value once the view ``written`` holds ``new``, and the view's
-        own new value when ``new`` is it (None: ``new`` holds stale values at aliased
-        positions the op did not write, so the view must be read from the root)."""
-        emit = functools.partial(self.emit, writer)
-        alias = self.aliases[written]
-        root, chain = alias.root, alias.chain
-        self.statistics["writes through a view written back into their base"] += 1
-        if _needs_written_positions(chain, writer, written):
-            selection = written_positions(writer, written, root)
-            if selection is None:
-                # Its plain write-back would store an aliased element once per position,
-                # old and new values: refused.
-                view = next(v for v in chain
-                            if target_of(v) in STORAGE_VIEWS and overlaps_itself(v))
-                raise UnsupportedMutationError(
-                    writer, f"{written.name} is written through {view.name}, which addresses "
-                            "some storage elements more than once (overlapping strides), and "
-                            f"{target_of(writer)} is not proven to give each of them one "
-                            "value", "overlap")
-            target, args = selection
-            val, root_val = written.meta["val"], root.meta["val"]
-            # The map below numbers the root's elements in storage order: the root must be
-            # a contiguous tensor owning its storage (else a "storage" refusal).
-            self._storage_offset(writer, written, val)
-            self.statistics["of which through an overlapping view, where the op wrote"] += 1
-            storage = emit(aten.arange.start_step, 0, root_val.numel(), 1, dtype=torch.int64,
-                           device=root_val.device)  # the core ATen overload (Edge programs)
-            positions = emit(aten.as_strided.default, storage, list(val.shape),
-                             list(val.stride()), val.storage_offset())
-            picked = emit(aten.view.default, emit(target, positions, *args), [-1])
-            values = emit(aten.view.default, emit(target, new, *args), [-1])
-            flat = emit(aten.view.default, self.cur[root], [-1])
-            put = emit(aten.index_put.default, flat, [picked], values)
-            return emit(aten.view.default, put, list(root_val.shape)), None
-        bases = self._view_values(root, chain[: -len(view_steps(chain)[-1])])
-        return write_back_chain(emit, chain, bases, new), new

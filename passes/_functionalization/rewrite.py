@@ -1,13 +1,19 @@
-"""The rewrite behind InplaceToFunctional: one walk over the graph with an undo log.
+"""The rewrite behind InplaceToFunctional: one walk over the graph.
+
+Before the walk, state-writing grad-mode regions are inlined (``grad_regions``) and
+metadata mutations become views (``metadata_mutations``); the program's state, the roots
+to functionalize and its mutation outputs are read from the mutation scan.
 
 Every tensor has a storage root and a chain of views from it (``aliasing``, built from
 the op facts of ``op_schema``). Each written root has a *current value* node and a
 version; a write replaces the op by its functional variant and writes the new value back
-through the view chain into the root (``view_inverse``); a read of a view whose root has
-moved on replays the chain on the current value. At the output, each mutated buffer /
-input gets its final value as a mutation output (ExportedProgram) or a trailing ``copy_``
-(GraphModule): see ``end``; ops reading storage or layout are in
-``storage_reads``.
+through the view chain into the root (``view_inverse``; through a view addressing an
+element twice, only the positions the op writes: ``overlapping_writes``); a read of a
+view whose root has moved on replays the chain on the current value. Ops reading a
+written tensor's storage or layout, not only its values, are re-addressed in the root's
+new value or read an original node's layout. At the output, each mutated buffer / input
+gets its final value as a mutation output (ExportedProgram) or a trailing ``copy_``
+(GraphModule); on success the replaced nodes go.
 """
 
 from __future__ import annotations
@@ -18,19 +24,35 @@ from collections import Counter
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
-from torch.export.graph_signature import ExportGraphSignature
+from torch.export.graph_signature import ExportGraphSignature, OutputSpec, TensorArgument
 from torch.fx import Node, map_arg
 
 from pass_manager import graph_module_of
 
-from .._analysis.buffers import call_graph_names
-from .._analysis.fake_values import is_contiguous, same_metadata, same_strides
+from .._analysis.buffers import (
+    BUFFER,
+    INITIAL_META,
+    MUTABLE_BUFFER_META,
+    MUTABLE_INPUT_META,
+    MUTATION_OUTPUT_KINDS,
+    PARAMETER,
+    USER_INPUT,
+    State,
+    call_graph_names,
+    find_mutations,
+    named_input_specs,
+    rename_call_graph,
+    trailing_write_backs,
+)
+from .._analysis.fake_values import FakeValues, is_contiguous, same_metadata, same_strides
 from .._analysis.op_schema import (
     MAYBE_VIEWS,
     METADATA_QUERIES,
     STORAGE_READERS,
     STORAGE_VIEWS,
+    argument_value,
     in_dialect_of,
     schema_of,
     target_of,
@@ -39,39 +61,45 @@ from .._analysis.op_schema import (
 )
 from ..errors import UnsupportedMutationError
 from ..functional_variants import functional_variant
-from .end import VALUE_META, ProgramEnd, fresh_like
+from .element_overlap import overlaps_itself
+from .grad_regions import inline_grad_regions
+from .metadata_mutations import normalize_metadata_mutations
 from .mutation_checks import check_opaque, check_shared_storage, check_write
-from .overlapping_writes import OverlappingWrites
-from .start import ProgramStart
-from .storage_reads import StorageReads
+from .overlapping_writes import needs_written_positions, written_positions
+from .view_inverse import view_steps, write_back_chain
 
 __all__ = ["Rewrite"]
 
 aten = torch.ops.aten
+_VALUE_META = frozenset({"val", "tensor_meta", MUTABLE_BUFFER_META, MUTABLE_INPUT_META,
+                         INITIAL_META})
+"""Meta describing a node's value, or marking a state node: never copied onto new nodes."""
+_OUTPUT_KIND = {kind: output for output, kind in MUTATION_OUTPUT_KINDS.items()}
+_PLURAL = {PARAMETER: "parameters", BUFFER: "buffers", USER_INPUT: "user inputs"}
 
 
-class Rewrite(ProgramStart, StorageReads, OverlappingWrites, ProgramEnd):
-    """One functionalization of one program: analysis, rewrite with an undo log, commit."""
+class Rewrite:
+    """One functionalization of one program: ``Rewrite(program)`` prepares it (and says
+    whether it ``has_writes``), :meth:`run` rewrites it in place, :meth:`commit` erases
+    the nodes it replaced and installs the new signature. Both change the program as they
+    go: a failure leaves it half-rewritten, for the caller's rollback record to restore
+    (InplaceToFunctional's ``call``)."""
 
     def __init__(self, program: Any):
         self.program = program
         self.is_ep = isinstance(program, ExportedProgram)
         self.gm = graph_module_of(program)
         self.graph = self.gm.graph
-        inlined, metadata = self._prepare(program)
+        inlined_dead, metadata_dead = self._prepare(program)
         self.cur: dict[Node, Node] = {}
         self.version: dict[Node, int] = {}
         self.value: dict[Node, tuple[Node, int]] = {}
         self.memo: dict[tuple, Node] = {}
         self.last_writer: dict[Node, Node] = {}
         self.multi_results: dict[Node, list[Node | None]] = {}
-        self.new_nodes: list[Node] = inlined.new_nodes + metadata.new_nodes
-        self.arg_changes: list[tuple[Node, tuple, dict]] = (
-            inlined.arg_changes + metadata.arg_changes)
-        self.fake_changes: list[tuple[Node, Any]] = []
         self.dead: list[Node] = []
         # Erased first: they read nodes that die too.
-        self.inlined_dead = inlined.dead + metadata.dead
+        self.inlined_dead = inlined_dead + metadata_dead
         # Roots whose shape/strides a write changed: their storage order is not eager's.
         self.relaid: set[Node] = set(self.state_views)
         self.stale: list[Node] = []  # original nodes whose users now read a new node
@@ -83,7 +111,63 @@ class Rewrite(ProgramStart, StorageReads, OverlappingWrites, ProgramEnd):
         self.notes: list[str] = []
         self.statistics: Counter[str] = Counter()  # what the rewrite did, for the report
         self.statistics.update(f"metadata mutations as views or renames: {m.target}"
-                               for m in metadata.dead)
+                               for m in metadata_dead)
+
+    # -- before the walk ---------------------------------------------------------------
+    def _prepare(self, program: Any) -> tuple[list[Node], list[Node]]:
+        """Inline state-writing grad-mode regions, turn metadata mutations into views and
+        read the program's state, roots and outputs from the mutation scan; the nodes the
+        first two steps replaced are returned (erased on commit)."""
+        _repair_use_lists(self.graph)
+        # The scan MarkMutableBuffers made (cached), whose candidates (the nodes that may
+        # write) are all the two steps below look at. It is taken again only after one of
+        # them changed the graph.
+        scan = find_mutations(program)
+        # no_grad regions that write state are inlined first.
+        inlined = inline_grad_regions(self.gm, type(self), scan.candidates)
+        if inlined.dead or inlined.functionalized:
+            scan = find_mutations(program)
+        self.fake = FakeValues(self.graph, tensor_meta=True)
+        # Metadata mutations become views / renames first.
+        metadata = normalize_metadata_mutations(program, self.gm, self.fake, scan.candidates)
+        if metadata.dead:
+            scan = find_mutations(program)
+        self.refused_metadata = metadata.refused
+        self.state_views = metadata.state_views
+        self.skipped = set(inlined.dead) | set(metadata.dead)
+        self.states = scan.states
+        self.state_root: dict[State, Node] = {}
+        for node, state in self.states.items():
+            self.state_root.setdefault(state, node)
+        self.aliases = scan.aliases
+        self.opaque = {o.node: o.reason for o in scan.opaque}
+        self.writing_nodes = scan.writing_nodes
+        self.output = self.graph.output_node()
+        self.mutation_outputs: list[tuple[State, Any]] = []
+        self.other_outputs: list[tuple[OutputSpec, Any]] = []
+        if self.is_ep:
+            specs = program.graph_signature.output_specs
+            for spec, arg in zip(specs, self.output.args[0], strict=True):
+                if spec.kind in MUTATION_OUTPUT_KINDS:
+                    state = State(MUTATION_OUTPUT_KINDS[spec.kind], spec.target)
+                    self.mutation_outputs.append((state, arg))
+                else:
+                    self.other_outputs.append((spec, arg))
+        # A program whose only writes are trailing write-backs is functional already.
+        write_backs = set() if self.is_ep else set(trailing_write_backs(program))
+        self.roots = {self.state_root[s] for s, _ in self.mutation_outputs} | scan.written_roots
+        self.roots |= set(self.state_views)
+        self.has_writes = bool(self.skipped) or bool(self.refused_metadata) or any(
+            str(n.target).endswith("_") or "writes" in reason
+            for n, reason in self.opaque.items() if n not in self.skipped)
+        # A whole-state copy as a mutation output is a write to fold away, unless its
+        # source is another output too: then it is that output's own value (``_finish``).
+        returned = set(self.output.all_input_nodes)
+        self.has_writes |= any(n not in write_backs for n in scan.writing_nodes) or any(
+            isinstance(a, Node) and target_of(a) is aten.copy.default
+            and _fresh_like(a.args[1], a) and a.args[1] not in returned
+            for _, a in self.mutation_outputs)
+        return inlined.dead, metadata.dead
 
     @functools.cached_property
     def order(self) -> dict[Node, int]:
@@ -95,8 +179,7 @@ class Rewrite(ProgramStart, StorageReads, OverlappingWrites, ProgramEnd):
     def emit(self, like: Node, target: Any, *args: Any, **kwargs: Any) -> Node:
         with self.graph.inserting_before(self.cursor):
             node = self.graph.call_function(in_dialect_of(like, target), args, kwargs)
-        self.new_nodes.append(node)
-        node.meta.update((k, v) for k, v in like.meta.items() if k not in VALUE_META)
+        node.meta.update((k, v) for k, v in like.meta.items() if k not in _VALUE_META)
         self._infer(node, like)
         return node
 
@@ -150,7 +233,6 @@ class Rewrite(ProgramStart, StorageReads, OverlappingWrites, ProgramEnd):
         return self.emit(view, view.target, *args, **kwargs)
 
     def _set_args(self, node: Node, args: tuple, kwargs: dict) -> None:
-        self.arg_changes.append((node, node.args, node.kwargs))
         # Each assignment re-links every input's use list: assign only what changed.
         if args is not node.args:
             node.args = args
@@ -170,7 +252,6 @@ class Rewrite(ProgramStart, StorageReads, OverlappingWrites, ProgramEnd):
             # Whether it is a view is read from storage sharing: keep that true of its new input.
             # A copy (reshape of an expanded cache) of inputs with unchanged metadata stays a
             # copy with the same metadata, so its value needs no new fake dispatch.
-            self.fake_changes.append((node, node.meta["val"]))
             self._infer(node, node)
 
     def _track(self, node: Node, root: Node) -> None:
@@ -253,7 +334,7 @@ class Rewrite(ProgramStart, StorageReads, OverlappingWrites, ProgramEnd):
     def _rewrite(self, node: Node, writes: list[tuple[int, Node]]) -> None:
         written = writes[0][1]  # an original node (the arguments are current values)
         if target_of(node) is aten.copy_.default and not self.aliases[written].chain and (
-            fresh_like(node.args[1], written)
+            _fresh_like(node.args[1], written)
         ):  # a whole tensor overwritten by a fresh value: it now is that value
             self._write(node, written, node.args[1])
             root = self.aliases[written].root
@@ -348,13 +429,303 @@ class Rewrite(ProgramStart, StorageReads, OverlappingWrites, ProgramEnd):
             # out copy round differently: restore the layout so results stay bit-exact.
             new = self.emit(writer, aten.clone.default, new,
                             memory_format=torch.contiguous_format)
-        self.cur[root] = new
-        self.version[root] += 1
-        self.last_writer[root] = writer
+        self._hold(root, new, writer)
         if view_value is not None and same_strides(view_value, written):
             self.memo[(root, chain, self.version[root])] = view_value
 
+    def _hold(self, root: Node, value: Node, writer: Node | None = None) -> None:
+        """``root``'s storage now holds ``value``: its next version (written by ``writer``,
+        whose meta a write-back copies)."""
+        self.cur[root] = value
+        self.version[root] = self.version.get(root, 0) + 1
+        if writer is not None:
+            self.last_writer[root] = writer
+
+    # -- writes through a view ----------------------------------------------------------
+    def _write_back(self, writer: Node, written: Node, new: Node) -> tuple[Node, Node | None]:
+        """The root's new value once the view ``written`` holds ``new``, and the view's
+        own new value when ``new`` is it (None: ``new`` holds stale values at aliased
+        positions the op did not write, so the view must be read from the root)."""
+        emit = functools.partial(self.emit, writer)
+        alias = self.aliases[written]
+        root, chain = alias.root, alias.chain
+        self.statistics["writes through a view written back into their base"] += 1
+        if needs_written_positions(chain, writer, written):
+            selection = written_positions(writer, written, root)
+            if selection is None:
+                # Its plain write-back would store an aliased element once per position,
+                # old and new values: refused.
+                view = next(v for v in chain
+                            if target_of(v) in STORAGE_VIEWS and overlaps_itself(v))
+                raise UnsupportedMutationError(
+                    writer, f"{written.name} is written through {view.name}, which addresses "
+                            "some storage elements more than once (overlapping strides), and "
+                            f"{target_of(writer)} is not proven to give each of them one "
+                            "value", "overlap")
+            target, args = selection
+            val, root_val = written.meta["val"], root.meta["val"]
+            # The map below numbers the root's elements in storage order: the root must be
+            # a contiguous tensor owning its storage (else a "storage" refusal).
+            self._storage_offset(writer, written, val)
+            self.statistics["of which through an overlapping view, where the op wrote"] += 1
+            storage = emit(aten.arange.start_step, 0, root_val.numel(), 1, dtype=torch.int64,
+                           device=root_val.device)  # the core ATen overload (Edge programs)
+            positions = emit(aten.as_strided.default, storage, list(val.shape),
+                             list(val.stride()), val.storage_offset())
+            picked = emit(aten.view.default, emit(target, positions, *args), [-1])
+            values = emit(aten.view.default, emit(target, new, *args), [-1])
+            flat = emit(aten.view.default, self.cur[root], [-1])
+            put = emit(aten.index_put.default, flat, [picked], values)
+            return emit(aten.view.default, put, list(root_val.shape)), None
+        bases = self._view_values(root, chain[: -len(view_steps(chain)[-1])])
+        return write_back_chain(emit, chain, bases, new), new
+
+    # -- storage and layout readers ----------------------------------------------------
+    def _check_relayout(self, node: Node, written: Node, what: str) -> None:
+        """A tensor whose shape or strides change: fine for an intermediate no earlier view
+        reads (later readers read the new value); refused for state and viewed tensors."""
+        alias = self.aliases[written]
+        earlier = [n for n, a in self.aliases.items() if a.root is alias.root and a.chain
+                   and self.order[n] < self.order[node] and n.op == "call_function"
+                   and view_base_index(n) is not None]
+        if alias.chain or alias.root in self.states or earlier:
+            why = (f"{written.name} is program state" if alias.root in self.states else
+                   f"{alias.root.name} is read through views taken before" if not alias.chain
+                   else f"{written.name} is a view of {alias.root.name}")
+            raise UnsupportedMutationError(
+                node, f"{what} changes the shape/strides of {written.name}, and {why}",
+                "relayout")
+        self.relaid.add(alias.root)
+
+    def _storage_offset(self, node: Node, view: Node, val: Any) -> int:
+        """``val``'s offset in the storage of ``view``'s root, whose current value then
+        stands for that storage: refused when the root is not exactly its own storage."""
+        root = self.aliases[view].root
+        cur = self.cur.get(root, root)
+        if root in self.relaid:
+            raise UnsupportedMutationError(
+                node, f"it reads the storage of {root.name}, whose shape/strides a write "
+                      "changed", "storage")
+        for tensor in (root.meta.get("val"), cur.meta.get("val")):
+            if not _whole_storage(tensor):
+                raise UnsupportedMutationError(
+                    node, f"it reads the storage of {root.name} (sizes, strides, offset) after "
+                          f"a write, and {root.name} is not a contiguous tensor owning all of "
+                          "its storage with static sizes", "storage")
+        offset = val.storage_offset() if isinstance(val, torch.Tensor) else None
+        if not isinstance(offset, int):
+            raise UnsupportedMutationError(
+                node, f"it reads the storage of {root.name} at an offset that is not static",
+                "storage")
+        return offset
+
+    def _storage_reader(self, node: Node) -> bool:
+        """Re-address an op reading a written tensor's storage in the root's new value.
+
+        A written view's new value is a fresh tensor with its own storage: ``as_strided``
+        of it would read the wrong elements (eager reads the base's storage).
+        """
+        source = node.args[0]
+        alias = self.aliases.get(source)
+        if alias is not None and alias.root in self.state_views:
+            # Its storage is laid out as eager's only until the first call has ended.
+            raise UnsupportedMutationError(
+                node, f"it reads the storage of {alias.root.name}, whose strides a metadata "
+                      "mutation changes, so its storage order is not eager's", "storage")
+        if alias is None or self.cur.get(alias.root, alias.root) is alias.root:
+            return False
+        if target_of(node) in STORAGE_VIEWS:
+            ver = self.version[alias.root]
+            self.value[node] = (self._view_values(alias.root, (node,))[-1], ver)
+            self.stale.append(node)
+            return True
+        # as_strided_copy(input, size, stride, offset=input's offset)
+        schema = target_of(node)._schema
+        offset = self._storage_offset(node, source, source.meta.get("val"))
+        given = argument_value(node, schema, 3)
+        if given is not None:
+            offset = given
+        size, stride = argument_value(node, schema, 1), argument_value(node, schema, 2)
+        self._set_args(node, (self.cur[alias.root], size, stride, offset), {})
+        return True
+
+    def _layout_query(self, node: Node) -> None:
+        """A stride / storage-offset query reads the layout of an original node (a write
+        never changes it), never the layout of a fresh functional value."""
+        def twin(arg: Node) -> Node:
+            alias = self.aliases.get(arg)
+            if alias is None or arg not in self.value:
+                return arg
+            return alias.chain[-1] if alias.chain else alias.root
+
+        self._set_args(node, *map_arg((node.args, node.kwargs), twin))
+
+    # -- the output and commit ----------------------------------------------------------
+    def _finish(self, output: Node) -> None:
+        own = self._own_coordinates(output)
+        for root, form in self.state_views.items():
+            # State whose strides changed in place, not its shape: its caller reads the
+            # object's logical value, which is written back (as torch's functionalization
+            # does). Unwritten, that value still reads the state's own storage: copy it.
+            final = self.resolve(form)
+            if self.version.get(root, 0) == 0:
+                final = self.emit(form, aten.clone.default, final)
+            self._hold(root, final, form)
+        for state, arg in self.mutation_outputs:
+            root = self.state_root[state]
+            if isinstance(arg, Node) and self.resolve(arg) is not root:
+                self._hold(root, self.resolve(arg), arg)
+        # Parameters, buffers, then user inputs, each in input order: run_decompositions'.
+        finals = []
+        for kind in (PARAMETER, BUFFER, USER_INPUT):
+            for root in self.state_root.values():
+                state = self.states[root]
+                if state.kind == kind and self.version.get(root, 0) > 0:
+                    final = self.cur[root]
+                    if target_of(final) is aten.copy.default and _fresh_like(final.args[1], final):
+                        final = final.args[1]  # a whole-state copy: hand on its source
+                    if final.op in ("placeholder", "get_attr"):
+                        # The final value is another piece of state: copy it, or writing
+                        # the states back one after another would read an updated one.
+                        final = self.emit(self.last_writer[root], aten.clone.default, final)
+                    finals.append((state, root, final))
+                    self.statistics[f"mutated {_PLURAL[kind]} written back"] += 1
+        for root, value in own.items():
+            # Returned aliases of that state replay chains that start from the state in
+            # its own coordinates (through the metadata view), not from its logical value.
+            self._hold(root, value)
+        if self.is_ep:
+            user = [(spec, map_arg(arg, self.resolve)) for spec, arg in self.other_outputs]
+            for (_, old), (_, new) in zip(self.other_outputs, user, strict=True):
+                if isinstance(old, Node) and isinstance(new, Node):
+                    self.boundary[old.name] = new
+            finals = self._own_values(finals, [arg for _, arg in user])
+            outputs = [final for _, _, final in finals] + [arg for _, arg in user]
+            specs = [OutputSpec(_OUTPUT_KIND[s.kind], TensorArgument(name=f.name), s.name)
+                     for s, _, f in finals]
+            specs += [_respec(spec, arg) for spec, arg in user]
+            self._set_args(output, (tuple(outputs),), {})
+            self.new_signature = ExportGraphSignature(
+                named_input_specs(self.program), specs)
+            return
+        # Returned views are replayed on the final values first: write-backs stay last.
+        returned = map_arg(output.args, self.resolve)
+        for state, root, final in finals:
+            with self.graph.inserting_before(output):
+                copy = self.graph.call_function(aten.copy_.default, (root, final))
+            copy.meta.update((k, v) for k, v in self.last_writer[root].meta.items()
+                             if k not in _VALUE_META)
+            if "val" in root.meta:  # copy_ returns its (unchanged-shape) destination
+                copy.meta["val"] = root.meta["val"]
+            self.notes.append(f"{state.kind} {state.name!r} written back by {copy.name}")
+        self._set_args(output, returned, output.kwargs)
+
+    def _own_values(self, finals: list[tuple[Any, Node, Node]], user: list[Any]
+                    ) -> list[tuple[Any, Node, Node]]:
+        """Each mutation output its own value: one that is also a user output, or another
+        piece of state's final value, becomes ``aten.copy(state, value)`` (a copy of its
+        own, as torch's functionalization writes ``state.copy_(value)``).
+
+        torch's signature keys mutations by output name (``buffers_to_mutate``), so two
+        mutation outputs on one node collapse into one and the verifier rejects the
+        program; a backend owning the state (Core ML) refuses a mutation output that is
+        also a user output. ``clone`` would do for torch, not for XNNPACK, which drops it
+        and then refuses the delegate output it leaves as a pass-through; ``copy`` stays
+        a copy (a portable kernel) in every lowering tried."""
+        taken = {arg for arg in pytree.tree_leaves(user) if isinstance(arg, Node)}
+        owned = []
+        for state, root, final in finals:
+            if final in taken:
+                final = self.emit(self.last_writer[root], aten.copy.default, root, final)
+                self.statistics["mutation outputs given their own copy"] += 1
+                self.notes.append(f"{state.kind} {state.name!r} gets its own value "
+                                  f"{final.name}: its new value is also another output")
+            taken.add(final)
+            owned.append((state, root, final))
+        return owned
+
+    def _own_coordinates(self, output: Node) -> dict[Node, Node]:
+        """For state whose strides a metadata mutation changed and that a user output
+        aliases: its current value in its own coordinates (a copy when unwritten, since the
+        GraphModule form writes the logical value back into it)."""
+        returned = {self.aliases[a].root for a in output.all_input_nodes if a in self.aliases}
+        own = {}
+        for root in self.state_views.keys() & returned:
+            if self.version.get(root, 0):
+                own[root] = self.cur[root]
+            else:
+                own[root] = self.emit(root, aten.clone.default, root)
+        return own
+
+    def commit(self) -> None:
+        candidates = []
+        for node in reversed(self.inlined_dead):
+            self.graph.erase_node(node)
+        for node in reversed(self.stale):  # before the dead nodes they may still read
+            if not node.users:
+                candidates.extend(node.all_input_nodes)
+                self.graph.erase_node(node)
+        for node in reversed(self.dead):
+            candidates.extend(node.all_input_nodes)
+            self.graph.erase_node(node)
+        while candidates:
+            node = candidates.pop()
+            if node._erased or node.users or node.op != "call_function":
+                continue
+            if view_base_index(node) is not None or node.target is operator.getitem:
+                candidates.extend(node.all_input_nodes)
+                self.graph.erase_node(node)
+        if self.new_signature is not None:
+            self.program._graph_signature = self.new_signature
+        renames = {old: new.name for old, new in self.boundary.items() if new.name != old}
+        if renames:
+            self.program._module_call_graph = rename_call_graph(
+                self.program.module_call_graph, renames)
+
+
+def _fresh_like(src: Any, dst: Node) -> bool:
+    """Whether ``src`` is a fresh tensor (no view of anything) with ``dst``'s shape and
+    dtype: then ``copy(dst, src)`` equals ``src``, and ``dst.copy_(src)`` makes ``dst``
+    hold exactly ``src``. Re-exported programs keep one such whole-buffer copy per
+    mutated buffer; ``run_decompositions`` drops them, and so does this pass."""
+    if not isinstance(src, Node) or src.op != "call_function" or target_of(src) in MAYBE_VIEWS:
+        return False
+    if view_base_index(src) is not None or (
+        src.target is operator.getitem and isinstance(src.args[0], Node)
+        and view_base_index(src.args[0]) is not None
+    ):
+        return False
+    a, b = src.meta.get("val"), dst.meta.get("val")
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
+        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device)
+
+
+def _whole_storage(val: Any) -> bool:
+    """A contiguous tensor with static sizes at offset 0 that owns all of its storage."""
+    if not isinstance(val, torch.Tensor):
+        return False
+    sizes = (*val.shape, *val.stride(), val.storage_offset())
+    if not all(isinstance(s, int) for s in sizes) or val.storage_offset() != 0:
+        return False
+    try:
+        nbytes = val.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return val.is_contiguous() and nbytes == val.numel() * val.element_size()
+
+
+def _repair_use_lists(graph: torch.fx.Graph) -> None:
+    """Record every use in its input's ``users``: torch.export can leave a graph where a
+    node reads an input whose ``users`` misses it (seen around no_grad regions), and
+    re-wiring such a node then fails inside FX. Adds bookkeeping only, no graph change."""
+    for node in graph.nodes:
+        for arg in node._input_nodes:  # all_input_nodes, without building a list per node
+            if node not in arg.users:
+                arg.users[node] = None
+
+
 @functools.cache
+
 def _returns_of(op: Any) -> tuple[int, dict[int, int]]:
     """An op's number of results, and which result aliases each argument it aliases (read
     once per op: a schema's argument list is rebuilt on every access)."""
@@ -382,3 +753,9 @@ def _resolved(value: Any, resolve: Any) -> Any:
 
     new = map_arg(value, step)
     return new if changed else value
+
+
+def _respec(spec: OutputSpec, arg: Any) -> OutputSpec:
+    if isinstance(arg, Node) and isinstance(spec.arg, TensorArgument):
+        return OutputSpec(spec.kind, TensorArgument(name=arg.name), spec.target)
+    return spec

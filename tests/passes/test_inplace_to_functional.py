@@ -15,6 +15,7 @@ from passes import (
     MarkMutableBuffers,
     UnsupportedMutationError,
     conditions,
+    inplace_to_functional,
     mutable_buffers,
     register_functional_variant,
 )
@@ -133,6 +134,61 @@ def test_possible_partial_overlap_is_rejected():
     gm = torch.fx.GraphModule(root, graph)
     error = _assert_rejected(gm, "overlap", "add__tensor")
     assert "slice" in error.reason
+
+
+class WritesStateThenAConstant(torch.nn.Module):
+    """Two buffer writes the pass rewrites, then a write it refuses (a lifted constant)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(3))
+        self.c = torch.ones(3)
+
+    def forward(self, x):
+        self.b.add_(x)
+        self.b.mul_(2)
+        self.c.add_(self.b)
+        return self.b + self.c
+
+
+def _counting_records(monkeypatch):
+    """Count the rollback records InplaceToFunctional takes itself."""
+    taken = []
+
+    def take(*args, **kwargs):
+        taken.append(args[0])
+        return real(*args, **kwargs)
+
+    real = inplace_to_functional.take
+    monkeypatch.setattr(inplace_to_functional, "take", take)
+    return taken
+
+
+@pytest.mark.parametrize("form", ["exported", "module"])
+def test_a_refusal_after_rewritten_writes_leaves_the_program_as_it_was(form, monkeypatch):
+    """The walk has rewritten add_ and mul_ when it meets the constant write: called
+    directly, the pass restores the program with the manager's rollback record, so the
+    program prints and runs as before (state included, several calls)."""
+    calls = [(torch.full((3,), float(i)),) for i in range(3)]
+    ep = torch.export.export(WritesStateThenAConstant(), copy.deepcopy(calls[0]))
+    program = ep if form == "exported" else ep.module()
+    marked = PassManager([MarkMutableBuffers()]).run(program).program
+    reference, before = copy.deepcopy(marked), program_text(marked)
+    taken = _counting_records(monkeypatch)
+    with pytest.raises(UnsupportedMutationError) as info:
+        InplaceToFunctional().call(marked)
+    assert info.value.kind == "writes-constant" and len(taken) == 1
+    assert program_text(marked) == before
+    assert_same_behaviour(reference, marked, calls, calls=3)
+    # Through the manager: its record is the only one, and it restores the program too.
+    with pytest.raises(PassFailedError) as managed:
+        PassManager([InplaceToFunctional()]).run(marked)
+    assert isinstance(managed.value.__cause__, UnsupportedMutationError)
+    assert len(taken) == 1 and program_text(marked) == before
+    with pytest.raises(PassFailedError):
+        InplaceToFunctional()(marked)  # torch-style call: the manager's transaction
+    assert len(taken) == 1 and program_text(marked) == before
+    assert_same_behaviour(reference, marked, calls, calls=3)
 
 
 @torch.library.custom_op("mbp_test::scale_", mutates_args=("buf",))
