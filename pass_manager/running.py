@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
-from ._rollback import take
+from ._rollback import recorded, take
 from .analysis import unchanged
 from .conditions import (
     Condition,
@@ -233,7 +233,8 @@ class Runner:
                 with nullcontext() if through else _unchanged(taken, program, False):
                     self._require(p, index, program, state, record)
                 rollback = taken  # from here on, a failure restores the program
-                current = self._call(p, index, program, state, record)
+                with recorded(program):
+                    current = self._call(p, index, program, state, record)
                 rollback.check(p.name, index, current)
                 self._measure(p, index, program, current, rollback, state, record)
                 with nullcontext() if through else _unchanged(rollback, current, True):

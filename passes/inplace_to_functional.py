@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 from pass_manager import Effects, Pass, PassResult
-from pass_manager._rollback import take
+from pass_manager._rollback import transaction
 from pass_manager.collector import collector_paused
 
 from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
@@ -76,29 +75,13 @@ class InplaceToFunctional(Pass):
     effects = Effects.rewrite()  # new nodes get new meta; existing entries are replaced
 
     def call(self, program: Any) -> PassResult:
-        # The rewrite changes the program as it goes. The manager has recorded it before
-        # calling ``call`` and restores it if ``call`` fails; called directly, the pass
-        # records it the same way itself (one transaction mechanism either way).
-        record = None if _called_by_the_manager() else take(program, self.effects)
-        with collector_paused():  # nothing it allocates is garbage before it returns
-            try:
-                rewrite = Rewrite(program)
-                if not rewrite.has_writes:
-                    return PassResult(program, False)
-                rewrite.run()
-            except Exception:
-                if record is not None:
-                    record.restore()
-                raise
+        # The rewrite changes the program as it goes: a failure restores it from the
+        # manager's rollback record (the one the core loop holds, or, when ``call`` is
+        # called directly, one the transaction takes): one transaction mechanism.
+        with transaction(program, self.effects), collector_paused():
+            rewrite = Rewrite(program)
+            if not rewrite.has_writes:
+                return PassResult(program, False)
+            rewrite.run()
             rewrite.commit()
         return PassResult(program, True, rewrite.notes, rewrite.statistics)
-
-
-def _called_by_the_manager() -> bool:
-    """Whether ``call``'s caller is code of the pass manager, which calls a pass only
-    inside its transaction (its rollback record taken, restored on failure; a plain
-    function it runs, such as a bound ``call``, runs inside one too). Any other caller (a
-    test, a benchmark, a user's function, a subclass) gets a record of its own, at worst
-    a second one: never none."""
-    caller = sys._getframe(2).f_globals.get("__name__", "")
-    return caller == "pass_manager" or caller.startswith("pass_manager.")

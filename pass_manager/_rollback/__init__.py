@@ -12,10 +12,18 @@ declaration) and :meth:`RollbackRecord.compare` (what it changed) -> :meth:`Roll
   that writes state) and an ExportedProgram's signature, state and call graph.
 
 ``strict`` takes the full snapshot whatever the declaration, and checks all of it.
+
+:func:`transaction` is the same record for code that changes a program outside the core
+loop (a pass's ``call`` invoked directly): it records and restores on failure, unless the
+core loop already holds a record of that program (:func:`recorded`), so a pass never
+needs an undo log of its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from ..effects import Effects
@@ -23,7 +31,7 @@ from ..errors import EffectsError
 from .meta_keys import MetaKeysSnapshot, undeclared_edits
 from .snapshot import Change, Snapshot
 
-__all__ = ["Change", "RollbackRecord", "take"]
+__all__ = ["Change", "RollbackRecord", "recorded", "take", "transaction"]
 
 
 class RollbackRecord:
@@ -102,3 +110,33 @@ class RollbackRecord:
 def take(program: Any, effects: Effects, strict: bool = False) -> RollbackRecord:
     """Record ``program`` for a pass declaring ``effects``."""
     return RollbackRecord(program, effects, strict)
+
+
+# The programs the core loop holds a record of while their pass runs (by identity: the
+# record is of that very object).
+_RECORDED: ContextVar[tuple[Any, ...]] = ContextVar("recorded_programs", default=())
+
+
+@contextmanager
+def recorded(program: Any) -> Iterator[None]:
+    """Mark ``program`` as held by a rollback record while the block runs."""
+    token = _RECORDED.set((*_RECORDED.get(), program))
+    try:
+        yield
+    finally:
+        _RECORDED.reset(token)
+
+
+@contextmanager
+def transaction(program: Any, effects: Effects) -> Iterator[None]:
+    """Leave ``program`` as it was if the block raises: the core loop's record when it holds
+    one of ``program``, else one taken here (restored, then the error re-raised)."""
+    if any(held is program for held in _RECORDED.get()):
+        yield
+        return
+    record = take(program, effects)
+    try:
+        yield
+    except BaseException:
+        record.restore()
+        raise

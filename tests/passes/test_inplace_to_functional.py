@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from pass_manager import PassFailedError, PassManager, assert_same_behaviour, graph_of
+from pass_manager import _rollback as rollback
 from pass_manager.program import program_text
 from passes import (
     InplaceToFunctional,
     MarkMutableBuffers,
     UnsupportedMutationError,
     conditions,
-    inplace_to_functional,
     mutable_buffers,
     register_functional_variant,
 )
@@ -152,15 +152,15 @@ class WritesStateThenAConstant(torch.nn.Module):
 
 
 def _counting_records(monkeypatch):
-    """Count the rollback records InplaceToFunctional takes itself."""
+    """Count the rollback records taken outside the core loop (by ``transaction``)."""
     taken = []
 
     def take(*args, **kwargs):
         taken.append(args[0])
         return real(*args, **kwargs)
 
-    real = inplace_to_functional.take
-    monkeypatch.setattr(inplace_to_functional, "take", take)
+    real = rollback.take
+    monkeypatch.setattr(rollback, "take", take)
     return taken
 
 
