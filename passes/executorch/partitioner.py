@@ -53,6 +53,7 @@ from . import (
     DelegateStateWarning,
     ExecuTorchInputError,
     SharedBufferDelegationError,
+    UnfoldedQuantizeError,
 )
 from .method_state import MethodState, SharedBuffer, checked_methods, method_state
 from .new_value_copies import (
@@ -211,6 +212,10 @@ class BufferOwningPartitioner(Partitioner):
                 fqn, list(shared[fqn].methods), partitions,
                 f"{shared[fqn].describe()}; ExecuTorch shares a top-level buffer between "
                 "methods, never a delegate's copy")
+        unfolded = _unfolded_quantize(program, result.partition_tags)
+        if unfolded is not None:
+            self._restore(graph, before)
+            raise unfolded
         scalar_notes = self._keep_scalar_quantize_out(program, result.partition_tags)
         verdicts = self._verdicts(program, result.partition_tags, shared)
         owned = []
@@ -287,8 +292,7 @@ class BufferOwningPartitioner(Partitioner):
         """
         from executorch.backends.xnnpack.utils.quant_utils import is_dequant
 
-        xnnpack = {tag for tag in partition_tags
-                   if self._backend(partition_tags, tag) == XNNPACK_BACKEND}
+        xnnpack = _xnnpack_tags(partition_tags)
         if not xnnpack:
             return []
         notes = []
@@ -420,6 +424,36 @@ class BufferOwningPartitioner(Partitioner):
                 node.meta.pop(DELEGATION_TAG, None)
             else:
                 node.meta[DELEGATION_TAG] = tag
+
+
+def _xnnpack_tags(partition_tags: dict[str, Any]) -> set[str]:
+    return {tag for tag, spec in partition_tags.items()
+            if getattr(spec, "backend_id", None) == XNNPACK_BACKEND}
+
+
+def _unfolded_quantize(
+    program: ExportedProgram, partition_tags: dict[str, Any]
+) -> UnfoldedQuantizeError | None:
+    """The error for the first quantize of a constant (not 0-d) an XNNPACK partition holds:
+    ``convert_pt2e(fold_quantize=False)`` leaves weights so, and XNNPACK computes wrong
+    values with them. (A 0-d constant's quantize is kept out instead, with the 0-d rule.)"""
+    from executorch.backends.xnnpack.utils.quant_utils import is_quant
+
+    xnnpack = _xnnpack_tags(partition_tags)
+    if not xnnpack:
+        return None
+    sig = program.graph_signature
+    mutated = set(sig.buffers_to_mutate.values())
+    constants = {**sig.inputs_to_parameters, **sig.inputs_to_lifted_tensor_constants,
+                 **{name: fqn for name, fqn in sig.inputs_to_buffers.items()
+                    if fqn not in mutated}}
+    for node in program.graph.nodes:
+        tag = node.meta.get(DELEGATION_TAG)
+        if tag in xnnpack and is_quant(node) and isinstance(node.args[0], Node):
+            value = node.args[0]
+            if value.op == "placeholder" and value.name in constants and not _is_scalar(value):
+                return UnfoldedQuantizeError(node.name, constants[value.name], tag)
+    return None
 
 
 def _is_scalar(node: Node) -> bool:

@@ -291,3 +291,46 @@ def test_a_quantized_zero_d_value_entering_xnnpack_is_quantized_outside_and_runs
     for step, (got, want) in enumerate(zip(run.trace.outputs, expected, strict=True)):
         for index, (a, b) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(a, b), (step, index, float((a - b).abs().max()))
+
+
+class Accumulator(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(2, 8))
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.acc.add_(y)
+        return y + self.acc
+
+
+def test_an_unfolded_weight_quantize_in_xnnpack_is_a_typed_error():
+    """``quantize_program(..., fold=False)`` (``convert_pt2e(fold_quantize=False)``) leaves
+    the linear's weight as parameter -> quantize -> dequantize: XNNPACK alone lowers it and
+    its runtime computes wrong values (asserted: off by more than 1 on outputs of about 4);
+    wrapped, a typed error names the quantize node, the weight and the fix."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    from passes.executorch import UnfoldedQuantizeError, decode_on_runtime
+    from passes.flow.examples import xnnpack_quantizer
+    from passes.quantization import quantize_program
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    steps = [(torch.randn(2, 8, generator=generator),) for _ in range(CALLS)]
+    with torch.no_grad():
+        unfolded = quantize_program(torch.export.export(Accumulator().eval(), steps[0]),
+                                    xnnpack_quantizer(), steps, fold=False)
+        alone = to_edge_transform_and_lower(copy.deepcopy(unfolded),
+                                            partitioner=[XnnpackPartitioner()])
+        wrong = decode_on_runtime(alone, None, steps).outputs
+        expected = run_program(copy.deepcopy(unfolded), steps).outputs
+        assert max(float((a[0] - b[0]).abs().max())
+                   for a, b in zip(wrong, expected, strict=True)) > 1
+        with pytest.raises(UnfoldedQuantizeError) as info:
+            to_edge_transform_and_lower(copy.deepcopy(unfolded), partitioner=[
+                BufferOwningPartitioner(XnnpackPartitioner())])
+    assert info.value.constant == "lin.weight"
+    assert info.value.node.startswith("quantized_decomposed_quantize_per_tensor")
+    assert "fold_quantize=True" in str(info.value)
