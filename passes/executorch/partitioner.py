@@ -115,6 +115,11 @@ class BufferOwningPartitioner(Partitioner):
             (its converter fails with ``slice_update ... dtype int8`` otherwise). Raised, not
             kept at the top level with a note: kept there, the Core ML partition fails too
             (``KeyError: torch.int8``, coremltools 9).
+        UnfoldedQuantizeError: from ``partition``, an XNNPACK partition quantizes a constant
+            (a weight) in the graph (``convert_pt2e(fold_quantize=False)``), which XNNPACK's
+            runtime computes wrong values with. (A quantize of a 0-d value an XNNPACK
+            partition receives, which XNNPACK crashes on, is kept at the top level with a
+            note instead.)
 
     Warns:
         DelegateStateWarning: from ``partition``, a Core ML delegate will own an fp32 buffer
