@@ -24,13 +24,13 @@ from ..delegation.errors import BufferConsumptionError
 __all__ = [
     "INSTALL_HINT",
     "BufferOwningPartitioner",
-    "DelegateScalarStateError",
     "DelegateStateDtypeError",
     "DelegateStateWarning",
     "ExecuTorchInputError",
     "ExecuTorchMissingError",
     "ParameterMutationOnExecuTorchError",
     "SharedBufferDelegationError",
+    "UnfoldedQuantizeError",
     "available",
     "decode_on_runtime",
     "executorch_state",
@@ -133,21 +133,29 @@ class DelegateStateDtypeError(BufferConsumptionError):
             "BufferOwningPartitioner")
 
 
-class DelegateScalarStateError(BufferConsumptionError):
-    """``BufferOwningPartitioner``: a partition of a backend that owns no state computes
-    with a 0-d value while the program has 0-d mutable state (XNNPACK crashes on it, or
-    computes wrong values), and the wrapper cannot run that partition at the top level
-    because it holds an op the backend kept undecomposed (``aten.linear``).
+class UnfoldedQuantizeError(PassManagerError):
+    """``BufferOwningPartitioner`` wrapping XNNPACK: a partition quantizes a constant
+    (a weight, a bias, a constant tensor) in the graph, as ``convert_pt2e(fold_quantize=
+    False)`` (``quantize_program(..., fold=False)``) leaves it. XNNPACK lowers that without
+    a complaint and its runtime computes wrong values (an ``nn.Linear(8, 8)``: off by up to
+    3.8 from the Python program, ExecuTorch 1.5.1), so it is refused.
 
     Attributes:
-        buffer: the 0-d buffer(s), comma-separated.
-        node: the undecomposed op that keeps the partition in the backend.
-        partitions: the partition.
+        node: the quantize node.
+        constant: the constant it quantizes (its FQN).
+        partition: the partition holding the node.
     """
 
-    def __init__(self, buffer: str, partition: str, node: str, reason: str):
+    def __init__(self, node: str, constant: str, partition: str):
         self.node = node
-        super().__init__(buffer, [partition], reason, "BufferOwningPartitioner")
+        self.constant = constant
+        self.partition = partition
+        super().__init__(
+            f"BufferOwningPartitioner: partition {partition!r} quantizes the constant "
+            f"{constant!r} in the graph ({node}), which XNNPACK lowers into a program "
+            "that computes wrong values on the runtime; convert with fold_quantize=True "
+            "(quantize_program's default fold=True), which stores it quantized",
+            pass_name="BufferOwningPartitioner")
 
 
 class DelegateStateWarning(UserWarning):

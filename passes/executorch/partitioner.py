@@ -49,11 +49,11 @@ from ..delegation.errors import BufferConsumptionError
 from ..delegation.ownership import BufferOwnership, tagged_buffer_ownership
 from ..delegation.partitioners import DELEGATION_TAG
 from . import (
-    DelegateScalarStateError,
     DelegateStateDtypeError,
     DelegateStateWarning,
     ExecuTorchInputError,
     SharedBufferDelegationError,
+    UnfoldedQuantizeError,
 )
 from .method_state import MethodState, SharedBuffer, checked_methods, method_state
 from .new_value_copies import (
@@ -72,6 +72,7 @@ PASS_NAME = "BufferOwningPartitioner"
 # fp16 with a warning, refuses other dtypes deep in its converter, and zero-fills state when
 # the model is prewarmed.
 COREML_BACKEND = "CoreMLBackend"
+XNNPACK_BACKEND = "XnnpackBackend"
 _STATE_DTYPE = {COREML_BACKEND: torch.float16}
 _ZERO_FILLED = {COREML_BACKEND}
 
@@ -114,6 +115,11 @@ class BufferOwningPartitioner(Partitioner):
             (its converter fails with ``slice_update ... dtype int8`` otherwise). Raised, not
             kept at the top level with a note: kept there, the Core ML partition fails too
             (``KeyError: torch.int8``, coremltools 9).
+        UnfoldedQuantizeError: from ``partition``, an XNNPACK partition quantizes a constant
+            (a weight) in the graph (``convert_pt2e(fold_quantize=False)``), which XNNPACK's
+            runtime computes wrong values with. (A quantize of a 0-d value an XNNPACK
+            partition receives, which XNNPACK crashes on, is kept at the top level with a
+            note instead.)
 
     Warns:
         DelegateStateWarning: from ``partition``, a Core ML delegate will own an fp32 buffer
@@ -211,7 +217,11 @@ class BufferOwningPartitioner(Partitioner):
                 fqn, list(shared[fqn].methods), partitions,
                 f"{shared[fqn].describe()}; ExecuTorch shares a top-level buffer between "
                 "methods, never a delegate's copy")
-        scalar_notes = self._keep_scalar_state_out(program, result.partition_tags)
+        unfolded = _unfolded_quantize(program, result.partition_tags)
+        if unfolded is not None:
+            self._restore(graph, before)
+            raise unfolded
+        scalar_notes = self._keep_scalar_quantize_out(program, result.partition_tags)
         verdicts = self._verdicts(program, result.partition_tags, shared)
         owned = []
         for verdict in verdicts:
@@ -269,67 +279,48 @@ class BufferOwningPartitioner(Partitioner):
                           for method, kept in self.method_notes.items() for note in kept]
         return PartitionResult(program, result.partition_tags)
 
-    def _keep_scalar_state_out(
+    def _keep_scalar_quantize_out(
         self, program: ExportedProgram, partition_tags: dict[str, Any]
     ) -> list[str]:
-        """Drop each partition that owns no state and computes with a 0-d value, when the
-        program has 0-d mutable state; a note per partition dropped.
+        """Keep at the top level each quantize an XNNPACK partition would apply to a 0-d
+        value it receives; a note per node kept out.
 
-        XNNPACK mis-lowers a program with 0-d quantized (float) state: its
-        ``ChannelsLastTaggedReshapePass`` indexes a 0-d delegate input (``IndexError:
-        invalid index of a 0-dim tensor``), and keeping only the 0-d ops out of its
-        partition leaves delegates that hand int8 values to each other and compute wrong
-        values on the runtime. The whole partition runs at the top level instead, where
-        ExecuTorch's portable kernels compute what the program does.
+        XNNPACK's ``ChannelsLastTaggedReshapePass`` asks, of every dequantize in a delegate
+        whose input is computed there, whether the value quantized is channels-last by
+        indexing it when it is a delegate input (``meta["val"][0]``): a 0-d one (a 0-d user
+        input, state, constant, or a value computed outside the partition such as
+        ``x.sum()``) fails with ``IndexError: invalid index of a 0-dim tensor``, untyped.
+        Quantized outside, the value enters the delegate already as 8-bit integers, the
+        dequantize's input is then a delegate input, and XNNPACK lowers and computes it as
+        the program does (runtime equal to Python bit for bit on the models of the
+        tests). Only quantized values trip it: a float 0-d input is never indexed.
         """
-        sig = program.graph_signature
-        placeholders = {n.name: n for n in program.graph.find_nodes(op="placeholder")}
-        mutated = set(sig.buffers_to_mutate.values())
-        scalar_state = sorted(
-            fqn for name, fqn in sig.inputs_to_buffers.items()
-            if fqn in mutated and name in placeholders
-            and _is_quantizable_scalar(placeholders[name]))
-        if not scalar_state:
-            return []
-        owning = {n.meta.get(DELEGATION_TAG) for n in placeholders.values()
-                  if sig.inputs_to_buffers.get(n.name) in mutated}
-        dropped: dict[str, str] = {}
-        for node in program.graph.nodes:
-            tag = node.meta.get(DELEGATION_TAG)
-            if (node.op == "call_function" and tag is not None and tag not in owning
-                    and tag not in dropped
-                    and (_is_scalar(node) or any(map(_is_scalar, node.all_input_nodes)))):
-                dropped[tag] = node.name
-        kept_whole = self._undecomposed(program)
-        state = ", ".join(map(repr, scalar_state))
-        for node in program.graph.nodes:
-            tag = node.meta.get(DELEGATION_TAG)
-            if tag in dropped and _aten_op(node) in kept_whole:
-                raise DelegateScalarStateError(
-                    ", ".join(scalar_state), tag, node.name,
-                    f"partition {tag!r} computes with a 0-d value ({dropped[tag]}) and the "
-                    f"program has 0-d state ({state}), which XNNPACK mis-lowers; it cannot "
-                    f"run at the top level because {node.name} ({_aten_op(node)}) was kept "
-                    "undecomposed for the backend. Make the state 1-element "
-                    "(torch.zeros(1)) instead of 0-d")
-        for node in program.graph.nodes:
-            if node.meta.get(DELEGATION_TAG) in dropped:
-                del node.meta[DELEGATION_TAG]
-        for tag in dropped:
-            partition_tags.pop(tag, None)
-        return [f"kept partition {tag!r} at the top level: its {name} computes with a 0-d "
-                f"value and the program has 0-d state ({state}), which a delegate owning no "
-                "state mis-lowers (XNNPACK: IndexError in ChannelsLastTaggedReshapePass, or "
-                "wrong values on the runtime)" for tag, name in dropped.items()]
+        from executorch.backends.xnnpack.utils.quant_utils import is_dequant
 
-    def _undecomposed(self, program: ExportedProgram) -> set[Any]:
-        """The ATen ops the wrapped partitioner keeps undecomposed (they cannot run at the
-        top level)."""
-        try:
-            ops, _ = self.partitioner.ops_to_not_decompose(program)
-        except Exception:  # noqa: BLE001  (a partitioner that cannot say: assume none)
-            return set()
-        return set(ops)
+        xnnpack = _xnnpack_tags(partition_tags)
+        if not xnnpack:
+            return []
+        notes = []
+        for node in program.graph.nodes:
+            tag = node.meta.get(DELEGATION_TAG)
+            if tag not in xnnpack or not is_dequant(node):
+                continue
+            quantize = node.args[0]
+            if not (isinstance(quantize, Node) and quantize.meta.get(DELEGATION_TAG) == tag
+                    and quantize.all_input_nodes and isinstance(quantize.args[0], Node)):
+                continue
+            value = quantize.args[0]
+            received = value.op == "placeholder" or value.meta.get(DELEGATION_TAG) != tag
+            if received and _is_scalar(value):
+                del quantize.meta[DELEGATION_TAG]
+                if value.op == "placeholder" and not any(
+                        user.meta.get(DELEGATION_TAG) == tag for user in value.users):
+                    value.meta.pop(DELEGATION_TAG, None)
+                notes.append(
+                    f"kept {quantize.name} (quantizing the 0-d {value.name}) out of partition "
+                    f"{tag!r}: XNNPACK fails on a 0-d value it quantizes itself (IndexError "
+                    "in ChannelsLastTaggedReshapePass); the partition receives it quantized")
+        return notes
 
     @staticmethod
     def _taken_shared(
@@ -440,23 +431,39 @@ class BufferOwningPartitioner(Partitioner):
                 node.meta[DELEGATION_TAG] = tag
 
 
-def _aten_op(node: Node) -> Any:
-    """The ATen overload an Edge op wraps (the node's target otherwise)."""
-    return getattr(node.target, "_op", node.target)
+def _xnnpack_tags(partition_tags: dict[str, Any]) -> set[str]:
+    return {tag for tag, spec in partition_tags.items()
+            if getattr(spec, "backend_id", None) == XNNPACK_BACKEND}
+
+
+def _unfolded_quantize(
+    program: ExportedProgram, partition_tags: dict[str, Any]
+) -> UnfoldedQuantizeError | None:
+    """The error for the first quantize of a constant (not 0-d) an XNNPACK partition holds:
+    ``convert_pt2e(fold_quantize=False)`` leaves weights so, and XNNPACK computes wrong
+    values with them. (A 0-d constant's quantize is kept out instead, with the 0-d rule.)"""
+    from executorch.backends.xnnpack.utils.quant_utils import is_quant
+
+    xnnpack = _xnnpack_tags(partition_tags)
+    if not xnnpack:
+        return None
+    sig = program.graph_signature
+    mutated = set(sig.buffers_to_mutate.values())
+    constants = {**sig.inputs_to_parameters, **sig.inputs_to_lifted_tensor_constants,
+                 **{name: fqn for name, fqn in sig.inputs_to_buffers.items()
+                    if fqn not in mutated}}
+    for node in program.graph.nodes:
+        tag = node.meta.get(DELEGATION_TAG)
+        if tag in xnnpack and is_quant(node) and isinstance(node.args[0], Node):
+            value = node.args[0]
+            if value.op == "placeholder" and value.name in constants and not _is_scalar(value):
+                return UnfoldedQuantizeError(node.name, constants[value.name], tag)
+    return None
 
 
 def _is_scalar(node: Node) -> bool:
     value = node.meta.get("val")
     return isinstance(value, torch.Tensor) and value.dim() == 0
-
-
-def _is_quantizable_scalar(node: Node) -> bool:
-    """0-d state a quantizer puts on a grid (float, or stored as 8-bit integers): what
-    XNNPACK mis-lowers. An integer counter (Hugging Face's 0-d int64 ``cumulative_length``)
-    is never quantized, and XNNPACK lowers programs holding it as they are."""
-    value = node.meta.get("val")
-    return _is_scalar(node) and (value.is_floating_point()
-                                 or value.dtype in (torch.int8, torch.uint8))
 
 
 def _nonzero_elements(program: ExportedProgram) -> dict[str, int]:

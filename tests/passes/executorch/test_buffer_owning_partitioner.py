@@ -199,7 +199,8 @@ def test_a_partitioner_that_is_not_an_instance_is_refused_at_construction(given)
 
 
 class ScalarState(torch.nn.Module):
-    """A 0-d state value: a running mean of a projection, scaling the output."""
+    """A 0-d state value (a running mean of a projection, itself a 0-d value computed in
+    the partition) scaling the output."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -209,11 +210,11 @@ class ScalarState(torch.nn.Module):
     def forward(self, x):
         y = self.lin(x)
         self.s.copy_(self.s * 0.5 + y.mean())
-        return y * self.s
+        return y * self.s, self.s * 1
 
 
 class ScalarCounter(torch.nn.Module):
-    """A 0-d counter beside a projection that never reads it."""
+    """A 0-d counter scaling a projection, in the partition of its linear."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -222,65 +223,114 @@ class ScalarCounter(torch.nn.Module):
 
     def forward(self, x):
         self.n.add_(1.0)
-        return self.lin(x), self.n + 0
+        return self.lin(x) * self.n, self.n + 0
 
 
-def _quantized(model, inputs):
-    from passes.flow.examples import xnnpack_quantizer
-    from passes.quantization import quantize_program
+class ScalarInput(torch.nn.Module):
+    """A 0-d keyword input (Hugging Face style ``scale=torch.tensor(0.2)``) and a 0-d value
+    computed outside the linear's partition (``hidden.abs().sum()``), beside 2-d state."""
 
-    return quantize_program(torch.export.export(model, inputs[0]), xnnpack_quantizer(), inputs)
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(1, 8))
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden, scale):
+        y = self.lin(hidden) * scale * hidden.abs().sum()
+        self.acc.mul_(0.5).add_(y)
+        return y + self.acc, self.acc * 1
 
 
-def _scalar_inputs():
+def _scalar_case(name):
     generator = torch.Generator().manual_seed(0)
-    return [(torch.randn(2, 4, generator=generator),) for _ in range(CALLS)]
+    torch.manual_seed(0)
+    if name == "input":
+        return ScalarInput(), [((), {"hidden": torch.randn(1, 8, generator=generator),
+                                     "scale": torch.tensor(0.2 + 0.1 * step)})
+                               for step in range(CALLS)]
+    model = {"state": ScalarState, "counter": ScalarCounter}[name]()
+    return model, [(torch.randn(2, 4, generator=generator),) for _ in range(CALLS)]
 
 
-def test_zero_d_state_in_a_partition_that_must_stay_delegated_is_a_typed_error():
-    """XNNPACK alone crashes here too (IndexError in ChannelsLastTaggedReshapePass); the
-    partition with the 0-d ops also holds the linear XNNPACK kept undecomposed, so it
-    cannot run at the top level: a typed error names the state, the op and the fix."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-
-    from passes.executorch import DelegateScalarStateError
-
-    inputs = _scalar_inputs()
-    with torch.no_grad():
-        quantized = _quantized(ScalarCounter().eval(), inputs)
-        with pytest.raises(DelegateScalarStateError) as info:
-            to_edge_transform_and_lower(
-                copy.deepcopy(quantized),
-                partitioner=[BufferOwningPartitioner(XnnpackPartitioner())])
-    assert info.value.buffer == "n" and "linear" in info.value.node
-    assert "torch.zeros(1)" in str(info.value)
+# The 0-d value each case quantizes (a placeholder, or a value computed outside the partition).
+SCALAR_VALUES = {"state": {"b_s", "aten_mean_default"}, "counter": {"b_n"},
+                 "input": {"scale", "aten_sum_dim_int_list"}}
 
 
-def test_zero_d_quantized_state_stays_out_of_xnnpack_and_runs_like_python():
-    """XNNPACK alone crashes inside its ChannelsLastTaggedReshapePass on a 0-d quantized
-    state value (an untyped ``Exception`` around ``IndexError: invalid index of a 0-dim
-    tensor``); wrapped, the partition computing with 0-d values runs at the top level
-    (with a note) and ExecuTorch's runtime equals the quantized program over 4 calls
-    (keeping only the 0-d ops out left XNNPACK delegates that computed wrong values)."""
+@pytest.mark.parametrize("case", sorted(SCALAR_VALUES))
+def test_a_quantized_zero_d_value_entering_xnnpack_is_quantized_outside_and_runs_like_python(
+        case):
+    """XNNPACK alone crashes inside its ChannelsLastTaggedReshapePass when a delegate
+    quantizes a 0-d value it receives (an untyped ``Exception`` around ``IndexError: invalid
+    index of a 0-dim tensor``): 0-d state, a 0-d user input, a 0-d value computed
+    elsewhere. Wrapped, exactly those quantize nodes run at the top level (a note names
+    each), the linear stays in XNNPACK, and ExecuTorch's runtime equals the quantized
+    program bit for bit over 4 calls, outputs and state (each model returns its state)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
     from passes.executorch import decode_on_runtime
     from passes.flow.examples import xnnpack_quantizer
     from passes.quantization import quantize_program
 
-    generator = torch.Generator().manual_seed(0)
-    inputs = [(torch.randn(2, 4, generator=generator),) for _ in range(CALLS)]
+    model, steps = _scalar_case(case)
+    args, kwargs = steps[0] if isinstance(steps[0][-1], dict) else (steps[0], {})
     with torch.no_grad():
-        model = ScalarState().eval()
-        quantized = quantize_program(torch.export.export(model, inputs[0]),
-                                     xnnpack_quantizer(), inputs)
+        quantized = quantize_program(torch.export.export(model.eval(), args, kwargs),
+                                     xnnpack_quantizer(), steps)
         with pytest.raises(Exception, match="ChannelsLastTaggedReshapePass") as info:
             to_edge_transform_and_lower(copy.deepcopy(quantized),
                                         partitioner=[XnnpackPartitioner()])
         assert "invalid index of a 0-dim tensor" in str(info.value.__cause__)
-        run = decode_on_runtime(copy.deepcopy(quantized), None, inputs,
+        run = decode_on_runtime(copy.deepcopy(quantized), None, steps,
                                 partitioner=XnnpackPartitioner())
-    assert any("0-d state ('s')" in note for note in run.notes), run.notes
-    expected = run_program(copy.deepcopy(quantized), inputs).outputs
+    kept = {note.split("quantizing the 0-d ")[1].split(")")[0]
+            for note in run.notes if "quantizing the 0-d" in note}
+    assert kept == SCALAR_VALUES[case], run.notes
+    assert run.delegates >= 1
+    expected = run_program(copy.deepcopy(quantized), steps).outputs
     for step, (got, want) in enumerate(zip(run.trace.outputs, expected, strict=True)):
-        assert torch.equal(got[0], want[0]), (step, float((got[0] - want[0]).abs().max()))
+        for index, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a, b), (step, index, float((a - b).abs().max()))
+
+
+class Accumulator(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(2, 8))
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.acc.add_(y)
+        return y + self.acc
+
+
+def test_an_unfolded_weight_quantize_in_xnnpack_is_a_typed_error():
+    """``quantize_program(..., fold=False)`` (``convert_pt2e(fold_quantize=False)``) leaves
+    the linear's weight as parameter -> quantize -> dequantize: XNNPACK alone lowers it and
+    its runtime computes wrong values (asserted: off by more than 1 on outputs of about 4);
+    wrapped, a typed error names the quantize node, the weight and the fix."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    from passes.executorch import UnfoldedQuantizeError, decode_on_runtime
+    from passes.flow.examples import xnnpack_quantizer
+    from passes.quantization import quantize_program
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    steps = [(torch.randn(2, 8, generator=generator),) for _ in range(CALLS)]
+    with torch.no_grad():
+        unfolded = quantize_program(torch.export.export(Accumulator().eval(), steps[0]),
+                                    xnnpack_quantizer(), steps, fold=False)
+        alone = to_edge_transform_and_lower(copy.deepcopy(unfolded),
+                                            partitioner=[XnnpackPartitioner()])
+        wrong = decode_on_runtime(alone, None, steps).outputs
+        expected = run_program(copy.deepcopy(unfolded), steps).outputs
+        assert max(float((a[0] - b[0]).abs().max())
+                   for a, b in zip(wrong, expected, strict=True)) > 1
+        with pytest.raises(UnfoldedQuantizeError) as info:
+            to_edge_transform_and_lower(copy.deepcopy(unfolded), partitioner=[
+                BufferOwningPartitioner(XnnpackPartitioner())])
+    assert info.value.constant == "lin.weight"
+    assert info.value.node.startswith("quantized_decomposed_quantize_per_tensor")
+    assert "fold_quantize=True" in str(info.value)
