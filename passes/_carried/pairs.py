@@ -53,6 +53,7 @@ __all__ = [
     "Pair",
     "Pairing",
     "check_pair",
+    "method_pairing",
     "pairs_of",
     "resolve_pairs",
     "suspected_pairs",
@@ -269,3 +270,16 @@ def pairs_of(program: Any, next_values: Pairing, pair_by_name: tuple[str, str] |
             else "pair_by_name"
         found.append(Pair(i, j, io.in_names[i][-1], io.out_names[j], why))
     return found
+
+
+def method_pairing(next_values: Mapping[str, Any] | None, method: str,
+                   methods: Sequence[str]) -> Pairing:
+    """The ``next_values`` of ``method`` among ``methods``: ``next_values`` is one mapping
+    for every method, or ``{method: mapping}`` (every key a method, every value a mapping);
+    a method it leaves out has None (not said)."""
+    if next_values is None:
+        return None
+    if next_values and all(isinstance(v, Mapping) for v in next_values.values()) and \
+            set(next_values) <= set(methods):
+        return next_values.get(method)
+    return next_values
