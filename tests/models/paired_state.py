@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 
 from tests.models.hf import seeded
-from tests.models.input_state import DIM, PREFILL, SEQ, input_cache_calls
+from tests.models.input_state import DIM, SEQ, input_cache_calls
 
-__all__ = ["PairedCache", "paired_cache_calls", "paired_cache_methods", "thread_by_hand"]
+__all__ = ["PairedCache", "SummedPairedCache", "paired_cache_calls", "paired_cache_methods",
+           "thread_by_hand"]
 
 
 class PairedCache(torch.nn.Module):
@@ -27,15 +28,29 @@ class PairedCache(torch.nn.Module):
         return self.query(x) @ new.t(), new
 
 
+class SummedPairedCache(PairedCache):
+    """:class:`PairedCache` whose output reads the whole cache through a linear layer
+    (``out(new.sum(0))``): a quantizer observes values that depend on the carried state."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(seed)
+        self.out = seeded(lambda: torch.nn.Linear(DIM, DIM), seed + 1)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        new = cache.index_copy(0, pos, self.value(x))
+        return self.out(new.sum(0, keepdim=True)) + self.query(x), new
+
+
 def paired_cache_calls(cache: torch.Tensor, decodes: int, seed: int
                        ) -> list[tuple[str, tuple, dict]]:
     """A prefill at positions 0-3 and ``decodes`` one-token steps, each passed ``cache``."""
     return input_cache_calls(cache, decodes, seed)
 
 
-def paired_cache_methods(seed: int = 0):
+def paired_cache_methods(seed: int = 0, model: type[PairedCache] = PairedCache):
     """``(module, {"prefill": ep, "decode": ep})``, exported with one zero cache."""
-    module = PairedCache(seed)
+    module = model(seed)
     examples = {}
     for method, args, kwargs in paired_cache_calls(torch.zeros(SEQ, DIM), 1, 0):
         examples.setdefault(method, (args, kwargs))
@@ -62,5 +77,3 @@ def thread_by_hand(methods, calls, cache_argument: int = 2, output: int = 1
             caches.append(cache)
     return outputs, caches
 
-
-assert PREFILL < SEQ
