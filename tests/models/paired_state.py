@@ -64,12 +64,13 @@ def thread_by_hand(methods, calls, cache_argument: int = 2, output: int = 1
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Call ``methods[method](*args)`` in turn, each call given the cache the previous one
     returned (``args[cache_argument]`` replaced, the ``output``-th output taken): the
-    outputs and the caches, per call."""
+    outputs and the caches, per call. ``cache_argument`` past the arguments: no threading
+    (every call given the cache it names: what a stale cache computes)."""
     outputs, caches, cache = [], [], None
     with torch.no_grad():
         for method, args, kwargs in calls:
             args = list(args)
-            if cache is not None:
+            if cache is not None and cache_argument < len(args):
                 args[cache_argument] = cache
             result = methods[method](*args, **kwargs)
             cache = result[output]

@@ -16,6 +16,7 @@ import torch
 
 from passes.errors import StateNameError, StatePairingError, UnpairedStateError
 from passes.executorch import ExecuTorchInputError, decode_on_runtime, run_methods_on_runtime
+from passes.executorch.runtime import lower_for_runtime
 from tests.models.carried_state import NamedState, named_state_inputs
 from tests.models.input_state import DIM, SEQ
 from tests.models.paired_state import (
@@ -32,6 +33,12 @@ def paired():
     return paired_cache_methods()
 
 
+@pytest.fixture(scope="module")
+def lowered_decode(paired):
+    """The decode lowered once, decoded by several tests (pairs resolve on its program)."""
+    return lower_for_runtime(paired[1]["decode"])
+
+
 def _decode_steps(cache: torch.Tensor) -> list[tuple]:
     return [args for method, args, _ in paired_cache_calls(cache, DECODES, 1)
             if method == "decode"]
@@ -46,11 +53,13 @@ def _assert_threaded(outputs, carried, eager_outputs, eager_caches, atol=1e-5):
         torch.testing.assert_close(state["cache"], cache, atol=atol, rtol=0)
 
 
-def test_decode_threads_the_paired_cache_as_eager_by_hand(paired):
+@pytest.mark.parametrize("form", ["ExportedProgram", "LoweredProgram"])
+def test_decode_threads_the_paired_cache_as_eager_by_hand(paired, lowered_decode, form):
     module, programs = paired
     cache = torch.zeros(SEQ, DIM)
     steps = _decode_steps(cache)
-    run = decode_on_runtime(programs["decode"], None, steps, next_values={"cache": "1"})
+    program = programs["decode"] if form == "ExportedProgram" else lowered_decode
+    run = decode_on_runtime(program, None, steps, next_values={"cache": "1"})
     outputs, caches = thread_by_hand({"decode": module}, [("decode", s, {}) for s in steps])
     _assert_threaded(run.outputs, run.carried, outputs, caches)
     # The state moved: the last cache holds every step's value, the first only one row.
@@ -67,11 +76,11 @@ def test_decode_without_pairing_refuses_instead_of_a_stale_cache(paired):
     assert "next_values={'cache': '1'}" in str(error)
 
 
-def test_an_empty_pairing_says_there_is_no_such_state(paired):
-    module, programs = paired
+def test_an_empty_pairing_says_there_is_no_such_state(paired, lowered_decode):
+    module, _ = paired
     cache = torch.zeros(SEQ, DIM)
     steps = _decode_steps(cache)
-    run = decode_on_runtime(programs["decode"], None, steps, next_values={})
+    run = decode_on_runtime(lowered_decode, None, steps, next_values={})
     with torch.no_grad():  # every step from the cache given, as asked
         for got, step in zip(run.outputs, steps, strict=True):
             torch.testing.assert_close(got[0], module(*step)[0], atol=1e-5, rtol=0)
@@ -134,3 +143,23 @@ def test_methods_thread_the_paired_cache_across_prefill_and_decodes(paired):
                                  next_values={m: {"cache": "1"} for m in programs})
     outputs, caches = thread_by_hand({"prefill": module, "decode": module}, calls)
     _assert_threaded(run.outputs, run.carried, outputs, caches)
+
+
+def test_quantized_methods_thread_the_pair_as_python_does(paired):
+    """quantize_methods (paired) then the runtime (paired): each call as the quantized
+    programs threaded by hand in Python (measured: within 6e-8, the cache bit for bit)."""
+    from passes.flow.examples import xnnpack_quantizer
+    from passes.quantization import quantize_methods
+
+    _, programs = paired
+    pairing = {"cache": "1"}
+    quantized = quantize_methods(programs, xnnpack_quantizer(),
+                                 paired_cache_calls(torch.zeros(SEQ, DIM), 3, 7),
+                                 next_values=pairing)
+    calls = paired_cache_calls(torch.zeros(SEQ, DIM), DECODES, 8)
+    run = run_methods_on_runtime(quantized, calls, next_values=pairing)
+    outputs, caches = thread_by_hand({m: p.module() for m, p in quantized.items()}, calls)
+    _assert_threaded(run.outputs, run.carried, outputs, caches)
+    unthreaded, _ = thread_by_hand({m: p.module() for m, p in quantized.items()}, calls,
+                                   cache_argument=99)  # what a stale cache gives
+    assert (run.outputs[-1][0] - unthreaded[-1]).abs().max() > 1e-2
