@@ -89,6 +89,15 @@ class QuantizeMutableBuffers(Pass):
     will own stays in a dtype that delegate takes (``state_owner``: Core ML keeps state as
     float only, and fails to lower integer state).
 
+    State carried as an input/output pair (the program returns an input's next value
+    instead of writing it, as static-shape backends take state) is stored as integers when
+    paired (``next_values`` / ``pair_by_name``, as :class:`~passes.InputsToBuffers` takes
+    them) and ``carried_state=True``: the input and its output become the grid's integers
+    (InputsToBuffers makes the pair a buffer, rewritten as any buffer, BuffersToInputs puts
+    it back; the pass then returns a new program), the notes and statistics name the
+    signature change. Otherwise, and for an input and output that only look paired (the
+    rules of :mod:`passes._carried.pairs`), the pair stays float and the notes say why.
+
     Requires MutableBuffersMarked; may touch the buffers' tensors (replaced, never written
     in place), their nodes' ``val``, kept initial value and grid, and the nodes reading or
     writing them.
@@ -118,6 +127,9 @@ class QuantizeMutableBuffers(Pass):
             in a dtype it takes, each with a note naming the buffer and the owner.
         owned_buffers: the FQNs of the buffers ``state_owner`` will own; None: every
             mutable buffer.
+        next_values: ``{input name: output name}``: state carried as input/output pairs
+            (``{}``: none); stored as integers with ``carried_state``.
+        pair_by_name: ``(input prefix, output prefix)`` pairing inputs and outputs by name.
 
     Raises:
         QuantizedStateError: a malformed quantize/dequantize node on the way to a buffer
@@ -126,6 +138,9 @@ class QuantizeMutableBuffers(Pass):
             input that stays float. The program is left unchanged.
         StateOwnerError: (``strict``) a buffer that could be stored as integers, which
             ``state_owner`` takes only as float. The program is left unchanged.
+        StateNameError: ``next_values`` names no input or output of the program.
+        StatePairingError: ``next_values`` pairs an input with an output of another
+            shape or dtype.
     """
 
     requires = frozenset({MutableBuffersMarked})
