@@ -132,6 +132,8 @@ class PairedState:
                 break
             args.append(kwargs.pop(name))
         order = list(program.call_spec.in_spec.children()[1].context or ())
+        if set(kwargs) - set(order):
+            return [], None  # not a call of this program: left for it to refuse
         ordered = {key: kwargs[key] for key in order if key in kwargs}
         return pytree.tree_flatten((tuple(args), ordered))
 
@@ -142,6 +144,8 @@ class PairedState:
         if not pairs:
             return args, kwargs, {}
         leaves, spec = self._flat(method, args, kwargs)
+        if spec is None:
+            return args, kwargs, {}
         given = {i: leaves[i] for i in pairs if i < len(leaves)}
         for i, tensor in given.items():
             if isinstance(tensor, torch.Tensor) and id(tensor) in self._values:
