@@ -43,7 +43,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from .._analysis.buffers import trailing_write_backs
+from .._analysis.buffers import USER_INPUT, find_mutations, trailing_write_backs
 from .._analysis.data_movement import DATA_MOVEMENT_OPS
 from ..errors import StateNameError, StatePairingError, UnpairedStateError
 from .specs import input_names, output_names
@@ -125,6 +125,11 @@ def _flat_io(program: Any) -> _FlatIO:
         written = {c.args[0] for c in trailing_write_backs(program)}
     else:
         raise TypeError(f"no call signature to pair in a {type(program).__name__}")
+    # Written in place anywhere in the graph (a program not functionalized writes its
+    # input with index_copy_ and no mutation output or trailing copy_ says so).
+    in_place = {state.name for state in find_mutations(program).writers
+                if state.kind == USER_INPUT}
+    written |= {n for n in inputs if n.name in in_place}
     return _FlatIO(inputs, outputs, input_names(in_spec, [n.name for n in inputs]),
                    output_names(out_spec), written)
 
