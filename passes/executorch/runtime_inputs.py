@@ -17,7 +17,10 @@ output, ahead of the program's outputs; the tensor the caller passed is left as 
 Python eager instead writes the caller's tensor, so a later call given the same tensor sees
 the new value. :class:`CarriedState` gives the runtime eager's behaviour: it keeps, for every
 caller tensor a call wrote, the value the runtime returned, and feeds that value the next time
-a step passes the same tensor (never touching the caller's tensor).
+a step passes the same tensor (never touching the caller's tensor). State carried as an
+input/output pair (the program returns the input's next value; :mod:`passes._carried.pairs`
+resolves which) is threaded the same way: the paired output's value goes to the next step
+passing the same tensor for that input.
 """
 
 from __future__ import annotations
