@@ -103,7 +103,12 @@ def _flat_io(program: Any) -> _FlatIO:
         values = list(program.graph.output_node().args[0])
         outputs, written = [], set()
         by_name = {n.name: n for n in inputs}
-        for spec, value in zip(program.graph_signature.output_specs, values, strict=True):
+        specs = list(program.graph_signature.output_specs)
+        if len(specs) != len(values):  # serialized by to_executorch: buffer writes emitted
+            specs = [spec for spec in specs if spec.kind != OutputKind.BUFFER_MUTATION]
+        if len(specs) != len(values):
+            raise TypeError("the graph's outputs do not follow its signature")
+        for spec, value in zip(specs, values, strict=True):
             if spec.kind == OutputKind.USER_OUTPUT:
                 outputs.append(value)
             elif spec.kind == OutputKind.USER_INPUT_MUTATION and spec.target in by_name:
@@ -127,8 +132,11 @@ def _flat_io(program: Any) -> _FlatIO:
         raise TypeError(f"no call signature to pair in a {type(program).__name__}")
     # Written in place anywhere in the graph (a program not functionalized writes its
     # input with index_copy_ and no mutation output or trailing copy_ says so).
-    in_place = {state.name for state in find_mutations(program).writers
-                if state.kind == USER_INPUT}
+    try:
+        in_place = {state.name for state in find_mutations(program).writers
+                    if state.kind == USER_INPUT}
+    except ValueError:  # a serialized program (emitted writes): its signature says them
+        in_place = set()
     written |= {n for n in inputs if n.name in in_place}
     return _FlatIO(inputs, outputs, input_names(in_spec, [n.name for n in inputs]),
                    output_names(out_spec), written)
@@ -266,7 +274,12 @@ def pairs_of(program: Any, next_values: Pairing, pair_by_name: tuple[str, str] |
             raise UnpairedStateError(where, pair.input_name, pair.output_name, pair.why,
                                      method=method)
         return []
-    io = _flat_io(program)
+    try:
+        io = _flat_io(program)
+    except TypeError as error:
+        raise StateNameError(where, "next_values", f"the program's inputs and outputs "
+                             f"cannot be named ({error}): pass the program before "
+                             "lowering") from error
     pairs = resolve_pairs(io.in_names, io.out_names, next_values, pair_by_name, where)
     found = []
     for i, j in sorted(pairs.items()):
