@@ -30,6 +30,7 @@ from .errors import (
     StateNameError,
     StateOwnerError,
     StatePairingError,
+    UnpairedStateError,
     UnsupportedMutationError,
 )
 from .functional_variants import register_functional_variant
@@ -69,6 +70,7 @@ __all__: list[str] = [
     "StateOwnerError",
     "StatePairingError",
     "UnfreezeMutableBuffer",
+    "UnpairedStateError",
     "UnsupportedMutationError",
     "check_shared_buffers",
     "conditions",

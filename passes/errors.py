@@ -26,6 +26,7 @@ __all__ = [
     "StateNameError",
     "StateOwnerError",
     "StatePairingError",
+    "UnpairedStateError",
     "UnsupportedMutationError",
 ]
 
@@ -201,6 +202,34 @@ class StateNameError(CarriedStateError, KeyError):
 class StatePairingError(CarriedStateError):
     """An input and the output named as its next value do not pair: another shape or dtype,
     or the program writes the input in place with another value."""
+
+
+class UnpairedStateError(PassManagerError, ValueError):
+    """A program returns what looks like the next value of one of its inputs (state carried
+    as an input/output pair), but no pairing was given: threading, calibrating or storing
+    its calls without one would feed every call the same stale state. Raised by
+    ``decode_on_runtime``, ``run_methods_on_runtime`` and ``quantize_methods`` (the rules:
+    :mod:`passes._carried.pairs`). A ``ValueError`` too.
+
+    Attributes:
+        helper: the function that refused.
+        input: the input's name.
+        output: the output's name.
+        why: the rule that paired them.
+        method: the method (several methods), or None.
+    """
+
+    def __init__(self, helper: str, input: str, output: str, why: str,
+                 method: str | None = None):
+        self.helper, self.input, self.output, self.why, self.method = (
+            helper, input, output, why, method)
+        where = f"method {method!r}: " if method is not None else ""
+        super().__init__(
+            f"{helper}: {where}output {output!r} looks like the next value of input "
+            f"{input!r} ({why}), and no pairing says whether it is: pass "
+            f"next_values={{{input!r}: {output!r}}} (or pair_by_name=(input prefix, output "
+            "prefix)) to carry it from call to call, or next_values={} to say the program "
+            "carries no state so", pass_name=helper)
 
 
 class CalibrationInputError(QuantizationInputError):

@@ -16,6 +16,7 @@ from pass_manager.collector import collector_paused
 
 from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
 from ._analysis.buffers import USER_INPUT, state_nodes
+from ._carried.pairs import check_pair, resolve_pairs
 from ._carried.record import records_of
 from ._carried.resident import Carried, make_resident
 from ._carried.specs import input_names, output_names
@@ -156,16 +157,7 @@ class InputsToBuffers(Pass):
                                      f"(outputs: {', '.join(outputs)})")
             return by_output_name[name]
 
-        pairs: dict[int, int] = {}
-        for name, out in (self.next_values or {}).items():
-            pairs[input_index(name, "next_values")] = output_index(out, "next_values")
-        if self.pair_by_name is not None:
-            prefix_in, prefix_out = self.pair_by_name
-            for i, ns in enumerate(names):
-                for n in ns:
-                    wanted = prefix_out + n[len(prefix_in):]
-                    if n.startswith(prefix_in) and wanted in by_output_name and i not in pairs:
-                        pairs[i] = by_output_name[wanted]
+        pairs = resolve_pairs(names, outputs, self.next_values, self.pair_by_name, _NAME)
         written = {view.inputs.index(p) for p in view.writes if p in view.inputs}
         if self.buffers is None:
             chosen = {i: names[i][-1] for i in sorted(written | set(pairs))}
@@ -209,7 +201,7 @@ class InputsToBuffers(Pass):
             if not isinstance(paired, Node):
                 raise StatePairingError(_NAME, node.name, f"output {outputs[output]!r} is a "
                                         "constant, not its next value")
-            _check_pair(node, paired, outputs[output])
+            check_pair(_NAME, node, paired, outputs[output])
             value = written if written is not None else paired  # the copy, when written
         example = _example_value(view, node)
         initial = self._initial(buffer, value, example, [])
@@ -274,17 +266,6 @@ def _same_value(written: Node, paired: Any, node: Node) -> bool:
     return written is paired or (
         written.target is torch.ops.aten.copy.default and written.args[0] is node
         and written.args[1] is paired)
-
-
-def _check_pair(node: Node, value: Node, output: str) -> None:
-    have, new = node.meta.get("val"), value.meta.get("val")
-    if not isinstance(have, torch.Tensor) or not isinstance(new, torch.Tensor):
-        raise StatePairingError(_NAME, node.name, f"the input or output {output!r} is no "
-                                "tensor with a known shape (meta['val'])")
-    if tuple(have.shape) != tuple(new.shape) or have.dtype != new.dtype:
-        raise StatePairingError(_NAME, node.name, f"the input is {have.dtype} "
-                                f"{tuple(have.shape)} but output {output!r} is {new.dtype} "
-                                f"{tuple(new.shape)}: not its next value")
 
 
 def _example_value(view: ProgramView, node: Node) -> torch.Tensor | None:

@@ -51,9 +51,11 @@ from pass_manager.validation import call_inputs
 
 from ._analysis.buffer_reads import record_observed_reads
 from ._analysis.marked_state import reset_mutable_buffers
+from ._carried.pairs import method_pairing, pairs_of
 from ._lifting import exported_program_from
 from ._methods.calibration import check_calibration_call, run_calibration_call
 from ._methods.calls import (
+    PairedState,
     QuantizedMethods,
     carried_inputs,
     check_write_backs,
@@ -446,7 +448,8 @@ class _MethodQuantizer(PassQuantizer):
                                    ) -> None:
         super().prepare_obs_or_fq_callback(model, edge_or_node_to_obs_or_fq)
         self.buffer_observers = buffer_observers(model, edge_or_node_to_obs_or_fq,
-                                                 getattr(self, "carried_inputs", None))
+                                                 getattr(self, "carried_inputs", None),
+                                                 getattr(self, "paired_outputs", None))
 
 
 def quantize_methods(
@@ -456,6 +459,8 @@ def quantize_methods(
     *,
     fold: bool = True,
     quantize_state: bool = False,
+    next_values: Mapping[str, Any] | None = None,
+    pair_by_name: tuple[str, str] | None = None,
 ) -> QuantizedMethods:
     """Quantize the methods of one model (a prefill and a decode sharing their KV cache)
     with pt2e, calibrated as deployment runs them, each shared buffer on one grid.
@@ -476,9 +481,17 @@ def quantize_methods(
     :class:`~passes.errors.InputStateError` otherwise), and inputs given one tensor object
     in several methods are one state with one observer, hence one grid
     (:attr:`QuantizedMethods.shared_inputs`). The caller's tensors hold the last
-    calibration call's state afterwards (they are the caller's, not reset). State passed
-    as an input and returned as a new output value is not recognised as one state: make
-    such state resident (``passes.InputsToBuffers``) first.
+    calibration call's state afterwards (they are the caller's, not reset).
+
+    State carried as an input/output pair (the method returns an input's next value, as
+    static-shape backends take state) is calibrated along alike once paired
+    (``next_values`` / ``pair_by_name``, as :class:`passes.InputsToBuffers` takes them):
+    each call passing the same tensor for the input is given the output the previous call
+    returned (the caller's tensors are not written), and the input and its output are one
+    state with one observer, hence one grid (with every other method passing that tensor:
+    :attr:`QuantizedMethods.shared_inputs`). Without a pairing, a method whose output looks
+    like an input's next value is refused (:class:`~passes.errors.UnpairedStateError`;
+    ``next_values={}`` says no method carries state so).
 
     Args:
         programs: method name -> ExportedProgram of one model (functional or not).
@@ -489,6 +502,10 @@ def quantize_methods(
         quantize_state: also store each buffer whose writes lie on one grid as its
             integers (:class:`~passes.QuantizeMutableBuffers`, run on the mapping: one
             integer grid per buffer in every method).
+        next_values: state carried as input/output pairs: one ``{input name: output
+            name}`` for every method, or ``{method: {input: output}}``; ``{}``: none.
+        pair_by_name: ``(input prefix, output prefix)`` pairing inputs and outputs by name
+            in every method (``("past_key_values.", "present.")``).
 
     Returns:
         :class:`~passes._methods.calls.QuantizedMethods`, a dict of the quantized
@@ -506,6 +523,10 @@ def quantize_methods(
             call and the input when a call does not fit its method's program, its
             :class:`~passes.errors.InputStateError` a method that would not write an input
             it writes in place back into the caller's tensor.
+        UnpairedStateError: no pairing given, and a method's output looks like one of its
+            inputs' next value (naming the method, the input and the output).
+        StateNameError, StatePairingError: a pairing naming no input or output of a
+            method, or pairing tensors of another shape or dtype.
 
     Example:
         >>> quantized = quantize_methods({"prefill": prefill_ep, "decode": decode_ep},
@@ -525,20 +546,34 @@ def quantize_methods(
     for index, (method, args, kwargs) in enumerate(calibration):
         check_calibration_call(programs[method], args, kwargs, "quantize_methods", index, method)
     check_shared_buffers(programs, "quantize_methods")
-    carried = carried_inputs(programs, calibration)
+    pairs = {name: pairs_of(program, method_pairing(next_values, name, list(programs)),
+                            pair_by_name, "quantize_methods", name)
+             for name, program in programs.items()}
+    carried = carried_inputs(programs, calibration,
+                             {name: [p.input_name for p in found]
+                              for name, found in pairs.items()})
     wrapped = {name: _flow_quantizer(quantizer, _MethodQuantizer) for name in programs}
     for name, inputs in carried.items():
         wrapped[name].carried_inputs = inputs
+    for name, found in pairs.items():
+        placeholders = list(programs[name].graph_signature.user_inputs)
+        wrapped[name].paired_outputs = {placeholders[p.input]: p.output for p in found}
     prepared = {name: _prepare(program, wrapped[name]) for name, program in programs.items()}
-    check_write_backs(prepared, carried)
+    check_write_backs(prepared, {name: {n: label for n, label in inputs.items()
+                                        if n not in {p.input_name for p in pairs[name]}}
+                                 for name, inputs in carried.items()})
+    paired_state = PairedState(programs, {name: {p.input: p.output for p in found}
+                                          for name, found in pairs.items()})
     shared = share_buffer_tensors(prepared)
     observers = share_observers(
         prepared, {name: wrapped[name].buffer_observers for name in programs})
     with torch.no_grad():
         try:
             for index, (method, args, kwargs) in enumerate(calibration):
-                run_calibration_call(prepared[method], args, kwargs, "quantize_methods",
-                                     index, method)
+                args, kwargs, given = paired_state.inputs(method, args, kwargs)
+                result = run_calibration_call(prepared[method], args, kwargs,
+                                              "quantize_methods", index, method)
+                paired_state.returned(method, given, result)
         except CalibrationInputError:
             reset_mutable_buffers(prepared)  # the programs' buffers as they were given
             raise

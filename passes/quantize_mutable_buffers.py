@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.fx import Graph, Node
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
@@ -38,10 +40,20 @@ from ._analysis.quantized_state import (
     plan_quantized_state,
     resolver,
 )
+from ._carried.pairs import Pair, pairs_of, suspected_pairs
+from .buffers_to_inputs import BuffersToInputs
 from .errors import QuantizedStateError, StateOwnerError
+from .inputs_to_buffers import InputsToBuffers
 
 __all__ = ["QuantizeMutableBuffers", "QuantizedStateError", "StateOwnerError",
            "state_owner_of"]
+
+_NAME = "QuantizeMutableBuffers"
+# Buffers are replaced by new tensors, never written in place; of existing nodes only the
+# fake values and the buffers' kept initial value and grid change.
+_IN_PLACE = Effects.rewrite(meta_keys=(INITIAL_META, GRID_META, "val", "tensor_meta"))
+# Storing paired state as integers changes the call signature: a new program.
+_NEW_PROGRAM = Effects.rewrite(in_place=None)
 
 _QUANTIZE = (torch.ops.quantized_decomposed.quantize_per_tensor.default,
              torch.ops.quantized_decomposed.quantize_per_channel.default)
@@ -77,6 +89,15 @@ class QuantizeMutableBuffers(Pass):
     will own stays in a dtype that delegate takes (``state_owner``: Core ML keeps state as
     float only, and fails to lower integer state).
 
+    State carried as an input/output pair (the program returns an input's next value
+    instead of writing it, as static-shape backends take state) is stored as integers when
+    paired (``next_values`` / ``pair_by_name``, as :class:`~passes.InputsToBuffers` takes
+    them) and ``carried_state=True``: the input and its output become the grid's integers
+    (InputsToBuffers makes the pair a buffer, rewritten as any buffer, BuffersToInputs puts
+    it back; the pass then returns a new program), the notes and statistics name the
+    signature change. Otherwise, and for an input and output that only look paired (the
+    rules of :mod:`passes._carried.pairs`), the pair stays float and the notes say why.
+
     Requires MutableBuffersMarked; may touch the buffers' tensors (replaced, never written
     in place), their nodes' ``val``, kept initial value and grid, and the nodes reading or
     writing them.
@@ -106,6 +127,9 @@ class QuantizeMutableBuffers(Pass):
             in a dtype it takes, each with a note naming the buffer and the owner.
         owned_buffers: the FQNs of the buffers ``state_owner`` will own; None: every
             mutable buffer.
+        next_values: ``{input name: output name}``: state carried as input/output pairs
+            (``{}``: none); stored as integers with ``carried_state``.
+        pair_by_name: ``(input prefix, output prefix)`` pairing inputs and outputs by name.
 
     Raises:
         QuantizedStateError: a malformed quantize/dequantize node on the way to a buffer
@@ -114,32 +138,89 @@ class QuantizeMutableBuffers(Pass):
             input that stays float. The program is left unchanged.
         StateOwnerError: (``strict``) a buffer that could be stored as integers, which
             ``state_owner`` takes only as float. The program is left unchanged.
+        StateNameError: ``next_values`` names no input or output of the program.
+        StatePairingError: ``next_values`` pairs an input with an output of another
+            shape or dtype.
     """
 
     requires = frozenset({MutableBuffersMarked})
     preserves = frozenset({MutableBuffersMarked, Functional, NoFrozenMutableBuffers,
                            DataMovementNotAnnotated})
-    # Buffers are replaced by new tensors, never written in place; of existing nodes only
-    # the fake values and the buffers' kept initial value and grid change.
-    effects = Effects.rewrite(meta_keys=(INITIAL_META, GRID_META, "val", "tensor_meta"))
-
     strict: bool = False
     carried_state: bool = False
     state_owner: str | None = None
     owned_buffers: tuple[str, ...] | None = None
+    next_values: Mapping[str, str] | None = None
+    pair_by_name: tuple[str, str] | None = None
+
+    @property
+    def effects(self) -> Effects:  # type: ignore[override]
+        """In place, but a new program when it stores paired state (the call signature
+        changes: InputsToBuffers, then BuffersToInputs)."""
+        return _NEW_PROGRAM if self._stores_pairs() else _IN_PLACE
+
+    def _stores_pairs(self) -> bool:
+        return self.carried_state and bool(self.next_values or self.pair_by_name)
 
     def call(self, program: Any) -> PassResult:
         owners = self._owners(program)
         with collector_paused():  # nothing it allocates is garbage before it returns
-            plans, flow = plan_quantized_state(program, self.carried_state, owners)
-            notes, statistics = _report(plans)
+            pairs, notes, statistics = self._pairs(program)
+            target = _resident(program, pairs) if pairs else program
+            plans, flow = plan_quantized_state(target, self.carried_state, owners)
+            by_buffer = {pair.input_name: pair for pair in pairs}
+            more_notes, more_statistics = _report(
+                [p for p in plans if p.fqn not in by_buffer])
+            notes += more_notes
+            statistics.update(more_statistics)
+            for plan in plans:
+                if plan.fqn in by_buffer:
+                    _report_pair(plan, by_buffer[plan.fqn], notes, statistics)
             refused = [p for p in plans if p.grid is None and not p.skipped]
             if self.strict and refused:
-                _refuse(refused[0])
+                plan = refused[0]
+                if plan.fqn in by_buffer:
+                    _refuse_pair(by_buffer[plan.fqn], plan.reason)
+                _refuse(plan)
             accepted = [p for p in plans if p.grid is not None]
             if accepted:
-                _Rewrite(program, accepted, flow).run()
-        return PassResult(program, bool(accepted), notes, statistics)
+                _Rewrite(target, accepted, flow).run()
+            if not accepted:
+                return PassResult(program, False, notes, statistics)
+            if pairs:  # the paired state back in the call signature, now as integers
+                target = BuffersToInputs(buffers=list(by_buffer)).call(target).program
+                _quantized_examples(target, {by_buffer[p.fqn].input: p.grid
+                                             for p in accepted if p.fqn in by_buffer})
+        return PassResult(target, True, notes, statistics)
+
+    def _pairs(self, program: Any) -> tuple[list[Pair], list[str], Counter]:
+        """The pairs to store as integers (given, with ``carried_state``), and notes on
+        the ones left float (given without ``carried_state``, or only suspected)."""
+        notes: list[str] = []
+        statistics: Counter = Counter()
+        if self.next_values is None and self.pair_by_name is None:
+            found, given = suspected_pairs(program), False
+        else:
+            found, given = pairs_of(program, self.next_values, self.pair_by_name,
+                                    _NAME), True
+        if given and self.carried_state:
+            return found, notes, statistics
+        for pair in found:
+            reason = (
+                "it is state the caller carries as an input/output pair; storing it as "
+                "integers changes the call signature (the caller would pass integers and get "
+                "them back): pass carried_state=True to store it so, or make it resident "
+                "with passes.InputsToBuffers" if given else
+                f"it looks like state carried as an input/output pair ({pair.why}); pass "
+                f"next_values={{{pair.input_name!r}: {pair.output_name!r}}} with "
+                "carried_state=True to store the pair as integers")
+            if self.strict:
+                _refuse_pair(pair, reason)
+            statistics["inputs left float"] += 1
+            statistics[f"input {pair.input_name!r}: left float"] = 1
+            notes.append(f"input {pair.input_name!r} (output {pair.output_name!r} returns "
+                         f"its next value): stays float: {reason}")
+        return [], notes, statistics
 
     def _owners(self, program: Any) -> dict[str, str]:
         """Buffer FQN -> the stateful delegate that will own it."""
@@ -241,6 +322,68 @@ def _report_carried(plan: BufferPlan, notes: list[str], statistics: Counter) -> 
         statistics["inputs left float"] += 1
         statistics[f"{label}: left float"] = 1
         notes.append(f"{label}: stays {old}: {plan.reason}")
+
+
+def _resident(program: Any, pairs: list[Pair]) -> Any:
+    """``program`` with each paired input a resident buffer of its name (zeros: the caller's
+    values are not the program's to check), for the planning and rewrite buffers get."""
+    view_inputs = {pair.input_name: pair for pair in pairs}
+    nodes = _paired_inputs(program, pairs)
+    zeros = {name: torch.zeros(node.meta["val"].shape, dtype=node.meta["val"].dtype)
+             for name, node in nodes.items()}
+    return InputsToBuffers(buffers={name: name for name in view_inputs},
+                           next_values={p.input_name: p.output_name for p in pairs},
+                           initial_values=zeros).call(program).program
+
+
+def _quantized_examples(program: Any, grids: dict[int, Grid]) -> None:
+    """An ExportedProgram's example inputs with each input now stored as integers given as
+    its grid's integers (flat input position -> grid)."""
+    if not isinstance(program, ExportedProgram) or program.example_inputs is None:
+        return
+    leaves, spec = pytree.tree_flatten(program.example_inputs)
+    for index, grid in grids.items():
+        if isinstance(leaves[index], torch.Tensor) and leaves[index].is_floating_point():
+            leaves[index] = grid.quantize(leaves[index])
+    program.example_inputs = pytree.tree_unflatten(leaves, spec)
+
+
+def _paired_inputs(program: Any, pairs: list[Pair]) -> dict[str, Node]:
+    """Each paired input's placeholder, by the pair's input name."""
+    graph = graph_module_of(program).graph if not isinstance(
+        program, ExportedProgram) else program.graph
+    placeholders = graph.find_nodes(op="placeholder")
+    if isinstance(program, ExportedProgram):
+        users = set(program.graph_signature.user_inputs)
+        placeholders = [n for n in placeholders if n.name in users]
+    return {pair.input_name: placeholders[pair.input] for pair in pairs}
+
+
+def _report_pair(plan: BufferPlan, pair: Pair, notes: list[str], statistics: Counter) -> None:
+    """A paired input and output: the call signature changed, or why it did not."""
+    label = f"input {pair.input_name!r} and output {pair.output_name!r} (its next value)"
+    old = _name(plan.tensor.dtype)
+    if plan.grid is not None:
+        new = _name(plan.grid.dtype)
+        statistics["inputs stored as integers"] += 1
+        statistics["call signature changed"] = 1
+        statistics[f"input {pair.input_name!r}: {old} -> {new}"] = 1
+        statistics[f"output {pair.output_name!r}: {old} -> {new}"] = 1
+        notes.append(f"{label}: {old} -> {new} on {plan.grid.describe()}; the call signature "
+                     f"changed: the caller passes {pair.input_name} as {new} (was {old}) and "
+                     f"gets output {pair.output_name} as {new}, the grid's integers")
+    elif plan.skipped:
+        notes.append(f"{label}: left as it is ({plan.reason})")
+    else:
+        statistics["inputs left float"] += 1
+        statistics[f"input {pair.input_name!r}: left float"] = 1
+        notes.append(f"{label}: stay {old}: {plan.reason}")
+
+
+def _refuse_pair(pair: Pair, reason: str | None) -> None:
+    raise QuantizedStateError(pair.input_name, f"input {pair.input_name!r} (output "
+                              f"{pair.output_name!r} returns its next value) stays float: "
+                              f"{reason}")
 
 
 def _name(dtype: torch.dtype) -> str:

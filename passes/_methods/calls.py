@@ -11,6 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pass_manager import Report
+from pass_manager.call_signature import signature_of
 
 from .._analysis.buffers import (
     BUFFER,
@@ -24,8 +25,8 @@ from .._analysis.marked_state import mutable_buffers
 from .._analysis.op_schema import written_nodes
 from ..errors import InputStateError, QuantizationInputError
 
-__all__ = ["MethodCall", "QuantizedMethods", "carried_inputs", "check_write_backs",
-           "method_calls", "share_buffer_tensors"]
+__all__ = ["MethodCall", "PairedState", "QuantizedMethods", "carried_inputs",
+           "check_write_backs", "method_calls", "share_buffer_tensors"]
 
 MethodCall = tuple[str, tuple, dict]
 
@@ -69,18 +70,24 @@ def _user_input_values(program: Any, args: tuple, kwargs: dict) -> dict[str, Any
 
 
 def carried_inputs(programs: Mapping[str, Any], calls: list[MethodCall],
+                   paired: Mapping[str, Iterable[str]] | None = None,
                    ) -> dict[str, dict[str, str]]:
-    """Per method, each user input it writes in place (state the caller carries between
-    calls, as Hugging Face's exporter passes its caches) and the label of the state it is.
+    """Per method, each user input carrying state (the caller's tensor, passed to every
+    call) and the label of the state it is: the inputs it writes in place (as Hugging
+    Face's exporter passes its caches) and the inputs of ``paired`` (method -> the inputs
+    whose next value an output returns).
 
     The calls thread such state as deployment does: the caller passes one tensor, the
-    method writes it. Inputs that are given one tensor object (in any call, of any
-    method) are one state, labelled ``"input <name>"`` by the first method's input name;
+    method writes it (or returns its next value, :class:`PairedState`). Inputs that are
+    given one tensor object (in any call, of any method) are one state, labelled
+    ``"input <name>"`` by the first method's input name;
     :func:`passes._methods.observers.share_observers` then gives that state one grid in
     every method it flows through.
     """
     mutated = {name: [state.name for state in find_mutations(program).writers
                       if state.kind == USER_INPUT] for name, program in programs.items()}
+    for name, inputs in (paired or {}).items():
+        mutated[name] = list(dict.fromkeys([*mutated[name], *inputs]))
     parent: dict[tuple[str, str], tuple[str, str]] = {}
 
     def find(key: tuple[str, str]) -> tuple[str, str]:
@@ -102,6 +109,57 @@ def carried_inputs(programs: Mapping[str, Any], calls: list[MethodCall],
                 parent[find(key)] = find(other)
     return {method: {name: f"input {find((method, name))[1]}" for name in names}
             for method, names in mutated.items() if names}
+
+
+class PairedState:
+    """State carried as input/output pairs, threaded through calibration calls as
+    deployment threads it: each call passing the same tensor for a paired input is given
+    the output the previous call returned for it (the caller's tensors are not written).
+
+    ``pairs``: per method, ``{flat input: flat output}``.
+    """
+
+    def __init__(self, programs: Mapping[str, Any], pairs: Mapping[str, Mapping[int, int]]):
+        self.programs, self.pairs = programs, pairs
+        self._values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _flat(self, method: str, args: tuple, kwargs: dict) -> tuple[list, Any]:
+        program = self.programs[method]
+        positional = signature_of(program).positional
+        args, kwargs = list(args), dict(kwargs)
+        for name in positional[len(args):]:  # keywords naming positional inputs, bound
+            if name not in kwargs:
+                break
+            args.append(kwargs.pop(name))
+        order = list(program.call_spec.in_spec.children()[1].context or ())
+        if set(kwargs) - set(order):
+            return [], None  # not a call of this program: left for it to refuse
+        ordered = {key: kwargs[key] for key in order if key in kwargs}
+        return pytree.tree_flatten((tuple(args), ordered))
+
+    def inputs(self, method: str, args: tuple, kwargs: dict) -> tuple[tuple, dict, dict]:
+        """The call's ``(args, kwargs)`` with each paired input given its state, and the
+        caller's tensors given for them (flat input -> tensor)."""
+        pairs = self.pairs.get(method)
+        if not pairs:
+            return args, kwargs, {}
+        leaves, spec = self._flat(method, args, kwargs)
+        if spec is None:
+            return args, kwargs, {}
+        given = {i: leaves[i] for i in pairs if i < len(leaves)}
+        for i, tensor in given.items():
+            if isinstance(tensor, torch.Tensor) and id(tensor) in self._values:
+                leaves[i] = self._values[id(tensor)][1]
+        new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
+        return new_args, new_kwargs, given
+
+    def returned(self, method: str, given: Mapping[int, Any], result: Any) -> None:
+        """Keep each paired output of the call as its input's state."""
+        outputs = pytree.tree_leaves(result)
+        for i, j in self.pairs.get(method, {}).items():
+            tensor = given.get(i)
+            if isinstance(tensor, torch.Tensor) and j < len(outputs):
+                self._values[id(tensor)] = (tensor, outputs[j].detach().clone())
 
 
 def check_write_backs(prepared: Mapping[str, Any], carried: Mapping[str, Mapping[str, str]],

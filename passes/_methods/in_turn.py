@@ -17,6 +17,9 @@ from torch.export import ExportedProgram
 from pass_manager import ValidationInputError
 from pass_manager.validation import StateReader, Trace, copy_program, default_state, snapshot
 
+from .._carried.pairs import method_pairing, pairs_of
+from .calls import PairedState
+
 __all__ = ["run_methods"]
 
 
@@ -26,6 +29,8 @@ def run_methods(
     state: StateReader = default_state,
     on_call: Callable[[int], None] | None = None,
     share_by_name: bool = False,
+    next_values: Mapping[str, Any] | None = None,
+    pair_by_name: tuple[str, str] | None = None,
 ) -> Trace:
     """Call the methods of one model in deployment order, on one copy of them all.
 
@@ -38,7 +43,29 @@ def run_methods(
     whose state was copied apart (each exported or quantized on its own). Each call's entry
     in ``trace.buffers`` holds every method's buffers by name (a shared buffer once). The
     caller's programs are untouched.
+
+    State carried as input/output pairs (``next_values``: one ``{input: output}`` for every
+    method or ``{method: {input: output}}``; ``pair_by_name``: ``(input prefix, output
+    prefix)``, as :class:`passes.InputsToBuffers` takes them) is threaded as deployment
+    threads it (as ``decode_on_runtime`` and ``run_methods_on_runtime`` do): each later
+    call passing the same tensor for a paired input is given the output the previous call
+    returned for it. Pairs need ExportedPrograms (their call specs name inputs and
+    outputs). Unpaired, every call gets the tensors it is given, as eager does.
     """
+    pairs: dict[str, dict[int, int]] = {}
+    if next_values is not None or pair_by_name is not None:
+        for name, program in programs.items():
+            if not isinstance(program, ExportedProgram):
+                raise ValidationInputError(
+                    "run_methods", "next_values", f"method {name!r} is a "
+                    f"{type(program).__name__}: pairs name the inputs and outputs of an "
+                    "ExportedProgram; pass the exported methods")
+            pairing = method_pairing(next_values, name, list(programs))
+            if pairing is None and pair_by_name is None:
+                continue
+            pairs[name] = {p.input: p.output for p in pairs_of(
+                program, pairing, pair_by_name, "run_methods", name)}
+    paired = PairedState(programs, pairs)
     copies = copy_program(dict(programs))
     modules = {name: program.module() if isinstance(program, ExportedProgram) else program
                for name, program in copies.items()}
@@ -54,9 +81,10 @@ def run_methods(
             raise ValidationInputError("run_methods", f"calls[{index}]",
                                        f"names method {method!r}; the methods are "
                                        f"{', '.join(map(repr, modules))}")
-        args, kwargs = tuple(args), dict(kwargs)
+        args, kwargs, given = paired.inputs(method, tuple(args), dict(kwargs))
         with torch.no_grad():
             out = modules[method](*args, **kwargs)
+        paired.returned(method, given, out)
         trace.outputs.append(snapshot(out))
         buffers: dict[str, torch.Tensor] = {}
         for module in modules.values():

@@ -91,20 +91,25 @@ class BufferObservers:
 
 
 def buffer_observers(model: GraphModule, observer_of: Mapping[Any, Any],
-                     inputs: Mapping[str, str] | None = None) -> BufferObservers:
+                     inputs: Mapping[str, str] | None = None,
+                     paired: Mapping[str, int] | None = None) -> BufferObservers:
     """The observers of each marked buffer, read from ``prepare_pt2e``'s map of edges and
     nodes to observers (the annotated graph, before the observers are inserted).
 
-    ``inputs`` maps the names of user inputs the method writes in place (marked by
-    MarkMutableBuffers) to the label of the state each carries: their observers are found
-    as a buffer's are, under that label."""
-    inputs = inputs or {}
+    ``inputs`` maps the names of user inputs carrying state to the label of the state each
+    carries: inputs the method writes in place (marked by MarkMutableBuffers), and the
+    inputs of ``paired`` (input name -> the flat position of the output returning its next
+    value). Their observers are found as a buffer's are, under that label; a paired
+    output's value counts as a value written into its input."""
+    inputs, paired = inputs or {}, paired or {}
     contents: dict[Node, str] = {}
     for node in model.graph.nodes:  # in order: an argument comes before its users
         if node.op in ("get_attr", "placeholder"):
             fqn = node.meta.get(MUTABLE_BUFFER_META)
             if fqn is None and node.meta.get(MUTABLE_INPUT_META) in inputs:
                 fqn = inputs[node.meta[MUTABLE_INPUT_META]]
+            elif fqn is None and node.op == "placeholder" and node.name in paired:
+                fqn = inputs.get(node.name)
         else:
             fqn = contents.get(_carried(node))
         if fqn is not None:
@@ -116,14 +121,8 @@ def buffer_observers(model: GraphModule, observer_of: Mapping[Any, Any],
         if observer is not None and all(observer is not o for o in into.setdefault(fqn, [])):
             into[fqn].append(observer)
 
-    for node, fqn in contents.items():
-        add(found.grid, fqn, node)
-        for user in node.users:
-            add(found.grid if user in contents else found.reads, fqn, (node, user))
-        index = _written_value_index(node)
-        if index is None or index >= len(node.args):
-            continue
-        pending = [(node.args[index], node)]
+    def written(fqn: str, value: Any, consumer: Node) -> None:
+        pending = [(value, consumer)]
         seen: set[Node] = set()
         while pending:  # the written value, and what it carries on, back to its producers
             value, consumer = pending.pop()
@@ -135,9 +134,26 @@ def buffer_observers(model: GraphModule, observer_of: Mapping[Any, Any],
             pending.append((_carried(value), value))
             # A write into a fresh tensor (a prefill's index_copy into zeros) carries the
             # values it writes too.
-            written = _written_value_index(value)
-            if written is not None and written < len(value.args):
-                pending.append((value.args[written], value))
+            index = _written_value_index(value)
+            if index is not None and index < len(value.args):
+                pending.append((value.args[index], value))
+
+    for node, fqn in contents.items():
+        add(found.grid, fqn, node)
+        for user in node.users:
+            add(found.grid if user in contents else found.reads, fqn, (node, user))
+        index = _written_value_index(node)
+        if index is not None and index < len(node.args):
+            written(fqn, node.args[index], node)
+    if paired:
+        output = model.graph.output_node()
+        values = output.args[0]
+        values = list(values) if isinstance(values, (list, tuple)) else [values]
+        for node in model.graph.find_nodes(op="placeholder"):
+            if node.name in paired and node in contents:
+                index = paired[node.name]
+                if index < len(values):
+                    written(contents[node], values[index], output)
     return found
 
 

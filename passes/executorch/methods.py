@@ -32,11 +32,13 @@ from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPas
 from executorch.runtime import Runtime
 from torch.export import ExportedProgram
 
+from .._carried.pairs import method_pairing
 from .._methods.shared_buffers import shared_buffer_differences
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
 from .method_state import checked_methods
 from .partitioner import BufferOwningPartitioner
 from .plan import StatePlan, planned_state
+from .runtime import runtime_pairs
 from .runtime_inputs import CarriedState, carried_outputs, flat_inputs, user_input_names
 
 __all__ = ["MethodsRun", "lower_methods_to_pte", "run_methods_on_runtime"]
@@ -52,9 +54,10 @@ class MethodsRun:
         outputs: one list of output tensors per call, in call order (the methods' outputs,
             without the new values of inputs they write, which the runtime returns ahead).
         methods: the method each call ran.
-        carried: per call, the new values of the inputs its method writes in place
-            (``USER_INPUT_MUTATION``), by input name; a later call that passes the same
-            tensor gets that value, as in Python eager (empty dicts when none is written).
+        carried: per call, the new values of the inputs its method carries state in, by
+            input name: written in place (``USER_INPUT_MUTATION``), or paired with an output
+            returning the next value (``next_values``); a later call that passes the same
+            tensor gets that value, as in Python eager (empty dicts when there are none).
         memory: the planned state of the ``.pte`` (:class:`StatePlan`):
             ``memory.shared_bytes`` is what the methods' shared buffers take, once.
         notes: the partitioner's notes on buffer ownership, per method.
@@ -200,6 +203,9 @@ def run_methods_on_runtime(
     programs: Mapping[str, ExportedProgram],
     calls: Sequence[tuple[str, tuple, dict]],
     partitioner: Partitioner | None = None,
+    *,
+    next_values: Mapping[str, Any] | None = None,
+    pair_by_name: tuple[str, str] | None = None,
 ) -> MethodsRun:
     """Lower ``programs`` into one ``.pte``, load it once and run ``calls`` in order.
 
@@ -211,6 +217,16 @@ def run_methods_on_runtime(
             runs them: state persists across calls and methods.
         partitioner: an ExecuTorch partitioner (XNNPACK by default), wrapped in
             :class:`BufferOwningPartitioner` told the methods.
+        next_values: state carried as input/output pairs, as
+            :func:`~passes.executorch.runtime.decode_on_runtime` takes it: one
+            ``{input name: output name}`` for every method, or ``{method: {input: output}}``
+            (a method left out is not said); each later call passing the same tensor for
+            the input (in any method) is given the output the previous call returned.
+            ``{}``: no method carries state so.
+        pair_by_name: ``(input prefix, output prefix)`` for every method.
+
+    State the methods carry in inputs (written in place, or paired) is threaded between
+    calls as the runtime returns it; the caller's tensors are never written.
 
     Returns:
         :class:`MethodsRun`: per-call outputs, the planned state (shared bytes), notes,
@@ -221,9 +237,16 @@ def run_methods_on_runtime(
             ExportedPrograms (or sharing a buffer they disagree on), a call naming an
             unknown method or whose inputs do not fit it, a ``partitioner`` that is not one.
         ParameterMutationOnExecuTorchError: a method writes a parameter.
+        UnpairedStateError: a method's output looks like one of its inputs' next value,
+            and no pairing says whether it is (naming the method, input and output).
+        StateNameError, StatePairingError: a pairing naming no input or output of a
+            method, or pairing tensors of another shape or dtype.
     """
     programs = _checked_programs(programs)
     flat_calls = _flat_calls(programs, calls)
+    pairs = {method: runtime_pairs(HELPER, program, method_pairing(
+        next_values, method, list(programs)), pair_by_name, method)
+        for method, program in programs.items()}
     start = time.perf_counter()
     lowered = _lower_methods(programs, partitioner)
     seconds = time.perf_counter() - start
@@ -236,7 +259,7 @@ def run_methods_on_runtime(
     methods = {name: loaded.load_method(name) for name in sorted(loaded.method_names)}
     run = MethodsRun(memory=planned_state(pte), notes=list(lowered.wrapper.notes),
                      delegates=lowered.delegates, lower_seconds=seconds, pte_bytes=len(pte))
-    state = CarriedState()
+    state = CarriedState(HELPER)
     for index, (method, flat) in enumerate(flat_calls):
         meta = methods[method].metadata
         if len(flat) != meta.num_inputs():
@@ -247,7 +270,8 @@ def run_methods_on_runtime(
                 f"of the .pte takes {meta.num_inputs()} ({declared})")
         outputs = methods[method].execute(state.inputs(flat))
         returned, written = state.update(f"calls[{index}]", flat, outputs,
-                                         lowered.carried[method], lowered.input_names[method])
+                                         lowered.carried[method], lowered.input_names[method],
+                                         pairs[method])
         run.outputs.append(returned)
         run.carried.append(written)
         run.methods.append(method)

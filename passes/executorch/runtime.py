@@ -40,6 +40,7 @@ from torch.export import ExportedProgram
 from pass_manager.call_signature import describe_inputs, signature_of
 from pass_manager.validation import Trace
 
+from .._carried.pairs import pairs_of
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
 from .partitioner import BufferOwningPartitioner
 from .runtime_inputs import (
@@ -58,6 +59,7 @@ __all__ = [
     "lower_for_runtime",
     "lower_to_pte",
     "output_grid",
+    "runtime_pairs",
     "runtime_steps",
     "within_grid_steps",
 ]
@@ -82,8 +84,9 @@ class RuntimeDecode:
         delegates: the delegate calls of ``forward``.
         lower_seconds: the lowering and serialization time (0 for a lowered program).
         pte_bytes: the ``.pte`` size.
-        carried: per call, the new values of the inputs the program writes in place
-            (``USER_INPUT_MUTATION``), by input name; empty dicts when it writes none.
+        carried: per call, the new values of the inputs carrying state, by input name:
+            written in place (``USER_INPUT_MUTATION``) or paired with an output returning
+            their next value (``next_values``); empty dicts when there are none.
     """
 
     trace: Trace
@@ -318,6 +321,28 @@ def runtime_steps(helper: str, program: Any, steps: Sequence[Any]) -> list[list[
             for index, step in enumerate(steps)]
 
 
+def runtime_pairs(helper: str, program: Any, next_values: Mapping[str, str] | None,
+                  pair_by_name: tuple[str, str] | None, method: str | None = None,
+                  ) -> dict[int, int]:
+    """``{flat input: flat output}`` of the state ``program`` carries as input/output pairs
+    (:func:`passes._carried.pairs.pairs_of`), resolved on the program before lowering.
+
+    Raises:
+        ExecuTorchInputError: a pairing given with a ``.pte`` alone (it names nothing).
+        UnpairedStateError, StateNameError, StatePairingError: see ``pairs_of``.
+    """
+    checked = _steps_program(program)
+    if checked is None:
+        if next_values or pair_by_name:
+            raise ExecuTorchInputError(
+                helper, "next_values" if next_values else "pair_by_name", "a .pte alone "
+                "names none of its inputs and outputs: pass the ExportedProgram (or the "
+                "Edge / ExecuTorch program manager) to pair them")
+        return {}
+    return {p.input: p.output
+            for p in pairs_of(checked, next_values, pair_by_name, helper, method)}
+
+
 def lower_for_runtime(
     program: Any, example_inputs: tuple | None = None, partitioner: Partitioner | None = None
 ) -> LoweredProgram:
@@ -382,6 +407,9 @@ def decode_on_runtime(
     example_inputs: tuple | None,
     steps: Sequence[Any],
     partitioner: Partitioner | None = None,
+    *,
+    next_values: Mapping[str, str] | None = None,
+    pair_by_name: tuple[str, str] | None = None,
 ) -> RuntimeDecode:
     """Lower ``program``, load it once, and call it once per step (state persists).
 
@@ -393,6 +421,13 @@ def decode_on_runtime(
     never written). A step that passes a new tensor for it starts from that tensor's
     value, as in eager, and a note says so. (A ``.pte`` alone does not say which outputs
     are written inputs: its leading outputs that are an input's own value are taken so.)
+    State carried as an input/output pair (the program returns an input's next value, as
+    static-shape backends take state) is threaded alike once paired, by ``next_values`` or
+    ``pair_by_name`` as :class:`passes.InputsToBuffers` takes them: each later step passing
+    the same tensor for the input is given the output the previous call returned. Without
+    a pairing, a program whose output looks like an input's next value is refused
+    (:class:`~passes.errors.UnpairedStateError`; the rules: :mod:`passes._carried.pairs`):
+    ``next_values={}`` says it carries no state so.
 
     Args:
         program: what a user holds at any stage: an ``ExportedProgram`` or a module
@@ -410,12 +445,18 @@ def decode_on_runtime(
             only form a ``.pte`` alone takes). Checked against the program's inputs
             before anything is lowered.
         partitioner: for a program not lowered yet.
+        next_values: ``{input name: output name}``: each output returning an input's next
+            value (inputs by placeholder or keyword path, outputs by dotted path: ``cache``,
+            ``past_key_values.0.key``; ``0``, ``1`` for a returned tuple); ``{}``: none.
+        pair_by_name: ``(input prefix, output prefix)``, e.g. ``("past_key_values.",
+            "present.")``: pairs the inputs and outputs so named.
 
     Returns:
         :class:`RuntimeDecode`: the runtime's outputs per step (``.outputs``), the new
-        values of the inputs the program writes (``.carried``), notes (buffer ownership,
-        state a caller's serialization may not have kept, state a step did not carry), the
-        number of delegates, the lowering time and the ``.pte`` size.
+        values of the inputs carrying state (written in place or paired; ``.carried``),
+        notes (buffer ownership, state a caller's serialization may not have kept, state a
+        step did not carry), the number of delegates, the lowering time and the ``.pte``
+        size.
 
     Raises:
         ExecuTorchInputError: a ``program`` of none of those forms (the message lists
@@ -425,16 +466,21 @@ def decode_on_runtime(
             number, keyword names, a dtype, a static size or a dynamic size out of range),
             or inputs the runtime refuses.
         ParameterMutationOnExecuTorchError: ``program`` writes a parameter.
+        UnpairedStateError: no pairing given, and an output looks like an input's next
+            value (name, OpenVINO's names, or an update of the input).
+        StateNameError, StatePairingError: the pairing names no input or output, or pairs
+            an input with an output of another shape or dtype.
     """
     helper = "decode_on_runtime"
     _refuse_form(helper, program)
     if isinstance(program, torch.nn.Module):
         program = _exported(helper, program, example_inputs)  # once: checked, then lowered
     flat_steps = runtime_steps(helper, program, steps)
+    pairs = runtime_pairs(helper, program, next_values, pair_by_name)
     lowered = _lower_timed(helper, program, None, partitioner)
     module = portable_lib._load_for_executorch_from_buffer(lowered.pte)
     meta = module.method_meta("forward")
-    state = CarriedState()
+    state = CarriedState(helper)
     trace, carried = Trace(), []
     for index, flat in enumerate(flat_steps):
         where = f"steps[{index}]"
@@ -453,11 +499,12 @@ def decode_on_runtime(
                 f"{describe_inputs(tuple(flat), {})}, the lowered method takes "
                 f"{_declared_inputs(meta)}") from e
         returned, written = state.update(where, flat, outputs, lowered.carried,
-                                         lowered.input_names)
+                                         lowered.input_names, pairs)
         trace.outputs.append(returned)
-        trace.inputs.append([written.get(name, value) for name, value in zip(
-            lowered.input_names or [f"input #{i}" for i in range(len(inputs))], inputs,
-            strict=True)])
+        names = lowered.input_names or [f"input #{i}" for i in range(len(inputs))]
+        in_place = {names[position] for position in lowered.carried.values()}
+        trace.inputs.append([written[name] if name in in_place else value
+                             for name, value in zip(names, inputs, strict=True)])
         carried.append(written)
     return RuntimeDecode(trace, lowered.notes + state.notes, lowered.delegates,
                          lowered.lower_seconds, len(lowered.pte), carried)

@@ -17,7 +17,10 @@ output, ahead of the program's outputs; the tensor the caller passed is left as 
 Python eager instead writes the caller's tensor, so a later call given the same tensor sees
 the new value. :class:`CarriedState` gives the runtime eager's behaviour: it keeps, for every
 caller tensor a call wrote, the value the runtime returned, and feeds that value the next time
-a step passes the same tensor (never touching the caller's tensor).
+a step passes the same tensor (never touching the caller's tensor). State carried as an
+input/output pair (the program returns the input's next value; :mod:`passes._carried.pairs`
+resolves which) is threaded the same way: the paired output's value goes to the next step
+passing the same tensor for that input.
 """
 
 from __future__ import annotations
@@ -170,46 +173,72 @@ def aliased_outputs(plan: Any) -> dict[int, int]:
 
 @dataclass
 class CarriedState:
-    """The caller's tensors the methods write, valued as Python eager would leave them.
+    """The caller's tensors the methods carry state in, valued as Python eager would leave
+    them (an input written in place) or as the program pairs them (an input whose next value
+    an output returns: :mod:`passes._carried.pairs`).
 
     Attributes:
-        notes: what a reader of the results must know: a written input a later step gave a
+        helper: the runtime helper threading it (for its errors).
+        notes: what a reader of the results must know: a carried input a later step gave a
             new tensor (that step starts from the new tensor's value, as eager would).
     """
 
+    helper: str = "decode_on_runtime"
     notes: list[str] = field(default_factory=list)
     _values: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _written: dict[str, tuple[str, int]] = field(default_factory=dict)
     _noted: set[str] = field(default_factory=set)
 
     def inputs(self, flat: Sequence[Any]) -> list[Any]:
-        """The values to pass: a tensor an earlier call wrote gets its new value; every
-        tensor is a copy (the runtime must not alias the caller's memory)."""
+        """The values to pass: a tensor an earlier call carried state in gets that state;
+        every tensor is a copy (the runtime must not alias the caller's memory)."""
         return [self._values[id(a)][1].clone() if isinstance(a, torch.Tensor)
                 and id(a) in self._values else
                 a.clone() if isinstance(a, torch.Tensor) else a for a in flat]
 
     def update(self, where: str, flat: Sequence[Any], outputs: Sequence[Any],
-               carried: Mapping[int, int], names: Sequence[str]) -> tuple[list, dict]:
-        """Record what the call ``where`` wrote; return its outputs without the written
-        inputs' new values, and those values by input name."""
+               carried: Mapping[int, int], names: Sequence[str],
+               pairs: Mapping[int, int] | None = None) -> tuple[list, dict]:
+        """Record what the call ``where`` carried: the inputs it wrote (``carried``: output
+        position -> input position) and the inputs whose next value it returned (``pairs``:
+        input position -> position among the outputs without the written inputs); return
+        those outputs, and every carried input's new value by input name.
+
+        Raises:
+            ExecuTorchInputError: one tensor given for two inputs carrying paired state
+                (one state cannot hold two next values).
+        """
         state = {}
         for output, position in carried.items():
             name = names[position] if position < len(names) else f"input #{position}"
-            given = flat[position]
-            value = outputs[output].clone()
-            if isinstance(given, torch.Tensor):
-                earlier = self._written.get(name)
-                if earlier is not None and earlier[1] != id(given) and \
-                        id(given) not in self._values and name not in self._noted:
-                    self._noted.add(name)
-                    self.notes.append(
-                        f"{where} gives {name!r} a new tensor, not the one {earlier[0]} "
-                        "wrote: it starts from the new tensor's value (as in eager); pass the "
-                        "same tensor to every call to carry the state")
-                self._values[id(given)] = (given, value)
-                self._written[name] = (where, id(given))
-            state[name] = value
+            state[name] = self._record(where, name, flat[position], outputs[output].clone())
         rest = [o.clone() if isinstance(o, torch.Tensor) else o
                 for i, o in enumerate(outputs) if i not in carried]
+        given: dict[int, str] = {}
+        for position, output in (pairs or {}).items():
+            name = names[position] if position < len(names) else f"input #{position}"
+            tensor = flat[position]
+            if isinstance(tensor, torch.Tensor) and id(tensor) in given:
+                raise ExecuTorchInputError(
+                    self.helper, where, f"inputs {given[id(tensor)]!r} and {name!r} are one "
+                    "tensor, but each carries state of its own (paired with its own output): "
+                    "give each its own tensor")
+            if isinstance(tensor, torch.Tensor):
+                given[id(tensor)] = name
+            state[name] = self._record(where, name, tensor, rest[output].clone())
         return rest, state
+
+    def _record(self, where: str, name: str, given: Any, value: torch.Tensor
+                ) -> torch.Tensor:
+        if isinstance(given, torch.Tensor):
+            earlier = self._written.get(name)
+            if earlier is not None and earlier[1] != id(given) and \
+                    id(given) not in self._values and name not in self._noted:
+                self._noted.add(name)
+                self.notes.append(
+                    f"{where} gives {name!r} a new tensor, not the one {earlier[0]} "
+                    "wrote: it starts from the new tensor's value (as in eager); "
+                    "pass the same tensor to every call to carry the state")
+            self._values[id(given)] = (given, value)
+            self._written[name] = (where, id(given))
+        return value

@@ -280,7 +280,7 @@ def test_pipeline_text():
     assert manager.pipeline_text() == "QuantizeMutableBuffers{strict=true}"
     assert repr(QuantizeMutableBuffers()) == (
         "QuantizeMutableBuffers(strict=False, carried_state=False, state_owner=None, "
-        "owned_buffers=None)")
+        "owned_buffers=None, next_values=None, pair_by_name=None)")
     text = ("QuantizeMutableBuffers{carried_state=true,state_owner='coreml',"
             "owned_buffers=('k_cache',)}")
     (pass_,) = parse_pipeline(text).plan()
