@@ -32,6 +32,7 @@ __all__ = [
     "CASES",
     "COREML_BACKEND",
     "CacheWrite",
+    "CachesWrittenLast",
     "CoreMLCase",
     "ReturnsBufferAndSum",
     "coreml_partitioner",
@@ -65,6 +66,23 @@ class CacheWrite(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self.cache.index_put_((pos,), x)
         return torch.mm(self.cache, self.weight)
+
+
+class CachesWrittenLast(nn.Module):
+    """Two caches read for the output, then written (``index_copy_``): the program's last
+    op computes a new state value, which coremltools 9.0 fails to convert (``KeyError``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(8, 4))
+        self.register_buffer("v_cache", torch.zeros(8, 4))
+        self.weight = nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        out = torch.mm(self.k_cache, self.weight) + self.v_cache
+        self.k_cache.index_copy_(0, pos, x)
+        self.v_cache.index_copy_(0, pos, x * 2)
+        return out
 
 
 class ReturnsBufferAndSum(nn.Module):
@@ -125,6 +143,10 @@ CASES = {
         ("aten.mm.default",), (ValueError, "Cannot lower a model with no outputs"),
         frozenset({"cache"})),
     "decoder": CoreMLCase("a 1-layer decoder", decoder, (), None, CACHES),
+    "caches_written_last": CoreMLCase(
+        "two caches written after the output is computed",
+        lambda: (CachesWrittenLast(), cache_inputs()), (),
+        (KeyError, "coreml_update_state"), frozenset({"k_cache", "v_cache"})),
 }
 
 
