@@ -195,6 +195,8 @@ class BufferOwningPartitioner(Partitioner):
             self._copy_plans[label] = self.copy_plan
         program = separate_new_buffer_values(program, self.copy_plan.copied)
         if _backend_id(self.partitioner) == COREML_BACKEND:
+            # coremltools 9.0 fails (KeyError) on two owned buffers when the last op
+            # computes a new state value, or one value feeds two states: reorder, same values.
             program = coreml_state_order(program)
         return program
 
