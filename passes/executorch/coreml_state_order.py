@@ -5,34 +5,40 @@ coremltools' ``canonicalize_inplace_pattern`` pass moves each ``coreml_update_st
 values) right behind the op that computes the new value, inserting it before the op that
 followed that producer in a list of the block's ops taken when the pass started. When that
 follower is an update the pass has already moved and deleted, the insert raises
-``KeyError: %coreml_update_state_0 ...`` from inside ExecuTorch's ``preprocess``. That
-happens exactly when the last op of the MIL program computes a new state value and the
-program owns two or more states: the last op's follower is the first update, which was
-moved already unless the last op computes that first state alone. Every program with
-two owned buffers whose user outputs are computed before the state updates hits it
-(``a.add_(x); b.add_(2 * x); return out``), and so does one value written into two
-buffers (Core ML drops ``aten.copy`` as an identity, so both updates read one op).
+``KeyError: %coreml_update_state_0 ...`` from inside ExecuTorch's ``preprocess``:
 
-The fix is an order, not a different computation: :func:`coreml_state_order` puts every
-node a new state value depends on first and the rest (the user outputs' own work) after,
-so the last op computes a user output. When every user output is itself on the way to a
-new state value (``v = f(x); a.copy_(v); b.copy_(v); return v``), nothing is left to put
-last, so the last user output is returned through ``aten.maximum(u, u)`` (exactly ``u``,
-NaN and signed zeros included), an op Core ML keeps (a clone or ``u + 0`` it removes).
+* fp16 compute (ExecuTorch's default): when Core ML owns two or more buffers and the last
+  op of the program computes a new state value (the last op's follower is the first
+  update, moved already unless the last op computes that first state alone). Every model
+  that computes its outputs before writing two caches hits it
+  (``out = f(k, v); k.index_copy_(...); v.index_copy_(...); return out``), and so does one
+  value written last into two buffers (Core ML drops ``aten.copy`` as an identity).
+* fp32 compute: whenever one value is written into two buffers. Each state value is cast
+  to the state's fp16 right before its update; coremltools merges the two equal casts, and
+  the merged cast's follower is the first of its two updates.
+
+The fix changes the order and the ops, never a value: :func:`coreml_state_order` gives each
+buffer written from a value another buffer is written from too an op of its own,
+``aten.maximum(v, v)`` (exactly ``v``, NaN and signed zeros included; an op coremltools
+neither drops nor merges, as it does a clone or ``v + 0``); it then puts every node a new
+state value depends on first and the rest (the user outputs' own work) after, so the last
+op computes a user output. When every user output is itself on the way to a new state value
+(``v = f(x); a.copy_(v); b.copy_(v); return v``), nothing is left to put last, so the last
+user output is returned as ``maximum(u, u)``, computed last.
 
 Before (``a`` and ``b`` both written from ``add_2``, the output computed first)::
 
     add_1 = aten.add(add, mul_2)           # user output
     add_2 = aten.add(x, 1)                 # new value of a and b
     copy = aten.copy(b_b, add_2)
-    return (add_2, copy, add_1)
+    return (add_2, copy, add_1)            # BUFFER_MUTATION a, b; USER_OUTPUT
 
 After::
 
     add_2 = aten.add(x, 1)
-    copy = aten.copy(b_b, add_2)
+    maximum = aten.maximum(add_2, add_2)   # b's own op
     add_1 = aten.add(add, mul_2)           # last: not a new state value
-    return (add_2, copy, add_1)
+    return (add_2, maximum, add_1)
 """
 
 from __future__ import annotations
@@ -103,7 +109,7 @@ def _root(node: Node) -> Node:
     """The op Core ML computes ``node`` with: through the copies it drops."""
     while node.op == "call_function" and _op_name(node) in ("alias", "clone", "_clone_dim_order",
                                                            "copy", "detach"):
-        node = node.args[-1] if _op_name(node) == "copy" else node.args[0]
+        node = node.args[1] if _op_name(node) == "copy" else node.args[0]  # copy(dst, src)
     return node
 
 
