@@ -51,8 +51,8 @@ def _state_ops(ep) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     for value, spec in zip(returned, ep.graph_signature.output_specs, strict=True):
         if spec.kind.name == "BUFFER_MUTATION":
             while value.target in (torch.ops.aten.copy.default, torch.ops.aten.clone.default):
-                copy = value.target == torch.ops.aten.copy.default
-            value = value.args[1] if copy else value.args[0]
+                is_copy = value.target == torch.ops.aten.copy.default
+                value = value.args[1] if is_copy else value.args[0]
             roots.append(value)
     last = [n for n in ep.graph.nodes if n.op == "call_function"][-1]
     return last, roots
