@@ -55,6 +55,7 @@ from . import (
     SharedBufferDelegationError,
     UnfoldedQuantizeError,
 )
+from .coreml_state_order import coreml_state_order
 from .method_state import MethodState, SharedBuffer, checked_methods, method_state
 from .new_value_copies import (
     CopyPlan,
@@ -198,7 +199,12 @@ class BufferOwningPartitioner(Partitioner):
         self.copy_plan = plan_new_value_copies(program, self.partitioner, verdicts)
         if label is not None:
             self._copy_plans[label] = self.copy_plan
-        return separate_new_buffer_values(program, self.copy_plan.copied)
+        program = separate_new_buffer_values(program, self.copy_plan.copied)
+        if _backend_id(self.partitioner) == COREML_BACKEND:
+            # coremltools 9.0 fails (KeyError) on two owned buffers when the last op
+            # computes a new state value, or one value feeds two states: reorder, same values.
+            program = coreml_state_order(program)
+        return program
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         graph = exported_program.graph
@@ -508,6 +514,11 @@ def _state_on_device(
             "device (require passes.conditions.ZeroInitialState to refuse such programs)"),
             stacklevel=3)
     return None
+
+
+def _backend_id(partitioner: Partitioner) -> str | None:
+    """The backend a partitioner delegates to, when it says (Core ML's does)."""
+    return getattr(getattr(partitioner, "delegation_spec", None), "backend_id", None)
 
 
 def _checked_partitioner(partitioner: Any) -> Partitioner:

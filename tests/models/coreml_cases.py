@@ -20,6 +20,11 @@ import torch
 from executorch.backends.apple.coreml import executorchcoreml
 from executorch.backends.apple.coreml.compiler import CoreMLBackend
 from executorch.backends.apple.coreml.partition import CoreMLPartitioner
+from executorch.backends.apple.coreml.quantizer import CoreMLQuantizer
+from executorch.backends.apple.coreml.quantizer._annotation_config import AnnotationConfig
+from executorch.backends.apple.coreml.quantizer._coreml_quantizer import (
+    _AnnotationPatternRegistry,
+)
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from torch import nn
 
@@ -32,9 +37,14 @@ __all__ = [
     "CASES",
     "COREML_BACKEND",
     "CacheWrite",
+    "CachesWrittenLast",
     "CoreMLCase",
+    "PatternSubsetQuantizer",
     "ReturnsBufferAndSum",
+    "TinyAttention",
+    "attention_inputs",
     "coreml_partitioner",
+    "coreml_quantizer",
     "coreml_states",
     "delegates",
     "owned_buffers",
@@ -54,6 +64,87 @@ def coreml_partitioner(skip_ops: tuple[str, ...] = ()) -> CoreMLPartitioner:
                              skip_ops_for_coreml_delegation=list(skip_ops))
 
 
+class PatternSubsetQuantizer(CoreMLQuantizer):
+    """``CoreMLQuantizer`` annotating with some of its patterns (in its own order).
+
+    Each ``annotate`` of ``CoreMLQuantizer`` builds its 405 pattern graphs with a strict
+    ``torch.export`` each (every convolution, pool and op-activation pair), 100-260 s on the
+    suite's 2 cores whatever the model. A model holding none of the left-out patterns gets
+    the same annotation from the subset (benchmarks/bench_coreml_quantizer.py checks it
+    for :class:`TinyAttention`, with the times).
+    """
+
+    def __init__(self, config, patterns: tuple[str, ...]) -> None:
+        super().__init__(config)
+        known = _AnnotationPatternRegistry.get_annotators()
+        unknown = sorted(set(patterns) - set(known))
+        if unknown:
+            raise ValueError(f"not CoreMLQuantizer patterns: {unknown}; known: {list(known)}")
+        self.patterns = tuple(patterns)
+
+    def _annotate_all_patterns(self, model, quantization_config, filter_fn=None):
+        config = AnnotationConfig.from_quantization_config(quantization_config)
+        for name, annotator in _AnnotationPatternRegistry.get_annotators().items():
+            if name in self.patterns:
+                annotator(model, config, filter_fn)
+
+
+# The patterns TinyAttention holds: linear layers, adds, muls and matmuls, none followed
+# by an activation CoreMLQuantizer fuses.
+TINY_ATTENTION_PATTERNS = ("linear", "add", "mul", "matmul")
+
+
+def coreml_quantizer(patterns: tuple[str, ...] | None = TINY_ATTENTION_PATTERNS):
+    """CoreMLQuantizer with ExecuTorch's documented 8-bit config (symmetric, per-channel
+    int8 weights, uint8 activations); ``patterns=None``: all its patterns."""
+    from coremltools.optimize.torch.quantization.quantization_config import (
+        LinearQuantizerConfig,
+        QuantizationScheme,
+    )
+
+    config = LinearQuantizerConfig.from_dict({"global_config": {
+        "quantization_scheme": QuantizationScheme.symmetric,
+        "activation_dtype": torch.quint8,
+        "weight_dtype": torch.qint8,
+        "weight_per_channel": True,
+    }})
+    return CoreMLQuantizer(config) if patterns is None else PatternSubsetQuantizer(
+        config, patterns)
+
+
+class TinyAttention(nn.Module):
+    """One attention head with a K and a V cache written by ``index_copy_``: the decoder's
+    stateful core, with no activation after a linear layer (so a few CoreMLQuantizer
+    patterns annotate it as all of them do)."""
+
+    def __init__(self, dim: int = 8, max_seq: int = 8) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(2)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        with torch.no_grad():
+            for layer in (self.q, self.k, self.v, self.o):
+                layer.weight.copy_(torch.randn(dim, dim, generator=generator) / dim ** 0.5)
+                layer.bias.copy_(torch.randn(dim, generator=generator) / 4)
+        self.register_buffer("k_cache", torch.zeros(1, max_seq, dim))
+        self.register_buffer("v_cache", torch.zeros(1, max_seq, dim))
+        self.scale = dim ** -0.5
+        self.max_seq = max_seq
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.k_cache.index_copy_(1, pos, self.k(x))
+        self.v_cache.index_copy_(1, pos, self.v(x))
+        visible = torch.arange(self.max_seq) <= pos.view(-1, 1)
+        scores = torch.matmul(self.q(x), self.k_cache.transpose(1, 2)) * self.scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        return x + self.o(torch.matmul(torch.softmax(scores, dim=-1), self.v_cache))
+
+
+def attention_inputs(calls: int = 6, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(1, 1, 8, generator=generator), torch.tensor([step]))
+            for step in range(calls)]
+
+
 class CacheWrite(nn.Module):
     """PR #4830's model: a row written into a cache with ``index_put_``, then ``mm``."""
 
@@ -65,6 +156,23 @@ class CacheWrite(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self.cache.index_put_((pos,), x)
         return torch.mm(self.cache, self.weight)
+
+
+class CachesWrittenLast(nn.Module):
+    """Two caches read for the output, then written (``index_copy_``): the program's last
+    op computes a new state value, which coremltools 9.0 fails to convert (``KeyError``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(8, 4))
+        self.register_buffer("v_cache", torch.zeros(8, 4))
+        self.weight = nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        out = torch.mm(self.k_cache, self.weight) + self.v_cache
+        self.k_cache.index_copy_(0, pos, x)
+        self.v_cache.index_copy_(0, pos, x * 2)
+        return out
 
 
 class ReturnsBufferAndSum(nn.Module):
@@ -125,6 +233,10 @@ CASES = {
         ("aten.mm.default",), (ValueError, "Cannot lower a model with no outputs"),
         frozenset({"cache"})),
     "decoder": CoreMLCase("a 1-layer decoder", decoder, (), None, CACHES),
+    "caches_written_last": CoreMLCase(
+        "two caches written after the output is computed",
+        lambda: (CachesWrittenLast(), cache_inputs()), (),
+        (KeyError, "coreml_update_state"), frozenset({"k_cache", "v_cache"})),
 }
 
 

@@ -7,7 +7,8 @@ value written into two buffers failed every ExecuTorch lowering with torch's
 ``BufferOwningPartitioner``) and run on ExecuTorch's runtime over several calls, equal to
 eager (the models read their buffers before writing them, so the outputs check the state);
 and lowered with Core ML taking over the buffers (lowering runs on Linux, running needs
-macOS), checking which buffers the delegate owns.
+macOS), checking which buffers the delegate owns and that the lowered program run in
+Python equals eager.
 """
 
 from __future__ import annotations
@@ -15,16 +16,22 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+import warnings
 
 import pytest
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.exir import to_edge_transform_and_lower
 
-from pass_manager import PassManager
+from pass_manager import PassManager, assert_same_behaviour
 from pass_manager.validation import output_errors, run_program
 from passes import InplaceToFunctional, MarkMutableBuffers
-from passes.executorch import BufferOwningPartitioner, decode_on_runtime
+from passes.executorch import (
+    BufferOwningPartitioner,
+    DelegateStateWarning,
+    decode_on_runtime,
+    executorch_state,
+)
 from passes.executorch.runtime import output_grid
 from passes.flow.examples import xnnpack_quantizer
 from passes.quantization import quantize_program
@@ -93,13 +100,15 @@ def test_quantized_written_twice_on_the_runtime():
     assert max(output_errors(run_program(quantized, calls), decoded.trace)) <= grid + 1e-6
 
 
-def _coreml():
+def _coreml(precision: str = "fp16"):
     import coremltools
     from executorch.backends.apple.coreml.compiler import CoreMLBackend
     from executorch.backends.apple.coreml.partition import CoreMLPartitioner
 
     specs = CoreMLBackend.generate_compile_specs(
-        minimum_deployment_target=coremltools.target.iOS18)
+        minimum_deployment_target=coremltools.target.iOS18,
+        compute_precision={"fp16": coremltools.precision.FLOAT16,
+                           "fp32": coremltools.precision.FLOAT32}[precision])
     return CoreMLPartitioner(compile_specs=specs, take_over_mutable_buffer=True)
 
 
@@ -112,39 +121,64 @@ def _owned(lowered) -> set[str]:
     return owned
 
 
-# coremltools 9.0 casts each fp32 state value to fp16 and merges the two equal casts of
-# one value into one op (remove_redundant_ops); its canonicalize_inplace_pattern pass then
-# inserts the second coreml_update_state before the first, which it has just removed, from
-# a stale op list: KeyError. Which ATen copy the program holds does not matter (Core ML
-# converts copy and clone to identity). Core ML's bug, after ExecuTorch accepted the program.
-COREML_TWO_STATES_ONE_VALUE = pytest.mark.xfail(
-    raises=KeyError, strict=True,
-    reason="coremltools 9.0 canonicalize_inplace_pattern: one fp16 cast updating two states")
+# ExecuTorch's CoreMLPartitioner alone hands coremltools 9.0 a program its
+# canonicalize_inplace_pattern pass fails on (KeyError from a stale op list): the last op
+# of the MIL program computes a new state value of a program with two states (fp16
+# compute), or one fp16 cast of one value feeds two states (fp32 compute).
+# BufferOwningPartitioner reorders the program and gives each state its own value
+# (passes.executorch.coreml_state_order), so the wrapped lowerings succeed.
 COREML_CASES = {
-    "written_twice": (WrittenTwice, {"a", "b"}, COREML_TWO_STATES_ONE_VALUE),
-    "written_twice_and_returned": (WrittenTwiceAndReturned, {"a", "b"},
-                                   COREML_TWO_STATES_ONE_VALUE),
+    "written_twice": (WrittenTwice, {"a", "b"}, KeyError),
+    "written_twice_and_returned": (WrittenTwiceAndReturned, {"a", "b"}, KeyError),
     "returns_written": (ReturnsWritten, {"b"}, None),
     "returns_written_and_sum": (ReturnsWrittenAndSum, {"b"}, None),
     "returns_new_value": (ReturnsNewValue, {"b"}, None),
 }
 
 
-@pytest.mark.skipif(not HAS_COREML, reason="coremltools (the coreml extra) is not installed")
-@pytest.mark.parametrize("wrapped", [True, False], ids=["wrapped", "alone"])
-@pytest.mark.parametrize("case", [
-    pytest.param(name, marks=mark or ()) for name, (_, _, mark) in COREML_CASES.items()])
-def test_core_ml_lowers_and_owns_the_buffers(case, wrapped):
-    cls, written, _ = COREML_CASES[case]
-    calls = vector_calls(calls=1)
-    program = _functional(cls, calls)
-    partitioner = BufferOwningPartitioner(_coreml()) if wrapped else _coreml()
+def _lower_with_coreml(program, partitioner):
     logging.disable(logging.WARNING)  # coremltools' progress and fp16-state warnings
     try:
-        lowered = to_edge_transform_and_lower(program, partitioner=[partitioner])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DelegateStateWarning)
+            return to_edge_transform_and_lower(program, partitioner=[partitioner])
     finally:
         logging.disable(logging.NOTSET)
+
+
+@pytest.mark.skipif(not HAS_COREML, reason="coremltools (the coreml extra) is not installed")
+@pytest.mark.parametrize("wrapped", [True, False], ids=["wrapped", "alone"])
+@pytest.mark.parametrize("case", COREML_CASES)
+def test_core_ml_lowers_and_owns_the_buffers(case, wrapped):
+    cls, written, alone_fails = COREML_CASES[case]
+    calls = vector_calls(calls=4)
+    program = _functional(cls, calls)
+    if not wrapped and alone_fails is not None:
+        with pytest.raises(alone_fails, match="coreml_update_state"):
+            _lower_with_coreml(program, _coreml())
+        return
+    partitioner = BufferOwningPartitioner(_coreml()) if wrapped else _coreml()
+    lowered = _lower_with_coreml(program, partitioner)
     ep = lowered.exported_program()
     assert _owned(ep) == written
     assert not ep.graph_signature.buffers_to_mutate  # nothing written back at top level
     lowered.to_executorch()
+    # The lowered program run in Python (each delegate's Edge program) computes what
+    # eager does, call after call, outputs and every buffer, bit for bit.
+    assert_same_behaviour(cls(), ep, calls, atol=0, state=executorch_state)
+
+
+@pytest.mark.skipif(not HAS_COREML, reason="coremltools (the coreml extra) is not installed")
+@pytest.mark.parametrize("case", ["written_twice", "written_twice_and_returned"])
+def test_core_ml_fp32_compute_owns_one_value_in_two_buffers(case):
+    """With fp32 compute coremltools casts each state value to fp16 and merges the two
+    equal casts of one value: each buffer needs a value of its own."""
+    cls, written, _ = COREML_CASES[case]
+    calls = vector_calls(calls=4)
+    program = _functional(cls, calls)
+    with pytest.raises(KeyError, match="coreml_update_state"):
+        _lower_with_coreml(program, _coreml("fp32"))
+    lowered = _lower_with_coreml(program, BufferOwningPartitioner(_coreml("fp32")))
+    ep = lowered.exported_program()
+    assert _owned(ep) == written
+    assert_same_behaviour(cls(), ep, calls, atol=0, state=executorch_state)
