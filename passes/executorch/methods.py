@@ -35,6 +35,7 @@ from torch.export import ExportedProgram
 from .._carried.pairs import method_pairing
 from .._methods.shared_buffers import shared_buffer_differences
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
+from .initial_state import repair_initial_state
 from .method_state import checked_methods
 from .partitioner import BufferOwningPartitioner
 from .plan import StatePlan, planned_state
@@ -165,6 +166,8 @@ class _LoweredMethods:
     carried: dict[str, dict[int, int]]
     """method -> {output position: input position} of the inputs it writes in place."""
     input_names: dict[str, list[str]]
+    repaired: list[str] = field(default_factory=list)
+    """Buffers whose initial value the emitter pointed at another's bytes, now their own."""
 
 
 def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
@@ -192,11 +195,12 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
             passes=[InitializedMutableBufferPass(sorted(names))],
             emit_mutable_buffer_names=True)
         et = edge.to_executorch(config)
+        repaired = repair_initial_state(et, config)
     serialized = {method: et.exported_program(method) for method in edge.methods}
     return _LoweredMethods(
         et.buffer, wrapper, delegates,
         {method: carried_outputs(ep) for method, ep in serialized.items()},
-        {method: user_input_names(ep) for method, ep in serialized.items()})
+        {method: user_input_names(ep) for method, ep in serialized.items()}, repaired)
 
 
 def run_methods_on_runtime(
@@ -257,7 +261,8 @@ def run_methods_on_runtime(
     # portable_lib gives each method arenas of its own: the decode would not see the
     # prefill's cache.)
     methods = {name: loaded.load_method(name) for name in sorted(loaded.method_names)}
-    run = MethodsRun(memory=planned_state(pte), notes=list(lowered.wrapper.notes),
+    run = MethodsRun(memory=planned_state(pte),
+                     notes=list(lowered.wrapper.notes) + lowered.repaired,
                      delegates=lowered.delegates, lower_seconds=seconds, pte_bytes=len(pte))
     state = CarriedState(HELPER)
     for index, (method, flat) in enumerate(flat_calls):

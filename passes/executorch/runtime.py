@@ -42,6 +42,7 @@ from pass_manager.validation import Trace
 
 from .._carried.pairs import pairs_of
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
+from .initial_state import repair_initial_state
 from .partitioner import BufferOwningPartitioner
 from .runtime_inputs import (
     CarriedState,
@@ -178,6 +179,7 @@ def _serialize(edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None
                                      emit_mutable_buffer_names=True)
     notes = list(wrapper.notes) if wrapper is not None else []
     et = edge.to_executorch(config)
+    notes += repair_initial_state(et, config)
     return _lowered(et, wrapper, _delegate_count(ep), notes)
 
 
