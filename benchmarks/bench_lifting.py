@@ -8,7 +8,13 @@ heads, 8 K/V heads, MLP 8,192, vocabulary 128,256; 1.5 B fp32 parameters, random
 run, the KV decoder at ``--dynamic-layers`` depths (default 2, 16) and the 1B-shaped decoder
 exported with a dynamic token dimension (``Dim`` 1 .. max_seq on the tokens of every input,
 as transformers' exporter exports), called with a prefill of 4 tokens, one of 7, then a
-one-token decode. Each is exported strict under ``no_grad``, functionalized,
+one-token decode. A small Llama-shaped decoder (``--llama-layers`` depths, default 1: dim 64,
+4 heads, 2 K/V heads, MLP 128, vocabulary 100) gives a row of each kind too: its layers have
+more distinct layouts than the KV decoder's (rotary halves, grouped heads) on a small
+floor, the hardest case for the dynamic lift. ``--scale-1b N`` divides the 1B-shaped
+model's dim and MLP width by N, its 16 layers, heads and so its graph kept, where the full
+width does not build in time (the lift's work is per node and per layout, not per weight
+element). Each is exported strict under ``no_grad``, functionalized,
 quantized through the passes' flow (PassQuantizer with MarkMutableBuffers and
 SkipAnnotateDataMovementOps, the every-op quantizer: the most (de)quantize nodes torchao
 inserts without a fake value), calibrated on one call, reset, converted with folding and
@@ -35,10 +41,11 @@ that leaves the graph module unchanged pays with torch's APIs (second table):
   tensor of that layout and storage size, wrapped) - the least giving those values can cost
   in the graph's fake mode (``empty_strided`` on meta costs as much on static shapes and
   ~10x more on symbolic ones, which it computes a storage size for in Python arithmetic);
-* Meta kernels: one run of the op's Meta kernel on the finished input values per distinct
-  layout key (op, input layouts, other arguments) among those nodes, which the lift runs to
-  learn each key's result layout (on symbolic sizes each run is torch's symbolic
-  arithmetic).
+* layouts: the result layout of each distinct layout key (op, input layouts, other
+  arguments) among those nodes, as the lift computes it (a fresh ``_ResultLayouts``): a
+  run of the op's Meta kernel on the finished input values, or for a (de)quantize on
+  symbolic sizes the ``empty_like`` layout built from the sizes' hints (a kernel run there
+  is torch's symbolic arithmetic, 0.3-0.5 ms a key, which the lift no longer pays).
 
 Before timing, the lift and the re-export are each called ``--calls`` times from the same
 state (outputs and buffers compared exactly; the shared buffers are reset in between, not
@@ -46,7 +53,7 @@ deep-copied, which the 1B model's 6 GB would not afford): the ratios compare pro
 compute the same thing.
 
     python -m benchmarks.bench_lifting [--layers 1 4 16 32] [--dynamic-layers 2 16]
-        [--repeat 5] [--no-1b]
+        [--llama-layers 1] [--repeat 5] [--no-1b] [--scale-1b 1]
 """
 
 from __future__ import annotations
@@ -79,7 +86,6 @@ from passes._analysis.fake_values import (  # the lift's own steps, timed apart
     _fresh_fake_tensor,
     _Layout,
     _ResultLayouts,
-    _run_meta_kernel,
 )
 from passes.flow.examples import AnnotateEveryOpQuantizer, decode_inputs, kv_decoder
 from passes.quantization import PassQuantizer
@@ -193,21 +199,23 @@ def _fake_tensors(mode: Any) -> Callable[[list[tuple[_Layout, Any]]], None]:
     return make
 
 
-def _kernel_nodes(converted: Any, lifted: ExportedProgram, mode: Any) -> list[torch.fx.Node]:
-    """One node per distinct layout key among the values the lift makes: those whose Meta
-    kernel the lift runs."""
+def _keyed_nodes(converted: Any, lifted: ExportedProgram, mode: Any
+                 ) -> list[tuple[torch.fx.Node, tuple]]:
+    """One (node, layout key) per distinct layout key among the values the lift makes:
+    those whose result layout the lift computes."""
     layouts, first = _ResultLayouts(mode), {}
     for node in _missing(converted, lifted):
         keyed = layouts.key_of(node)
         if keyed is not None:
-            first.setdefault(keyed[0], node)
+            first.setdefault(keyed[0], (node, keyed[0]))
     return list(first.values())
 
 
-def _meta_kernels(mode: Any) -> Callable[[list[torch.fx.Node]], None]:
-    def run(nodes: list[torch.fx.Node]) -> None:
-        for node in nodes:
-            _run_meta_kernel(node, mode)
+def _result_layouts(mode: Any) -> Callable[[list[tuple[torch.fx.Node, tuple]]], None]:
+    def run(keyed: list[tuple[torch.fx.Node, tuple]]) -> None:
+        layouts = _ResultLayouts(mode)  # new, as each lift's
+        for node, key in keyed:
+            layouts._layout(node, key)
     return run
 
 
@@ -252,13 +260,13 @@ def measure(label: str, model: torch.nn.Module, example: tuple, calls: list[tupl
 
     layouts = _made_values(converted, lifted)
     mode = detect_fake_mode([p.meta["val"] for p in lifted.graph.find_nodes(op="placeholder")])
-    kernel_nodes = _kernel_nodes(converted, lifted, mode)
+    keyed_nodes = _keyed_nodes(converted, lifted, mode)
     t = _timed_rounds({
         "floor": (_construct(lifted), _floor_parts(lifted), repeat),
         "lift": (lambda gm: exported_program_from(gm, like=program), lambda: converted, repeat),
         "graph copy": (_graph_copy, lambda: converted, repeat),
         "fake tensors": (_fake_tensors(mode), lambda: layouts, repeat),
-        "Meta kernels": (_meta_kernels(mode), lambda: kernel_nodes, repeat),
+        "layouts": (_result_layouts(mode), lambda: keyed_nodes, repeat),
         "re-export": (lambda gm: _reexport(gm, example, dynamic_shapes), lambda: converted,
                       export_repeat),
         "re-export + functionalize": (
@@ -271,7 +279,7 @@ def measure(label: str, model: torch.nn.Module, example: tuple, calls: list[tupl
     def cell(t: Timings) -> str:
         return f"{t.min * 1e3:.0f} ({t.median * 1e3:.0f})"
 
-    copy_, fakes, kernels = t["graph copy"], t["fake tensors"], t["Meta kernels"]
+    copy_, fakes, kernels = t["graph copy"], t["fake tensors"], t["layouts"]
     above = lift.min - floor.min
     other = above - copy_.min - fakes.min - kernels.min
 
@@ -283,7 +291,7 @@ def measure(label: str, model: torch.nn.Module, example: tuple, calls: list[tupl
             f"| {lift.min / floor.min:.2f} ({lift.median / floor.median:.2f}) "
             f"| {reexport.min / lift.min:.1f} | {refunctional.min / lift.min:.1f} |",
             f"| {label} | {share(above)} | {share(copy_.min)} | {len(layouts)}: "
-            f"{share(fakes.min)} | {len(kernel_nodes)}: {share(kernels.min)} "
+            f"{share(fakes.min)} | {len(keyed_nodes)}: {share(kernels.min)} "
             f"| {share(other)} |")
 
 
@@ -295,8 +303,15 @@ def main(argv: list[str] | None = None) -> str:
                         help="the KV decoder's depths, dynamic token dimension")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3, help="decode calls compared")
+    parser.add_argument("--llama-layers", type=int, nargs="*", default=[1],
+                        help="depths of a small Llama-shaped decoder (dim 64, vocabulary "
+                             "100), static and dynamic token dimension")
     parser.add_argument("--no-1b", action="store_true",
                         help="leave out the 1B-shaped model (both rows)")
+    parser.add_argument("--scale-1b", type=int, default=1,
+                        help="divide the 1B-shaped model's dim and MLP width by this (its "
+                             "16 layers, heads and graph kept) where the full width does "
+                             "not build in time")
     args = parser.parse_args(argv)
     export_repeat = max(1, args.repeat // 2)
     lines = [
@@ -318,30 +333,43 @@ def main(argv: list[str] | None = None) -> str:
         "",
         "What lift - floor is made of (CPU ms of the minima, in parentheses as a fraction of "
         "the floor): torch.fx's copy of the converted graph, one FakeTensor per value the "
-        "lift makes (their number first), one Meta kernel run per distinct layout key "
-        "among them (their number first), and the rest (the layout keys, the state and "
-        "signature, the collections of the lift's new objects).",
+        "lift makes (their number first), the result layout of each distinct layout key "
+        "among them (their number first: a Meta kernel run, or on symbolic sizes a "
+        "(de)quantize's empty_like layout built from the hints), and the rest (the layout "
+        "keys, the state and signature, the collections of the lift's new objects).",
         "",
-        "| program | lift - floor | graph copy | fake tensors | Meta kernels | rest |",
+        "| program | lift - floor | graph copy | fake tensors | layouts | rest |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    programs = [(f"KV decoder, {layers} layers", layers, False) for layers in args.layers]
-    programs += [(f"KV decoder, {layers} layers, dynamic tokens", layers, True)
+    programs: list[tuple[str, dict[str, Any] | None, bool]] = [
+        (f"KV decoder, {layers} layers", {"layers": layers}, False) for layers in args.layers]
+    programs += [(f"KV decoder, {layers} layers, dynamic tokens", {"layers": layers}, True)
                  for layers in args.dynamic_layers]
+    programs += [(f"Llama-shaped, {layers} layer{'s' * (layers > 1)} (dim 64){tail}",
+                  {"n_layers": layers, "vocab": 100}, dynamic)
+                 for layers in args.llama_layers
+                 for tail, dynamic in (("", False), (", dynamic tokens", True))]
     if not args.no_1b:
-        programs += [("Llama 3.2 1B-shaped (16 layers, dim 2,048)", None, False),
-                     ("Llama 3.2 1B-shaped, dynamic tokens", None, True)]
-    for label, layers, dynamic in programs:
-        if layers is None:
-            model = llama_shaped(seed=0, **LLAMA_1B)
+        config = dict(LLAMA_1B, dim=LLAMA_1B["dim"] // args.scale_1b,
+                      hidden=LLAMA_1B["hidden"] // args.scale_1b)
+        shape = ("16 layers, dim 2,048" if args.scale_1b == 1 else
+                 f"16 layers, dim {config['dim']:,}, MLP {config['hidden']:,}: 1/{args.scale_1b}"
+                 " of its width")
+        programs += [(f"Llama 3.2 1B-shaped ({shape})", config, False),
+                     (f"Llama 3.2 1B-shaped ({shape}), dynamic tokens", config, True)]
+    for label, config, dynamic in programs:
+        if "layers" not in config:
+            model = llama_shaped(seed=0, **config)
             vocab = model.cfg.vocab
             calls = (_token_calls(lambda n, g, v=vocab: torch.randint(v, (1, n), generator=g))
-                     if dynamic else llama_inputs(model.cfg, 1))
+                     if dynamic else llama_inputs(model.cfg, args.calls))
             shapes = _dynamic_tokens(model.cfg.max_seq) if dynamic else None
-            row, split = measure(label, model, calls[0], calls, max(1, args.repeat // 2), 1,
-                                 shapes)
+            big = config.get("dim", 0) >= 1024  # fewer runs: each re-export takes minutes
+            row, split = measure(label, model, calls[0], calls,
+                                 max(1, args.repeat // 2) if big else args.repeat,
+                                 1 if big else export_repeat, shapes)
         else:
-            model, _ = kv_decoder(layers)
+            model, _ = kv_decoder(config["layers"])
             dim = model.cfg.dim
             calls = (_token_calls(lambda n, g, dim=dim: torch.randn(1, n, dim, generator=g))
                      if dynamic else decode_inputs(model.cfg, args.calls))

@@ -24,6 +24,11 @@ takes the kernel's storage size as it is instead of computing it again from the 
 sizes and strides (``empty_strided`` does, in Python ``SymNode`` arithmetic: 0.3 ms a
 node against 0.03 ms), the way torch's nested tensors build theirs
 (``_make_wrapper_subclass(..., storage_size=)``); each still gets a storage of its own.
+A kernel run on symbolic sizes is itself torch's symbolic arithmetic (0.3-0.5 ms a key), so
+the (de)quantize kernels, an ``empty_like`` of their input, are not run there: the layout
+``empty_like`` gives is built from the order torch's own function picks on the sizes'
+hints, reusing the input's sizes and strides wherever their expressions are the result's
+(:class:`_EmptyLikeLayouts`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+import torch.fx.experimental._config
 from torch._guards import detect_fake_mode
+from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
 from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
@@ -230,6 +237,11 @@ _UNREAD_BY_META = {
         {"scale", "zero_point"}),
 }
 
+# Ops whose Meta kernel, after checks on dtypes and the other arguments alone, returns
+# ``torch.empty_like(input, dtype=...)`` of its first argument (quantize's casts a half
+# input to float first, which keeps a dense layout); by (qualified name, overload).
+_EMPTY_LIKE_OF_INPUT = frozenset(_UNREAD_BY_META)
+
 # op -> None (no fast path) or, per positional argument, whether the key leaves it out, and
 # the keyword arguments it leaves out
 _OP_PLANS: dict[Any, tuple[tuple[bool, ...], frozenset[str]] | None] = {}
@@ -269,6 +281,7 @@ class _ResultLayouts:
     def __init__(self, mode: FakeTensorMode) -> None:
         self.mode = mode
         self.known: dict[tuple, _Layout | None] = {}
+        self._empty_like = _EmptyLikeLayouts(mode)
 
     def value_of(self, node: Node) -> FakeTensor | None:
         """``node``'s fake value, or None where the fast path does not apply."""
@@ -279,12 +292,22 @@ class _ResultLayouts:
         try:
             layout = self.known[key]
         except KeyError:
-            layout = self.known[key] = _run_meta_kernel(node, self.mode)
+            layout = self.known[key] = self._layout(node, key)
         except TypeError:  # an unhashable argument: the kernel runs for this node alone
             layout = _run_meta_kernel(node, self.mode)
         if layout is None:
             return None
         return _fresh_fake_tensor(self.mode, layout, device)
+
+    def _layout(self, node: Node, key: tuple) -> _Layout | None:
+        """The result layout of a node whose key is new: by :class:`_EmptyLikeLayouts` for
+        an ``empty_like`` kernel on symbolic sizes, else by a run of its Meta kernel."""
+        op = node.target
+        if (op.name(), op._overloadname) in _EMPTY_LIKE_OF_INPUT:
+            layout = self._empty_like.layout(node, key)
+            if layout is not None:
+                return layout
+        return _run_meta_kernel(node, self.mode)
 
     def key_of(self, node: Node) -> tuple[tuple, torch.device] | None:
         """What ``node``'s result layout depends on (op, input layouts, other arguments)
@@ -322,6 +345,137 @@ class _ResultLayouts:
         if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor)):
             raise _Unkeyable
         return type(value), value  # 1, 1.0 and True key apart
+
+
+class _EmptyLikeLayouts:
+    """Result layouts of ``empty_like`` kernels (:data:`_EMPTY_LIKE_OF_INPUT`) on symbolic
+    sizes, without the kernel's symbolic arithmetic.
+
+    torch's ``empty_like`` (``torch._refs.empty_like``, the fake mode's kernel) lays its
+    result out densely in the order ``compute_elementwise_output_logical_to_physical_perm``
+    picks from the input's strides, with ``make_contiguous_strides_for``'s strides in that
+    order and a storage of ``numel * itemsize`` bytes. On symbolic sizes that is some 20
+    ``SymNode`` operations with guards, 0.3-0.5 ms a layout. The order only depends on
+    comparisons, which on a backed size evaluate on its hint, so here the same function
+    picks it on a meta tensor of the hints; the strides in that order are then built as
+    the kernel builds them, except that each stride whose expression the input's stride
+    already has is the input's (a quantize's output, the dequantize after it, and every
+    dense activation need no arithmetic at all). A size that is not a positive integer
+    expression (whose ``sym_max(size, 1)`` is not itself), an unbacked or hintless size,
+    and ``backed_size_oblivious`` (whose comparisons do not follow the hints) leave the
+    layout to the kernel. The kernel's own checks (on dtypes and its other arguments)
+    run once per op, input dtype, rank and arguments, on the meta tensor of the hints,
+    which also gives the result's dtype.
+    """
+
+    def __init__(self, mode: FakeTensorMode) -> None:
+        self.mode = mode
+        self.enabled = not torch.fx.experimental._config.backed_size_oblivious
+        # by the input's (sizes, strides) expressions: (result strides, numel) or None
+        self._dense: dict[tuple, tuple[tuple, Any] | None] = {}
+        self._dtypes: dict[tuple, torch.dtype | None] = {}  # by key without the layout
+        self._nbytes: dict[tuple, Any] = {}  # by (sizes expressions, itemsize)
+
+    def layout(self, node: Node, key: tuple) -> _Layout | None:
+        """The layout of ``node``'s result, or None where the kernel must run. ``key`` is
+        the node's :meth:`_ResultLayouts.key_of` key (its second item the input's)."""
+        source = node.args[0] if node.args else None
+        x = source.meta.get("val") if isinstance(source, Node) else None
+        if not self.enabled or not isinstance(x, FakeTensor) or not x._has_symbolic_sizes_strides:
+            return None
+        sizes, strides, _, dtype, device = key[1]
+        if (sizes, strides) not in self._dense:
+            self._dense[sizes, strides] = _empty_like_strides(x, sizes, strides)
+        dense = self._dense[sizes, strides]
+        if dense is None:
+            return None
+        checked = (key[0], dtype, device, len(sizes), key[2:])
+        if checked not in self._dtypes:
+            self._dtypes[checked] = self._checked_dtype(node, x)
+        result_dtype = self._dtypes[checked]
+        if result_dtype is None:
+            return None
+        result_strides, numel = dense
+        itemsize = result_dtype.itemsize
+        nbytes = self._nbytes.get((sizes, itemsize))
+        if nbytes is None:
+            nbytes = self._nbytes[sizes, itemsize] = numel if itemsize == 1 else numel * itemsize
+        return _Layout(x.shape, result_strides, result_dtype, nbytes)
+
+    def _checked_dtype(self, node: Node, x: FakeTensor) -> torch.dtype | None:
+        """The result dtype of the op's Meta kernel run on a meta tensor of ``x``'s dtype
+        and hints with the node's other arguments; None if it fails or gives no meta
+        tensor of the input's shape (the kernel then runs on the node's own values, and
+        the general path reports its failure)."""
+        stand_in = _hinted(x)
+        if stand_in is None:
+            return None
+        args, kwargs = map_arg((node.args[1:], node.kwargs), lambda arg: arg.meta["val"])
+        try:
+            with in_kernel_invocation_manager(self.mode):
+                result = node.target(stand_in, *args, **kwargs)
+        except Exception:  # noqa: BLE001 - the kernel run on the node's values reports it
+            return None
+        if (type(result) is not torch.Tensor or result.device.type != "meta"
+                or result.shape != stand_in.shape):
+            return None
+        return result.dtype
+
+
+def _hinted(x: FakeTensor) -> torch.Tensor | None:
+    """A meta tensor of ``x``'s dtype with its sizes and strides at their hints (None if
+    one has no hint)."""
+    sizes = [_hint(d) for d in x.shape]
+    strides = [_hint(d) for d in x.stride()]
+    if None in sizes or None in strides:
+        return None
+    return torch.empty_strided(sizes, strides, dtype=x.dtype, device="meta")
+
+
+def _hint(size: Any) -> int | None:
+    if isinstance(size, int):
+        return size
+    node = size.node
+    return node.hint if node.has_hint() and isinstance(node.hint, int) else None
+
+
+def _empty_like_strides(x: FakeTensor, sizes: tuple, strides: tuple) -> tuple[tuple, Any] | None:
+    """The strides torch's ``empty_like`` gives ``x``'s result, and its number of
+    elements, built as :class:`_EmptyLikeLayouts` says; ``sizes`` and ``strides`` are
+    ``x``'s as expressions. None where the kernel must run."""
+    stand_in = _hinted(x)
+    if stand_in is None:
+        return None
+    order, _ = compute_elementwise_output_logical_to_physical_perm(stand_in)
+    x_sizes, x_strides = x.shape, x.stride()
+    result: list[Any] = [None] * len(order)
+    # make_contiguous_strides_for, innermost dimension first: the next stride as a value
+    # times the factors not yet multiplied in, and as an expression
+    value: Any = 1
+    factors: list[Any] = []
+    expected: Any = 1
+    for dim in reversed(order):
+        if strides[dim] == expected:
+            value, factors = x_strides[dim], []
+        else:
+            for factor in factors:
+                value = value * factor
+            factors = []
+        result[dim] = value
+        size = sizes[dim]
+        if isinstance(size, int):
+            factors.append(max(size, 1))
+            expected = expected * max(size, 1)
+        elif size.is_integer and size.is_positive:  # its sym_max(size, 1) is itself
+            factors.append(x_sizes[dim])
+            expected = expected * size
+        else:
+            return None
+    if any(size == 0 for size in sizes if isinstance(size, int)):
+        return tuple(result), 0
+    outer = order[0]  # numel: the outermost stride times its size
+    numel = result[outer] if sizes[outer] == 1 else result[outer] * x_sizes[outer]
+    return tuple(result), numel
 
 
 def _size_key(size: Any) -> Any:

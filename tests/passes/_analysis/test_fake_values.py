@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 from torch.fx import Graph, GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -136,3 +137,75 @@ def test_views_and_symbolic_sizes_fall_back_to_fake_tensor_prop():
     del row.meta["val"]
     orphan = _new_node(graph, output, aten.mul.Tensor, row, 2)
     assert not fake.infer(orphan) and "val" not in orphan.meta
+
+
+class Layouts(torch.nn.Module):
+    """Values on a symbolic token size in the layouts a decoder's (de)quantize nodes read:
+    contiguous, transposed, sliced (not dense, at an offset), expanded (a zero stride),
+    with size-one dimensions in several places, and a symbolic size squared."""
+
+    def forward(self, x, y):
+        heads = x.view(1, x.shape[1], 4, 8)
+        return (x, heads.transpose(1, 2), heads.transpose(1, 2)[..., 4:],
+                heads[:, :, :1].expand(1, x.shape[1], 3, 8), x.transpose(1, 2)[:, :1],
+                x[:, :, None, :], y @ y.transpose(1, 2), x.permute(2, 0, 1))
+
+
+def _symbolic_program():
+    tokens = torch.export.Dim("tokens", min=1, max=64)
+    args = (torch.randn(1, 5, 32), torch.randn(1, 5, 8))
+    return torch.export.export(Layouts(), args, dynamic_shapes=({1: tokens}, {1: tokens}))
+
+
+def _layout(val):
+    return (str(tuple(val.shape)), str(val.stride()), val.storage_offset(),
+            str(val.untyped_storage().nbytes()), val.dtype, val.device)
+
+
+def test_quantize_and_dequantize_on_symbolic_layouts_get_the_kernels_values():
+    """(De)quantize nodes, whose Meta kernel is an ``empty_like`` of the input, get the
+    layout (sizes, strides, storage size, dtype) the fake mode's dispatch of the kernel
+    gives, on every layout of symbolic sizes, for the first node of a layout and the
+    cached repeats; each value on a storage of its own."""
+    import torch.ao.quantization.fx._decomposed  # registers the ops
+
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    dequantize = torch.ops.quantized_decomposed.dequantize_per_tensor.default
+    graph = _symbolic_program().graph
+    output = graph.output_node()
+    values = [n for n in output.args[0]]
+    assert all(n.meta["val"]._has_symbolic_sizes_strides for n in values)
+    fake = FakeValues(graph)
+    made = []
+    for _ in range(2):
+        for value in values:
+            q = _new_node(graph, output, quantize, value, 0.1, 3, 0, 255, torch.uint8)
+            dq = _new_node(graph, output, dequantize, q, 0.1, 3, 0, 255, torch.uint8,
+                           out_dtype=torch.float16)
+            for node in (q, dq):
+                assert fake.infer(node)
+                expected = _expected(fake.mode, node.target, node.args, node.kwargs)
+                assert _layout(node.meta["val"]) == _layout(expected), (value.name, node.name)
+                made.append(node.meta["val"])
+    assert len({v.untyped_storage()._cdata for v in made}) == len(made)
+    # A dense input's strides are the result's as they are: no symbolic arithmetic.
+    x, q = values[0].meta["val"], made[0]
+    assert q.stride()[0].node is x.stride()[0].node
+
+
+def test_a_failing_kernel_check_on_symbolic_sizes_is_reported_as_the_kernel_reports_it():
+    """quantize's Meta kernel refuses an integer input: the node gets no value and the
+    kernel's error comes out, as without the layout shortcut."""
+    import torch.ao.quantization.fx._decomposed  # registers the ops
+
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    graph = _symbolic_program().graph
+    output = graph.output_node()
+    x = output.args[0][0]
+    fake = FakeValues(graph)
+    good = _new_node(graph, output, quantize, x, 0.1, 3, 0, 255, torch.uint8)
+    assert fake.infer(good)
+    bad = _new_node(graph, output, quantize, good, 0.1, 3, 0, 255, torch.uint8)
+    with pytest.raises(AssertionError, match=r"Expecting input to have dtype torch\.float32"):
+        fake.infer(bad)
+    assert "val" not in bad.meta

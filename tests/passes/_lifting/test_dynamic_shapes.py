@@ -26,6 +26,7 @@ from passes import (
 )
 from passes.flow.examples import AnnotateEveryOpQuantizer, kv_decoder
 from passes.quantization import PassQuantizer
+from tests.models.llama_shaped import llama_shaped
 
 
 def token_calls(dim: int, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -48,16 +49,7 @@ def dynamic_quantized_decoder():
     with torch.no_grad():
         ep = torch.export.export(copy.deepcopy(model), calls[0], strict=True,
                                  dynamic_shapes=({1: tokens}, {0: tokens}))
-    program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(ep).program
-    quantizer = PassQuantizer(AnnotateEveryOpQuantizer(), transform=[MarkMutableBuffers()],
-                              after_annotate=[SkipAnnotateDataMovementOps()])
-    prepared = prepare_pt2e(copy_program(program).module(), quantizer)
-    with torch.no_grad():
-        for args in calls:
-            prepared(*args)
-    reset_mutable_buffers(prepared)
-    converted = PassManager([UnfreezeMutableBuffer()]).run(convert_pt2e(prepared)).program
-    return program, converted, calls
+    return (*_quantized(ep, calls), calls)
 
 
 def test_a_dynamic_quantized_program_lifts_with_its_ranges_and_runs_every_length(
@@ -83,6 +75,58 @@ def test_the_new_fake_values_are_torchs_on_storages_of_their_own(dynamic_quantiz
     strides, storage size, dtype and device torch's FakeTensorProp gives it in the graph's
     fake mode, and a storage no other value of the graph uses."""
     program, converted, _ = dynamic_quantized_decoder
+    _assert_new_values_are_torchs(program, converted)
+
+
+def test_a_llama_shaped_decoders_new_values_are_torchs(dynamic_quantized_llama):
+    """The same on a Llama-shaped layer, whose (de)quantize nodes read more layouts: grouped
+    heads transposed, rotary halves sliced at an offset (not dense), a causal mask, size-one
+    dimensions; and its lifted program runs every length as the converted module does
+    (outputs and KV caches; the rotary ``inv_freq`` buffer convert folded into a constant
+    is read by neither graph, so the lift, as export, leaves it out)."""
+    program, converted, calls = dynamic_quantized_llama
+    _assert_new_values_are_torchs(program, converted)
+
+    def caches(module):
+        return {k: v.clone() for k, v in module.named_buffers() if k.endswith("_cache")}
+
+    assert_same_behaviour(converted, exported_program_from(copy_program(converted),
+                                                           like=program), calls, state=caches)
+
+
+@pytest.fixture(scope="module")
+def dynamic_quantized_llama():
+    """A one-layer Llama-shaped decoder exported with a dynamic token dimension, quantized
+    as the decoder above: (its functional program, the converted graph module, calls of 4,
+    7, 1 and 1 tokens)."""
+    model = llama_shaped(1, vocab=100)
+    generator, start, calls = torch.Generator().manual_seed(3), 0, []
+    for n in (4, 7, 1, 1):
+        calls.append((torch.randint(100, (1, n), generator=generator),
+                      torch.arange(start, start + n)))
+        start += n
+    tokens = torch.export.Dim("tokens", min=1, max=model.cfg.max_seq)
+    with torch.no_grad():
+        ep = torch.export.export(model, calls[0], strict=True,
+                                 dynamic_shapes=({1: tokens}, {0: tokens}))
+    return (*_quantized(ep, calls), calls)
+
+
+def _quantized(ep, calls):
+    """(the functional program, its converted graph module) through the passes' flow,
+    calibrated on ``calls``."""
+    program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(ep).program
+    quantizer = PassQuantizer(AnnotateEveryOpQuantizer(), transform=[MarkMutableBuffers()],
+                              after_annotate=[SkipAnnotateDataMovementOps()])
+    prepared = prepare_pt2e(copy_program(program).module(), quantizer)
+    with torch.no_grad():
+        for args in calls:
+            prepared(*args)
+    reset_mutable_buffers(prepared)
+    return program, PassManager([UnfreezeMutableBuffer()]).run(convert_pt2e(prepared)).program
+
+
+def _assert_new_values_are_torchs(program, converted):
     missing = {n.name for n in converted.graph.nodes if n.op == "call_function"
                and "val" not in n.meta and n.target is not torch.ops.aten.copy_.default}
     lifted = exported_program_from(copy_program(converted), like=program)
