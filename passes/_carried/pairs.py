@@ -40,13 +40,13 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx import GraphModule, Node
-from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
 from .._analysis.buffers import USER_INPUT, find_mutations, trailing_write_backs
 from .._analysis.data_movement import DATA_MOVEMENT_OPS
 from ..errors import StateNameError, StatePairingError, UnpairedStateError
 from .specs import input_names, output_names
+from .view import graph_module_io
 
 __all__ = [
     "OPENVINO_PREFIXES",
@@ -118,15 +118,7 @@ def _flat_io(program: Any) -> _FlatIO:
             in_spec = pytree.tree_structure((tuple(inputs), {}))
             out_spec = pytree.tree_structure(tuple(outputs))
     elif isinstance(program, GraphModule):
-        inputs = program.graph.find_nodes(op="placeholder")
-        output = program.graph.output_node().args[0]
-        codegen = program.graph._codegen
-        if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info.out_spec is not None:
-            in_spec, out_spec = codegen.pytree_info.in_spec, codegen.pytree_info.out_spec
-            outputs = list(output) if isinstance(output, (list, tuple)) else [output]
-        else:
-            in_spec = pytree.tree_structure((tuple(inputs), {}))
-            outputs, out_spec = pytree.tree_flatten(output)
+        inputs, outputs, in_spec, out_spec = graph_module_io(program)
         written = {c.args[0] for c in trailing_write_backs(program)}
     else:
         raise TypeError(f"no call signature to pair in a {type(program).__name__}")

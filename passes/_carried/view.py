@@ -42,7 +42,7 @@ from .._analysis.buffers import (
     trailing_write_backs,
 )
 
-__all__ = ["ProgramView"]
+__all__ = ["ProgramView", "graph_module_io"]
 
 
 def _copy_graph_module(gm: GraphModule) -> GraphModule:
@@ -54,6 +54,21 @@ def _copy_graph_module(gm: GraphModule) -> GraphModule:
             if isinstance(value, torch.Tensor):
                 memo[id(value)] = value
     return copy.deepcopy(gm, memo)
+
+
+def graph_module_io(
+    gm: GraphModule,
+) -> tuple[list[Node], list[Any], pytree.TreeSpec, pytree.TreeSpec]:
+    """A GraphModule's inputs and outputs flat, with the call specs that nest them (its
+    pytree codegen's, or a flat tuple in and the output's own structure out)."""
+    inputs = gm.graph.find_nodes(op="placeholder")
+    output = gm.graph.output_node().args[0]
+    codegen = gm.graph._codegen
+    if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info.out_spec is not None:
+        outputs = list(output) if isinstance(output, (list, tuple)) else [output]
+        return inputs, outputs, codegen.pytree_info.in_spec, codegen.pytree_info.out_spec
+    outputs, out_spec = pytree.tree_flatten(output)
+    return inputs, outputs, pytree.tree_structure((tuple(inputs), {})), out_spec
 
 
 @dataclass
@@ -119,15 +134,7 @@ class ProgramView:
     @classmethod
     def _of_graph_module(cls, source: GraphModule) -> ProgramView:
         gm = _copy_graph_module(source)
-        inputs = gm.graph.find_nodes(op="placeholder")
-        output = gm.graph.output_node().args[0]
-        codegen = gm.graph._codegen
-        if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info.out_spec is not None:
-            in_spec, out_spec = codegen.pytree_info.in_spec, codegen.pytree_info.out_spec
-            outputs = list(output) if isinstance(output, (list, tuple)) else [output]
-        else:
-            in_spec = pytree.tree_structure((tuple(inputs), {}))
-            outputs, out_spec = pytree.tree_flatten(output)
+        inputs, outputs, in_spec, out_spec = graph_module_io(gm)
         writes = {}
         for copy_ in trailing_write_backs(gm):
             writes[copy_.args[0]] = copy_.args[1]
