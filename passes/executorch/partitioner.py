@@ -120,7 +120,9 @@ class BufferOwningPartitioner(Partitioner):
             (a weight) in the graph (``convert_pt2e(fold_quantize=False)``), which XNNPACK's
             runtime computes wrong values with. (A quantize of a 0-d value an XNNPACK
             partition receives, which XNNPACK crashes on, is kept at the top level with a
-            note instead.)
+            note instead; so is a quantize of a received value that XNNPACK's GEMM config
+            marked fused into a GEMM it then left out, which XNNPACK would drop and compute
+            with an uninitialized tensor in its place.)
 
     Warns:
         DelegateStateWarning: from ``partition``, a Core ML delegate will own an fp32 buffer
@@ -228,6 +230,7 @@ class BufferOwningPartitioner(Partitioner):
             self._restore(graph, before)
             raise unfolded
         scalar_notes = self._keep_scalar_quantize_out(program, result.partition_tags)
+        scalar_notes += _keep_dropped_quantize_out(program, result.partition_tags)
         verdicts = self._verdicts(program, result.partition_tags, shared)
         owned = []
         for verdict in verdicts:
@@ -440,6 +443,54 @@ class BufferOwningPartitioner(Partitioner):
 def _xnnpack_tags(partition_tags: dict[str, Any]) -> set[str]:
     return {tag for tag, spec in partition_tags.items()
             if getattr(spec, "backend_id", None) == XNNPACK_BACKEND}
+
+
+def _keep_dropped_quantize_out(
+    program: ExportedProgram, partition_tags: dict[str, Any]
+) -> list[str]:
+    """Keep at the top level each quantize an XNNPACK partition would drop; a note per node.
+
+    XNNPACK's GEMM configs mark the quantize after a ``mm``/``linear`` as implicit (fused
+    into the GEMM's output) while they examine the GEMM, and leave the mark when they then
+    reject that GEMM (e.g. ``softmax(s) @ dequantize(v)``: its activation is not a
+    dequantize). The rejected GEMM stays at the top level and the quantize of its result
+    goes into the next partition still marked: XNNPACK emits no conversion for it and never
+    connects the partition's input, so the quantized value it computes with is an
+    uninitialized internal tensor (a silently wrong program: outputs off by 1.5-3 on values
+    of size ~1, varying run to run). Quantized outside, the value enters the partition as
+    8-bit integers, which XNNPACK lowers as an ordinary quantized input (runtime equal to
+    Python within one quantization step on the models of the tests). A quantize XNNPACK
+    fuses into a GEMM of its own partition (the value computed there), or a dynamic one
+    (its input is the partition's input by design), is left alone.
+    """
+    from executorch.backends.xnnpack.utils.quant_utils import (
+        is_dynamic_qdq,
+        is_quant,
+        is_tagged_as_implicit_q_dq,
+    )
+
+    xnnpack = _xnnpack_tags(partition_tags)
+    notes: list[str] = []
+    if not xnnpack:
+        return notes
+    for node in program.graph.nodes:
+        tag = node.meta.get(DELEGATION_TAG)
+        if (tag not in xnnpack or not is_quant(node) or not is_tagged_as_implicit_q_dq(node)
+                or is_dynamic_qdq(node) or not isinstance(node.args[0], Node)):
+            continue
+        value = node.args[0]
+        if value.op != "placeholder" and value.meta.get(DELEGATION_TAG) == tag:
+            continue
+        del node.meta[DELEGATION_TAG]
+        if value.op == "placeholder" and not any(
+                user.meta.get(DELEGATION_TAG) == tag for user in value.users):
+            value.meta.pop(DELEGATION_TAG, None)
+        notes.append(
+            f"kept {node.name} (quantizing {value.name}, computed outside) out of partition "
+            f"{tag!r}: XNNPACK's GEMM config marked it fused into a GEMM it then left out, "
+            "and XNNPACK would compute with an uninitialized value in its place; the "
+            "partition receives it quantized")
+    return notes
 
 
 def _unfolded_quantize(
