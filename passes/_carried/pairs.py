@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import OutputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
@@ -98,8 +98,12 @@ class _FlatIO:
 def _flat_io(program: Any) -> _FlatIO:
     """The user inputs and outputs of ``program`` flat, and their names, without copying."""
     if isinstance(program, ExportedProgram):
-        users = set(program.graph_signature.user_inputs)
-        inputs = [n for n in program.graph.find_nodes(op="placeholder") if n.name in users]
+        # The call spec has a leaf per user input, constants included (HF's prefill takes
+        # ``attention_mask={"full_attention": None}``); only tensors have a placeholder.
+        leaves = [spec.arg.name for spec in program.graph_signature.input_specs
+                  if spec.kind == InputKind.USER_INPUT]
+        placeholders = {n.name: n for n in program.graph.find_nodes(op="placeholder")}
+        inputs = [placeholders[name] for name in leaves if name in placeholders]
         values = list(program.graph.output_node().args[0])
         outputs, written = [], set()
         by_name = {n.name: n for n in inputs}
@@ -115,10 +119,12 @@ def _flat_io(program: Any) -> _FlatIO:
                 written.add(by_name[spec.target])
         in_spec, out_spec = program.call_spec.in_spec, program.call_spec.out_spec
         if in_spec is None or out_spec is None:
+            leaves = [n.name for n in inputs]
             in_spec = pytree.tree_structure((tuple(inputs), {}))
             out_spec = pytree.tree_structure(tuple(outputs))
     elif isinstance(program, GraphModule):
         inputs, outputs, in_spec, out_spec = graph_module_io(program)
+        leaves = [n.name for n in inputs]
         written = {c.args[0] for c in trailing_write_backs(program)}
     else:
         raise TypeError(f"no call signature to pair in a {type(program).__name__}")
@@ -130,7 +136,8 @@ def _flat_io(program: Any) -> _FlatIO:
     except ValueError:  # a serialized program (emitted writes): its signature says them
         in_place = set()
     written |= {n for n in inputs if n.name in in_place}
-    return _FlatIO(inputs, outputs, input_names(in_spec, [n.name for n in inputs]),
+    names = dict(zip(leaves, input_names(in_spec, leaves), strict=True))
+    return _FlatIO(inputs, outputs, [names[n.name] for n in inputs],
                    output_names(out_spec), written)
 
 

@@ -41,6 +41,14 @@ class SameName(torch.nn.Module):
         return {"y": x * step, "step": step + 1}
 
 
+class NoneBesideState(torch.nn.Module):
+    """A keyword input that is None (HF's prefill passes ``attention_mask={"full_attention":
+    None}``): a leaf of the call spec with no placeholder, before the state."""
+
+    def forward(self, x, *, mask, step):
+        return {"y": x * step, "step": step + 1}
+
+
 def _both_forms(program):
     return [program, program.module()]
 
@@ -54,6 +62,8 @@ def _found(program):
     (NamedState(), named_state_inputs(), [("past_key_values.0.key", "present.0.key"),
                                           ("past_key_values.0.value", "present.0.value")]),
     (SameName(), ((torch.ones(2),), {"step": torch.ones(2)}), [("step", "step")]),
+    (NoneBesideState(), ((torch.ones(2),), {"mask": {"full": None}, "step": torch.ones(2)}),
+     [("step", "step")]),
     (SelectiveScan(), scan_inputs(), []),  # arithmetic state: not suspected (documented)
     (Residual(), (torch.ones(2, 4),), []),
     (ScattersIntoNew(), (torch.ones(1, 4), torch.tensor([2])), []),
