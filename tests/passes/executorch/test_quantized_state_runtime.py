@@ -77,8 +77,9 @@ class RingAttention(torch.nn.Module):
         generator = torch.Generator().manual_seed(7)
         self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
         with torch.no_grad():
-            for layer in (self.q, self.k, self.v, self.o):
+            for layer in (self.q, self.k, self.v, self.o):  # biases too: not the global RNG
                 layer.weight.copy_(torch.randn(dim, dim, generator=generator) / dim ** 0.5)
+                layer.bias.copy_(torch.randn(dim, generator=generator) / dim ** 0.5)
         self.register_buffer("keys", torch.zeros(slots, dim), persistent=False)
         self.register_buffer("values", torch.zeros(slots, dim), persistent=False)
         self.register_buffer("pos", torch.zeros(1, dtype=torch.int64))
