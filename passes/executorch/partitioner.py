@@ -321,10 +321,7 @@ class BufferOwningPartitioner(Partitioner):
             value = quantize.args[0]
             received = value.op == "placeholder" or value.meta.get(DELEGATION_TAG) != tag
             if received and _is_scalar(value):
-                del quantize.meta[DELEGATION_TAG]
-                if value.op == "placeholder" and not any(
-                        user.meta.get(DELEGATION_TAG) == tag for user in value.users):
-                    value.meta.pop(DELEGATION_TAG, None)
+                _untag_quantize(quantize, tag)
                 notes.append(
                     f"kept {quantize.name} (quantizing the 0-d {value.name}) out of partition "
                     f"{tag!r}: XNNPACK fails on a 0-d value it quantizes itself (IndexError "
@@ -481,16 +478,23 @@ def _keep_dropped_quantize_out(
         value = node.args[0]
         if value.op != "placeholder" and value.meta.get(DELEGATION_TAG) == tag:
             continue
-        del node.meta[DELEGATION_TAG]
-        if value.op == "placeholder" and not any(
-                user.meta.get(DELEGATION_TAG) == tag for user in value.users):
-            value.meta.pop(DELEGATION_TAG, None)
+        _untag_quantize(node, tag)
         notes.append(
             f"kept {node.name} (quantizing {value.name}, computed outside) out of partition "
             f"{tag!r}: XNNPACK's GEMM config marked it fused into a GEMM it then left out, "
             "and XNNPACK would compute with an uninitialized value in its place; the "
             "partition receives it quantized")
     return notes
+
+
+def _untag_quantize(quantize: Node, tag: str) -> None:
+    """Take ``quantize`` out of partition ``tag`` (it then runs at the top level), and its
+    input too when that is a placeholder no other node of the partition reads."""
+    del quantize.meta[DELEGATION_TAG]
+    value = quantize.args[0]
+    if value.op == "placeholder" and not any(
+            user.meta.get(DELEGATION_TAG) == tag for user in value.users):
+        value.meta.pop(DELEGATION_TAG, None)
 
 
 def _unfolded_quantize(
