@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -307,21 +307,34 @@ def _report(plans: list[BufferPlan]) -> tuple[list[str], Counter]:
 
 def _report_carried(plan: BufferPlan, notes: list[str], statistics: Counter) -> None:
     """A mutated user input: the call signature changed, or why it did not."""
-    label, old = plan.label, _name(plan.tensor.dtype)
+    label = plan.label
+    _report_signature_state(
+        plan, label, [label], notes, statistics, "stays",
+        lambda old, new: f"the caller passes {label} as {new} (was {old}), the grid's "
+                         "integers of its state")
+
+
+def _report_signature_state(plan: BufferPlan, label: str, keys: list[str], notes: list[str],
+                            statistics: Counter, stays: str,
+                            changed: Callable[[str, str], str]) -> None:
+    """State in the call signature (a written input, or an input/output pair; ``keys``
+    name its parts, the input first): stored as integers (the signature changed, as
+    ``changed(old, new)`` says), or why not."""
+    old = _name(plan.tensor.dtype)
     if plan.grid is not None:
         new = _name(plan.grid.dtype)
         statistics["inputs stored as integers"] += 1
         statistics["call signature changed"] = 1
-        statistics[f"{label}: {old} -> {new}"] = 1
+        for key in keys:
+            statistics[f"{key}: {old} -> {new}"] = 1
         notes.append(f"{label}: {old} -> {new} on {plan.grid.describe()}; the call signature "
-                     f"changed: the caller passes {label} as {new} (was {old}), the grid's "
-                     f"integers of its state")
+                     f"changed: {changed(old, new)}")
     elif plan.skipped:
         notes.append(f"{label}: left as it is ({plan.reason})")
     else:
         statistics["inputs left float"] += 1
-        statistics[f"{label}: left float"] = 1
-        notes.append(f"{label}: stays {old}: {plan.reason}")
+        statistics[f"{keys[0]}: left float"] = 1
+        notes.append(f"{label}: {stays} {old}: {plan.reason}")
 
 
 def _resident(program: Any, pairs: list[Pair]) -> Any:
@@ -361,23 +374,12 @@ def _paired_inputs(program: Any, pairs: list[Pair]) -> dict[str, Node]:
 
 def _report_pair(plan: BufferPlan, pair: Pair, notes: list[str], statistics: Counter) -> None:
     """A paired input and output: the call signature changed, or why it did not."""
-    label = f"input {pair.input_name!r} and output {pair.output_name!r} (its next value)"
-    old = _name(plan.tensor.dtype)
-    if plan.grid is not None:
-        new = _name(plan.grid.dtype)
-        statistics["inputs stored as integers"] += 1
-        statistics["call signature changed"] = 1
-        statistics[f"input {pair.input_name!r}: {old} -> {new}"] = 1
-        statistics[f"output {pair.output_name!r}: {old} -> {new}"] = 1
-        notes.append(f"{label}: {old} -> {new} on {plan.grid.describe()}; the call signature "
-                     f"changed: the caller passes {pair.input_name} as {new} (was {old}) and "
-                     f"gets output {pair.output_name} as {new}, the grid's integers")
-    elif plan.skipped:
-        notes.append(f"{label}: left as it is ({plan.reason})")
-    else:
-        statistics["inputs left float"] += 1
-        statistics[f"input {pair.input_name!r}: left float"] = 1
-        notes.append(f"{label}: stay {old}: {plan.reason}")
+    _report_signature_state(
+        plan, f"input {pair.input_name!r} and output {pair.output_name!r} (its next value)",
+        [f"input {pair.input_name!r}", f"output {pair.output_name!r}"], notes, statistics,
+        "stay",
+        lambda old, new: f"the caller passes {pair.input_name} as {new} (was {old}) and "
+                         f"gets output {pair.output_name} as {new}, the grid's integers")
 
 
 def _refuse_pair(pair: Pair, reason: str | None) -> None:
