@@ -35,7 +35,7 @@ from .instruments import (
     Timing,
 )
 from .manager import PassManager, parse_pipeline
-from .pass_base import Pass, PassResult, as_pass, function_pass, known_passes
+from .pass_base import Pass, PassResult, as_pass, function_pass
 from .program import EXPORTED_PROGRAM, GRAPH_MODULE, graph_module_of, graph_of
 from .program_sets import JointCondition, MethodsRunResult, register_joint_condition
 from .replay import load_reproducer, replay
@@ -81,7 +81,6 @@ __all__ = [
     "function_pass",
     "graph_module_of",
     "graph_of",
-    "known_passes",
     "load_program",
     "load_reproducer",
     "parse_pipeline",

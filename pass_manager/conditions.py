@@ -1,10 +1,7 @@
-"""Conditions: named, checkable properties of a program.
+"""Conditions: named, checkable properties of a program, and what a pass declares of them.
 
-A condition's ``check(program)`` returns the violations it found, each a string naming
-the node (or buffer, or signature entry) at fault. An empty list means the condition
-holds. A condition is one object: two conditions are equal only if they are the same
-object, so a user's own ``Condition("Functional", ...)`` is never mistaken for the
-built-in one (a plan holding both is a PipelineError, see ``planning``).
+A condition is one object: equal only to itself, so a user's own ``Condition("Functional",
+...)`` is never mistaken for the built-in one (a plan holding both is a PipelineError).
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ from typing import Any
 
 __all__ = [
     "ALL_CONDITIONS",
-    "EVERYTHING",
     "Condition",
     "as_condition_set",
     "preserves_everything",
@@ -23,11 +19,10 @@ __all__ = [
     "requires_of",
 ]
 
-CheckFn = Callable[[Any], Iterable[str]]
-
 
 class Condition:
-    """A named property of a program; equal only to itself.
+    """A named property of a program; ``check(program)`` returns the violations, each a
+    string naming the node (or buffer, or signature entry) at fault, empty when it holds.
 
     Example:
         >>> no_dead_code = Condition(
@@ -39,7 +34,7 @@ class Condition:
 
     __slots__ = ("_check", "doc", "name")
 
-    def __init__(self, name: str, check: CheckFn, doc: str = ""):
+    def __init__(self, name: str, check: Callable[[Any], Iterable[str]], doc: str = ""):
         if not name or not isinstance(name, str):
             raise TypeError("Condition needs a non-empty string name")
         if not callable(check):
@@ -49,9 +44,7 @@ class Condition:
         self.doc = doc
 
     def check(self, program: Any) -> list[str]:
-        """Return the violations of this condition on ``program`` (empty when it holds)."""
-        violations = self._check(program)
-        return [str(v) for v in (violations or ())]
+        return [str(v) for v in (self._check(program) or ())]
 
     def holds(self, program: Any) -> bool:
         return not self.check(program)
@@ -63,9 +56,9 @@ class Condition:
         return self.name
 
 
-# ``preserves = "everything"``: a flag, not a set: the pass leaves every condition as it
-# found it (it changes only what no condition reads). ALL_CONDITIONS is its name.
-EVERYTHING = ALL_CONDITIONS = "everything"
+# ``preserves = ALL_CONDITIONS`` is a flag, not a set: the pass changes only what no
+# condition reads, so every condition holds after it as before.
+ALL_CONDITIONS = "everything"
 
 
 def as_condition_set(conditions: Iterable[Condition] | Condition | None) -> frozenset:
@@ -76,7 +69,7 @@ def as_condition_set(conditions: Iterable[Condition] | Condition | None) -> froz
         return frozenset([conditions])
     if isinstance(conditions, str):
         raise TypeError(f"expected Condition objects, got the string {conditions!r} (only "
-                        f"preserves takes {EVERYTHING!r})")
+                        f"preserves takes {ALL_CONDITIONS!r})")
     result = frozenset(conditions)
     for item in result:
         if not isinstance(item, Condition):
@@ -85,12 +78,10 @@ def as_condition_set(conditions: Iterable[Condition] | Condition | None) -> froz
 
 
 def preserves_everything(pass_: Any) -> bool:
-    """Whether a pass declares ``preserves = "everything"``."""
-    return isinstance(pass_.preserves, str) and pass_.preserves == EVERYTHING
+    return isinstance(pass_.preserves, str) and pass_.preserves == ALL_CONDITIONS
 
 
 def requires_of(pass_: Any) -> frozenset:
-    """What a pass (anything with the Pass attributes) requires, as a condition set."""
     return as_condition_set(pass_.requires)
 
 
@@ -99,5 +90,5 @@ def provides_of(pass_: Any) -> frozenset:
 
 
 def preserves_of(pass_: Any) -> frozenset:
-    """The conditions a pass names in ``preserves`` (none for "everything", a flag)."""
+    """The conditions a pass names in ``preserves`` (none for ALL_CONDITIONS, a flag)."""
     return frozenset() if preserves_everything(pass_) else as_condition_set(pass_.preserves)

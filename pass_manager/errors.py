@@ -1,10 +1,9 @@
 """Typed errors raised by the pass manager.
 
-Every error derives from :class:`PassManagerError`, names the pass and its place in the
-plan where one is involved, and carries the data a caller needs to act on it as
-attributes (not only in the message). What the manager learns while rolling a pass back
-(the diff of what the pass had changed, the state it could not restore) is set on the
-error as ``diff`` and ``unrestored``; the message is rendered from them.
+Every error derives from :class:`PassManagerError`, names the pass and its place in the plan
+where one is involved, and carries what a caller needs to act on as attributes. What the
+manager learns while rolling a pass back is set on the error (``diff``, ``unrestored``) and
+rendered into its message.
 """
 
 from __future__ import annotations
@@ -27,17 +26,8 @@ __all__ = [
 ]
 
 
-def _where(pass_name: str | None, index: int | None) -> str:
-    if pass_name is None:
-        return "pipeline"
+def _where(pass_name: str, index: int | None) -> str:
     return f"pass #{index} {pass_name}" if index is not None else f"pass {pass_name}"
-
-
-def _listing(violations: Sequence[str], limit: int = 20) -> str:
-    shown = [f"  - {v}" for v in violations[:limit]]
-    if len(violations) > limit:
-        shown.append(f"  ... and {len(violations) - limit} more")
-    return "\n".join(shown)
 
 
 class PassManagerError(Exception):
@@ -46,13 +36,10 @@ class PassManagerError(Exception):
     Attributes:
         pass_name, index: the pass at fault and its place in the plan (None if none).
         rolled_back: the manager restored the program to its state before the pass.
-        diff: a unified diff of what the pass had changed before the rollback ("" if
-            nothing, or not rolled back).
-        unrestored: fully-qualified names of tensors the pass wrote in place whose old
-            data was not kept, so the rollback could not restore them.
-        report: the run's :class:`Report` up to and including the failed pass (its record
-            has ``error`` set, and the statistics the error carried), or None when the
-            error did not come from a run.
+        diff: a unified diff of what the pass had changed before the rollback ("" if none).
+        unrestored: tensors the pass wrote in place whose old data was not kept.
+        report: the run's :class:`Report` up to the failed pass (its record has ``error``
+            and the statistics the error carried), or None.
         reproducer: the folder a Reproducer instrument wrote for this failure, or None.
     """
 
@@ -64,7 +51,7 @@ class PassManagerError(Exception):
         self.diff = ""
         self.unrestored: list[str] = []
         self.report: Any = None
-        self.reproducer: Any = None  # the reproducer folder written for this failure
+        self.reproducer: Any = None
 
     def __str__(self) -> str:
         text = super().__str__()
@@ -73,10 +60,8 @@ class PassManagerError(Exception):
         elif self.rolled_back and isinstance(self, PassFailedError):
             text += "\nThe pass was rolled back; it had not changed the graph."
         if self.unrestored:
-            text += (
-                "\nNot restored: tensors written in place by the pass (their old values "
-                f"were not kept): {', '.join(self.unrestored)}"
-            )
+            text += ("\nNot restored: tensors written in place by the pass (their old values "
+                     f"were not kept): {', '.join(self.unrestored)}")
         if self.reproducer is not None:
             text += (f"\nReproducer: {self.reproducer} (python -m pass_manager replay FOLDER; "
                      "its manifest.json says whether that needs --trust)")
@@ -84,8 +69,8 @@ class PassManagerError(Exception):
 
 
 class PipelineError(PassManagerError):
-    """The pipeline cannot be planned: a dependency cycle, an unsatisfiable placement, two
-    different conditions sharing one name, or pipeline text that does not parse."""
+    """The pipeline cannot be planned: a dependency cycle (``cycle``), an unsatisfiable
+    placement, two conditions sharing one name (``condition``), or text that does not parse."""
 
     def __init__(self, message: str, *, cycle: Sequence[str] = (), condition: str | None = None):
         super().__init__(message)
@@ -96,25 +81,17 @@ class PipelineError(PassManagerError):
 class _ConditionError(PassManagerError):
     kind = "condition"
 
-    def __init__(
-        self,
-        pass_name: str,
-        index: int | None,
-        condition: str,
-        violations: Sequence[str],
-        *,
-        hint: str = "",
-        diff: str = "",
-    ):
+    def __init__(self, pass_name: str, index: int | None, condition: str,
+                 violations: Sequence[str], *, hint: str = "", diff: str = ""):
         self.condition = condition
         self.violations = list(violations)
-        message = (
-            f"{_where(pass_name, index)}: {self.kind} {condition!r} does not hold "
-            f"({len(self.violations)} violation(s)):\n{_listing(self.violations)}"
-        )
-        if hint:
-            message += f"\n{hint}"
-        super().__init__(message, pass_name=pass_name, index=index)
+        listing = [f"  - {v}" for v in self.violations[:20]]
+        if len(self.violations) > 20:
+            listing.append(f"  ... and {len(self.violations) - 20} more")
+        message = (f"{_where(pass_name, index)}: {self.kind} {condition!r} does not hold "
+                   f"({len(self.violations)} violation(s)):\n" + "\n".join(listing))
+        super().__init__(message + (f"\n{hint}" if hint else ""), pass_name=pass_name,
+                         index=index)
         self.diff = diff
 
 
@@ -125,20 +102,15 @@ class PreconditionError(_ConditionError):
 
 
 class ProgramFormError(PreconditionError):
-    """A pass was given a program form (GraphModule / ExportedProgram) it does not accept.
-
-    Attributes:
-        got, accepted: the form (type name) given and the forms the pass accepts.
-        advice: how to get an accepted form from what was given ("" if nothing to say).
-    """
+    """A pass was given a program form it does not accept: ``got`` (type name), ``accepted``
+    (the forms it takes), ``advice`` (how to get one; "" if nothing to say)."""
 
     def __init__(self, pass_name: str, index: int | None, got: str, accepted: Sequence[str],
                  advice: str = ""):
         article = "an" if got[:1].lower() in "aeiou" else "a"
         violation = f"got {article} {got}; this pass accepts {' or '.join(accepted)}"
-        super().__init__(
-            pass_name, index, "program form", [violation + (f": {advice}" if advice else "")],
-        )
+        super().__init__(pass_name, index, "program form",
+                         [violation + (f": {advice}" if advice else "")])
         self.got = got
         self.accepted = list(accepted)
         self.advice = advice
@@ -163,21 +135,11 @@ class PassFailedError(PassManagerError):
 class EffectsError(PassFailedError):
     """A pass changed what its ``effects`` (:class:`~pass_manager.Effects`) say it does not.
 
-    Attributes:
-        kind: which declaration it broke, each with its own message:
-
-            * ``"in_place"``: an in-place pass returned another program object, or a pass
-              declaring it returns a new program changed the one it was given;
-            * ``"writes_state"``: it wrote tensor data (a buffer or parameter) in place
-              without declaring ``writes_state=True`` (also in ``unrestored``);
-            * ``"edits_meta_in_place"``: it edited an object held in node meta in place
-              while declaring it does not (found under ``PassManager(strict=True)``);
-            * ``"meta_keys"``: it declares the meta keys it changes (``Effects.only_meta``,
-              ``Effects.rewrite(meta_keys=...)``) and changed something else: other keys
-              and, for a meta-only pass, nodes, arguments, modules, tensors or the
-              signature (found under ``strict=True``, or a meta-only pass's nodes added
-              or removed in any mode).
-        edits: what it changed: tensors, ``node: key`` entries or edits ([] for in_place).
+    ``kind`` is the declaration it broke: ``"in_place"`` (returned another program object,
+    or changed the one given while declaring a new one), ``"writes_state"`` (wrote tensor
+    data in place; also in ``unrestored``), ``"edits_meta_in_place"`` (edited a node-meta
+    object in place; under ``strict=True``) or ``"meta_keys"`` (changed more than the meta
+    keys it declares). ``edits`` lists what it changed ([] for in_place).
     """
 
     _REASONS: ClassVar[dict[str, str]] = {
@@ -199,15 +161,13 @@ class EffectsError(PassFailedError):
 
 
 class SemanticsError(PassManagerError):
-    """After a pass, the program computes something else than before the pipeline."""
+    """After a pass, the program computes something else than before the pipeline
+    (``difference`` says what)."""
 
     def __init__(self, pass_name: str, index: int | None, difference: str):
         self.difference = difference
-        super().__init__(
-            f"{_where(pass_name, index)} changed what the program computes: {difference}",
-            pass_name=pass_name,
-            index=index,
-        )
+        super().__init__(f"{_where(pass_name, index)} changed what the program computes: "
+                         f"{difference}", pass_name=pass_name, index=index)
 
 
 class ArchiveError(PassManagerError):
@@ -223,16 +183,13 @@ class ArchiveError(PassManagerError):
 
 class UntrustedFileError(ArchiveError):
     """Reading a file (or importing a module a reproducer names) would run code from it,
-    and the caller did not say it trusts the file. ``path`` names the file, ``format`` how
-    it is stored, ``reason`` what would run. Pass ``trusted=True`` (``load_program``,
-    ``load_reproducer``, ``replay``) or ``--trust`` (``python -m pass_manager replay``)
-    for a file you made, or whose author you trust."""
+    and the caller did not say it trusts the file: ``path``, ``format`` (how it is stored),
+    ``reason`` (what would run)."""
 
     def __init__(self, path: Any, format: str, reason: str):
         self.format = format
         super().__init__(
-            path,
-            reason,
+            path, reason,
             f"{path} ({format}) was not read: {reason}. Reading it could run code chosen by "
             "whoever made it, so it is read only when you trust its source: pass "
             "trusted=True to load_program / load_reproducer / replay, or --trust to "
@@ -241,17 +198,14 @@ class UntrustedFileError(ArchiveError):
 
 
 class ValidationInputError(PassManagerError, TypeError):
-    """The inputs given to check what the program computes (``SemanticValidation(inputs)``)
-    do not fit the program, found before any pass runs.
-
-    A ``TypeError`` too: like a call with the wrong arguments.
+    """Inputs given to check what a program computes do not fit it (a TypeError too, like
+    a call with the wrong arguments), found before any pass runs.
 
     Attributes:
         option: where the inputs came from, e.g. ``"SemanticValidation(inputs=...)"``.
-        call: which inputs, e.g. ``"validate[1]"`` (None: the option as a whole).
+        call: which inputs, e.g. ``"inputs[1]"`` (None: the option as a whole).
         reason: what is wrong.
-        expected: the inputs the program takes, e.g. ``"(x, pos)"`` ("" if not known).
-        given: the inputs given, in a line ("" if not known).
+        expected, given: the inputs the program takes and those given ("" if not known).
     """
 
     def __init__(self, option: str, call: str | None, reason: str, *, expected: str = "",

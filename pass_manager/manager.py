@@ -17,7 +17,7 @@ from typing import Any
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from .conditions import (
-    EVERYTHING,
+    ALL_CONDITIONS,
     preserves_everything,
     preserves_of,
     provides_of,
@@ -101,7 +101,7 @@ class PassManager(Pass):
     @property
     def preserves(self) -> frozenset | str:
         named = [preserves_of(p) for p in self.plan() if not preserves_everything(p)]
-        return frozenset.intersection(*named) if named else EVERYTHING
+        return frozenset.intersection(*named) if named else ALL_CONDITIONS
 
     @property
     def accepts(self) -> tuple[str, ...]:

@@ -19,15 +19,14 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
-from .conditions import EVERYTHING, Condition, as_condition_set
+from .conditions import ALL_CONDITIONS, Condition, as_condition_set
 from .effects import Effects
-from .pipeline_text import format_value, pass_options
+from .pipeline_text import format_value, pass_options, register
 from .program import EXPORTED_PROGRAM, GRAPH_MODULE, program_form
-from .registry import register, registered_passes
 from .result import PassResult
 from .running import run_alone
 
-__all__ = ["Pass", "PassResult", "as_pass", "function_pass", "known_passes"]
+__all__ = ["Pass", "PassResult", "as_pass", "function_pass"]
 
 
 class Pass:
@@ -160,7 +159,7 @@ def function_pass(
         attrs = {
             "requires": as_condition_set(requires),
             "provides": as_condition_set(provides),
-            "preserves": preserves if preserves == EVERYTHING else as_condition_set(preserves),
+            "preserves": preserves if preserves == ALL_CONDITIONS else as_condition_set(preserves),
             "accepts": tuple(accepts),
             "effects": effects,
             "call": lambda self, program: func(program),
@@ -173,9 +172,4 @@ def function_pass(
         return instance
 
     return wrap(fn) if fn is not None else wrap
-
-
-def known_passes() -> list[type[Pass]]:
-    """Every registered Pass subclass still alive (used to suggest providers of a condition)."""
-    return [cls for cls in registered_passes() if issubclass(cls, Pass)]
 

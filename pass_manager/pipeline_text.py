@@ -1,26 +1,49 @@
 """A pipeline as text: ``MarkMutableBuffers,InplaceToFunctional,Consume{strict=true}``.
 
-Passes are named by their registered class name (see ``registry``), comma-separated;
-options follow in braces as ``name=value`` pairs. A value is a Python literal (numbers,
-strings, tuples, lists, dicts, ``None``), ``true`` / ``false``, or a dotted operator name
-such as ``aten.clone.default`` (an ``OpOverload``) or ``aten.clone`` (its packet). Only
-options that differ from the pass's defaults are printed, so the text of a default pass
-is just its name. ``format_pipeline`` and ``parse_passes`` round-trip.
+Passes are named by their class name (every Pass subclass registers itself here),
+comma-separated; options follow in braces as ``name=value`` pairs: a Python literal,
+``true`` / ``false``, or an operator name (``aten.clone.default``, or the packet
+``aten.clone``). Only options that differ from the defaults are printed.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .errors import PipelineError
-from .registry import registered, registered_name, registered_passes
 
-__all__ = ["format_pass", "format_pipeline", "format_value", "parse_passes", "pass_options"]
+__all__ = [
+    "format_pass",
+    "format_pipeline",
+    "format_value",
+    "parse_passes",
+    "pass_options",
+    "register",
+    "registered_passes",
+]
+
+# Weak: a class defined in a function (a test, ``function_pass``) leaves when collected.
+_classes: weakref.WeakSet = weakref.WeakSet()
+
+
+def register(cls: type) -> None:
+    """Make a pass class nameable in pipeline text (``Pass.__init_subclass__`` calls it)."""
+    _classes.add(cls)
+
+
+def registered_passes() -> list[type]:
+    """Every registered pass class still alive, in a stable order (module, then name)."""
+    return sorted(
+        (cls for cls in _classes if not cls.__dict__.get("_unregistered", False)),
+        key=lambda cls: (cls.__module__, cls.__qualname__),
+    )
+
 
 _OPERATORS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 
@@ -75,8 +98,7 @@ def format_pass(pass_: Any) -> str:
         for key, value in pass_options(pass_).items()
         if key not in defaults or defaults[key] != value
     ]
-    name = registered_name(type(pass_))
-    return name + ("{" + ",".join(options) + "}" if options else "")
+    return type(pass_).__name__ + ("{" + ",".join(options) + "}" if options else "")
 
 
 def format_pipeline(passes: Sequence[Any]) -> str:
@@ -166,13 +188,14 @@ def _parse_value(text: str) -> Any:
 
 
 def _pass_class(name: str) -> type:
-    found = registered(name)
+    """The one live pass class named ``name``; two live classes of one name are ambiguous."""
+    found = [cls for cls in registered_passes() if cls.__name__ == name]
     if len(found) == 1:
         return found[0]
     if found:
         where = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in found)
         raise PipelineError(f"pass name {name!r} is ambiguous: {where}")
-    known = ", ".join(sorted({registered_name(c) for c in registered_passes()}))
+    known = ", ".join(sorted({c.__name__ for c in registered_passes()}))
     raise PipelineError(
         f"no registered pass is named {name!r} (import the module that defines it); "
         f"known: {known}"

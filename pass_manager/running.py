@@ -1,20 +1,8 @@
 """The core loop: for each planned pass, require -> record -> call -> measure -> provide.
 
-The program's form (GraphModule or ExportedProgram) is decided once, where it enters
-(:meth:`Runner.run`); every step reads it from the run's state.
-
-* require: the form the pass accepts, then every required condition (cached results
-  reused; the checks share the rollback record's measurement of the nodes, passed to
-  the analysis cache with ``analysis.unchanged``).
-* record: what a rollback needs, chosen from the pass's ``effects`` (``_rollback``).
-* call: the pass; whatever it raises becomes a typed, rolled-back error.
-* measure: the pass kept its declaration, what it changed (compared with the record by
-  identity), its ``in_place`` contract; recompile only if the nodes changed.
-* provide: drop cached results the pass did not preserve, check what it provides.
-
-Everything else (timing, the "unmodified" claim check, semantic validation, diffs,
-reproducers) is an instrument; see ``instruments``. This module does not know the
-Pass class: it runs anything with the Pass attributes, so ``pass_base`` can use it.
+The program's form is decided once, where it enters (:meth:`Runner.run`). The checks share
+the rollback record's measurement of the nodes (``analysis.unchanged``). Everything else
+is an instrument. This module does not know the Pass class (``pass_base`` uses it).
 """
 
 from __future__ import annotations
@@ -47,6 +35,7 @@ from .errors import (
     ProgramFormError,
 )
 from .instruments import ClaimCheck, Instrumentation, Timing
+from .pipeline_text import registered_passes
 from .program import (
     EXPORTED_PROGRAM,
     GRAPH_MODULE,
@@ -56,7 +45,6 @@ from .program import (
     program_text,
     text_diff,
 )
-from .registry import registered_passes
 from .report import PassRecord, Report
 from .result import PassResult
 
@@ -83,27 +71,25 @@ def default_instruments(strict: bool = False) -> list[Instrumentation]:
 
 
 def _providers_hint(condition: Condition, alone: str | None = None) -> str:
-    """Which known passes provide ``condition``, said to a pipeline without one, or to the
-    pass ``alone`` (its repr, options included) when it was called by itself
-    (``pass_(program)``)."""
-    names = set()
+    """Which known passes provide ``condition``: said to a pipeline without one, or to the
+    pass ``alone`` (its repr) called by itself."""
+    found = set()
     for cls in registered_passes():
         try:
             if condition in as_condition_set(cls.__dict__.get("provides", ())):
-                names.add(cls.__name__)
-        except TypeError:
+                found.add(cls.__name__)
+        except TypeError:  # its provides is not a set of conditions
             continue
+    names = sorted(found)
     if not names:
         return f"No known pass provides {condition.name}."
-    providers = " or ".join(sorted(names))
     if alone is not None:
-        first = sorted(names)[0]
         return (
             f"This pass was called alone, so nothing in its run provides "
-            f"{condition.name}: run {providers} on the program first, or both in one "
-            f"pipeline: PassManager([{first}(), {alone}]).run(program)."
+            f"{condition.name}: run {' or '.join(names)} on the program first, or both in one "
+            f"pipeline: PassManager([{names[0]}(), {alone}]).run(program)."
         )
-    return f"No pass in this pipeline provides it; add one of: {', '.join(sorted(names))}."
+    return f"No pass in this pipeline provides it; add one of: {', '.join(names)}."
 
 
 # How to turn the form a pass refused into the other one.
@@ -143,30 +129,13 @@ def _error_statistics(error: BaseException) -> dict[str, Any]:
     return {}
 
 
-class _RunState:
-    """What the loop carries from one pass to the next: the program's form, decided once
-    where the program enters, and the conditions known to hold."""
-
-    def __init__(self, form: str) -> None:
-        self.form = form
-        self.exported = form == EXPORTED_PROGRAM
-        self.type = torch.export.ExportedProgram if self.exported else torch.fx.GraphModule
-        self.holds: set[Condition] = set()
-
-
 class Runner:
-    """Runs passes in the given order, checked and transactional.
+    """Runs passes in the given order, checked and transactional; one Runner per run.
 
-    Args:
-        passes: planned passes (anything with the Pass attributes).
-        instruments: hooks around every pass (see ``instruments``).
-        name: what to call the pipeline in an error about the program it was given.
-        plan: the plan's explanation, for the report.
-        start: the place of the first pass in the plan (a replay runs one pass of a
-            longer plan under its original number).
-        strict: check every pass's effects in full (a full rollback record whatever the
-            declaration; an edit it does not declare is a typed error).
-        alone: the one pass was called by itself, not in a pipeline (errors say so).
+    ``name`` is the pipeline's (in an error about the program given), ``plan`` its
+    explanation (for the report), ``start`` the place of the first pass (a replay runs one
+    pass under its original number), ``strict`` checks every pass's effects in full, and
+    ``alone`` says the one pass was called by itself (errors say so).
     """
 
     def __init__(
@@ -187,10 +156,11 @@ class Runner:
         self.instruments = list(instruments)
         self.name = name
         self.plan = plan
+        self.holds: set[Condition] = set()  # the conditions known to hold
 
     def run(self, program: Any) -> RunResult:
         try:
-            state = _RunState(program_form(program))
+            self.form = program_form(program)
         except TypeError as e:
             advice = ("export it first (torch.export.export(module, example_args)) and pass "
                       "the ExportedProgram or its .module()"
@@ -198,13 +168,15 @@ class Runner:
             raise ProgramFormError(
                 self.name, None, type(program).__name__, [GRAPH_MODULE, EXPORTED_PROGRAM], advice
             ) from e
+        self.exported = self.form == EXPORTED_PROGRAM
+        self.holds = set()
         report = Report(plan=self.plan, strict=self.strict)
         for instrument in self.instruments:
             instrument.before_run(program, report)
         for index, p in enumerate(self.passes, self.start):
             record = PassRecord(p.name, index)
             try:
-                program = self._run_pass(p, index, program, state, record)
+                program = self._run_pass(p, index, program, record)
             except PassManagerError as e:
                 # The report so far, ending with the failed pass, travels with the
                 # error (the outermost pipeline's, when groups nest).
@@ -217,9 +189,7 @@ class Runner:
         return RunResult(program, any(r.modified for r in report.records), report)
 
     # -- one pass ----------------------------------------------------------------------
-    def _run_pass(
-        self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord
-    ) -> Any:
+    def _run_pass(self, p: Any, index: int, program: Any, record: PassRecord) -> Any:
         rollback, current = None, program
         try:
             for instrument in self.instruments:
@@ -231,14 +201,14 @@ class Runner:
             through = taken.leaves_nodes_alone
             with _unchanged(taken, program, False) if through else nullcontext():
                 with nullcontext() if through else _unchanged(taken, program, False):
-                    self._require(p, index, program, state, record)
+                    self._require(p, index, program, record)
                 rollback = taken  # from here on, a failure restores the program
                 with recorded(program):
-                    current = self._call(p, index, program, state, record)
+                    current = self._call(p, index, program, record)
                 rollback.check(p.name, index, current)
-                self._measure(p, index, program, current, rollback, state, record)
+                self._measure(p, index, program, current, rollback, record)
                 with nullcontext() if through else _unchanged(rollback, current, True):
-                    self._provide(p, index, current, state, record)
+                    self._provide(p, index, current, record)
             for instrument in reversed(self.instruments):
                 instrument.after_pass(p, current, record)
             return current
@@ -255,37 +225,36 @@ class Runner:
             p.name, index, f"{type(e).__name__}: {e}"
         )
         error._from_runner = True
-        # A refusal the pass counted (``error.statistics``) is a statistic of its record.
         record.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
         record.statistics = dict(_error_statistics(e) or record.statistics)
         if rollback is not None:
-            self._roll_back(p, rollback, current, error)
+            if not error.diff:
+                error.diff = text_diff(rollback.text, program_text(current),
+                                       "before " + p.name, "after " + p.name)
+            error.unrestored = sorted(set(error.unrestored)
+                                      | set(rollback.unrestorable_changes()))
+            rollback.restore()
+            error.rolled_back = True
         for instrument in reversed(self.instruments):
             instrument.after_pass_failed(p, program, record, error)
         return error
 
-    def _call(self, p: Any, index: int, program: Any, state: _RunState,
-              record: PassRecord) -> Any:
+    def _call(self, p: Any, index: int, program: Any, record: PassRecord) -> Any:
         """Run the pass; its result program, with its claim, notes and statistics recorded."""
         try:
             out = p.call(program)
-        except PassManagerError as e:
+        except Exception as e:
             if getattr(e, "_from_runner", False):  # a nested pipeline named its failing pass
                 raise
             raise PassFailedError(p.name, index, f"{type(e).__name__}: {e}") from e
-        except Exception as e:
-            raise PassFailedError(p.name, index, f"{type(e).__name__}: {e}") from e
         current, record.claimed_modified, record.notes, record.statistics = _unpack(
-            out, program, state.exported)
+            out, program, self.exported)
         return current
 
-    def _require(
-        self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord
-    ) -> None:
-        if state.form not in p.accepts:
-            raise ProgramFormError(p.name, index, state.form, p.accepts,
-                                   _FORM_ADVICE.get(state.form, ""))
-        failed = self._check(requires_of(p), program, state, record)
+    def _require(self, p: Any, index: int, program: Any, record: PassRecord) -> None:
+        if self.form not in p.accepts:
+            raise ProgramFormError(p.name, index, self.form, p.accepts, _FORM_ADVICE[self.form])
+        failed = self._check(requires_of(p), program, record)
         if failed:
             condition, violations = failed
             provided_here = any(condition in provides_of(q) for q in self.passes)
@@ -293,13 +262,12 @@ class Runner:
                 condition, repr(p) if self.alone else None)
             raise PreconditionError(p.name, index, condition.name, violations, hint=hint)
 
-    def _measure(
-        self, p: Any, index: int, program: Any, new_program: Any, rollback: Any,
-        state: _RunState, record: PassRecord,
-    ) -> None:
-        if new_program is not program and not isinstance(new_program, state.type):
+    def _measure(self, p: Any, index: int, program: Any, new_program: Any, rollback: Any,
+                 record: PassRecord) -> None:
+        form = torch.export.ExportedProgram if self.exported else torch.fx.GraphModule
+        if new_program is not program and not isinstance(new_program, form):
             raise PassFailedError(p.name, index, f"returned a {type(new_program).__name__} "
-                                                 f"for a {state.form} input")
+                                                 f"for a {self.form} input")
         in_place = p.effects.in_place
         if in_place is True and new_program is not program:
             raise EffectsError(p.name, index, "in_place", reason=(
@@ -315,23 +283,19 @@ class Runner:
             graph_module_of(new_program).recompile()
         record.nodes_after = node_count(new_program)
 
-    def _provide(
-        self, p: Any, index: int, program: Any, state: _RunState, record: PassRecord
-    ) -> None:
+    def _provide(self, p: Any, index: int, program: Any, record: PassRecord) -> None:
         if record.modified and not preserves_everything(p):
-            state.holds &= preserves_of(p)
-        failed = self._check(provides_of(p), program, state, record)
+            self.holds &= preserves_of(p)
+        failed = self._check(provides_of(p), program, record)
         if failed:
             condition, violations = failed
             raise PostconditionError(p.name, index, condition.name, violations)
 
-    @staticmethod
-    def _check(
-        conditions: Iterable[Condition], program: Any, state: _RunState, record: PassRecord
-    ) -> tuple[Condition, list[str]] | None:
+    def _check(self, conditions: Iterable[Condition], program: Any, record: PassRecord
+               ) -> tuple[Condition, list[str]] | None:
         """Check each condition not known to hold; the first violated one and its violations."""
         for condition in sorted(conditions, key=lambda c: c.name):
-            if condition in state.holds:
+            if condition in self.holds:
                 record.cached.append(condition.name)
                 continue
             start = time.perf_counter()
@@ -342,18 +306,8 @@ class Runner:
                 record.checked.append(condition.name)
             if violations:
                 return condition, violations
-            state.holds.add(condition)
+            self.holds.add(condition)
         return None
-
-    @staticmethod
-    def _roll_back(p: Any, rollback: Any, current: Any, error: PassManagerError) -> None:
-        if not error.diff:
-            error.diff = text_diff(
-                rollback.text, program_text(current), "before " + p.name, "after " + p.name
-            )
-        error.unrestored = sorted(set(error.unrestored) | set(rollback.unrestorable_changes()))
-        rollback.restore()
-        error.rolled_back = True
 
 
 def run_alone(pass_: Any, graph_module: Any) -> TorchPassResult:
