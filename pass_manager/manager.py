@@ -1,12 +1,4 @@
-"""PassManager: plan passes by their conditions, run them transactionally, report.
-
-The manager holds the plan and the instruments; the loop itself is ``running.Runner``
-(require -> snapshot -> call -> measure -> provide), and everything around it is an
-instrument the user passes (``instruments=[...]``): semantic validation, diff printing,
-printing the program around passes, crash reproducers, or their own. Timing and the
-"unmodified" claim check (``strict``) are always on.
-``pipeline_text()`` prints the plan as text and :func:`parse_pipeline` reads it back.
-"""
+"""PassManager: plan passes by their conditions, run them transactionally, report."""
 
 from __future__ import annotations
 
@@ -40,24 +32,17 @@ class PassManager(Pass):
     Args:
         passes: Pass instances, torch ``PassBase`` objects, plain ``gm -> ...`` callables,
             or nested PassManagers (a group).
-        instruments: Instrumentation objects, hooks around every pass and run (MLIR's
-            instrumentation): :class:`~pass_manager.instruments.SemanticValidation`,
-            :class:`~pass_manager.instruments.PrintIR`,
-            :class:`~pass_manager.instruments.PrintDiff`,
-            :class:`~pass_manager.instruments.Reproducer` or your own. Timing and the
-            check of "unmodified" claims are always on.
+        instruments: hooks around every pass and run (:class:`SemanticValidation`,
+            :class:`PrintIR`, :class:`PrintDiff`, :class:`Reproducer` or your own); timing
+            and the check of "unmodified" claims are always on.
         strict: a pass that claims "unmodified" but changed the program is an error
-            (rolled back) instead of a report warning; and every pass's ``effects`` are
-            checked in full: its rollback record is the full snapshot whatever it
-            declares, and an edit it does not declare is an EffectsError (an in-place
-            edit of a meta object, kind "edits_meta_in_place"; other meta keys or more
-            than meta, kind "meta_keys").
+            instead of a report warning, and every pass's ``effects`` are checked in full
+            (an edit it does not declare is an EffectsError).
         name: what to call the pipeline (in errors, and as a group in a larger one).
 
     Example:
-        >>> checked = SemanticValidation((x, pos))
         >>> result = PassManager([MarkMutableBuffers(), InplaceToFunctional()],
-        ...                      instruments=[checked, PrintIR(after_change=True)]).run(ep)
+        ...                      instruments=[SemanticValidation((x, pos))]).run(ep)
         >>> print(result.report)
     """
 
@@ -71,8 +56,7 @@ class PassManager(Pass):
         strict: bool = False,
         name: str | None = None,
     ):
-        self._passes = [as_pass(p) for p in passes]
-        self._plan: Plan = build_plan(self._passes)
+        self._plan: Plan = build_plan([as_pass(p) for p in passes])
         self.strict = strict
         # The user's hooks run innermost-last: after-hooks run in reverse, so a check that
         # rejects a pass (SemanticValidation) runs before the hooks listed before it see
@@ -142,11 +126,7 @@ class PassManager(Pass):
         return self._plan.to_dot()
 
     def pipeline_text(self) -> str:
-        """The plan as pipeline text, e.g. ``MarkMutableBuffers,InplaceToFunctional``.
-
-        Each pass by its registered name, with its non-default options in braces;
-        :func:`parse_pipeline` builds the same pipeline back.
-        """
+        """The plan as text, e.g. ``A,B{strict=true}``; :func:`parse_pipeline` reads it back."""
         return format_pipeline(self.plan())
 
     # -- running -----------------------------------------------------------------------
@@ -158,23 +138,13 @@ class PassManager(Pass):
     def run(self, program: Any) -> RunResult | MethodsRunResult:
         """Run the plan on ``program``; return the program (same form) and a report.
 
-        ``program`` may also be several programs that belong together, ``{name: program}``
-        (the methods of one model): the pipeline runs on each in turn, every registered
-        joint condition is checked before the first pass and after the last (see
-        :mod:`pass_manager.program_sets`), and an error from one program says which (its
-        ``method`` attribute); the result is a
-        :class:`~pass_manager.program_sets.MethodsRunResult` with each one's RunResult.
+        ``{name: program}`` (the methods of one model) runs the pipeline on each in turn,
+        the registered joint conditions checked around them (``program_sets``).
         """
         if isinstance(program, Mapping):
             return run_each(self.run, program, self.name)
-        runner = Runner(
-            self.plan(),
-            self.instruments,
-            name=self.name,
-            strict=self.strict,
-            plan=self.explain(),
-        )
-        return runner.run(program)
+        return Runner(self.plan(), self.instruments, name=self.name, strict=self.strict,
+                      plan=self.explain()).run(program)
 
 
 def parse_pipeline(text: str, **options: Any) -> PassManager:

@@ -1,13 +1,4 @@
-"""The Pass abstraction: a small, immutable unit of rewriting with a declared contract.
-
-A pass declares, as class attributes, what it ``requires`` before it runs, what it
-``provides`` after, what it ``preserves`` (conditions that hold afterwards if they held
-before; everything else is invalidated when the pass changes the program), the program
-forms it ``accepts``, and its ``effects``: what it may change (:class:`~.effects.Effects`;
-the manager records just that for a rollback and checks the declaration). The pass only
-implements ``call``. Options are dataclass fields, so a pass prints as
-``Name(option=value)`` and as pipeline text ``Name{option=value}``.
-"""
+"""The Pass abstraction: a small, immutable unit of rewriting with a declared contract."""
 
 from __future__ import annotations
 
@@ -22,7 +13,7 @@ from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 from .conditions import ALL_CONDITIONS, Condition, as_condition_set
 from .effects import Effects
 from .pipeline_text import format_value, pass_options, register
-from .program import EXPORTED_PROGRAM, GRAPH_MODULE, program_form
+from .program import EXPORTED_PROGRAM, GRAPH_MODULE
 from .result import PassResult
 from .running import run_alone
 
@@ -32,31 +23,30 @@ __all__ = ["Pass", "PassResult", "as_pass", "function_pass"]
 class Pass:
     """Base class of every pass.
 
-    Subclasses set the class attributes and implement :meth:`call`; options are fields
-    of a frozen dataclass::
+    A subclass declares what it ``requires``, ``provides`` and ``preserves`` (conditions;
+    every other one is invalidated when it changes the program), the program forms it
+    ``accepts`` and its ``effects`` (what it may change), and implements ``call``, which may
+    rewrite in place and return None, or return a :class:`PassResult` (a torch
+    ``PassResult`` or a bare program also do). Options are fields of a frozen dataclass,
+    so a pass prints as ``Name(option=value)`` and as pipeline text ``Name{option=value}``;
+    every subclass is registered by its class name for ``parse_pipeline``::
 
         @dataclass(frozen=True, repr=False)
         class DropDeadCode(Pass):
             provides = frozenset({NoDeadCode})
-            preserves = frozenset({Functional})
             keep_prints: bool = False
 
             def call(self, program):
                 changed = graph_module_of(program).graph.eliminate_dead_code()
                 return PassResult(program, changed)
-
-    ``call`` may rewrite in place and return None, or return a :class:`PassResult`
-    (also accepted: a torch ``PassResult`` or a bare program). Every subclass is
-    registered by its class name for pipeline text (``parse_pipeline``).
     """
 
     requires: ClassVar[Iterable[Condition]] = frozenset()
     provides: ClassVar[Iterable[Condition]] = frozenset()
     preserves: ClassVar[Iterable[Condition]] = frozenset()
-    # The program forms this pass accepts; the manager raises ProgramFormError otherwise.
     accepts: ClassVar[tuple[str, ...]] = (GRAPH_MODULE, EXPORTED_PROGRAM)
-    # What the pass may change (see Effects): the cautious default may change anything but
-    # tensor data, edit meta objects in place, and returns the program it was given.
+    # The cautious default: may change anything but tensor data, edit meta objects in
+    # place, and returns the program it was given.
     effects: ClassVar[Effects] = Effects()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -82,11 +72,9 @@ class Pass:
 
 
 class _CallablePass(Pass):
-    """A plain function or torch ``PassBase`` in a pipeline: no conditions, preserves nothing.
-
-    Nothing is known of it, so the manager assumes the worst: it may write tensor data,
-    and it may return its input or a new program.
-    """
+    """A plain function or torch ``PassBase`` in a pipeline: nothing is known of it, so it
+    has no conditions, preserves nothing, and may change anything (tensor data included)
+    and return its input or a new program. Given an ExportedProgram, it gets its graph."""
 
     _unregistered = True
     effects = Effects.anything()
@@ -100,14 +88,11 @@ class _CallablePass(Pass):
         return self._name
 
     def call(self, program: Any) -> Any:
-        if program_form(program) == EXPORTED_PROGRAM:
-            gm = program.graph_module
-            out = self._fn(gm)
-            new_gm = out.graph_module if isinstance(out, TorchPassResult) else out
-            if isinstance(new_gm, torch.fx.GraphModule) and new_gm is not gm:
-                return PassResult(program._update(new_gm, program.graph_signature))
-            return PassResult(program, getattr(out, "modified", None))
-        return self._fn(program)
+        if not isinstance(program, torch.export.ExportedProgram):
+            return self._fn(program)
+        out = self._fn(program.graph_module)
+        # The core loop puts a graph module returned for an ExportedProgram back into it.
+        return TorchPassResult(out, None) if isinstance(out, torch.fx.GraphModule) else out
 
     def __repr__(self) -> str:
         return f"<pass {self._name}>"
@@ -124,8 +109,7 @@ def as_pass(item: Any) -> Pass:
     if isinstance(item, PassBase):
         return _CallablePass(item, type(item).__name__)
     if callable(item):
-        name = getattr(item, "__name__", None) or type(item).__name__
-        return _CallablePass(item, name)
+        return _CallablePass(item, getattr(item, "__name__", None) or type(item).__name__)
     raise TypeError(f"pipeline element {item!r} is not a pass or a callable")
 
 
@@ -145,9 +129,6 @@ def function_pass(
 ) -> Any:
     """Turn ``fn(program) -> PassResult | program | None`` into a Pass with conditions.
 
-    ``effects`` says what it may change (:class:`~.effects.Effects`); by default, like a
-    plain function in a pipeline, it may return its input or a new program.
-
     Example:
         >>> @function_pass(provides={NoDeadCode})
         ... def drop_dead_code(gm):
@@ -159,17 +140,16 @@ def function_pass(
         attrs = {
             "requires": as_condition_set(requires),
             "provides": as_condition_set(provides),
-            "preserves": preserves if preserves == ALL_CONDITIONS else as_condition_set(preserves),
+            "preserves": (preserves if preserves == ALL_CONDITIONS
+                          else as_condition_set(preserves)),
             "accepts": tuple(accepts),
             "effects": effects,
             "call": lambda self, program: func(program),
             "__doc__": func.__doc__,
             "__module__": getattr(func, "__module__", __name__),
         }
-        cls = type(name or func.__name__, (Pass,), attrs)
-        instance = cls()
+        instance = type(name or func.__name__, (Pass,), attrs)()
         functools.update_wrapper(instance, func, assigned=("__doc__",), updated=())
         return instance
 
     return wrap(fn) if fn is not None else wrap
-

@@ -1,9 +1,8 @@
 """Planning: order passes by what they require and provide.
 
-Passes and conditions are nodes of one networkx DiGraph: ``pass -> condition`` for
-what the pass provides, ``condition -> pass`` for what it requires. The plan is the
-topological order of that graph that keeps the user's list order wherever no
-dependency decides.
+Passes and conditions are nodes of one networkx DiGraph: ``pass -> condition`` for what the
+pass provides, ``condition -> pass`` for what it requires. The plan is the topological order
+of that graph that keeps the user's list order wherever no dependency decides.
 """
 
 from __future__ import annotations
@@ -30,11 +29,9 @@ class Placement:
     unprovided: list[str] = field(default_factory=list)  # required, provided by no pass
 
     def reason(self) -> str:
-        parts = []
-        for provider, condition in self.after:
-            parts.append(f"after {provider} (provides {condition})")
-        for condition in self.unprovided:
-            parts.append(f"requires {condition}: no pass here provides it, checked on the input")
+        parts = [f"after {provider} (provides {condition})" for provider, condition in self.after]
+        parts += [f"requires {condition}: no pass here provides it, checked on the input"
+                  for condition in self.unprovided]
         return "; ".join(parts) or "no requirements: kept at its place in the list"
 
 
@@ -69,52 +66,57 @@ class Plan:
         for node, data in self.graph.nodes(data=True):
             shape = "box" if data["kind"] == "pass" else "ellipse"
             lines.append(f'  "{node}" [shape={shape}, label="{data["label"]}"];')
-        for src, dst in self.graph.edges:
-            lines.append(f'  "{src}" -> "{dst}";')
-        lines.append("}")
-        return "\n".join(lines) + "\n"
-
-
-def _pass_key(index: int, p: Any) -> str:
-    return f"pass:{index}:{p.name}"
-
-
-def _condition_key(c: Condition) -> str:
-    return f"condition:{c.name}"
+        lines += [f'  "{src}" -> "{dst}";' for src, dst in self.graph.edges]
+        return "\n".join([*lines, "}"]) + "\n"
 
 
 def _check_condition_names(passes: Sequence[Any]) -> None:
     """Conditions are keyed by name in the plan: one name must mean one condition."""
     by_name: dict[str, Condition] = {}
     for p in passes:
-        declared = [requires_of(p), provides_of(p), preserves_of(p)]
-        for conditions in declared:
-            for c in conditions:
-                known = by_name.setdefault(c.name, c)
-                if known is not c:
-                    raise PipelineError(
-                        f"two different Condition objects are named {c.name!r} in one "
-                        f"pipeline (the second one is declared by {p.name}); conditions are "
-                        "equal only to themselves, so give one of them another name",
-                        condition=c.name,
-                    )
+        for c in requires_of(p) | provides_of(p) | preserves_of(p):
+            if by_name.setdefault(c.name, c) is not c:
+                raise PipelineError(
+                    f"two different Condition objects are named {c.name!r} in one "
+                    f"pipeline (the second one is declared by {p.name}); conditions are "
+                    "equal only to themselves, so give one of them another name",
+                    condition=c.name,
+                )
 
 
 def build_plan(passes: Sequence[Any]) -> Plan:
     """Order ``passes``; raise PipelineError on a cycle, an impossible placement or two
-    conditions sharing a name."""
+    conditions sharing a name. When every requirement is provided only by passes listed
+    before it (most pipelines), the list order is the DAG's order and no graph is built."""
     _check_condition_names(passes)
-    plan = _list_order_plan(passes)
-    if plan is not None:
-        return plan
-    graph = _dependency_graph(passes)
+    providers: dict[Condition, list[int]] = {}
+    for index, p in enumerate(passes):
+        for c in provides_of(p) - requires_of(p):
+            providers.setdefault(c, []).append(index)
+    graph, order = None, range(len(passes))
+    if any(providers.get(c, [-1])[-1] >= index
+           for index, p in enumerate(passes) for c in requires_of(p)):
+        graph = _dependency_graph(passes)
+        order = _topological_order(graph)
+    placements = []
+    for index in order:
+        placement = Placement(passes[index], index)
+        for c in sorted(requires_of(passes[index]), key=lambda c: c.name):
+            if c in providers:  # the order placed every provider before the pass
+                placement.after.extend((passes[q].name, c.name) for q in providers[c])
+            else:
+                placement.unprovided.append(c.name)
+        placements.append(placement)
+    return Plan(placements, graph, passes)
 
+
+def _topological_order(graph: nx.DiGraph) -> list[int]:
+    """The passes' list indices in the DAG's order that keeps the list order where it can."""
     if not nx.is_directed_acyclic_graph(graph):
         cycle = [graph.nodes[u]["label"] for u, _ in nx.find_cycle(graph)]
         cycle.append(cycle[0])
         raise PipelineError(
-            "pass dependency cycle: "
-            + " -> ".join(cycle)
+            "pass dependency cycle: " + " -> ".join(cycle)
             + " (each pass requires a condition only a later one in the cycle provides)",
             cycle=cycle,
         )
@@ -124,59 +126,20 @@ def build_plan(passes: Sequence[Any]) -> Plan:
         # Conditions are released as soon as all their providers are placed.
         return (0, 0) if data["kind"] == "condition" else (1, data["index"])
 
-    order = [
-        n
-        for n in nx.lexicographical_topological_sort(graph, key=key)
-        if graph.nodes[n]["kind"] == "pass"
-    ]
-    placements = []
-    for node in order:
-        p = graph.nodes[node]["pass_"]
-        placement = Placement(p, graph.nodes[node]["index"])
-        for c in sorted(requires_of(p), key=lambda c: c.name):
-            providers = [u for u in graph.predecessors(_condition_key(c))]
-            if not providers:
-                placement.unprovided.append(c.name)
-                continue
-            # The topological order placed every provider before the pass.
-            placement.after.extend((graph.nodes[u]["label"], c.name) for u in providers)
-        placements.append(placement)
-    return Plan(placements, graph, passes)
+    return [graph.nodes[n]["index"] for n in nx.lexicographical_topological_sort(graph, key=key)
+            if graph.nodes[n]["kind"] == "pass"]
 
 
 def _dependency_graph(passes: Sequence[Any]) -> nx.DiGraph:
     graph = nx.DiGraph()
     for index, p in enumerate(passes):
-        graph.add_node(_pass_key(index, p), kind="pass", label=p.name, index=index, pass_=p)
+        graph.add_node(f"pass:{index}:{p.name}", kind="pass", label=p.name, index=index)
     for index, p in enumerate(passes):
-        own = _pass_key(index, p)
+        own = f"pass:{index}:{p.name}"
         for c in provides_of(p) - requires_of(p):
-            graph.add_node(_condition_key(c), kind="condition", label=c.name, condition=c)
-            graph.add_edge(own, _condition_key(c))
+            graph.add_node(f"condition:{c.name}", kind="condition", label=c.name)
+            graph.add_edge(own, f"condition:{c.name}")
         for c in requires_of(p):
-            graph.add_node(_condition_key(c), kind="condition", label=c.name, condition=c)
-            graph.add_edge(_condition_key(c), own)
+            graph.add_node(f"condition:{c.name}", kind="condition", label=c.name)
+            graph.add_edge(f"condition:{c.name}", own)
     return graph
-
-
-def _list_order_plan(passes: Sequence[Any]) -> Plan | None:
-    """The plan when every requirement is provided only by passes listed before it (or by
-    none): then the list order is the DAG's order, with no cycle; None otherwise. Most
-    pipelines are so; no graph is built for them."""
-    providers: dict[Condition, list[int]] = {}
-    for index, p in enumerate(passes):
-        for c in provides_of(p) - requires_of(p):
-            providers.setdefault(c, []).append(index)
-    placements = []
-    for index, p in enumerate(passes):
-        placement = Placement(p, index)
-        for c in sorted(requires_of(p), key=lambda c: c.name):
-            found = providers.get(c)
-            if not found:
-                placement.unprovided.append(c.name)
-            elif found[-1] < index:
-                placement.after.extend((passes[q].name, c.name) for q in found)
-            else:
-                return None
-        placements.append(placement)
-    return Plan(placements, None, passes)
