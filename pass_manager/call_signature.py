@@ -1,16 +1,9 @@
 """What inputs a program takes, and why one call's inputs do not fit it.
 
 Inputs are checked where they enter (``SemanticValidation(inputs)``, a runtime's decode
-steps), so that a wrong input tuple is reported as such, naming the call and the inputs
-the program takes, rather than as a pytree ``TreeSpec`` mismatch or a missing argument
-raised from deep inside the first call.
-
-Example:
-    >>> signature = signature_of(ep)
-    >>> str(signature)
-    '(x, pos)'
-    >>> signature.mismatch((x,), {})
-    'it gives 1 positional argument, the program takes 2'
+steps), so a wrong input tuple is reported naming the call and the inputs the program takes
+(``signature_of(ep).mismatch((x,), {})`` -> ``'it gives 1 positional argument, the program
+takes 2'``), not as a pytree ``TreeSpec`` mismatch from deep inside the first call.
 """
 
 from __future__ import annotations
@@ -63,15 +56,9 @@ def describe_inputs(args: tuple, kwargs: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class CallSignature:
-    """The inputs a program takes: names, and the input tree an exported program fixed.
-
-    Attributes:
-        positional: the names of the positional inputs.
-        keywords: the names of the keyword-only inputs.
-        spec: the pytree spec of ``(args, kwargs)`` the program was exported with (an
-            ``ExportedProgram`` or its ``ep.module()``), or None.
-        signature: the Python signature of ``forward`` for any other module, or None.
-    """
+    """The inputs a program takes: the names of its ``positional`` and ``keywords`` inputs,
+    and either the pytree ``spec`` of ``(args, kwargs)`` an exported program (or its
+    ``ep.module()``) fixed, or the ``signature`` of any other module's ``forward``."""
 
     positional: tuple[str, ...] = ()
     keywords: tuple[str, ...] = ()
@@ -135,12 +122,8 @@ def _spec_signature(spec: pytree.TreeSpec, names: list[str]) -> CallSignature:
 
 
 def signature_of(program: Any) -> CallSignature:
-    """The inputs ``program`` takes: an ExportedProgram, ``ep.module()``, any ``nn.Module``.
-
-    An exported program (and its module) takes exactly the input tree it was exported
-    with; any other module takes what its ``forward`` signature binds. A program of
-    neither kind gives a signature that accepts every call.
-    """
+    """The inputs ``program`` takes (an ExportedProgram, ``ep.module()``, any ``nn.Module``;
+    anything else gets a signature that accepts every call)."""
     if isinstance(program, ExportedProgram):
         entry = program.module_call_graph[0].signature if program.module_call_graph else None
         names = list(getattr(entry, "forward_arg_names", None) or ())

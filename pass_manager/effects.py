@@ -1,17 +1,9 @@
 """Effects: the one declaration of what a pass may change.
 
-A pass sets ``effects`` once; the core loop picks the rollback record from it (recording
-only what the pass may change) and checks the parts a cheaper record cannot see under
-``PassManager(strict=True)``. The common cases are one line::
-
-    effects = Effects.only_meta("mutable_buffer")   # marks or annotates nodes, nothing else
-    effects = Effects.rewrite()                     # rewrites the graph, replaces meta entries
-    effects = Effects.rewrite(in_place=False)       # returns a new program, input untouched
-    effects = Effects.rewrite(meta_keys=())         # rewrites; existing nodes' meta untouched
-
-A pass that declares nothing gets ``Effects()``: it may change anything but tensor data,
-edit meta objects in place, and returns the program it was given. A plain function or a
-torch ``PassBase`` in a pipeline gets :meth:`Effects.anything`.
+The core loop records only what a pass may change for its rollback and checks the parts a
+cheaper record cannot see under ``PassManager(strict=True)``. The common cases are one line
+(``Effects.only_meta("tag")``, ``Effects.rewrite()``, ``Effects.rewrite(in_place=False)``;
+the table in docs/pass-manager.md).
 """
 
 from __future__ import annotations
@@ -27,19 +19,15 @@ class Effects:
     """What a pass may change.
 
     Attributes:
-        rewrites: the program beyond its nodes' meta: nodes and their arguments, modules,
-            the graph module's meta, an ExportedProgram's signature and state. False: the
-            pass changes node meta (and, with ``writes_state``, tensor data) only.
-        meta_keys: the keys of existing nodes' meta the pass may set, replace or remove;
-            None: any key. New nodes' meta is the pass's own either way.
-        edits_meta_in_place: whether it may edit an object held in node meta in place (a
-            field of a quantization annotation, a list it appends to) instead of replacing
-            the entry; only then are such objects copied for a rollback.
-        writes_state: whether it writes tensor data (buffer contents) in place; only then is
-            the data copied for a rollback.
-        in_place: True: returns the program it was given (rewritten or not); False: returns a
-            new program when it changes something and leaves its input untouched; None:
-            either (not checked).
+        rewrites: the program beyond its nodes' meta (nodes, arguments, modules, the graph
+            module's meta, an ExportedProgram's signature and state).
+        meta_keys: the keys of existing nodes' meta it may set, replace or remove (None:
+            any); new nodes' meta is the pass's own either way.
+        edits_meta_in_place: it may edit an object held in node meta in place instead of
+            replacing the entry (only then are such objects copied for a rollback).
+        writes_state: it writes tensor data in place (only then is it copied).
+        in_place: True: returns the program it was given; False: returns a new program
+            when it changes something, its input untouched; None: either (not checked).
     """
 
     rewrites: bool = True
@@ -56,7 +44,6 @@ class Effects:
         if self.in_place not in (True, False, None):
             raise TypeError(f"in_place is True, False or None, got {self.in_place!r}")
 
-    # -- the common cases ----------------------------------------------------------------
     @classmethod
     def only_meta(cls, *keys: str) -> Effects:
         """Sets, replaces or removes the node meta entries ``keys`` and changes nothing else
@@ -83,7 +70,6 @@ class Effects:
         input or a new program (a plain function or torch ``PassBase`` in a pipeline)."""
         return cls(writes_state=True, in_place=None)
 
-    # -- combining -----------------------------------------------------------------------
     def union(self, other: Effects) -> Effects:
         """What a group of two passes may change: everything either may; in place only if
         both are (a group of passes returning new programs is not checked)."""

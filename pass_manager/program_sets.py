@@ -1,11 +1,7 @@
-"""Several programs that belong together, run by one pipeline: ``{name: program}``.
+"""Several programs that belong together (the methods of one model), run by one pipeline.
 
-A model deployed as several methods is such a mapping. ``PassManager.run(mapping)`` runs
-the pipeline on each program in turn and checks every registered :class:`JointCondition`
-(a condition over all the programs at once) before the first pass and after the last.
-The manager knows no such condition itself: a library registers its own
-(:func:`register_joint_condition`; ``passes`` registers that methods agree on the buffers
-they share).
+The manager knows no condition over them itself: a library registers its own
+:class:`JointCondition` (``passes`` registers that methods agree on the buffers they share).
 """
 
 from __future__ import annotations
@@ -29,12 +25,10 @@ __all__ = [
 class JointCondition:
     """A condition over several programs run by one pipeline.
 
-    ``check`` raises (a :class:`~pass_manager.PassManagerError`) when the programs do not
-    meet it; the manager calls it before the first pass and after the last. A pass runs on
-    one program at a time and may break what held *between* the programs without breaking
-    the condition (e.g. give each its own copy of an object they held as one):
-    ``remember`` notes it before the pipeline, ``settle`` restores it after the check and
-    returns notes for the result (``MethodsRunResult.notes``).
+    ``check`` raises a :class:`~pass_manager.PassManagerError` when the programs do not meet
+    it (called before the first pass and after the last). What held *between* the programs
+    and a pass may break (one object they held, now a copy each) ``remember`` notes before
+    the pipeline and ``settle`` restores after the check, returning notes for the result.
     """
 
     name: str = "joint condition"
@@ -67,13 +61,8 @@ def joint_conditions() -> list[JointCondition]:
 
 @dataclass
 class MethodsRunResult(Mapping):
-    """The outcome of a run on several programs: a ``RunResult`` per program, by name
-    (``result["decode"].program``), in the mapping's order.
-
-    Attributes:
-        results: the per-program ``RunResult``.
-        notes: what the joint conditions' ``settle`` reported, merged.
-    """
+    """A ``RunResult`` per program, by name (``result["decode"].program``), in the mapping's
+    order; ``notes``: what the joint conditions' ``settle`` reported, merged."""
 
     results: dict[str, Any]
     notes: dict[str, Any] = field(default_factory=dict)
@@ -92,10 +81,7 @@ class MethodsRunResult(Mapping):
         """The programs, by name (the form each was given in)."""
         return {name: result.program for name, result in self.results.items()}
 
-    @property
-    def program(self) -> dict[str, Any]:
-        """The same as :attr:`programs`: what ``.program`` is for one program."""
-        return self.programs
+    program = programs  # what ``.program`` is for one program
 
     @property
     def modified(self) -> bool:
@@ -112,12 +98,9 @@ class MethodsRunResult(Mapping):
 
 def run_each(run: Callable[[Any], Any], programs: Mapping[str, Any],
              pipeline: str) -> MethodsRunResult:
-    """``run`` on each program in turn, the joint conditions checked around all of them.
-
-    An error from one program says which (its ``method`` attribute, and the message).
-    Only the conditions are checked across programs: a pipeline that fails on the second
-    leaves the first as the pipeline made it.
-    """
+    """``run`` on each program in turn, the joint conditions checked around all of them; an
+    error from one program says which (its ``method`` attribute, and the message). A
+    pipeline that fails on the second program leaves the first as the pipeline made it."""
     if not programs:
         raise ValueError("PassManager.run got an empty mapping of methods")
     for name in programs:

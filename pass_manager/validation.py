@@ -1,12 +1,9 @@
-"""Semantic validation: run programs for several calls and compare what they compute.
+"""Run programs for several calls and compare what they compute.
 
-The same comparison serves the manager's ``validate`` option, the main job's flow, the
-benchmarks and the test suite: a program (eager ``nn.Module``, ``GraphModule`` or
-``ExportedProgram``) is deep-copied, called once per call's inputs, and after every call its
-outputs, its buffers (by fully-qualified name) and its (possibly mutated) inputs are
-recorded. A call's inputs are an argument tuple, an ``(args, kwargs)`` pair or a mapping of
-keyword arguments. Two traces compare exactly (:func:`first_difference`) or by size of the
-error (:func:`output_errors`, :func:`buffer_errors`).
+A program (``nn.Module``, ``GraphModule`` or ``ExportedProgram``) is deep-copied and called
+once per call's inputs; after every call its outputs, buffers (by fully-qualified name) and
+inputs are recorded. Two traces compare exactly (:func:`first_difference`) or by size of
+the error (:func:`output_errors`, :func:`buffer_errors`).
 """
 
 from __future__ import annotations
@@ -51,15 +48,6 @@ class Trace:
     inputs: list[list[Any]] = field(default_factory=list)
 
 
-def _is_pair(value: Any) -> bool:
-    return (
-        isinstance(value, tuple)
-        and len(value) == 2
-        and isinstance(value[0], (tuple, list))
-        and isinstance(value[1], Mapping)
-    )
-
-
 def as_call(inputs: Any) -> Call:
     """One call's inputs as ``(args, kwargs)``.
 
@@ -68,7 +56,8 @@ def as_call(inputs: Any) -> Call:
     positional arguments really are a tuple and a mapping is written as a pair:
     ``((t, m), {})``.
     """
-    if _is_pair(inputs):
+    if (isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[0], (tuple, list))
+            and isinstance(inputs[1], Mapping)):
         return tuple(inputs[0]), dict(inputs[1])
     if isinstance(inputs, Mapping):
         return (), dict(inputs)
@@ -94,13 +83,9 @@ def call_inputs(inputs: Any, calls: int | None = None) -> list[Call]:
 
 
 def copy_program(program: Any) -> Any:
-    """``copy.deepcopy`` that also copies tensors torch refuses to deep-copy.
-
-    A program exported outside ``torch.no_grad()`` can hold lifted constants that are not
-    graph leaves (they have a ``grad_fn``), and so can a model that keeps a computed tensor
-    in a plain attribute; ``copy.deepcopy`` raises on those. They are copied detached: a
-    program's constants carry no gradient history worth keeping.
-    """
+    """``copy.deepcopy`` that also copies, detached, the non-leaf tensors it refuses (lifted
+    constants of a program exported outside ``torch.no_grad()``, a computed tensor a model
+    keeps in a plain attribute)."""
     try:
         return copy.deepcopy(program)
     except RuntimeError:
@@ -125,10 +110,7 @@ _NOT_STATE = (
 
 
 def _held_tensors(root: Any) -> list[torch.Tensor]:
-    """Every tensor reachable from ``root`` through attributes and containers.
-
-    Graphs and nodes are not walked: their metadata holds fake tensors, never state.
-    """
+    """Every tensor reachable from ``root`` through attributes and containers."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
     stack = [root]
@@ -174,14 +156,10 @@ def run_program(
     state: StateReader = default_state,
     on_call: Callable[[int], None] | None = None,
 ) -> Trace:
-    """Call a deep copy of ``program`` once per call's inputs; the caller's state is untouched.
-
-    ``inputs`` is one call's inputs (repeated ``calls`` times) or a list of them; each is an
-    argument tuple, an ``(args, kwargs)`` pair or a keyword mapping (see :func:`call_inputs`).
-    ``on_call(index)`` runs after each call (progress reports). The inputs of all calls
-    are copied together, so a tensor several calls pass (state a program writes in place,
-    as Hugging Face's exporter passes its caches) stays one tensor across the calls.
-    """
+    """Call a deep copy of ``program`` once per call's inputs (see :func:`call_inputs`); the
+    caller's state is untouched. ``on_call(index)`` runs after each call. The inputs of all
+    calls are copied together, so a tensor several calls pass (state a program writes in
+    place, as Hugging Face's exporter passes its caches) stays one tensor across them."""
     module = _runnable(program)
     trace = Trace()
     for index, (args, kwargs) in enumerate(copy.deepcopy(call_inputs(inputs, calls))):
@@ -206,12 +184,9 @@ def _tensor_difference(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: floa
         close = a == b
     if bool(close.all()):
         return None
-    bad = (~close).nonzero()[0].tolist()
-    diff = (a.double() - b.double()).abs().nan_to_num(float("inf")).max().item()
-    where = tuple(bad)
-    return (
-        f"max abs diff {diff:.6g}, first at index {where}: {a[where].item()} vs {b[where].item()}"
-    )
+    where = tuple((~close).nonzero()[0].tolist())
+    return (f"max abs diff {_abs_error(a, b):.6g}, first at index {where}: "
+            f"{a[where].item()} vs {b[where].item()}")
 
 
 def _value_difference(a: Any, b: Any, atol: float, rtol: float) -> str | None:
@@ -250,32 +225,21 @@ def first_difference(
 
 def output_errors(expected: Trace, actual: Trace) -> list[float]:
     """Per call, the largest absolute difference over every floating-point output tensor."""
-    errors = []
-    for exp_out, act_out in zip(expected.outputs, actual.outputs, strict=True):
-        worst = 0.0
-        for a, b in zip(exp_out, act_out, strict=True):
-            if isinstance(a, torch.Tensor) and a.is_floating_point():
-                worst = max(worst, _abs_error(a, b))
-        errors.append(worst)
-    return errors
+    return [
+        max([_abs_error(a, b) for a, b in zip(exp_out, act_out, strict=True)
+             if isinstance(a, torch.Tensor) and a.is_floating_point()], default=0.0)
+        for exp_out, act_out in zip(expected.outputs, actual.outputs, strict=True)
+    ]
 
 
 def buffer_errors(expected: Trace, actual: Trace) -> list[dict[str, float]]:
-    """Per call, the largest absolute difference of each floating-point buffer, by name.
-
-    A buffer the other trace does not have is left out (a quantized program can hold extra
-    state, such as observers' or delegates' buffers).
-    """
-    errors = []
-    for exp_buf, act_buf in zip(expected.buffers, actual.buffers, strict=True):
-        errors.append(
-            {
-                name: _abs_error(value, act_buf[name])
-                for name, value in exp_buf.items()
-                if name in act_buf and value.is_floating_point()
-            }
-        )
-    return errors
+    """Per call, the largest absolute difference of each floating-point buffer both traces
+    have (a quantized program can hold extra state: observers', delegates'), by name."""
+    return [
+        {name: _abs_error(value, act_buf[name]) for name, value in exp_buf.items()
+         if name in act_buf and value.is_floating_point()}
+        for exp_buf, act_buf in zip(expected.buffers, actual.buffers, strict=True)
+    ]
 
 
 def _abs_error(a: torch.Tensor, b: torch.Tensor) -> float:

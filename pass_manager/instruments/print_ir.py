@@ -1,18 +1,7 @@
-"""Printing a program around passes, MLIR style: before, after, after a change, after a failure.
-
-:class:`PrintIR` is an instrument: ``PassManager(passes, instruments=[PrintIR(before=[...],
-after=[...], after_change=True, after_failure=True, to=...)])``. Passes are chosen by name
-(``True`` means every pass); output goes to a stream (stdout by default) or, when ``to``
-is a folder path, to one file per dump, numbered in run order::
-
-    // -----// IR Dump After InplaceToFunctional (#1) //----- //
-    graph():
-        ...
-
-After a failure the manager has already rolled the pass back, so the dump shows the
-error, a diff of what the pass had changed before the rollback, and the program as it
-is again (as the pass was given it).
-"""
+"""PrintIR: the program before / after chosen passes, after a change or a failure (MLIR's
+IR printing), to a stream or one numbered file per dump in a folder. After a failure the
+pass is already rolled back: the dump shows the error, the diff of what the pass had
+changed, and the program as the pass was given it."""
 
 from __future__ import annotations
 
@@ -40,7 +29,7 @@ def _selected(selection: Selection) -> bool | frozenset[str]:
 
 
 class PrintIR(Instrumentation):
-    """Prints the program before / after chosen passes (see the module docstring).
+    """Prints the program around passes, headed ``// -----// IR Dump After X (#1) //----- //``.
 
     Args:
         before: names of passes to print before (or True: all).

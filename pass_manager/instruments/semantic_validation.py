@@ -22,20 +22,15 @@ class SemanticValidation(Instrumentation):
 
     Args:
         inputs: one call's inputs (an argument tuple, an ``(args, kwargs)`` pair or a
-            keyword mapping), repeated ``calls`` times (default 3), or a list of them,
-            one per call.
-        calls: number of successive calls to compare (default: one per entry of a list,
-            or 3 for a single call's inputs).
+            keyword mapping), repeated ``calls`` times (default 3), or a list of them.
+        calls: number of successive calls to compare.
         atol, rtol: tolerances of the comparison (exact by default).
-        state: ``module -> {fqn: tensor}`` reading the state to compare after each call
-            (default: the module's named buffers); pass a reader that also sees state a
-            delegate owns.
+        state: ``module -> {fqn: tensor}``, the state to compare after each call (default:
+            the named buffers; pass a reader that also sees state a delegate owns).
 
-    Inputs of the wrong shape raise :class:`ValidationInputError` (a TypeError) here.
-    Before any pass runs, each call's inputs are checked against the inputs the program
-    takes (or the input tree it was exported with), and the program is run on them:
-    inputs that do not fit, or on which the program given to the pipeline already fails,
-    raise ValidationInputError naming the call (``inputs[i]``).
+    Inputs that do not fit the program (its input tree or signature), or on which the
+    program given to the pipeline already fails, raise :class:`ValidationInputError`
+    naming the call (``inputs[i]``) before any pass runs.
 
     Example:
         >>> PassManager(passes, instruments=[SemanticValidation((x, pos), atol=1e-6)]).run(ep)
@@ -100,9 +95,8 @@ class SemanticValidation(Instrumentation):
         try:
             self._reference = self._trace(program, on_call=done.append)
         except Exception as e:
-            failed = len(done)
             raise self._error(
-                failed, f"the program given to the pipeline, before any pass, raised "
+                len(done), f"the program given to the pipeline, before any pass, raised "
                 f"{type(e).__name__}: {e}", str(signature),
             ) from e
 
