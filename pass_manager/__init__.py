@@ -1,11 +1,8 @@
 """A generic, condition-checked pass manager for torch.fx programs.
 
-Passes declare the conditions they require, provide and preserve; the manager orders
-them (a networkx DAG), checks conditions before and after each pass with caching,
-measures whether a pass changed the program, and rolls back a pass that fails.
-Timing, validation, diffs, printing the program around passes and crash reproducers
-are instruments (hooks) around that loop. A pipeline
-prints as text (``PassManager.pipeline_text()``) and parses back (``parse_pipeline``).
+Passes declare the conditions they require, provide and preserve; the manager orders them
+(a networkx DAG), checks conditions around each pass with caching, measures whether a pass
+changed the program, and rolls back a pass that fails. Everything else is an instrument.
 This package never imports ``passes``.
 """
 

@@ -144,15 +144,6 @@ def _operator(dotted: str) -> Any:
     return value
 
 
-def _dotted(node: ast.AST) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return None if base is None else f"{base}.{node.attr}"
-    return None
-
-
 _NAMES = {"true": True, "false": False, "True": True, "False": False, "None": None, "none": None}
 
 
@@ -162,7 +153,7 @@ def _evaluate(node: ast.AST, text: str) -> Any:
     if isinstance(node, ast.Name) and node.id in _NAMES:
         return _NAMES[node.id]
     if isinstance(node, ast.Attribute):
-        return _operator(_dotted(node) or "")
+        return _operator(ast.unparse(node))
     if isinstance(node, ast.Tuple):
         return tuple(_evaluate(e, text) for e in node.elts)
     if isinstance(node, ast.List):

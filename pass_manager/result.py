@@ -1,4 +1,4 @@
-"""What a pass returns: the program, its own claim of having changed it, and notes."""
+"""What a pass returns."""
 
 from __future__ import annotations
 
@@ -17,13 +17,10 @@ __all__ = ["PassResult"]
 class PassResult:
     """What a pass returns: the program (same form as its input) and whether it changed.
 
-    ``modified`` is the pass's own claim; the manager measures the truth and reports a
-    pass whose claim is wrong. ``notes`` are human-readable remarks that end up in the run
-    report (for example why a rewrite was skipped). ``statistics`` counts what the pass
-    did, by a short description (``{"in-place ops rewritten: aten.add_": 3}``); the report
-    shows them per pass, like MLIR's ``-pass-statistics``. A pass is an immutable value
-    that may run many times, so it counts per call (a ``collections.Counter`` is handy)
-    and returns the counts rather than keeping them on ``self``.
+    ``modified`` is the pass's own claim (the manager measures the truth and reports a
+    wrong claim); ``notes`` are remarks for the run report; ``statistics`` counts what the
+    pass did, by a short description (``{"in-place ops rewritten: aten.add_": 3}``), per
+    call (a pass is an immutable value: it returns its counts, never keeps them on self).
     """
 
     program: Any
