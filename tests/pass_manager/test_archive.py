@@ -22,7 +22,7 @@ from pass_manager import (
     run_program,
     save_program,
 )
-from pass_manager._archive.untrusted import graph_refusals
+from pass_manager._untrusted import graph_refusals
 from pass_manager.archive import load_data, save_data, state_file
 from pass_manager.program import program_text
 from tests.models.accumulators import Accumulate
