@@ -90,12 +90,14 @@ def _unpickle_state() -> _UnpickleState:
     return _unpickling.get()
 
 
-class _UnpickleStateRef:
-    """GraphPickler hands its unpickling state (the fake mode) to what it pickles by a
-    persistent id, which torch.save's pickler takes over: this finds it by context."""
+class _OnLoad:
+    """Pickles as a call of ``function(*args)`` when loaded."""
+
+    def __init__(self, function: Any, *args: Any) -> None:
+        self.reduced = function, args
 
     def __reduce__(self) -> tuple:
-        return _unpickle_state, ()
+        return self.reduced
 
 
 class _Pickler(GraphPickler):
@@ -103,11 +105,12 @@ class _Pickler(GraphPickler):
     (a quantization annotation's key) found by name in its loaded graph; a value that
     cannot be pickled left out and listed in ``dropped``. Pickles with protocol 4."""
 
-    dropped: ClassVar[list[str]] = []  # torch.save builds the pickler: set by class
+    dropped: ClassVar[list[str]]  # torch.save builds the pickler: one class per file
 
     def __init__(self, file: Any, protocol: int | None = None) -> None:
         super().__init__(file, Options(ops_filter=None, node_metadata_key_filter=None))
-        self._unpickle_state = _UnpickleStateRef()
+        # GraphPickler passes this by a persistent id, which torch.save's pickler takes over.
+        self._unpickle_state = _OnLoad(_unpickle_state)
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Node):
@@ -129,7 +132,7 @@ class _Pickler(GraphPickler):
             meta[node.name] = _kept(node.meta, f"{node.name}.meta", self.dropped)
             node.meta = {}
         # The meta as the state: unpickled once the graph exists, names found in it.
-        return _graph_module, (data, state), (_Within(obj), meta), None, None, _set_meta
+        return _graph_module, (data, state), (_OnLoad(_within, obj), meta), None, None, _set_meta
 
 
 class _Checker(_Pickler):
@@ -148,16 +151,6 @@ def _graph_module(data: Any, state: _UnpickleState) -> GraphModule:
     gm = data.unpickle(state)
     gm.recompile()
     return gm
-
-
-class _Within:
-    """Unpickled first in a graph module's state: the nodes its meta names are its own."""
-
-    def __init__(self, gm: GraphModule) -> None:
-        self.gm = gm
-
-    def __reduce__(self) -> tuple:
-        return _within, (self.gm,)
 
 
 def _within(gm: GraphModule) -> None:
@@ -206,18 +199,12 @@ def _kept(items: dict, where: str, dropped: list[str], depth: int = 0) -> dict:
     return kept
 
 
-_PICKLE_MODULE = types.SimpleNamespace(Pickler=_Pickler, __name__=__name__)
-
-
 def _pickle(value: Any, path: Path) -> list[str]:
     """Write ``value`` to ``path`` in the pickled format; return what was left out."""
-    dropped: list[str] = []
-    _Pickler.dropped = dropped
-    try:
-        torch.save(value, str(path), pickle_module=_PICKLE_MODULE)
-    finally:
-        _Pickler.dropped = []
-    return dropped
+    pickler = type("Pickler", (_Pickler,), {"dropped": []})
+    torch.save(value, str(path), pickle_module=types.SimpleNamespace(Pickler=pickler,
+                                                                     __name__=__name__))
+    return pickler.dropped
 
 
 def _unpickle(path: Path) -> Any:
