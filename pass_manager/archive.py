@@ -37,24 +37,13 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from ._untrusted import archive_refusals, graph_refusals, plain_data
 from .errors import ArchiveError, UntrustedFileError
 
-__all__ = [
-    "EXPORTED",
-    "PICKLED",
-    "PLAIN",
-    "SavedProgram",
-    "load_data",
-    "load_program",
-    "save_data",
-    "save_program",
-    "state_file",
-]
+__all__ = ["EXPORTED", "PICKLED", "PLAIN", "SavedProgram", "load_data", "load_program",
+           "save_data", "save_program", "state_file"]
 
 EXPORTED, PICKLED, PLAIN = "exported", "pickled", "plain"
 # Node meta torch.export.save keeps (``tensor_meta`` is rebuilt from ``val`` on load).
-KEPT_BY_TORCH = frozenset(
-    {"val", "stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "custom",
-     "from_node"}
-)
+KEPT_BY_TORCH = frozenset({"val", "stack_trace", "nn_module_stack", "source_fn_stack",
+                           "torch_fn", "custom", "from_node"})
 _STATE_KEYS = {"state_dict", "constants", "meta", "module_meta", "tensor_meta"}
 
 
