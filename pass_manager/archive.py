@@ -1,85 +1,58 @@
-"""Save a program (either form) to a file and load it back, node meta included; read a
-file someone else made without running code from it.
+"""Save a program (either form) or a reproducer's data to a file and load it back, node
+meta included (docs/debugging.md describes the files).
 
-:func:`save_program` picks one of two formats, and says which (:class:`SavedProgram`):
+* ``"exported"``: an ExportedProgram ``torch.export.save`` can hold is its archive with
+  meta-device stand-ins for the tensors (torch.export.save copies real ones twice), beside
+  :func:`state_file`: plain data holding the tensors and the node meta torch.export does
+  not keep. Read without trust once :mod:`._untrusted` has checked the archive.
+* ``"pickled"``: anything else, all node meta kept, by torch's fx-aware ``GraphPickler``
+  under ``torch.save`` (tensor data written from memory). Read only with ``trusted=True``.
 
-* ``"exported"``: an ExportedProgram ``torch.export.save`` can hold. ``path`` is its
-  ``torch.export.save`` archive (graph, signature, call graph, example inputs and the node
-  meta torch.export keeps), its tensors replaced by meta-device stand-ins: saving the real
-  ones, torch.export.save copies each tensor twice first (measured: a 100 MiB state raised
-  the peak memory by 200 MiB). Beside it, :func:`state_file` of ``path`` is a ``torch.save``
-  of plain data: the tensors, written from their memory, and every other node meta entry
-  that is plain data (the passes' marks and kept initial values, delegation tags), by
-  graph module and node name. Meta that is not plain data (torch's ``original_aten``, a
-  quantization annotation naming nodes) is left out and listed in
-  :attr:`SavedProgram.dropped`. :func:`load_program` reads both without trust, after
-  checking that the archive holds nothing that runs code
-  (:mod:`pass_manager._archive.untrusted`; ``torch.export.load`` is not safe by itself).
-* ``"pickled"``: everything else (a GraphModule; an ExportedProgram holding a delegate call
-  or a tensor subclass), with all of its meta: ``torch.save`` with a pickler that knows fx
-  (:mod:`pass_manager._archive.pickled`; torch's own pickling of a GraphModule re-traces
-  its code and loses the meta). A pickle runs the code it names when read, so
-  :func:`load_program` reads one only with ``trusted=True``; without, it raises
-  :class:`~pass_manager.errors.UntrustedFileError` naming the file and what would run.
-
-:func:`save_data` / :func:`load_data` do the same for other values (a reproducer's
-validation inputs and reference): plain data loads with ``weights_only=True``, anything
-else is pickled and needs trust.
+The safety rule: without ``trusted=True`` nothing read runs code from the file; a refusal
+is an :class:`~pass_manager.errors.UntrustedFileError` naming the file and the reason.
 """
 
 from __future__ import annotations
 
+import contextvars
 import copy
+import io
 import pickle
 import re
+import types
 import warnings
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.export import ExportedProgram
+from torch.fx import GraphModule, Node
+from torch.fx._graph_pickler import GraphPickler, Options, _UnpickleState
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from ._archive import pickled
-from ._archive.untrusted import archive_refusals, graph_refusals, plain_data
+from ._untrusted import archive_refusals, graph_refusals, plain_data
 from .errors import ArchiveError, UntrustedFileError
 
-__all__ = [
-    "EXPORTED",
-    "PICKLED",
-    "PLAIN",
-    "SavedProgram",
-    "load_data",
-    "load_program",
-    "save_data",
-    "save_program",
-    "state_file",
-]
+__all__ = ["EXPORTED", "PICKLED", "PLAIN", "SavedProgram", "load_data", "load_program",
+           "save_data", "save_program", "state_file"]
 
 EXPORTED, PICKLED, PLAIN = "exported", "pickled", "plain"
-KEPT_BY_TORCH = frozenset(
-    {"val", "stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "custom",
-     "from_node"}
-)
-"""Node meta ``torch.export.save`` stores and ``torch.export.load`` restores;
-``tensor_meta`` is rebuilt from ``val`` on load."""
+# Node meta torch.export.save keeps (``tensor_meta`` is rebuilt from ``val`` on load).
+KEPT_BY_TORCH = frozenset({"val", "stack_trace", "nn_module_stack", "source_fn_stack",
+                           "torch_fn", "custom", "from_node"})
 _STATE_KEYS = {"state_dict", "constants", "meta", "module_meta", "tensor_meta"}
 
 
 @dataclass(frozen=True)
 class SavedProgram:
-    """What :func:`save_program` wrote.
-
-    Attributes:
-        path: the file (an exported program also has :func:`state_file` of it).
-        format: ``"exported"`` (read without trust) or ``"pickled"`` (read with
-            ``trusted=True`` only).
-        pickled_because: why the exported format could not hold the program ("" if used).
-        dropped: what the loaded program will lack ("meta['key'] (type) of nodes").
-    """
+    """What :func:`save_program` wrote: ``path``, its ``format`` (``"exported"`` or
+    ``"pickled"``), why the exported format could not hold the program
+    (``pickled_because``, "" if used) and what the loaded program will lack
+    (``dropped``: "meta['key'] (type) of nodes")."""
 
     path: Path
     format: str
@@ -97,11 +70,174 @@ def state_file(path: str | Path) -> Path:
     return path.with_name(f"{path.stem}.state.pt")
 
 
-def _graph_modules(gm: torch.fx.GraphModule) -> dict[str, torch.fx.GraphModule]:
-    return {path: m for path, m in gm.named_modules() if isinstance(m, torch.fx.GraphModule)}
+# The pickled format ------------------------------------------------------------------
+
+_unpickling: contextvars.ContextVar[_UnpickleState] = contextvars.ContextVar("_unpickling")
 
 
-def _side_meta(gm: torch.fx.GraphModule) -> tuple[dict, list[str]]:
+def _unpickle_state() -> _UnpickleState:
+    return _unpickling.get()
+
+
+class _OnLoad:
+    """Pickles as a call of ``function(*args)`` when loaded."""
+
+    def __init__(self, function: Any, *args: Any) -> None:
+        self.reduced = function, args
+
+    def __reduce__(self) -> tuple:
+        return self.reduced
+
+
+class _Pickler(GraphPickler):
+    """GraphPickler for torch.save: every operator and meta key kept; a node named in meta
+    (a quantization annotation's key) found by name in its loaded graph; a value that
+    cannot be pickled left out and listed in ``dropped``. Pickles with protocol 4."""
+
+    dropped: ClassVar[list[str]]  # torch.save builds the pickler: one class per file
+
+    def __init__(self, file: Any, protocol: int | None = None) -> None:
+        super().__init__(file, Options(ops_filter=None, node_metadata_key_filter=None))
+        # GraphPickler passes this by a persistent id, which torch.save's pickler takes over.
+        self._unpickle_state = _OnLoad(_unpickle_state)
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Node):
+            return _node, (obj.name,)
+        reduced = super().reducer_override(obj)
+        if not isinstance(obj, GraphModule):
+            return reduced
+        _, (data, state) = reduced
+        attributes = {}
+        for key, value in data.gm_dict.items():
+            if isinstance(value, types.MethodType) and value.__self__ is obj:
+                # ep.module() binds train/eval to the module: a cycle pickle cannot store.
+                self.dropped.append(f"GraphModule attribute[{key!r}] (method of the module)")
+            else:
+                attributes[key] = value
+        data.gm_dict = _kept(attributes, "GraphModule attribute", self.dropped)
+        meta = {}
+        for node in data.graph.nodes:
+            meta[node.name] = _kept(node.meta, f"{node.name}.meta", self.dropped)
+            node.meta = {}
+        # The meta as the state: unpickled once the graph exists, names found in it.
+        return _graph_module, (data, state), (_OnLoad(_within, obj), meta), None, None, _set_meta
+
+
+class _Checker(_Pickler):
+    """Pickles to nowhere, tensor data and nodes by id only: can a value be pickled?"""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO())
+        self.dropped = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        by_id = (Node, torch.Tensor, torch.UntypedStorage, torch.TypedStorage)
+        return id(obj) if isinstance(obj, by_id) and not isinstance(obj, FakeTensor) else None
+
+
+def _graph_module(data: Any, state: _UnpickleState) -> GraphModule:
+    gm = data.unpickle(state)
+    gm.recompile()
+    return gm
+
+
+def _within(gm: GraphModule) -> None:
+    _unpickle_state().within.append((gm.graph, {n.name: n for n in gm.graph.nodes}))
+
+
+def _set_meta(gm: GraphModule, state: tuple[None, dict[str, dict]]) -> None:
+    _unpickle_state().within.pop()
+    for node in gm.graph.nodes:
+        node.meta = state[1][node.name]
+
+
+def _node(name: str) -> Node:
+    within = _unpickle_state().within
+    graph, nodes = within[-1] if within else (torch.fx.Graph(), {})
+    if name not in nodes:  # torchao's annotations may name nodes convert_pt2e erased
+        nodes[name] = Node(graph, name, "placeholder", name, (), {})
+        nodes[name]._erased = True
+    return nodes[name]
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        _Checker().dump(value)
+    except Exception:  # noqa: BLE001 - any failure means "cannot be stored"
+        return False
+    return True
+
+
+def _kept(items: dict, where: str, dropped: list[str], depth: int = 0) -> dict:
+    """``items`` without what cannot be pickled; a dict or a module (export's GuardsFn,
+    whose forward is generated code) is kept without its own such parts."""
+    kept = {}
+    for key, value in items.items():
+        place = f"{where}[{key!r}]"
+        module = isinstance(value, torch.nn.Module) and not isinstance(value, GraphModule)
+        if _picklable(value):
+            kept[key] = value
+        elif depth < 3 and isinstance(value, dict):
+            kept[key] = _kept(value, place, dropped, depth + 1)
+        elif depth < 3 and module:
+            kept[key] = copy.copy(value)
+            kept[key].__dict__ = _kept(value.__dict__, place, dropped, depth + 1)
+        else:
+            dropped.append(f"{place} ({type(value).__name__})")
+    return kept
+
+
+def _pickle(value: Any, path: Path) -> list[str]:
+    """Write ``value`` to ``path`` in the pickled format; return what was left out."""
+    pickler = type("Pickler", (_Pickler,), {"dropped": []})
+    torch.save(value, str(path), pickle_module=types.SimpleNamespace(Pickler=pickler,
+                                                                     __name__=__name__))
+    return pickler.dropped
+
+
+def _unpickle(path: Path) -> Any:
+    """Read the pickled format (tensors on the CPU as saved): runs the code it names."""
+    state = _UnpickleState(FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))
+    state.within = []
+    token = _unpickling.set(state)
+    try:
+        return torch.load(str(path), weights_only=False)
+    finally:
+        _unpickling.reset(token)
+
+
+def _pickle_refusal(error: Exception) -> str:
+    named = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+    if named:
+        return (f"it is a pickle that would call {named.group(1)} when read "
+                "(torch.load(weights_only=True) refuses it)")
+    found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(error))
+    what = f": {found.group(1).strip()}" if found else ""
+    return f"it is a pickle, which torch.load(weights_only=True) refuses{what}"
+
+
+def _read(path: Path, trusted: bool) -> tuple[str, Any]:
+    """A ``torch.save`` file: (``"plain"``, its data) or, trusted only, (``"pickled"``,
+    its value)."""
+    try:
+        with warnings.catch_warnings():  # a pickle's protocol 4: refused just below
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            return PLAIN, torch.load(str(path), weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not trusted:
+            raise UntrustedFileError(path, PICKLED, _pickle_refusal(e)) from None
+    return PICKLED, _unpickle(path)
+
+
+# The exported format -----------------------------------------------------------------
+
+
+def _graph_modules(gm: GraphModule) -> dict[str, GraphModule]:
+    return {path: m for path, m in gm.named_modules() if isinstance(m, GraphModule)}
+
+
+def _side_meta(gm: GraphModule) -> tuple[dict, list[str]]:
     """The node and module meta torch.export.save does not keep, as plain data, and
     what is left out."""
     side: dict[str, dict] = {"meta": {}, "module_meta": {}, "tensor_meta": {}}
@@ -111,10 +247,11 @@ def _side_meta(gm: torch.fx.GraphModule) -> tuple[dict, list[str]]:
             for key, value in node.meta.items():
                 if key == "tensor_meta":
                     side["tensor_meta"].setdefault(path, []).append(node.name)
+                elif key in KEPT_BY_TORCH:
+                    continue
                 elif plain_data(value):
-                    if key not in KEPT_BY_TORCH:
-                        side["meta"].setdefault(path, {}).setdefault(node.name, {})[key] = value
-                elif key not in KEPT_BY_TORCH:
+                    side["meta"].setdefault(path, {}).setdefault(node.name, {})[key] = value
+                else:
                     where = f"{path}.{node.name}" if path else node.name
                     left_out.setdefault((key, type(value).__name__), []).append(where)
         for key, value in module.meta.items():
@@ -158,44 +295,6 @@ def _save_exported(ep: ExportedProgram, path: Path) -> list[str]:
     return dropped
 
 
-def save_program(program: Any, path: str | Path) -> SavedProgram:
-    """Write ``program`` (GraphModule or ExportedProgram) to ``path``, in the exported
-    format when it can hold the program, else pickled."""
-    path = Path(path)
-    if not isinstance(program, ExportedProgram):
-        because = (f"it is a {type(program).__name__}; torch.export.save holds only an "
-                   "ExportedProgram")
-    else:
-        try:
-            return SavedProgram(path, EXPORTED, "", _save_exported(program, path))
-        except ValueError as e:
-            because = str(e)
-    return SavedProgram(path, PICKLED, because, pickled.save(program, path))
-
-
-def _pickle_refusal(error: Exception) -> str:
-    named = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
-    if named:
-        return (f"it is a pickle that would call {named.group(1)} when read "
-                "(torch.load(weights_only=True) refuses it)")
-    found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(error))
-    what = f": {found.group(1).strip()}" if found else ""
-    return f"it is a pickle, which torch.load(weights_only=True) refuses{what}"
-
-
-def _read(path: Path, trusted: bool, unpickle: Callable[[Path], Any]) -> tuple[str, Any]:
-    """A ``torch.save`` file: (``"plain"``, its data) or, trusted only, (``"pickled"``,
-    what ``unpickle`` reads)."""
-    try:
-        with warnings.catch_warnings():  # a pickled file's protocol 4: refused just below
-            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
-            return PLAIN, torch.load(str(path), weights_only=True)
-    except pickle.UnpicklingError as e:
-        if not trusted:
-            raise UntrustedFileError(path, PICKLED, _pickle_refusal(e)) from None
-    return PICKLED, unpickle(path)
-
-
 def _is_pt2(path: Path) -> bool:
     try:
         with zipfile.ZipFile(path) as archive:
@@ -210,7 +309,7 @@ def _load_exported(path: Path, trusted: bool) -> ExportedProgram:
     state_path = state_file(path)
     if not state_path.exists():
         raise ArchiveError(state_path, f"it is missing; save_program writes it beside {path.name}")
-    _, state = _read(state_path, trusted, lambda p: torch.load(str(p), weights_only=False))
+    _, state = _read(state_path, trusted)
     if not (isinstance(state, dict) and set(state) == _STATE_KEYS
             and all(isinstance(v, dict) for v in state.values())):
         raise ArchiveError(state_path, f"it is not the state file save_program writes beside "
@@ -231,7 +330,7 @@ def _load_exported(path: Path, trusted: bool) -> ExportedProgram:
     return ep
 
 
-def _restore_meta(gm: torch.fx.GraphModule, state: dict[str, Any], where: Path) -> None:
+def _restore_meta(gm: GraphModule, state: dict[str, Any], where: Path) -> None:
     modules = _graph_modules(gm)
     nodes = {(path, n.name): n for path, m in modules.items() for n in m.graph.nodes}
     named = [(path, name) for field in ("meta", "tensor_meta")
@@ -254,6 +353,24 @@ def _restore_meta(gm: torch.fx.GraphModule, state: dict[str, Any], where: Path) 
                 nodes[path, name].meta["tensor_meta"] = _extract_tensor_metadata(value)
 
 
+# The interface -----------------------------------------------------------------------
+
+
+def save_program(program: Any, path: str | Path) -> SavedProgram:
+    """Write ``program`` (GraphModule or ExportedProgram) to ``path``, in the exported
+    format when it can hold the program, else pickled."""
+    path = Path(path)
+    if not isinstance(program, ExportedProgram):
+        because = (f"it is a {type(program).__name__}; torch.export.save holds only an "
+                   "ExportedProgram")
+    else:
+        try:
+            return SavedProgram(path, EXPORTED, "", _save_exported(program, path))
+        except ValueError as e:
+            because = str(e)
+    return SavedProgram(path, PICKLED, because, _pickle(program, path))
+
+
 def load_program(path: str | Path, *, trusted: bool = False) -> Any:
     """Read a program written by :func:`save_program` (tensors on the CPU as saved).
 
@@ -270,7 +387,7 @@ def load_program(path: str | Path, *, trusted: bool = False) -> Any:
     path = Path(path)
     if _is_pt2(path):
         return _load_exported(path, trusted)
-    form, value = _read(path, trusted, pickled.load)
+    form, value = _read(path, trusted)
     if form == PLAIN:  # torch.load(weights_only=True) read it: no program
         raise ArchiveError(path, f"it holds a {type(value).__name__}, not a program "
                                  "save_program wrote")
@@ -283,11 +400,11 @@ def save_data(value: Any, path: str | Path) -> str:
     if plain_data(value):
         torch.save(value, str(path))
         return PLAIN
-    pickled.save(value, path)
+    _pickle(value, Path(path))
     return PICKLED
 
 
 def load_data(path: str | Path, *, trusted: bool = False) -> Any:
     """Read what :func:`save_data` wrote; a pickled file only with ``trusted``
     (:class:`~pass_manager.errors.UntrustedFileError` otherwise)."""
-    return _read(Path(path), trusted, pickled.load)[1]
+    return _read(Path(path), trusted)[1]

@@ -1,35 +1,34 @@
-"""Replaying a crash reproducer: load the folder a :class:`~.instruments.Reproducer` wrote
-and run its failing pass again (``python -m pass_manager replay FOLDER [--trust]``).
+"""Replaying a crash reproducer: load the folder a :class:`~.instruments.Reproducer` wrote and
+run its failing pass again (``python -m pass_manager replay FOLDER [--trust] [--pdb]``).
 
-Loading a folder from someone else runs none of their code unless you say you trust it
-(``trusted=True``, ``--trust``): without, the program and validation files are read only
-in their safe formats (``exported``, ``plain``: no code from the file runs), only modules
-of this library's packages (``pass_manager``, ``passes``) are imported, and only a state
-reader defined there is used; anything else is an
-:class:`~pass_manager.errors.UntrustedFileError` naming the file and why. The checks read
-the files themselves, not what the manifest claims about them.
+Without ``trusted=True`` (``--trust``) no code from the folder runs: files are read only
+in their safe formats and only this library's modules are imported, as the files
+themselves say (never what the manifest claims); any refusal is an UntrustedFileError.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
+import pkgutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from ._untrusted import LIBRARY_PACKAGES, library_module
 from .archive import load_data, load_program
 from .errors import ArchiveError, PassManagerError, UntrustedFileError
 from .instruments.base import Instrumentation
-from .instruments.reproducer import LIBRARY_PACKAGES, library_module
+from .instruments.print_ir import PrintIR
 from .instruments.semantic_validation import SemanticValidation
 from .pipeline_text import parse_passes
 from .report import Report
 from .running import Runner, default_instruments
 from .validation import Trace
 
-__all__ = ["Reproduction", "load_reproducer", "replay"]
+__all__ = ["Reproduction", "load_reproducer", "main", "replay"]
 
 
 class _StoredValidation(SemanticValidation):
@@ -57,34 +56,20 @@ class Reproduction:
     def run(self, extra: list[Instrumentation] = ()) -> Any:
         """Run the failing pass (or group) on the program as the failed run did."""
         m = self.manifest
-        runner = Runner(
-            self.passes, [*self.instruments, *extra], name=m["pass"],
-            start=0 if m["group"] else m["index"], strict=m["strict"],
-        )
+        runner = Runner(self.passes, [*self.instruments, *extra], name=m["pass"],
+                        start=0 if m["group"] else m["index"], strict=m["strict"])
         return runner.run(self.program)
 
 
-def _check_modules(modules: list[Any], where: Path, trusted: bool,
-                   what: str = "module list") -> None:
+def _check_modules(modules: list[Any], where: Path, what: str) -> None:
+    """Refuse (untrusted) to import a module outside this library: importing runs it."""
     outside = [m for m in modules if not (isinstance(m, str) and library_module(m))]
-    if outside and not trusted:
+    if outside:
         raise UntrustedFileError(
             where, what,
             f"it names modules outside this library's packages ({', '.join(LIBRARY_PACKAGES)}): "
             f"{outside}, and importing a module runs its code",
         )
-
-
-def _state_reader(state: Any, where: Path, trusted: bool) -> Any:
-    """The saved state reader: ``"module:qualname"`` imported, or the pickled function."""
-    if not isinstance(state, str):
-        return state
-    module, _, qualname = state.partition(":")
-    _check_modules([module], where, trusted, "state reader name")
-    value = importlib.import_module(module)
-    for part in qualname.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproduction:
@@ -94,15 +79,13 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
         folder: a folder a :class:`~.instruments.Reproducer` wrote.
         trusted: also read pickled files and import modules outside this library's
             packages (from the folders the manifest's ``import_paths`` names, put first on
-            ``sys.path``), which runs code from the folder: only for a folder you made or
-            whose author you trust.
+            ``sys.path``): runs code from the folder.
 
     Raises:
-        UntrustedFileError: without ``trusted``, a file is pickled or the manifest names a
-            module outside ``pass_manager`` / ``passes``; the message says which.
+        UntrustedFileError: without ``trusted``, a file is pickled or names a module
+            outside ``pass_manager`` / ``passes``; the message says which.
         ArchiveError: a file is damaged or was not written by a Reproducer, or the
-            Reproducer recorded that the pass cannot be rebuilt (e.g. a lambda): the
-            message says why.
+            Reproducer recorded that the pass cannot be rebuilt (e.g. a lambda).
     """
     folder = Path(folder)
     manifest_file = folder / "manifest.json"
@@ -113,9 +96,9 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
         because = manifest["not_replayable_because"]
         raise ArchiveError(folder, because, f"{folder} cannot be replayed: {because}; its "
                            "program files and program.txt still show the program the pass met")
-    _check_modules(manifest["modules"], manifest_file, trusted)  # all, before importing any
-    # The folders of the user's own passes, only with trust: an untrusted manifest must
-    # not put a folder of its choosing before this library's packages on sys.path.
+    if not trusted:  # all, before importing any
+        _check_modules(manifest["modules"], manifest_file, "module list")
+    # Only trusted: an untrusted manifest must not put its folders before the library's.
     for root in reversed(manifest.get("import_paths", []) if trusted else []):
         if isinstance(root, str) and Path(root).is_dir() and root not in sys.path:
             sys.path.insert(0, root)
@@ -130,7 +113,11 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
     if manifest["validation"]:
         validation_file = folder / "validation.pt"
         saved = load_data(validation_file, trusted=trusted)
-        state = _state_reader(saved["state"], validation_file, trusted)
+        state = saved["state"]
+        if isinstance(state, str):  # "module:qualname"
+            if not trusted:
+                _check_modules([state.partition(":")[0]], validation_file, "state reader name")
+            state = pkgutil.resolve_name(state)
         instruments.append(_StoredValidation(saved, state))
     return Reproduction(folder, manifest, program, passes, instruments)
 
@@ -143,14 +130,10 @@ def replay(
     instruments: list[Instrumentation] = (),
     out: TextIO | None = None,
 ) -> int:
-    """Run a reproducer's failing pass again; the exit status for the command line.
-
-    1: the pass failed (the message says whether with the recorded error), 0: it no
-    longer fails, 2: the folder cannot be replayed (among others: it needs ``trusted``,
-    and the message says why). With ``trusted``, the folder is loaded as
-    :func:`load_reproducer` does with ``trusted=True``. With ``pdb``, the debugger starts
-    post mortem at the exception the pass raised.
-    """
+    """Run a reproducer's failing pass again (loaded as :func:`load_reproducer` does) and
+    return the command line's exit status: 1 the pass failed (the message says whether
+    with the recorded error), 0 it no longer fails, 2 the folder cannot be replayed (the
+    message says why). With ``pdb``, the debugger starts where the pass raised."""
     out = out or sys.stdout
     try:
         reproduction = load_reproducer(folder, trusted=trusted)
@@ -162,16 +145,38 @@ def replay(
     try:
         reproduction.run(list(instruments))
     except PassManagerError as e:
-        kind = f"{type(e).__module__}.{type(e).__qualname__}"
-        same = kind == m["error_type"] and str(e) == m["error_message"]
-        verdict = "the recorded error" if same else "a different error than recorded"
+        same = (f"{type(e).__module__}.{type(e).__qualname__}" == m["error_type"]
+                and str(e) == m["error_message"])
         print(f"{type(e).__name__}: {e}", file=out)
-        print(f"reproduced: {verdict}", file=out)
+        print(f"reproduced: {'the recorded error' if same else 'a different error than recorded'}",
+              file=out)
         if pdb:
             import pdb as debugger
 
-            origin = e.__cause__ or e
-            debugger.post_mortem(origin.__traceback__)
+            debugger.post_mortem((e.__cause__ or e).__traceback__)
         return 1
     print(f"{m['pass']} no longer fails (recorded: {m['error_type']})", file=out)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pass_manager replay FOLDER [--trust] [--pdb] [--print-before]
+    [--print-after-failure]``."""
+    parser = argparse.ArgumentParser(prog="python -m pass_manager")
+    commands = parser.add_subparsers(dest="command", required=True)
+    command = commands.add_parser("replay", help="rerun the failing pass of a reproducer")
+    command.add_argument("folder", help="a folder written by a Reproducer")
+    command.add_argument("--trust", action="store_true",
+                         help="read pickled files and import the modules the folder names "
+                              "(runs code from the folder: only for a folder you trust)")
+    command.add_argument("--pdb", action="store_true",
+                         help="start the debugger at the exception the pass raised")
+    command.add_argument("--print-before", action="store_true",
+                         help="print the program the pass is given")
+    command.add_argument("--print-after-failure", action="store_true",
+                         help="print what the pass changed before it failed")
+    args = parser.parse_args(argv)
+    printing = args.print_before or args.print_after_failure
+    instruments = [PrintIR(before=args.print_before, after_failure=args.print_after_failure)]
+    return replay(args.folder, trusted=args.trust, pdb=args.pdb,
+                  instruments=instruments if printing else [])

@@ -22,7 +22,7 @@ from pass_manager import (
     run_program,
     save_program,
 )
-from pass_manager._archive.untrusted import graph_refusals
+from pass_manager._untrusted import graph_refusals
 from pass_manager.archive import load_data, save_data, state_file
 from pass_manager.program import program_text
 from tests.models.accumulators import Accumulate
@@ -123,6 +123,18 @@ def test_a_graph_module_is_pickled_and_read_only_with_trust(tmp_path):
     assert "trusted=True" in str(error) and "--trust" in str(error)
     loaded = load_program(tmp_path / "program.pt", trusted=True)
     assert first_difference(run_program(gm, CALLS), run_program(loaded, CALLS)) is None
+
+
+def test_a_pickled_program_keeps_its_fake_values_symbolic_ones_included(tmp_path):
+    gm = torch.export.export(_Window(), (torch.ones(3),),
+                             dynamic_shapes=({0: Dim("n", max=4)},)).module()
+    save_program(gm, tmp_path / "program.pt")
+    loaded = load_program(tmp_path / "program.pt", trusted=True)
+    shapes = [(n.name, str(n.meta.get("val"))) for n in gm.graph.nodes]
+    assert [(n.name, str(n.meta.get("val"))) for n in loaded.graph.nodes] == shapes
+    assert any("s" in shape for name, shape in shapes if name == "x")  # a symbolic size
+    calls = [(torch.ones(2),), (torch.ones(4),)]
+    assert first_difference(run_program(gm, calls), run_program(loaded, calls)) is None
 
 
 def test_a_crafted_pickle_is_refused_without_trust_and_runs_with_it(tmp_path):

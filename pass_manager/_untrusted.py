@@ -1,21 +1,12 @@
-"""What a program file from someone else may hold for this library to read it without trust.
+"""What a file from someone else may hold for this library to read it without trust.
 
-``torch.load(weights_only=True)`` runs no code from the file: it rebuilds only plain data
-(:func:`plain_data` says what qualifies). ``torch.export.load`` is not safe by itself
-(torch's documentation says so): inside a ``.pt2`` archive it unpickles tensor subclasses,
-custom objects and, when ``weights_only`` fails, the example inputs; it ``sympify``-s
-(``eval``-s) symbolic shape expressions; and fx generates Python source from names in the
-graph (an input name becomes a parameter of ``def forward``, defaults included) and
-executes it. So before an archive reaches ``torch.export.load``, :func:`archive_refusals`
-checks that it holds only what ``save_program`` writes: known entries, no pickled payload,
-example inputs that load with ``weights_only=True``, symbolic expressions made of numbers,
-symbols, arithmetic and sympy's math functions, and no string that could become code
-(names, targets, keys, and the keyword names in pytree specs are identifiers or dotted
-paths). After loading, :func:`graph_refusals` checks that the graphs call only operators
-(``torch.ops``), the higher-order ops, and the arithmetic, ``getitem`` and grad-mode /
-autocast switches export itself emits (torch's verifier checks much the same, but admits
-what the file's own ``verifiers`` entry names): running the program then runs no Python
-function the file chose.
+``torch.load(weights_only=True)`` runs no code (:func:`plain_data` says what it rebuilds);
+``torch.export.load`` is not safe by itself: it unpickles, ``sympify``-s (evals) shape
+expressions, and fx turns names into Python source it executes. So
+:func:`archive_refusals` checks the archive holds only what ``save_program`` writes, with
+no string that could become code, before torch reads it; :func:`graph_refusals` checks the
+loaded graphs call only operators and export's own Python functions; and a replay imports
+only :func:`library_module` s.
 """
 
 from __future__ import annotations
@@ -38,9 +29,11 @@ from torch.export import ExportedProgram
 from torch.export.pt2_archive import PT2ArchiveReader
 from torch.export.pt2_archive import constants as pt2
 
-__all__ = ["archive_refusals", "graph_refusals", "plain_data"]
+__all__ = ["LIBRARY_PACKAGES", "archive_refusals", "graph_refusals", "library_module", "plain_data"]
 
 MODEL = "model"  # torch.export.save's name for its one program
+# The packages of this distribution (setup.cfg): a replay imports their modules untrusted.
+LIBRARY_PACKAGES = ("pass_manager", "passes")
 
 _PLAIN_LEAVES = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -225,3 +218,8 @@ def graph_refusals(ep: ExportedProgram) -> list[str]:
             elif node.op not in ("placeholder", "get_attr", "output"):
                 refusals.append(f"{where} is a {node.op} node")
     return refusals
+
+
+def library_module(name: str) -> bool:
+    """Whether ``name`` is a module of this library's own packages."""
+    return any(name == package or name.startswith(f"{package}.") for package in LIBRARY_PACKAGES)
