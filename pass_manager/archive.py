@@ -30,7 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
-from torch.fx._graph_pickler import GraphPickler, Options, _UnpickleState
+from torch.fx._graph_pickler import GraphPickler, Options, _OpPickleData, _UnpickleState
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
@@ -104,10 +104,21 @@ class _Pickler(GraphPickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Node):
             return _node, (obj.name,)
-        reduced = super().reducer_override(obj)
         if not isinstance(obj, GraphModule):
-            return reduced
-        _, (data, state) = reduced
+            return super().reducer_override(obj)
+        # GraphPickler names only torch's and the standard library's functions; a function
+        # of the user's (``fx.wrap``) is pickled by reference beside the graph.
+        own = {node: node.target for node in obj.graph.nodes
+               if node.op == "call_function" and not _named_by_torch(node.target)}
+        for node in own:
+            node.target = print  # a stand-in GraphPickler names, never called: replaced on load
+        try:
+            _, (data, state) = super().reducer_override(obj)
+        finally:
+            for node, target in own.items():
+                node.target = target
+            if own:
+                obj.recompile()
         attributes = {}
         for key, value in data.gm_dict.items():
             if isinstance(value, types.MethodType) and value.__self__ is obj:
@@ -121,7 +132,9 @@ class _Pickler(GraphPickler):
             meta[node.name] = _kept(node.meta, f"{node.name}.meta", self.dropped)
             node.meta = {}
         # The meta as the state: unpickled once the graph exists, names found in it.
-        return _graph_module, (data, state), (_OnLoad(_within, obj), meta), None, None, _set_meta
+        targets = {node.name: target for node, target in own.items()}
+        return (_graph_module, (data, state), (_OnLoad(_within, obj), meta, targets), None,
+                None, _set_meta)
 
 
 class _Checker(_Pickler):
@@ -136,20 +149,29 @@ class _Checker(_Pickler):
         return id(obj) if isinstance(obj, by_id) and not isinstance(obj, FakeTensor) else None
 
 
+def _named_by_torch(target: Any) -> bool:
+    try:
+        _OpPickleData.pickle(target, Options(ops_filter=None))
+    except NotImplementedError:
+        return False
+    return True
+
+
 def _graph_module(data: Any, state: _UnpickleState) -> GraphModule:
-    gm = data.unpickle(state)
-    gm.recompile()
-    return gm
+    return data.unpickle(state)  # compiled by _set_meta, once its targets are all back
 
 
 def _within(gm: GraphModule) -> None:
     _unpickle_state().within.append((gm.graph, {n.name: n for n in gm.graph.nodes}))
 
 
-def _set_meta(gm: GraphModule, state: tuple[None, dict[str, dict]]) -> None:
+def _set_meta(gm: GraphModule, state: tuple[None, dict[str, dict], dict[str, Any]]) -> None:
     _unpickle_state().within.pop()
+    _, meta, targets = state
     for node in gm.graph.nodes:
-        node.meta = state[1][node.name]
+        node.meta = meta[node.name]
+        node.target = targets.get(node.name, node.target)
+    gm.recompile()
 
 
 def _node(name: str) -> Node:

@@ -58,6 +58,24 @@ class _RunsCode:
         return exec, (f"open({self.marker!r}, 'w').write('ran')",)
 
 
+def _doubled(x):
+    return x * 2
+
+
+torch.fx.wrap("_doubled")  # a function of the user's, kept as one call by symbolic_trace
+
+
+class _CallsOwnFunction(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x):
+        y = _doubled(x)
+        self.total.add_(y)
+        return y + self.total
+
+
 def _pickle_of(value) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
@@ -135,6 +153,20 @@ def test_a_pickled_program_keeps_its_fake_values_symbolic_ones_included(tmp_path
     assert any("s" in shape for name, shape in shapes if name == "x")  # a symbolic size
     calls = [(torch.ones(2),), (torch.ones(4),)]
     assert first_difference(run_program(gm, calls), run_program(loaded, calls)) is None
+
+
+def test_a_pickled_graph_module_calling_a_function_of_the_user_keeps_it(tmp_path):
+    gm = torch.fx.symbolic_trace(_CallsOwnFunction())
+    for node in gm.graph.nodes:
+        node.meta["mark"] = f"seen {node.name}"
+    code = gm.code
+    save_program(gm, tmp_path / "program.pt")
+    assert gm.code == code and any(n.target is _doubled for n in gm.graph.nodes)
+    loaded = load_program(tmp_path / "program.pt", trusted=True)
+    assert [n.target for n in loaded.graph.nodes] == [n.target for n in gm.graph.nodes]
+    assert [n.meta["mark"] for n in loaded.graph.nodes] == [f"seen {n.name}"
+                                                            for n in gm.graph.nodes]
+    assert first_difference(run_program(gm, CALLS), run_program(loaded, CALLS)) is None
 
 
 def test_a_crafted_pickle_is_refused_without_trust_and_runs_with_it(tmp_path):
