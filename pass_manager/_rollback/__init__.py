@@ -44,9 +44,8 @@ class RollbackRecord:
 
     Tensor data is copied only for a pass declaring ``writes_state`` (a KV cache is not
     cloned before every pass): a tensor written without a copy is listed by
-    :meth:`written` and :meth:`unrestorable_changes`, never silently kept. Meta objects
-    are copied only for a pass that may edit them in place (``edits_meta_in_place``, or
-    ``strict``, which then checks that a pass declaring otherwise did not).
+    :meth:`unrestorable_changes`, never silently kept. Meta objects are copied only for a
+    pass that may edit them in place (``edits_meta_in_place``, or ``strict``).
     """
 
     def __init__(self, program: Any, effects: Effects, strict: bool = False):
@@ -70,9 +69,8 @@ class RollbackRecord:
 
     def measured(self, program: Any, after: bool) -> tuple[torch.fx.Graph, list | None,
                                                            list | None]:
-        """``program``'s graph and its nodes and their fields as this record measured them
-        (before the pass, or after it once :meth:`compare` did; else None), for
-        ``analysis.unchanged``."""
+        """``program``'s graph, its nodes and their fields as this record measured them
+        (before the pass, or after it once :meth:`compare` did), for ``analysis.unchanged``."""
         graph = graph_module_of(program).graph
         record = self._graph
         if not after:

@@ -29,9 +29,8 @@ _IMMUTABLE = (
     str, int, float, bool, tuple, frozenset, type(None), torch._C.TensorBase, torch.fx.Node,
     pytree.TreeSpec,
 )
-# Meta entries that hold values or provenance: passes replace them, never edit them in
-# place, so they are kept by reference (copying every node's module stacks was most of a
-# record's cost).
+# Meta entries of values or provenance: passes replace them, never edit them in place, so
+# they are kept by reference (copying every node's module stacks cost most of a record).
 _SHARED_META = frozenset({
     "val", "nn_module_stack", "source_fn_stack", "fwd_nn_module_stack", "fwd_source_fn_stack",
     "tensor_meta", "example_value", "stack_trace", "from_node", "seq_nr", "torch_fn",
@@ -103,17 +102,14 @@ def same(value: Any, recorded: Any, depth: int = 0) -> bool:
             return list(value) == list(recorded)
         return all(same(v, recorded.get(k, MISSING), depth + 1) for k, v in value.items())
     if isinstance(value, (list, tuple)):
-        return len(value) == len(recorded) and all(
-            same(a, b, depth + 1) for a, b in zip(value, recorded, strict=True)
-        )
+        return len(value) == len(recorded) and all(map(same, value, recorded,
+                                                       itertools.repeat(depth + 1)))
     if isinstance(value, set):
         return value == recorded
     names = _mutable_fields(value)
     if names is not None:
-        return all(
-            same(getattr(value, n, MISSING), getattr(recorded, n, MISSING), depth + 1)
-            for n in names
-        )
+        return all(same(getattr(value, n, MISSING), getattr(recorded, n, MISSING), depth + 1)
+                   for n in names)
     if isinstance(value, (torch._C.TensorBase, torch.fx.Node)):
         return False
     return equal(value, recorded)  # an object that cannot compare counts as changed

@@ -1,10 +1,9 @@
 """Everything of a program outside its graph, as a rollback record holds it, in C loops.
 
-A graph module from ``ep.module()`` has one submodule per level of every buffer's path:
-357 modules holding 354 buffers for a 32-layer decoder. Every record is therefore a flat
-list built by ``map`` over all modules at once, compared by identity (``operator.is_``
-over chained dict values: a new scalar tensor holding the same number is a change), and
-names are only made when a write has to be reported.
+``ep.module()`` has one submodule per level of every buffer's path (357 modules for a
+32-layer decoder), so every record is a flat list built by ``map`` over all modules at once,
+compared by identity (a new scalar tensor holding the same number is a change); names are
+made only when a write is reported.
 """
 
 from __future__ import annotations
@@ -82,14 +81,12 @@ class ModulesRecord:
         (a parameter's never is: parameters are the bulk of a model)."""
         prefixes = [f"{name}." if name else "" for name, _ in self.named]
         found: list[tuple[str, Any, bool]] = []
-        for prefix, entries in zip(prefixes, self.buffers, strict=True):
-            found += [(prefix + k, v, True) for k, v in entries.items() if isinstance(v, TENSOR)]
-        for prefix, entries in zip(prefixes, self.attrs, strict=True):
-            found += [(prefix + k, v, True) for k, v in entries.items()
-                      if isinstance(v, TENSOR) and not isinstance(v, torch.nn.Parameter)]
-        for prefix, entries in zip(prefixes, self.parameters, strict=True):
-            found += [(prefix + k, v, False) for k, v in entries.items()
-                      if isinstance(v, TENSOR)]
+        for dicts, copyable, skipped in ((self.buffers, True, ()),
+                                         (self.attrs, True, torch.nn.Parameter),
+                                         (self.parameters, False, ())):
+            for prefix, entries in zip(prefixes, dicts, strict=True):
+                found += [(prefix + k, v, copyable) for k, v in entries.items()
+                          if isinstance(v, TENSOR) and not isinstance(v, skipped)]
         return found
 
     def changed(self) -> bool:
