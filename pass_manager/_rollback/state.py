@@ -31,7 +31,6 @@ _values = dict.values
 _BUFFERS = operator.itemgetter("_buffers")
 _PARAMETERS = operator.itemgetter("_parameters")
 _MODULES = operator.itemgetter("_modules")
-_LEAVES = (str, int, float, bool, type(None))
 # An ExportedProgram's attributes recorded as copies (put back as copies of the copies).
 _EXPORTED = ("_state_dict", "_constants", "_range_constraints", "_verifiers")
 
@@ -180,9 +179,11 @@ class TensorsRecord:
                     self.tensors[i].copy_(data)
 
 
-def _walked(obj: Any) -> bool:
-    """A dataclass instance with a ``__dict__`` (signatures, specs, arguments)."""
-    return hasattr(type(obj), "__dataclass_fields__") and hasattr(obj, "__dict__")
+# Per type, whether its objects are recorded: lists and dataclass instances with a
+# ``__dict__`` (signatures, specs, arguments, call-graph entries).
+_KINDS: dict[type, type | None] = {}
+MISSING = object()
+_repeat = itertools.repeat
 
 
 class ObjectsRecord:
@@ -192,25 +193,22 @@ class ObjectsRecord:
 
     def __init__(self, roots: list, depth: int = 6):
         self.items: list[tuple[Any, Any]] = []
-        seen: set[int] = set()
-        stack = [(roots, depth)]
-        while stack:
-            obj, left = stack.pop()
-            if id(obj) in seen:
-                continue
-            if isinstance(obj, list):
-                contents: Any = obj.copy()
-                children: Any = contents
-            elif _walked(obj):
-                contents = obj.__dict__.copy()
-                children = contents.values()
-            else:
-                continue
-            seen.add(id(obj))
-            self.items.append((obj, contents))
-            if left:
-                stack += [(child, left - 1) for child in children
-                          if not isinstance(child, _LEAVES)]
+        level = [roots]
+        for _ in range(depth + 1):  # level by level, in C loops (a shared object: twice)
+            types = list(map(type, level))
+            kinds = list(map(_KINDS.get, types, _repeat(MISSING)))
+            if MISSING in kinds:  # a type met for the first time
+                for cls in set(types) - _KINDS.keys():
+                    _KINDS[cls] = (list if issubclass(cls, list) else object if hasattr(
+                        cls, "__dataclass_fields__") and cls.__dictoffset__ else None)
+                kinds = list(map(_KINDS.__getitem__, types))
+            walked = list(itertools.compress(level, kinds))
+            lists = [obj for obj in walked if isinstance(obj, list)]
+            objects = [obj for obj in walked if not isinstance(obj, list)]
+            self.items += zip(lists, map(list.copy, lists), strict=True)
+            contents = list(map(dict.copy, map(vars, objects)))
+            self.items += zip(objects, contents, strict=True)
+            level = [*_chain(lists), *_chain(map(_values, contents))]
 
     def changed(self) -> bool:
         now = [obj.copy() if isinstance(obj, list) else obj.__dict__ for obj, _ in self.items]
