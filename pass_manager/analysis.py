@@ -46,15 +46,13 @@ def equal(a: Any, b: Any) -> bool:
 
 def _signature_token(program: Any) -> tuple:
     if not isinstance(program, ExportedProgram):
-        return tuple((name, tuple(m._buffers), tuple(m._parameters))
-                     for name, m in modules_of(program))
+        return tuple([(name, tuple(m._buffers), tuple(m._parameters))
+                      for name, m in modules_of(program)])
     signature = program.graph_signature
     # The argument's name, or (an argument without one) its repr, rendered only then.
-    specs = tuple(
-        (s.kind, s.arg.name if hasattr(s.arg, "name") else repr(s.arg), s.target)
-        for s in (*signature.input_specs, *signature.output_specs)
-    )
-    return specs, tuple(program.state_dict), tuple(program.constants)
+    specs = [(s.kind, s.arg.name if hasattr(s.arg, "name") else repr(s.arg), s.target)
+             for s in (*signature.input_specs, *signature.output_specs)]
+    return tuple(specs), tuple(program.state_dict), tuple(program.constants)
 
 
 class _Measure:

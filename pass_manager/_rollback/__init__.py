@@ -15,6 +15,8 @@ program (:func:`recorded`): a pass never needs an undo log of its own.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -188,7 +190,7 @@ def recorded(program: Any) -> Iterator[None]:
 def transaction(program: Any, effects: Effects) -> Iterator[None]:
     """Leave ``program`` as it was if the block raises: the core loop's record when it holds
     one of ``program``, else one taken here (restored, then the error re-raised)."""
-    if any(held is program for held in _RECORDED.get()):
+    if any(map(operator.is_, _RECORDED.get(), itertools.repeat(program))):
         yield
         return
     record = take(program, effects)

@@ -194,7 +194,8 @@ class ObjectsRecord:
     def __init__(self, roots: list, depth: int = 6):
         self.items: list[tuple[Any, Any]] = []
         level = [roots]
-        for _ in range(depth + 1):  # level by level, in C loops (a shared object: twice)
+        while level and depth >= 0:  # level by level, in C loops (a shared object: twice)
+            depth -= 1
             types = list(map(type, level))
             kinds = list(map(_KINDS.get, types, _repeat(MISSING)))
             if MISSING in kinds:  # a type met for the first time
@@ -202,9 +203,8 @@ class ObjectsRecord:
                     _KINDS[cls] = (list if issubclass(cls, list) else object if hasattr(
                         cls, "__dataclass_fields__") and cls.__dictoffset__ else None)
                 kinds = list(map(_KINDS.__getitem__, types))
-            walked = list(itertools.compress(level, kinds))
-            lists = [obj for obj in walked if isinstance(obj, list)]
-            objects = [obj for obj in walked if not isinstance(obj, list)]
+            lists = list(itertools.compress(level, map(operator.is_, kinds, _repeat(list))))
+            objects = list(itertools.compress(level, map(operator.is_, kinds, _repeat(object))))
             self.items += zip(lists, map(list.copy, lists), strict=True)
             contents = list(map(dict.copy, map(vars, objects)))
             self.items += zip(objects, contents, strict=True)
