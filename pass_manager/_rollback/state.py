@@ -182,7 +182,7 @@ class TensorsRecord:
 # Per type, whether its objects are recorded: lists and dataclass instances with a
 # ``__dict__`` (signatures, specs, arguments, call-graph entries).
 _KINDS: dict[type, type | None] = {}
-MISSING = object()
+_UNKNOWN = object()
 _repeat = itertools.repeat
 
 
@@ -197,8 +197,8 @@ class ObjectsRecord:
         while level and depth >= 0:  # level by level, in C loops (a shared object: twice)
             depth -= 1
             types = list(map(type, level))
-            kinds = list(map(_KINDS.get, types, _repeat(MISSING)))
-            if MISSING in kinds:  # a type met for the first time
+            kinds = list(map(_KINDS.get, types, _repeat(_UNKNOWN)))
+            if _UNKNOWN in kinds:  # a type met for the first time
                 for cls in set(types) - _KINDS.keys():
                     _KINDS[cls] = (list if issubclass(cls, list) else object if hasattr(
                         cls, "__dataclass_fields__") and cls.__dictoffset__ else None)
@@ -221,7 +221,7 @@ class ObjectsRecord:
         for o, contents in self.items:
             clone = clones[id(o)]
             if isinstance(o, list):
-                clone += [clones.get(id(v), v) for v in contents]
+                clone[:] = [clones.get(id(v), v) for v in contents]
             else:
                 clone.__dict__.update((k, clones.get(id(v), v)) for k, v in contents.items())
         return clones[id(obj)]
