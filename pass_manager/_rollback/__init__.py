@@ -56,12 +56,16 @@ class RollbackRecord:
         self.strict = strict
         self._written: list[str] = []
         gm = graph_module_of(program)
-        meta_keys = None if strict else effects.meta_keys
-        with collector_paused():  # thousands of small records, none in a cycle
-            self._graph = GraphRecord(gm, effects.edits_meta_in_place or strict, meta_keys)
-            # A meta-only pass: the rest of its declaration is trusted, as in-place edits are.
-            self._state = None if effects.meta_only and not strict else StateRecord(
-                program, gm, effects.writes_state)
+        if effects.meta_only and not strict:
+            # The rest of a meta-only declaration is trusted, as in-place edits are.
+            self._graph = GraphRecord(gm, effects.edits_meta_in_place, effects.meta_keys)
+            self._state: StateRecord | None = None
+            return
+        # Thousands of small records, none in a cycle (a meta-only record gains nothing).
+        with collector_paused():
+            self._graph = GraphRecord(gm, effects.edits_meta_in_place or strict,
+                                      None if strict else effects.meta_keys)
+            self._state = StateRecord(program, gm, effects.writes_state)
 
     @property
     def leaves_nodes_alone(self) -> bool:
