@@ -1,22 +1,12 @@
 """Analyses cached per program, valid while what they read of the program is unchanged.
 
-A pass and the conditions around it often compute the same analysis: MarkMutableBuffers
-scans the graph for writes, and its guarantee MutableBuffersMarked scans again to check
-the marks; InplaceToFunctional's requirement scans what the pass then scans. With
-:func:`cached` the analysis is computed once and returned again while a :class:`Stamp` of
-what it depends on still matches (LLVM's analysis manager, with invalidation measured
-rather than declared):
-
-* every node of the graph, in order: the node object, its op, name, target, args, kwargs
-  and ``meta["val"]`` (held by reference, compared identity first, then by value);
-* for an ExportedProgram, its graph signature (kind, argument and target of every spec)
-  and the names in its state dict and constants; for a GraphModule, the buffer and
-  parameter names of every submodule.
-
-Node meta other than ``val`` and tensor data are not stamped: an analysis that reads
-them passes ``depends``, a function returning a token of what it reads (wrap objects in
-:class:`Same` to compare them by identity). The stamp holds what it compares, so no
-identity is recycled while it lives. A cached value is shared: treat it as read-only.
+:func:`cached` computes an analysis once and returns it again while a :class:`Stamp` of
+what it depends on still matches: every node in order (the node, its fields and
+``meta["val"]``, held by reference, compared identity first, then by value) and the
+signature (an ExportedProgram's specs and state names; a GraphModule's buffer and
+parameter names). What else an analysis reads (other meta, tensor data) it names with
+``depends``. The stamp holds what it compares, so no identity is recycled while it lives.
+A cached value is shared: treat it as read-only.
 """
 
 from __future__ import annotations
@@ -24,6 +14,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import torch
@@ -40,71 +31,8 @@ _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def node_fields(nodes: list[torch.fx.Node]) -> list[tuple]:
     """Per node, the fields that make the program's code: name, op, target, args, kwargs and
-    type (the manager's snapshot compares the same records)."""
+    type (the rollback record compares the same records)."""
     return [(n.name, n.op, n.target, n._args, n._kwargs, n.type) for n in nodes]
-
-
-class _Measure:
-    """One measurement of a graph's nodes: the nodes, their fields, their fake values, and
-    the program's signature token (the last three taken when first asked for)."""
-
-    __slots__ = ("_fields", "graph", "nodes", "signature", "vals")
-
-    def __init__(self, graph: torch.fx.Graph, nodes: list | None = None,
-                 fields: list | None = None):
-        self.graph = graph
-        self.nodes = list(graph.nodes) if nodes is None else nodes
-        self._fields = fields
-        self.vals: list | None = None
-        self.signature: tuple | None = None
-
-    @property
-    def fields(self) -> list[tuple]:
-        if self._fields is None:
-            self._fields = node_fields(self.nodes)
-        return self._fields
-
-    def values(self) -> list:
-        if self.vals is None:
-            self.vals = [n.meta.get("val") for n in self.nodes]
-        return self.vals
-
-    def signature_token(self, program: Any) -> tuple:
-        if self.signature is None:
-            self.signature = _signature_token(program)
-        return self.signature
-
-
-# Graphs the manager declared unchanged for a while (checking conditions): their nodes
-# are measured once for every stamp made or matched meanwhile (see ``unchanged``).
-_unchanged: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-@contextmanager
-def unchanged(graph: torch.fx.Graph, nodes: list | None = None,
-              fields: list | None = None) -> Iterator[None]:
-    """Declare that ``graph`` (and its program) does not change inside the block.
-
-    Stamps made or matched inside share one measurement of its nodes instead of taking
-    one each. The core loop wraps its condition checks in this, passing the node records
-    the rollback record has just taken (``nodes`` and ``fields``, as :func:`node_fields`);
-    without them the nodes are measured once, when first needed. A condition's check must
-    not change the program.
-    """
-    previous = _unchanged.get(graph)
-    _unchanged[graph] = _Measure(graph, nodes, fields)
-    try:
-        yield
-    finally:
-        if previous is None:
-            del _unchanged[graph]
-        else:
-            _unchanged[graph] = previous
-
-
-def _measure(graph: torch.fx.Graph) -> _Measure:
-    found = _unchanged.get(graph)
-    return found if found is not None else _Measure(graph)
 
 
 def equal(a: Any, b: Any) -> bool:
@@ -118,17 +46,55 @@ def equal(a: Any, b: Any) -> bool:
 
 def _signature_token(program: Any) -> tuple:
     if not isinstance(program, ExportedProgram):
-        gm = program
-        return tuple(
-            (name, tuple(m._buffers), tuple(m._parameters)) for name, m in modules_of(gm)
-        )
+        return tuple([(name, tuple(m._buffers), tuple(m._parameters))
+                      for name, m in modules_of(program)])
     signature = program.graph_signature
     # The argument's name, or (an argument without one) its repr, rendered only then.
-    specs = tuple(
-        (s.kind, s.arg.name if hasattr(s.arg, "name") else repr(s.arg), s.target)
-        for s in (*signature.input_specs, *signature.output_specs)
-    )
-    return specs, tuple(program.state_dict), tuple(program.constants)
+    specs = [(s.kind, s.arg.name if hasattr(s.arg, "name") else repr(s.arg), s.target)
+             for s in (*signature.input_specs, *signature.output_specs)]
+    return tuple(specs), tuple(program.state_dict), tuple(program.constants)
+
+
+class _Measure:
+    """One measurement of a program's graph: its nodes, then (when first asked for) their
+    fields, their fake values and the program's signature token."""
+
+    def __init__(self, graph: torch.fx.Graph, nodes: list | None = None,
+                 fields: list | None = None):
+        self.graph = graph
+        self.nodes = list(graph.nodes) if nodes is None else nodes
+        self._parts = None if fields is None else [fields, None, None]
+
+    def parts(self, program: Any) -> tuple:
+        parts = self._parts = self._parts or [node_fields(self.nodes), None, None]
+        if parts[1] is None:
+            parts[1] = [n.meta.get("val") for n in self.nodes]
+            parts[2] = _signature_token(program)
+        return tuple(parts)
+
+
+# The measurement of the graph the manager declared unchanged (see ``unchanged``).
+_UNCHANGED: ContextVar[_Measure | None] = ContextVar("unchanged_graph", default=None)
+
+
+@contextmanager
+def unchanged(graph: torch.fx.Graph, nodes: list | None = None,
+              fields: list | None = None) -> Iterator[None]:
+    """Declare that ``graph`` (and its program) does not change inside the block: stamps
+    made or matched inside share one measurement of it. The core loop wraps its condition
+    checks in this, passing the nodes and their fields (:func:`node_fields`) its rollback
+    record has just taken; without them they are measured once, when first needed."""
+    token = _UNCHANGED.set(_Measure(graph, nodes, fields))
+    try:
+        yield
+    finally:
+        _UNCHANGED.reset(token)
+
+
+def _measure(program: Any) -> _Measure:
+    graph = graph_module_of(program).graph
+    shared = _UNCHANGED.get()
+    return shared if shared is not None and shared.graph is graph else _Measure(graph)
 
 
 class Same:
@@ -149,52 +115,35 @@ class Same:
 class Stamp:
     """What an analysis of ``program`` depends on, to tell later whether it still holds."""
 
-    __slots__ = ("_depends", "_extra", "_graph", "_nodes", "_records", "_signature", "_vals")
+    __slots__ = ("_depends", "_extra", "_graph", "_nodes", "_parts")
 
     def __init__(self, program: Any, depends: Callable[[Any], Any] | None = None):
-        graph = graph_module_of(program).graph
-        measure = _measure(graph)
-        self._graph = graph
+        measure = _measure(program)
+        self._graph = measure.graph
         self._nodes = measure.nodes
-        self._records = measure.fields
-        self._vals = measure.values()
-        self._signature = measure.signature_token(program)
+        self._parts = measure.parts(program)
         self._depends = depends
         self._extra = depends(program) if depends is not None else None
 
-    def nodes_match(self, graph: torch.fx.Graph) -> bool:
-        """Whether ``graph`` has the stamped nodes, in order, with the same fields."""
-        if graph is not self._graph:
-            return False
-        measure = _measure(graph)
-        return (
-            measure.nodes == self._nodes  # Node equality is identity: a C loop
-            and equal(measure.fields, self._records)
-            and equal(measure.values(), self._vals)
-        )
-
     def matches(self, program: Any) -> bool:
+        measure = _measure(program)
         return (
-            self.nodes_match(graph_module_of(program).graph)
-            and _measure(graph_module_of(program).graph).signature_token(program)
-            == self._signature
+            measure.graph is self._graph
+            and measure.nodes == self._nodes  # Node equality is identity: a C loop
+            and equal(measure.parts(program), self._parts)
             and (self._depends is None or self._depends(program) == self._extra)
         )
 
 
-def cached(
-    program: Any,
-    key: str,
-    compute: Callable[[Any], T],
-    depends: Callable[[Any], Any] | None = None,
-) -> T:
+def cached(program: Any, key: str, compute: Callable[[Any], T],
+           depends: Callable[[Any], Any] | None = None) -> T:
     """``compute(program)``, or the value computed earlier if its stamp still matches.
 
     ``depends(program)`` (optional) returns a token of what else the analysis reads
-    (node meta, tensor data); the cached value is reused only while it compares equal.
+    (node meta, tensor data; wrap objects in :class:`Same` to compare them by identity):
+    the cached value is reused only while it compares equal.
     """
-    gm = graph_module_of(program)
-    entries = _cache.setdefault(gm, {})
+    entries = _cache.setdefault(graph_module_of(program), {})
     hit = entries.get(key)
     if hit is not None and hit[0].matches(program):
         return hit[1]

@@ -1,11 +1,7 @@
-"""The two program forms a pass works on, and what the manager needs to know of them.
+"""The two program forms a pass works on, told apart and rendered as text for diffs.
 
 * ``GraphModule`` (``ep.module()``, ``symbolic_trace``, the graph torchao quantizes).
-* ``ExportedProgram`` (``torch.export.export``): a graph module plus a graph signature
-  and a state dict.
-
-This module tells the forms apart and renders a program as text for diffs (the manager
-measures change against its rollback record, see ``_rollback``).
+* ``ExportedProgram`` (``torch.export.export``): a graph module, a graph signature and state.
 """
 
 from __future__ import annotations
@@ -16,30 +12,20 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-__all__ = [
-    "EXPORTED_PROGRAM",
-    "GRAPH_MODULE",
-    "graph_module_of",
-    "graph_of",
-    "modules_of",
-    "node_count",
-    "program_form",
-    "program_text",
-    "text_diff",
-]
+__all__ = ["EXPORTED_PROGRAM", "GRAPH_MODULE", "graph_module_of", "graph_of", "modules_of",
+           "node_count", "program_form", "program_text", "text_diff"]
 
 GRAPH_MODULE = "GraphModule"
 EXPORTED_PROGRAM = "ExportedProgram"
+
 
 def program_form(program: Any) -> str:
     if isinstance(program, ExportedProgram):
         return EXPORTED_PROGRAM
     if isinstance(program, torch.fx.GraphModule):
         return GRAPH_MODULE
-    raise TypeError(
-        "expected a torch.fx.GraphModule or torch.export.ExportedProgram, "
-        f"got {type(program).__name__}"
-    )
+    raise TypeError("expected a torch.fx.GraphModule or torch.export.ExportedProgram, "
+                    f"got {type(program).__name__}")
 
 
 def graph_module_of(program: Any) -> torch.fx.GraphModule:
@@ -75,14 +61,7 @@ def program_text(program: Any) -> str:
     return text
 
 
-def text_diff(
-    before: str, after: str, before_name: str = "before", after_name: str = "after"
-) -> str:
-    return "".join(
-        difflib.unified_diff(
-            before.splitlines(keepends=True),
-            after.splitlines(keepends=True),
-            fromfile=before_name,
-            tofile=after_name,
-        )
-    )
+def text_diff(before: str, after: str, before_name: str = "before",
+              after_name: str = "after") -> str:
+    return "".join(difflib.unified_diff(before.splitlines(keepends=True),
+                                        after.splitlines(keepends=True), before_name, after_name))

@@ -1,110 +1,173 @@
 """The rollback record: what a pass may change, recorded before it runs.
 
-One interface for the core loop: :func:`take` records a program for a pass's
-:class:`~pass_manager.effects.Effects` -> :meth:`RollbackRecord.check` (the pass kept its
-declaration) and :meth:`RollbackRecord.compare` (what it changed) -> :meth:`RollbackRecord.restore`
-(undo it). Behind it, two variants:
-
-* :class:`~.meta_keys.MetaKeysSnapshot` for a pass that changes only some node-meta keys
-  (:meth:`Effects.only_meta`): those entries, the nodes and their fields;
-* :class:`~.snapshot.Snapshot` for anything else: nodes, meta (all of it, or only the
-  declared keys of a rewrite that names them), modules, tensors (their data only for a pass
-  that writes state) and an ExportedProgram's signature, state and call graph.
-
-``strict`` takes the full snapshot whatever the declaration, and checks all of it.
+:func:`take` records a program for a pass's :class:`~pass_manager.effects.Effects`; the
+record then checks the declaration (:meth:`RollbackRecord.check`), measures what changed by
+identity (:meth:`~RollbackRecord.compare`) and undoes it (:meth:`~RollbackRecord.restore`).
+It records what the declaration allows: for a pass that changes only some node-meta keys
+(``Effects.only_meta``), those entries, the nodes and their fields; for any other, the nodes
+and their meta (:mod:`.graph`) and everything outside the graph (:mod:`.state`), tensor data
+only for a pass that writes state. ``strict`` records everything and checks all of it.
 
 :func:`transaction` is the same record for code that changes a program outside the core
-loop (a pass's ``call`` invoked directly): it records and restores on failure, unless the
-core loop already holds a record of that program (:func:`recorded`), so a pass never
-needs an undo log of its own.
+loop (a pass's ``call`` invoked directly), unless the core loop already holds one of that
+program (:func:`recorded`): a pass never needs an undo log of its own.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
+
+from ..collector import collector_paused
 from ..effects import Effects
 from ..errors import EffectsError
-from .meta_keys import MetaKeysSnapshot, undeclared_edits
-from .snapshot import Change, Snapshot
+from ..program import graph_module_of
+from .graph import GraphRecord
+from .state import StateRecord
 
 __all__ = ["Change", "RollbackRecord", "recorded", "take", "transaction"]
 
 
-class RollbackRecord:
-    """A program recorded for one pass: check its declaration, measure, restore."""
+class Change(NamedTuple):
+    """What a pass changed: ``structure`` (nodes, so the code) and ``anything`` at all."""
 
-    def __init__(self, program: Any, effects: Effects, strict: bool):
+    structure: bool
+    anything: bool
+
+
+class RollbackRecord:
+    """A program recorded for one pass: check its declaration, measure, restore.
+
+    Tensor data is copied only for a pass declaring ``writes_state`` (a KV cache is not
+    cloned before every pass): a tensor written without a copy is listed by
+    :meth:`unrestorable_changes`, never silently kept. Meta objects are copied only for a
+    pass that may edit them in place (``edits_meta_in_place``, or ``strict``).
+    """
+
+    def __init__(self, program: Any, effects: Effects, strict: bool = False):
+        self.program = program
         self.effects = effects
         self.strict = strict
         self._written: list[str] = []
+        gm = graph_module_of(program)
         if effects.meta_only and not strict:
-            self._record: Any = MetaKeysSnapshot(program, effects.meta_keys)
-        else:
-            self._record = Snapshot(
-                program,
-                copy_state=effects.writes_state,
-                copy_meta_values=effects.edits_meta_in_place or strict,
-                meta_keys=None if strict else effects.meta_keys,
-            )
+            # The rest of a meta-only declaration is trusted, as in-place edits are.
+            self._graph = GraphRecord(gm, effects.edits_meta_in_place, effects.meta_keys)
+            self._state: StateRecord | None = None
+            return
+        # Thousands of small records, none in a cycle (a meta-only record gains nothing).
+        with collector_paused():
+            self._graph = GraphRecord(gm, effects.edits_meta_in_place or strict,
+                                      None if strict else effects.meta_keys)
+            self._state = StateRecord(program, gm, effects.writes_state)
 
     @property
     def leaves_nodes_alone(self) -> bool:
         """The pass changes only node meta other than the fake values: nothing a cached
         analysis's stamp measures (so the checks around it can share one measurement)."""
-        return isinstance(self._record, MetaKeysSnapshot) and "val" not in self.effects.meta_keys
+        return self._state is None and "val" not in self.effects.meta_keys
 
-    def measured(self, program: Any, after: bool) -> tuple[Any, list | None, list | None]:
-        """``program``'s graph and the node records this record took of it (before the
-        pass, or after it once :meth:`compare` measured them; None when it did not), for
-        the analysis cache (``analysis.unchanged``)."""
-        return self._record.measured(program, after)
+    def measured(self, program: Any, after: bool) -> tuple[torch.fx.Graph, list | None,
+                                                           list | None]:
+        """``program``'s graph, its nodes and their fields as this record measured them
+        (before the pass, or after it once :meth:`compare` did), for ``analysis.unchanged``."""
+        graph = graph_module_of(program).graph
+        record = self._graph
+        if not after:
+            return graph, record.nodes, record.fields
+        if record.after is not None and graph is record.graph:
+            return graph, *record.after
+        return graph, None, None
+
+    def written(self) -> list[str]:
+        """Tensors whose data was written in place since the record (version counter)."""
+        return [] if self._state is None else self._state.tensors.written()
 
     # -- after the pass ----------------------------------------------------------------
     def check(self, pass_name: str, index: int, result: Any) -> None:
         """Raise the typed error of a broken declaration (what the record can see)."""
         effects = self.effects
-        self._written = self._record.written()
+        self._written = self.written()
         if self._written and not effects.writes_state:
             raise EffectsError(pass_name, index, "writes_state", self._written)
-        if not effects.edits_meta_in_place and self.strict:
-            edited = self._record.edited_in_place()
+        if self.strict and not effects.edits_meta_in_place:
+            edited = self._graph.edited_in_place()
             if edited:
                 raise EffectsError(pass_name, index, "edits_meta_in_place", edited)
         if effects.meta_keys is None:
             return
-        if isinstance(self._record, MetaKeysSnapshot):
-            edits = self._record.added_or_removed_nodes(result)
-        elif self.strict:
-            edits = undeclared_edits(self._record, result, effects)
+        if self._state is None:
+            edits = self._added_or_removed_nodes(result)
         else:
-            edits = []
+            edits = self._undeclared_edits(result) if self.strict else []
         if edits:
             raise EffectsError(pass_name, index, "meta_keys", edits)
 
+    def _added_or_removed_nodes(self, result: Any) -> list[str]:
+        """Nodes a meta-only pass added or removed (restored by rebuilding the graph)."""
+        graph, recorded = graph_module_of(result).graph, self._graph.nodes
+        if not self._graph.nodes_changed(graph):
+            return []
+        nodes = list(graph.nodes)
+        before, after = set(recorded), set(nodes)
+        return sorted([f"added {n.name}" for n in nodes if n not in before]
+                      + [f"removed {n.name}" for n in recorded if n not in after]
+                      or ["the graph object was replaced"])
+
+    def _undeclared_edits(self, result: Any) -> list[str]:
+        """What a pass changed besides the meta keys of existing nodes it declares (and, if
+        it does not rewrite, anything else at all): checked by ``strict``."""
+        effects, record = self.effects, self._graph
+        gm = graph_module_of(result)
+        structure_changed = gm is not record.gm or record.structure_changed(gm.graph)
+        if structure_changed and not effects.rewrites:
+            found = ["the graph's nodes or their arguments"]
+        else:
+            present = set(gm.graph.nodes) if structure_changed else None
+            found = record.other_meta_edits(effects.meta_keys, present)
+        if not effects.rewrites and (record.module_meta_changed() or self._state.changed(result)):
+            found.append("the graph module's meta, its modules or the program's signature or "
+                         "state")
+        return found
+
     def compare(self, result: Any, claimed_modified: bool | None) -> Change:
         """What the pass changed (after :meth:`check`)."""
-        if isinstance(self._record, MetaKeysSnapshot) and claimed_modified:
+        if self._state is None:
             # A meta-only pass that says it changed something is taken at its word: the
             # comparison would only check claims of "no change", and there is no
             # recompile to decide (at worst, cached conditions are dropped needlessly).
-            return Change(False, True)
-        return self._record.compare(result, self._written)
+            return Change(False, bool(claimed_modified) or self._graph.meta_changed()
+                          or result is not self.program)
+        gm = graph_module_of(result)
+        with collector_paused():
+            if gm is not self._graph.gm or self._graph.structure_changed(gm.graph):
+                return Change(True, True)
+            return Change(False, bool(self._written) or self._graph.meta_changed()
+                          or self._state.changed(result))
 
     # -- undo ------------------------------------------------------------------------
     @property
     def text(self) -> str:
-        """The program as it was, as text (for the diff a failure shows)."""
-        return self._record.text
+        """The program as it was, as text (rendered only for the diff a failure shows)."""
+        text = str(self._graph.rebuild())
+        signature = (getattr(self.program, "graph_signature", None) if self._state is None
+                     else self._state.signature_as_recorded())
+        return text if signature is None else f"{text}\n{signature}"
 
     def unrestorable_changes(self) -> list[str]:
-        return self._record.unrestorable_changes()
+        """Tensors written in place whose old data was not copied, so cannot come back."""
+        return [] if self._state is None else self._state.tensors.unrestorable()
 
     def restore(self) -> None:
-        self._record.restore()
+        if self._state is not None:
+            self._state.restore()
+        self._graph.restore(rebuild=self._state is not None)
 
 
 def take(program: Any, effects: Effects, strict: bool = False) -> RollbackRecord:
@@ -131,7 +194,7 @@ def recorded(program: Any) -> Iterator[None]:
 def transaction(program: Any, effects: Effects) -> Iterator[None]:
     """Leave ``program`` as it was if the block raises: the core loop's record when it holds
     one of ``program``, else one taken here (restored, then the error re-raised)."""
-    if any(held is program for held in _RECORDED.get()):
+    if any(map(operator.is_, _RECORDED.get(), itertools.repeat(program))):
         yield
         return
     record = take(program, effects)

@@ -1,30 +1,26 @@
-"""The modules and tensors of a program as a snapshot records them, in C loops.
+"""Everything of a program outside its graph, as a rollback record holds it, in C loops.
 
-A graph module from ``ep.module()`` has one submodule per level of every buffer's path:
-357 modules holding 354 buffers for a 32-layer decoder. Recording them module by module
-(a tuple, a prefix string and a call per tensor) cost more than the pass a snapshot
-guards. Here every record is a flat list built by ``map`` over all modules at once:
-
-* per module, shallow copies of its ``__dict__``, ``buffers``, ``_parameters`` and
-  ``_modules`` (what :meth:`ModulesRecord.restore` puts back);
-* one list of every tensor it holds (buffers, tensor attributes, parameters, then the
-  extra tensors the caller adds, e.g. an ExportedProgram's state) and their version
-  counters. Names are only made when a write has to be reported.
-
-Comparison is by identity, in C (``operator.is_`` over chained dict values): a value that
-is merely equal (a new scalar tensor holding the same number) is a change.
+``ep.module()`` has one submodule per level of every buffer's path (357 modules for a
+32-layer decoder), so every record is a flat list built by ``map`` over all modules at once,
+compared by identity (a new scalar tensor holding the same number is a change); names are
+made only when a write is reported.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import operator
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.export import ExportedProgram
 
-__all__ = ["TENSOR", "ModulesRecord", "TensorsRecord", "same_dicts", "tensor_keys"]
+from ..analysis import equal
+from ..program import modules_of
+
+__all__ = ["TENSOR", "ObjectsRecord", "StateRecord"]
 
 # Every tensor (parameters, fake and functional tensors) derives from the C base class;
 # checking against it skips torch.Tensor's Python-level instance check (9x slower).
@@ -35,15 +31,16 @@ _values = dict.values
 _BUFFERS = operator.itemgetter("_buffers")
 _PARAMETERS = operator.itemgetter("_parameters")
 _MODULES = operator.itemgetter("_modules")
+# An ExportedProgram's attributes recorded as copies (put back as copies of the copies).
+_EXPORTED = ("_state_dict", "_constants", "_range_constraints", "_verifiers")
 
 
-def tensor_keys(attrs: dict) -> list[str]:
-    """The names of the tensor-valued entries of ``attrs`` (in C loops)."""
+def _tensor_keys(attrs: dict) -> list[str]:
     return list(itertools.compress(attrs, map(isinstance, attrs.values(),
                                               itertools.repeat(TENSOR))))
 
 
-def same_dicts(now: list[dict], then: list[dict]) -> bool:
+def _same_dicts(now: list[dict], then: list[dict]) -> bool:
     """Pairwise: the same keys in the same order, holding the very same objects."""
     return (
         len(now) == len(then)
@@ -59,7 +56,8 @@ def _tensors_in(dicts: Iterable[dict]) -> list[Any]:
 
 
 class ModulesRecord:
-    """Every module's attributes and registered state (``named``: ``modules_of``'s list)."""
+    """Per module (``named``: ``modules_of``'s list), shallow copies of its ``__dict__``,
+    ``_buffers``, ``_parameters`` and ``_modules``."""
 
     def __init__(self, named: list[tuple[str, torch.nn.Module]]):
         self.named = named
@@ -82,40 +80,33 @@ class ModulesRecord:
         (a parameter's never is: parameters are the bulk of a model)."""
         prefixes = [f"{name}." if name else "" for name, _ in self.named]
         found: list[tuple[str, Any, bool]] = []
-        for prefix, entries in zip(prefixes, self.buffers, strict=True):
-            found += [(prefix + k, v, True) for k, v in entries.items() if isinstance(v, TENSOR)]
-        for prefix, entries in zip(prefixes, self.attrs, strict=True):
-            found += [(prefix + k, v, True) for k, v in entries.items()
-                      if isinstance(v, TENSOR) and not isinstance(v, torch.nn.Parameter)]
-        for prefix, entries in zip(prefixes, self.parameters, strict=True):
-            found += [(prefix + k, v, False) for k, v in entries.items()
-                      if isinstance(v, TENSOR)]
+        for dicts, copyable, skipped in ((self.buffers, True, ()),
+                                         (self.attrs, True, torch.nn.Parameter),
+                                         (self.parameters, False, ())):
+            for prefix, entries in zip(prefixes, dicts, strict=True):
+                found += [(prefix + k, v, copyable) for k, v in entries.items()
+                          if isinstance(v, TENSOR) and not isinstance(v, skipped)]
         return found
 
     def changed(self) -> bool:
-        """A buffer, parameter, submodule or tensor attribute added, removed or replaced.
-
-        Every submodule added is registered in a recorded module's ``_modules``, so the
-        recorded modules are all that needs looking at.
-        """
+        """A buffer, parameter, submodule or tensor attribute added, removed or replaced
+        (a submodule added is registered in a recorded module's ``_modules``)."""
         now = list(map(vars, self.modules))
         if not (
-            same_dicts(list(map(_BUFFERS, now)), self.buffers)
-            and same_dicts(list(map(_PARAMETERS, now)), self.parameters)
-            and same_dicts(list(map(_MODULES, now)), self.submodules)
+            _same_dicts(list(map(_BUFFERS, now)), self.buffers)
+            and _same_dicts(list(map(_PARAMETERS, now)), self.parameters)
+            and _same_dicts(list(map(_MODULES, now)), self.submodules)
         ):
             return True
-        if same_dicts(now, self.attrs):
+        if _same_dicts(now, self.attrs):
             return False
         # Other attributes replaced, added or removed (``_code`` by a recompile): only
         # tensors count, and only in the modules whose attributes differ.
         for attrs, recorded in zip(now, self.attrs, strict=True):
-            if attrs is recorded or same_dicts([attrs], [recorded]):
+            if attrs is recorded or _same_dicts([attrs], [recorded]):
                 continue
-            keys = tensor_keys(recorded)
-            if tensor_keys(attrs) != keys or not all(
-                attrs[k] is recorded[k] for k in keys
-            ):
+            keys = _tensor_keys(recorded)
+            if _tensor_keys(attrs) != keys or not all(attrs[k] is recorded[k] for k in keys):
                 return True
         return False
 
@@ -124,30 +115,23 @@ class ModulesRecord:
             self.modules, self.attrs, self.buffers, self.parameters, self.submodules,
             strict=True,
         ):
-            module.__dict__.clear()
-            module.__dict__.update(attrs)
-            module._buffers.clear()
-            module._buffers.update(buffers)
-            module._parameters.clear()
-            module._parameters.update(params)
-            module._modules.clear()
-            module._modules.update(modules)
+            for live, recorded in ((module.__dict__, attrs), (module._buffers, buffers),
+                                   (module._parameters, params), (module._modules, modules)):
+                live.clear()
+                live.update(recorded)
 
 
 class TensorsRecord:
     """Tensors' identities and version counters, and copies of the data of those a pass
-    may write (``copy``).
-
-    ``named`` makes ``(name, tensor, copyable)`` for every entry of ``tensors``, in order,
-    and is called only when a write is reported or data must be copied: the first name
-    of a tensor listed twice is its name.
-    """
+    may write (``copy``). ``named`` makes ``(name, tensor, copyable)`` for every entry of
+    ``tensors``, in order, only when a write is reported or data must be copied (a tensor
+    listed twice is named by its first listing)."""
 
     def __init__(self, tensors: list[Any], named: Any, copy: bool):
         self.tensors = tensors
         self.versions = [t._version for t in tensors]
         self._named = named
-        self._names: list[str] | None = None
+        self._names: list[str | None] | None = None
         self.data: dict[int, torch.Tensor] = {}
         if copy:
             seen: set[int] = set()
@@ -162,42 +146,150 @@ class TensorsRecord:
         assert len(entries) == len(self.tensors), "tensor names out of step with the record"
         return entries
 
-    def _first_names(self) -> list[str | None]:
-        """Per entry, its name, or None for a later listing of a tensor already named."""
-        if self._names is None:
-            seen: set[int] = set()
-            names: list[Any] = []
-            for name, tensor, _ in self.named():
-                names.append(None if id(tensor) in seen else name)
-                seen.add(id(tensor))
-            self._names = names
-        return self._names
-
-    def written(self) -> list[str]:
-        """Tensors whose data was written in place since the record (version counter)."""
+    def _changed(self, keep: Any) -> list[str]:
+        """The names of the written tensors (version counter moved) that ``keep(i)``."""
         versions = [t._version for t in self.tensors]
         if versions == self.versions:
             return []
-        names = self._first_names()
+        if self._names is None:  # per entry, its name, or None for a later listing
+            seen: set[int] = set()
+            self._names = []
+            for name, tensor, _ in self.named():
+                self._names.append(None if id(tensor) in seen else name)
+                seen.add(id(tensor))
         return sorted(
-            names[i] for i, (now, then) in enumerate(zip(versions, self.versions, strict=True))
-            if now != then and names[i] is not None
+            name for i, (name, now, then) in enumerate(zip(self._names, versions, self.versions,
+                                                           strict=True))
+            if now != then and name is not None and keep(i)
         )
+
+    def written(self) -> list[str]:
+        """Tensors whose data was written in place since the record (version counter)."""
+        return self._changed(lambda i: True)
 
     def unrestorable(self) -> list[str]:
         """Tensors written in place whose old data was not copied, so cannot come back."""
-        if [t._version for t in self.tensors] == self.versions:
-            return []
         copied = {id(self.tensors[i]) for i in self.data}
-        names = self._first_names()
-        return sorted(
-            names[i] for i, (tensor, version) in enumerate(zip(self.tensors, self.versions,
-                                                                strict=True))
-            if names[i] is not None and id(tensor) not in copied and tensor._version != version
-        )
+        return self._changed(lambda i: id(self.tensors[i]) not in copied)
 
     def restore(self) -> None:
         for i, data in self.data.items():
             if self.tensors[i]._version != self.versions[i]:
                 with torch.no_grad():
                     self.tensors[i].copy_(data)
+
+
+# Per type, whether its objects are recorded: lists and dataclass instances with a
+# ``__dict__`` (signatures, specs, arguments, call-graph entries).
+_KINDS: dict[type, type | None] = {}
+_UNKNOWN = object()
+_repeat = itertools.repeat
+
+
+class ObjectsRecord:
+    """Lists and dataclass instances (the graph signature, the module call graph) and what
+    they hold to ``depth`` levels, each with a shallow copy of its contents: compared in C
+    loops and restored in place, so that the objects other code holds stay the program's."""
+
+    def __init__(self, roots: list, depth: int = 6):
+        self.items: list[tuple[Any, Any]] = []
+        level = [roots]
+        while level and depth >= 0:  # level by level, in C loops (a shared object: twice)
+            depth -= 1
+            types = list(map(type, level))
+            kinds = list(map(_KINDS.get, types, _repeat(_UNKNOWN)))
+            if _UNKNOWN in kinds:  # a type met for the first time
+                for cls in set(types) - _KINDS.keys():
+                    _KINDS[cls] = (list if issubclass(cls, list) else object if hasattr(
+                        cls, "__dataclass_fields__") and cls.__dictoffset__ else None)
+                kinds = list(map(_KINDS.__getitem__, types))
+            lists = list(itertools.compress(level, map(operator.is_, kinds, _repeat(list))))
+            objects = list(itertools.compress(level, map(operator.is_, kinds, _repeat(object))))
+            self.items += zip(lists, map(list.copy, lists), strict=True)
+            contents = list(map(dict.copy, map(vars, objects)))
+            self.items += zip(objects, contents, strict=True)
+            level = [*_chain(lists), *_chain(map(_values, contents))]
+
+    def changed(self) -> bool:
+        now = [obj.copy() if isinstance(obj, list) else obj.__dict__ for obj, _ in self.items]
+        return not equal(now, [contents for _, contents in self.items])
+
+    def rebuilt(self, obj: Any) -> Any:
+        """A copy of the recorded ``obj`` as recorded (the recorded objects in it copied too)."""
+        clones = {id(o): [] if isinstance(o, list) else object.__new__(type(o))
+                  for o, _ in self.items}
+        for o, contents in self.items:
+            clone = clones[id(o)]
+            if isinstance(o, list):
+                clone[:] = [clones.get(id(v), v) for v in contents]
+            else:
+                clone.__dict__.update((k, clones.get(id(v), v)) for k, v in contents.items())
+        return clones[id(obj)]
+
+    def restore(self) -> None:
+        for obj, contents in self.items:
+            if isinstance(obj, list):
+                obj[:] = contents
+            else:
+                obj.__dict__.clear()
+                obj.__dict__.update(contents)
+
+
+class StateRecord:
+    """A program outside its graph: every module's attributes and registered state, every
+    tensor's identity and version (its data only with ``copy_data``), and an
+    ExportedProgram's signature, call graph, state, constants, range constraints and
+    verifiers."""
+
+    def __init__(self, program: Any, gm: torch.fx.GraphModule, copy_data: bool):
+        self.program = program
+        self.gm = gm
+        self.modules = ModulesRecord(modules_of(gm))
+        tensors = self.modules.tensors()
+        named = self.modules.named_tensors
+        self.exported: dict[str, Any] | None = None
+        if isinstance(program, ExportedProgram):
+            self.signature = program._graph_signature
+            self.call_graph = program._module_call_graph
+            self.objects = ObjectsRecord([self.signature, self.call_graph])
+            self.exported = {key: copy.copy(getattr(program, key)) for key in _EXPORTED}
+            # Its state (the tensors the graph module does not hold), after the modules'.
+            extra = [(key, value, not isinstance(value, torch.nn.Parameter))
+                     for mapping in (program._state_dict, program._constants)
+                     for key, value in mapping.items() if isinstance(value, TENSOR)]
+            tensors += [t for _, t, _ in extra]
+            named = lambda modules=self.modules.named_tensors: modules() + extra  # noqa: E731
+        self.tensors = TensorsRecord(tensors, named, copy_data)
+
+    def changed(self, program: Any) -> bool:
+        """The modules, or the ExportedProgram's attributes, or the program object changed."""
+        if self.modules.changed():
+            return True
+        if self.exported is None:
+            return program is not self.program
+        recorded = self.exported
+        signature = program._graph_signature
+        return not (
+            (signature is self.signature or equal(signature, self.signature_as_recorded()))
+            and program._module_call_graph is self.call_graph
+            and not self.objects.changed()
+            and _same_dicts([program._state_dict, program._constants],
+                            [recorded["_state_dict"], recorded["_constants"]])
+            and program._range_constraints == recorded["_range_constraints"]
+            and program._verifiers == recorded["_verifiers"]
+        )
+
+    def signature_as_recorded(self) -> Any:
+        return self.objects.rebuilt(self.signature) if self.exported is not None else None
+
+    def restore(self) -> None:
+        self.modules.restore()
+        self.tensors.restore()
+        if self.exported is not None:
+            program = self.program
+            self.objects.restore()
+            program._graph_signature = self.signature
+            program._module_call_graph = self.call_graph
+            for key, value in self.exported.items():
+                setattr(program, key, copy.copy(value))
+            program._graph_module = self.gm
