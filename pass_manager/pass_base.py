@@ -14,7 +14,7 @@ from .conditions import ALL_CONDITIONS, Condition, as_condition_set
 from .effects import Effects
 from .pipeline_text import format_value, pass_options, register
 from .program import EXPORTED_PROGRAM, GRAPH_MODULE
-from .result import PassResult
+from .report import PassResult
 from .running import run_alone
 
 __all__ = ["Pass", "PassResult", "as_pass", "function_pass"]

@@ -1,11 +1,37 @@
-"""The run report: what each pass cost and did."""
+"""What a pass returns (:class:`PassResult`) and what a run records of each pass (the report)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
-__all__ = ["PassRecord", "Report"]
+import torch
+
+from .program import graph_module_of
+
+__all__ = ["PassRecord", "PassResult", "Report"]
+
+
+@dataclass
+class PassResult:
+    """What a pass returns: the program (same form as its input) and whether it changed.
+
+    ``modified`` is the pass's own claim (the manager measures the truth and reports a
+    wrong claim); ``notes`` are remarks for the run report; ``statistics`` counts what the
+    pass did, by a short description (``{"in-place ops rewritten: aten.add_": 3}``), per
+    call (a pass is an immutable value: it returns its counts, never keeps them on self).
+    """
+
+    program: Any
+    modified: bool | None = None
+    notes: list[str] = field(default_factory=list)
+    statistics: Mapping[str, int | float] = field(default_factory=dict)
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        return graph_module_of(self.program)
 
 
 @dataclass

@@ -45,8 +45,7 @@ from .program import (
     program_text,
     text_diff,
 )
-from .report import PassRecord, Report
-from .result import PassResult
+from .report import PassRecord, PassResult, Report
 
 __all__ = ["RunResult", "Runner", "default_instruments", "run_alone"]
 

@@ -1,13 +1,15 @@
-"""Instrumentation: the hooks the core loop (``running``) calls around every pass and run."""
+"""Instrumentation: the hooks the core loop (``running``) calls around every pass and run,
+and the two instruments every run has (:class:`Timing`, :class:`ClaimCheck`)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from ..errors import PassManagerError
+from ..errors import PassFailedError, PassManagerError
 from ..report import PassRecord, Report
 
-__all__ = ["Instrumentation"]
+__all__ = ["ClaimCheck", "Instrumentation", "Timing"]
 
 
 class Instrumentation:
@@ -40,3 +42,43 @@ class Instrumentation:
         self, pass_: Any, program: Any, record: PassRecord, error: PassManagerError
     ) -> None:
         pass
+
+
+class Timing(Instrumentation):
+    """Fills ``record.wall_time`` with the pass's wall time, checks included (and the
+    rollback, for a pass that failed)."""
+
+    def before_pass(self, pass_: Any, program: Any, record: PassRecord) -> None:
+        record.wall_time = -time.perf_counter()
+
+    def after_pass(self, pass_: Any, program: Any, record: PassRecord) -> None:
+        record.wall_time += time.perf_counter()
+
+    def after_pass_failed(
+        self, pass_: Any, program: Any, record: PassRecord, error: PassManagerError
+    ) -> None:
+        record.wall_time += time.perf_counter()
+
+
+class ClaimCheck(Instrumentation):
+    """A pass that says "unmodified" but changed the program: a report warning, or with
+    ``strict=True`` a PassFailedError (and the pass is rolled back)."""
+
+    def __init__(self, strict: bool = False):
+        self.strict = strict
+        self._report: Report | None = None
+
+    def before_run(self, program: Any, report: Report) -> None:
+        self._report = report
+
+    def after_pass(self, pass_: Any, program: Any, record: PassRecord) -> None:
+        if record.claimed_modified is not False or not record.modified:
+            return
+        if self.strict:
+            raise PassFailedError(
+                record.name, record.index, "reported 'unmodified' but changed the program"
+            )
+        if self._report is not None:
+            self._report.warnings.append(
+                f"pass #{record.index} {record.name} reported 'unmodified' but changed the program"
+            )

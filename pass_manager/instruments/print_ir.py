@@ -1,7 +1,8 @@
 """PrintIR: the program before / after chosen passes, after a change or a failure (MLIR's
 IR printing), to a stream or one numbered file per dump in a folder. After a failure the
 pass is already rolled back: the dump shows the error, the diff of what the pass had
-changed, and the program as the pass was given it."""
+changed, and the program as the pass was given it. PrintDiff: a unified diff of the program
+after every pass that changed it."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import PassManagerError
-from ..program import program_text
+from ..program import program_text, text_diff
 from ..report import PassRecord
 from .base import Instrumentation
 
-__all__ = ["PrintIR"]
+__all__ = ["PrintDiff", "PrintIR"]
 
 Selection = bool | Iterable[str]
 
@@ -92,3 +93,23 @@ class PrintIR(Instrumentation):
             f"// the program, rolled back:\n{program_text(program)}"
         )
         self._emit("After Failure of", record, body)
+
+
+class PrintDiff(Instrumentation):
+    """Prints a unified diff of the program after every pass that changed it."""
+
+    def __init__(self, stream: TextIO | None = None):
+        self.stream = stream
+        self._before = ""
+
+    def before_pass(self, pass_: Any, program: Any, record: PassRecord) -> None:
+        self._before = program_text(program)
+
+    def after_pass(self, pass_: Any, program: Any, record: PassRecord) -> None:
+        if record.modified:
+            stream = self.stream or sys.stdout
+            diff = text_diff(
+                self._before, program_text(program), "before " + record.name,
+                "after " + record.name,
+            )
+            stream.write(diff)
