@@ -16,8 +16,8 @@ import functools
 
 import torch
 
-from benchmarks.timing import time_call
 from pass_manager import PassManager
+from pass_manager.benchmarking import time_call
 from passes import ConsumeBufferMutationsInDelegate
 from passes.delegation import AllNodePartitioner, OpSupportPartitioner, delegates, to_delegate
 from passes.flow.examples import kv_decoder

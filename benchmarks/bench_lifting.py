@@ -71,8 +71,8 @@ from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-from benchmarks.timing import Timings
 from pass_manager import PassManager
+from pass_manager.benchmarking import Timings
 from pass_manager.validation import Trace, first_difference
 from passes import (
     InplaceToFunctional,

@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.timing import Timings, time_call
 from pass_manager import PassManager, graph_module_of
+from pass_manager.benchmarking import Timings, time_call
 from passes import InplaceToFunctional, UnfreezeMutableBuffer
 from tests.models.pass_inputs import PASSES, inputs_for
 

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.timing import Timings
 from pass_manager import PassManager, function_pass, graph_module_of
+from pass_manager.benchmarking import Timings
 from passes import (
     ConsumeBufferMutationsInDelegate,
     InplaceToFunctional,

@@ -19,9 +19,9 @@ from torch.export import ExportedProgram
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 from torch.fx.passes.infra.pass_manager import PassManager as TorchPassManager
 
-from benchmarks.timing import time_call
 from pass_manager import Condition, Effects, PassManager, function_pass
 from pass_manager._rollback import take
+from pass_manager.benchmarking import time_call
 from pass_manager.program import graph_module_of
 
 # The digest the manager once measured change with (it compares against its rollback

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.timing import Timings, time_call
 from pass_manager import PassManager, graph_module_of
+from pass_manager.benchmarking import Timings, time_call
 from pass_manager.validation import call_inputs
 from passes import QuantizeMutableBuffers
 from passes._analysis.quantized_state import state_storage

@@ -1,7 +1,7 @@
 """Measure pass cost: repeat runs on fresh copies and keep min / median / max.
 
 Example (three lines to benchmark your own pass):
-    >>> from benchmarks.timing import benchmark_passes
+    >>> from pass_manager.benchmarking import benchmark_passes
     >>> result = benchmark_passes([MyPass()], torch.export.export(model, inputs), repeat=5)
     >>> print(result.table())
 """
@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pass_manager import PassManager
-from pass_manager.program import node_count
+from .manager import PassManager
+from .program import node_count
 
 __all__ = ["BenchmarkResult", "Timings", "benchmark_passes", "time_call"]
 
