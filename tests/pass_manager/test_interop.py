@@ -3,12 +3,14 @@ passes and plain functions in ours."""
 
 import copy
 
+import pytest
 import torch
 from torch.fx.passes.infra.pass_base import PassBase
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 from torch.fx.passes.infra.pass_manager import PassManager as TorchPassManager
 
-from pass_manager import PassManager
+from pass_manager import PassFailedError, PassManager, first_difference, run_program
+from tests.models.accumulators import Accumulate
 
 from .conftest import ReluToAbs, targets
 
@@ -47,3 +49,38 @@ def test_torch_pass_base_and_plain_functions_run_in_our_pipeline(traced, exporte
 
     result = PassManager([no_op]).run(exported)
     assert isinstance(result.program, torch.export.ExportedProgram) and not result.modified
+
+
+class _AccumulateAbs(Accumulate):
+    """What Accumulate computes with its relu replaced by abs (the eager reference)."""
+
+    def forward(self, x):
+        self.acc.add_(x)
+        return torch.abs(self.linear(self.acc)) * 2 + 1
+
+
+class TorchStyleCopyReluToAbs(PassBase):
+    """Returns a rewritten copy of the graph module and wrongly claims "unmodified"."""
+
+    def call(self, gm):
+        new = copy.deepcopy(gm)
+        for node in new.graph.nodes:
+            if node.target is torch.ops.aten.relu.default:
+                node.target = torch.ops.aten.abs.default
+        new.recompile()
+        return TorchPassResult(new, False)
+
+
+def test_a_torch_pass_returning_a_new_graph_for_an_exported_program_has_its_claim_checked(
+        exported):
+    calls = [(torch.ones(4),), (torch.full((4,), -3.0),), (torch.arange(4.0),)]
+    result = PassManager([TorchStyleCopyReluToAbs()]).run(exported)
+    assert isinstance(result.program, torch.export.ExportedProgram) and result.modified
+    assert targets(result.program, "abs") and not targets(result.program, "relu")
+    assert "reported 'unmodified' but changed the program" in result.report.warnings[0]
+    reference = _AccumulateAbs()
+    reference.load_state_dict(Accumulate().state_dict())
+    assert first_difference(run_program(reference, calls), run_program(result.program, calls)) \
+        is None
+    with pytest.raises(PassFailedError, match="reported 'unmodified'"):
+        PassManager([TorchStyleCopyReluToAbs()], strict=True).run(exported)
