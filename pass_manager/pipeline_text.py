@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import gc
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -37,8 +38,16 @@ def register(cls: type) -> None:
     _classes.add(cls)
 
 
-def registered_passes() -> list[type]:
-    """Every registered pass class still alive, in a stable order (module, then name)."""
+def registered_passes(*, collect: bool = False) -> list[type]:
+    """Every registered pass class still alive, in a stable order (module, then name).
+
+    A class only a reference cycle keeps (every class is in one: its ``__mro__``), such as
+    a class of a finished function or of a notebook cell run again, stays until the
+    garbage collector runs; ``collect=True`` runs it first, for answers that must not
+    name such a class.
+    """
+    if collect:
+        gc.collect()
     return sorted(
         (cls for cls in _classes if not cls.__dict__.get("_unregistered", False)),
         key=lambda cls: (cls.__module__, cls.__qualname__),
@@ -180,7 +189,13 @@ def _parse_value(text: str) -> Any:
 
 def _pass_class(name: str) -> type:
     """The one live pass class named ``name``; two live classes of one name are ambiguous."""
-    found = [cls for cls in registered_passes() if cls.__name__ == name]
+    def named(collect: bool) -> list[type]:
+        return [cls for cls in registered_passes(collect=collect) if cls.__name__ == name]
+
+    found = named(collect=False)
+    if len(found) > 1:
+        found.clear()  # its references would keep the dead classes alive
+        found = named(collect=True)
     if len(found) == 1:
         return found[0]
     if found:

@@ -73,7 +73,7 @@ def _providers_hint(condition: Condition, alone: str | None = None) -> str:
     """Which known passes provide ``condition``: said to a pipeline without one, or to the
     pass ``alone`` (its repr) called by itself."""
     found = set()
-    for cls in registered_passes():
+    for cls in registered_passes(collect=True):
         try:
             if condition in as_condition_set(cls.__dict__.get("provides", ())):
                 found.add(cls.__name__)

@@ -1,5 +1,7 @@
 """Running passes: condition checks and their cache, change detection, reports, hooks."""
 
+import gc
+
 import pytest
 import torch
 
@@ -94,6 +96,24 @@ def test_a_pass_called_alone_is_told_what_to_run_before_it(traced):
     assert "called alone" not in str(info.value)
     assert "No pass in this pipeline provides it; add one of: ReluToAbs." in str(info.value)
     NeedsNoRelu()(ReluToAbs()(traced).graph_module)  # the advice works
+
+
+def test_a_dead_pass_class_is_not_offered_as_a_provider(traced):
+    """A class of a finished function (another test's, a notebook cell's) is dead, but a
+    reference cycle keeps it until the garbage collector runs: the hint must not name it."""
+    def define():
+        class DeadProvider(Pass):
+            provides = frozenset({NoRelu})
+
+    gc.disable()
+    try:
+        define()
+        with pytest.raises(PreconditionError) as info:
+            NeedsNoRelu()(traced)
+    finally:
+        gc.enable()
+    assert "DeadProvider" not in str(info.value)
+    assert "run ReluToAbs on the program first" in str(info.value)
 
 
 def test_requirement_provided_earlier_is_not_rechecked():

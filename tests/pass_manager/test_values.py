@@ -3,6 +3,7 @@ with options, pipeline text, the in_place contract and the failure hook."""
 
 import copy
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -139,6 +140,31 @@ def test_parse_pipeline_round_trips_and_runs(traced):
 def test_bad_pipeline_text_is_a_pipeline_error(text, message):
     with pytest.raises(PipelineError, match=message):
         parse_pipeline(text)
+
+
+def test_a_class_redefined_under_one_name_is_parsed_as_the_live_one(traced):
+    """A notebook cell run twice defines a second class of one name; the first is dead
+    but, being in a reference cycle, stays until the garbage collector runs."""
+    def define(factor):
+        class Redefined(Pass):
+            def call(self, program):
+                for node in graph_of(program).nodes:
+                    if node.op == "call_function" and node.target is torch.ops.aten.mul.Tensor:
+                        node.args = (node.args[0], factor)
+                return PassResult(program, True)
+        return Redefined
+
+    gc.disable()  # keep the first class alive until the parser looks
+    try:
+        define(5.0)
+        live = define(3.0)
+        (p,) = parse_pipeline("Redefined").plan()
+    finally:
+        gc.enable()
+    assert type(p) is live
+    x = torch.tensor([-1.0, 2.0, -3.0, 4.0])
+    result = parse_pipeline("Redefined").run(traced)
+    torch.testing.assert_close(result.graph_module(x), torch.relu(traced.linear(x)) * 3 + 1)
 
 
 def test_functions_have_no_pipeline_text():
