@@ -30,7 +30,27 @@ def _where(pass_name: str, index: int | None) -> str:
     return f"pass #{index} {pass_name}" if index is not None else f"pass {pass_name}"
 
 
-class PassManagerError(Exception):
+def _rebuilt(cls: type, args: tuple, attributes: dict) -> BaseException:
+    """An error or warning unpickled (or copied): its message and attributes as they were,
+    without calling its constructor, whose parameters are not its message."""
+    rebuilt = cls.__new__(cls, *args)
+    rebuilt.args = args
+    rebuilt.__dict__.update(attributes)
+    return rebuilt
+
+
+class KeepsAttributesWhenPickled:
+    """For an exception or warning class whose constructor takes what its message is made
+    of: Python rebuilds one by calling the class with its message, which such a
+    constructor refuses (or renders again as the wrong thing); this rebuilds it from its
+    message and attributes, so it crosses a process pool, ``copy`` and ``warnings``
+    intact."""
+
+    def __reduce__(self) -> tuple:
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+
+class PassManagerError(KeepsAttributesWhenPickled, Exception):
     """Base class of every error the pass manager raises.
 
     Attributes:

@@ -144,14 +144,18 @@ class CarriedStateWarning(UserWarning):
         inputs: the names of those inputs.
     """
 
+    # ``args`` are the constructor's arguments and the message is rendered from them:
+    # ``warnings``, ``copy``, pickle and pytest-xdist rebuild a warning as ``cls(*args)``.
     def __init__(self, inputs: list[str]):
         self.inputs = list(inputs)
+        super().__init__(self.inputs)
+
+    def __str__(self) -> str:
         names = ", ".join(map(repr, self.inputs))
-        super().__init__(
-            f"reset_mutable_buffers: the state of input(s) {names} lives in the caller's "
-            "tensors, which it cannot reset (nothing was reset for them): pass fresh "
-            "tensors on the next call, or make the state resident with "
-            "passes.InputsToBuffers")
+        return (f"reset_mutable_buffers: the state of input(s) {names} lives in the caller's "
+                "tensors, which it cannot reset (nothing was reset for them): pass fresh "
+                "tensors on the next call, or make the state resident with "
+                "passes.InputsToBuffers")
 
 
 class QuantizationInputError(PassManagerError, ValueError, TypeError):

@@ -170,11 +170,17 @@ class DelegateStateWarning(UserWarning):
         issue: ``"fp16"`` or ``"initial value"``.
     """
 
+    # Rebuilt as ``cls(*args)`` (``warnings``, ``copy``, pytest-xdist): ``args`` are the
+    # constructor's arguments, the last one the message.
     def __init__(self, buffer: str, backend: str, issue: str, message: str):
         self.buffer = buffer
         self.backend = backend
         self.issue = issue
-        super().__init__(message)
+        self.message = message
+        super().__init__(buffer, backend, issue, message)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class ParameterMutationOnExecuTorchError(PassManagerError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import pickle
 import re
 
 import pytest
@@ -28,6 +29,7 @@ from passes import (
     SkipAnnotateDataMovementOps,
     UnfreezeMutableBuffer,
 )
+from passes._methods.shared_buffers import BufferDifference
 from passes.delegation import AllNodePartitioner, OpSupportPartitioner, to_delegate
 from passes.flow.examples import xnnpack_quantizer
 from passes.flow.quantization import torchao_recipe
@@ -165,13 +167,29 @@ def raised(pass_, program) -> list[str]:
     try:
         pass_(program())
     except PassFailedError as e:
+        survives_pickling(e)
+        survives_pickling(e.__cause__)
         cause = type(e.__cause__)
         with pytest.raises(cause):
             pass_.call(program())
         return ["PassFailedError", cause.__name__]
     except PassManagerError as e:
+        survives_pickling(e)
         return [type(e).__name__]
     return []
+
+
+def survives_pickling(error: BaseException) -> None:
+    """A raised error crosses a process pool (pickle) and ``copy`` with its message and
+    attributes: Python rebuilds an exception by calling its class with its message."""
+    for rebuilt in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert type(rebuilt) is type(error)
+        assert str(rebuilt) == str(error)
+        assert rebuilt.args == error.args
+        assert set(vars(rebuilt)) == set(vars(error))
+        for name, value in vars(error).items():
+            if isinstance(value, (str, int, list, tuple, dict, type(None))):
+                assert getattr(rebuilt, name) == value, name
 
 
 @pytest.mark.parametrize("name", list(TRIGGERS))
@@ -191,3 +209,56 @@ def test_each_error_a_pass_raises_is_documented(name):
     for program, build in PROGRAMS.items():
         undocumented = set(raised(pass_, build)) - names
         assert not undocumented, f"{name} on {program}: {undocumented}"
+
+
+def _every_error_and_warning_class() -> list[type]:
+    import passes.executorch
+
+    modules = (pass_manager.errors, passes.errors, passes.delegation.errors, passes.executorch)
+    return sorted({
+        value for module in modules for value in vars(module).values()
+        if isinstance(value, type) and issubclass(value, (PassManagerError, Warning))
+        and value.__module__.startswith(("pass_manager", "passes"))
+    }, key=lambda cls: cls.__qualname__)
+
+
+def _argument(parameter: inspect.Parameter, node: torch.fx.Node):
+    """A value of the parameter's annotated type (names, lists of names, a node)."""
+    annotation = str(parameter.annotation)
+    if "Node" in annotation:
+        return node
+    if annotation.startswith(("list", "Sequence")):
+        return [f"{parameter.name}_0", f"{parameter.name}_1"]
+    if annotation.startswith("int"):
+        return 3
+    return f"the {parameter.name}"
+
+
+# Arguments a name-built value would not do (checked against a set of kinds, read as
+# objects).
+_ARGUMENTS = {
+    "EffectsError": {"kind": "writes_state"},
+    "SharedBufferError": {"differences": [
+        BufferDifference("cache", ("prefill", "decode"), "shape",
+                         "(4,) in prefill, (8,) in decode"),
+        BufferDifference("pos", ("prefill", "decode"), "dtype",
+                         "int64 in prefill, int32 in decode"),
+    ]},
+}
+
+
+@pytest.mark.parametrize("cls", _every_error_and_warning_class(), ids=lambda c: c.__name__)
+def test_every_error_and_warning_survives_pickling(cls):
+    """Not only those the passes raise: the helpers' errors and the warnings too (a warning
+    shown by ``warnings`` or pytest is copied, which once spelled its input names letter
+    by letter)."""
+    node = next(iter(torch.fx.symbolic_trace(torch.nn.ReLU()).graph.nodes))
+    parameters = list(inspect.signature(cls).parameters.values())
+    arguments = {p.name: _argument(p, node) for p in parameters
+                 if p.default is inspect.Parameter.empty
+                 and p.kind is not inspect.Parameter.VAR_KEYWORD}
+    arguments.update(_ARGUMENTS.get(cls.__name__, {}))
+    error = cls(**arguments)
+    survives_pickling(error)
+    if issubclass(cls, Warning):  # pytest-xdist sends a warning over as cls(*args)
+        assert str(cls(*error.args)) == str(error)
