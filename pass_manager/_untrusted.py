@@ -24,6 +24,7 @@ from typing import Any
 import sympy
 import torch
 import torch.utils._sympy.functions as sympy_functions
+from torch._export.serde.serialize import _SYM_OPS
 from torch._export.verifier import Verifier
 from torch.export import ExportedProgram
 from torch.export.pt2_archive import PT2ArchiveReader
@@ -189,17 +190,11 @@ def _refusals(reader: PT2ArchiveReader) -> list[str]:
     return refusals
 
 
-_PYTHON_TARGETS = frozenset(
-    [getattr(operator, name) for name in (
-        "getitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos",
-        "abs", "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "not_", "invert")]
-    + [math.ceil, math.floor, math.trunc, math.sqrt, torch._assert, round,
-       torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
-       torch.amp.autocast_mode._exit_autocast]
-    + [getattr(torch, name) for name in ("sym_int", "sym_float", "sym_max", "sym_min",
-                                          "sym_not", "sym_ite", "sym_sqrt", "sym_sum")]
-    + list(Verifier().allowed_builtin_ops())
-)
+# The Python functions export writes: those torch's verifier and serializer list, and a few more.
+_PYTHON_TARGETS = frozenset([
+    *Verifier().allowed_builtin_ops(), *_SYM_OPS, operator.xor, operator.invert, math.sqrt,
+    torch.sym_sum, torch._assert, torch._C._set_grad_enabled,
+    torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast])
 _OPERATORS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
 
 
