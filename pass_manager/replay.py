@@ -176,7 +176,5 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument("--print-after-failure", action="store_true",
                          help="print what the pass changed before it failed")
     args = parser.parse_args(argv)
-    printing = args.print_before or args.print_after_failure
-    instruments = [PrintIR(before=args.print_before, after_failure=args.print_after_failure)]
-    return replay(args.folder, trusted=args.trust, pdb=args.pdb,
-                  instruments=instruments if printing else [])
+    printing = PrintIR(before=args.print_before, after_failure=args.print_after_failure)
+    return replay(args.folder, trusted=args.trust, pdb=args.pdb, instruments=[printing])
