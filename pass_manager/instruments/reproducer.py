@@ -62,11 +62,9 @@ def _validation_record(v: SemanticValidation) -> dict[str, Any]:
     module = getattr(state, "__module__", None)
     if state is not None and module not in (None, "__main__") and "<" not in name:
         state = f"{module}:{name}"
-    trace = v._reference
-    reference = None if trace is None else {
-        "outputs": trace.outputs, "buffers": trace.buffers, "inputs": trace.inputs}
+    trace = v._reference  # its fields as a dict: the replay rebuilds it as Trace(**reference)
     return {"inputs": v.inputs, "atol": v.atol, "rtol": v.rtol, "state": state,
-            "reference": reference}
+            "reference": None if trace is None else vars(trace)}
 
 
 class Reproducer(Instrumentation):
