@@ -15,7 +15,7 @@ import pkgutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from ._untrusted import LIBRARY_PACKAGES, library_module
 from .archive import load_data, load_program
@@ -128,34 +128,31 @@ def replay(
     trusted: bool = False,
     pdb: bool = False,
     instruments: list[Instrumentation] = (),
-    out: TextIO | None = None,
 ) -> int:
     """Run a reproducer's failing pass again (loaded as :func:`load_reproducer` does) and
     return the command line's exit status: 1 the pass failed (the message says whether
     with the recorded error), 0 it no longer fails, 2 the folder cannot be replayed (the
     message says why). With ``pdb``, the debugger starts where the pass raised."""
-    out = out or sys.stdout
     try:
         reproduction = load_reproducer(folder, trusted=trusted)
     except Exception as e:  # noqa: BLE001 - any failure to load is reported the same way
-        print(f"error: cannot load the reproducer {folder}: {type(e).__name__}: {e}", file=out)
+        print(f"error: cannot load the reproducer {folder}: {type(e).__name__}: {e}")
         return 2
     m = reproduction.manifest
-    print(f"replaying {m['pass']} (pipeline {m['pipeline']}) on the saved {m['form']}", file=out)
+    print(f"replaying {m['pass']} (pipeline {m['pipeline']}) on the saved {m['form']}")
     try:
         reproduction.run(list(instruments))
     except PassManagerError as e:
         same = (f"{type(e).__module__}.{type(e).__qualname__}" == m["error_type"]
                 and str(e) == m["error_message"])
-        print(f"{type(e).__name__}: {e}", file=out)
-        print(f"reproduced: {'the recorded error' if same else 'a different error than recorded'}",
-              file=out)
+        print(f"{type(e).__name__}: {e}")
+        print(f"reproduced: {'the recorded error' if same else 'a different error than recorded'}")
         if pdb:
             import pdb as debugger
 
             debugger.post_mortem((e.__cause__ or e).__traceback__)
         return 1
-    print(f"{m['pass']} no longer fails (recorded: {m['error_type']})", file=out)
+    print(f"{m['pass']} no longer fails (recorded: {m['error_type']})")
     return 0
 
 
