@@ -46,13 +46,9 @@ def _import_root(module: str) -> str | None:
     file = getattr(sys.modules.get(module), "__file__", None)
     if library_module(module) or not file:
         return None
-    path, parts = Path(file).resolve(), tuple(module.split("."))
-    depth = len(parts) - (path.name != "__init__.py")
-    if depth >= len(path.parents):
-        return None
-    root = path.parents[depth]
-    inside = path.relative_to(root).with_suffix("").parts
-    return str(root) if inside[: len(parts)] == parts else None
+    path = Path(file).resolve().with_suffix("")  # root/a/b/c for a.b.c, root/a/__init__ for a
+    parts = tuple(module.split(".")) + (("__init__",) if path.name == "__init__" else ())
+    return str(path.parents[len(parts) - 1]) if path.parts[-len(parts):] == parts else None
 
 
 def _validation_record(v: SemanticValidation) -> dict[str, Any]:
