@@ -41,9 +41,8 @@ from .program import (
     GRAPH_MODULE,
     graph_module_of,
     node_count,
+    pass_diff,
     program_form,
-    program_text,
-    text_diff,
 )
 from .report import PassRecord, PassResult, Report
 
@@ -228,8 +227,7 @@ class Runner:
         record.statistics = dict(_error_statistics(e) or record.statistics)
         if rollback is not None:
             if not error.diff:
-                error.diff = text_diff(rollback.text, program_text(current),
-                                       "before " + p.name, "after " + p.name)
+                error.diff = pass_diff(rollback.text, current, p.name)
             error.unrestored = sorted(set(error.unrestored)
                                       | set(rollback.unrestorable_changes()))
             rollback.restore()
