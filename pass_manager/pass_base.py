@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -148,8 +147,6 @@ def function_pass(
             "__doc__": func.__doc__,
             "__module__": getattr(func, "__module__", __name__),
         }
-        instance = type(name or func.__name__, (Pass,), attrs)()
-        functools.update_wrapper(instance, func, assigned=("__doc__",), updated=())
-        return instance
+        return type(name or func.__name__, (Pass,), attrs)()
 
     return wrap(fn) if fn is not None else wrap
