@@ -133,13 +133,10 @@ def _topological_order(graph: nx.DiGraph) -> list[int]:
 def _dependency_graph(passes: Sequence[Any]) -> nx.DiGraph:
     graph = nx.DiGraph()
     for index, p in enumerate(passes):
-        graph.add_node(f"pass:{index}:{p.name}", kind="pass", label=p.name, index=index)
-    for index, p in enumerate(passes):
         own = f"pass:{index}:{p.name}"
-        for c in provides_of(p) - requires_of(p):
+        graph.add_node(own, kind="pass", label=p.name, index=index)
+        for c in provides_of(p) | requires_of(p):
             graph.add_node(f"condition:{c.name}", kind="condition", label=c.name)
-            graph.add_edge(own, f"condition:{c.name}")
-        for c in requires_of(p):
-            graph.add_node(f"condition:{c.name}", kind="condition", label=c.name)
-            graph.add_edge(f"condition:{c.name}", own)
+        graph.add_edges_from((own, f"condition:{c.name}") for c in provides_of(p) - requires_of(p))
+        graph.add_edges_from((f"condition:{c.name}", own) for c in requires_of(p))
     return graph
