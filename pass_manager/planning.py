@@ -26,7 +26,7 @@ class Placement:
     pass_: Any
     listed_at: int
     after: list[tuple[str, str]] = field(default_factory=list)  # (provider name, condition)
-    unprovided: list[str] = field(default_factory=list)  # required, provided by no pass
+    unprovided: list[Condition] = field(default_factory=list)  # required, provided by no pass
 
     def reason(self) -> str:
         parts = [f"after {provider} (provides {condition})" for provider, condition in self.after]
@@ -105,7 +105,7 @@ def build_plan(passes: Sequence[Any]) -> Plan:
             if c in providers:  # the order placed every provider before the pass
                 placement.after.extend((passes[q].name, c.name) for q in providers[c])
             else:
-                placement.unprovided.append(c.name)
+                placement.unprovided.append(c)
         placements.append(placement)
     return Plan(placements, graph, passes)
 
