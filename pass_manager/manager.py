@@ -84,10 +84,8 @@ class PassManager(Pass):
 
     @property
     def accepts(self) -> tuple[str, ...]:
-        forms = None
-        for p in self.plan():
-            forms = set(p.accepts) if forms is None else forms & set(p.accepts)
-        return tuple(sorted(forms)) if forms is not None else Pass.accepts
+        forms = [set(p.accepts) for p in self.plan()]
+        return tuple(sorted(set.intersection(*forms))) if forms else Pass.accepts
 
     @property
     def effects(self) -> Effects:
