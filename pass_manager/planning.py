@@ -38,15 +38,7 @@ class Placement:
 @dataclass
 class Plan:
     placements: list[Placement]
-    _graph: nx.DiGraph | None = None
-    _planned: Sequence[Any] = ()
-
-    @property
-    def graph(self) -> nx.DiGraph:
-        """The pass/condition DAG (built on first use when the list order was the plan)."""
-        if self._graph is None:
-            self._graph = _dependency_graph(self._planned)
-        return self._graph
+    listed: Sequence[Any] = ()  # the passes in the order they were listed
 
     @property
     def passes(self) -> list[Any]:
@@ -62,11 +54,14 @@ class Plan:
         return "\n".join(lines)
 
     def to_dot(self) -> str:
+        """The pass/condition DAG as Graphviz DOT text (built per call: running needs no graph
+        when the list order is the plan, and a graph built to order the passes is not kept)."""
+        graph = _dependency_graph(self.listed)
         lines = ["digraph passes {", "  rankdir=LR;"]
-        for node, data in self.graph.nodes(data=True):
+        for node, data in graph.nodes(data=True):
             shape = "box" if data["kind"] == "pass" else "ellipse"
             lines.append(f'  "{node}" [shape={shape}, label="{data["label"]}"];')
-        lines += [f'  "{src}" -> "{dst}";' for src, dst in self.graph.edges]
+        lines += [f'  "{src}" -> "{dst}";' for src, dst in graph.edges]
         return "\n".join([*lines, "}"]) + "\n"
 
 
@@ -93,11 +88,10 @@ def build_plan(passes: Sequence[Any]) -> Plan:
     for index, p in enumerate(passes):
         for c in provides_of(p) - requires_of(p):
             providers.setdefault(c, []).append(index)
-    graph, order = None, range(len(passes))
+    order: Sequence[int] = range(len(passes))
     if any(providers.get(c, [-1])[-1] >= index
            for index, p in enumerate(passes) for c in requires_of(p)):
-        graph = _dependency_graph(passes)
-        order = _topological_order(graph)
+        order = _topological_order(_dependency_graph(passes))
     placements = []
     for index in order:
         placement = Placement(passes[index], index)
@@ -107,7 +101,7 @@ def build_plan(passes: Sequence[Any]) -> Plan:
             else:
                 placement.unprovided.append(c)
         placements.append(placement)
-    return Plan(placements, graph, passes)
+    return Plan(placements, passes)
 
 
 def _topological_order(graph: nx.DiGraph) -> list[int]:
