@@ -102,7 +102,7 @@ class _ConditionError(PassManagerError):
     kind = "condition"
 
     def __init__(self, pass_name: str, index: int | None, condition: str,
-                 violations: Sequence[str], *, hint: str = "", diff: str = ""):
+                 violations: Sequence[str], *, hint: str = ""):
         self.condition = condition
         self.violations = list(violations)
         listing = [f"  - {v}" for v in self.violations[:20]]
@@ -112,7 +112,6 @@ class _ConditionError(PassManagerError):
                    f"({len(self.violations)} violation(s)):\n" + "\n".join(listing))
         super().__init__(message + (f"\n{hint}" if hint else ""), pass_name=pass_name,
                          index=index)
-        self.diff = diff
 
 
 class PreconditionError(_ConditionError):
@@ -145,11 +144,10 @@ class PostconditionError(_ConditionError):
 class PassFailedError(PassManagerError):
     """A pass raised (or broke its contract); the program was rolled back to its state before it."""
 
-    def __init__(self, pass_name: str, index: int | None, reason: str, *, diff: str = ""):
+    def __init__(self, pass_name: str, index: int | None, reason: str):
         self.reason = reason
         super().__init__(f"{_where(pass_name, index)} failed: {reason}", pass_name=pass_name,
                          index=index)
-        self.diff = diff
 
 
 class EffectsError(PassFailedError):

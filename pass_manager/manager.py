@@ -13,7 +13,6 @@ from .conditions import (
     preserves_everything,
     preserves_of,
     provides_of,
-    requires_of,
 )
 from .effects import Effects
 from .instruments import Instrumentation
@@ -71,12 +70,8 @@ class PassManager(Pass):
 
     @property
     def requires(self) -> frozenset:
-        provided: set = set()
-        needed: set = set()
-        for p in self.plan():
-            needed |= requires_of(p) - provided
-            provided |= provides_of(p)
-        return frozenset(needed)
+        # What no pass of the group provides: the plan puts every provider before its users.
+        return frozenset(c for placed in self._plan.placements for c in placed.unprovided)
 
     @property
     def provides(self) -> frozenset:
@@ -89,10 +84,8 @@ class PassManager(Pass):
 
     @property
     def accepts(self) -> tuple[str, ...]:
-        forms = None
-        for p in self.plan():
-            forms = set(p.accepts) if forms is None else forms & set(p.accepts)
-        return tuple(sorted(forms)) if forms is not None else Pass.accepts
+        forms = [set(p.accepts) for p in self.plan()]
+        return tuple(sorted(set.intersection(*forms))) if forms else Pass.accepts
 
     @property
     def effects(self) -> Effects:

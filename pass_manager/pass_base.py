@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from .conditions import ALL_CONDITIONS, Condition, as_condition_set
@@ -106,9 +104,7 @@ def as_pass(item: Any) -> Pass:
         raise TypeError(
             f"pipeline got the class {item.__name__}; pass an instance: {item.__name__}()"
         )
-    if isinstance(item, PassBase):
-        return _CallablePass(item, type(item).__name__)
-    if callable(item):
+    if callable(item):  # a torch PassBase too: named by its class, having no __name__
         return _CallablePass(item, getattr(item, "__name__", None) or type(item).__name__)
     raise TypeError(f"pipeline element {item!r} is not a pass or a callable")
 
@@ -148,8 +144,6 @@ def function_pass(
             "__doc__": func.__doc__,
             "__module__": getattr(func, "__module__", __name__),
         }
-        instance = type(name or func.__name__, (Pass,), attrs)()
-        functools.update_wrapper(instance, func, assigned=("__doc__",), updated=())
-        return instance
+        return type(name or func.__name__, (Pass,), attrs)()
 
     return wrap(fn) if fn is not None else wrap

@@ -64,14 +64,12 @@ def pass_options(pass_: Any) -> dict[str, Any]:
     return {f.name: getattr(pass_, f.name) for f in dataclasses.fields(pass_) if f.init}
 
 
-def _default_options(pass_: Any) -> dict[str, Any]:
-    defaults = {}
-    for f in dataclasses.fields(pass_) if dataclasses.is_dataclass(pass_) else ():
-        if f.default is not dataclasses.MISSING:
-            defaults[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            defaults[f.name] = f.default_factory()
-    return defaults
+def _differs_from_default(pass_: Any, option: str, value: Any) -> bool:
+    """Whether ``value`` is not the option's default (an option without one always is)."""
+    f = pass_.__dataclass_fields__[option]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory() != value
+    return f.default is dataclasses.MISSING or f.default != value
 
 
 def format_value(value: Any, *, python: bool = False) -> str:
@@ -101,11 +99,10 @@ def format_pass(pass_: Any) -> str:
             f"{pass_.name} has no pipeline text: only registered Pass classes do "
             "(not plain functions, torch PassBase objects or nested PassManagers)"
         )
-    defaults = _default_options(pass_)
     options = [
         f"{key}={format_value(value)}"
         for key, value in pass_options(pass_).items()
-        if key not in defaults or defaults[key] != value
+        if _differs_from_default(pass_, key, value)
     ]
     return type(pass_).__name__ + ("{" + ",".join(options) + "}" if options else "")
 

@@ -26,7 +26,7 @@ class Placement:
     pass_: Any
     listed_at: int
     after: list[tuple[str, str]] = field(default_factory=list)  # (provider name, condition)
-    unprovided: list[str] = field(default_factory=list)  # required, provided by no pass
+    unprovided: list[Condition] = field(default_factory=list)  # required, provided by no pass
 
     def reason(self) -> str:
         parts = [f"after {provider} (provides {condition})" for provider, condition in self.after]
@@ -38,15 +38,7 @@ class Placement:
 @dataclass
 class Plan:
     placements: list[Placement]
-    _graph: nx.DiGraph | None = None
-    _planned: Sequence[Any] = ()
-
-    @property
-    def graph(self) -> nx.DiGraph:
-        """The pass/condition DAG (built on first use when the list order was the plan)."""
-        if self._graph is None:
-            self._graph = _dependency_graph(self._planned)
-        return self._graph
+    listed: Sequence[Any] = ()  # the passes in the order they were listed
 
     @property
     def passes(self) -> list[Any]:
@@ -62,11 +54,14 @@ class Plan:
         return "\n".join(lines)
 
     def to_dot(self) -> str:
+        """The pass/condition DAG as Graphviz DOT text (built per call: running needs no graph
+        when the list order is the plan, and a graph built to order the passes is not kept)."""
+        graph = _dependency_graph(self.listed)
         lines = ["digraph passes {", "  rankdir=LR;"]
-        for node, data in self.graph.nodes(data=True):
+        for node, data in graph.nodes(data=True):
             shape = "box" if data["kind"] == "pass" else "ellipse"
             lines.append(f'  "{node}" [shape={shape}, label="{data["label"]}"];')
-        lines += [f'  "{src}" -> "{dst}";' for src, dst in self.graph.edges]
+        lines += [f'  "{src}" -> "{dst}";' for src, dst in graph.edges]
         return "\n".join([*lines, "}"]) + "\n"
 
 
@@ -93,11 +88,10 @@ def build_plan(passes: Sequence[Any]) -> Plan:
     for index, p in enumerate(passes):
         for c in provides_of(p) - requires_of(p):
             providers.setdefault(c, []).append(index)
-    graph, order = None, range(len(passes))
+    order: Sequence[int] = range(len(passes))
     if any(providers.get(c, [-1])[-1] >= index
            for index, p in enumerate(passes) for c in requires_of(p)):
-        graph = _dependency_graph(passes)
-        order = _topological_order(graph)
+        order = _topological_order(_dependency_graph(passes))
     placements = []
     for index in order:
         placement = Placement(passes[index], index)
@@ -105,9 +99,9 @@ def build_plan(passes: Sequence[Any]) -> Plan:
             if c in providers:  # the order placed every provider before the pass
                 placement.after.extend((passes[q].name, c.name) for q in providers[c])
             else:
-                placement.unprovided.append(c.name)
+                placement.unprovided.append(c)
         placements.append(placement)
-    return Plan(placements, graph, passes)
+    return Plan(placements, passes)
 
 
 def _topological_order(graph: nx.DiGraph) -> list[int]:
@@ -133,13 +127,10 @@ def _topological_order(graph: nx.DiGraph) -> list[int]:
 def _dependency_graph(passes: Sequence[Any]) -> nx.DiGraph:
     graph = nx.DiGraph()
     for index, p in enumerate(passes):
-        graph.add_node(f"pass:{index}:{p.name}", kind="pass", label=p.name, index=index)
-    for index, p in enumerate(passes):
         own = f"pass:{index}:{p.name}"
-        for c in provides_of(p) - requires_of(p):
+        graph.add_node(own, kind="pass", label=p.name, index=index)
+        for c in provides_of(p) | requires_of(p):
             graph.add_node(f"condition:{c.name}", kind="condition", label=c.name)
-            graph.add_edge(own, f"condition:{c.name}")
-        for c in requires_of(p):
-            graph.add_node(f"condition:{c.name}", kind="condition", label=c.name)
-            graph.add_edge(f"condition:{c.name}", own)
+        graph.add_edges_from((own, f"condition:{c.name}") for c in provides_of(p) - requires_of(p))
+        graph.add_edges_from((f"condition:{c.name}", own) for c in requires_of(p))
     return graph

@@ -13,7 +13,7 @@ import torch
 from torch.export import ExportedProgram
 
 __all__ = ["EXPORTED_PROGRAM", "GRAPH_MODULE", "graph_module_of", "graph_of", "modules_of",
-           "node_count", "program_form", "program_text", "text_diff"]
+           "node_count", "pass_diff", "program_form", "program_text"]
 
 GRAPH_MODULE = "GraphModule"
 EXPORTED_PROGRAM = "ExportedProgram"
@@ -61,7 +61,9 @@ def program_text(program: Any) -> str:
     return text
 
 
-def text_diff(before: str, after: str, before_name: str = "before",
-              after_name: str = "after") -> str:
+def pass_diff(before: str, program: Any, pass_name: str) -> str:
+    """What pass ``pass_name`` changed: a unified diff from ``before`` (the program's text
+    before it) to ``program``, headed ``before NAME`` / ``after NAME``."""
     return "".join(difflib.unified_diff(before.splitlines(keepends=True),
-                                        after.splitlines(keepends=True), before_name, after_name))
+                                        program_text(program).splitlines(keepends=True),
+                                        "before " + pass_name, "after " + pass_name))

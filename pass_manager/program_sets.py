@@ -16,7 +16,6 @@ from .report import Report
 __all__ = [
     "JointCondition",
     "MethodsRunResult",
-    "joint_conditions",
     "register_joint_condition",
     "run_each",
 ]
@@ -52,11 +51,6 @@ def register_joint_condition(condition: JointCondition) -> None:
     if not isinstance(condition, JointCondition):
         raise TypeError(f"register_joint_condition: {condition!r} is not a JointCondition")
     _JOINT[condition.name] = condition
-
-
-def joint_conditions() -> list[JointCondition]:
-    """The registered conditions, in registration order."""
-    return list(_JOINT.values())
 
 
 @dataclass
@@ -106,7 +100,7 @@ def run_each(run: Callable[[Any], Any], programs: Mapping[str, Any],
     for name in programs:
         if not isinstance(name, str):
             raise TypeError(f"method names are strings, got {name!r}")
-    conditions = joint_conditions()
+    conditions = list(_JOINT.values())  # in registration order
     for condition in conditions:
         condition.check(programs, "before the pipeline")
     remembered = [condition.remember(programs) for condition in conditions]

@@ -61,11 +61,11 @@ def _count(value: float) -> str:
 
 @dataclass
 class Report:
-    records: list[PassRecord] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
     plan: str = ""
     # The run's ``strict`` option (a reproducer replays the pass the same way).
     strict: bool = False
+    records: list[PassRecord] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def total_time(self) -> float:
@@ -116,14 +116,7 @@ class Report:
         return self.table()
 
     def to_dict(self) -> dict:
-        return {
-            "plan": self.plan,
-            "strict": self.strict,
-            "records": [asdict(r) for r in self.records],
-            "warnings": list(self.warnings),
-            "total_time": self.total_time,
-            "check_time": self.check_time,
-        }
+        return {**asdict(self), "total_time": self.total_time, "check_time": self.check_time}
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), **kwargs)

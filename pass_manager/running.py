@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
@@ -41,9 +41,8 @@ from .program import (
     GRAPH_MODULE,
     graph_module_of,
     node_count,
+    pass_diff,
     program_form,
-    program_text,
-    text_diff,
 )
 from .report import PassRecord, PassResult, Report
 
@@ -128,6 +127,7 @@ def _error_statistics(error: BaseException) -> dict[str, Any]:
     return {}
 
 
+@dataclass(eq=False)  # one Runner per run, compared by identity
 class Runner:
     """Runs passes in the given order, checked and transactional; one Runner per run.
 
@@ -137,25 +137,14 @@ class Runner:
     ``alone`` says the one pass was called by itself (errors say so).
     """
 
-    def __init__(
-        self,
-        passes: Sequence[Any],
-        instruments: Iterable[Instrumentation],
-        *,
-        name: str = "PassManager",
-        plan: str = "",
-        start: int = 0,
-        strict: bool = False,
-        alone: bool = False,
-    ):
-        self.passes = list(passes)
-        self.alone = alone
-        self.strict = strict
-        self.start = start
-        self.instruments = list(instruments)
-        self.name = name
-        self.plan = plan
-        self.holds: set[Condition] = set()  # the conditions known to hold
+    passes: Sequence[Any]
+    instruments: Sequence[Instrumentation]
+    _: KW_ONLY
+    name: str = "PassManager"
+    plan: str = ""
+    start: int = 0
+    strict: bool = False
+    alone: bool = False
 
     def run(self, program: Any) -> RunResult:
         try:
@@ -168,7 +157,7 @@ class Runner:
                 self.name, None, type(program).__name__, [GRAPH_MODULE, EXPORTED_PROGRAM], advice
             ) from e
         self.exported = self.form == EXPORTED_PROGRAM
-        self.holds = set()
+        self.holds: set[Condition] = set()  # the conditions known to hold
         report = Report(plan=self.plan, strict=self.strict)
         for instrument in self.instruments:
             instrument.before_run(program, report)
@@ -228,8 +217,7 @@ class Runner:
         record.statistics = dict(_error_statistics(e) or record.statistics)
         if rollback is not None:
             if not error.diff:
-                error.diff = text_diff(rollback.text, program_text(current),
-                                       "before " + p.name, "after " + p.name)
+                error.diff = pass_diff(rollback.text, current, p.name)
             error.unrestored = sorted(set(error.unrestored)
                                       | set(rollback.unrestorable_changes()))
             rollback.restore()

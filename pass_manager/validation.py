@@ -173,7 +173,9 @@ def run_program(
     return trace
 
 
-def _tensor_difference(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> str | None:
+def _difference(a: Any, b: Any, atol: float, rtol: float) -> str | None:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None if a == b else f"{a!r} vs {b!r}"
     if a.shape != b.shape:
         return f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
     if a.dtype != b.dtype:
@@ -189,12 +191,6 @@ def _tensor_difference(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: floa
             f"{a[where].item()} vs {b[where].item()}")
 
 
-def _value_difference(a: Any, b: Any, atol: float, rtol: float) -> str | None:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return _tensor_difference(a, b, atol, rtol)
-    return None if a == b else f"{a!r} vs {b!r}"
-
-
 def first_difference(
     expected: Trace, actual: Trace, atol: float = 0.0, rtol: float = 0.0
 ) -> str | None:
@@ -205,7 +201,7 @@ def first_difference(
         if len(exp_out) != len(act_out):
             return f"call {call}: {len(exp_out)} outputs vs {len(act_out)}"
         for i, (a, b) in enumerate(zip(exp_out, act_out, strict=True)):
-            diff = _value_difference(a, b, atol, rtol)
+            diff = _difference(a, b, atol, rtol)
             if diff:
                 return f"call {call}: output {i}: {diff}"
         exp_buf, act_buf = expected.buffers[call], actual.buffers[call]
@@ -213,11 +209,11 @@ def first_difference(
         if missing:
             return f"call {call}: buffers missing: {', '.join(missing)}"
         for name in exp_buf:
-            diff = _tensor_difference(exp_buf[name], act_buf[name], atol, rtol)
+            diff = _difference(exp_buf[name], act_buf[name], atol, rtol)
             if diff:
                 return f"call {call}: buffer {name!r}: {diff}"
         for i, (a, b) in enumerate(zip(expected.inputs[call], actual.inputs[call], strict=True)):
-            diff = _value_difference(a, b, atol, rtol)
+            diff = _difference(a, b, atol, rtol)
             if diff:
                 return f"call {call}: input {i} after the call: {diff}"
     return None

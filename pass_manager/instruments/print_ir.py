@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import PassManagerError
-from ..program import program_text, text_diff
+from ..program import pass_diff, program_text
 from ..report import PassRecord
 from .base import Instrumentation
 
@@ -107,9 +107,4 @@ class PrintDiff(Instrumentation):
 
     def after_pass(self, pass_: Any, program: Any, record: PassRecord) -> None:
         if record.modified:
-            stream = self.stream or sys.stdout
-            diff = text_diff(
-                self._before, program_text(program), "before " + record.name,
-                "after " + record.name,
-            )
-            stream.write(diff)
+            (self.stream or sys.stdout).write(pass_diff(self._before, program, record.name))
