@@ -182,13 +182,9 @@ class GraphRecord:
             return True
         current = node_fields(nodes)
         self.after = (nodes, current)
-        if equal(current, self.fields):
-            return False
-        # Equal values assigned anew (``node.args = tuple(node.args)``) are no change.
-        return not all(
-            all(a is b or equal(a, b) for a, b in zip(now, old, strict=True))
-            for now, old in zip(current, self.fields, strict=True)
-        )
+        # Equal values assigned anew (``node.args = tuple(node.args)``) are no change: the
+        # records compare field by field, identity first.
+        return not equal(current, self.fields)
 
     def module_meta_changed(self) -> bool:
         meta = self.gm.meta
