@@ -52,11 +52,6 @@ def _mutable_fields(value: Any) -> tuple[str, ...] | None:
     return names
 
 
-def _frozen(value: Any) -> bool:
-    params = getattr(type(value), "__dataclass_params__", None)
-    return params is not None and params.frozen
-
-
 def _is_container(value: Any) -> bool:
     return isinstance(value, (dict, list, set)) or _mutable_fields(value) is not None
 
@@ -66,8 +61,8 @@ def copy_value(value: Any, depth: int = 0) -> Any:
     if depth > 4 or isinstance(value, _IMMUTABLE):
         return value
     if isinstance(value, dict):
-        if all(isinstance(v, _IMMUTABLE) or _frozen(v) for v in value.values()):
-            return value.copy()
+        if all(isinstance(v, _IMMUTABLE) or not _is_container(v) for v in value.values()):
+            return value.copy()  # nothing in it to copy
         return type(value)((k, copy_value(v, depth + 1)) for k, v in value.items())
     if isinstance(value, list):
         return [copy_value(v, depth + 1) for v in value]
