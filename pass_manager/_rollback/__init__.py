@@ -82,15 +82,11 @@ class RollbackRecord:
             return graph, *record.after
         return graph, None, None
 
-    def written(self) -> list[str]:
-        """Tensors whose data was written in place since the record (version counter)."""
-        return [] if self._state is None else self._state.tensors.written()
-
     # -- after the pass ----------------------------------------------------------------
     def check(self, pass_name: str, index: int, result: Any) -> None:
         """Raise the typed error of a broken declaration (what the record can see)."""
         effects = self.effects
-        self._written = self.written()
+        self._written = [] if self._state is None else self._state.tensors.written()
         if self._written and not effects.writes_state:
             raise EffectsError(pass_name, index, "writes_state", self._written)
         if self.strict and not effects.edits_meta_in_place:
