@@ -28,9 +28,8 @@ TENSOR = torch._C.TensorBase
 
 _chain = itertools.chain.from_iterable
 _values = dict.values
-_BUFFERS = operator.itemgetter("_buffers")
-_PARAMETERS = operator.itemgetter("_parameters")
-_MODULES = operator.itemgetter("_modules")
+# A module's registries of named state: its buffers, parameters and submodules.
+_REGISTRIES = tuple(map(operator.itemgetter, ("_buffers", "_parameters", "_modules")))
 # An ExportedProgram's attributes recorded as copies (put back as copies of the copies).
 _EXPORTED = ("_state_dict", "_constants", "_range_constraints", "_verifiers")
 
@@ -63,9 +62,8 @@ class ModulesRecord:
         self.named = named
         self.modules = list(map(operator.itemgetter(1), named))
         self.attrs = list(map(dict.copy, map(vars, self.modules)))
-        self.buffers = list(map(dict.copy, map(_BUFFERS, self.attrs)))
-        self.parameters = list(map(dict.copy, map(_PARAMETERS, self.attrs)))
-        self.submodules = list(map(dict.copy, map(_MODULES, self.attrs)))
+        self.registries = [list(map(dict.copy, map(get, self.attrs))) for get in _REGISTRIES]
+        self.buffers, self.parameters, _ = self.registries
         # Tensor attributes outside the registries (lifted constants of ``ep.module()``)
         # are rare: found in one C pass over every attribute value.
         self.attr_tensors = [t for t in _tensors_in(self.attrs)
@@ -92,11 +90,8 @@ class ModulesRecord:
         """A buffer, parameter, submodule or tensor attribute added, removed or replaced
         (a submodule added is registered in a recorded module's ``_modules``)."""
         now = list(map(vars, self.modules))
-        if not (
-            _same_dicts(list(map(_BUFFERS, now)), self.buffers)
-            and _same_dicts(list(map(_PARAMETERS, now)), self.parameters)
-            and _same_dicts(list(map(_MODULES, now)), self.submodules)
-        ):
+        if not all(_same_dicts(list(map(get, now)), recorded)
+                   for get, recorded in zip(_REGISTRIES, self.registries, strict=True)):
             return True
         if _same_dicts(now, self.attrs):
             return False
@@ -111,14 +106,13 @@ class ModulesRecord:
         return False
 
     def restore(self) -> None:
-        for module, attrs, buffers, params, modules in zip(
-            self.modules, self.attrs, self.buffers, self.parameters, self.submodules,
-            strict=True,
-        ):
-            for live, recorded in ((module.__dict__, attrs), (module._buffers, buffers),
-                                   (module._parameters, params), (module._modules, modules)):
-                live.clear()
-                live.update(recorded)
+        for module, attrs, *registries in zip(self.modules, self.attrs, *self.registries,
+                                              strict=True):
+            module.__dict__.clear()
+            module.__dict__.update(attrs)  # first: it holds the registries the module had
+            for get, recorded in zip(_REGISTRIES, registries, strict=True):
+                get(attrs).clear()
+                get(attrs).update(recorded)
 
 
 class TensorsRecord:
