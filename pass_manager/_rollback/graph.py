@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import operator
 from typing import Any
@@ -36,24 +37,19 @@ _SHARED_META = frozenset({
     "tensor_meta", "example_value", "stack_trace", "from_node", "seq_nr", "torch_fn",
     "original_aten", "unbacked_bindings",
 })
-_FIELDS: dict[type, Any] = {}
 
 
-def _mutable_fields(value: Any) -> tuple[str, ...] | None:
-    """The field names of a mutable dataclass instance; None for anything else (a frozen
+@functools.cache
+def _mutable_fields(cls: type) -> tuple[str, ...] | None:
+    """The field names of a mutable dataclass; None for any other type (a frozen
     dataclass, such as a quantization spec, cannot be edited in place: kept by reference)."""
-    cls = type(value)
-    names = _FIELDS.get(cls, MISSING)
-    if names is MISSING:
-        params = getattr(cls, "__dataclass_params__", None)
-        mutable = params is not None and not params.frozen and cls is not type
-        names = tuple(f.name for f in dataclasses.fields(cls)) if mutable else None
-        _FIELDS[cls] = names
-    return names
+    params = getattr(cls, "__dataclass_params__", None)
+    mutable = params is not None and not params.frozen and cls is not type
+    return tuple(f.name for f in dataclasses.fields(cls)) if mutable else None
 
 
 def _is_container(value: Any) -> bool:
-    return isinstance(value, (dict, list, set)) or _mutable_fields(value) is not None
+    return isinstance(value, (dict, list, set)) or _mutable_fields(type(value)) is not None
 
 
 def copy_value(value: Any, depth: int = 0) -> Any:
@@ -68,7 +64,7 @@ def copy_value(value: Any, depth: int = 0) -> Any:
         return [copy_value(v, depth + 1) for v in value]
     if isinstance(value, set):
         return set(value)
-    names = _mutable_fields(value)
+    names = _mutable_fields(type(value))
     if names is None:
         return value
     if hasattr(value, "__dict__"):  # a shallow copy without copy.copy's overhead
@@ -101,7 +97,7 @@ def same(value: Any, recorded: Any, depth: int = 0) -> bool:
                                                        itertools.repeat(depth + 1)))
     if isinstance(value, set):
         return value == recorded
-    names = _mutable_fields(value)
+    names = _mutable_fields(type(value))
     if names is not None:
         return all(same(getattr(value, n, MISSING), getattr(recorded, n, MISSING), depth + 1)
                    for n in names)
