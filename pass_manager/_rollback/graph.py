@@ -160,19 +160,14 @@ class GraphRecord:
 
     def nodes_changed(self, graph: torch.fx.Graph) -> bool:
         """Nodes added, removed or reordered, or the graph replaced (not their fields)."""
-        return graph is not self.graph or list(graph.nodes) != self.nodes
+        return graph is not self.graph or list(graph.nodes) != self.nodes  # identity: a C loop
 
     def structure_changed(self, graph: torch.fx.Graph) -> bool:
         """Nodes, their fields or the code generator changed: the code needs a recompile."""
-        if graph is not self.graph or len(graph.nodes) != len(self.nodes):
+        if self.nodes_changed(graph) or graph._codegen.__dict__ != self._codegen.__dict__:
             return True
-        nodes = list(graph.nodes)
-        if nodes != self.nodes:  # Node equality is identity: a C loop
-            return True
-        if graph._codegen.__dict__ != self._codegen.__dict__:
-            return True
-        current = node_fields(nodes)
-        self.after = (nodes, current)
+        current = node_fields(self.nodes)  # the graph's nodes, the very objects recorded
+        self.after = (self.nodes, current)
         # Equal values assigned anew (``node.args = tuple(node.args)``) are no change: the
         # records compare field by field, identity first.
         return not equal(current, self.fields)
