@@ -22,7 +22,7 @@ from torch.export import ExportedProgram
 
 from .program import graph_module_of, modules_of
 
-__all__ = ["Same", "Stamp", "cached", "equal", "invalidate", "node_fields", "unchanged"]
+__all__ = ["Same", "Stamp", "cached", "equal", "node_fields", "unchanged"]
 
 T = TypeVar("T")
 
@@ -151,8 +151,3 @@ def cached(program: Any, key: str, compute: Callable[[Any], T],
     value = compute(program)
     entries[key] = (stamp, value)
     return value
-
-
-def invalidate(program: Any) -> None:
-    """Forget every analysis of ``program`` (e.g. after changing what no stamp covers)."""
-    _cache.pop(graph_module_of(program), None)

@@ -61,8 +61,7 @@ class Effects:
         """Rewrites the graph; meta entries are replaced (``node.meta[key] = new``), never
         edited in place. ``meta_keys``: the only keys of existing nodes' meta it touches
         (``()``: none; new nodes get their own meta)."""
-        keys = None if meta_keys is None else frozenset(meta_keys)
-        return cls(True, keys, False, writes_state, in_place)
+        return cls(True, meta_keys, False, writes_state, in_place)  # frozenset: __post_init__
 
     @classmethod
     def anything(cls) -> Effects:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any, NamedTuple
 
@@ -56,16 +56,13 @@ class RollbackRecord:
         self.strict = strict
         self._written: list[str] = []
         gm = graph_module_of(program)
-        if effects.meta_only and not strict:
-            # The rest of a meta-only declaration is trusted, as in-place edits are.
-            self._graph = GraphRecord(gm, effects.edits_meta_in_place, effects.meta_keys)
-            self._state: StateRecord | None = None
-            return
+        # The rest of a meta-only declaration is trusted, as in-place edits are.
+        meta_only = effects.meta_only and not strict
         # Thousands of small records, none in a cycle (a meta-only record gains nothing).
-        with collector_paused():
+        with nullcontext() if meta_only else collector_paused():
             self._graph = GraphRecord(gm, effects.edits_meta_in_place or strict,
                                       None if strict else effects.meta_keys)
-            self._state = StateRecord(program, gm, effects.writes_state)
+            self._state = None if meta_only else StateRecord(program, gm, effects.writes_state)
 
     @property
     def leaves_nodes_alone(self) -> bool:
@@ -85,15 +82,11 @@ class RollbackRecord:
             return graph, *record.after
         return graph, None, None
 
-    def written(self) -> list[str]:
-        """Tensors whose data was written in place since the record (version counter)."""
-        return [] if self._state is None else self._state.tensors.written()
-
     # -- after the pass ----------------------------------------------------------------
     def check(self, pass_name: str, index: int, result: Any) -> None:
         """Raise the typed error of a broken declaration (what the record can see)."""
         effects = self.effects
-        self._written = self.written()
+        self._written = [] if self._state is None else self._state.tensors.written()
         if self._written and not effects.writes_state:
             raise EffectsError(pass_name, index, "writes_state", self._written)
         if self.strict and not effects.edits_meta_in_place:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import operator
 from typing import Any
@@ -36,29 +37,19 @@ _SHARED_META = frozenset({
     "tensor_meta", "example_value", "stack_trace", "from_node", "seq_nr", "torch_fn",
     "original_aten", "unbacked_bindings",
 })
-_FIELDS: dict[type, Any] = {}
 
 
-def _mutable_fields(value: Any) -> tuple[str, ...] | None:
-    """The field names of a mutable dataclass instance; None for anything else (a frozen
+@functools.cache
+def _mutable_fields(cls: type) -> tuple[str, ...] | None:
+    """The field names of a mutable dataclass; None for any other type (a frozen
     dataclass, such as a quantization spec, cannot be edited in place: kept by reference)."""
-    cls = type(value)
-    names = _FIELDS.get(cls, MISSING)
-    if names is MISSING:
-        params = getattr(cls, "__dataclass_params__", None)
-        mutable = params is not None and not params.frozen and cls is not type
-        names = tuple(f.name for f in dataclasses.fields(cls)) if mutable else None
-        _FIELDS[cls] = names
-    return names
-
-
-def _frozen(value: Any) -> bool:
-    params = getattr(type(value), "__dataclass_params__", None)
-    return params is not None and params.frozen
+    params = getattr(cls, "__dataclass_params__", None)
+    mutable = params is not None and not params.frozen and cls is not type
+    return tuple(f.name for f in dataclasses.fields(cls)) if mutable else None
 
 
 def _is_container(value: Any) -> bool:
-    return isinstance(value, (dict, list, set)) or _mutable_fields(value) is not None
+    return isinstance(value, (dict, list, set)) or _mutable_fields(type(value)) is not None
 
 
 def copy_value(value: Any, depth: int = 0) -> Any:
@@ -66,14 +57,14 @@ def copy_value(value: Any, depth: int = 0) -> Any:
     if depth > 4 or isinstance(value, _IMMUTABLE):
         return value
     if isinstance(value, dict):
-        if all(isinstance(v, _IMMUTABLE) or _frozen(v) for v in value.values()):
-            return value.copy()
+        if all(isinstance(v, _IMMUTABLE) or not _is_container(v) for v in value.values()):
+            return value.copy()  # nothing in it to copy
         return type(value)((k, copy_value(v, depth + 1)) for k, v in value.items())
     if isinstance(value, list):
         return [copy_value(v, depth + 1) for v in value]
     if isinstance(value, set):
         return set(value)
-    names = _mutable_fields(value)
+    names = _mutable_fields(type(value))
     if names is None:
         return value
     if hasattr(value, "__dict__"):  # a shallow copy without copy.copy's overhead
@@ -106,7 +97,7 @@ def same(value: Any, recorded: Any, depth: int = 0) -> bool:
                                                        itertools.repeat(depth + 1)))
     if isinstance(value, set):
         return value == recorded
-    names = _mutable_fields(value)
+    names = _mutable_fields(type(value))
     if names is not None:
         return all(same(getattr(value, n, MISSING), getattr(recorded, n, MISSING), depth + 1)
                    for n in names)
@@ -169,26 +160,17 @@ class GraphRecord:
 
     def nodes_changed(self, graph: torch.fx.Graph) -> bool:
         """Nodes added, removed or reordered, or the graph replaced (not their fields)."""
-        return graph is not self.graph or list(graph.nodes) != self.nodes
+        return graph is not self.graph or list(graph.nodes) != self.nodes  # identity: a C loop
 
     def structure_changed(self, graph: torch.fx.Graph) -> bool:
         """Nodes, their fields or the code generator changed: the code needs a recompile."""
-        if graph is not self.graph or len(graph.nodes) != len(self.nodes):
+        if self.nodes_changed(graph) or graph._codegen.__dict__ != self._codegen.__dict__:
             return True
-        nodes = list(graph.nodes)
-        if nodes != self.nodes:  # Node equality is identity: a C loop
-            return True
-        if graph._codegen.__dict__ != self._codegen.__dict__:
-            return True
-        current = node_fields(nodes)
-        self.after = (nodes, current)
-        if equal(current, self.fields):
-            return False
-        # Equal values assigned anew (``node.args = tuple(node.args)``) are no change.
-        return not all(
-            all(a is b or equal(a, b) for a, b in zip(now, old, strict=True))
-            for now, old in zip(current, self.fields, strict=True)
-        )
+        current = node_fields(self.nodes)  # the graph's nodes, the very objects recorded
+        self.after = (self.nodes, current)
+        # Equal values assigned anew (``node.args = tuple(node.args)``) are no change: the
+        # records compare field by field, identity first.
+        return not equal(current, self.fields)
 
     def module_meta_changed(self) -> bool:
         meta = self.gm.meta

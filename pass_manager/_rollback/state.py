@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import itertools
 import operator
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import Any
 
 import torch
@@ -28,9 +28,8 @@ TENSOR = torch._C.TensorBase
 
 _chain = itertools.chain.from_iterable
 _values = dict.values
-_BUFFERS = operator.itemgetter("_buffers")
-_PARAMETERS = operator.itemgetter("_parameters")
-_MODULES = operator.itemgetter("_modules")
+# A module's registries of named state: its buffers, parameters and submodules.
+_REGISTRIES = tuple(map(operator.itemgetter, ("_buffers", "_parameters", "_modules")))
 # An ExportedProgram's attributes recorded as copies (put back as copies of the copies).
 _EXPORTED = ("_state_dict", "_constants", "_range_constraints", "_verifiers")
 
@@ -63,9 +62,8 @@ class ModulesRecord:
         self.named = named
         self.modules = list(map(operator.itemgetter(1), named))
         self.attrs = list(map(dict.copy, map(vars, self.modules)))
-        self.buffers = list(map(dict.copy, map(_BUFFERS, self.attrs)))
-        self.parameters = list(map(dict.copy, map(_PARAMETERS, self.attrs)))
-        self.submodules = list(map(dict.copy, map(_MODULES, self.attrs)))
+        self.registries = [list(map(dict.copy, map(get, self.attrs))) for get in _REGISTRIES]
+        self.buffers, self.parameters, _ = self.registries
         # Tensor attributes outside the registries (lifted constants of ``ep.module()``)
         # are rare: found in one C pass over every attribute value.
         self.attr_tensors = [t for t in _tensors_in(self.attrs)
@@ -92,11 +90,8 @@ class ModulesRecord:
         """A buffer, parameter, submodule or tensor attribute added, removed or replaced
         (a submodule added is registered in a recorded module's ``_modules``)."""
         now = list(map(vars, self.modules))
-        if not (
-            _same_dicts(list(map(_BUFFERS, now)), self.buffers)
-            and _same_dicts(list(map(_PARAMETERS, now)), self.parameters)
-            and _same_dicts(list(map(_MODULES, now)), self.submodules)
-        ):
+        if not all(_same_dicts(list(map(get, now)), recorded)
+                   for get, recorded in zip(_REGISTRIES, self.registries, strict=True)):
             return True
         if _same_dicts(now, self.attrs):
             return False
@@ -111,14 +106,13 @@ class ModulesRecord:
         return False
 
     def restore(self) -> None:
-        for module, attrs, buffers, params, modules in zip(
-            self.modules, self.attrs, self.buffers, self.parameters, self.submodules,
-            strict=True,
-        ):
-            for live, recorded in ((module.__dict__, attrs), (module._buffers, buffers),
-                                   (module._parameters, params), (module._modules, modules)):
-                live.clear()
-                live.update(recorded)
+        for module, attrs, *registries in zip(self.modules, self.attrs, *self.registries,
+                                              strict=True):
+            module.__dict__.clear()
+            module.__dict__.update(attrs)  # first: it holds the registries the module had
+            for get, recorded in zip(_REGISTRIES, registries, strict=True):
+                get(attrs).clear()
+                get(attrs).update(recorded)
 
 
 class TensorsRecord:
@@ -131,46 +125,40 @@ class TensorsRecord:
         self.tensors = tensors
         self.versions = [t._version for t in tensors]
         self._named = named
-        self._names: list[str | None] | None = None
+        self._entries: list[tuple[str | None, Any, bool]] | None = None
         self.data: dict[int, torch.Tensor] = {}
-        if copy:
+        if copy:  # each tensor once, at its first listing
+            self.data = {i: tensor.detach().clone() for i, (name, tensor, copyable)
+                         in enumerate(self.named()) if copyable and name is not None}
+
+    def named(self) -> list[tuple[str | None, Any, bool]]:
+        """``named``'s entries, made once; a tensor's later listings have the name None."""
+        if self._entries is None:
+            entries = self._named()
+            assert len(entries) == len(self.tensors), "tensor names out of step with the record"
             seen: set[int] = set()
-            for i, (_, tensor, copyable) in enumerate(self.named()):
-                if id(tensor) not in seen:
-                    seen.add(id(tensor))
-                    if copyable:
-                        self.data[i] = tensor.detach().clone()
+            self._entries = []
+            for name, tensor, copyable in entries:
+                self._entries.append((None if id(tensor) in seen else name, tensor, copyable))
+                seen.add(id(tensor))
+        return self._entries
 
-    def named(self) -> list[tuple[str, Any, bool]]:
-        entries = self._named()
-        assert len(entries) == len(self.tensors), "tensor names out of step with the record"
-        return entries
-
-    def _changed(self, keep: Any) -> list[str]:
-        """The names of the written tensors (version counter moved) that ``keep(i)``."""
+    def written(self, skip: Container[int] = ()) -> list[str]:
+        """Tensors whose data was written in place since the record (version counter), but
+        for the entries ``skip``."""
         versions = [t._version for t in self.tensors]
         if versions == self.versions:
             return []
-        if self._names is None:  # per entry, its name, or None for a later listing
-            seen: set[int] = set()
-            self._names = []
-            for name, tensor, _ in self.named():
-                self._names.append(None if id(tensor) in seen else name)
-                seen.add(id(tensor))
         return sorted(
-            name for i, (name, now, then) in enumerate(zip(self._names, versions, self.versions,
-                                                           strict=True))
-            if now != then and name is not None and keep(i)
+            name for i, ((name, _, _), now, then) in enumerate(zip(self.named(), versions,
+                                                                   self.versions, strict=True))
+            if now != then and name is not None and i not in skip
         )
 
-    def written(self) -> list[str]:
-        """Tensors whose data was written in place since the record (version counter)."""
-        return self._changed(lambda i: True)
-
     def unrestorable(self) -> list[str]:
-        """Tensors written in place whose old data was not copied, so cannot come back."""
-        copied = {id(self.tensors[i]) for i in self.data}
-        return self._changed(lambda i: id(self.tensors[i]) not in copied)
+        """Tensors written in place whose old data was not copied, so cannot come back (a
+        tensor's data is copied at its first listing, the one that names it)."""
+        return self.written(skip=self.data)
 
     def restore(self) -> None:
         for i, data in self.data.items():
