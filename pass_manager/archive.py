@@ -21,7 +21,6 @@ import pickle
 import re
 import types
 import warnings
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -29,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.export import ExportedProgram
+from torch.export.pt2_archive import is_pt2_package
 from torch.fx import GraphModule, Node
 from torch.fx._graph_pickler import GraphPickler, Options, _OpPickleData, _UnpickleState
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -317,14 +317,6 @@ def _save_exported(ep: ExportedProgram, path: Path) -> list[str]:
     return dropped
 
 
-def _is_pt2(path: Path) -> bool:
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return any(name.endswith("/archive_format") for name in archive.namelist())
-    except (zipfile.BadZipFile, OSError):
-        return False
-
-
 def _load_exported(path: Path, trusted: bool) -> ExportedProgram:
     if not trusted and (refusals := archive_refusals(path)):
         raise UntrustedFileError(path, EXPORTED, "; ".join(refusals))
@@ -407,7 +399,7 @@ def load_program(path: str | Path, *, trusted: bool = False) -> Any:
         ArchiveError: the file is not a program ``save_program`` wrote.
     """
     path = Path(path)
-    if _is_pt2(path):
+    if is_pt2_package(str(path)):
         return _load_exported(path, trusted)
     form, value = _read(path, trusted)
     if form == PLAIN:  # torch.load(weights_only=True) read it: no program
