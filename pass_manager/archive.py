@@ -249,6 +249,12 @@ def _read(path: Path, trusted: bool) -> tuple[str, Any]:
     except pickle.UnpicklingError as e:
         if not trusted:
             raise UntrustedFileError(path, PICKLED, _pickle_refusal(e)) from None
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise  # the path, not the file's contents: Python's own error says it best
+    except (RuntimeError, EOFError, KeyError, ValueError, OSError) as e:  # "not torch.save's"
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        raise ArchiveError(path, "not a file save_program wrote, or a damaged one "
+                                 f"({type(e).__name__}: {first_line})") from e
     return PICKLED, _unpickle(path)
 
 

@@ -326,6 +326,32 @@ def test_a_file_that_is_no_program_is_an_archive_error(tmp_path):
     assert "not a program" in str(info.value)
 
 
+def _damaged_files(tmp_path):
+    """Files a user may pass by mistake: not torch's, or a program cut short in transit."""
+    (tmp_path / "notes.pt").write_text("hello")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as archive:
+        archive.writestr("readme.txt", "not torch")
+    with zipfile.ZipFile(tmp_path / "other_format.pt2", "w") as archive:
+        archive.writestr("model/archive_format", "onnx")
+    save_program(torch.fx.symbolic_trace(Accumulate()), tmp_path / "program.pt")
+    save_program(torch.export.export(Accumulate(), CALLS[0]), tmp_path / "program.pt2")
+    for name in ("program.pt", "program.pt2"):
+        data = (tmp_path / name).read_bytes()
+        (tmp_path / f"cut_{name}").write_bytes(data[: len(data) // 2])
+    return ["notes.pt", "empty.pt", "other.zip", "other_format.pt2", "cut_program.pt",
+            "cut_program.pt2"]
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+def test_a_damaged_or_foreign_file_is_an_archive_error_naming_it(tmp_path, trusted):
+    for name in _damaged_files(tmp_path):
+        with pytest.raises(ArchiveError) as info:
+            load_program(tmp_path / name, trusted=trusted)
+        assert info.value.path == tmp_path / name, name
+        assert str(tmp_path / name) in str(info.value), name
+
+
 def test_plain_data_reads_without_trust_and_anything_else_needs_it(tmp_path):
     plain = {"inputs": [((torch.ones(2),), {"scale": 2.0})], "state": "passes.x:reader",
              "reference": {"outputs": [[torch.zeros(3)]], "buffers": [{}], "inputs": [[]]}}

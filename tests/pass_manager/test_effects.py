@@ -46,6 +46,9 @@ def test_the_presets_say_what_a_pass_may_touch():
     assert Effects() == Pass.effects  # the cautious default of a user's own pass
     with pytest.raises(TypeError, match="collection of keys"):
         Effects(meta_keys="tag")
+    with pytest.raises(TypeError, match="collection of keys"):  # not the keys t, a, g
+        Effects.rewrite(meta_keys="tag")
+    assert Effects.rewrite(meta_keys=["tag"]).meta_keys == frozenset({"tag"})
     with pytest.raises(TypeError, match="in_place"):
         Effects(in_place="yes")
 
