@@ -122,7 +122,9 @@ class BufferOwningPartitioner(Partitioner):
             partition receives, which XNNPACK crashes on, is kept at the top level with a
             note instead; so is a quantize of a received value that XNNPACK's GEMM config
             marked fused into a GEMM it then left out, which XNNPACK would drop and compute
-            with an uninitialized tensor in its place.)
+            with an uninitialized tensor in its place; and so is a copy an XNNPACK
+            partition holds of a value it also returns or receives, which XNNPACK would
+            drop and then refuse to return twice or pass through.)
 
     Warns:
         DelegateStateWarning: from ``partition``, a Core ML delegate will own an fp32 buffer
@@ -231,6 +233,7 @@ class BufferOwningPartitioner(Partitioner):
             raise unfolded
         scalar_notes = self._keep_scalar_quantize_out(program, result.partition_tags)
         scalar_notes += _keep_dropped_quantize_out(program, result.partition_tags)
+        scalar_notes += _keep_pass_through_clones_out(program, result.partition_tags)
         verdicts = self._verdicts(program, result.partition_tags, shared)
         owned = []
         for verdict in verdicts:
@@ -484,6 +487,46 @@ def _keep_dropped_quantize_out(
             f"{tag!r}: XNNPACK's GEMM config marked it fused into a GEMM it then left out, "
             "and XNNPACK would compute with an uninitialized value in its place; the "
             "partition receives it quantized")
+    return notes
+
+
+def _keep_pass_through_clones_out(
+    program: ExportedProgram, partition_tags: dict[str, Any]
+) -> list[str]:
+    """Keep at the top level each clone an XNNPACK partition would turn into a value it
+    returns twice or passes through; a note per node.
+
+    XNNPACK removes clones (``RemoveCloneOpsTransform``), so the partition then returns the
+    clone's input in its place. When that input leaves the partition anyway (a buffer's new
+    value, written back and returned as ``state.clone()``) or comes from outside it
+    (``x.clone()`` of an input), the delegate would return one value twice or return an
+    input, which XNNPACK's preprocess refuses ("Output node ... is already in the
+    inputs"): the program would not lower at all. At the top level the clone is
+    ExecuTorch's own copy kernel, one copy of the value per call.
+    """
+    xnnpack = _xnnpack_tags(partition_tags)
+    notes: list[str] = []
+    if not xnnpack:
+        return notes
+
+    def leaves(node: Node, tag: str) -> bool:  # the output node carries no tag
+        return any(user.meta.get(DELEGATION_TAG) != tag for user in node.users)
+
+    for node in program.graph.nodes:
+        tag = node.meta.get(DELEGATION_TAG)
+        if tag not in xnnpack or not _is_value_copy(node) or not leaves(node, tag):
+            continue
+        value = node.all_input_nodes[0]
+        computed_inside = value.op != "placeholder" and value.meta.get(DELEGATION_TAG) == tag
+        if computed_inside and not leaves(value, tag):
+            continue  # the partition returns the value once, in the clone's place
+        del node.meta[DELEGATION_TAG]
+        why = (f"the partition also returns {value.name}" if computed_inside
+               else f"{value.name} enters the partition")
+        notes.append(
+            f"kept {node.name} (a copy of {value.name}) out of partition {tag!r}: XNNPACK "
+            f"drops copies and {why}, so the delegate would return one value twice or "
+            "pass an input through, which XNNPACK refuses")
     return notes
 
 

@@ -272,8 +272,14 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
         if isinstance(program, (ExportedProgram, torch.nn.Module)):
             # XNNPACK's partitioner gives its delegates no buffers: saying so spares the wrapper
             # the trial partition that decides which new buffer values an owner needs copied.
-            wrapper = (BufferOwningPartitioner(XnnpackPartitioner(), own_buffers=False)
-                       if partitioner is None else BufferOwningPartitioner(partitioner))
+            # A wrapper given is used as it is: wrapped again, its notes (and its keep-outs'
+            # reasons) would be the inner one's, lost, and the trial partition would run twice.
+            if partitioner is None:
+                wrapper = BufferOwningPartitioner(XnnpackPartitioner(), own_buffers=False)
+            elif isinstance(partitioner, BufferOwningPartitioner):
+                wrapper = partitioner
+            else:
+                wrapper = BufferOwningPartitioner(partitioner)
             ep = _exported(helper, program, example_inputs)
             return _serialize(to_edge_transform_and_lower(ep, partitioner=[wrapper]), wrapper)
     _refuse_form(helper, program)

@@ -148,3 +148,31 @@ class NonPersistentCache(nn.Module):
         self.cache[0].copy_(self.proj(x))
         self.count.add_(1)
         return out
+
+
+class ReturnsStateCopy(nn.Module):
+    """``acc.add_(linear(x)); return acc.clone()``: a copy of the new state is the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("acc", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.acc.add_(self.linear(x))
+        return self.acc.clone()
+
+
+class ReturnsCopies(nn.Module):
+    """``y = linear(x); acc.mul_(0.5).add_(y); return y, y.clone(), x.clone(), acc.clone()``:
+    copies of a computed value, of an input and of the new state, beside the value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("acc", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.linear(x)
+        self.acc.mul_(0.5).add_(y)
+        return y, y.clone(), x.clone(), self.acc.clone()

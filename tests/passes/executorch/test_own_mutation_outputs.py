@@ -36,7 +36,9 @@ from passes.executorch.runtime import output_grid
 from passes.flow.examples import xnnpack_quantizer
 from passes.quantization import quantize_program
 from tests.models.shared_values import (
+    ReturnsCopies,
     ReturnsNewValue,
+    ReturnsStateCopy,
     ReturnsWritten,
     ReturnsWrittenAndSum,
     WrittenTwice,
@@ -61,13 +63,7 @@ def _functional(cls, calls):
 
 
 def _eager(cls, calls):
-    model = cls()
-    outputs = []
-    with torch.no_grad():
-        for args in calls:
-            out = model(*copy.deepcopy(args))
-            outputs.append(tuple(t.clone() for t in (out if isinstance(out, tuple) else (out,))))
-    return outputs
+    return _eager_model(cls(), calls)
 
 
 @pytest.mark.parametrize("wrapped", [True, False], ids=["wrapped", "alone"])
@@ -85,6 +81,43 @@ def test_xnnpack_on_the_runtime(case, wrapped):
         assert len(want) == len(got)
         for w, g in zip(want, got, strict=True):
             assert torch.allclose(w, g, atol=ATOL, rtol=0), f"call {step}: {w} != {g}"
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["as exported", "functional"])
+@pytest.mark.parametrize("cls", [ReturnsStateCopy, ReturnsCopies], ids=lambda c: c.__name__)
+def test_copies_of_state_and_inputs_returned_lower_with_xnnpack_and_run(cls, functional):
+    """XNNPACK drops a clone it holds, and then refuses to return one value twice or an
+    input (ExecuTorch 1.5.1 alone: "Output node ... is already in the inputs", nothing
+    lowers); the wrapper keeps such copies at the top level. The runtime returns what eager
+    returns, the copy of the state included, call after call."""
+    calls = vector_calls(calls=4)
+    torch.manual_seed(0)
+    model = cls()
+    expected = _eager_model(model, calls)
+    with torch.no_grad():
+        program = torch.export.export(model, calls[0])
+    if functional:
+        program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program).program
+    wrapper = BufferOwningPartitioner(XnnpackPartitioner())
+    decoded = decode_on_runtime(program, None, calls, partitioner=wrapper)
+    assert decoded.delegates >= 1
+    kept = [note for note in decoded.notes if "XNNPACK drops copies" in note]
+    assert kept and kept == [note for note in wrapper.notes if "XNNPACK drops copies" in note]
+    for step, (want, got) in enumerate(zip(expected, decoded.trace.outputs, strict=True)):
+        assert len(want) == len(got)
+        for w, g in zip(want, got, strict=True):
+            assert torch.allclose(w, g, atol=ATOL, rtol=0), f"call {step}: {w} != {g}"
+
+
+def _eager_model(model, calls):
+    """The outputs of a copy of ``model`` called once per call, state carried along."""
+    model = copy.deepcopy(model)
+    outputs = []
+    with torch.no_grad():
+        for args in calls:
+            out = model(*copy.deepcopy(args))
+            outputs.append(tuple(t.clone() for t in (out if isinstance(out, tuple) else (out,))))
+    return outputs
 
 
 def test_quantized_written_twice_on_the_runtime():
