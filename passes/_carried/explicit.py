@@ -60,11 +60,13 @@ def _remove_buffer(view: ProgramView, fqn: str) -> None:
     owner._buffers.pop(leaf, None)
 
 
-def _clear_marks(node: Node, state: Explicit) -> None:
+def _clear_marks(node: Node, state: Explicit, exported: bool) -> None:
     node.meta.pop(MUTABLE_BUFFER_META, None)
     node.meta.pop(INITIAL_META, None)
     if state.in_place and state.value is not None:
-        node.meta[MUTABLE_INPUT_META] = node.name
+        # The input's name, as MarkMutableBuffers gives it: a GraphModule's placeholder is
+        # called by its target (its node may be ``total_1`` beside the buffer's ``total``).
+        node.meta[MUTABLE_INPUT_META] = node.name if exported else str(node.target)
 
 
 def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRecord | None
@@ -90,7 +92,7 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
                 graph.erase_node(old)
         _remove_buffer(view, state.buffer)
         if node is not None:
-            _clear_marks(node, state)
+            _clear_marks(node, state, view.exported)
             if view.exported:
                 view.specs[node] = InputSpec(InputKind.USER_INPUT, TensorArgument(node.name),
                                              target=None)

@@ -204,11 +204,19 @@ class ProgramView:
         signature = ExportGraphSignature(
             [_named(self.specs[p], p) for p in placeholders],
             [m[1] for m in mutations] + user_outputs)
+        # State that became an input leaves the state dict and constants: kept, it would be
+        # saved and lowered for nothing (a whole KV cache), and a buffer of the same name
+        # made again (InputsToBuffers after BuffersToInputs) would collide with it.
+        gone = ({s.target for s in ep.graph_signature.input_specs if s.target}
+                - {s.target for s in signature.input_specs if s.target})
         return ExportedProgram(
-            root=self.gm, graph=graph, graph_signature=signature, state_dict=ep.state_dict,
+            root=self.gm, graph=graph, graph_signature=signature,
+            state_dict={k: v for k, v in ep.state_dict.items() if k not in gone},
             range_constraints=ep.range_constraints,
             module_call_graph=_call_graph(ep, in_spec, out_spec, arg_names),
-            example_inputs=example_inputs, constants=self.constants, verifiers=list(ep.verifiers))
+            example_inputs=example_inputs,
+            constants={k: v for k, v in self.constants.items() if k not in gone},
+            verifiers=list(ep.verifiers))
 
 
 _MUTATION_KINDS = {InputKind.PARAMETER: OutputKind.PARAMETER_MUTATION,
