@@ -234,6 +234,10 @@ class GraphRecord:
                 op, target, torch.fx.node.map_arg(args, env.__getitem__),
                 torch.fx.node.map_arg(kwargs, env.__getitem__), name=name, type_expr=type_,
             )
+            # The graph's namespace renames a name Python reserves (torch.export names an
+            # input ``list`` or ``input``): the recorded name is put back as torch.export
+            # sets it, else signatures naming it no longer find it.
+            new.name = name
             new.meta = dict(items)  # a copy: the record may be restored again
             new.meta.update((k, copy_value(v)) for k, v in self._copies.get(i, {}).items())
             env[old] = new

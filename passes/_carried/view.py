@@ -111,7 +111,10 @@ class ProgramView:
 
     @classmethod
     def _of_exported(cls, ep: ExportedProgram) -> ProgramView:
-        gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
+        graph = copy.deepcopy(ep.graph)
+        for original, node in zip(ep.graph.nodes, graph.nodes, strict=True):
+            node.name = original.name  # the copy renames names Python reserves (``list``)
+        gm = torch.fx.GraphModule(ep.graph_module, graph)
         gm.meta.update(ep.graph_module.meta)
         placeholders = gm.graph.find_nodes(op="placeholder")
         specs = dict(zip(placeholders, named_input_specs(ep), strict=True))

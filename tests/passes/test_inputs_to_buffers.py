@@ -70,6 +70,36 @@ def test_in_place_inputs_become_buffers_and_behave_like_eager(form="exported"):
         assert set(mutable_buffers(result.program)) >= {"cache", "position"}
 
 
+class ReservedNameState(torch.nn.Module):
+    """State carried in an input named as a Python builtin (``list``), as torch.export keeps
+    it and an fx graph copy would rename it (``list_1``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+
+    def forward(self, input, list):
+        list.mul_(0.5).add_(self.linear(input))
+        return list.sum(0)
+
+
+def test_an_input_named_as_a_python_builtin_is_named_as_the_program_names_it():
+    torch.manual_seed(0)
+    model = ReservedNameState()
+    eager, state = copy.deepcopy(model), torch.zeros(2, 3)
+    program = functional(model, (torch.randn(2, 3), torch.zeros(2, 3)))
+    with pytest.raises(PassFailedError):  # a refusal first: its rollback keeps the names
+        resident(program, buffers={"no_such_input": "state"})
+    result = resident(program, buffers={"list": "state"})
+    assert carried_buffers(result.program) == {"list": "state"}
+    module = runnable(result.program)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(CALLS):
+        x = torch.randn(2, 3, generator=generator)
+        assert torch.equal(module(x), eager(x, state))
+        assert torch.equal(buffers(module, ["state"])["state"], state)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_the_exported_program_keeps_no_trace_of_the_inputs(form):
     program = functional(models.InPlaceCache(), models.cache_inputs(), form=form)

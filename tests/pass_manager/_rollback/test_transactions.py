@@ -209,3 +209,31 @@ def test_rollback_restores_the_signature_and_module_call_graph_edited_in_place(e
     assert repr(exported.module_call_graph) == call_graph
     assert exported.graph_signature is signature_object
     assert exported.module()(torch.ones(4)).shape == (4,)
+
+
+class ReservedNames(torch.nn.Module):
+    """Inputs named as Python builtins: torch.export keeps the names, an fx graph's
+    namespace would rename them (``list`` -> ``list_1``)."""
+
+    def forward(self, input, list):
+        return input * 2 + list
+
+
+def test_a_rebuilt_graph_keeps_names_python_reserves():
+    args = (torch.ones(3), torch.arange(3.0))
+    exported = torch.export.export(ReservedNames(), args)
+
+    def rewire_then_crash(program):
+        graph = graph_of(program)
+        first = next(n for n in graph.nodes if n.op == "call_function")
+        with graph.inserting_after(first):
+            graph.call_function(torch.ops.aten.neg.default, (first,))
+        raise RuntimeError("crash after adding a node")
+
+    with pytest.raises(PassFailedError):
+        PassManager([rewire_then_crash]).run(exported)
+    assert [n.name for n in exported.graph.find_nodes(op="placeholder")] == ["input", "list"]
+    module = exported.module()
+    for step in range(3):
+        x, y = torch.full((3,), float(step)), torch.arange(3.0) - step
+        assert torch.equal(module(x, y), ReservedNames()(x, y))
