@@ -31,26 +31,15 @@ def _where(pass_name: str, index: int | None) -> str:
 
 
 def _rebuilt(cls: type, args: tuple, attributes: dict) -> BaseException:
-    """An error or warning unpickled (or copied): its message and attributes as they were,
-    without calling its constructor, whose parameters are not its message."""
+    """An error unpickled (or copied): its message and attributes as they were, without
+    calling its constructor, whose parameters are not its message."""
     rebuilt = cls.__new__(cls, *args)
     rebuilt.args = args
     rebuilt.__dict__.update(attributes)
     return rebuilt
 
 
-class KeepsAttributesWhenPickled:
-    """For an exception or warning class whose constructor takes what its message is made
-    of: Python rebuilds one by calling the class with its message, which such a
-    constructor refuses (or renders again as the wrong thing); this rebuilds it from its
-    message and attributes, so it crosses a process pool, ``copy`` and ``warnings``
-    intact."""
-
-    def __reduce__(self) -> tuple:
-        return _rebuilt, (type(self), self.args, self.__dict__)
-
-
-class PassManagerError(KeepsAttributesWhenPickled, Exception):
+class PassManagerError(Exception):
     """Base class of every error the pass manager raises.
 
     Attributes:
@@ -72,6 +61,11 @@ class PassManagerError(KeepsAttributesWhenPickled, Exception):
         self.unrestored: list[str] = []
         self.report: Any = None
         self.reproducer: Any = None
+
+    def __reduce__(self) -> tuple:
+        # Python rebuilds an exception by calling its class with its message, which our
+        # constructors (taking what the message is made of) refuse: a process pool, copy.
+        return _rebuilt, (type(self), self.args, self.__dict__)
 
     def __str__(self) -> str:
         text = super().__str__()
