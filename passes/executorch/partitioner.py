@@ -70,12 +70,16 @@ PASS_NAME = "BufferOwningPartitioner"
 
 # Backends whose state on the device is not the buffer as the program holds it: the dtype
 # kept, and whether state starts zero-filled. Core ML (coremltools 9) casts fp32 state to
-# fp16 with a warning, refuses other dtypes deep in its converter, and zero-fills state when
-# the model is prewarmed.
+# fp16 with a warning, and an integer or bool buffer to fp16 state silently (an int64
+# counter is then exact only up to 2048), fails on int8 state deep in its converter, and
+# zero-fills state when the model is prewarmed.
 COREML_BACKEND = "CoreMLBackend"
 XNNPACK_BACKEND = "XnnpackBackend"
 _STATE_DTYPE = {COREML_BACKEND: torch.float16}
 _ZERO_FILLED = {COREML_BACKEND}
+# Dtypes the backend cannot take as a delegate's input either (coremltools 9: ``KeyError:
+# torch.int8``), so state stored so cannot stay at the top level beside the delegate.
+_NO_INPUT_DTYPES = {COREML_BACKEND: frozenset({torch.int8, torch.uint8})}
 
 
 def _is_value_copy(node: Node) -> bool:
@@ -112,10 +116,12 @@ class BufferOwningPartitioner(Partitioner):
         ExecuTorchInputError: ``partitioner`` is not a ``Partitioner`` instance (the class
             itself, ``XnnpackPartitioner`` for ``XnnpackPartitioner()``, names the fix).
         DelegateStateDtypeError: from ``partition``, a Core ML delegate would own a buffer
-            stored as integers (``QuantizeMutableBuffers``): Core ML keeps fp16 state only
-            (its converter fails with ``slice_update ... dtype int8`` otherwise). Raised, not
-            kept at the top level with a note: kept there, the Core ML partition fails too
-            (``KeyError: torch.int8``, coremltools 9).
+            stored as int8 or uint8 (``QuantizeMutableBuffers``): Core ML keeps fp16 state
+            only (its converter fails with ``slice_update ... dtype int8`` otherwise). Raised,
+            not kept at the top level with a note: kept there, the Core ML partition fails
+            too (``KeyError: torch.int8``, coremltools 9). Any other integer or bool buffer
+            (a position counter) is kept at the top level with a note: Core ML would hold
+            it as fp16 state, silently (an int64 counter is exact only up to 2048).
         UnfoldedQuantizeError: from ``partition``, an XNNPACK partition quantizes a constant
             (a weight) in the graph (``convert_pt2e(fold_quantize=False)``), which XNNPACK's
             runtime computes wrong values with. (A quantize of a 0-d value an XNNPACK
@@ -237,13 +243,16 @@ class BufferOwningPartitioner(Partitioner):
         verdicts = self._verdicts(program, result.partition_tags, shared)
         owned = []
         for verdict in verdicts:
+            if not verdict.consumable:
+                continue
+            backend = self._backend(result.partition_tags, verdict.owner_tag)
+            copies = self._value_copies(verdict)
+            verdict.reason = _state_kept_off_device(program, verdict.fqn, backend) or (
+                self._unreturnable(verdict) if copies is None else None)
             if verdict.consumable:
-                copies = self._value_copies(verdict)
-                if copies is None:
-                    verdict.reason = self._unreturnable(verdict)
-                    verdict.owner_tag = None
-                else:
-                    owned.append((verdict, copies))
+                owned.append((verdict, copies))
+            else:
+                verdict.owner_tag = None
         refused = [v for v in verdicts if not v.consumable and v.mutated_by]
         if self.strict and refused:
             self._restore(graph, before)
@@ -579,6 +588,21 @@ def _nonzero_elements(program: ExportedProgram) -> dict[str, int]:
         if not isinstance(value, FakeTensor):
             found[fqn] = int(value.count_nonzero())
     return found
+
+
+def _state_kept_off_device(program: ExportedProgram, fqn: str, backend: str | None
+                           ) -> str | None:
+    """Why buffer ``fqn`` stays at the top level rather than in ``backend``'s state: a
+    dtype its state would not hold as it is, but the delegate can receive and return (None
+    when the state holds it, or when nothing can: :func:`_state_on_device` raises)."""
+    kept = _STATE_DTYPE.get(backend)
+    value = buffer_tensor(program, fqn)
+    if (kept is None or value.is_floating_point()
+            or value.dtype in _NO_INPUT_DTYPES.get(backend, ())):
+        return None
+    return (f"{backend} keeps {str(kept).split('.')[-1]} state only, which would not hold "
+            f"this {str(value.dtype).split('.')[-1]} buffer as it is (an integer above 2048 is "
+            "rounded): the delegate receives it and returns its new value instead")
 
 
 def _state_on_device(

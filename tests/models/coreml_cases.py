@@ -39,8 +39,10 @@ __all__ = [
     "CacheWrite",
     "CachesWrittenLast",
     "CoreMLCase",
+    "CountedCache",
     "PatternSubsetQuantizer",
     "ReturnsBufferAndSum",
+    "RunningMean",
     "TinyAttention",
     "attention_inputs",
     "coreml_partitioner",
@@ -185,6 +187,39 @@ class ReturnsBufferAndSum(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.b.add_(x)
         return self.b, x + self.b
+
+
+class CountedCache(nn.Module):
+    """A cache written at the position a counter buffer of ``dtype`` holds, the counter
+    then advanced (HF's ``cumulative_length``; a bool counter flips between two rows)."""
+
+    def __init__(self, dtype: torch.dtype = torch.int64, start: int = 0) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(8, 4))
+        self.register_buffer("position", torch.full((), start, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        row = self.position.long().remainder(8).view(1)
+        self.cache.index_copy_(0, row, x)
+        if self.position.dtype == torch.bool:
+            self.position.logical_not_()
+        else:
+            self.position.add_(1)
+        return self.cache.sum(0, keepdim=True) * self.position.float()
+
+
+class RunningMean(nn.Module):
+    """The mean of the inputs so far: a float sum and an int64 count of calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(1, 4))
+        self.register_buffer("count", torch.zeros(1, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x)
+        self.count.add_(1)
+        return self.total / self.count.float()
 
 
 def cache_inputs(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,11 +1,12 @@
 """What Core ML does to the state it owns, said by BufferOwningPartitioner before lowering.
 
-Core ML keeps state in fp16 only (coremltools casts an fp32 buffer, with a log line), fails
-deep in its converter on an integer buffer (``slice_update ... update has dtype int8``),
-and zero-fills state when a model is prewarmed. The wrapper raises
-``DelegateStateDtypeError`` for the first (naming the buffer and the backend) and warns
-``DelegateStateWarning`` for the others; a demo-backend delegate owning the same buffers
-gets no warning.
+Core ML keeps state in fp16 only (coremltools casts an fp32 buffer, with a log line, and an
+int64 counter silently: exact only up to 2048), fails deep in its converter on an int8
+buffer (``slice_update ... update has dtype int8``), and zero-fills state when a model is
+prewarmed. The wrapper raises ``DelegateStateDtypeError`` for int8 state (naming the buffer
+and the backend), keeps other integer and bool state at the top level with a note, and
+warns ``DelegateStateWarning`` for the others; a demo-backend delegate owning the same
+buffers gets no warning.
 """
 
 from __future__ import annotations
@@ -20,18 +21,25 @@ pytest.importorskip("coremltools")
 import torch
 from executorch.exir import to_edge, to_edge_transform_and_lower
 
-from pass_manager import PassManager
+from pass_manager import PassManager, assert_same_behaviour
 from passes import QuantizeMutableBuffers
+from passes.delegation import BufferConsumptionError
 from passes.executorch import (
     BufferOwningPartitioner,
     DelegateStateDtypeError,
     DelegateStateWarning,
+    executorch_state,
 )
 from tests.models.coreml_cases import (
     CacheWrite,
+    CountedCache,
+    RunningMean,
     cache_inputs,
     coreml_partitioner,
+    coreml_states,
+    delegates,
     exported,
+    owned_buffers,
 )
 from tests.models.executorch_cases import everything
 from tests.models.quantized_state import GridCache, grid_inputs
@@ -61,6 +69,51 @@ def test_wrapped_refuses_integer_state_naming_buffer_and_backend(int8_cache):
     assert (error.buffer, error.backend, error.dtype) == ("cache", "CoreMLBackend", torch.int8)
     assert error.pass_name == "BufferOwningPartitioner"
     assert "'cache'" in str(error) and "CoreMLBackend" in str(error)
+
+
+def test_coreml_alone_holds_an_integer_count_as_fp16_state():
+    """ExecuTorch alone hands the count to Core ML, which keeps it as fp16 state without a
+    word: on the device it stops counting at 2048 (2048 + 1 rounds to 2048 in fp16)."""
+    edge = to_edge_transform_and_lower(exported(RunningMean(), cache_inputs()),
+                                       partitioner=[coreml_partitioner()])
+    (delegate,) = delegates(edge.exported_program())
+    assert coreml_states(delegate) == {"total": "FLOAT16", "count": "FLOAT16"}
+
+
+def test_coreml_alone_fails_in_its_converter_on_a_position_counter():
+    """The fp16 state then indexes the cache, which coremltools refuses, untyped."""
+    with pytest.raises(ValueError, match="Only bool and int index handled"):
+        to_edge_transform_and_lower(exported(CountedCache(), cache_inputs()),
+                                    partitioner=[coreml_partitioner()])
+
+
+@pytest.mark.parametrize("make, counter", [
+    (CountedCache, "position"),
+    (lambda: CountedCache(torch.bool), "position"),
+    (RunningMean, "count"),
+], ids=["int64 position", "bool position", "int64 count"])
+def test_wrapped_keeps_integer_and_bool_state_at_the_top_level(make, counter):
+    model = make()
+    wrapper = BufferOwningPartitioner(coreml_partitioner())
+    edge = to_edge_transform_and_lower(exported(model, cache_inputs()), partitioner=[wrapper])
+    program = edge.exported_program()
+    (delegate,) = delegates(program)
+    floats = {name for name, b in model.named_buffers() if b.is_floating_point()}
+    assert owned_buffers(delegate) == floats
+    assert coreml_states(delegate) == dict.fromkeys(floats, "FLOAT16")
+    (note,) = [n for n in wrapper.notes if f"'{counter}'" in n]
+    assert note.startswith(f"kept '{counter}' at the top level: CoreMLBackend keeps float16")
+    assert_same_behaviour(model, program, cache_inputs(), atol=1e-5, state=executorch_state)
+    edge.to_executorch()
+
+
+def test_wrapped_strict_refuses_to_keep_integer_state_out():
+    edge = to_edge(exported(CountedCache(), cache_inputs())).exported_program()
+    with pytest.raises(BufferConsumptionError) as info:
+        BufferOwningPartitioner(coreml_partitioner(), strict=True).partition(edge)
+    assert type(info.value) is BufferConsumptionError  # not the int8 refusal
+    assert info.value.buffer == "position"
+    assert "would not hold this int64 buffer" in info.value.reason
 
 
 def _partition_warnings(model, partitioner) -> list[DelegateStateWarning]:
