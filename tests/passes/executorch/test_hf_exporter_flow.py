@@ -28,7 +28,7 @@ import copy
 import pytest
 import torch
 
-from pass_manager import PassManager
+from pass_manager import PassManager, assert_same_behaviour
 from passes import InplaceToFunctional, InputsToBuffers, MarkMutableBuffers, QuantizeMutableBuffers
 from passes.examples import xnnpack_quantizer
 from passes.executorch import run_methods_on_runtime
@@ -196,3 +196,31 @@ def test_quantize_mutable_buffers_says_why_it_leaves_cache_inputs_float(llama):
         copy.deepcopy(llama.hf.decode)).program
     record = PassManager([QuantizeMutableBuffers()]).run(decode).report.records[0]
     assert sum("cache_" in note for note in record.notes) == len(CACHES + COUNTERS), record.notes
+
+
+def test_the_resident_decode_lowers_with_core_ml_owning_its_caches(llama):
+    """Core ML owns the float caches as fp16 state; the int64 ``cumulative_length`` counters,
+    which Core ML would round as fp16 state, stay at the top level (refused before)."""
+    pytest.importorskip("coremltools")
+    from executorch.exir import to_edge_transform_and_lower
+
+    from passes.executorch import BufferOwningPartitioner, executorch_state
+    from tests.models.coreml_cases import (
+        coreml_partitioner,
+        coreml_states,
+        delegates,
+        owned_buffers,
+    )
+
+    decode = llama.methods["decode"]
+    wrapper = BufferOwningPartitioner(coreml_partitioner())
+    edge = to_edge_transform_and_lower(copy.deepcopy(decode), partitioner=[wrapper])
+    program = edge.exported_program()
+    (delegate,) = delegates(program)
+    assert owned_buffers(delegate) == set(CACHES)
+    assert coreml_states(delegate) == {c.replace(".", "_"): "FLOAT16" for c in CACHES}
+    kept = [n for n in wrapper.notes if n.startswith("kept ")]
+    assert [n.split("'")[1] for n in kept] == COUNTERS
+    calls = [(args, kwargs) for name, args, kwargs in llama.calls if name == "decode"]
+    assert_same_behaviour(decode, program, calls, atol=1e-5, state=executorch_state)
+    edge.to_executorch()
