@@ -12,6 +12,7 @@ over several calls, outputs and every buffer. Running the ``.mlpackage`` needs m
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 
@@ -19,9 +20,11 @@ import pytest
 
 pytest.importorskip("coremltools")
 
+import torch
 from executorch.exir import to_edge_transform_and_lower
 
-from pass_manager import assert_same_behaviour
+from pass_manager import PassManager, assert_same_behaviour
+from passes import InplaceToFunctional, MarkMutableBuffers
 from passes.executorch import (
     BufferOwningPartitioner,
     DelegateStateWarning,
@@ -119,3 +122,28 @@ def test_wrapped_runs_like_eager(name, lowered):
     assert result.error is None, result.error
     assert_same_behaviour(result.model, result.program, result.inputs, atol=ATOL,
                           state=executorch_state)
+
+
+def test_a_hugging_face_decoder_of_the_old_recipe_lowers_with_its_caches_owned():
+    """transformers' own ExecuTorch recipe (``TorchExportableModuleWithStaticCache``): Core ML
+    owns the keys and values; the int64 ``cumulative_length`` counters, which it would keep
+    as fp16 state, stay at the top level (on 63577b5 the wrapper refused the program)."""
+    from tests.models import hf
+
+    model, steps = hf.llama_module(layers=1), hf.decode_steps(4)
+    with torch.no_grad():
+        program = torch.export.export(copy.deepcopy(model), (), steps[0][1], strict=True)
+    program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program).program
+    wrapper = BufferOwningPartitioner(coreml_partitioner())
+    edge = to_edge_transform_and_lower(program, partitioner=[wrapper])
+    (delegate,) = delegates(edge.exported_program())
+    assert owned_buffers(delegate) == {"key_cache_0", "value_cache_0"}
+    assert [n.split("'")[1] for n in wrapper.notes if n.startswith("kept ")] == [
+        "cumulative_length_0"]
+
+    def state(module: torch.nn.Module) -> dict[str, torch.Tensor]:  # the mutable buffers
+        return {k: v for k, v in executorch_state(module).items()
+                if k.rsplit(".", 1)[-1].startswith(("key_cache", "value_cache", "cumulative"))}
+
+    assert_same_behaviour(model, edge.exported_program(), steps, atol=ATOL, state=state)
+    edge.to_executorch()
