@@ -18,7 +18,7 @@ import torch
 
 from pass_manager import graph_module_of
 
-from ..errors import CarriedStateWarning
+from ..errors import CarriedStateWarning, QuantizationInputError
 from .buffers import (
     BUFFER,
     GRID_META,
@@ -175,11 +175,26 @@ def reset_mutable_buffers(program: Any) -> list[str]:
     hold as one tensor (as ``quantize_methods`` returns them) is restored once, from the
     first method marking it; each FQN is listed once.
 
+    Raises:
+        QuantizationInputError: the program writes buffers MarkMutableBuffers never marked
+            (torchao prepared ``torch.export.export(...).module()`` directly): the values
+            they started with are not known; nothing is reset.
+
     State the program carries in user inputs it mutates in place lives in the caller's
     tensors: nothing here can reset it. When there is such state, a
     :class:`~passes.errors.CarriedStateWarning` naming the inputs says so (the program's
     own buffers are still reset).
     """
+    programs = list(program.values()) if isinstance(program, Mapping) else [program]
+    unmarked = sorted({fqn for method in programs for fqn in _unmarked_writes(method)})
+    if unmarked:
+        raise QuantizationInputError(
+            "reset_mutable_buffers", "program",
+            f"it writes {', '.join(map(repr, unmarked))} in place, but MarkMutableBuffers "
+            "never marked them, so the values they started with are not known and nothing "
+            "was reset; mark the exported program before preparing it "
+            "(PassManager([MarkMutableBuffers()]).run(ep), then ep.module()), or quantize "
+            "with passes.quantization.quantize_program, which marks it")
     carried: list[str] = []
     if isinstance(program, Mapping):
         restored: list[str] = []
@@ -193,6 +208,13 @@ def reset_mutable_buffers(program: Any) -> list[str]:
     if carried:
         warnings.warn(CarriedStateWarning(list(dict.fromkeys(carried))), stacklevel=2)
     return restored
+
+
+def _unmarked_writes(program: Any) -> list[str]:
+    """Buffers and parameters the program writes that MarkMutableBuffers did not mark."""
+    marked = _marked(program)
+    return [state.name for state in find_mutations(program).writers
+            if state.kind in (BUFFER, PARAMETER) and state.name not in marked]
 
 
 def _reset(program: Any, done: set[int], carried: list[str]) -> list[str]:

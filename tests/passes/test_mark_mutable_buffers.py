@@ -260,3 +260,40 @@ def test_unsigned_fills_and_large_buffers_are_kept_and_reset_bit_for_bit(form):
     for fqn, value in first.items():
         assert torch.equal(state[fqn], value), fqn
     assert_same_behaviour(eager, run, calls, calls=4)
+
+
+def test_reset_of_a_program_never_marked_is_refused_and_nothing_is_reset():
+    """torchao prepared straight from ``torch.export.export(...).module()``: the buffers'
+    starting values were never recorded. The reset used to return [] and leave the
+    calibration's cache and counter in place; marking before preparing makes it work."""
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    from passes.errors import QuantizationInputError
+    from passes.flow.examples import xnnpack_quantizer
+    from tests.models.counters import CountedCache, counted_cache_calls
+
+    calls = counted_cache_calls(4, seed=1)
+    with torch.no_grad():
+        ep = torch.export.export(CountedCache(), calls[0])
+
+    def calibrated(program):
+        prepared = prepare_pt2e(copy.deepcopy(program).module(), xnnpack_quantizer())
+        with torch.no_grad():
+            for args in calls:
+                prepared(*args)
+        return prepared
+
+    unmarked = calibrated(ep)
+    left = {name: value.clone() for name, value in unmarked.named_buffers()}
+    with pytest.raises(QuantizationInputError) as info:
+        reset_mutable_buffers(unmarked)
+    assert info.value.helper == "reset_mutable_buffers"
+    assert "'cache', 'pos'" in str(info.value) and "MarkMutableBuffers" in str(info.value)
+    assert all(torch.equal(value, left[name]) for name, value in unmarked.named_buffers())
+    assert left["pos"].item() == len(calls)
+
+    marked = calibrated(PassManager([MarkMutableBuffers()]).run(ep).program)
+    assert sorted(reset_mutable_buffers(marked)) == ["cache", "pos"]
+    fresh = CountedCache()
+    for name in ("cache", "pos"):  # exactly the values export saw
+        assert torch.equal(marked.get_buffer(name), fresh.get_buffer(name)), name
