@@ -40,8 +40,10 @@ from tests.models.methods import (
     llama_calls,
     llama_methods,
 )
+from tests.models.qnn import qnn_quantizer
 
-QUANTIZERS = {"xnnpack": xnnpack_quantizer, "every_op": AnnotateEveryOpQuantizer}
+QUANTIZERS = {"xnnpack": xnnpack_quantizer, "every_op": AnnotateEveryOpQuantizer,
+              "qnn": qnn_quantizer}
 CACHES = ["layers.0.attn.k_cache", "layers.0.attn.v_cache"]
 
 
@@ -292,10 +294,11 @@ def test_hugging_face_llama_prefill_and_decode(quantizer):
         assert grids["prefill"][fqn] == grids["decode"][fqn] and grids["decode"][fqn].stored
         assert buffer_tensor(stored["prefill"], fqn) is buffer_tensor(stored["decode"], fqn)
     ours = errors_per_call(expected, calls_in_sequence(stored, evaluation))
-    if quantizer == "every_op":  # today's way, for comparison (XNNPACK's doubles the time)
+    if quantizer != "xnnpack":  # today's way, for comparison (XNNPACK's doubles the time)
         alone = per_method(programs, QUANTIZERS[quantizer], calibration)
         theirs = errors_per_call(expected, calls_in_sequence(alone, evaluation))
         step = max(output_grid(p.graph_module) for p in alone.values())
         assert max(ours) <= max(theirs) + step, (ours, theirs)
         assert statistics.mean(ours) <= statistics.mean(theirs) + step / 4, (ours, theirs)
-    assert max(ours) < 0.2, ours
+    # QNN's quantizer also quantizes the norms and the softmax: 0.27 each method alone.
+    assert max(ours) < (0.3 if quantizer == "qnn" else 0.2), ours
