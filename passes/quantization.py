@@ -112,8 +112,8 @@ class PassQuantizer(Quantizer):
     ):
         super().__init__()
         self.quantizer = checked_quantizer(quantizer, "PassQuantizer")
-        # ``options`` are PassManager options for both pipelines (e.g. print_after,
-        # reproducer_dir).
+        # ``options`` are PassManager options for both pipelines (e.g. strict,
+        # instruments=[PrintIR(after=True)]).
         self.transform = (
             PassManager(list(transform), name="transform", **options) if transform else None
         )
@@ -343,8 +343,9 @@ def quantize_program(
             reports, the buffers reset, the frozen reads repaired, each step's time), as
             ``(program, report)``.
         on_call: called with the call's index after each calibration call (progress).
-        **options: PassManager options for the pipelines it runs (``print_after``,
-            ``reproducer_dir``, ...), as :class:`PassQuantizer` takes them.
+        **options: PassManager options for the pipelines it runs (``strict``,
+            ``instruments=[PrintIR(after=True)]``, ...), as :class:`PassQuantizer` takes
+            them.
 
     Raises:
         QuantizationInputError: ``program`` not an ExportedProgram, ``quantizer`` not a
