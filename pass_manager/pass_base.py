@@ -63,10 +63,13 @@ class Pass:
         return run_alone(self, graph_module)
 
     def __repr__(self) -> str:
-        options = ", ".join(
-            f"{key}={format_value(value, python=True)}" for key, value in pass_options(self).items()
-        )
-        return f"{self.name}({options})"
+        # A pass that is not a dataclass shows what its constructor stored, not "Name()".
+        options = pass_options(self) or {
+            key: value for key, value in getattr(self, "__dict__", {}).items()
+            if not key.startswith("_")}
+        shown = ", ".join(f"{key}={format_value(value, python=True)}"
+                          for key, value in options.items())
+        return f"{self.name}({shown})"
 
 
 class _CallablePass(Pass):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import gc
+import inspect
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -64,6 +65,18 @@ def pass_options(pass_: Any) -> dict[str, Any]:
     return {f.name: getattr(pass_, f.name) for f in dataclasses.fields(pass_) if f.init}
 
 
+def _constructor_only(pass_: Any) -> list[str]:
+    """The constructor's parameters of a pass that is not a dataclass: options its
+    pipeline text could not carry (text naming the class alone would rebuild it without
+    them, or with their defaults)."""
+    if dataclasses.is_dataclass(pass_):
+        return []
+    try:
+        return list(inspect.signature(type(pass_)).parameters)
+    except (TypeError, ValueError):  # no signature to read: nothing known to be lost
+        return []
+
+
 def _differs_from_default(pass_: Any, option: str, value: Any) -> bool:
     """Whether ``value`` is not the option's default (an option without one always is)."""
     f = pass_.__dataclass_fields__[option]
@@ -98,6 +111,12 @@ def format_pass(pass_: Any) -> str:
         raise PipelineError(
             f"{pass_.name} has no pipeline text: only registered Pass classes do "
             "(not plain functions, torch PassBase objects or nested PassManagers)"
+        )
+    if hidden := _constructor_only(pass_):
+        raise PipelineError(
+            f"{pass_.name} has no pipeline text: its constructor takes {', '.join(hidden)}, "
+            "which are not dataclass fields, so text naming the pass could not rebuild it; "
+            "declare it @dataclass(frozen=True) with those options as fields"
         )
     options = [
         f"{key}={format_value(value)}"

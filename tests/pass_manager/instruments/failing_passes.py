@@ -9,7 +9,7 @@ import torch
 
 from pass_manager import Pass, PassResult, graph_module_of
 
-__all__ = ["AddToSub", "FailAfterRewrite", "Nothing"]
+__all__ = ["AddToSub", "FailAfterRewrite", "FailsWithItsConstructorOption", "Nothing"]
 
 aten = torch.ops.aten
 
@@ -48,3 +48,15 @@ class Nothing(Pass):
 
     def call(self, program: Any) -> PassResult:
         return PassResult(program, False)
+
+
+class FailsWithItsConstructorOption(Pass):
+    """Not a dataclass: its option lives only in its constructor (a common first pass),
+    and its failure depends on it."""
+
+    def __init__(self, threshold: float = 1.0):
+        self.threshold = threshold
+
+    def call(self, program: Any) -> PassResult:
+        _add_to_sub(program)
+        raise RuntimeError(f"threshold {self.threshold} exceeded")

@@ -29,7 +29,7 @@ from passes.delegation import program_state
 from tests.models.accumulators import Accumulate
 from tests.models.failing import writes_constant
 
-from .failing_passes import AddToSub, FailAfterRewrite, Nothing
+from .failing_passes import AddToSub, FailAfterRewrite, FailsWithItsConstructorOption, Nothing
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -282,6 +282,21 @@ def test_reproducer_of_a_large_program_keeps_no_second_copy_of_its_state(form, t
     assert written > 100 * mib, measured  # the state is in the folder
     assert copy_grown > 90 * mib, measured  # a copy of the state would be seen
     assert grown < 25 * mib, measured  # and writing the folder made none
+
+
+def test_a_pass_whose_options_are_not_dataclass_fields_is_not_replayed_without_them(tmp_path):
+    """Its pipeline text used to be the bare name, recorded as replayable: the replay then
+    built it with the default threshold and reported another error (or none)."""
+    failing = FailsWithItsConstructorOption(threshold=0.5)
+    assert repr(failing) == "FailsWithItsConstructorOption(threshold=0.5)"
+    with pytest.raises(PassFailedError, match=r"threshold 0\.5") as info:
+        PassManager([failing], instruments=[Reproducer(tmp_path)]).run(
+            _program("ExportedProgram"))
+    manifest = json.loads((info.value.reproducer / "manifest.json").read_text())
+    assert manifest["replayable"] is False and manifest["pipeline"] is None
+    assert "constructor takes threshold" in manifest["not_replayable_because"]
+    with pytest.raises(ArchiveError, match="cannot be replayed"):
+        load_reproducer(info.value.reproducer, trusted=True)
 
 
 def test_a_pass_that_cannot_be_rebuilt_is_recorded_and_load_refuses_it_by_name(tmp_path):
