@@ -19,7 +19,8 @@ import torch
 from pass_manager import Report
 from pass_manager.validation import Trace, first_difference
 
-__all__ = ["Check", "Failure", "FlowError", "FlowResult", "check_same", "failure_of", "restricted"]
+__all__ = ["Check", "Failure", "FlowError", "FlowInterrupted", "FlowResult", "check_same",
+           "failure_of", "restricted"]
 
 
 @dataclass
@@ -150,6 +151,16 @@ class FlowError(Exception):
         self.failure = failure
         self.result = result
         super().__init__("; ".join(failure.lines()))
+
+
+class FlowInterrupted(KeyboardInterrupt):
+    """Ctrl-C arrived during a stage: still a KeyboardInterrupt (whoever catches those stops
+    as before), carrying the stage it stopped and ``result``, what the stages before it found."""
+
+    def __init__(self, stage: str, result: FlowResult):
+        self.stage = stage
+        self.result = result
+        super().__init__(stage)
 
 
 def _replay_command(failure: Failure) -> str:

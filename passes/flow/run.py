@@ -46,7 +46,15 @@ from .factory import Exported, ModelSpec, export_program
 from .integer_state import INTEGER_STATE, integer_state_stage
 from .noise import native_stderr_held
 from .quantization import COLUMN_NOTES, NO_PASSES, RESET, WITH_PASSES, torchao_recipe
-from .result import Check, FlowError, FlowResult, check_same, failure_of, restricted
+from .result import (
+    Check,
+    FlowError,
+    FlowInterrupted,
+    FlowResult,
+    check_same,
+    failure_of,
+    restricted,
+)
 
 __all__ = ["Check", "FlowError", "FlowResult", "run_flow", "run_model"]
 
@@ -82,13 +90,12 @@ class _Stages:
         start = time.perf_counter()
         try:
             value = fn()
-        except FlowError:
+        except (FlowError, FlowInterrupted):
             raise
+        except KeyboardInterrupt as e:
+            raise FlowInterrupted(self._where(), self.result) from e
         except Exception as e:
-            where = title
-            if self.calls is not None and self.calls[0] < self.calls[1]:
-                where += f" (call {self.calls[0] + 1} of {self.calls[1]})"
-            self.result.failure = failure_of(where, e)
+            self.result.failure = failure_of(self._where(), e)
             raise FlowError(self.result.failure, self.result) from e
         finally:
             seconds = time.perf_counter() - start
@@ -100,13 +107,21 @@ class _Stages:
             self.log(f"[{title}] done in {seconds:.2f} s")
         return value
 
+    def _where(self) -> str:
+        """The stage running, and the call when it stopped during one of its calls."""
+        if self.calls is not None and self.calls[0] < self.calls[1]:
+            return f"{self.title} (call {self.calls[0] + 1} of {self.calls[1]})"
+        return self.title
+
     @contextlib.contextmanager
     def guarded(self) -> Iterator[None]:
         """Between stages (the checks), a failure is a FlowError too, named after the stage."""
         try:
             yield
-        except FlowError:
+        except (FlowError, FlowInterrupted):
             raise
+        except KeyboardInterrupt as e:
+            raise FlowInterrupted(f"checks after {self.title or 'setup'}", self.result) from e
         except Exception as e:
             self.result.failure = failure_of(f"checks after {self.title or 'setup'}", e)
             raise FlowError(self.result.failure, self.result) from e
