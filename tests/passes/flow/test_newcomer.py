@@ -170,3 +170,54 @@ def test_the_methods_runtime_column_is_its_error_against_eager(monkeypatch):
     assert result.step_errors["quantized on ExecuTorch"] == [0.5, 0.25]
     assert result.notes == ["quantized methods' lowering: kept 'cache' at the top level"]
     assert result.checks[-1].passed  # runtime == Python
+
+
+class _Linear(torch.nn.Module):
+    """No state at all: the passes have nothing to keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class _WritesAParameter(torch.nn.Module):
+    """State kept in a parameter: the flow keeps it, but compares buffers only."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.scale.add_(1)
+        return x * self.scale
+
+
+def _flow(model):
+    from passes.flow import run_flow
+
+    torch.manual_seed(0)
+    steps = [(torch.randn(2, 4),) for _ in range(3)]
+    return run_flow(model, steps[0], steps, delegate=False, log=lambda line: None)
+
+
+def test_a_model_without_state_is_told_so_not_shown_a_zero_state_error():
+    result = _flow(_Linear())
+    assert result.ok
+    assert ("the model writes no buffer: it keeps no state between calls, so the passes have "
+            "nothing to keep and the comparisons measure quantization alone") in result.notes
+    assert not any("state error" in line for line in result.bought)
+    buffers_check = next(c for c in result.checks if c.name.startswith("quantized buffers"))
+    assert buffers_check.detail == "the model has no buffers: nothing to compare"
+
+
+def test_a_model_writing_a_parameter_is_told_where_its_state_goes_unchecked():
+    result = _flow(_WritesAParameter())
+    assert result.ok
+    assert ("the model writes the parameter(s) 'scale' in place: the flow keeps them as state, "
+            "but the state comparisons read buffers only, and ExecuTorch's runtime refuses a "
+            "written parameter (register them as buffers)") in result.notes
+    assert not any("state error" in line for line in result.bought)
