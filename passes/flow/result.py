@@ -39,6 +39,7 @@ class Failure:
     pass_name: str | None = None
     node: str | None = None
     reproducer: str | None = None  # the folder a --reproducer-dir run wrote
+    reproducer_error: str | None = None  # why --reproducer-dir could not write one
 
     def lines(self) -> list[str]:
         lines = [f"stage:  {self.stage}"]
@@ -49,6 +50,8 @@ class Failure:
         lines.append(f"reason: {self.reason}")
         if self.reproducer:
             lines.append(f"reproducer: {self.reproducer} (rerun it: {_replay_command(self)})")
+        elif self.reproducer_error:
+            lines.append(f"reproducer: not written: {self.reproducer_error}")
         return lines
 
 
@@ -214,7 +217,10 @@ def failure_of(stage: str, error: BaseException) -> Failure:
             "per call with 'dynamic_shapes')"
         )
     reproducer = next((e.reproducer for e in chain if getattr(e, "reproducer", None)), None)
-    return Failure(stage, reason, pass_name, node, str(reproducer) if reproducer else None)
+    unwritten = next((e.reproducer_error for e in chain if getattr(e, "reproducer_error", None)),
+                     None)
+    return Failure(stage, reason, pass_name, node, str(reproducer) if reproducer else None,
+                   unwritten)
 
 
 def restricted(trace: Trace, names: set[str]) -> Trace:

@@ -6,6 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from pass_manager import PassManager, PassManagerError, Reproducer
+from passes import InplaceToFunctional, MarkMutableBuffers
+from passes.flow.result import failure_of
+from tests.models.failing import writes_constant
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -52,3 +60,17 @@ def test_a_pass_failing_in_the_main_job_leaves_a_reproducer(tmp_path):
     assert replayed.returncode == 1
     assert "UnsupportedMutationError" in replayed.stdout
     assert "reproduced: the recorded error" in replayed.stdout
+
+
+def test_a_reproducer_that_could_not_be_written_is_said_in_the_failure(tmp_path):
+    """The failure names why there is no reproducer, instead of leaving the line out."""
+    taken = tmp_path / "a_file"
+    taken.write_text("")  # where the folder should go: mkdir fails
+    model, example = writes_constant()
+    program = torch.export.export(model, example, strict=False)
+    with pytest.raises(PassManagerError) as info:
+        PassManager([MarkMutableBuffers(), InplaceToFunctional()],
+                    instruments=[Reproducer(taken / "repro")]).run(program)
+    lines = failure_of("functionalize", info.value).lines()
+    assert lines[-1].startswith("reproducer: not written: ")
+    assert "a_file" in lines[-1]
