@@ -15,6 +15,7 @@ import torch
 import passes
 from passes.flow import cli
 from passes.flow import run as flow
+from passes.flow.examples import decoder_job
 
 from .main_job_cli import ROOT, run_main
 
@@ -245,3 +246,25 @@ def test_a_misspelt_pass_name_to_print_is_a_usage_error(monkeypatch, capsys, opt
     assert status == 2
     assert err.startswith(f"error: {option}: no pass is named 'InplaceToFunctionl'; known: ")
     assert "InplaceToFunctional" in err and len(err.strip().splitlines()) == 1
+
+
+def test_state_too_large_for_memory_is_warned_before_the_run(monkeypatch, capsys):
+    """The job keeps every program's buffers after every call to compare them; a model whose
+    copies will not fit would otherwise be killed by the system minutes in, without a word."""
+    monkeypatch.setattr(flow, "run_flow", lambda *args, **kwargs: flow.FlowResult(plan="0. P"))
+    monkeypatch.setattr(cli, "available_memory", lambda: 1 << 10)  # 1 KiB free: less than one copy
+    status = cli.main(["run", "--runtime", "python", MODEL, "--steps", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert status == 0
+    state = sum(b.nbytes for b in decoder_job(n_layers=1)[0].buffers())
+    estimate = state * cli.state_copies(2)
+    assert err.strip() == (
+        f"warning: {MODEL} holds {state:,} bytes of buffers; the job keeps a copy of them for "
+        f"every program it compares, after every call: about {estimate:,} bytes at --steps 2, "
+        f"more than the {1 << 10:,} bytes of memory available (fewer --steps need less)")
+
+
+def test_state_that_fits_in_memory_is_not_warned(monkeypatch, capsys):
+    monkeypatch.setattr(flow, "run_flow", lambda *args, **kwargs: flow.FlowResult(plan="0. P"))
+    status = cli.main(["run", "--runtime", "python", MODEL, "--steps", "2", "--quiet"])
+    assert status == 0 and capsys.readouterr().err == ""
