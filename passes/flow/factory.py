@@ -241,7 +241,12 @@ def export_program(
             continue
         note = f"exported {attempt} ({failures[0]})" if failures else ""
         return Exported(program, attempt, note)
-    raise ExportError("; ".join(failures))
+    hint = ""
+    if any("data-dependent" in failure.lower() for failure in failures):
+        hint = (" (forward branches on a tensor's value, which torch.export cannot capture: "
+                "write the branch with torch.cond, or compute both sides and pick with "
+                "torch.where)")
+    raise ExportError("; ".join(failures) + hint)
 
 
 def _export(

@@ -15,6 +15,9 @@ from .main_job_cli import run_main
         ("passes.examples:__doc__", "not a factory function"),
         ("passes.examples", "MODEL must be package.module:factory"),
         ("tests.models.main_job:not_exportable", "is not exportable"),
+        ("tests.models.main_job:not_exportable",
+         "(forward branches on a tensor's value, which torch.export cannot capture: write the "
+         "branch with torch.cond, or compute both sides and pick with torch.where)"),
         ("tests.models.main_job:wrong_return", "must return (module, example_inputs)"),
         # Found before export and the decode: the inputs against forward's signature.
         ("tests.models.main_job:keyword_only_given_positionally",
