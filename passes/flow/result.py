@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pass_manager import Report
+from pass_manager import PostconditionError, PreconditionError, Report
 from pass_manager.validation import Trace, first_difference
 
 __all__ = ["Check", "Failure", "FlowError", "FlowInterrupted", "FlowResult", "check_same",
@@ -210,6 +210,12 @@ def failure_of(stage: str, error: BaseException) -> Failure:
         node = violations[0] if violations else None
     innermost = chain[-1]
     said = getattr(innermost, "reason", None) or _first_line(innermost)
+    if isinstance(innermost, (PreconditionError, PostconditionError)):
+        # Its first line ends in "violation(s):"; the node line shows the first of them, and
+        # the hint (which pass provides the condition) is what the user does next.
+        said = (f"{innermost.kind} {innermost.condition!r} does not hold "
+                f"({len(innermost.violations)} violation(s))"
+                + (f"; {innermost.hint}" if innermost.hint else ""))
     reason = f"{type(innermost).__name__}: {said}"
     if "Guard failed" in reason:
         reason += (
