@@ -222,6 +222,9 @@ def failure_of(stage: str, error: BaseException) -> Failure:
             " (the program was exported for the example's shapes; a factory gives other shapes "
             "per call with 'dynamic_shapes')"
         )
+    if "Expecting input to have dtype torch.float32" in reason:  # torchao's quantize ops
+        reason += (" (pt2e quantization takes float32 models: convert the model with .float() "
+                   "in the factory, or run with --skip-quantization)")
     reproducer = next((e.reproducer for e in chain if getattr(e, "reproducer", None)), None)
     unwritten = next((e.reproducer_error for e in chain if getattr(e, "reproducer_error", None)),
                      None)

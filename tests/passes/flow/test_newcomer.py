@@ -196,11 +196,11 @@ class _WritesAParameter(torch.nn.Module):
         return x * self.scale
 
 
-def _flow(model):
+def _flow(model, dtype=torch.float32):
     from passes.flow import run_flow
 
     torch.manual_seed(0)
-    steps = [(torch.randn(2, 4),) for _ in range(3)]
+    steps = [(torch.randn(2, 4, dtype=dtype),) for _ in range(3)]
     return run_flow(model, steps[0], steps, delegate=False, log=lambda line: None)
 
 
@@ -221,3 +221,15 @@ def test_a_model_writing_a_parameter_is_told_where_its_state_goes_unchecked():
             "but the state comparisons read buffers only, and ExecuTorch's runtime refuses a "
             "written parameter (register them as buffers)") in result.notes
     assert not any("state error" in line for line in result.bought)
+
+
+def test_a_float64_model_is_told_quantization_takes_float32():
+    from passes.flow import FlowError
+
+    with pytest.raises(FlowError) as info:
+        _flow(_Linear().double(), torch.float64)
+    failure = info.value.failure
+    assert failure.stage == "quantize with the passes"
+    assert failure.reason.endswith(
+        "(pt2e quantization takes float32 models: convert the model with .float() in the "
+        "factory, or run with --skip-quantization)")
