@@ -92,6 +92,10 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     except ModelError:
         raise
     except ModuleNotFoundError as e:
+        if e.name and module_name != e.name and not module_name.startswith(f"{e.name}."):
+            # The module is there: a package it imports is not.
+            raise ModelError(f"cannot import {module_name!r}: it imports {e.name!r}, which is "
+                             f"not installed (ModuleNotFoundError: {e})") from e
         raise ModelError(
             f"cannot import {module_name!r}: {e} (looked in the current folder {os.getcwd()} "
             "and PYTHONPATH; a file path works too: path/to/file.py:factory)") from e

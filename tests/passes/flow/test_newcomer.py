@@ -233,3 +233,22 @@ def test_a_float64_model_is_told_quantization_takes_float32():
     assert failure.reason.endswith(
         "(pt2e quantization takes float32 models: convert the model with .float() in the "
         "factory, or run with --skip-quantization)")
+
+
+@pytest.mark.parametrize("model", ["needs_a_package:factory", "needs_a_package.py:factory"])
+def test_a_model_whose_own_import_fails_is_not_said_to_be_missing(monkeypatch, capsys,
+                                                                   tmp_path, model):
+    """The module is there; a package it imports is not installed. Saying where the job
+    looked for the module sends the user to the wrong problem."""
+    (tmp_path / "needs_a_package.py").write_text(
+        "import torch\nimport a_package_nobody_installed\n\n\ndef factory():\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "needs_a_package", raising=False)
+    status = cli.main(["run", "--runtime", "python", model])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.strip() == (
+        f"error: cannot import {model.split(':')[0]!r}: it imports 'a_package_nobody_installed', "
+        "which is not installed (ModuleNotFoundError: No module named "
+        "'a_package_nobody_installed')")
