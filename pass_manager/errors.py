@@ -99,6 +99,7 @@ class _ConditionError(PassManagerError):
                  violations: Sequence[str], *, hint: str = ""):
         self.condition = condition
         self.violations = list(violations)
+        self.hint = hint
         listing = [f"  - {v}" for v in self.violations[:20]]
         if len(self.violations) > 20:
             listing.append(f"  ... and {len(self.violations) - 20} more")

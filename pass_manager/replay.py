@@ -22,6 +22,7 @@ from .archive import load_data, load_program
 from .errors import ArchiveError, PassManagerError, UntrustedFileError
 from .instruments.base import Instrumentation
 from .instruments.print_ir import PrintIR
+from .instruments.reproducer import REPRODUCER_FORMAT
 from .instruments.semantic_validation import SemanticValidation
 from .pipeline_text import parse_passes
 from .report import Report
@@ -72,6 +73,44 @@ def _check_modules(modules: list[Any], where: Path, what: str) -> None:
         )
 
 
+# What a replay reads from every manifest (the rest is for the reader, or optional).
+_MANIFEST_KEYS = ("pass", "index", "group", "pipeline", "modules", "replayable",
+                  "not_replayable_because", "strict", "error_type", "error_message", "form",
+                  "validation")
+
+
+def _read_manifest(folder: Path) -> dict:
+    """The folder's manifest, of a format this library reads; ArchiveError naming what the
+    folder is otherwise (none, a file, no manifest, a newer format, keys missing)."""
+    if not folder.exists():
+        raise ArchiveError(folder, "no such folder")
+    if not folder.is_dir():
+        raise ArchiveError(folder, "a file, not a folder a Reproducer wrote")
+    manifest_file = folder / "manifest.json"
+    if not manifest_file.is_file():
+        raise ArchiveError(folder, "it has no manifest.json: not a folder a Reproducer wrote")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except ValueError as e:
+        raise ArchiveError(manifest_file, f"manifest.json is not JSON ({e})") from e
+    if not isinstance(manifest, dict):
+        raise ArchiveError(manifest_file, "it is not a reproducer manifest (a JSON object)")
+    found = manifest.get("format", 1)
+    if not isinstance(found, int) or found > REPRODUCER_FORMAT:
+        versions = manifest.get("versions")
+        wrote = versions.get("mutable-buffer-passes") if isinstance(versions, dict) else None
+        raise ArchiveError(manifest_file, (
+            f"it is reproducer format {found}, written by mutable-buffer-passes "
+            f"{wrote or '(version unknown)'}; this version reads formats up to "
+            f"{REPRODUCER_FORMAT}: replay it with the version that wrote it, or a newer one"))
+    missing = [key for key in _MANIFEST_KEYS if key not in manifest]
+    if missing:
+        raise ArchiveError(manifest_file, (
+            f"it lacks {', '.join(map(repr, missing))}: not a whole reproducer manifest "
+            "(damaged, or not written by a Reproducer)"))
+    return manifest
+
+
 def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproduction:
     """Load a reproducer folder (imports the modules that define its passes).
 
@@ -84,14 +123,14 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
     Raises:
         UntrustedFileError: without ``trusted``, a file is pickled or names a module
             outside ``pass_manager`` / ``passes``; the message says which.
-        ArchiveError: a file is damaged or was not written by a Reproducer, or the
-            Reproducer recorded that the pass cannot be rebuilt (e.g. a lambda).
+        ArchiveError: the folder is missing or is no reproducer, a file is damaged or was
+            not written by a Reproducer, the manifest is of a newer format than this
+            library reads, or the Reproducer recorded that the pass cannot be rebuilt
+            (e.g. a lambda).
     """
     folder = Path(folder)
     manifest_file = folder / "manifest.json"
-    manifest = json.loads(manifest_file.read_text())
-    if not isinstance(manifest, dict):
-        raise ArchiveError(manifest_file, "it is not a reproducer manifest (a JSON object)")
+    manifest = _read_manifest(folder)
     if not manifest["replayable"]:
         because = manifest["not_replayable_because"]
         raise ArchiveError(folder, because, f"{folder} cannot be replayed: {because}; its "
@@ -135,8 +174,12 @@ def replay(
     message says why). With ``pdb``, the debugger starts where the pass raised."""
     try:
         reproduction = load_reproducer(folder, trusted=trusted)
+    except ArchiveError as e:  # names the folder or file, and what it is not
+        print(f"error: cannot replay: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # noqa: BLE001 - any failure to load is reported the same way
-        print(f"error: cannot load the reproducer {folder}: {type(e).__name__}: {e}")
+        print(f"error: cannot load the reproducer {folder}: {type(e).__name__}: {e}",
+              file=sys.stderr)
         return 2
     m = reproduction.manifest
     print(f"replaying {m['pass']} (pipeline {m['pipeline']}) on the saved {m['form']}")

@@ -30,7 +30,11 @@ from ..report import PassRecord, Report
 from .base import Instrumentation
 from .semantic_validation import SemanticValidation
 
-__all__ = ["Reproducer"]
+__all__ = ["REPRODUCER_FORMAT", "Reproducer"]
+
+# The manifest's layout; a replay refuses a folder of a later one by name (a renamed key
+# would otherwise be a bare KeyError). Manifests written before it had no "format": 1.
+REPRODUCER_FORMAT = 1
 
 
 def _version(distribution: str) -> str | None:
@@ -130,6 +134,7 @@ class Reproducer(Instrumentation):
         if outside := [m for m in modules if not library_module(m)]:
             trust.append(f"the passes are defined outside this library's packages: {outside}")
         manifest = {
+            "format": REPRODUCER_FORMAT,
             "pass": record.name,
             "index": record.index,
             "group": group,

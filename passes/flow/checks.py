@@ -63,10 +63,10 @@ def quantization_checks(
     relative = result.buffer_errors[WITH_PASSES]
     worst_name = max(relative, key=relative.get, default="")
     detail = (
-        f"8-bit error itself (information): worst {worst_name or 'buffer'} "
+        f"8-bit error itself (information): worst {worst_name} "
         f"{relative.get(worst_name, 0.0):.2%} of its fp32 magnitude with the passes, "
         f"{result.buffer_errors[RESET].get(worst_name, 0.0):.2%} without"
-    )
+    ) if relative else "the model has no buffers: nothing to compare"
     if worse:
         name, (error, theirs, grid) = next(iter(worse.items()))
         detail = (

@@ -8,12 +8,14 @@ a factory the built-in seeded
 KV-cache decoder is used. The report goes to stdout alone, so it can be piped or redirected;
 progress lines, notices and errors go to stderr (``--quiet`` drops the progress and notices).
 Exit status: 0 every check passed, 1 a check failed, 2 bad usage or the model could not be
-loaded (or exported), 3 the flow failed (a short report says where).
+loaded (or exported), 3 the flow failed (a short report says where), 130 interrupted
+(Ctrl-C), 141 stdout was closed before the report ended (``| head``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pass_manager import PassManagerError, PrintIR, Reproducer, parse_pipeline
+from pass_manager.pipeline_text import registered_passes
 
 from .. import __version__
 from .factory import (
@@ -43,12 +46,17 @@ from .noise import held, hold_known_noise
 DEFAULT_MODEL = "passes.examples:stateful_decoder_job"
 # The console command setup.cfg installs is named after the distribution.
 COMMAND = "mutable-buffer-passes"
+# 2 is also bad usage (argparse's own status for it).
 LOAD_FAILED, FLOW_FAILED = 2, 3
+# As a shell reports a process that SIGINT / SIGPIPE ended: 128 + the signal's number.
+INTERRUPTED, OUTPUT_CLOSED = 130, 141
 EXIT_STATUSES = """exit status:
-  0  every check passed
-  1  a check failed
-  2  bad usage, or the model could not be loaded or exported (one line on stderr)
-  3  the flow failed after loading (the report so far, then where it failed)"""
+  0    every check passed
+  1    a check failed
+  2    bad usage, or the model could not be loaded or exported (one line on stderr)
+  3    the flow failed after loading (the report so far, then where it failed)
+  130  interrupted (Ctrl-C): the report so far, then the stage it stopped
+  141  stdout was closed before the report ended (e.g. piped into head)"""
 
 
 MODEL_FORMS = ("package.module:factory (importable from the current folder or PYTHONPATH) "
@@ -84,6 +92,10 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     except ModelError:
         raise
     except ModuleNotFoundError as e:
+        if e.name and module_name != e.name and not module_name.startswith(f"{e.name}."):
+            # The module is there: a package it imports is not.
+            raise ModelError(f"cannot import {module_name!r}: it imports {e.name!r}, which is "
+                             f"not installed (ModuleNotFoundError: {e})") from e
         raise ModelError(
             f"cannot import {module_name!r}: {e} (looked in the current folder {os.getcwd()} "
             "and PYTHONPATH; a file path works too: path/to/file.py:factory)") from e
@@ -99,6 +111,37 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     except Exception as e:
         raise ModelError(f"{spec}() failed: {type(e).__name__}: {e}") from e
     return model_spec(made, spec, steps)
+
+
+def state_copies(steps: int) -> int:
+    """About how many copies of a model's buffers the single-model flow holds at its peak:
+    the programs it builds, then every compared program's buffers after every call.
+    Measured with a 64 MiB buffer: peak memory grew by 32x the state at --steps 2, 76x at 8."""
+    return 18 + 15 * steps // 2
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to this process now (Linux's MemAvailable, else the free
+    pages), or None when the system does not say."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _warn_if_state_will_not_fit(model: ModelSpec, spec: str) -> None:
+    """Before the run: the system would kill the job minutes in, without a word."""
+    state = sum(buffer.nbytes for buffer in model.module.buffers())
+    needed, available = state * state_copies(len(model.steps)), available_memory()
+    if available is not None and needed > available:
+        print(f"warning: {spec} holds {state:,} bytes of buffers; the job keeps a copy of them "
+              "for every program it compares, after every call: about "
+              f"{needed:,} bytes at --steps {len(model.steps)}, more than the {available:,} "
+              "bytes of memory available (fewer --steps need less)", file=sys.stderr)
 
 
 def _export(model: ModelSpec, spec: str, mode: str | None) -> Exported:
@@ -187,6 +230,12 @@ def run(args: argparse.Namespace) -> int:
         print("error: --quantize-state stores quantized state: it cannot go with "
               "--skip-quantization", file=sys.stderr)
         return LOAD_FAILED
+    # Found now, not after minutes of quantization (or, for the debugging flags, never:
+    # a misspelt pass prints nothing, an unusable folder loses the dump).
+    problem = _unknown_pass_to_print(args) or _unusable_output(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return LOAD_FAILED
     from ..executorch import INSTALL_HINT, available
 
     if args.runtime == "auto":
@@ -200,16 +249,22 @@ def run(args: argparse.Namespace) -> int:
             print("error: --runtime executorch needs the executorch extra; install it with: "
                   + INSTALL_HINT, file=sys.stderr)
             return FLOW_FAILED
+    doing = "loading"
     try:
         model = load_model(spec, args.steps)
+        doing = "exporting"
         if isinstance(model, MethodsSpec):
             return _run_methods(args, spec, model, pipeline, pass_options)
+        _warn_if_state_will_not_fit(model, spec)
         exported = _export(model, spec, args.export)
     except ModelError as e:
         if args.traceback:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return LOAD_FAILED
+    except KeyboardInterrupt:  # the flow's own stages report theirs in _finish
+        print(f"interrupted (Ctrl-C) while {doing} {spec}", file=sys.stderr)
+        return INTERRUPTED
     from .run import run_model
 
     print(
@@ -262,15 +317,22 @@ def _flow_options(args: argparse.Namespace, pipeline: Any, pass_options: dict[st
 
 def _finish(args: argparse.Namespace, flow: Callable[[], Any]) -> int:
     """Run the flow; print its report (and where it failed) and give the exit status."""
-    from .run import FlowError
+    from .run import FlowError, FlowInterrupted
 
     try:
         result = flow()
     except FlowError as e:
         return _failed(args, e)
+    except FlowInterrupted as e:
+        _print_report(e.result)
+        _print_section("interrupted (Ctrl-C)", f"stage:  {e.stage}")
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED
     _print_report(result)
-    _write_outputs(args, result)
+    written = _write_outputs(args, result)
     _show_held_warnings(args)
+    if not written:
+        return LOAD_FAILED
     return 0 if result.ok else 1
 
 
@@ -308,14 +370,69 @@ def _pass_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"instruments": instruments} if instruments else {}
 
 
-def _write_outputs(args: argparse.Namespace, result: Any) -> None:
+def _write_outputs(args: argparse.Namespace, result: Any) -> bool:
+    """Write --dot and --json; False when one could not be written (one line says why)."""
     notice = _notice(args)
-    if args.dot and result.dot:
-        Path(args.dot).write_text(result.dot)
-        notice(f"wrote the pass DAG to {args.dot}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
-        notice(f"wrote the report to {args.json}")
+    written = True
+    for option, file, what, text in (
+            ("--dot", args.dot, "the pass DAG", lambda: result.dot),
+            ("--json", args.json, "the report", lambda: json.dumps(result.to_dict(), indent=2))):
+        if not file or (option == "--dot" and not result.dot):
+            continue
+        try:
+            Path(file).write_text(text())
+        except OSError as e:  # the folder went away or filled up while the flow ran
+            print(f"error: {option} {file}: cannot write it: {type(e).__name__}: "
+                  f"{e.strerror or e}", file=sys.stderr)
+            written = False
+        else:
+            notice(f"wrote {what} to {file}")
+    return written
+
+
+def _unusable_output(args: argparse.Namespace) -> str | None:
+    """What makes an output option's path unusable, before the run; None when all are."""
+    for option, value, kind in (("--json", args.json, "file"), ("--dot", args.dot, "file"),
+                                ("--print-to", args.print_to, "folder"),
+                                ("--reproducer-dir", args.reproducer_dir, "folder")):
+        problem = value and _unwritable(Path(value), kind)
+        if problem:
+            return f"{option} {value}: {problem}"
+    return None
+
+
+def _unwritable(path: Path, kind: str) -> str | None:
+    """Why a file (written in an existing folder) or a folder (created with its parents)
+    cannot be written at ``path``; None when it can."""
+    if kind == "file":
+        if path.is_dir():
+            return "a folder, not a file"
+        if path.exists() and not os.access(path, os.W_OK):
+            return "the file is not writable"
+        folder = path.parent
+        if not folder.exists():
+            return f"no folder {str(folder)!r}"
+    else:
+        if path.exists() and not path.is_dir():
+            return "a file, not a folder"
+        folder = next(p for p in (path, *path.parents) if p.exists())  # what mkdir starts in
+    if not folder.is_dir():
+        return f"{str(folder)!r} is a file, not a folder"
+    if not os.access(folder, os.W_OK):
+        return f"cannot write in {str(folder)!r}"
+    return None
+
+
+def _unknown_pass_to_print(args: argparse.Namespace) -> str | None:
+    """A --print-before / --print-after name no pass has (it would silently print nothing)."""
+    known = {cls.__name__ for cls in registered_passes()}
+    for option, names in (("--print-before", args.print_before),
+                          ("--print-after", args.print_after)):
+        for name in names or ():
+            if name not in known:
+                return (f"{option}: no pass is named {name!r}; known: "
+                        f"{', '.join(sorted(known))}")
+    return None
 
 
 def _version() -> str:
@@ -442,7 +559,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     A usage error (an unknown flag, ``--steps 0``) exits with status 2 through argparse.
     """
     args = build_parser(prog).parse_args(argv)
-    return run(args)
+    try:
+        return run(args)
+    except BrokenPipeError:
+        # The reader of stdout left (``| head``): nothing more can reach it, and Python's
+        # own flush of stdout at exit would fail again, so stdout goes nowhere from now on.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return OUTPUT_CLOSED
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import io
 import logging
 from collections.abc import Mapping, Sequence
@@ -142,13 +143,47 @@ def model_spec(made: Any, name: str, steps: int) -> ModelSpec | MethodsSpec:
         )
     if isinstance(spec.module, torch.export.ExportedProgram):
         spec.module = spec.module.module()
-    if not isinstance(spec.module, torch.nn.Module):
-        raise ModelError(f"{name}() must return an nn.Module, got {type(spec.module).__name__}")
+    _check_module(spec.module, name, "")
     # The module of an exported program refuses eval(); it is in inference form already.
     with contextlib.suppress(NotImplementedError):
         spec.module.eval()
     spec.steps = (spec.steps or [spec.example] * steps)[:steps]
+    _check_calls(spec.module, [("the example", spec.example),
+                               *((f"steps[{i}]", call) for i, call in enumerate(spec.steps))],
+                 name, positional_only=isinstance(made, tuple))
     return spec
+
+
+def _check_module(module: Any, name: str, where: str) -> None:
+    if isinstance(module, type) and issubclass(module, torch.nn.Module):
+        raise ModelError(f"{name}() must return an nn.Module{where}, got the class "
+                         f"{module.__name__}: return an instance, {module.__name__}(...)")
+    if not isinstance(module, torch.nn.Module):
+        raise ModelError(f"{name}() must return an nn.Module{where}, got "
+                         f"{type(module).__name__}")
+
+
+def _check_calls(module: torch.nn.Module, calls: Sequence[tuple[str, Call]], name: str,
+                 positional_only: bool = False) -> None:
+    """Each call's inputs against ``forward``'s signature, before export and the decodes
+    fail on them (an export error, or a TypeError at the n-th decode call)."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # a forward without a readable signature: export says
+        return
+    shown = signature.replace(
+        parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+        return_annotation=signature.empty)
+    for where, (args, kwargs) in calls:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as e:
+            keyword_only = any(p.kind is p.KEYWORD_ONLY for p in signature.parameters.values())
+            hint = (" (contract v1 gives inputs by position: keyword inputs go in a mapping's "
+                    "'example_kwargs' and in steps as (args, kwargs) pairs)"
+                    if positional_only and keyword_only else "")
+            raise ModelError(f"{name}(): {where} does not fit "
+                             f"{type(module).__name__}.forward{shown}: {e}{hint}") from None
 
 
 def _from_mapping(made: Mapping, name: str) -> ModelSpec:
@@ -206,7 +241,12 @@ def export_program(
             continue
         note = f"exported {attempt} ({failures[0]})" if failures else ""
         return Exported(program, attempt, note)
-    raise ExportError("; ".join(failures))
+    hint = ""
+    if any("data-dependent" in failure.lower() for failure in failures):
+        hint = (" (forward branches on a tensor's value, which torch.export cannot capture: "
+                "write the branch with torch.cond, or compute both sides and pick with "
+                "torch.where)")
+    raise ExportError("; ".join(failures) + hint)
 
 
 def _export(
@@ -291,9 +331,7 @@ def methods_spec(made: Mapping, name: str, steps: int) -> MethodsSpec:
     module = made.get("module")
     if isinstance(module, torch.export.ExportedProgram):
         module = module.module()
-    if not isinstance(module, torch.nn.Module):
-        raise ModelError(f"{name}() must return an nn.Module as 'module', got "
-                         f"{type(module).__name__}")
+    _check_module(module, name, " as 'module'")
     with contextlib.suppress(NotImplementedError):  # an ep.module() is inference form already
         module.eval()
     default_mode = _mode(made.get("export"), name, "'export'")
@@ -310,8 +348,12 @@ def methods_spec(made: Mapping, name: str, steps: int) -> MethodsSpec:
         raise ModelError(f"{name}(): 'steps' must be a list of (method, args[, kwargs]) calls")
     calls = ([_step(step, index, specs, name) for index, step in enumerate(given)]
              if given else [(m, s.example_args, dict(s.example_kwargs))
-                            for m, s in specs.items()])
-    return MethodsSpec(module, specs, calls[:steps])
+                            for m, s in specs.items()])[:steps]
+    # Every method calls forward.
+    _check_calls(module, [*((f"methods[{m!r}]'s example", s.example) for m, s in specs.items()),
+                          *((f"steps[{i}]", (args, kwargs))
+                            for i, (_, args, kwargs) in enumerate(calls))], name)
+    return MethodsSpec(module, specs, calls)
 
 
 def _given_programs(made: Mapping, module: torch.nn.Module, name: str,

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from pass_manager import Report
+from pass_manager import PostconditionError, PreconditionError, Report
 from pass_manager.validation import Trace, first_difference
 
-__all__ = ["Check", "Failure", "FlowError", "FlowResult", "check_same", "failure_of", "restricted"]
+__all__ = ["Check", "Failure", "FlowError", "FlowInterrupted", "FlowResult", "check_same",
+           "failure_of", "restricted"]
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Failure:
     pass_name: str | None = None
     node: str | None = None
     reproducer: str | None = None  # the folder a --reproducer-dir run wrote
+    reproducer_error: str | None = None  # why --reproducer-dir could not write one
 
     def lines(self) -> list[str]:
         lines = [f"stage:  {self.stage}"]
@@ -48,6 +50,8 @@ class Failure:
         lines.append(f"reason: {self.reason}")
         if self.reproducer:
             lines.append(f"reproducer: {self.reproducer} (rerun it: {_replay_command(self)})")
+        elif self.reproducer_error:
+            lines.append(f"reproducer: not written: {self.reproducer_error}")
         return lines
 
 
@@ -152,6 +156,16 @@ class FlowError(Exception):
         super().__init__("; ".join(failure.lines()))
 
 
+class FlowInterrupted(KeyboardInterrupt):
+    """Ctrl-C arrived during a stage: still a KeyboardInterrupt (whoever catches those stops
+    as before), carrying the stage it stopped and ``result``, what the stages before it found."""
+
+    def __init__(self, stage: str, result: FlowResult):
+        self.stage = stage
+        self.result = result
+        super().__init__(stage)
+
+
 def _replay_command(failure: Failure) -> str:
     """The command the reproducer's manifest gives (with ``--trust`` when its files need
     it), or the general one when the manifest cannot be read."""
@@ -196,14 +210,26 @@ def failure_of(stage: str, error: BaseException) -> Failure:
         node = violations[0] if violations else None
     innermost = chain[-1]
     said = getattr(innermost, "reason", None) or _first_line(innermost)
+    if isinstance(innermost, (PreconditionError, PostconditionError)):
+        # Its first line ends in "violation(s):"; the node line shows the first of them, and
+        # the hint (which pass provides the condition) is what the user does next.
+        said = (f"{innermost.kind} {innermost.condition!r} does not hold "
+                f"({len(innermost.violations)} violation(s))"
+                + (f"; {innermost.hint}" if innermost.hint else ""))
     reason = f"{type(innermost).__name__}: {said}"
     if "Guard failed" in reason:
         reason += (
             " (the program was exported for the example's shapes; a factory gives other shapes "
             "per call with 'dynamic_shapes')"
         )
+    if "Expecting input to have dtype torch.float32" in reason:  # torchao's quantize ops
+        reason += (" (pt2e quantization takes float32 models: convert the model with .float() "
+                   "in the factory, or run with --skip-quantization)")
     reproducer = next((e.reproducer for e in chain if getattr(e, "reproducer", None)), None)
-    return Failure(stage, reason, pass_name, node, str(reproducer) if reproducer else None)
+    unwritten = next((e.reproducer_error for e in chain if getattr(e, "reproducer_error", None)),
+                     None)
+    return Failure(stage, reason, pass_name, node, str(reproducer) if reproducer else None,
+                   unwritten)
 
 
 def restricted(trace: Trace, names: set[str]) -> Trace:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.export.graph_signature import OutputKind
 from tqdm import tqdm
 
 from pass_manager import PassManager
@@ -46,7 +47,15 @@ from .factory import Exported, ModelSpec, export_program
 from .integer_state import INTEGER_STATE, integer_state_stage
 from .noise import native_stderr_held
 from .quantization import COLUMN_NOTES, NO_PASSES, RESET, WITH_PASSES, torchao_recipe
-from .result import Check, FlowError, FlowResult, check_same, failure_of, restricted
+from .result import (
+    Check,
+    FlowError,
+    FlowInterrupted,
+    FlowResult,
+    check_same,
+    failure_of,
+    restricted,
+)
 
 __all__ = ["Check", "FlowError", "FlowResult", "run_flow", "run_model"]
 
@@ -82,13 +91,12 @@ class _Stages:
         start = time.perf_counter()
         try:
             value = fn()
-        except FlowError:
+        except (FlowError, FlowInterrupted):
             raise
+        except KeyboardInterrupt as e:
+            raise FlowInterrupted(self._where(), self.result) from e
         except Exception as e:
-            where = title
-            if self.calls is not None and self.calls[0] < self.calls[1]:
-                where += f" (call {self.calls[0] + 1} of {self.calls[1]})"
-            self.result.failure = failure_of(where, e)
+            self.result.failure = failure_of(self._where(), e)
             raise FlowError(self.result.failure, self.result) from e
         finally:
             seconds = time.perf_counter() - start
@@ -100,13 +108,21 @@ class _Stages:
             self.log(f"[{title}] done in {seconds:.2f} s")
         return value
 
+    def _where(self) -> str:
+        """The stage running, and the call when it stopped during one of its calls."""
+        if self.calls is not None and self.calls[0] < self.calls[1]:
+            return f"{self.title} (call {self.calls[0] + 1} of {self.calls[1]})"
+        return self.title
+
     @contextlib.contextmanager
     def guarded(self) -> Iterator[None]:
         """Between stages (the checks), a failure is a FlowError too, named after the stage."""
         try:
             yield
-        except FlowError:
+        except (FlowError, FlowInterrupted):
             raise
+        except KeyboardInterrupt as e:
+            raise FlowInterrupted(f"checks after {self.title or 'setup'}", self.result) from e
         except Exception as e:
             self.result.failure = failure_of(f"checks after {self.title or 'setup'}", e)
             raise FlowError(self.result.failure, self.result) from e
@@ -225,6 +241,7 @@ def run_flow(
             "functionalize", lambda: functionalize.run(copy_program(exported.program))
         )
         result.reports.append(("functionalize", functional.report))
+        result.notes += _state_notes(functional.program)
         program: Any = functional.program
         # Later stages run the functional program's module, which shares its buffers.
         fp32_program = copy_program(program) if runtime == "executorch" else None
@@ -359,19 +376,42 @@ def run_model(model: ModelSpec, **options: Any) -> FlowResult:
     )
 
 
+def _state_notes(functional: Any) -> list[str]:
+    """What the report's state figures cannot show: a model that writes no buffer (its
+    state errors would read 0%), or writes a parameter (kept, but compared nowhere)."""
+    if not isinstance(functional, torch.export.ExportedProgram):
+        return []
+    written = {kind: [spec.target for spec in functional.graph_signature.output_specs
+                      if spec.kind == kind]
+               for kind in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)}
+    notes = []
+    if not any(written.values()):
+        notes.append("the model writes no buffer: it keeps no state between calls, so the "
+                     "passes have nothing to keep and the comparisons measure quantization "
+                     "alone")
+    if written[OutputKind.PARAMETER_MUTATION]:
+        names = ", ".join(map(repr, written[OutputKind.PARAMETER_MUTATION]))
+        notes.append(f"the model writes the parameter(s) {names} in place: the flow keeps them "
+                     "as state, but the state comparisons read buffers only, and ExecuTorch's "
+                     "runtime refuses a written parameter (register them as buffers)")
+    return notes
+
+
 def _bought(result: FlowResult) -> list[str]:
     """What the passes changed on this model's quantized decode, against torchao's recipe."""
     if NO_PASSES not in result.step_errors or WITH_PASSES not in result.step_errors:
         return []
     without, with_ = result.step_errors[NO_PASSES], result.step_errors[WITH_PASSES]
-    state_without = max(result.buffer_errors[NO_PASSES].values(), default=0.0)
-    state_with = max(result.buffer_errors[WITH_PASSES].values(), default=0.0)
-    return [
+    bought = [
         f"first decode step off by {without[0]:.3g} without the passes, {with_[0]:.3g} with",
         f"worst decode step off by {max(without):.3g} without, {max(with_):.3g} with",
-        f"worst state error {state_without:.1%} of its fp32 magnitude without, "
-        f"{state_with:.1%} with",
     ]
+    if result.buffer_errors[NO_PASSES] or result.buffer_errors[WITH_PASSES]:  # not 0% of none
+        state_without = max(result.buffer_errors[NO_PASSES].values(), default=0.0)
+        state_with = max(result.buffer_errors[WITH_PASSES].values(), default=0.0)
+        bought.append(f"worst state error {state_without:.1%} of its fp32 magnitude without, "
+                      f"{state_with:.1%} with")
+    return bought
 
 
 def _check_export(result: FlowResult, mode: str, eager: Trace, exported: Trace) -> None:

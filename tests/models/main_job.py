@@ -24,6 +24,31 @@ def wrong_return():
     return torch.nn.ReLU()
 
 
+class KeywordOnly(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(3))
+
+    def forward(self, *, x):
+        self.total.add_(x)
+        return self.total * 2
+
+
+def keyword_only_given_positionally():
+    """Contract v1 takes positional inputs only: this forward's one input is keyword-only."""
+    return KeywordOnly(), (torch.ones(3),)
+
+
+def a_step_that_does_not_fit():
+    """The second decode call gives forward two inputs where it takes one."""
+    model, example, steps = decoder_job(n_layers=1, steps=3)
+    return model, example, [steps[0], (*steps[1], torch.ones(1)), steps[2]]
+
+
+def the_class_not_a_module():
+    return KeywordOnly, (torch.ones(3),)
+
+
 class CacheAndRunningSum(torch.nn.Module):
     """A KV-style cache written with a projection's (quantized) values, and a running sum
     of the scores read from it that starts from a prior off any 8-bit grid: with

@@ -175,8 +175,8 @@ def test_a_crafted_pickle_in_a_reproducer_is_refused_without_trust(file, tmp_pat
     replayed = _replay(folder)
     assert replayed.returncode == 2, replayed.stdout + replayed.stderr
     assert not marker.exists()
-    assert f"{folder / file} (pickled) was not read" in replayed.stdout
-    assert "--trust" in replayed.stdout and "would call exec" in replayed.stdout
+    assert f"{folder / file} (pickled) was not read" in replayed.stderr
+    assert "--trust" in replayed.stderr and "would call exec" in replayed.stderr
 
     with contextlib.suppress(TypeError):  # the trojan gives no validation record
         load_reproducer(folder, trusted=True)
@@ -214,8 +214,8 @@ def test_a_reproducer_naming_a_module_outside_the_library_is_refused_without_tru
     replayed = _replay(folder, env=env)
     assert replayed.returncode == 2, replayed.stdout + replayed.stderr
     assert not marker.exists()
-    assert f"{named_in} ({kind}) was not read" in replayed.stdout
-    assert f"'{module}'" in replayed.stdout and "--trust" in replayed.stdout
+    assert f"{named_in} ({kind}) was not read" in replayed.stderr
+    assert f"'{module}'" in replayed.stderr and "--trust" in replayed.stderr
     with pytest.raises(UntrustedFileError) as info:
         load_reproducer(folder)
     assert info.value.path == named_in and not marker.exists()
@@ -356,4 +356,4 @@ def test_a_reproducer_of_a_users_own_pass_replays_without_setting_pythonpath(
     assert "reproduced: the recorded error" in replayed.stdout
     # Without trust the module is not imported at all, and the folder is not put on the path.
     refused = _replay(folder, env=env)
-    assert refused.returncode == 2 and "'user_passes.rewrite'" in refused.stdout
+    assert refused.returncode == 2 and "'user_passes.rewrite'" in refused.stderr

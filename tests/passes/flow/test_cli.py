@@ -3,14 +3,21 @@ default model in --help, --version, the report alone on stdout with progress on 
 --quiet, and a usage error (status 2) for a number of decode calls that is not positive."""
 
 import importlib.metadata
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
+import torch
 
 import passes
 from passes.flow import cli
 from passes.flow import run as flow
+from passes.flow.examples import decoder_job
 
-from .main_job_cli import run_main
+from .main_job_cli import ROOT, run_main
 
 MODEL = "tests.models.main_job:one_layer_decoder"
 FAST = ("--steps", "2", "--skip-quantization", "--skip-delegation")
@@ -114,3 +121,150 @@ def test_quiet_keeps_the_report_and_drops_progress(capsys, tmp_path):
     assert captured.out.startswith(f"model: {MODEL}")
     assert "== checks" in captured.out and "PASS  functional program" in captured.out
     assert report.exists()
+
+
+# What a newcomer gets wrong on the command line: each is a named failure, so a short
+# message and a documented exit status, never a traceback.
+
+SLOW_FACTORY = """
+import pathlib, time
+import torch
+
+def factory():
+    pathlib.Path("loading").write_text("")  # tells the test the factory is running
+    time.sleep(120)
+    return torch.nn.ReLU(), (torch.ones(2),)
+"""
+
+
+def test_ctrl_c_while_loading_is_one_line_and_status_130(tmp_path):
+    (tmp_path / "slow.py").write_text(SLOW_FACTORY)
+    started = subprocess.Popen(
+        [sys.executable, "-m", "passes", "run", "slow:factory", "--runtime", "python"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), "."])},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "loading").exists() and started.poll() is None:
+        assert time.monotonic() < deadline, "the factory never ran"
+        time.sleep(0.1)
+    started.send_signal(signal.SIGINT)
+    out, err = started.communicate(timeout=60)
+    assert started.returncode == cli.INTERRUPTED == 130, out + err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.strip() == "interrupted (Ctrl-C) while loading slow:factory"
+
+
+def test_ctrl_c_in_a_stage_prints_the_report_so_far_and_the_stage(monkeypatch, capsys):
+    real_run_program = flow.run_program
+
+    def interrupted_in_functional_decode(program, steps, **options):
+        if isinstance(program, torch.export.ExportedProgram) and any(
+                n.target == torch.ops.aten.index_copy.default for n in program.graph.nodes):
+            raise KeyboardInterrupt  # as Ctrl-C arrives in the middle of a decode
+        return real_run_program(program, steps, **options)
+
+    monkeypatch.setattr(flow, "run_program", interrupted_in_functional_decode)
+    try:
+        status = cli.main(["run", "--runtime", "python", MODEL, *FAST, "--quiet"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C left the job as a KeyboardInterrupt (a traceback for the user)")
+    captured = capsys.readouterr()
+    assert status == 130, captured.out + captured.err
+    assert "PASS  exported program (strict) matches fp32 eager" in captured.out
+    assert captured.out.rstrip().endswith(
+        "== interrupted (Ctrl-C)\nstage:  decode the functional program (call 1 of 2)")
+    assert captured.err.strip() == "interrupted (Ctrl-C)"
+
+
+def test_a_closed_stdout_ends_the_job_quietly(tmp_path):
+    """``python -m passes run | head -1``: the reader leaves before the report is written."""
+    started = subprocess.Popen(
+        [sys.executable, "-m", "passes", "run", "--runtime", "python", MODEL, *FAST],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert started.stdout.readline().startswith(f"model: {MODEL}")
+    started.stdout.close()  # what head does after its first line
+    err = started.stderr.read()
+    assert started.wait(timeout=300) == cli.OUTPUT_CLOSED == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+@pytest.mark.parametrize(
+    ("option", "path", "message"),
+    [
+        ("--json", "missing/report.json", "--json missing/report.json: no folder 'missing'"),
+        ("--json", "a_folder", "--json a_folder: a folder, not a file"),
+        ("--dot", "a_file/plan.dot", "--dot a_file/plan.dot: 'a_file' is a file, not a folder"),
+        ("--print-to", "a_file", "--print-to a_file: a file, not a folder"),
+        ("--reproducer-dir", "a_file", "--reproducer-dir a_file: a file, not a folder"),
+        ("--reproducer-dir", "a_file/repro",
+         "--reproducer-dir a_file/repro: 'a_file' is a file, not a folder"),
+    ],
+)
+def test_an_output_path_that_cannot_be_written_is_a_usage_error_before_the_run(
+        monkeypatch, capsys, tmp_path, option, path, message):
+    def flow_must_not_run(*args, **kwargs):
+        raise AssertionError(f"{option} {path} reached the flow")
+
+    monkeypatch.setattr(flow, "run_flow", flow_must_not_run)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(ROOT))
+    (tmp_path / "a_folder").mkdir()
+    (tmp_path / "a_file").write_text("")
+    status = cli.main(["run", "--runtime", "python", MODEL, "--steps", "2", option, path])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.strip() == f"error: {message}"
+
+
+def test_a_report_that_cannot_be_written_after_the_run_is_one_line(monkeypatch, capsys,
+                                                                     tmp_path):
+    """The folder was there when the job started and went away while it ran."""
+    report = tmp_path / "gone" / "report.json"
+    report.parent.mkdir()
+
+    def flow_removing_the_folder(*args, **kwargs):
+        report.parent.rmdir()
+        return flow.FlowResult(plan="0. SomePass")
+
+    monkeypatch.setattr(flow, "run_flow", flow_removing_the_folder)
+    status = cli.main(["run", "--runtime", "python", MODEL, "--steps", "2", "--quiet",
+                       "--json", str(report)])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith(f"error: --json {report}: cannot write it: FileNotFoundError")
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("option", ["--print-before", "--print-after"])
+def test_a_misspelt_pass_name_to_print_is_a_usage_error(monkeypatch, capsys, option):
+    def flow_must_not_run(*args, **kwargs):
+        raise AssertionError("a pass name nothing runs reached the flow")
+
+    monkeypatch.setattr(flow, "run_flow", flow_must_not_run)
+    status = cli.main(["run", "--runtime", "python", MODEL, option, "InplaceToFunctionl"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith(f"error: {option}: no pass is named 'InplaceToFunctionl'; known: ")
+    assert "InplaceToFunctional" in err and len(err.strip().splitlines()) == 1
+
+
+def test_state_too_large_for_memory_is_warned_before_the_run(monkeypatch, capsys):
+    """The job keeps every program's buffers after every call to compare them; a model whose
+    copies will not fit would otherwise be killed by the system minutes in, without a word."""
+    monkeypatch.setattr(flow, "run_flow", lambda *args, **kwargs: flow.FlowResult(plan="0. P"))
+    monkeypatch.setattr(cli, "available_memory", lambda: 1 << 10)  # 1 KiB free: less than one copy
+    status = cli.main(["run", "--runtime", "python", MODEL, "--steps", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert status == 0
+    state = sum(b.nbytes for b in decoder_job(n_layers=1)[0].buffers())
+    estimate = state * cli.state_copies(2)
+    assert err.strip() == (
+        f"warning: {MODEL} holds {state:,} bytes of buffers; the job keeps a copy of them for "
+        f"every program it compares, after every call: about {estimate:,} bytes at --steps 2, "
+        f"more than the {1 << 10:,} bytes of memory available (fewer --steps need less)")
+
+
+def test_state_that_fits_in_memory_is_not_warned(monkeypatch, capsys):
+    monkeypatch.setattr(flow, "run_flow", lambda *args, **kwargs: flow.FlowResult(plan="0. P"))
+    status = cli.main(["run", "--runtime", "python", MODEL, "--steps", "2", "--quiet"])
+    assert status == 0 and capsys.readouterr().err == ""

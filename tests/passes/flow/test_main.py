@@ -15,7 +15,20 @@ from .main_job_cli import run_main
         ("passes.examples:__doc__", "not a factory function"),
         ("passes.examples", "MODEL must be package.module:factory"),
         ("tests.models.main_job:not_exportable", "is not exportable"),
+        ("tests.models.main_job:not_exportable",
+         "(forward branches on a tensor's value, which torch.export cannot capture: write the "
+         "branch with torch.cond, or compute both sides and pick with torch.where)"),
         ("tests.models.main_job:wrong_return", "must return (module, example_inputs)"),
+        # Found before export and the decode: the inputs against forward's signature.
+        ("tests.models.main_job:keyword_only_given_positionally",
+         "the example does not fit KeywordOnly.forward(*, x): too many positional arguments "
+         "(contract v1 gives inputs by position: keyword inputs go in a mapping's "
+         "'example_kwargs' and in steps as (args, kwargs) pairs)"),
+        ("tests.models.main_job:a_step_that_does_not_fit",
+         "steps[1] does not fit KVDecoder.forward(x, input_pos): too many positional arguments"),
+        ("tests.models.main_job:the_class_not_a_module",
+         "must return an nn.Module, got the class KeywordOnly: return an instance, "
+         "KeywordOnly(...)"),
     ],
 )
 def test_bad_model_gets_one_clear_line(model, message):

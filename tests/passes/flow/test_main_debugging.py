@@ -6,6 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from pass_manager import PassManager, PassManagerError, PreconditionError, Reproducer
+from passes import InplaceToFunctional, MarkMutableBuffers
+from passes.flow.result import failure_of
+from tests.models.failing import writes_constant
+from tests.models.main_job import one_layer_decoder
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -52,3 +61,32 @@ def test_a_pass_failing_in_the_main_job_leaves_a_reproducer(tmp_path):
     assert replayed.returncode == 1
     assert "UnsupportedMutationError" in replayed.stdout
     assert "reproduced: the recorded error" in replayed.stdout
+
+
+def test_a_reproducer_that_could_not_be_written_is_said_in_the_failure(tmp_path):
+    """The failure names why there is no reproducer, instead of leaving the line out."""
+    taken = tmp_path / "a_file"
+    taken.write_text("")  # where the folder should go: mkdir fails
+    model, example = writes_constant()
+    program = torch.export.export(model, example, strict=False)
+    with pytest.raises(PassManagerError) as info:
+        PassManager([MarkMutableBuffers(), InplaceToFunctional()],
+                    instruments=[Reproducer(taken / "repro")]).run(program)
+    lines = failure_of("functionalize", info.value).lines()
+    assert lines[-1].startswith("reproducer: not written: ")
+    assert "a_file" in lines[-1]
+
+
+def test_a_missing_requirement_names_the_pass_that_provides_it_in_the_failure():
+    """--pipeline InplaceToFunctional alone: the reason ends with which pass to add, not with
+    the 'violation(s):' its first line stops at."""
+    model, example, _ = one_layer_decoder()
+    program = torch.export.export(model, example)
+    with pytest.raises(PreconditionError) as info:
+        PassManager([InplaceToFunctional()]).run(program)
+    failure = failure_of("functionalize", info.value)
+    assert failure.reason == (
+        "PreconditionError: required condition 'MutableBuffersMarked' does not hold "
+        f"({len(info.value.violations)} violation(s)); No pass in this pipeline provides it; "
+        "add one of: MarkMutableBuffers.")
+    assert failure.node == info.value.violations[0]

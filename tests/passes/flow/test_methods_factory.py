@@ -63,6 +63,11 @@ def test_every_method_is_exported_from_the_one_module_with_the_same_buffer_names
         (lambda m: m.update(example_args=()), "unknown keys 'example_args' beside 'methods'"),
         (lambda m: m["methods"]["prefill"].update(export="eager"), "must be one of"),
         (lambda m: m.update(module=torch.ones(1)), "must return an nn.Module"),
+        (lambda m: m["methods"]["decode"].update(example_args=(torch.ones(3),)),
+         r"methods\['decode'\]'s example does not fit KVDecoder.forward\(x, input_pos\): "
+         "missing a required argument: 'input_pos'"),
+        (lambda m: m.update(steps=[("decode", (torch.ones(1, 1, 32),))]),
+         r"steps\[0\] does not fit KVDecoder.forward\(x, input_pos\)"),
     ],
 )
 def test_a_malformed_v3_result_is_a_model_error_saying_what_to_change(edit, message):
@@ -74,6 +79,7 @@ def test_a_malformed_v3_result_is_a_model_error_saying_what_to_change(edit, mess
 
 def test_a_method_export_cannot_trace_is_named():
     made = prefill_decode_job(n_layers=1)
-    made["methods"]["decode"]["example_args"] = (torch.ones(3),)  # not what forward takes
+    # forward's two inputs, but an x of another width than the model's: export cannot trace
+    made["methods"]["decode"]["example_args"] = (torch.ones(1, 1, 3), torch.tensor([0]))
     with pytest.raises(ModelError, match="method 'decode' is not exportable"):
         export_methods(methods_spec(made, "job", 8))

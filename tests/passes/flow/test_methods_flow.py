@@ -63,7 +63,8 @@ def test_a_v3_factory_whose_method_cannot_be_exported_exits_two_naming_it(capsys
     import torch
 
     made = prefill_decode_job(n_layers=1)
-    made["methods"]["decode"]["example_args"] = (torch.ones(3),)
+    # forward's two inputs, but an x of another width than the model's: export cannot trace
+    made["methods"]["decode"]["example_args"] = (torch.ones(1, 1, 3), torch.tensor([0]))
     module = types.ModuleType("bad_methods_factory")
     module.factory = lambda: made
     monkeypatch.setitem(sys.modules, "bad_methods_factory", module)

@@ -170,3 +170,85 @@ def test_the_methods_runtime_column_is_its_error_against_eager(monkeypatch):
     assert result.step_errors["quantized on ExecuTorch"] == [0.5, 0.25]
     assert result.notes == ["quantized methods' lowering: kept 'cache' at the top level"]
     assert result.checks[-1].passed  # runtime == Python
+
+
+class _Linear(torch.nn.Module):
+    """No state at all: the passes have nothing to keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class _WritesAParameter(torch.nn.Module):
+    """State kept in a parameter: the flow keeps it, but compares buffers only."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.scale.add_(1)
+        return x * self.scale
+
+
+def _flow(model, dtype=torch.float32):
+    from passes.flow import run_flow
+
+    torch.manual_seed(0)
+    steps = [(torch.randn(2, 4, dtype=dtype),) for _ in range(3)]
+    return run_flow(model, steps[0], steps, delegate=False, log=lambda line: None)
+
+
+def test_a_model_without_state_is_told_so_not_shown_a_zero_state_error():
+    result = _flow(_Linear())
+    assert result.ok
+    assert ("the model writes no buffer: it keeps no state between calls, so the passes have "
+            "nothing to keep and the comparisons measure quantization alone") in result.notes
+    assert not any("state error" in line for line in result.bought)
+    buffers_check = next(c for c in result.checks if c.name.startswith("quantized buffers"))
+    assert buffers_check.detail == "the model has no buffers: nothing to compare"
+
+
+def test_a_model_writing_a_parameter_is_told_where_its_state_goes_unchecked():
+    result = _flow(_WritesAParameter())
+    assert result.ok
+    assert ("the model writes the parameter(s) 'scale' in place: the flow keeps them as state, "
+            "but the state comparisons read buffers only, and ExecuTorch's runtime refuses a "
+            "written parameter (register them as buffers)") in result.notes
+    assert not any("state error" in line for line in result.bought)
+
+
+def test_a_float64_model_is_told_quantization_takes_float32():
+    from passes.flow import FlowError
+
+    with pytest.raises(FlowError) as info:
+        _flow(_Linear().double(), torch.float64)
+    failure = info.value.failure
+    assert failure.stage == "quantize with the passes"
+    assert failure.reason.endswith(
+        "(pt2e quantization takes float32 models: convert the model with .float() in the "
+        "factory, or run with --skip-quantization)")
+
+
+@pytest.mark.parametrize("model", ["needs_a_package:factory", "needs_a_package.py:factory"])
+def test_a_model_whose_own_import_fails_is_not_said_to_be_missing(monkeypatch, capsys,
+                                                                   tmp_path, model):
+    """The module is there; a package it imports is not installed. Saying where the job
+    looked for the module sends the user to the wrong problem."""
+    (tmp_path / "needs_a_package.py").write_text(
+        "import torch\nimport a_package_nobody_installed\n\n\ndef factory():\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "needs_a_package", raising=False)
+    status = cli.main(["run", "--runtime", "python", model])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.strip() == (
+        f"error: cannot import {model.split(':')[0]!r}: it imports 'a_package_nobody_installed', "
+        "which is not installed (ModuleNotFoundError: No module named "
+        "'a_package_nobody_installed')")

@@ -1,0 +1,116 @@
+"""``python -m pass_manager replay FOLDER`` on folders a user hands it by mistake: none there,
+an empty one, a file, a manifest of a newer reproducer format or one missing what a replay
+reads. Each is exit status 2 and one line on stderr saying what the folder is not."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pass_manager import ArchiveError, PassManager, PassManagerError, Reproducer, load_reproducer
+from pass_manager.instruments.reproducer import REPRODUCER_FORMAT
+from passes import InplaceToFunctional, MarkMutableBuffers
+from tests.models.failing import writes_constant
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _replay(folder):
+    return subprocess.run([sys.executable, "-m", "pass_manager", "replay", str(folder)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Path:
+    """A real reproducer: InplaceToFunctional refusing a write to a constant."""
+    model, example = writes_constant()
+    program = torch.export.export(model, example, strict=False)
+    with pytest.raises(PassManagerError) as info:
+        PassManager([MarkMutableBuffers(), InplaceToFunctional()],
+                    instruments=[Reproducer(tmp_path_factory.mktemp("repro"))]).run(program)
+    return info.value.reproducer
+
+
+def test_a_reproducer_says_its_format_and_replays(written):
+    manifest = json.loads((written / "manifest.json").read_text())
+    assert manifest["format"] == REPRODUCER_FORMAT
+    done = _replay(written)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "reproduced: the recorded error" in done.stdout and done.stderr == ""
+
+
+def _file(tmp: Path) -> Path:
+    (tmp / "a_file").write_text("")
+    return tmp / "a_file"
+
+
+def _not_json(tmp: Path) -> Path:
+    (tmp / "manifest.json").write_text("{not json")
+    return tmp
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda tmp: tmp / "missing", "no such folder"),
+        (lambda tmp: tmp, "it has no manifest.json: not a folder a Reproducer wrote"),
+        (_file, "a file, not a folder a Reproducer wrote"),
+        (_not_json, "manifest.json is not JSON"),
+    ],
+)
+def test_a_folder_that_is_not_a_reproducer_is_one_line_and_status_2(tmp_path, make, reason):
+    folder = make(tmp_path)
+    with pytest.raises(ArchiveError) as info:
+        load_reproducer(folder)
+    assert info.value.reason.startswith(reason)
+    done = _replay(folder)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == f"error: cannot replay: {info.value}"
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def _edited(written: Path, tmp_path: Path, edit) -> Path:
+    folder = tmp_path / written.name
+    folder.mkdir()
+    for file in written.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    edit(manifest)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_a_manifest_of_a_newer_format_names_both_formats(written, tmp_path):
+    def newer(manifest):
+        manifest["format"] = REPRODUCER_FORMAT + 1
+        manifest["versions"]["mutable-buffer-passes"] = "9.0.0"
+        del manifest["replayable"]  # what a newer format may well rename
+
+    folder = _edited(written, tmp_path, newer)
+    with pytest.raises(ArchiveError) as info:
+        load_reproducer(folder)
+    assert info.value.reason == (
+        f"it is reproducer format {REPRODUCER_FORMAT + 1}, written by mutable-buffer-passes "
+        f"9.0.0; this version reads formats up to {REPRODUCER_FORMAT}: replay it with the "
+        "version that wrote it, or a newer one")
+    done = _replay(folder)
+    assert done.returncode == 2 and "KeyError" not in done.stderr
+    assert f"reproducer format {REPRODUCER_FORMAT + 1}" in done.stderr
+
+
+def test_a_manifest_missing_what_a_replay_reads_names_the_keys(written, tmp_path):
+    folder = _edited(written, tmp_path, lambda manifest: manifest.pop("pipeline"))
+    with pytest.raises(ArchiveError) as info:
+        load_reproducer(folder)
+    assert info.value.reason == ("it lacks 'pipeline': not a whole reproducer manifest "
+                                 "(damaged, or not written by a Reproducer)")
+    assert _replay(folder).returncode == 2
+
+
+def test_a_manifest_without_a_format_is_the_first_format(written, tmp_path):
+    """Reproducers written before the manifest named its format still replay."""
+    folder = _edited(written, tmp_path, lambda manifest: manifest.pop("format", None))
+    assert load_reproducer(folder).manifest["pipeline"] == "InplaceToFunctional"
