@@ -165,11 +165,16 @@ def _delegate_count(ep: ExportedProgram) -> int:
                if n.op == "get_attr" and str(n.target).startswith("lowered_module"))
 
 
+def _refuse_written_parameters(ep: ExportedProgram) -> None:
+    written = ep.graph_signature.parameters_to_mutate
+    if written:
+        raise ParameterMutationOnExecuTorchError(sorted(written.values()))
+
+
 def _serialize(edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None) -> LoweredProgram:
     ep = edge.exported_program()
+    _refuse_written_parameters(ep)
     sig = ep.graph_signature
-    if sig.parameters_to_mutate:
-        raise ParameterMutationOnExecuTorchError(sorted(sig.parameters_to_mutate.values()))
     # ExecuTorch serializes only the shape of a mutated buffer unless asked: the runtime
     # must start from the program's state (e.g. a reset cache, a non-zero counter).
     mutated = set(sig.buffers_to_mutate.values())
@@ -259,9 +264,7 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
     if isinstance(program, ExecutorchProgramManager):
         _no_partitioner(helper, partitioner, program)
         ep = program.exported_program()
-        if ep.graph_signature.parameters_to_mutate:
-            raise ParameterMutationOnExecuTorchError(
-                sorted(ep.graph_signature.parameters_to_mutate.values()))
+        _refuse_written_parameters(ep)
         return _lowered(program, None, _delegate_count(ep), _state_notes(program))
     # ExecuTorch's emitter writes buffers back in place; with autograd on, parameters that
     # require grad make those writes illegal.
@@ -281,6 +284,7 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
             else:
                 wrapper = BufferOwningPartitioner(partitioner)
             ep = _exported(helper, program, example_inputs)
+            _refuse_written_parameters(ep)  # before a partitioner reports it as something else
             return _serialize(to_edge_transform_and_lower(ep, partitioner=[wrapper]), wrapper)
     _refuse_form(helper, program)
     raise ExecuTorchInputError(helper, "program", f"got {_kind(program)}; pass {PROGRAM_FORMS}")

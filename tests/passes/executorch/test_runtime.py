@@ -160,6 +160,22 @@ def test_a_written_parameter_is_refused_before_the_runtime_gets_it_wrong():
     assert max(_worst_per_step(expected, decoded.trace)) <= 1e-6
 
 
+def test_a_written_parameter_quantized_is_refused_for_what_it_is():
+    """Quantized (weights folded, the default), the written parameter's read is quantized in
+    the graph as a state read is: the refusal says the parameter is written, not that it
+    was left unfolded (whose advice, fold_quantize=True, was already taken)."""
+    steps = [(torch.randn(4),) for _ in range(STEPS)]
+    with torch.no_grad():
+        program = quantize_program(torch.export.export(_DecaysItsWeight(False), steps[0]),
+                                   xnnpack_quantizer(), steps)
+    assert program.graph_signature.parameters_to_mutate
+    with pytest.raises(ParameterMutationOnExecuTorchError) as info:
+        decode_on_runtime(program, None, steps)
+    assert info.value.parameters == ["weight"]
+    with pytest.raises(ParameterMutationOnExecuTorchError):  # with any partitioner
+        lower_to_pte(program, None, BufferOwningPartitioner(XnnpackPartitioner()))
+
+
 def _initialized(edge) -> ExecutorchBackendConfig:
     """The config that serializes the mutable buffers' values (ExecuTorch keeps only their
     shapes otherwise)."""
