@@ -51,6 +51,7 @@ from .runtime_inputs import (
     flat_inputs,
     user_input_names,
 )
+from .tied_buffers import drop_unused_aliases
 
 __all__ = [
     "LoweredProgram",
@@ -171,7 +172,8 @@ def _refuse_written_parameters(ep: ExportedProgram) -> None:
         raise ParameterMutationOnExecuTorchError(sorted(written.values()))
 
 
-def _serialize(edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None) -> LoweredProgram:
+def _serialize(edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None,
+               notes: Sequence[str] = ()) -> LoweredProgram:
     ep = edge.exported_program()
     _refuse_written_parameters(ep)
     sig = ep.graph_signature
@@ -182,7 +184,7 @@ def _serialize(edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None
     # Their names go into the plan too, so that planned_memory can say which is which.
     config = ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(names)],
                                      emit_mutable_buffer_names=True)
-    notes = list(wrapper.notes) if wrapper is not None else []
+    notes = [*notes, *(wrapper.notes if wrapper is not None else ())]
     et = edge.to_executorch(config)
     notes += repair_initial_state(et, config)
     return _lowered(et, wrapper, _delegate_count(ep), notes)
@@ -285,7 +287,9 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
                 wrapper = BufferOwningPartitioner(partitioner)
             ep = _exported(helper, program, example_inputs)
             _refuse_written_parameters(ep)  # before a partitioner reports it as something else
-            return _serialize(to_edge_transform_and_lower(ep, partitioner=[wrapper]), wrapper)
+            dropped = drop_unused_aliases(ep)
+            return _serialize(to_edge_transform_and_lower(ep, partitioner=[wrapper]), wrapper,
+                              dropped)
     _refuse_form(helper, program)
     raise ExecuTorchInputError(helper, "program", f"got {_kind(program)}; pass {PROGRAM_FORMS}")
 

@@ -25,6 +25,7 @@ from tests.models.methods_on_runtime import (
     read_only_state_methods,
     worst,
 )
+from tests.models.shared_values import TiedBuffers
 
 CACHES = {"layers.0.attn.k_cache", "layers.0.attn.v_cache"}
 CACHE_BYTES = 1 * 2 * 16 * 16 * 4  # [1, heads, max_seq, head_dim] fp32
@@ -124,3 +125,19 @@ def test_quantized_state_a_method_only_reads_is_shared_on_the_runtime():
     errors = worst(eager_outputs(case.model, case.calls), run.outputs)
     assert max(errors) < 0.1, errors
     assert set(run.memory.shared) == {"total", "count", "seen"}
+
+
+def test_a_buffer_registered_under_two_names_is_one_state_of_the_methods():
+    """One tensor registered as ``a`` and ``b``, written through ``a`` by both methods:
+    lowering failed in torch (an untyped AssertionError); the unused name is dropped and
+    the methods share the one state."""
+    model = TiedBuffers()
+    generator = torch.Generator().manual_seed(0)
+    four, one = (torch.randn(4, generator=generator),), (torch.randn(1, generator=generator),)
+    with torch.no_grad():
+        programs = {"four": torch.export.export(model, four),
+                    "one": torch.export.export(model, one)}
+    calls = [("four", four, {}), ("one", one, {}), ("four", four, {}), ("one", one, {})]
+    run = run_methods_on_runtime(programs, calls)
+    assert max(worst(eager_outputs(model, calls), run.outputs)) == 0
+    assert sum("a second name of" in note for note in run.notes) == 2, run.notes
