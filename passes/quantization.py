@@ -59,11 +59,19 @@ from ._methods.calls import (
     QuantizedMethods,
     carried_inputs,
     check_write_backs,
+    mark_state_of_other_methods,
     method_calls,
+    reads_kept_live,
     share_buffer_tensors,
 )
+from ._methods.integer_reads import read_integer_state
 from ._methods.observers import buffer_observers, share_observers
-from ._methods.shared_buffers import check_shared_buffers
+from ._methods.shared_buffers import (
+    check_shared_buffers,
+    share_again,
+    shared_objects,
+    written_by_any_method,
+)
 from .errors import CalibrationInputError, QuantizationFlowError, QuantizationInputError
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
@@ -426,13 +434,16 @@ def _prepare(program: ExportedProgram, wrapped: PassQuantizer) -> GraphModule:
 
 
 def _convert(prepared: GraphModule, like: ExportedProgram, fold: bool,
-             timed: Callable[[str], None] = lambda step: None, **options: Any,
+             timed: Callable[[str], None] = lambda step: None,
+             read_only_state: frozenset[str] = frozenset(), **options: Any,
              ) -> tuple[ExportedProgram, Report]:
-    """convert_pt2e, UnfreezeMutableBuffer (its report returned) and the lift; ``timed``
-    is told when each step ends."""
+    """convert_pt2e (the reads of ``read_only_state``, buffers other methods write, kept
+    from its constant folding), UnfreezeMutableBuffer (its report returned) and the lift;
+    ``timed`` is told when each step ends."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-    converted = convert_pt2e(prepared, fold_quantize=fold)
+    with reads_kept_live(prepared, read_only_state):
+        converted = convert_pt2e(prepared, fold_quantize=fold)
     timed("convert")
     unfrozen = PassManager([UnfreezeMutableBuffer()], **options).run(converted)
     timed("unfreeze")
@@ -443,7 +454,17 @@ def _convert(prepared: GraphModule, like: ExportedProgram, fold: bool,
 
 class _MethodQuantizer(PassQuantizer):
     """A PassQuantizer that also keeps, from the observer callback, which observers stand
-    for each mutable buffer (see :mod:`passes._methods.observers`)."""
+    for each mutable buffer (see :mod:`passes._methods.observers`), and marks as state
+    the buffers other methods write (``methods_state``) that this one only reads."""
+
+    methods_state: frozenset[str] = frozenset()
+    read_only_state: frozenset[str] = frozenset()  # of methods_state, what this one only reads
+
+    def transform_for_annotation(self, model: GraphModule) -> GraphModule:
+        model = super().transform_for_annotation(model)
+        self.read_only_state = frozenset(
+            mark_state_of_other_methods(model, set(self.methods_state)))
+        return model
 
     def prepare_obs_or_fq_callback(self, model: GraphModule, edge_or_node_to_obs_or_fq: dict,
                                    ) -> None:
@@ -474,7 +495,10 @@ def quantize_methods(
     observers measure every method's values; the state is reset, each method converted,
     unfrozen and lifted (``like=`` its program). The methods must agree on their shared
     buffers before (shape, dtype, initial value) and agree after, the grid included
-    (:func:`passes.check_shared_buffers`).
+    (:func:`passes.check_shared_buffers`). A buffer one method writes is state in every
+    method holding it, a method that only reads it included: its reads stay live (torchao
+    would fold them into constants of the initial value), and with ``quantize_state`` it
+    reads the integers the writers store.
 
     State carried in inputs the methods write in place (the caller's tensors, as Hugging
     Face's exporter passes its caches) is calibrated as deployment threads it: the calls
@@ -554,6 +578,9 @@ def quantize_methods(
                              {name: [p.input_name for p in found]
                               for name, found in pairs.items()})
     wrapped = {name: _flow_quantizer(quantizer, _MethodQuantizer) for name in programs}
+    state = frozenset(written_by_any_method(programs))
+    for method in wrapped.values():
+        method.methods_state = state
     for name, inputs in carried.items():
         wrapped[name].carried_inputs = inputs
     for name, found in pairs.items():
@@ -582,14 +609,20 @@ def quantize_methods(
     reports: dict[str, dict[str, Report]] = {}
     quantized = {}
     for name, program in programs.items():
-        quantized[name], unfreeze = _convert(prepared[name], program, fold)
+        quantized[name], unfreeze = _convert(prepared[name], program, fold,
+                                             read_only_state=wrapped[name].read_only_state)
         stages = dict(zip(("transform", "after_annotate"), wrapped[name].reports, strict=True))
         reports[name] = {**stages, "unfreeze": unfreeze}
     if quantize_state:
-        stored = PassManager([QuantizeMutableBuffers()]).run(quantized)
-        quantized = stored.programs
-        for name, result in stored.items():
-            reports[name]["quantize_state"] = result.report
+        pipeline = PassManager([QuantizeMutableBuffers()])
+        groups = shared_objects(quantized)
+        for name, program in quantized.items():  # each method decides from its own writes,
+            stored = pipeline.run(program)
+            quantized[name] = stored.program
+            reports[name]["quantize_state"] = stored.report
+        read_integer_state(quantized)  # then a method only reading a buffer reads them
+        check_shared_buffers(quantized, f"after {pipeline}")
+        share_again(quantized, groups)
     else:
         check_shared_buffers(quantized, "after quantize_methods")
     shared_inputs: dict[str, dict[str, str]] = {}

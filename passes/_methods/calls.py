@@ -4,10 +4,12 @@ and what it returns."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from pass_manager import Report
@@ -15,18 +17,22 @@ from pass_manager.call_signature import signature_of
 
 from .._analysis.buffers import (
     BUFFER,
+    INITIAL_META,
+    MUTABLE_BUFFER_META,
     MUTABLE_INPUT_META,
     USER_INPUT,
+    buffer_nodes,
     buffer_tensor,
     find_mutations,
     replace_buffer_tensor,
 )
-from .._analysis.marked_state import mutable_buffers
+from .._analysis.marked_state import initial_copy, mutable_buffers
 from .._analysis.op_schema import written_nodes
 from ..errors import InputStateError, QuantizationInputError
 
 __all__ = ["MethodCall", "PairedState", "QuantizedMethods", "carried_inputs",
-           "check_write_backs", "method_calls", "share_buffer_tensors"]
+           "check_write_backs", "mark_state_of_other_methods", "method_calls",
+           "reads_kept_live", "share_buffer_tensors"]
 
 MethodCall = tuple[str, tuple, dict]
 
@@ -177,6 +183,47 @@ def check_write_backs(prepared: Mapping[str, Any], carried: Mapping[str, Mapping
                     "quantize_methods", method, name, "the method writes this input in "
                     "place but its prepared graph module does not write the caller's tensor "
                     "back, so calibration cannot carry the state from call to call")
+
+
+def mark_state_of_other_methods(model: Any, state: set[str]) -> list[str]:
+    """Mark, as MarkMutableBuffers marks what a program writes, each buffer of ``state``
+    (written by another method) that ``model`` only reads; returns their FQNs. Unmarked,
+    such a read is a constant to this method: its observer is not the buffer's shared one,
+    calibration runs it on a tensor of its own, and convert_pt2e folds its quantized read
+    into a ``_frozen_param`` that UnfreezeMutableBuffer does not look at, so the method
+    reads the initial value forever."""
+    marked = []
+    for node, fqn in buffer_nodes(model).items():
+        if fqn in state and MUTABLE_BUFFER_META not in node.meta:
+            node.meta[MUTABLE_BUFFER_META] = fqn
+            node.meta[INITIAL_META] = initial_copy(buffer_tensor(model, fqn))
+            marked.append(fqn)
+    return sorted(set(marked))
+
+
+@contextmanager
+def reads_kept_live(model: GraphModule, buffers: frozenset[str]) -> Iterator[None]:
+    """Within the block, torchao's constant folding keeps every read of ``buffers`` (state
+    ``model`` only reads) live: it folds what it computes from a buffer unless it sees the
+    buffer written by a ``copy_``, so each gets a ``copy_(buffer, buffer)`` (a write of
+    nothing new) that the block's end erases. A folded read could not be unfrozen after:
+    the buffer's node goes with it, and a read through a conversion (a bool mask's
+    ``.float()``) replays no view."""
+    graph = model.graph
+    added = []
+    if buffers:
+        nodes = {fqn: node for node, fqn in reversed(buffer_nodes(model).items())}
+        with graph.inserting_before(graph.output_node()):
+            for fqn in sorted(buffers):
+                if fqn in nodes:
+                    added.append(graph.call_function(torch.ops.aten.copy_.default,
+                                                     (nodes[fqn], nodes[fqn])))
+    try:
+        yield
+    finally:
+        for node in added:
+            if node.graph is graph:
+                graph.erase_node(node)
 
 
 def share_buffer_tensors(programs: Mapping[str, Any]) -> dict[str, list[str]]:

@@ -41,6 +41,7 @@ __all__ = [
     "share_again",
     "shared_buffer_differences",
     "shared_objects",
+    "written_by_any_method",
 ]
 
 Describer = Callable[[Any], Mapping[str, Any]]
@@ -139,6 +140,12 @@ def _written_buffers(program: Any) -> set[str]:
     return written
 
 
+def written_by_any_method(programs: Mapping[str, Any]) -> set[str]:
+    """The buffers some method writes: state in every method holding one, a method that
+    only reads it included (alone, that method would take it for a constant)."""
+    return set().union(*(_written_buffers(program) for program in programs.values()))
+
+
 def _set_buffer_tensor(program: Any, fqn: str, tensor: torch.Tensor) -> None:
     if isinstance(program, ExportedProgram):
         held = program.state_dict if fqn in program.state_dict else program.constants
@@ -191,7 +198,7 @@ def shared_buffer_differences(programs: Mapping[str, Any]) -> list[BufferDiffere
     # A buffer no method writes is a constant of each method (torchao's constant folding
     # registers its folds as buffers named _tensor_constant_N, one set per method): on a
     # device each method keeps its own, so only written buffers are shared state.
-    written = set().union(*(_written_buffers(program) for program in programs.values()))
+    written = written_by_any_method(programs)
     shared = {fqn: names for fqn, names in holders.items() if len(names) > 1 and fqn in written}
     if not shared:
         return []

@@ -41,6 +41,7 @@ from .partitioner import BufferOwningPartitioner
 from .plan import StatePlan, planned_state
 from .runtime import runtime_pairs
 from .runtime_inputs import CarriedState, carried_outputs, flat_inputs, user_input_names
+from .tied_buffers import drop_unused_aliases
 
 __all__ = ["MethodsRun", "lower_methods_to_pte", "run_methods_on_runtime"]
 
@@ -168,6 +169,8 @@ class _LoweredMethods:
     input_names: dict[str, list[str]]
     repaired: list[str] = field(default_factory=list)
     """Buffers whose initial value the emitter pointed at another's bytes, now their own."""
+    dropped: list[str] = field(default_factory=list)
+    """Unused second names of written buffers, dropped before lowering (see tied_buffers)."""
 
 
 def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
@@ -176,6 +179,8 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
     _check_shared_state(programs)
     # Private copies: lowering must not touch the caller's programs or their state.
     copies = {name: copy.deepcopy(ep) for name, ep in programs.items()}
+    dropped = [f"[{name}] {note}" for name, ep in copies.items()
+               for note in drop_unused_aliases(ep)]
     wrapper = _wrapper(partitioner, copies)
     with torch.no_grad():  # the emitter writes buffers back in place
         edge = to_edge_transform_and_lower(copies, partitioner=[wrapper])
@@ -200,7 +205,7 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
     return _LoweredMethods(
         et.buffer, wrapper, delegates,
         {method: carried_outputs(ep) for method, ep in serialized.items()},
-        {method: user_input_names(ep) for method, ep in serialized.items()}, repaired)
+        {method: user_input_names(ep) for method, ep in serialized.items()}, repaired, dropped)
 
 
 def run_methods_on_runtime(
@@ -262,7 +267,7 @@ def run_methods_on_runtime(
     # prefill's cache.)
     methods = {name: loaded.load_method(name) for name in sorted(loaded.method_names)}
     run = MethodsRun(memory=planned_state(pte),
-                     notes=list(lowered.wrapper.notes) + lowered.repaired,
+                     notes=lowered.dropped + list(lowered.wrapper.notes) + lowered.repaired,
                      delegates=lowered.delegates, lower_seconds=seconds, pte_bytes=len(pte))
     state = CarriedState(HELPER)
     for index, (method, flat) in enumerate(flat_calls):

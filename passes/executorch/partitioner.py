@@ -561,10 +561,13 @@ def _unfolded_quantize(
     if not xnnpack:
         return None
     sig = program.graph_signature
-    mutated = set(sig.buffers_to_mutate.values())
-    constants = {**sig.inputs_to_parameters, **sig.inputs_to_lifted_tensor_constants,
-                 **{name: fqn for name, fqn in sig.inputs_to_buffers.items()
-                    if fqn not in mutated}}
+    # A written parameter is state, read as state is (quantized in the graph), not a weight
+    # left unfolded; lowering refuses it as written (ParameterMutationOnExecuTorchError).
+    mutated = {*sig.buffers_to_mutate.values(), *sig.parameters_to_mutate.values()}
+    constants = {name: fqn for name, fqn in (*sig.inputs_to_parameters.items(),
+                                             *sig.inputs_to_buffers.items())
+                 if fqn not in mutated}
+    constants.update(sig.inputs_to_lifted_tensor_constants)
     for node in program.graph.nodes:
         tag = node.meta.get(DELEGATION_TAG)
         if tag in xnnpack and is_quant(node) and isinstance(node.args[0], Node):

@@ -51,6 +51,7 @@ from .runtime_inputs import (
     flat_inputs,
     user_input_names,
 )
+from .tied_buffers import drop_unused_aliases
 
 __all__ = [
     "LoweredProgram",
@@ -165,11 +166,17 @@ def _delegate_count(ep: ExportedProgram) -> int:
                if n.op == "get_attr" and str(n.target).startswith("lowered_module"))
 
 
-def _serialize(edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None) -> LoweredProgram:
+def _refuse_written_parameters(ep: ExportedProgram) -> None:
+    written = ep.graph_signature.parameters_to_mutate
+    if written:
+        raise ParameterMutationOnExecuTorchError(sorted(written.values()))
+
+
+def _serialize(edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None,
+               notes: Sequence[str] = ()) -> LoweredProgram:
     ep = edge.exported_program()
+    _refuse_written_parameters(ep)
     sig = ep.graph_signature
-    if sig.parameters_to_mutate:
-        raise ParameterMutationOnExecuTorchError(sorted(sig.parameters_to_mutate.values()))
     # ExecuTorch serializes only the shape of a mutated buffer unless asked: the runtime
     # must start from the program's state (e.g. a reset cache, a non-zero counter).
     mutated = set(sig.buffers_to_mutate.values())
@@ -177,7 +184,7 @@ def _serialize(edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None
     # Their names go into the plan too, so that planned_memory can say which is which.
     config = ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(names)],
                                      emit_mutable_buffer_names=True)
-    notes = list(wrapper.notes) if wrapper is not None else []
+    notes = [*notes, *(wrapper.notes if wrapper is not None else ())]
     et = edge.to_executorch(config)
     notes += repair_initial_state(et, config)
     return _lowered(et, wrapper, _delegate_count(ep), notes)
@@ -259,9 +266,7 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
     if isinstance(program, ExecutorchProgramManager):
         _no_partitioner(helper, partitioner, program)
         ep = program.exported_program()
-        if ep.graph_signature.parameters_to_mutate:
-            raise ParameterMutationOnExecuTorchError(
-                sorted(ep.graph_signature.parameters_to_mutate.values()))
+        _refuse_written_parameters(ep)
         return _lowered(program, None, _delegate_count(ep), _state_notes(program))
     # ExecuTorch's emitter writes buffers back in place; with autograd on, parameters that
     # require grad make those writes illegal.
@@ -281,7 +286,10 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
             else:
                 wrapper = BufferOwningPartitioner(partitioner)
             ep = _exported(helper, program, example_inputs)
-            return _serialize(to_edge_transform_and_lower(ep, partitioner=[wrapper]), wrapper)
+            _refuse_written_parameters(ep)  # before a partitioner reports it as something else
+            dropped = drop_unused_aliases(ep)
+            return _serialize(to_edge_transform_and_lower(ep, partitioner=[wrapper]), wrapper,
+                              dropped)
     _refuse_form(helper, program)
     raise ExecuTorchInputError(helper, "program", f"got {_kind(program)}; pass {PROGRAM_FORMS}")
 

@@ -7,6 +7,9 @@
   the decode writes, beside the caches both share.
 * :class:`Accumulator`: a running total with a non-zero initial value, written by one
   method and only read by another.
+* :class:`ReadOnlyState`: a float total, an int64 count and a bool mask one method writes
+  and another only reads (the total through a quantized ``mul``, the mask through
+  ``.float()``).
 * :func:`hf_llama_prefill_decode`: a tiny random Hugging Face Llama (static cache) exported
   strict as prefill (4 tokens) and decode.
 * :func:`quantized_prefill_decode`: the methods quantized together (``quantize_methods``,
@@ -111,6 +114,45 @@ def accumulator_methods() -> MethodsCase:
     programs = _export_methods(model, {"narrow": narrow, "wide": wide})
     calls = [("narrow", narrow, {}), ("wide", wide, {}), ("narrow", narrow, {}),
              ("wide", wide, {}), ("narrow", narrow, {})]
+    return MethodsCase(model, programs, calls)
+
+
+class ReadOnlyState(nn.Module):
+    """Calls of several rows update a running total (``add_`` of a linear layer's output,
+    quantized), count the rows (int64) and mark the features ever positive (bool); a
+    one-row call only reads all three."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        with torch.no_grad():
+            generator = torch.Generator().manual_seed(0)
+            self.linear.weight.copy_(torch.randn(4, 4, generator=generator))
+            self.linear.bias.copy_(torch.randn(4, generator=generator))
+        self.register_buffer("total", torch.zeros(4))
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("seen", torch.zeros(4, dtype=torch.bool))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            y = self.linear(x)
+            self.total.add_(y.sum(0))
+            self.count.add_(x.shape[0])
+            self.seen.logical_or_((y > 0).any(0))
+            return y
+        return x * self.total + self.count + self.seen.float()
+
+
+def read_only_state_methods() -> MethodsCase:
+    """:class:`ReadOnlyState` as a ``read`` method (one row) and a ``write`` one (three
+    rows), called read first (the initial state), then alternating."""
+    model = ReadOnlyState()
+    generator = torch.Generator().manual_seed(1)
+    read = (torch.randn(1, 4, generator=generator),)
+    write = (torch.randn(3, 4, generator=generator),)
+    programs = _export_methods(model, {"read": read, "write": write})
+    calls = [("read", read, {}), ("write", write, {}), ("read", read, {}),
+             ("write", (write[0] * 0.5,), {}), ("read", read, {})]
     return MethodsCase(model, programs, calls)
 
 

@@ -40,6 +40,7 @@ from tests.models.methods import (
     llama_calls,
     llama_methods,
 )
+from tests.models.methods_on_runtime import accumulator_methods, read_only_state_methods
 from tests.models.qnn import qnn_quantizer
 
 QUANTIZERS = {"xnnpack": xnnpack_quantizer, "every_op": AnnotateEveryOpQuantizer,
@@ -302,3 +303,39 @@ def test_hugging_face_llama_prefill_and_decode(quantizer):
         assert statistics.mean(ours) <= statistics.mean(theirs) + step / 4, (ours, theirs)
     # QNN's quantizer also quantizes the norms and the softmax: 0.27 each method alone.
     assert max(ours) < (0.3 if quantizer == "qnn" else 0.2), ours
+
+
+def test_state_one_method_only_reads_stays_live_there():
+    """The narrow method only reads the total the wide method writes: it is state in both.
+    Alone, torchao sees a constant in the narrow method and folds its quantized read, so
+    every narrow call after a wide one read the initial total (off by 6.3, then 12.6)."""
+    case = accumulator_methods()
+    reference = copy.deepcopy(case.model)
+    quantized = quantize_methods(case.programs, xnnpack_quantizer(), case.calls)
+    assert "total" in quantized.shared_buffers
+    assert not any("_frozen_param" in str(n.target) for n in quantized["narrow"].graph.nodes)
+    assert quantized["narrow"].state_dict["total"] is quantized["wide"].state_dict["total"]
+    expected = calls_in_sequence(reference, case.calls)
+    outputs = calls_in_sequence(quantized, case.calls)
+    assert max(errors_per_call(expected, outputs)) < 0.1  # 8-bit error (0.075)
+
+
+def test_integer_state_a_method_only_reads_is_read_as_those_integers():
+    """With quantize_state, the read method holds the integers the write method stores
+    (one tensor) and dequantizes them where it read the float total: bit for bit what the
+    float-stored methods compute. Before, it kept a frozen initial total; read live, it kept
+    a float buffer beside the integers, which the shared-buffer check refused."""
+    case = read_only_state_methods()
+    reference = copy.deepcopy(case.model)
+    floats = quantize_methods(copies(case.programs), xnnpack_quantizer(), case.calls)
+    integers = quantize_methods(copies(case.programs), xnnpack_quantizer(), case.calls,
+                                quantize_state=True)
+    for program in (floats["read"], integers["read"]):  # the write method's: the weight
+        assert not any("_frozen_param" in str(n.target) for n in program.graph.nodes)
+    assert integers["read"].state_dict["total"].dtype == torch.int8
+    assert integers["read"].state_dict["total"] is integers["write"].state_dict["total"]
+    stored = calls_in_sequence(integers, case.calls)
+    for got, want in zip(stored, calls_in_sequence(floats, case.calls), strict=True):
+        assert torch.equal(got, want)
+    expected = calls_in_sequence(reference, case.calls)
+    assert max(errors_per_call(expected, stored)) < 0.1  # the mask and count exactly too

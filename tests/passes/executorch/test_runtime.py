@@ -31,6 +31,7 @@ from passes.executorch import (
 from passes.executorch.runtime import PROGRAM_FORMS, lower_to_pte, output_grid
 from passes.flow.examples import decoder_job, xnnpack_quantizer
 from passes.quantization import quantize_program
+from tests.models.shared_values import TiedBuffers, vector_calls
 
 STEPS = 5
 CALLS = 4
@@ -158,6 +159,38 @@ def test_a_written_parameter_is_refused_before_the_runtime_gets_it_wrong():
     decoded = decode_on_runtime(functional[True], steps[0], steps)
     expected = run_program(_DecaysItsWeight(True), steps)
     assert max(_worst_per_step(expected, decoded.trace)) <= 1e-6
+
+
+def test_a_written_parameter_quantized_is_refused_for_what_it_is():
+    """Quantized (weights folded, the default), the written parameter's read is quantized in
+    the graph as a state read is: the refusal says the parameter is written, not that it
+    was left unfolded (whose advice, fold_quantize=True, was already taken)."""
+    steps = [(torch.randn(4),) for _ in range(STEPS)]
+    with torch.no_grad():
+        program = quantize_program(torch.export.export(_DecaysItsWeight(False), steps[0]),
+                                   xnnpack_quantizer(), steps)
+    assert program.graph_signature.parameters_to_mutate
+    with pytest.raises(ParameterMutationOnExecuTorchError) as info:
+        decode_on_runtime(program, None, steps)
+    assert info.value.parameters == ["weight"]
+    with pytest.raises(ParameterMutationOnExecuTorchError):  # with any partitioner
+        lower_to_pte(program, None, BufferOwningPartitioner(XnnpackPartitioner()))
+
+
+def test_a_buffer_registered_under_two_names_and_written_runs_on_the_runtime():
+    """One tensor registered as ``a`` and ``b``, written through ``a``, read through ``b``:
+    torch.export keeps a placeholder for each name and reads and writes through one, and
+    ExecuTorch's lowering then failed in torch (an untyped AssertionError, "expected
+    compiled_fn to be GraphModule"). The lowering drops the name nothing reads, with a note."""
+    steps = vector_calls(STEPS)
+    with torch.no_grad():
+        program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+            torch.export.export(TiedBuffers(), steps[0])).program
+    decoded = decode_on_runtime(program, None, steps)
+    expected = run_program(TiedBuffers(), steps)
+    assert max(_worst_per_step(expected, decoded.trace)) == 0
+    assert any("a second name of" in note for note in decoded.notes), decoded.notes
+    assert len(program.graph_signature.inputs_to_buffers) == 2  # the caller's is untouched
 
 
 def _initialized(edge) -> ExecutorchBackendConfig:

@@ -1,0 +1,84 @@
+"""Integer state a method only reads: the integers another method stores, dequantized
+where the method read the float buffer.
+
+``QuantizeMutableBuffers`` decides each method on its own, and a method that only reads a
+buffer (a decode reading what a prefill counted, a narrow call reading the total a wide
+call keeps) has no write to take a grid from: it would keep a float buffer beside the
+writer's integers, which one ``.pte`` cannot share. Once the writers have stored the buffer
+on a grid, :func:`read_integer_state` makes each such reader hold the writers' integer
+tensor and dequantize it at the top of its graph. The values it computes with are the ones
+the float buffer held (the writers store values of the grid, and the initial value lies on
+it), so the method computes exactly what it did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch.export import ExportedProgram
+
+from .._analysis.buffers import GRID_META, INITIAL_META, buffer_tensor, replace_buffer_tensor
+from .._analysis.grids import Grid
+from .._analysis.marked_state import initial_copy
+from .shared_buffers import written_by_any_method
+
+__all__ = ["read_integer_state"]
+
+
+def _stored_grids(programs: Mapping[str, ExportedProgram]) -> dict[str, tuple[Grid, str]]:
+    """Per buffer some method stores as integers: its grid and that method."""
+    found: dict[str, tuple[Grid, str]] = {}
+    for name, program in programs.items():
+        names = program.graph_signature.inputs_to_buffers
+        for node in program.graph.find_nodes(op="placeholder"):
+            grid = node.meta.get(GRID_META)
+            if grid is not None and node.name in names:
+                found.setdefault(names[node.name], (grid, name))
+    return found
+
+
+def read_integer_state(programs: Mapping[str, ExportedProgram]) -> dict[str, list[str]]:
+    """Make every method that holds, float and unwritten, a buffer other methods store on a
+    per-tensor grid read those integers (the same tensor); returns, per method, the
+    buffers it now reads so. Per-channel grids are left as they are (the methods then
+    disagree, and the shared-buffer check says so)."""
+    stored = _stored_grids(programs)
+    written = written_by_any_method(programs)
+    changed: dict[str, list[str]] = {}
+    for name, program in programs.items():
+        names = program.graph_signature.inputs_to_buffers
+        for node in list(program.graph.find_nodes(op="placeholder")):
+            fqn = names.get(node.name)
+            if fqn not in stored or fqn not in written or GRID_META in node.meta:
+                continue
+            grid, writer = stored[fqn]
+            tensor = buffer_tensor(program, fqn)
+            if grid.per_channel or not tensor.is_floating_point():
+                continue
+            _dequantized_at_the_top(program, node, grid)
+            replace_buffer_tensor(program, fqn, buffer_tensor(programs[writer], fqn))
+            changed.setdefault(name, []).append(fqn)
+    return changed
+
+
+def _dequantized_at_the_top(program: ExportedProgram, node: torch.fx.Node, grid: Grid) -> None:
+    """``node`` (a buffer's placeholder) holds ``grid``'s integers; its readers read them
+    dequantized, right after the last placeholder."""
+    graph = program.graph
+    old = node.meta["val"]
+    last = graph.find_nodes(op="placeholder")[-1]
+    with graph.inserting_after(last):
+        target, args, kwargs = grid.dequantize_args(node)
+        dequantized = graph.call_function(target, args, kwargs)
+    node.replace_all_uses_with(dequantized, delete_user_cb=lambda user: user is not dequantized)
+    dequantized.meta["val"] = old
+    with old.fake_mode:
+        node.meta["val"] = torch.empty_strided(old.shape, old.stride(), dtype=grid.dtype)
+    node.meta.pop("tensor_meta", None)
+    node.meta[GRID_META] = grid
+    initial = node.meta.get(INITIAL_META)
+    if initial is not None:
+        node.meta[INITIAL_META] = initial_copy(grid.integers_of(initial))
+    graph.lint()
+    program.graph_module.recompile()
