@@ -44,9 +44,9 @@ def run_methods(
     whose state was copied apart (each exported or quantized on its own): the buffers some
     method writes. A buffer no method writes stays each method's own (quantization lifts a
     prefill's step 4 and a decode's step 1 as ``_tensor_constant_<n>`` of one name); of a
-    method that is neither an ExportedProgram nor a GraphModule every buffer is shared. Each call's entry
-    in ``trace.buffers`` holds every method's buffers by name (a shared buffer once). The
-    caller's programs are untouched.
+    method that is neither an ExportedProgram nor a GraphModule every buffer is shared.
+    Each call's entry in ``trace.buffers`` holds every method's buffers by name (a shared
+    buffer once). The caller's programs are untouched.
 
     State carried as input/output pairs (``next_values``: one ``{input: output}`` for every
     method or ``{method: {input: output}}``; ``pair_by_name``: ``(input prefix, output
