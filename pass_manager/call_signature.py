@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
+from torch.export._unlift import eq_spec
 
 __all__ = ["CallSignature", "describe_inputs", "signature_of"]
 
@@ -106,7 +107,7 @@ class CallSignature:
             zip(given, [*args_spec.children(), *kwargs_spec.children()], strict=True)
         ):
             got = pytree.tree_structure(value)
-            if got != want:
+            if not eq_spec(got, want):  # as torch matches a call: a dict's keys in any order
                 name = names[position] if position < len(names) else f"#{position}"
                 return (f"input {name!r} is {_structure(got)}, the program was exported with "
                         f"{_structure(want)}")

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, TensorArgument
+from torch.fx import Node
 from torch.utils import _pytree as pytree
 
 from pass_manager.call_signature import signature_of
@@ -49,6 +51,22 @@ def _describe(value: torch.Tensor) -> str:
     return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
 
 
+def _user_inputs(program: ExportedProgram, args: tuple, kwargs: Mapping[str, Any],
+                 ) -> tuple[list[tuple[tuple, Any]], list[Node | None]]:
+    """The call's leaves with their paths, in the order of the program's call spec (a
+    nested mapping in the spec's key order, as torch binds it), and for each the placeholder
+    it is bound to (``None`` for a constant input such as a ``None`` mask: a leaf of the
+    call spec, but no placeholder)."""
+    spec = program.call_spec.in_spec
+    ordered = spec.flatten_up_to((tuple(args), dict(kwargs)))
+    leaves = pytree.tree_flatten_with_path(pytree.tree_unflatten(ordered, spec))[0]
+    by_name = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    nodes = [by_name.get(spec_.arg.name) if isinstance(spec_.arg, TensorArgument) else None
+             for spec_ in program.graph_signature.input_specs
+             if spec_.kind == InputKind.USER_INPUT]
+    return leaves, nodes
+
+
 def check_calibration_call(program: ExportedProgram, args: tuple, kwargs: Mapping[str, Any],
                            helper: str, step: int, method: str | None = None) -> None:
     """Raise :class:`CalibrationInputError` naming the call and the input when
@@ -60,13 +78,9 @@ def check_calibration_call(program: ExportedProgram, args: tuple, kwargs: Mappin
     mismatch = signature.mismatch(args, kwargs)
     if mismatch is not None:
         raise CalibrationInputError(helper, step, mismatch, method=method)
-    order = list(program.call_spec.in_spec.children()[1].context or ())
-    ordered = {key: kwargs[key] for key in order}
-    leaves = pytree.tree_flatten_with_path((tuple(args), ordered))[0]
-    user_inputs = set(program.graph_signature.user_inputs)
-    placeholders = [node for node in program.graph.nodes
-                    if node.op == "placeholder" and node.name in user_inputs]
-    for (path, value), node in zip(leaves, placeholders, strict=False):
+    for (path, value), node in zip(*_user_inputs(program, args, kwargs), strict=True):
+        if node is None:  # a constant input (None, a number): no placeholder to check
+            continue
         expected = node.meta.get("val")
         if not isinstance(value, torch.Tensor) or not isinstance(expected, torch.Tensor):
             continue
