@@ -85,6 +85,16 @@ class CallSignature:
                 return str(e)
         return None
 
+    def leaves(self, args: tuple, kwargs: Mapping[str, Any]) -> list[tuple[tuple, Any]]:
+        """The leaves of a call that fits (``mismatch`` is None) with their pytree paths, in
+        the order the program binds them: a mapping's entries in the exported key order,
+        whatever order the caller wrote them in (torch matches a dict by its keys)."""
+        call = (tuple(args), dict(kwargs))
+        if self.spec is None:
+            return pytree.tree_flatten_with_path(call)[0]
+        ordered = pytree.tree_unflatten(self.spec.flatten_up_to(call), self.spec)
+        return pytree.tree_flatten_with_path(ordered)[0]
+
     def _spec_mismatch(self, args: tuple, kwargs: dict[str, Any]) -> str | None:
         args_spec, kwargs_spec = self.spec.children()
         if len(args) != args_spec.num_children:

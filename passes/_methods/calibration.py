@@ -51,20 +51,13 @@ def _describe(value: torch.Tensor) -> str:
     return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
 
 
-def _user_inputs(program: ExportedProgram, args: tuple, kwargs: Mapping[str, Any],
-                 ) -> tuple[list[tuple[tuple, Any]], list[Node | None]]:
-    """The call's leaves with their paths, in the order of the program's call spec (a
-    nested mapping in the spec's key order, as torch binds it), and for each the placeholder
-    it is bound to (``None`` for a constant input such as a ``None`` mask: a leaf of the
-    call spec, but no placeholder)."""
-    spec = program.call_spec.in_spec
-    ordered = spec.flatten_up_to((tuple(args), dict(kwargs)))
-    leaves = pytree.tree_flatten_with_path(pytree.tree_unflatten(ordered, spec))[0]
+def _placeholders(program: ExportedProgram) -> list[Node | None]:
+    """The placeholder each user input is bound to, in the call spec's flat order (``None``
+    for a constant input such as a ``None`` mask: a leaf of the call spec, no tensor)."""
     by_name = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
-    nodes = [by_name.get(spec_.arg.name) if isinstance(spec_.arg, TensorArgument) else None
-             for spec_ in program.graph_signature.input_specs
-             if spec_.kind == InputKind.USER_INPUT]
-    return leaves, nodes
+    return [by_name.get(spec_.arg.name) if isinstance(spec_.arg, TensorArgument) else None
+            for spec_ in program.graph_signature.input_specs
+            if spec_.kind == InputKind.USER_INPUT]
 
 
 def check_calibration_call(program: ExportedProgram, args: tuple, kwargs: Mapping[str, Any],
@@ -78,7 +71,8 @@ def check_calibration_call(program: ExportedProgram, args: tuple, kwargs: Mappin
     mismatch = signature.mismatch(args, kwargs)
     if mismatch is not None:
         raise CalibrationInputError(helper, step, mismatch, method=method)
-    for (path, value), node in zip(*_user_inputs(program, args, kwargs), strict=True):
+    leaves = signature.leaves(args, kwargs)
+    for (path, value), node in zip(leaves, _placeholders(program), strict=True):
         if node is None:  # a constant input (None, a number): no placeholder to check
             continue
         expected = node.meta.get("val")
