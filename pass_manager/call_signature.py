@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
+from torch.export._unlift import eq_spec
 
 __all__ = ["CallSignature", "describe_inputs", "signature_of"]
 
@@ -84,6 +85,16 @@ class CallSignature:
                 return str(e)
         return None
 
+    def leaves(self, args: tuple, kwargs: Mapping[str, Any]) -> list[tuple[tuple, Any]]:
+        """The leaves of a call that fits (``mismatch`` is None) with their pytree paths, in
+        the order the program binds them: a mapping's entries in the exported key order,
+        whatever order the caller wrote them in (torch matches a dict by its keys)."""
+        call = (tuple(args), dict(kwargs))
+        if self.spec is None:
+            return pytree.tree_flatten_with_path(call)[0]
+        ordered = pytree.tree_unflatten(self.spec.flatten_up_to(call), self.spec)
+        return pytree.tree_flatten_with_path(ordered)[0]
+
     def _spec_mismatch(self, args: tuple, kwargs: dict[str, Any]) -> str | None:
         args_spec, kwargs_spec = self.spec.children()
         if len(args) != args_spec.num_children:
@@ -106,7 +117,7 @@ class CallSignature:
             zip(given, [*args_spec.children(), *kwargs_spec.children()], strict=True)
         ):
             got = pytree.tree_structure(value)
-            if got != want:
+            if not eq_spec(got, want):  # as torch matches a call: a dict's keys in any order
                 name = names[position] if position < len(names) else f"#{position}"
                 return (f"input {name!r} is {_structure(got)}, the program was exported with "
                         f"{_structure(want)}")

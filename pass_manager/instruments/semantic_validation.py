@@ -30,7 +30,9 @@ class SemanticValidation(Instrumentation):
 
     Inputs that do not fit the program (its input tree or signature), or on which the
     program given to the pipeline already fails, raise :class:`ValidationInputError`
-    naming the call (``inputs[i]``) before any pass runs.
+    naming the call (``inputs[i]``) before any pass runs; so do inputs that no longer fit
+    after a pass changed the program's inputs (``InputsToBuffers``, ``BuffersToInputs``),
+    naming that pass (its change rolled back).
 
     Example:
         >>> PassManager(passes, instruments=[SemanticValidation((x, pos), atol=1e-6)]).run(ep)
@@ -103,6 +105,15 @@ class SemanticValidation(Instrumentation):
     def after_pass(self, pass_: Any, program: Any, record: PassRecord) -> None:
         if not record.modified or self._reference is None:
             return
+        signature = signature_of(program)
+        for index, (args, kwargs) in enumerate(self.inputs):
+            reason = signature.mismatch(args, kwargs)
+            if reason:  # a pass that moves state between inputs and buffers
+                raise self._error(
+                    index, f"pass #{record.index} {record.name} changed the program's "
+                    f"inputs, so the calls before it no longer fit the program after it "
+                    f"({reason}); validate the passes before it and from it on in two "
+                    "pipelines, each with the inputs its program takes", str(signature))
         difference = first_difference(self._reference, self._trace(program), self.atol, self.rtol)
         if difference:
             raise SemanticsError(record.name, record.index, difference)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, TensorArgument
+from torch.fx import Node
 from torch.utils import _pytree as pytree
 
 from pass_manager.call_signature import signature_of
@@ -49,6 +51,15 @@ def _describe(value: torch.Tensor) -> str:
     return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
 
 
+def _placeholders(program: ExportedProgram) -> list[Node | None]:
+    """The placeholder each user input is bound to, in the call spec's flat order (``None``
+    for a constant input such as a ``None`` mask: a leaf of the call spec, no tensor)."""
+    by_name = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    return [by_name.get(spec_.arg.name) if isinstance(spec_.arg, TensorArgument) else None
+            for spec_ in program.graph_signature.input_specs
+            if spec_.kind == InputKind.USER_INPUT]
+
+
 def check_calibration_call(program: ExportedProgram, args: tuple, kwargs: Mapping[str, Any],
                            helper: str, step: int, method: str | None = None) -> None:
     """Raise :class:`CalibrationInputError` naming the call and the input when
@@ -60,13 +71,10 @@ def check_calibration_call(program: ExportedProgram, args: tuple, kwargs: Mappin
     mismatch = signature.mismatch(args, kwargs)
     if mismatch is not None:
         raise CalibrationInputError(helper, step, mismatch, method=method)
-    order = list(program.call_spec.in_spec.children()[1].context or ())
-    ordered = {key: kwargs[key] for key in order}
-    leaves = pytree.tree_flatten_with_path((tuple(args), ordered))[0]
-    user_inputs = set(program.graph_signature.user_inputs)
-    placeholders = [node for node in program.graph.nodes
-                    if node.op == "placeholder" and node.name in user_inputs]
-    for (path, value), node in zip(leaves, placeholders, strict=False):
+    leaves = signature.leaves(args, kwargs)
+    for (path, value), node in zip(leaves, _placeholders(program), strict=True):
+        if node is None:  # a constant input (None, a number): no placeholder to check
+            continue
         expected = node.meta.get("val")
         if not isinstance(value, torch.Tensor) or not isinstance(expected, torch.Tensor):
             continue

@@ -17,6 +17,7 @@ from torch.export import ExportedProgram
 from pass_manager import ValidationInputError
 from pass_manager.validation import StateReader, Trace, copy_program, default_state, snapshot
 
+from .._analysis.buffers import BUFFER, find_mutations
 from .._carried.pairs import method_pairing, pairs_of
 from .calls import PairedState
 
@@ -40,9 +41,12 @@ def run_methods(
     the methods share stay shared in the copy: a prefill's writes are what the next decode
     reads, as on a device. ``share_by_name`` also makes the copies' buffers of one name one
     tensor (the first method's), as a ``.pte``'s shared mutable buffers are, for methods
-    whose state was copied apart (each exported or quantized on its own). Each call's entry
-    in ``trace.buffers`` holds every method's buffers by name (a shared buffer once). The
-    caller's programs are untouched.
+    whose state was copied apart (each exported or quantized on its own): the buffers some
+    method writes. A buffer no method writes stays each method's own (quantization lifts a
+    prefill's step 4 and a decode's step 1 as ``_tensor_constant_<n>`` of one name); of a
+    method that is neither an ExportedProgram nor a GraphModule every buffer is shared.
+    Each call's entry in ``trace.buffers`` holds every method's buffers by name (a shared
+    buffer once). The caller's programs are untouched.
 
     State carried as input/output pairs (``next_values``: one ``{input: output}`` for every
     method or ``{method: {input: output}}``; ``pair_by_name``: ``(input prefix, output
@@ -73,7 +77,7 @@ def run_methods(
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"cannot run method {name!r}: a {type(module).__name__}")
     if share_by_name:
-        _share_buffers_by_name(modules)
+        _share_buffers_by_name(modules, _written_buffers(programs))
     trace = Trace()
     # Copied together: a tensor several calls pass (input-carried state) stays one tensor.
     for index, (method, args, kwargs) in enumerate(copy.deepcopy(list(calls))):
@@ -96,10 +100,25 @@ def run_methods(
     return trace
 
 
-def _share_buffers_by_name(modules: Mapping[str, torch.nn.Module]) -> None:
+def _written_buffers(programs: Mapping[str, Any]) -> set[str] | None:
+    """The buffers some method writes, by name; ``None`` (all of them) when a method is a
+    plain module, whose writes no graph shows."""
+    written: set[str] = set()
+    for program in programs.values():
+        if not isinstance(program, (ExportedProgram, torch.fx.GraphModule)):
+            return None
+        written.update(state.name for state in find_mutations(program).writers
+                       if state.kind == BUFFER)
+    return written
+
+
+def _share_buffers_by_name(modules: Mapping[str, torch.nn.Module],
+                           written: set[str] | None) -> None:
     first: dict[str, tuple[str, torch.Tensor]] = {}
     for method, module in modules.items():
         for fqn, tensor in list(module.named_buffers()):
+            if written is not None and fqn not in written:
+                continue  # read-only: each method keeps its own value, as in a .pte
             if fqn not in first:
                 first[fqn] = method, tensor
                 continue

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
-from torch.export._tree_utils import reorder_kwargs
 from torch.export.graph_signature import InputKind, OutputKind
 
 from pass_manager.call_signature import describe_inputs, signature_of
@@ -104,9 +103,7 @@ def flat_inputs(helper: str, where: str, program: ExportedProgram | None,
     names = user_input_names(program)
     reason = signature.mismatch(args, kwargs)
     if reason is None:
-        in_spec = program.call_spec.in_spec
-        ordered = reorder_kwargs(dict(kwargs), in_spec) if in_spec is not None else kwargs
-        with_paths, _ = pytree.tree_flatten_with_path((tuple(args), ordered))
+        with_paths = signature.leaves(args, kwargs)  # in the exported order, as torch binds
         labels = [_name(path, signature.positional) for path, _ in with_paths]
     elif _is_flat_form(program, args, kwargs):
         with_paths = [((pytree.MappingKey(name),), a) for name, a in zip(names, args, strict=True)]

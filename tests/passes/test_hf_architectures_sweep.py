@@ -107,6 +107,22 @@ def test_each_program_round_trips_exactly(hf, method):
             first, second = copy.deepcopy(kwargs), copy.deepcopy(kwargs)
 
 
+@pytest.mark.parametrize("method", ["prefill", "decode"])
+def test_each_programs_own_call_fits_it_as_a_calibration_call(hf, method):
+    """Gemma3's prefill takes ``{"full_attention": None, "sliding_attention": mask}``: the
+    ``None`` is an input but no placeholder, and HF's call writes the masks in another key
+    order than the program's call spec (quantize_methods refused the call before)."""
+    from passes._methods.calibration import check_calibration_call
+
+    program = functional(copy.deepcopy(getattr(hf, method)))
+    resident = PassManager([InputsToBuffers(**hf_exporter.cache_options(hf)[method])]).run(
+        program).program
+    kwargs = getattr(hf, f"{method}_kwargs")
+    check_calibration_call(program, (), kwargs, "quantize_methods", 0, method)
+    without_cache = {k: v for k, v in kwargs.items() if k != "cache"}
+    check_calibration_call(resident, (), without_cache, "quantize_methods", 0, method)
+
+
 def test_a_resident_hf_decode_alone_runs_on_the_runtime():
     """HF's caches carry a 0-d int64 counter per layer; resident, they lower with
     BufferOwningPartitioner(XnnpackPartitioner()) (the 0-d rule is for quantized state)."""

@@ -305,3 +305,26 @@ def test_part_of_hf_cache_cannot_leave_the_call_alone(hf):
         copy.deepcopy(hf.decode)).program
     error = _refused(program, CarriedStateError, buffers=["cache.0"])
     assert error.name == "cache_0" and "StaticCache" in error.reason
+
+
+def test_semantic_validation_says_the_pass_changed_the_programs_inputs():
+    """SemanticValidation calls every program with the same inputs; after InputsToBuffers
+    the program no longer takes the state it made a buffer. It said so as an untyped
+    ``PassFailedError ... ValueError: Ran into a kwarg keyword mismatch`` blaming the pass
+    (HF's decode under SemanticValidation); now a ValidationInputError naming the pass and
+    the input, the program left as it was."""
+    from pass_manager import SemanticValidation, ValidationInputError
+
+    x, cache, position = models.cache_inputs()
+    for form in FORMS:
+        program = functional(models.InPlaceCache(), (x, cache.clone(), position.clone()),
+                             form=form)
+        before = program.graph_module.code if form == "exported" else program.code
+        validation = SemanticValidation((x, cache.clone(), position.clone()))
+        with pytest.raises(ValidationInputError) as caught:
+            PassManager([InputsToBuffers()], instruments=[validation]).run(program)
+        error = caught.value
+        assert "pass #0 InputsToBuffers changed the program's inputs" in error.reason
+        assert error.call == "inputs" and "x" in error.expected, error.expected
+        after = program.graph_module.code if form == "exported" else program.code
+        assert after == before

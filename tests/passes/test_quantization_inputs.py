@@ -4,6 +4,7 @@ program (naming the call, the method and the input; the original error chained).
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -105,3 +106,47 @@ def test_a_call_the_prepared_program_raises_on_is_named_and_chained():
     assert error.step == 1 and error.input is None
     assert "the prepared program raised" in error.reason
     assert error.__cause__ is not None and type(error.__cause__).__name__ in error.reason
+
+
+class MasksByKind(torch.nn.Module):
+    """Takes one attention mask per kind, ``None`` for a kind it has no layer of, as HF's
+    exporter gives a Cohere2 / Gemma3 prefill (``{"full_attention": None,
+    "sliding_attention": mask}``), and advances a position counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("position", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, attention_mask, position_ids):
+        self.position.add_(position_ids.shape[-1])
+        return self.proj(x).masked_fill(~attention_mask["sliding_attention"], 0.0)
+
+
+def test_a_none_input_among_the_calibration_inputs_is_no_misfit():
+    """A ``None`` leaf is an input of the call spec but no placeholder: the inputs after it
+    are checked against their own placeholders (it named the mask an int64 before)."""
+    kwargs = {"x": torch.randn(1, 3, 4),
+              "attention_mask": {"full_attention": None,
+                                 "sliding_attention": torch.ones(1, 3, 4, dtype=torch.bool)},
+              "position_ids": torch.arange(3).unsqueeze(0)}
+    model = MasksByKind()
+    program = torch.export.export(copy.deepcopy(model), (), copy.deepcopy(kwargs))
+    calls = [copy.deepcopy(kwargs), copy.deepcopy(kwargs)]
+    calls[1]["attention_mask"] = {"sliding_attention": torch.zeros(1, 3, 4, dtype=torch.bool),
+                                  "full_attention": None}  # a caller's own key order
+    quantized = quantize_program(program, xnnpack_quantizer(), calls)
+    module = quantized.module()
+    for call in calls * 2:
+        with torch.no_grad():
+            expected = model(**copy.deepcopy(call))
+        torch.testing.assert_close(module(**copy.deepcopy(call)), expected, atol=0.05, rtol=0)
+    assert int(quantized.state_dict["position"]) == int(model.position) == 12
+    bad = copy.deepcopy(kwargs)
+    bad["position_ids"] = bad["position_ids"].float()
+    with pytest.raises(CalibrationInputError, match="is float32"):
+        quantize_program(program, xnnpack_quantizer(), [bad])
+    try:
+        quantize_program(program, xnnpack_quantizer(), [bad])
+    except CalibrationInputError as error:
+        assert error.input == "position_ids", error.input

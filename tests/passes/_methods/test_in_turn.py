@@ -68,6 +68,35 @@ def test_share_by_name_runs_methods_whose_state_was_copied_apart_on_one_state():
     assert torch.equal(trace.outputs[1][0], torch.full((3,), 10.0))  # 4 + 1, doubled
 
 
+class AdvancesBy(torch.nn.Module):
+    """A position counter advanced by a read-only step buffer (a prefill of ``step`` tokens,
+    a one-token decode): quantized, HF's ``cumulative_length.add_(4)`` and ``add_(1)`` read
+    their step from a lifted ``_tensor_constant_<n>`` buffer of one name in both methods."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.register_buffer("position", torch.zeros((), dtype=torch.long))
+        self.register_buffer("step", torch.tensor(step))
+
+    def forward(self, x):
+        self.position.add_(self.step)
+        return x + self.position
+
+
+def test_share_by_name_shares_state_but_not_read_only_buffers_of_one_name():
+    """The .pte shares mutable buffers only: a read-only buffer each method holds under one
+    name keeps each method's own value (a decode must not advance by the prefill's 4)."""
+    x = torch.zeros(1)
+    programs = {"prefill": torch.export.export(AdvancesBy(4), (x,)),
+                "decode": torch.export.export(AdvancesBy(1), (x,))}
+    calls = [("prefill", (x,), {}), ("decode", (x,), {}), ("decode", (x,), {})]
+    for methods in (programs, {m: p.module() for m, p in programs.items()}):
+        trace = run_methods(methods, calls, share_by_name=True)
+        assert [float(out[0]) for out in trace.outputs] == [4.0, 5.0, 6.0]
+        assert int(trace.buffers[-1]["position"]) == 6
+    assert [int(p.state_dict["step"]) for p in programs.values()] == [4, 1]
+
+
 def test_share_by_name_refuses_buffers_of_one_name_that_cannot_be_one_tensor():
     programs = _methods()
     programs["one"].state_dict["total"] = torch.zeros(5)
