@@ -8,15 +8,16 @@ Example (three lines to benchmark your own pass):
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .manager import PassManager
 from .program import node_count
+from .program_sets import MethodsRunResult
+from .validation import copy_program
 
 __all__ = ["BenchmarkResult", "Timings", "benchmark_passes", "time_call"]
 
@@ -84,7 +85,9 @@ class BenchmarkResult:
 def benchmark_passes(
     passes: Sequence[Any], program: Any, repeat: int = 5, **manager_options: Any
 ) -> BenchmarkResult:
-    """Run ``passes`` under a PassManager ``repeat`` times, each on a deep copy of ``program``.
+    """Run ``passes`` under a PassManager ``repeat`` times, each on a deep copy of ``program``
+    (a program, or the methods of one model as ``{name: program}``, each pass timed per
+    method).
 
     Reports the whole run, the condition-check time, and each pass's own time.
     """
@@ -92,13 +95,18 @@ def benchmark_passes(
     checks = Timings("condition checks")
     per_pass: dict[str, Timings] = {}
     for _ in range(repeat):
-        fresh = copy.deepcopy(program)
+        fresh = copy_program(program)  # one copy: methods' shared tensors stay shared
         manager = PassManager(list(passes), **manager_options)
         start = time.perf_counter()
         result = manager.run(fresh)
         total.samples.append(time.perf_counter() - start)
-        checks.samples.append(result.report.check_time)
-        for record in result.report.records:
-            key = f"#{record.index} {record.name}"
-            per_pass.setdefault(key, Timings(key)).samples.append(record.wall_time)
-    return BenchmarkResult(node_count(program), total, list(per_pass.values()), checks)
+        reports = (result.reports if isinstance(result, MethodsRunResult)
+                   else {"": result.report})
+        checks.samples.append(sum(report.check_time for report in reports.values()))
+        for method, report in reports.items():
+            for record in report.records:
+                key = f"{method + ': ' if method else ''}#{record.index} {record.name}"
+                per_pass.setdefault(key, Timings(key)).samples.append(record.wall_time)
+    programs = program.values() if isinstance(program, Mapping) else [program]
+    return BenchmarkResult(sum(map(node_count, programs)), total, list(per_pass.values()),
+                           checks)
