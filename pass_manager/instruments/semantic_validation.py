@@ -10,7 +10,14 @@ import torch
 from ..call_signature import describe_inputs, signature_of
 from ..errors import SemanticsError, ValidationInputError
 from ..report import PassRecord, Report
-from ..validation import StateReader, Trace, call_inputs, first_difference, run_program
+from ..validation import (
+    StateReader,
+    Trace,
+    call_inputs,
+    default_state,
+    first_difference,
+    run_program,
+)
 from .base import Instrumentation
 
 __all__ = ["SemanticValidation"]
@@ -58,6 +65,11 @@ class SemanticValidation(Instrumentation):
                 f"(args, kwargs) pair or a keyword mapping) or a list of them, one per "
                 f"call; got a {type(inputs).__name__}: write SemanticValidation({example})",
             )
+        if calls is not None and (isinstance(calls, bool) or not isinstance(calls, int)
+                                  or calls < 1):
+            raise ValidationInputError(
+                self.option, None, f"calls={calls!r}: the number of calls to compare is a "
+                "positive int")
         self.hint = ""
         if not single:
             inputs = list(inputs)
@@ -66,7 +78,11 @@ class SemanticValidation(Instrumentation):
                     self.option, None,
                     f"calls={calls} asks for more calls than the {len(inputs)} given: give "
                     f"{calls} entries, or calls={len(inputs)} or less")
-            if inputs and not any(isinstance(e, (tuple, list, Mapping)) for e in inputs):
+            if not inputs:
+                raise ValidationInputError(
+                    self.option, None, "an empty list of calls: nothing would be validated; "
+                    "give one call's inputs, e.g. SemanticValidation((x,)), or a list of them")
+            if not any(isinstance(e, (tuple, list, Mapping)) for e in inputs):
                 self.hint = (" (a list of single values is one call per value; one call's "
                              "arguments are a tuple: SemanticValidation((x, pos)))")
         self.inputs = call_inputs(inputs, calls or (3 if single else None))
@@ -76,9 +92,8 @@ class SemanticValidation(Instrumentation):
         self._reference: Trace | None = None
 
     def _trace(self, program: Any, on_call: Any = None) -> Trace:
-        if self.state is None:
-            return run_program(program, self.inputs, on_call=on_call)
-        return run_program(program, self.inputs, state=self.state, on_call=on_call)
+        return run_program(program, self.inputs, state=self.state or default_state,
+                           on_call=on_call)
 
     def _error(self, index: int, reason: str, expected: str) -> ValidationInputError:
         args, kwargs = self.inputs[index]

@@ -194,3 +194,14 @@ def test_more_validation_calls_than_inputs_is_named_before_any_pass_runs():
         PassManager([lambda p: calls.append("ran") or p],
                     instruments=[SemanticValidation([(_X, _POS), (_X, _POS)], calls=3)])
     assert calls == []
+
+
+@pytest.mark.parametrize("inputs, calls", [((_X, _POS), 0), ((_X, _POS), -1), ([], None),
+                                           ((_X, _POS), 2.5), ((_X, _POS), True)],
+                         ids=["zero calls", "negative calls", "no calls", "float", "bool"])
+def test_a_validation_of_no_calls_is_refused(inputs, calls):
+    """It validated nothing (``calls=-1``, ``[]``) or 3 calls (``calls=0``) without a word:
+    a pass that breaks the program then ran unchecked."""
+    with pytest.raises(ValidationInputError) as info:
+        SemanticValidation(inputs, calls=calls)
+    assert info.value.call is None and "SemanticValidation" in str(info.value)
