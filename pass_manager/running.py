@@ -288,6 +288,10 @@ class Runner:
             start = time.perf_counter()
             try:
                 violations = condition.check(program)
+            except Exception as e:
+                raise PassFailedError(record.name, record.index, (
+                    f"the check of condition {condition.name!r} raised {type(e).__name__}: "
+                    f"{e} (a bug in the condition's check, not in the pass)")) from e
             finally:
                 record.check_time += time.perf_counter() - start
                 record.checked.append(condition.name)

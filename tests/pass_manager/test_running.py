@@ -279,3 +279,17 @@ def test_report_separates_check_time_and_serializes(traced):
     data = result.report.to_dict()
     assert data["records"][0]["name"] == "ReluToAbs"
     assert '"ReluToAbs"' in result.report.to_json()
+
+
+@pytest.mark.parametrize("declared", ["requires", "provides"])
+def test_a_condition_whose_check_raises_is_named_not_blamed_on_the_pass(traced, declared):
+    """It was reported as the pass failing with the check's bare KeyError."""
+    buggy = Condition("Buggy", lambda program: {}["missing"])
+    before = [n.target for n in graph_of(traced).nodes]
+    replaced = function_pass(relu_to_abs, **{declared: {buggy}})
+    with pytest.raises(PassFailedError) as info:
+        PassManager([replaced]).run(traced)
+    assert info.value.pass_name == "relu_to_abs"
+    assert "the check of condition 'Buggy' raised KeyError" in info.value.reason
+    assert isinstance(info.value.__cause__, KeyError)
+    assert [n.target for n in graph_of(traced).nodes] == before  # rolled back
