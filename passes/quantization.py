@@ -134,6 +134,7 @@ class PassQuantizer(Quantizer):
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         model = self.quantizer.transform_for_annotation(model)
         integer_constants_kept_integer(model)
+        no_op_conversions_dropped(model)
         if self.transform is None:
             return model
         result = self.transform.run(model)
@@ -170,6 +171,47 @@ class PassQuantizer(Quantizer):
 
     def __repr__(self) -> str:
         return f"PassQuantizer({type(self.quantizer).__name__})"
+
+
+_CONVERSIONS = frozenset({torch.ops.aten.to.dtype, torch.ops.aten.to.device,
+                          torch.ops.aten.to.dtype_layout})
+
+
+def no_op_conversions_dropped(model: GraphModule) -> list[str]:
+    """Drop each ``.to(...)`` that converts nothing (``x.to(torch.float32)`` of a float32
+    ``x``, as Hugging Face's models write): ``Tensor.to`` returns its very input then, so
+    its users read the input instead, exactly. Returns the nodes dropped.
+
+    A quantizer annotates such a node as any op: ``QnnQuantizer`` observes its output on a
+    grid of its own, one more rounding than torchao's recipe makes, whose
+    ``run_decompositions`` removes the node (a tiny GPT-2's later decode steps were up to
+    3x further from eager). A conversion the program returns is kept (a returned input
+    would be a pass-through output), and so is one that copies or sets a memory format.
+    """
+    dropped = []
+    for node in list(model.graph.nodes):
+        if node.op != "call_function" or node.target not in _CONVERSIONS:
+            continue
+        names = [argument.name for argument in node.target._schema.arguments]
+        given = {**dict(zip(names, node.args, strict=False)), **node.kwargs}
+        source, before, after = given.get("self"), None, node.meta.get("val")
+        if isinstance(source, torch.fx.Node):
+            before = source.meta.get("val")
+        if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
+            continue
+        if given.get("copy") or given.get("memory_format") not in (None, torch.preserve_format):
+            continue
+        if (before.dtype, before.device, before.layout) != (after.dtype, after.device,
+                                                           after.layout):
+            continue
+        if any(user.op == "output" for user in node.users):
+            continue
+        node.replace_all_uses_with(source)
+        model.graph.erase_node(node)
+        dropped.append(node.name)
+    if dropped:
+        model.recompile()
+    return dropped
 
 
 def integer_constants_kept_integer(model: GraphModule) -> list[str]:

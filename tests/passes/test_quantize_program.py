@@ -240,3 +240,41 @@ def test_the_report_prints_as_its_summary_and_tables():
     text = str(report)
     assert text.startswith("steps: prepare ") and "reset after calibration (2)" in text
     assert "before annotation:\n#" in text and "after convert:\n#" in text
+
+
+class _Converts(torch.nn.Module):
+    """A decaying state written from a token's embedding, read through a ``.to`` that
+    converts nothing when ``convert`` (as GPT-2 adds its position embeddings), else
+    directly."""
+
+    def __init__(self, convert: bool):
+        super().__init__()
+        self.convert = convert
+        self.embed = torch.nn.Embedding(8, 4)
+        with torch.no_grad():
+            self.embed.weight.copy_(torch.linspace(-1, 1, 32).reshape(8, 4))
+        self.register_buffer("state", torch.zeros(1, 4))
+
+    def forward(self, token: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(token)
+        if self.convert:
+            h = h.to(device=x.device, dtype=torch.float32)
+        self.state.copy_(self.state * 0.5 + h + x)
+        return self.state * 2
+
+
+@pytest.mark.parametrize("make_quantizer", [xnnpack_quantizer, qnn_quantizer],
+                         ids=["xnnpack", "qnn"])
+def test_a_conversion_that_converts_nothing_quantizes_as_if_absent(make_quantizer):
+    """QnnQuantizer observed the no-op ``.to``'s output on a grid of its own: one more
+    rounding than torchao's recipe (whose run_decompositions drops the node) makes."""
+    generator = torch.Generator().manual_seed(3)
+    calls = [(torch.tensor([step % 8]), torch.randn(1, 4, generator=generator))
+             for step in range(6)]
+    quantized = {}
+    for convert in (True, False):
+        with torch.no_grad():
+            program = torch.export.export(_Converts(convert), calls[0])
+        quantized[convert] = quantize_program(program, make_quantizer(), calls)
+    assert first_difference(run_program(quantized[False], calls),
+                            run_program(quantized[True], calls)) is None
