@@ -93,7 +93,8 @@ __all__ = [
 class PassQuantizer(Quantizer):
     """A torchao ``Quantizer`` that runs pass pipelines around another quantizer.
 
-    ``transform_for_annotation`` runs the wrapped quantizer's own transform, then the
+    ``transform_for_annotation`` runs the wrapped quantizer's own transform, drops the
+    conversions that convert nothing (:func:`no_op_conversions_dropped`), then runs the
     ``transform`` passes; ``annotate`` runs the wrapped ``annotate``, then the
     ``after_annotate`` passes (each list is one :class:`pass_manager.PassManager`, so its
     conditions are checked and a failing pass is rolled back). ``validate`` and the
