@@ -186,7 +186,10 @@ def reset_mutable_buffers(program: Any) -> list[str]:
     own buffers are still reset).
     """
     programs = list(program.values()) if isinstance(program, Mapping) else [program]
-    unmarked = sorted({fqn for method in programs for fqn in _unmarked_writes(method)})
+    marks = [(method, _marked(method)) for method in programs]
+    unmarked = sorted({state.name for method, marked in marks
+                       for state in find_mutations(method).writers
+                       if state.kind in (BUFFER, PARAMETER) and state.name not in marked})
     if unmarked:
         raise QuantizationInputError(
             "reset_mutable_buffers", "program",
@@ -195,43 +198,22 @@ def reset_mutable_buffers(program: Any) -> list[str]:
             "was reset; mark the exported program before preparing it "
             "(PassManager([MarkMutableBuffers()]).run(ep), then ep.module()), or quantize "
             "with passes.quantization.quantize_program, which marks it")
+    restored: list[str] = []
     carried: list[str] = []
-    if isinstance(program, Mapping):
-        restored: list[str] = []
-        done: set[int] = set()
-        for method in program.values():
-            for fqn in _reset(method, done, carried):
-                if fqn not in restored:
-                    restored.append(fqn)
-    else:
-        restored = _reset(program, set(), carried)
+    done: set[int] = set()  # the tensors restored: methods may hold one tensor
+    for method, marked in marks:
+        for fqn, info in marked.items():
+            if info.kind == USER_INPUT:
+                carried.append(fqn)
+                continue
+            tensor = None if info.initial is None else buffer_tensor(method, fqn)
+            if tensor is None or id(tensor) in done:
+                continue
+            done.add(id(tensor))
+            with torch.no_grad():
+                tensor.copy_(info.initial)
+            if fqn not in restored:  # methods that do not share it: each reset, listed once
+                restored.append(fqn)
     if carried:
         warnings.warn(CarriedStateWarning(list(dict.fromkeys(carried))), stacklevel=2)
-    return restored
-
-
-def _unmarked_writes(program: Any) -> list[str]:
-    """Buffers and parameters the program writes that MarkMutableBuffers did not mark."""
-    marked = _marked(program)
-    return [state.name for state in find_mutations(program).writers
-            if state.kind in (BUFFER, PARAMETER) and state.name not in marked]
-
-
-def _reset(program: Any, done: set[int], carried: list[str]) -> list[str]:
-    """Reset ``program``'s marked buffers whose tensor is not in ``done`` (ids), adding them;
-    the marked user inputs (state nothing here can reset) go to ``carried``."""
-    restored = []
-    for fqn, info in _marked(program).items():
-        if info.kind == USER_INPUT:
-            carried.append(fqn)
-            continue
-        if info.initial is None:
-            continue
-        tensor = buffer_tensor(program, fqn)
-        if id(tensor) in done:
-            continue
-        done.add(id(tensor))
-        with torch.no_grad():
-            tensor.copy_(info.initial)
-        restored.append(fqn)
     return restored

@@ -243,16 +243,13 @@ class BufferOwningPartitioner(Partitioner):
         verdicts = self._verdicts(program, result.partition_tags, shared)
         owned = []
         for verdict in verdicts:
-            if not verdict.consumable:
-                continue
-            backend = self._backend(result.partition_tags, verdict.owner_tag)
-            copies = self._value_copies(verdict)
-            verdict.reason = _state_kept_off_device(program, verdict.fqn, backend) or (
-                self._unreturnable(verdict) if copies is None else None)
             if verdict.consumable:
-                owned.append((verdict, copies))
-            else:
-                verdict.owner_tag = None
+                copies = self._value_copies(verdict)
+                if copies is None:
+                    verdict.reason = self._unreturnable(verdict)
+                    verdict.owner_tag = None
+                else:
+                    owned.append((verdict, copies))
         refused = [v for v in verdicts if not v.consumable and v.mutated_by]
         if self.strict and refused:
             self._restore(graph, before)
@@ -390,6 +387,9 @@ class BufferOwningPartitioner(Partitioner):
                     f"partition {verdict.owner_tag!r} runs on {backend}, whose partitioner gives "
                     "its delegates no mutable buffers (own_buffers=True overrides)"
                 )
+            elif verdict.consumable:
+                verdict.reason = _state_kept_off_device(program, verdict.fqn, backend)
+            if not verdict.consumable:
                 verdict.owner_tag = None
         return verdicts
 
