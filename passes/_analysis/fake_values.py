@@ -45,7 +45,7 @@ from torch._subclasses.fake_tensor import (
     in_kernel_invocation_manager,
 )
 from torch.fx import Graph, GraphModule, Node, map_arg
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
@@ -494,8 +494,10 @@ def _run_meta_kernel(node: Node, mode: FakeTensorMode) -> _Layout | None:
             result = node.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - the general path reports the failure
         return None
+    # A view's offset can be data-dependent (a cache narrowed at ``input_pos[0].item()``):
+    # asking whether it is 0 would guard on it, so only an offset known to be 0 passes.
     if (type(result) is not torch.Tensor or result.device.type != "meta"
-            or result.storage_offset() != 0):
+            or not statically_known_true(result.storage_offset() == 0)):
         return None
     return _Layout(result.shape, result.stride(), result.dtype,
                    result.untyped_storage().nbytes())

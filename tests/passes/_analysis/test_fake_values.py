@@ -209,3 +209,36 @@ def test_a_failing_kernel_check_on_symbolic_sizes_is_reported_as_the_kernel_repo
     with pytest.raises(AssertionError, match=r"Expecting input to have dtype torch\.float32"):
         fake.infer(bad)
     assert "val" not in bad.meta
+
+
+class ItemPositionCache(torch.nn.Module):
+    """ExecuTorch llama's KV cache: written through a ``narrow`` at ``input_pos[0].item()``,
+    so the written view's storage offset is data-dependent (``4*u0``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(1, 2, 16, 4))
+
+    def forward(self, k, input_pos):
+        start = input_pos[0].item()
+        torch._check_is_size(start)
+        torch._check(start < 16)
+        self.k_cache.narrow(2, start, k.shape[2]).copy_(k)
+        return self.k_cache.sum(2)
+
+
+@pytest.mark.parametrize("form", ["exported", "module"])
+def test_a_write_at_a_data_dependent_offset_gets_its_value_without_guarding(form):
+    from pass_manager import PassManager, assert_same_behaviour
+    from passes import InplaceToFunctional, MarkMutableBuffers
+
+    def call(start, n=3):
+        return torch.randn(1, 2, n, 4), torch.arange(start, start + n)
+
+    tokens = torch.export.Dim("tokens", min=1, max=8)
+    ep = torch.export.export(ItemPositionCache(), call(0),
+                             dynamic_shapes=({2: tokens}, {0: tokens}))
+    program = ep if form == "exported" else ep.module()
+    # Asking whether the written view's offset is 0 guarded on it: a fake-failure refusal.
+    result = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program).program
+    assert_same_behaviour(ItemPositionCache(), result, [call(0), call(3, 2), call(5, 4)])
