@@ -12,7 +12,8 @@ from pass_manager import Effects, Pass, PassResult
 from pass_manager.collector import collector_paused
 
 from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
-from ._analysis.buffers import BUFFER, state_nodes
+from ._analysis.buffers import BUFFER, buffer_tensor, state_nodes
+from ._analysis.fake_values import storage_key
 from ._carried.explicit import Explicit, make_explicit
 from ._carried.record import CarriedRecord, records_of
 from ._carried.view import ProgramView
@@ -37,8 +38,10 @@ class BuffersToInputs(Pass):
     state that run's prefill created goes back to being created and returned. Other buffers
     become keyword inputs named by their FQN (their value in the example inputs), appended
     after the others; returned values are appended to the outputs (a returned tuple grows,
-    anything else becomes ``(outputs, *new values)``). The result is a new program; its
-    input is left untouched. Requires the functional form.
+    anything else becomes ``(outputs, *new values)``). Tied buffers (one tensor registered
+    under several names) become one input, named by the first of them chosen; none stays
+    resident. The result is a new program; its input is left untouched. Requires the
+    functional form.
 
     Example (GraphModule form, ``returned=True``)::
 
@@ -80,10 +83,14 @@ class BuffersToInputs(Pass):
                         raise StateNameError(_NAME, fqn, "buffers names no buffer of the "
                                              f"program (buffers: {', '.join(sorted(nodes))})")
                 chosen = list(dict.fromkeys(self.buffers))
+            tied = _tied_names(program, nodes)
+            # One input per tensor: a name tied to one chosen before it goes with that one.
+            chosen = [fqn for i, fqn in enumerate(chosen)
+                      if not set(tied.get(fqn, ())) & set(chosen[:i])]
             if not chosen:
                 return PassResult(program, False)
             record = _restorable(records_of(program), chosen, self.returned)
-            explicit = self._plan(view, nodes, chosen, record)
+            explicit = self._plan(view, nodes, chosen, record, tied)
             result = make_explicit(view, explicit, record)
         statistics = Counter(
             "written in place" if e.in_place and e.value is not None else
@@ -95,19 +102,38 @@ class BuffersToInputs(Pass):
         return PassResult(result, True, notes, statistics)
 
     def _plan(self, view: ProgramView, nodes: dict[str, list], chosen: list[str],
-              record: CarriedRecord | None) -> list[Explicit]:
+              record: CarriedRecord | None, tied: dict[str, tuple[str, ...]]
+              ) -> list[Explicit]:
         moved = {m.buffer: m for m in record.moved} if record is not None else {}
         explicit = []
         for fqn in chosen:
-            value = next((view.writes[n] for n in nodes[fqn] if n in view.writes), None)
+            # Every name of the tensor reads the one input (export reads one of them).
+            read = [n for name in (fqn, *tied.get(fqn, ())) for n in nodes[name]]
+            value = next((view.writes[n] for n in read if n in view.writes), None)
             m = moved.get(fqn)
             if m is not None:
-                explicit.append(Explicit(fqn, nodes[fqn], value, m.in_place,
+                explicit.append(Explicit(fqn, read, value, m.in_place,
                                          m.input or fqn, m.input_index, m.output_indices,
-                                         m.input is not None))
+                                         m.input is not None, tied.get(fqn, ())))
             else:
-                explicit.append(Explicit(fqn, nodes[fqn], value, not self.returned, fqn))
+                explicit.append(Explicit(fqn, read, value, not self.returned, fqn,
+                                         tied=tied.get(fqn, ())))
         return explicit
+
+
+def _tied_names(program: Any, nodes: dict[str, list]) -> dict[str, tuple[str, ...]]:
+    """For each buffer registered as the very tensor of other buffers (tied: one tensor,
+    several names), those other names. Left resident, a tied name would keep the state's
+    old value after the state became an input."""
+    by_tensor: dict[tuple, list[str]] = {}
+    for fqn in nodes:
+        tensor = buffer_tensor(program, fqn)
+        key = storage_key(tensor)
+        if key is not None:
+            by_tensor.setdefault((key, tensor.storage_offset(), tuple(tensor.shape),
+                                  tensor.stride(), tensor.dtype), []).append(fqn)
+    return {fqn: tuple(n for n in names if n != fqn)
+            for names in by_tensor.values() if len(names) > 1 for fqn in names}
 
 
 def _named(view: ProgramView, node: Any) -> Any:

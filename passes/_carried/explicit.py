@@ -37,6 +37,8 @@ class Explicit:
         output_indices: where its value is returned (a restored record), else appended
             once when not in place.
         keep_input: False for state a restored prefill created: no input comes back.
+        tied: the other names of the buffer's tensor (their nodes are in ``nodes``): they
+            leave the program's state with it.
     """
 
     buffer: str
@@ -47,6 +49,7 @@ class Explicit:
     input_index: int | None = None
     output_indices: tuple[int, ...] = ()
     keep_input: bool = True
+    tied: tuple[str, ...] = ()
 
 
 def _remove_buffer(view: ProgramView, fqn: str) -> None:
@@ -90,7 +93,8 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
                     old.replace_all_uses_with(node)
                     replaced[old] = node
                 graph.erase_node(old)
-        _remove_buffer(view, state.buffer)
+        for fqn in (state.buffer, *state.tied):
+            _remove_buffer(view, fqn)
         if node is not None:
             _clear_marks(node, state, view.exported)
             if view.exported:

@@ -21,6 +21,7 @@ from passes import (
 )
 from tests.models import carried_state as models
 from tests.models.accumulators import Accumulate
+from tests.models.shared_values import TiedBuffers
 
 FORMS = ["exported", "module"]
 CALLS = 5
@@ -174,6 +175,25 @@ def test_buffers_made_inputs_leave_the_state_and_come_back_resident(form):
         buffers = dict(module.named_buffers())
         assert torch.equal(buffers["total"], eager.total)
         assert torch.equal(buffers["count"], eager.count)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("named", [None, "a", "b"])
+def test_tied_buffers_become_one_input(form, named):
+    """One tensor registered as ``a`` and ``b``: both names become the one input (whichever
+    was named, or the one export reads); neither stays resident with a stale value."""
+    x = torch.randn(4, generator=torch.Generator().manual_seed(8))
+    program = exported(TiedBuffers(), (x,), form=form)
+    options = {} if named is None else {"buffers": [named]}
+    module = runnable(PassManager([BuffersToInputs(**options)]).run(program).program)
+    assert not {"a", "b"} & set(dict(module.named_buffers(remove_duplicate=False)))
+    (name,) = module._in_spec.children()[1].context  # the one keyword input
+    assert named in (None, name)
+    eager, state = TiedBuffers(), torch.zeros(4)
+    for step in range(CALLS):
+        x = torch.full((4,), 0.5 * step - 1)
+        assert torch.equal(module(x, **{name: state}), eager(x))
+        assert torch.equal(state, eager.a) and torch.equal(state, eager.b)
 
 
 def test_a_name_that_is_no_buffer_is_refused():
