@@ -485,8 +485,8 @@ def _convert(prepared: GraphModule, like: ExportedProgram, fold: bool,
     ``timed`` is told when each step ends."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-    with reads_kept_live(prepared, read_only_state):
-        converted = convert_pt2e(prepared, fold_quantize=fold)
+    with reads_kept_live(prepared, read_only_state) as give_back_parameters:
+        converted = give_back_parameters(convert_pt2e(prepared, fold_quantize=fold))
     timed("convert")
     unfrozen = PassManager([UnfreezeMutableBuffer()], **options).run(converted)
     timed("unfreeze")

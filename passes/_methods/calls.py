@@ -4,7 +4,7 @@ and what it returns."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,6 +20,7 @@ from .._analysis.buffers import (
     INITIAL_META,
     MUTABLE_BUFFER_META,
     MUTABLE_INPUT_META,
+    PARAMETER,
     USER_INPUT,
     buffer_nodes,
     buffer_tensor,
@@ -202,13 +203,24 @@ def mark_state_of_other_methods(model: Any, state: set[str]) -> list[str]:
 
 
 @contextmanager
-def reads_kept_live(model: GraphModule, buffers: frozenset[str]) -> Iterator[None]:
+def reads_kept_live(model: GraphModule, buffers: frozenset[str]
+                    ) -> Iterator[Callable[[GraphModule], GraphModule]]:
     """Within the block, torchao's constant folding keeps every read of ``buffers`` (state
-    ``model`` only reads) live: it folds what it computes from a buffer unless it sees the
-    buffer written by a ``copy_``, so each gets a ``copy_(buffer, buffer)`` (a write of
-    nothing new) that the block's end erases. A folded read could not be unfrozen after:
-    the buffer's node goes with it, and a read through a conversion (a bool mask's
-    ``.float()``) replays no view."""
+    ``model`` only reads) and of the parameters ``model`` writes live: it folds what it
+    computes from a buffer unless it sees the buffer written by a ``copy_``, so each of
+    ``buffers`` gets a ``copy_(buffer, buffer)`` (a write of nothing new) that the block's
+    end erases. A folded read could not be unfrozen after: the buffer's node goes with it,
+    and a read through a conversion (a bool mask's ``.float()``) replays no view.
+
+    Its folding tells state from constants by ``named_buffers`` alone, and runs an op to
+    see whether it folds: an update of a written parameter that the quantizer left
+    unannotated (``neg_``, any op of a float64 model) would be folded, its ``copy_`` run on
+    the parameter itself (a step of state taken at convert time, or torch's leaf-variable
+    error for a parameter that requires grad). So within the block each written parameter
+    is a buffer (a plain tensor on its storage: a new GraphModule would make a Parameter a
+    parameter again). The block gets a function that gives them back as the parameters
+    they were in the model convert returns; the block's end gives them back in ``model``.
+    """
     graph = model.graph
     added = []
     if buffers:
@@ -218,9 +230,27 @@ def reads_kept_live(model: GraphModule, buffers: frozenset[str]) -> Iterator[Non
                 if fqn in nodes:
                     added.append(graph.call_function(torch.ops.aten.copy_.default,
                                                      (nodes[fqn], nodes[fqn])))
+    held = {fqn: buffer_tensor(model, fqn) for fqn, info in mutable_buffers(model).items()
+            if info.kind == PARAMETER}
+
+    def give_back(converted: GraphModule) -> GraphModule:
+        for fqn, parameter in held.items():
+            path, _, leaf = fqn.rpartition(".")
+            owner = converted.get_submodule(path)
+            if leaf in owner._buffers:
+                del owner._buffers[leaf]
+                owner._parameters[leaf] = parameter
+        return converted
+
+    for fqn, parameter in held.items():
+        path, _, leaf = fqn.rpartition(".")
+        owner = model.get_submodule(path)
+        del owner._parameters[leaf]
+        owner._buffers[leaf] = parameter.detach()
     try:
-        yield
+        yield give_back
     finally:
+        give_back(model)
         for node in added:
             if node.graph is graph:
                 graph.erase_node(node)

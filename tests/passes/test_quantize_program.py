@@ -119,6 +119,44 @@ def test_folding_keeps_reading_the_live_state():
     assert quantized_weights(folded) == 0 < quantized_weights(unfolded)
 
 
+class FlipsAParameter(torch.nn.Module):
+    """A parameter written by an op the quantizer leaves unannotated (``neg_``): torchao's
+    folding takes the parameter for a constant and folds its update."""
+
+    def __init__(self, requires_grad):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.sign = torch.nn.Parameter(torch.ones(4), requires_grad=requires_grad)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.sign.neg_()
+        return self.proj(x) * self.sign
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_folding_leaves_a_written_parameters_update_to_the_calls(requires_grad):
+    """Folding ran the update's ``copy_`` on the parameter at convert time: the program
+    started one step ahead (silently), or torch refused the in-place write of a leaf that
+    requires grad. Folded, it computes exactly what the unfolded program computes."""
+    torch.manual_seed(0)
+    calls = [(torch.randn(2, 4),) for _ in range(4)]
+    model = FlipsAParameter(requires_grad)
+    ep = torch.export.export(copy.deepcopy(model), calls[0])
+    folded = quantize_program(copy_program(ep), xnnpack_quantizer(), calls)
+    unfolded = quantize_program(copy_program(ep), xnnpack_quantizer(), calls, fold=False)
+    assert torch.equal(folded.state_dict["sign"], torch.ones(4))
+
+    def trace(program):
+        return run_program(program, calls, state=lambda m: {"sign": m.sign.detach().clone()})
+
+    assert first_difference(trace(unfolded), trace(folded)) is None
+    eager, quantized = trace(model), trace(folded)
+    assert all(torch.equal(q["sign"], e["sign"])
+               for q, e in zip(quantized.buffers, eager.buffers, strict=True))
+    assert max(output_errors(eager, quantized)) < 0.1  # a flipped sign: 2 and more
+
+
 def test_calibration_calls_in_every_form(decoder):
     """Argument tuples, (args, kwargs) pairs and keyword mappings calibrate alike."""
     _, steps, ep = decoder

@@ -235,6 +235,14 @@ def test_a_float64_model_is_told_quantization_takes_float32():
         "factory, or run with --skip-quantization)")
 
 
+def test_a_float64_model_writing_a_parameter_runs_through_quantization():
+    """Its parameter's update, left unannotated, was folded by convert and its copy_ run on
+    the parameter: torch's leaf-variable error stopped the flow at quantization."""
+    result = _flow(_WritesAParameter().double(), torch.float64)
+    assert result.ok
+    assert any("'scale'" in note for note in result.notes)
+
+
 @pytest.mark.parametrize("model", ["needs_a_package:factory", "needs_a_package.py:factory"])
 def test_a_model_whose_own_import_fails_is_not_said_to_be_missing(monkeypatch, capsys,
                                                                    tmp_path, model):
