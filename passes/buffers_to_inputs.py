@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch.fx.graph import _Namespace
+
 from pass_manager import Effects, Pass, PassResult
 from pass_manager.collector import collector_paused
 
@@ -36,9 +38,10 @@ class BuffersToInputs(Pass):
     made resident come back exactly as they were (``returned=None``, the default: each as it
     was carried): same inputs, names, positions, outputs, call specs and example inputs;
     state that run's prefill created goes back to being created and returned. Other buffers
-    become keyword inputs named by their FQN (their value in the example inputs), appended
-    after the others; returned values are appended to the outputs (a returned tuple grows,
-    anything else becomes ``(outputs, *new values)``). Tied buffers (one tensor registered
+    become keyword inputs named by their FQN as a Python identifier (``layers.0.k_cache``
+    -> ``layers_0_k_cache``; their value in the example inputs), appended after the others;
+    returned values are appended to the outputs (a returned tuple grows, anything else
+    becomes ``(outputs, *new values)``). Tied buffers (one tensor registered
     under several names) become one input, named by the first of them chosen; none stays
     resident. The result is a new program; its input is left untouched. Requires the
     functional form.
@@ -105,6 +108,13 @@ class BuffersToInputs(Pass):
               record: CarriedRecord | None, tied: dict[str, tuple[str, ...]]
               ) -> list[Explicit]:
         moved = {m.buffer: m for m in record.moved} if record is not None else {}
+        # A keyword input is a Python identifier, of no node's name: torch's and fx's code
+        # generation write it as a parameter of forward (``layers.0.k_cache`` cannot be).
+        keywords = _Namespace()
+        leaving = {n for fqn in chosen for name in (fqn, *tied.get(fqn, ())) for n in nodes[name]}
+        for node in view.gm.graph.nodes:
+            if node not in leaving:  # a buffer's own node goes: its name is free
+                keywords.create_name(node.name, None)
         explicit = []
         for fqn in chosen:
             # Every name of the tensor reads the one input (export reads one of them).
@@ -116,7 +126,8 @@ class BuffersToInputs(Pass):
                                          m.input or fqn, m.input_index, m.output_indices,
                                          m.input is not None, tied.get(fqn, ())))
             else:
-                explicit.append(Explicit(fqn, read, value, not self.returned, fqn,
+                explicit.append(Explicit(fqn, read, value, not self.returned,
+                                         keywords.create_name(fqn, None),
                                          tied=tied.get(fqn, ())))
         return explicit
 

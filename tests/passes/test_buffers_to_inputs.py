@@ -177,6 +177,41 @@ def test_buffers_made_inputs_leave_the_state_and_come_back_resident(form):
         assert torch.equal(buffers["count"], eager.count)
 
 
+class Layers(torch.nn.Module):
+    """Buffers of submodules, as every Hugging Face model has them: ``layers.0.acc``."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Accumulate(), Accumulate()])
+
+    def forward(self, x):
+        return self.layers[1](self.layers[0](x))
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("returned", [False, True])
+def test_buffers_of_submodules_become_keywords_python_can_name(form, returned):
+    """``layers.0.acc`` cannot be a parameter of forward: the generated code was a
+    SyntaxError. The keyword is the FQN as an identifier."""
+    x = torch.randn(4, generator=torch.Generator().manual_seed(9))
+    program = exported(Layers(), (x,), form=form)
+    result = PassManager([BuffersToInputs(returned=returned)]).run(program)
+    module = runnable(result.program)
+    assert list(module._in_spec.children()[1].context) == ["layers_0_acc", "layers_1_acc"]
+    assert "buffer 'layers.0.acc' -> input 'layers_0_acc'" in result.report.records[0].notes
+    eager = Layers()
+    state = {"layers_0_acc": torch.zeros(4), "layers_1_acc": torch.zeros(4)}
+    for step in range(CALLS):
+        x = torch.full((4,), 0.5 * step - 1)
+        out = module(x, **state)
+        if returned:
+            out, *values = out
+            state = dict(zip(state, values, strict=True))
+        assert torch.equal(out, eager(x))
+        assert torch.equal(state["layers_0_acc"], eager.layers[0].acc)
+        assert torch.equal(state["layers_1_acc"], eager.layers[1].acc)
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("named", [None, "a", "b"])
 def test_tied_buffers_become_one_input(form, named):
