@@ -119,15 +119,17 @@ class ProgramView:
         placeholders = gm.graph.find_nodes(op="placeholder")
         specs = dict(zip(placeholders, named_input_specs(ep), strict=True))
         inputs = [p for p, s in specs.items() if s.kind == InputKind.USER_INPUT]
-        by_target = {(s.target if s.kind != InputKind.USER_INPUT else p.name): p
-                     for p, s in specs.items()}
+        # By kind and name: a buffer and a user input may share a name (buffer ``x``,
+        # input ``x``), and a mutation output names which one it writes by its kind.
+        by_state = {(s.kind, s.target if s.kind != InputKind.USER_INPUT else p.name): p
+                    for p, s in specs.items()}
         values = list(gm.graph.output_node().args[0])
         outputs, writes = [], {}
         for spec, value in zip(named_output_specs(ep), values, strict=True):
             if spec.kind == OutputKind.USER_OUTPUT:
                 outputs.append(value)
             elif spec.kind in MUTATION_OUTPUT_KINDS:
-                writes[by_target[spec.target]] = value
+                writes[by_state[_INPUT_KINDS[spec.kind], spec.target]] = value
             else:
                 raise NotImplementedError(f"output kind {spec.kind.name}")
         signature = ep.call_spec
@@ -225,6 +227,7 @@ class ProgramView:
 _MUTATION_KINDS = {InputKind.PARAMETER: OutputKind.PARAMETER_MUTATION,
                    InputKind.BUFFER: OutputKind.BUFFER_MUTATION,
                    InputKind.USER_INPUT: OutputKind.USER_INPUT_MUTATION}
+_INPUT_KINDS = {output: kind for kind, output in _MUTATION_KINDS.items()}
 
 
 def _named(spec: InputSpec, node: Node) -> InputSpec:

@@ -212,6 +212,38 @@ def test_buffers_of_submodules_become_keywords_python_can_name(form, returned):
         assert torch.equal(state["layers_1_acc"], eager.layers[1].acc)
 
 
+class NamedLikeItsInput(torch.nn.Module):
+    """A buffer named as the forward's argument: buffer ``x``, input ``x``."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("x", torch.zeros(4))
+
+    def forward(self, x):
+        self.x.add_(x)
+        return self.x * 2
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_buffer_named_like_an_input_becomes_its_own_input(form):
+    """The mutation output of buffer ``x`` was taken for one of input ``x`` (ExportedProgram:
+    the buffer stayed resident and the signature said the caller's ``x`` is written);
+    the keyword ``x`` (GraphModule) was a duplicate argument, a SyntaxError."""
+    program = exported(NamedLikeItsInput(), (torch.ones(4),), form=form)
+    result = PassManager([BuffersToInputs()]).run(program).program
+    module = runnable(result)
+    assert list(module._in_spec.children()[1].context) == ["x_1"]
+    assert not dict(module.named_buffers())
+    if form == "exported":
+        assert [(s.kind.name, s.target) for s in result.graph_signature.output_specs] == [
+            ("USER_INPUT_MUTATION", "x_1"), ("USER_OUTPUT", None)]
+    eager, state = NamedLikeItsInput(), torch.zeros(4)
+    for step in range(CALLS):
+        x = torch.full((4,), 0.5 * step - 1)
+        assert torch.equal(module(x.clone(), x_1=state), eager(x))
+        assert torch.equal(state, eager.x)
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("named", [None, "a", "b"])
 def test_tied_buffers_become_one_input(form, named):
