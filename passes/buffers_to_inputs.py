@@ -14,8 +14,7 @@ from pass_manager import Effects, Pass, PassResult
 from pass_manager.collector import collector_paused
 
 from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
-from ._analysis.buffers import BUFFER, buffer_tensor, state_nodes
-from ._analysis.fake_values import storage_key
+from ._analysis.buffers import BUFFER, state_nodes, tied_names
 from ._carried.explicit import Explicit, make_explicit
 from ._carried.record import CarriedRecord, records_of
 from ._carried.view import ProgramView
@@ -86,7 +85,8 @@ class BuffersToInputs(Pass):
                         raise StateNameError(_NAME, fqn, "buffers names no buffer of the "
                                              f"program (buffers: {', '.join(sorted(nodes))})")
                 chosen = list(dict.fromkeys(self.buffers))
-            tied = _tied_names(program, nodes)
+            # Tied names go with their tensor: left resident, one would keep its old value.
+            tied = tied_names(program, nodes)
             # One input per tensor: a name tied to one chosen before it goes with that one.
             chosen = [fqn for i, fqn in enumerate(chosen)
                       if not set(tied.get(fqn, ())) & set(chosen[:i])]
@@ -130,21 +130,6 @@ class BuffersToInputs(Pass):
                                          keywords.create_name(fqn, None),
                                          tied=tied.get(fqn, ())))
         return explicit
-
-
-def _tied_names(program: Any, nodes: dict[str, list]) -> dict[str, tuple[str, ...]]:
-    """For each buffer registered as the very tensor of other buffers (tied: one tensor,
-    several names), those other names. Left resident, a tied name would keep the state's
-    old value after the state became an input."""
-    by_tensor: dict[tuple, list[str]] = {}
-    for fqn in nodes:
-        tensor = buffer_tensor(program, fqn)
-        key = storage_key(tensor)
-        if key is not None:
-            by_tensor.setdefault((key, tensor.storage_offset(), tuple(tensor.shape),
-                                  tensor.stride(), tensor.dtype), []).append(fqn)
-    return {fqn: tuple(n for n in names if n != fqn)
-            for names in by_tensor.values() if len(names) > 1 for fqn in names}
 
 
 def _named(view: ProgramView, node: Any) -> Any:

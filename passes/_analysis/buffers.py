@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,7 @@ __all__ = [
     "rename_call_graph",
     "replace_buffer_tensor",
     "state_nodes",
+    "tied_names",
     "trailing_write_backs",
 ]
 
@@ -228,6 +230,17 @@ def buffer_tensor(program: Any, fqn: str) -> torch.Tensor:
             return program.state_dict[fqn]
         return program.constants[fqn]
     return _resolve_attr(program, fqn)[2]
+
+
+def tied_names(program: Any, fqns: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """For each of the buffers ``fqns`` registered as the very tensor of others of them
+    (tied: one tensor, several names; ``torch.export`` reads and writes it through one),
+    those other names, in the order given."""
+    by_tensor: dict[int, list[str]] = {}
+    for fqn in fqns:
+        by_tensor.setdefault(id(buffer_tensor(program, fqn)), []).append(fqn)
+    return {fqn: tuple(n for n in names if n != fqn)
+            for names in by_tensor.values() if len(names) > 1 for fqn in names}
 
 
 def replace_buffer_tensor(program: Any, fqn: str, tensor: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch.export import ExportedProgram
 
-from .._analysis.buffers import BUFFER, buffer_tensor, find_mutations
+from .._analysis.buffers import BUFFER, find_mutations, tied_names
 
 __all__ = ["drop_unused_aliases"]
 
@@ -27,13 +27,14 @@ def drop_unused_aliases(ep: ExportedProgram) -> list[str]:
     names = dict(sig.inputs_to_buffers)
     # Written in place (as exported) or by a BUFFER_MUTATION output (functional).
     written = {state.name for state in find_mutations(ep).writers if state.kind == BUFFER}
-    used_written = {id(buffer_tensor(ep, fqn)): fqn for name, fqn in names.items()
+    used_written = {fqn for name, fqn in names.items()
                     if fqn in written and placeholders[name].users}
+    tied = tied_names(ep, names.values())
     notes = []
     for name, fqn in names.items():
         node = placeholders[name]
-        kept = used_written.get(id(buffer_tensor(ep, fqn)))
-        if node.users or kept is None or kept == fqn or fqn in written:
+        kept = next((other for other in tied.get(fqn, ()) if other in used_written), None)
+        if node.users or kept is None or fqn in written:
             continue
         ep.graph.erase_node(node)
         sig.input_specs[:] = [s for s in sig.input_specs if s.arg.name != name]
