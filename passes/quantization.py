@@ -400,8 +400,10 @@ def quantize_program(
 
     Raises:
         QuantizationInputError: ``program`` not an ExportedProgram, ``quantizer`` not a
-            Quantizer (the message says what to pass, e.g. "call xnnpack_quantizer()"), or
-            no calibration call; its :class:`~passes.errors.CalibrationInputError` names the
+            Quantizer (the message says what to pass, e.g. "call xnnpack_quantizer()"), no
+            calibration call, or a value the quantizer observes of a dtype pt2e cannot
+            quantize (float64: the message names it; found before calibration); its
+            :class:`~passes.errors.CalibrationInputError` names the
             call and the input when a call does not fit the program (another dtype, a static
             size, another structure: checked before anything is prepared) or the prepared
             program raises on it (the original error chained).
@@ -435,7 +437,7 @@ def quantize_program(
         clock[0] = now
 
     wrapped = _flow_quantizer(quantizer, PassQuantizer, **options)
-    prepared = _prepare(program, wrapped)
+    prepared = _prepare(program, wrapped, "quantize_program")
     timed("prepare")
     with torch.no_grad():
         try:
@@ -470,10 +472,28 @@ def _flow_quantizer(quantizer: Quantizer, wrapper: Callable[..., PassQuantizer],
     )
 
 
-def _prepare(program: ExportedProgram, wrapped: PassQuantizer) -> GraphModule:
+# pt2e's quantize ops take float32 (float16 and bfloat16 they convert first): anything else
+# observed calibrates, then fails inside convert_pt2e with an untyped AssertionError.
+_QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _prepare(program: ExportedProgram, wrapped: PassQuantizer, helper: str) -> GraphModule:
+    from torchao.quantization.pt2e.observer import _is_activation_post_process
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
-    return prepare_pt2e(program.module(), wrapped)
+    prepared = prepare_pt2e(program.module(), wrapped)
+    for node in prepared.graph.find_nodes(op="call_module"):
+        if not (_is_activation_post_process(prepared.get_submodule(node.target))
+                and isinstance(node.args[0], torch.fx.Node)):
+            continue
+        value = node.args[0].meta.get("val")
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None and dtype.is_floating_point and dtype not in _QUANTIZABLE:
+            raise QuantizationInputError(
+                helper, "program", f"the quantizer observes {node.args[0].name!r}, of dtype "
+                f"{dtype}, which pt2e's quantize ops cannot take (float32, float16 or "
+                "bfloat16): convert the model with .float() before export")
+    return prepared
 
 
 def _convert(prepared: GraphModule, like: ExportedProgram, fold: bool,
@@ -629,7 +649,8 @@ def quantize_methods(
     for name, found in pairs.items():
         placeholders = list(programs[name].graph_signature.user_inputs)
         wrapped[name].paired_outputs = {placeholders[p.input]: p.output for p in found}
-    prepared = {name: _prepare(program, wrapped[name]) for name, program in programs.items()}
+    prepared = {name: _prepare(program, wrapped[name], "quantize_methods")
+                for name, program in programs.items()}
     check_write_backs(prepared, {name: {n: label for n, label in inputs.items()
                                         if n not in {p.input_name for p in pairs[name]}}
                                  for name, inputs in carried.items()})

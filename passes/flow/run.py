@@ -34,6 +34,7 @@ from pass_manager.validation import (
 
 from ..consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from ..delegation.ownership import program_state
+from ..errors import QuantizationInputError
 from ..inplace_to_functional import InplaceToFunctional
 from ..mark_mutable_buffers import MarkMutableBuffers
 from ..quantization import quantize_program
@@ -95,6 +96,9 @@ class _Stages:
             raise
         except KeyboardInterrupt as e:
             raise FlowInterrupted(self._where(), self.result) from e
+        except QuantizationInputError as e:  # found before any call: the stage alone
+            self.result.failure = failure_of(self.title, e)
+            raise FlowError(self.result.failure, self.result) from e
         except Exception as e:
             self.result.failure = failure_of(self._where(), e)
             raise FlowError(self.result.failure, self.result) from e

@@ -150,3 +150,37 @@ def test_a_none_input_among_the_calibration_inputs_is_no_misfit():
         quantize_program(program, xnnpack_quantizer(), [bad])
     except CalibrationInputError as error:
         assert error.input == "position_ids", error.input
+
+
+class _Float64Linear(torch.nn.Module):
+    """A Linear and an accumulator, converted with ``.double()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x.sum(0))
+        return self.linear(x) + self.total
+
+
+@pytest.mark.parametrize("helper", ["quantize_program", "quantize_methods"])
+def test_a_float64_value_the_quantizer_observes_is_named_before_calibration(helper):
+    """It calibrated, then failed inside convert_pt2e with an untyped AssertionError
+    ("Expecting input to have dtype torch.float32"), the calibration left in the buffers."""
+    model = _Float64Linear().double()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    with torch.no_grad():
+        program = torch.export.export(model, (x,))
+    before = program.state_dict["total"].clone()
+    with pytest.raises(QuantizationInputError) as caught:
+        if helper == "quantize_program":
+            quantize_program(program, xnnpack_quantizer(), [(x,)])
+        else:
+            quantize_methods({"forward": program}, xnnpack_quantizer(), [("forward", (x,), {})])
+    error = caught.value
+    assert (error.helper, error.argument) == (helper, "program")
+    assert "torch.float64" in error.reason and ".float()" in error.reason
+    assert "'x'" in error.reason or "'linear_weight'" in error.reason, error.reason
+    assert torch.equal(program.state_dict["total"], before)  # nothing calibrated
