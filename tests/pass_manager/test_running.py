@@ -293,3 +293,16 @@ def test_a_condition_whose_check_raises_is_named_not_blamed_on_the_pass(traced, 
     assert "the check of condition 'Buggy' raised KeyError" in info.value.reason
     assert isinstance(info.value.__cause__, KeyError)
     assert [n.target for n in graph_of(traced).nodes] == before  # rolled back
+
+
+@pytest.mark.parametrize("answer", [False, True, "a relu is left"])
+def test_a_check_answering_yes_or_no_or_one_string_is_named_not_read_as_violations(
+        traced, answer):
+    """False ("does not hold") passed as holding; a string was one violation per letter."""
+    answers = Condition("Answers", lambda program: answer)
+    before = [n.target for n in graph_of(traced).nodes]
+    with pytest.raises(PassFailedError) as info:
+        PassManager([function_pass(relu_to_abs, requires={answers})]).run(traced)
+    assert (f"the check of condition 'Answers' raised TypeError: check returned {answer!r}, not "
+            "the violations: a list of strings") in info.value.reason
+    assert [n.target for n in graph_of(traced).nodes] == before
