@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pass_manager import PassManagerError, PrintIR, Reproducer, parse_pipeline
 from pass_manager.pipeline_text import registered_passes
 
@@ -144,6 +146,27 @@ def _warn_if_state_will_not_fit(model: ModelSpec, spec: str) -> None:
               "bytes of memory available (fewer --steps need less)", file=sys.stderr)
 
 
+def _runtime_for_precision(args: argparse.Namespace, spec: str, module: Any,
+                           asked: str) -> None:
+    """The runtime stage takes float32 programs: on a bfloat16 one ExecuTorch's portable
+    dequantize aborts the process (the report is lost), and its check allows float32's 1e-5.
+    Asked for, that is a load error; by default (auto), the job decodes in Python."""
+    if args.runtime != "executorch":
+        return
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    low = next(((n, t.dtype) for n, t in tensors if t.is_floating_point()
+                and torch.finfo(t.dtype).bits < 32), None)
+    if low is None:
+        return
+    why = (f"{spec} computes in {low[1]} ({low[0]}), and the ExecuTorch runtime stage takes "
+           "float32 programs (ExecuTorch's dequantize aborts on a bfloat16 output; the check "
+           "allows float32's 1e-5): convert the model with .float() in the factory")
+    if asked == "executorch":
+        raise ModelError(f"--runtime executorch: {why}, or run with --runtime python")
+    args.runtime = "python"
+    _notice(args)(f"decoding in Python only: {why} to also run it on ExecuTorch's runtime")
+
+
 def _export(model: ModelSpec, spec: str, mode: str | None) -> Exported:
     try:
         return export_program(
@@ -238,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         return LOAD_FAILED
     from ..executorch import INSTALL_HINT, available
 
+    runtime_asked = args.runtime
     if args.runtime == "auto":
         args.runtime = "executorch" if available() else "python"
         if args.runtime == "python":
@@ -252,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
     doing = "loading"
     try:
         model = load_model(spec, args.steps)
+        _runtime_for_precision(args, spec, model.module, runtime_asked)
         doing = "exporting"
         if isinstance(model, MethodsSpec):
             return _run_methods(args, spec, model, pipeline, pass_options)

@@ -75,3 +75,20 @@ def cache_and_running_sum():
     generator = torch.Generator().manual_seed(1)
     steps = [(torch.randn(1, 1, 8, generator=generator), torch.tensor([i])) for i in range(4)]
     return CacheAndRunningSum(), steps[0], steps
+
+
+class RunningSum(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4, dtype=dtype))
+        self.linear = torch.nn.Linear(4, 4).to(dtype)
+
+    def forward(self, x):
+        self.total.add_(self.linear(x).sum(0))
+        return self.total * 2
+
+
+def bfloat16_running_sum():
+    """A model as many checkpoints ship it: bfloat16 weights and state."""
+    torch.manual_seed(0)
+    return RunningSum(torch.bfloat16), (torch.randn(2, 4, dtype=torch.bfloat16),)

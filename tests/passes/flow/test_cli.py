@@ -268,3 +268,33 @@ def test_state_that_fits_in_memory_is_not_warned(monkeypatch, capsys):
     monkeypatch.setattr(flow, "run_flow", lambda *args, **kwargs: flow.FlowResult(plan="0. P"))
     status = cli.main(["run", "--runtime", "python", MODEL, "--steps", "2", "--quiet"])
     assert status == 0 and capsys.readouterr().err == ""
+
+
+def test_a_bfloat16_model_on_executorchs_runtime_is_a_usage_error(monkeypatch, capsys):
+    """ExecuTorch's dequantize aborted the whole job (status 134, no report) on it."""
+    def flow_must_not_run(*args, **kwargs):
+        raise AssertionError("a bfloat16 model reached the flow")
+
+    monkeypatch.setattr(flow, "run_flow", flow_must_not_run)
+    status = cli.main(["run", "tests.models.main_job:bfloat16_running_sum", "--steps", "2",
+                       "--runtime", "executorch"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.strip() == (
+        "error: --runtime executorch: tests.models.main_job:bfloat16_running_sum computes in "
+        "torch.bfloat16 (linear.weight), and the ExecuTorch runtime stage takes float32 "
+        "programs (ExecuTorch's dequantize aborts on a bfloat16 output; the check allows "
+        "float32's 1e-5): convert the model with .float() in the factory, or run with "
+        "--runtime python")
+
+
+def test_a_bfloat16_model_by_default_decodes_in_python_with_a_notice(monkeypatch, capsys):
+    import passes.executorch as executorch
+
+    monkeypatch.setattr(executorch, "available", lambda: True)
+    status = cli.main(["run", "tests.models.main_job:bfloat16_running_sum", *FAST])
+    captured = capsys.readouterr()
+    assert status == 0, captured.out + captured.err
+    assert "decoding in Python only: tests.models.main_job:bfloat16_running_sum computes in " \
+           "torch.bfloat16" in captured.err
+    assert "runtime python" in captured.out.splitlines()[0]
