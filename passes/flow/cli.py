@@ -420,7 +420,8 @@ def _unusable_output(args: argparse.Namespace) -> str | None:
     for option, value, kind in (("--json", args.json, "file"), ("--dot", args.dot, "file"),
                                 ("--print-to", args.print_to, "folder"),
                                 ("--reproducer-dir", args.reproducer_dir, "folder")):
-        problem = value and _unwritable(Path(value), kind)
+        problem = value and ("not stdout: the report goes there; give a file name"
+                             if value == "-" else _unwritable(Path(value), kind))
         if problem:
             return f"{option} {value}: {problem}"
     return None

@@ -193,6 +193,9 @@ def test_a_closed_stdout_ends_the_job_quietly(tmp_path):
     [
         ("--json", "missing/report.json", "--json missing/report.json: no folder 'missing'"),
         ("--json", "a_folder", "--json a_folder: a folder, not a file"),
+        # It wrote a file named '-' in the current folder.
+        ("--json", "-", "--json -: not stdout: the report goes there; give a file name"),
+        ("--dot", "-", "--dot -: not stdout: the report goes there; give a file name"),
         ("--dot", "a_file/plan.dot", "--dot a_file/plan.dot: 'a_file' is a file, not a folder"),
         ("--print-to", "a_file", "--print-to a_file: a file, not a folder"),
         ("--reproducer-dir", "a_file", "--reproducer-dir a_file: a file, not a folder"),
