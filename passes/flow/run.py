@@ -32,6 +32,7 @@ from pass_manager.validation import (
     run_program,
 )
 
+from .._analysis.marked_state import mutable_buffers
 from ..consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from ..delegation.ownership import program_state
 from ..inplace_to_functional import InplaceToFunctional
@@ -385,7 +386,8 @@ def _state_notes(functional: Any) -> list[str]:
                       if spec.kind == kind]
                for kind in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)}
     notes = []
-    if not any(written.values()):
+    # A pipeline given as text may leave the writes in place (no mutation outputs): marked.
+    if not any(written.values()) and not mutable_buffers(functional):
         notes.append("the model writes no buffer: it keeps no state between calls, so the "
                      "passes have nothing to keep and the comparisons measure quantization "
                      "alone")

@@ -196,12 +196,42 @@ class _WritesAParameter(torch.nn.Module):
         return x * self.scale
 
 
-def _flow(model, dtype=torch.float32):
+class _CountsCalls(torch.nn.Module):
+    """Integer state alone: a call counter, no floating-point buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.proj(x) + self.calls
+
+
+def _flow(model, dtype=torch.float32, **options):
     from passes.flow import run_flow
 
     torch.manual_seed(0)
     steps = [(torch.randn(2, 4, dtype=dtype),) for _ in range(3)]
-    return run_flow(model, steps[0], steps, delegate=False, log=lambda line: None)
+    return run_flow(model, steps[0], steps, delegate=False, log=lambda line: None, **options)
+
+
+def test_a_model_with_integer_state_alone_is_not_told_it_has_no_buffers():
+    result = _flow(_CountsCalls())
+    assert result.ok
+    buffers_check = next(c for c in result.checks if c.name.startswith("quantized buffers"))
+    assert buffers_check.detail == (
+        "the model's buffers are integers (calls): no quantization grid to compare them on; "
+        "their values reach the outputs compared below")
+
+
+def test_a_pipeline_leaving_the_writes_in_place_is_not_told_the_model_writes_no_buffer():
+    from pass_manager import parse_pipeline
+
+    result = _flow(_CountsCalls(), quantize=False, pipeline=parse_pipeline("MarkMutableBuffers"))
+    assert result.ok
+    assert not any("writes no buffer" in note for note in result.notes), result.notes
 
 
 def test_a_model_without_state_is_told_so_not_shown_a_zero_state_error():
