@@ -55,8 +55,15 @@ class PassManager(Pass):
         strict: bool = False,
         name: str | None = None,
     ):
+        if isinstance(passes, Pass) or isinstance(instruments, Instrumentation):
+            raise TypeError("PassManager takes its passes and instruments as lists: "
+                            "PassManager([a_pass], instruments=[an_instrument])")
         self._plan: Plan = build_plan([as_pass(p) for p in passes])
         self.strict = strict
+        instruments = list(instruments)
+        wrong = next((i for i in instruments if not isinstance(i, Instrumentation)), None)
+        if wrong is not None:  # a class (PrintIR for PrintIR()) failed at the first hook
+            raise TypeError(f"instruments: {wrong!r} is not an Instrumentation instance")
         # The user's hooks run innermost-last: after-hooks run in reverse, so a check that
         # rejects a pass (SemanticValidation) runs before the hooks listed before it see
         # the pass succeed.

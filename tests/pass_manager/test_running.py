@@ -306,3 +306,17 @@ def test_a_check_answering_yes_or_no_or_one_string_is_named_not_read_as_violatio
     assert (f"the check of condition 'Answers' raised TypeError: check returned {answer!r}, not "
             "the violations: a list of strings") in info.value.reason
     assert [n.target for n in graph_of(traced).nodes] == before
+
+
+@pytest.mark.parametrize("mistake", [
+    lambda: PassManager(ReluToAbs()),
+    lambda: PassManager([ReluToAbs()], instruments=PrintDiff()),
+    lambda: PassManager([ReluToAbs()], instruments=[PrintDiff]),
+    lambda: PassManager([ReluToAbs()], instruments=[object()]),
+], ids=["a pass", "an instrument", "an instrument class", "not an instrument"])
+def test_passes_and_instruments_not_given_as_lists_of_them_are_named(mistake):
+    """They failed as "'ReluToAbs' object is not iterable", or at the first hook with
+    "before_run() missing 1 required positional argument" / an AttributeError."""
+    with pytest.raises(TypeError, match=r"PassManager takes its passes and instruments as lists|"
+                                        r"is not an Instrumentation instance"):
+        mistake()
