@@ -36,7 +36,8 @@ class PassManager(Pass):
             and the check of "unmodified" claims are always on.
         strict: a pass that claims "unmodified" but changed the program is an error
             instead of a report warning, and every pass's ``effects`` are checked in full
-            (an edit it does not declare is an EffectsError).
+            (an edit it does not declare is an EffectsError); what a changing pass
+            claims to preserve is checked again (PostconditionError if it broke).
         name: what to call the pipeline (in errors, and as a group in a larger one).
 
     Example:

@@ -273,10 +273,14 @@ class Runner:
     def _provide(self, p: Any, index: int, program: Any, record: PassRecord) -> None:
         if record.modified and not preserves_everything(p):
             self.holds &= preserves_of(p)
-        failed = self._check(provides_of(p), program, record)
+        checked = provides_of(p)
+        if record.modified and self.strict:  # what it claims to preserve is checked, not trusted
+            checked, self.holds = checked | self.holds, set()
+        failed = self._check(checked, program, record)
         if failed:
             condition, violations = failed
-            raise PostconditionError(p.name, index, condition.name, violations)
+            hint = "" if condition in provides_of(p) else f"{p.name} declares it preserves it."
+            raise PostconditionError(p.name, index, condition.name, violations, hint=hint)
 
     def _check(self, conditions: Iterable[Condition], program: Any, record: PassRecord
                ) -> tuple[Condition, list[str]] | None:

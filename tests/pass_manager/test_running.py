@@ -1,5 +1,6 @@
 """Running passes: condition checks and their cache, change detection, reports, hooks."""
 
+import copy
 import gc
 
 import pytest
@@ -13,6 +14,7 @@ from pass_manager import (
     PassFailedError,
     PassManager,
     PassResult,
+    PostconditionError,
     PreconditionError,
     PrintDiff,
     ProgramFormError,
@@ -320,3 +322,27 @@ def test_passes_and_instruments_not_given_as_lists_of_them_are_named(mistake):
     with pytest.raises(TypeError, match=r"PassManager takes its passes and instruments as lists|"
                                         r"is not an Instrumentation instance"):
         mistake()
+
+
+@pytest.mark.parametrize("preserves", [frozenset({NoRelu}), ALL_CONDITIONS],
+                         ids=["named", "everything"])
+def test_strict_checks_what_a_changing_pass_claims_to_preserve(traced, preserves):
+    """The claim was trusted even under strict=True: the next pass requiring the condition
+    ran on a program that broke it, and the pass that broke it was never named."""
+    class AbsToRelu(Pass):
+        def call(self, program):
+            for node in targets(program, "abs"):
+                node.target = torch.relu
+            return PassResult(program, True)
+
+    AbsToRelu.preserves = preserves
+    needs = function_pass(lambda program: None, requires={NoRelu}, name="needs_no_relu")
+    lax = PassManager([ReluToAbs(), AbsToRelu(), needs]).run(copy.deepcopy(traced))
+    assert [r.name for r in lax.report.records] == ["ReluToAbs", "AbsToRelu", "needs_no_relu"]
+    before = [n.target for n in graph_of(traced).nodes]
+    with pytest.raises(PostconditionError) as info:
+        PassManager([ReluToAbs(), AbsToRelu(), needs], strict=True).run(traced)
+    assert (info.value.pass_name, info.value.condition) == ("AbsToRelu", "NoRelu")
+    assert info.value.hint == "AbsToRelu declares it preserves it."
+    assert [n.target for n in graph_of(traced).nodes] != before  # ReluToAbs' rewrite stays
+    assert not targets(traced, "relu")  # and AbsToRelu's is rolled back
