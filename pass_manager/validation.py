@@ -9,6 +9,7 @@ the error (:func:`output_errors`, :func:`buffer_errors`).
 from __future__ import annotations
 
 import copy
+import math
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -243,7 +244,7 @@ def _abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
         return float("inf")
     if not a.numel():
         return 0.0
-    return (a.double() - b.double()).abs().nan_to_num(float("inf")).max().item()
+    return (a.double() - b.double()).abs().nan_to_num(nan=math.inf, posinf=math.inf).max().item()
 
 
 def assert_same_behaviour(
