@@ -216,8 +216,9 @@ class Runner:
         record.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
         record.statistics = dict(_error_statistics(e) or record.statistics)
         if rollback is not None:
-            if not error.diff:
-                error.diff = pass_diff(rollback.text, current, p.name)
+            if not error.diff:  # of the program given, if the pass returned another form
+                same_form = isinstance(current, torch.export.ExportedProgram) == self.exported
+                error.diff = pass_diff(rollback.text, current if same_form else program, p.name)
             error.unrestored = sorted(set(error.unrestored)
                                       | set(rollback.unrestorable_changes()))
             rollback.restore()
@@ -254,7 +255,7 @@ class Runner:
         form = torch.export.ExportedProgram if self.exported else torch.fx.GraphModule
         if new_program is not program and not isinstance(new_program, form):
             raise PassFailedError(p.name, index, f"returned a {type(new_program).__name__} "
-                                                 f"for a {self.form} input")
+                                  f"for the {self.form} it was given: a pass returns its form")
         in_place = p.effects.in_place
         if in_place is True and new_program is not program:
             raise EffectsError(p.name, index, "in_place", reason=(

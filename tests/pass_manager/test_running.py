@@ -346,3 +346,15 @@ def test_strict_checks_what_a_changing_pass_claims_to_preserve(traced, preserves
     assert info.value.hint == "AbsToRelu declares it preserves it."
     assert [n.target for n in graph_of(traced).nodes] != before  # ReluToAbs' rewrite stays
     assert not targets(traced, "relu")  # and AbsToRelu's is rolled back
+
+
+def test_a_pass_returning_the_other_form_shows_no_change_it_did_not_make(exported):
+    """The rollback diff compared the program's text with the returned graph module's, so
+    it listed the signature's lines as removed: changes the pass had not made."""
+    to_module = function_pass(lambda program: program.module(), name="to_module")
+    with pytest.raises(PassFailedError) as info:
+        PassManager([to_module]).run(exported)
+    assert info.value.reason == ("returned a GraphModule for the ExportedProgram it was given: "
+                                 "a pass returns its form")
+    assert info.value.diff == ""
+    assert str(info.value).endswith("The pass was rolled back; it had not changed the graph.")
