@@ -103,7 +103,12 @@ def _unpack(out: Any, program: Any, exported: bool
     if out is None:
         return program, None, [], {}
     if isinstance(out, PassResult):
-        return out.program, out.modified, list(out.notes), dict(out.statistics)
+        statistics = dict(out.statistics)  # read later: a note per letter, a count no number
+        if isinstance(out.notes, str) or not all(isinstance(v, (int, float))
+                                                 for v in statistics.values()):
+            raise TypeError(f"a pass returned notes={out.notes!r}, statistics={statistics!r}: "
+                            "notes are a list of strings, statistics {description: number}")
+        return out.program, out.modified, list(out.notes), statistics
     if isinstance(out, TorchPassResult):
         gm = out.graph_module
         if exported and gm is not program.graph_module:

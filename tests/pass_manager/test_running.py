@@ -358,3 +358,20 @@ def test_a_pass_returning_the_other_form_shows_no_change_it_did_not_make(exporte
                                  "a pass returns its form")
     assert info.value.diff == ""
     assert str(info.value).endswith("The pass was rolled back; it had not changed the graph.")
+
+
+@pytest.mark.parametrize("returned", [{"notes": "one remark"}, {"statistics": {"ops": "3"}},
+                                      {"statistics": {"ops": torch.tensor(3)}}],
+                         ids=["a string of notes", "a string count", "a tensor count"])
+def test_notes_or_statistics_the_report_cannot_read_are_named_at_the_pass(traced, returned):
+    """A string of notes became one note per letter; a count that is no number passed, then
+    printing the report raised 'Unknown format code'."""
+    def remarks(program):
+        relu_to_abs(program)
+        return PassResult(program, True, **returned)
+
+    before = [n.target for n in graph_of(traced).nodes]
+    with pytest.raises(PassFailedError, match="notes are a list of strings, statistics "
+                                              r"\{description: number\}"):
+        PassManager([function_pass(remarks)]).run(traced)
+    assert [n.target for n in graph_of(traced).nodes] == before
