@@ -39,6 +39,7 @@ from .factory import (
     MethodsSpec,
     ModelError,
     ModelSpec,
+    check_calls_fit,
     export_methods,
     export_program,
     model_spec,
@@ -282,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
             return _run_methods(args, spec, model, pipeline, pass_options)
         _warn_if_state_will_not_fit(model, spec)
         exported = _export(model, spec, args.export)
+        check_calls_fit(exported.program,
+                        [(f"steps[{i}]", call) for i, call in enumerate(model.steps)], spec)
     except ModelError as e:
         if args.traceback:
             traceback.print_exc()
@@ -309,6 +312,10 @@ def _run_methods(args: argparse.Namespace, spec: str, model: MethodsSpec, pipeli
         exported = export_methods(model, args.export)
     except ModelError as e:
         raise ModelError(f"{spec}: {e}") from e
+    for index, (method, step_args, kwargs) in enumerate(model.steps):
+        if method not in model.carried:  # a carried method's calls fit it once resident
+            check_calls_fit(exported[method].program,
+                            [(f"steps[{index}] ({method})", (step_args, kwargs))], spec)
     from .run_methods import run_methods_flow
 
     modes = ", ".join(f"{m} exported {e.mode}" for m, e in exported.items())

@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from pass_manager.call_signature import signature_of
 from pass_manager.validation import Call, as_call, copy_program
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "MethodsSpec",
     "ModelError",
     "ModelSpec",
+    "check_calls_fit",
     "export_methods",
     "export_program",
     "is_methods_factory",
@@ -254,6 +256,24 @@ def export_program(
                 "write the branch with torch.cond, or compute both sides and pick with "
                 "torch.where)")
     raise ExportError("; ".join(failures) + hint)
+
+
+def check_calls_fit(program: torch.export.ExportedProgram, calls: Sequence[tuple[str, Call]],
+                    name: str) -> None:
+    """Each call against the inputs the exported program takes, which its export example
+    fixed: a call that fits ``forward`` but not the program (a keyword the example did not
+    give, None for a tensor) otherwise fails the first decode making it, after the others.
+
+    Raises:
+        ModelError: naming the call, the program's inputs and the difference.
+    """
+    signature = signature_of(program)
+    for where, (args, kwargs) in calls:
+        why = signature.mismatch(args, kwargs)
+        if why:
+            raise ModelError(f"{name}(): {where} does not fit the exported program's inputs "
+                             f"{signature}: {why} (a program takes the inputs its export "
+                             "example gave)")
 
 
 def _export(

@@ -301,3 +301,28 @@ def test_a_bfloat16_model_by_default_decodes_in_python_with_a_notice(monkeypatch
     assert "decoding in Python only: tests.models.main_job:bfloat16_running_sum computes in " \
            "torch.bfloat16" in captured.err
     assert "runtime python" in captured.out.splitlines()[0]
+
+
+@pytest.mark.parametrize(("factory", "where"), [
+    ("a_step_with_a_keyword_the_example_did_not_give", "steps[1]"),
+    ("a_method_call_with_a_keyword_its_example_did_not_give", "steps[1] (decode)"),
+])
+def test_a_call_that_fits_forward_but_not_the_exported_program_is_a_load_error(
+        monkeypatch, capsys, factory, where):
+    """It failed the first decode making it (status 3) after the decodes before it; for
+    several methods, after each method's export."""
+    def flow_must_not_run(*args, **kwargs):
+        raise AssertionError("a call that does not fit reached the flow")
+
+    monkeypatch.setattr(flow, "run_flow", flow_must_not_run)
+    import passes.flow.run_methods as methods_flow
+
+    monkeypatch.setattr(methods_flow, "run_methods_flow", flow_must_not_run)
+    model = f"tests.models.main_job:{factory}"
+    status = cli.main(["run", "--runtime", "python", model, "--steps", "2"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.strip() == (
+        f"error: {model}(): {where} does not fit the exported program's inputs (x): the program "
+        "takes no keyword argument(s) 'scale' (a program takes the inputs its export example "
+        "gave)")
