@@ -175,3 +175,12 @@ def test_a_difference_that_is_not_finite_is_infinite_not_the_largest_float():
                    buffers=[{"b": torch.tensor([float("inf"), 1.0])}] * 2)
     assert output_errors(finite, broken) == [math.inf, math.inf]
     assert buffer_errors(finite, broken) == [{"b": math.inf}] * 2
+
+
+def test_an_integer_output_that_differs_is_an_error_not_left_out():
+    """Only floating-point outputs were compared: a decoder returning token ids or the
+    position it wrote at was 'off by 0' (the main job's quantized decode) whatever it gave."""
+    expected = Trace(outputs=[[torch.ones(2), torch.tensor(1), torch.tensor([True])]])
+    actual = Trace(outputs=[[torch.ones(2), torch.tensor(4), torch.tensor([False])]])
+    assert output_errors(expected, actual) == [3.0]
+    assert output_errors(expected, expected) == [0.0]

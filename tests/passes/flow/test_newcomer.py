@@ -226,6 +226,25 @@ def test_a_model_with_integer_state_alone_is_not_told_it_has_no_buffers():
         "their values reach the outputs compared below")
 
 
+class _ReturnsItsPosition(_CountsCalls):
+    """Returns the position it wrote at beside its output, as a generate loop reads it."""
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.proj(x), self.calls + 0
+
+
+def test_an_integer_output_off_after_calibration_shows_in_the_decode():
+    """Integer outputs were left out of the comparison: torchao's recipe, which starts
+    decoding at the position calibration left (3 calls on), was 'off by 0'."""
+    from passes.flow.quantization import NO_PASSES, WITH_PASSES
+
+    result = _flow(_ReturnsItsPosition())
+    assert result.step_errors[NO_PASSES] == [3.0, 3.0, 3.0]
+    assert max(result.step_errors[WITH_PASSES]) < 0.1
+    assert result.bought[0].startswith("first decode step off by 3 without the passes")
+
+
 def test_a_pipeline_leaving_the_writes_in_place_is_not_told_the_model_writes_no_buffer():
     from pass_manager import parse_pipeline
 
