@@ -366,6 +366,9 @@ def quantize_both_ways(
 
 def run_model(model: ModelSpec, **options: Any) -> FlowResult:
     """:func:`run_flow` on what a factory returned (:func:`~passes.flow.factory.model_spec`)."""
+    if not isinstance(model, ModelSpec):  # the factory's result itself, or several methods
+        raise TypeError(f"run_model takes model_spec(factory(), name, steps) of one method, got "
+                        f"{type(model).__name__} (several methods: run_methods_flow)")
     return run_flow(
         model.module,
         model.example_args,

@@ -21,6 +21,7 @@ from pass_manager.report import PassRecord
 from pass_manager.validation import Trace
 from passes.flow import cli
 from passes.flow import run_methods as methods_flow
+from passes.flow.examples import decoder_job, prefill_decode_job
 from passes.flow.result import FlowResult
 
 from .main_job_cli import ROOT
@@ -301,3 +302,16 @@ def test_a_model_whose_own_import_fails_is_not_said_to_be_missing(monkeypatch, c
         f"error: cannot import {model.split(':')[0]!r}: it imports 'a_package_nobody_installed', "
         "which is not installed (ModuleNotFoundError: No module named "
         "'a_package_nobody_installed')")
+
+
+@pytest.mark.parametrize("made", [lambda: decoder_job(n_layers=1, steps=2),
+                                  lambda: prefill_decode_job(n_layers=1)],
+                         ids=["a factory's result", "several methods"])
+def test_run_model_given_what_it_does_not_take_says_what_it_takes(made):
+    """It failed with "AttributeError: 'tuple' object has no attribute 'module'"."""
+    from passes.flow import model_spec, run_model
+
+    given = made()
+    given = model_spec(given, "job", 2) if isinstance(given, dict) else given
+    with pytest.raises(TypeError, match=r"run_model takes model_spec\(factory\(\), name, steps\)"):
+        run_model(given, quantize=False, log=lambda line: None)
