@@ -12,6 +12,7 @@ found so far.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -266,6 +267,7 @@ def run_flow(
                 result.buffer_errors[name] = relative_buffer_errors(eager, trace)
             if RESET in traces:
                 quantization_checks(result, eager, traces, converted)
+            result.notes += _not_finite(result.step_errors)
             result.bought = _bought(result)
             # quantize_program's ExportedProgram goes on as it is: no re-export, no second
             # functionalization (its cache updates are already its mutation outputs).
@@ -400,6 +402,14 @@ def _state_notes(functional: Any) -> list[str]:
                      "as state, but the state comparisons read buffers only, and ExecuTorch's "
                      "runtime refuses a written parameter (register them as buffers)")
     return notes
+
+
+def _not_finite(step_errors: Mapping[str, list[float]]) -> list[str]:
+    """The quantized decodes no number measures: the checks compare them with each other,
+    and pass when all of them are off by inf."""
+    broken = [name for name, errors in step_errors.items() if math.inf in errors]
+    return [f"off by inf from fp32 eager (an output NaN or inf, or of another shape) at "
+            f"some step: {', '.join(map(repr, broken))}"] if broken else []
 
 
 def _bought(result: FlowResult) -> list[str]:
