@@ -91,6 +91,8 @@ def benchmark_passes(
 
     Reports the whole run, the condition-check time, and each pass's own time.
     """
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"benchmark_passes: repeat={repeat!r}: the runs to time, at least 1")
     total = Timings("pipeline total")
     checks = Timings("condition checks")
     per_pass: dict[str, Timings] = {}

@@ -44,7 +44,11 @@ class Condition:
         self.doc = doc
 
     def check(self, program: Any) -> list[str]:
-        return [str(v) for v in (self._check(program) or ())]
+        found = self._check(program)
+        if isinstance(found, (str, bool)):  # read as violations: a list of letters, or none
+            raise TypeError(f"check returned {found!r}, not the violations: a list of strings, "
+                            "empty when the condition holds")
+        return [str(v) for v in (found or ())]
 
     def holds(self, program: Any) -> bool:
         return not self.check(program)

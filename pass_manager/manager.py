@@ -36,7 +36,8 @@ class PassManager(Pass):
             and the check of "unmodified" claims are always on.
         strict: a pass that claims "unmodified" but changed the program is an error
             instead of a report warning, and every pass's ``effects`` are checked in full
-            (an edit it does not declare is an EffectsError).
+            (an edit it does not declare is an EffectsError); what a changing pass
+            claims to preserve is checked again (PostconditionError if it broke).
         name: what to call the pipeline (in errors, and as a group in a larger one).
 
     Example:
@@ -55,8 +56,15 @@ class PassManager(Pass):
         strict: bool = False,
         name: str | None = None,
     ):
+        if isinstance(passes, Pass) or isinstance(instruments, Instrumentation):
+            raise TypeError("PassManager takes its passes and instruments as lists: "
+                            "PassManager([a_pass], instruments=[an_instrument])")
         self._plan: Plan = build_plan([as_pass(p) for p in passes])
         self.strict = strict
+        instruments = list(instruments)
+        wrong = next((i for i in instruments if not isinstance(i, Instrumentation)), None)
+        if wrong is not None:  # a class (PrintIR for PrintIR()) failed at the first hook
+            raise TypeError(f"instruments: {wrong!r} is not an Instrumentation instance")
         # The user's hooks run innermost-last: after-hooks run in reverse, so a check that
         # rejects a pass (SemanticValidation) runs before the hooks listed before it see
         # the pass succeed.

@@ -9,6 +9,7 @@ comma-separated; options follow in braces as ``name=value`` pairs: a Python lite
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import gc
 import inspect
@@ -119,11 +120,22 @@ def format_pass(pass_: Any) -> str:
             "declare it @dataclass(frozen=True) with those options as fields"
         )
     options = [
-        f"{key}={format_value(value)}"
+        f"{key}={_read_back(pass_, key, value)}"
         for key, value in pass_options(pass_).items()
         if _differs_from_default(pass_, key, value)
     ]
     return type(pass_).__name__ + ("{" + ",".join(options) + "}" if options else "")
+
+
+def _read_back(pass_: Any, key: str, value: Any) -> str:
+    """An option's text, which must parse back to the value (a tensor, a dtype, a function,
+    nan or inf print as text no parse gives back: the pass would be rebuilt without them)."""
+    text = format_value(value)
+    with contextlib.suppress(PipelineError):
+        if _parse_value(text) == value:
+            return text
+    raise PipelineError(f"{pass_.name} has no pipeline text: its option {key}={text} does not "
+                        "read back (text holds Python literals, true/false and operator names)")
 
 
 def format_pipeline(passes: Sequence[Any]) -> str:

@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import PassManagerError
+from .errors import PassManagerError, ProgramFormError
+from .program import EXPORTED_PROGRAM, GRAPH_MODULE
 from .report import Report
 
 __all__ = [
@@ -95,11 +96,10 @@ def run_each(run: Callable[[Any], Any], programs: Mapping[str, Any],
     """``run`` on each program in turn, the joint conditions checked around all of them; an
     error from one program says which (its ``method`` attribute, and the message). A
     pipeline that fails on the second program leaves the first as the pipeline made it."""
-    if not programs:
-        raise ValueError("PassManager.run got an empty mapping of methods")
-    for name in programs:
-        if not isinstance(name, str):
-            raise TypeError(f"method names are strings, got {name!r}")
+    if not programs or not all(isinstance(name, str) for name in programs):
+        got = "mapping of no methods" if not programs else f"mapping named by {list(programs)}"
+        raise ProgramFormError(pipeline, None, got, [GRAPH_MODULE, EXPORTED_PROGRAM,
+                                                     "{method name (a string): program}"])
     conditions = list(_JOINT.values())  # in registration order
     for condition in conditions:
         condition.check(programs, "before the pipeline")

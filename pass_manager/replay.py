@@ -87,8 +87,10 @@ def _read_manifest(folder: Path) -> dict:
     if not folder.is_dir():
         raise ArchiveError(folder, "a file, not a folder a Reproducer wrote")
     manifest_file = folder / "manifest.json"
-    if not manifest_file.is_file():
-        raise ArchiveError(folder, "it has no manifest.json: not a folder a Reproducer wrote")
+    if not manifest_file.is_file():  # maybe the --reproducer-dir the folders are written in
+        inside = sorted(str(m.parent) for m in folder.glob("*/manifest.json"))
+        raise ArchiveError(folder, "it has no manifest.json: not a folder a Reproducer wrote"
+                           + (f"; it holds reproducers: {', '.join(inside)}" if inside else ""))
     try:
         manifest = json.loads(manifest_file.read_text())
     except ValueError as e:

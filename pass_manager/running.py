@@ -103,7 +103,12 @@ def _unpack(out: Any, program: Any, exported: bool
     if out is None:
         return program, None, [], {}
     if isinstance(out, PassResult):
-        return out.program, out.modified, list(out.notes), dict(out.statistics)
+        statistics = dict(out.statistics)  # read later: a note per letter, a count no number
+        if isinstance(out.notes, str) or not all(isinstance(v, (int, float))
+                                                 for v in statistics.values()):
+            raise TypeError(f"a pass returned notes={out.notes!r}, statistics={statistics!r}: "
+                            "notes are a list of strings, statistics {description: number}")
+        return out.program, out.modified, list(out.notes), statistics
     if isinstance(out, TorchPassResult):
         gm = out.graph_module
         if exported and gm is not program.graph_module:
@@ -216,8 +221,9 @@ class Runner:
         record.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
         record.statistics = dict(_error_statistics(e) or record.statistics)
         if rollback is not None:
-            if not error.diff:
-                error.diff = pass_diff(rollback.text, current, p.name)
+            if not error.diff:  # of the program given, if the pass returned another form
+                same_form = isinstance(current, torch.export.ExportedProgram) == self.exported
+                error.diff = pass_diff(rollback.text, current if same_form else program, p.name)
             error.unrestored = sorted(set(error.unrestored)
                                       | set(rollback.unrestorable_changes()))
             rollback.restore()
@@ -254,7 +260,7 @@ class Runner:
         form = torch.export.ExportedProgram if self.exported else torch.fx.GraphModule
         if new_program is not program and not isinstance(new_program, form):
             raise PassFailedError(p.name, index, f"returned a {type(new_program).__name__} "
-                                                 f"for a {self.form} input")
+                                  f"for the {self.form} it was given: a pass returns its form")
         in_place = p.effects.in_place
         if in_place is True and new_program is not program:
             raise EffectsError(p.name, index, "in_place", reason=(
@@ -273,10 +279,14 @@ class Runner:
     def _provide(self, p: Any, index: int, program: Any, record: PassRecord) -> None:
         if record.modified and not preserves_everything(p):
             self.holds &= preserves_of(p)
-        failed = self._check(provides_of(p), program, record)
+        checked = provides_of(p)
+        if record.modified and self.strict:  # what it claims to preserve is checked, not trusted
+            checked, self.holds = checked | self.holds, set()
+        failed = self._check(checked, program, record)
         if failed:
             condition, violations = failed
-            raise PostconditionError(p.name, index, condition.name, violations)
+            hint = "" if condition in provides_of(p) else f"{p.name} declares it preserves it."
+            raise PostconditionError(p.name, index, condition.name, violations, hint=hint)
 
     def _check(self, conditions: Iterable[Condition], program: Any, record: PassRecord
                ) -> tuple[Condition, list[str]] | None:

@@ -52,6 +52,9 @@ class PrintIR(Instrumentation):
         self.after = _selected(after)
         self.after_change = after_change
         self.after_failure = after_failure
+        if isinstance(to, (str, Path)) and Path(to).exists() and not Path(to).is_dir():
+            raise ValueError(f"PrintIR(to={str(to)!r}): a file, not a folder; to= takes a "
+                             "folder (one file per dump) or a text stream such as open(path, 'w')")
         self.to = to
         self._count = 0
 

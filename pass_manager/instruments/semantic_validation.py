@@ -70,6 +70,10 @@ class SemanticValidation(Instrumentation):
             raise ValidationInputError(
                 self.option, None, f"calls={calls!r}: the number of calls to compare is a "
                 "positive int")
+        if not all(isinstance(t, (int, float)) and t >= 0 for t in (atol, rtol)):
+            # torch.allclose refuses it after the first changing pass: blamed on the pass.
+            raise ValidationInputError(self.option, None, f"atol={atol!r}, rtol={rtol!r}: "
+                                       "the tolerances are numbers, at least 0")
         self.hint = ""
         if not single:
             inputs = list(inputs)

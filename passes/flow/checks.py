@@ -42,6 +42,16 @@ def _worst_abs(reference: Trace, trace: Trace) -> dict[str, float]:
     return worst
 
 
+def _no_float_state(eager: Trace) -> str:
+    """What the buffer check says with no floating-point buffer to compare."""
+    integers = sorted(name for name, value in (eager.buffers or [{}])[0].items()
+                      if not value.is_floating_point())
+    if not integers:
+        return "the model has no buffers: nothing to compare"
+    return (f"the model's buffers are integers ({', '.join(integers)}): no quantization grid "
+            "to compare them on; their values reach the outputs compared below")
+
+
 def quantization_checks(
     result: FlowResult, eager: Trace, traces: dict[str, Trace], converted: dict[str, Any]
 ) -> None:
@@ -66,7 +76,7 @@ def quantization_checks(
         f"8-bit error itself (information): worst {worst_name} "
         f"{relative.get(worst_name, 0.0):.2%} of its fp32 magnitude with the passes, "
         f"{result.buffer_errors[RESET].get(worst_name, 0.0):.2%} without"
-    ) if relative else "the model has no buffers: nothing to compare"
+    ) if relative else _no_float_state(eager)
     if worse:
         name, (error, theirs, grid) = next(iter(worse.items()))
         detail = (

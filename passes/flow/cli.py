@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pass_manager import PassManagerError, PrintIR, Reproducer, parse_pipeline
 from pass_manager.pipeline_text import registered_passes
 
@@ -37,6 +39,7 @@ from .factory import (
     MethodsSpec,
     ModelError,
     ModelSpec,
+    check_calls_fit,
     export_methods,
     export_program,
     model_spec,
@@ -144,6 +147,27 @@ def _warn_if_state_will_not_fit(model: ModelSpec, spec: str) -> None:
               "bytes of memory available (fewer --steps need less)", file=sys.stderr)
 
 
+def _runtime_for_precision(args: argparse.Namespace, spec: str, module: Any,
+                           asked: str) -> None:
+    """The runtime stage takes float32 programs: on a bfloat16 one ExecuTorch's portable
+    dequantize aborts the process (the report is lost), and its check allows float32's 1e-5.
+    Asked for, that is a load error; by default (auto), the job decodes in Python."""
+    if args.runtime != "executorch":
+        return
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    low = next(((n, t.dtype) for n, t in tensors if t.is_floating_point()
+                and torch.finfo(t.dtype).bits < 32), None)
+    if low is None:
+        return
+    why = (f"{spec} computes in {low[1]} ({low[0]}), and the ExecuTorch runtime stage takes "
+           "float32 programs (ExecuTorch's dequantize aborts on a bfloat16 output; the check "
+           "allows float32's 1e-5): convert the model with .float() in the factory")
+    if asked == "executorch":
+        raise ModelError(f"--runtime executorch: {why}, or run with --runtime python")
+    args.runtime = "python"
+    _notice(args)(f"decoding in Python only: {why} to also run it on ExecuTorch's runtime")
+
+
 def _export(model: ModelSpec, spec: str, mode: str | None) -> Exported:
     try:
         return export_program(
@@ -238,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
         return LOAD_FAILED
     from ..executorch import INSTALL_HINT, available
 
+    runtime_asked = args.runtime
     if args.runtime == "auto":
         args.runtime = "executorch" if available() else "python"
         if args.runtime == "python":
@@ -252,11 +277,14 @@ def run(args: argparse.Namespace) -> int:
     doing = "loading"
     try:
         model = load_model(spec, args.steps)
+        _runtime_for_precision(args, spec, model.module, runtime_asked)
         doing = "exporting"
         if isinstance(model, MethodsSpec):
             return _run_methods(args, spec, model, pipeline, pass_options)
         _warn_if_state_will_not_fit(model, spec)
         exported = _export(model, spec, args.export)
+        check_calls_fit(exported.program,
+                        [(f"steps[{i}]", call) for i, call in enumerate(model.steps)], spec)
     except ModelError as e:
         if args.traceback:
             traceback.print_exc()
@@ -284,6 +312,10 @@ def _run_methods(args: argparse.Namespace, spec: str, model: MethodsSpec, pipeli
         exported = export_methods(model, args.export)
     except ModelError as e:
         raise ModelError(f"{spec}: {e}") from e
+    for index, (method, step_args, kwargs) in enumerate(model.steps):
+        if method not in model.carried:  # a carried method's calls fit it once resident
+            check_calls_fit(exported[method].program,
+                            [(f"steps[{index}] ({method})", (step_args, kwargs))], spec)
     from .run_methods import run_methods_flow
 
     modes = ", ".join(f"{m} exported {e.mode}" for m, e in exported.items())
@@ -395,7 +427,8 @@ def _unusable_output(args: argparse.Namespace) -> str | None:
     for option, value, kind in (("--json", args.json, "file"), ("--dot", args.dot, "file"),
                                 ("--print-to", args.print_to, "folder"),
                                 ("--reproducer-dir", args.reproducer_dir, "folder")):
-        problem = value and _unwritable(Path(value), kind)
+        problem = value and ("not stdout: the report goes there; give a file name"
+                             if value == "-" else _unwritable(Path(value), kind))
         if problem:
             return f"{option} {value}: {problem}"
     return None

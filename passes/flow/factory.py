@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from pass_manager.call_signature import signature_of
 from pass_manager.validation import Call, as_call, copy_program
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "MethodsSpec",
     "ModelError",
     "ModelSpec",
+    "check_calls_fit",
     "export_methods",
     "export_program",
     "is_methods_factory",
@@ -196,7 +198,7 @@ def _from_mapping(made: Mapping, name: str) -> ModelSpec:
     if "module" not in made:
         raise ModelError(f"{name}() returned a mapping without 'module'")
     args = made.get("example_args", ())
-    kwargs = made.get("example_kwargs") or {}
+    kwargs = _given(made, "example_kwargs", {})
     if not isinstance(args, tuple) or not isinstance(kwargs, Mapping):
         raise ModelError(f"{name}(): 'example_args' must be a tuple and 'example_kwargs' a mapping")
     mode = made.get("export")
@@ -206,10 +208,17 @@ def _from_mapping(made: Mapping, name: str) -> ModelSpec:
         made["module"],
         args,
         dict(kwargs),
-        steps=_calls(made.get("steps") or [], name),
+        steps=_calls(_given(made, "steps", []), name),
         dynamic_shapes=made.get("dynamic_shapes"),
         export=mode,
     )
+
+
+def _given(made: Mapping, key: str, default: Any) -> Any:
+    """``made[key]``, or ``default`` when it is absent or None; never read for its truth
+    value, which a tensor given in the wrong place does not have."""
+    value = made.get(key)
+    return default if value is None else value
 
 
 def _calls(steps: Any, name: str) -> list[Call]:
@@ -247,6 +256,24 @@ def export_program(
                 "write the branch with torch.cond, or compute both sides and pick with "
                 "torch.where)")
     raise ExportError("; ".join(failures) + hint)
+
+
+def check_calls_fit(program: torch.export.ExportedProgram, calls: Sequence[tuple[str, Call]],
+                    name: str) -> None:
+    """Each call against the inputs the exported program takes, which its export example
+    fixed: a call that fits ``forward`` but not the program (a keyword the example did not
+    give, None for a tensor) otherwise fails the first decode making it, after the others.
+
+    Raises:
+        ModelError: naming the call, the program's inputs and the difference.
+    """
+    signature = signature_of(program)
+    for where, (args, kwargs) in calls:
+        why = signature.mismatch(args, kwargs)
+        if why:
+            raise ModelError(f"{name}(): {where} does not fit the exported program's inputs "
+                             f"{signature}: {why} (a program takes the inputs its export "
+                             "example gave)")
 
 
 def _export(
@@ -366,7 +393,7 @@ def _given_programs(made: Mapping, module: torch.nn.Module, name: str,
     if (not isinstance(programs, Mapping) or not programs or not all(
             isinstance(p, torch.export.ExportedProgram) for p in programs.values())):
         raise ModelError(f"{name}(): 'programs' must map method names to ExportedPrograms")
-    carried = made.get("carried") or {}
+    carried = _given(made, "carried", {})
     if not isinstance(carried, Mapping) or not all(
             isinstance(o, Mapping) for o in carried.values()):
         raise ModelError(f"{name}(): 'carried' must map method names to InputsToBuffers "
@@ -376,7 +403,7 @@ def _given_programs(made: Mapping, module: torch.nn.Module, name: str,
         raise ModelError(f"{name}(): 'carried' names {', '.join(map(repr, unknown))}, not "
                          f"among the programs ({', '.join(map(repr, programs))})")
     given = made.get("steps")
-    if not given or not isinstance(given, Sequence) or isinstance(given, str):
+    if not isinstance(given, Sequence) or isinstance(given, str) or not given:
         raise ModelError(f"{name}(): with 'programs', 'steps' must list the calls "
                          "(method, args[, kwargs]) in deployment order")
     specs = {str(method): MethodSpec() for method in programs}
@@ -418,7 +445,7 @@ def _method(method: Any, entry: Any, name: str, default_mode: str | None) -> Met
     if unknown:
         raise ModelError(f"{name}(): {where} has unknown keys {', '.join(map(repr, unknown))}; "
                          f"known: {', '.join(sorted(_METHOD_KEYS))}")
-    args, kwargs = entry.get("example_args", ()), entry.get("example_kwargs") or {}
+    args, kwargs = entry.get("example_args", ()), _given(entry, "example_kwargs", {})
     if not isinstance(args, tuple) or not isinstance(kwargs, Mapping):
         raise ModelError(f"{name}(): {where}: 'example_args' must be a tuple and "
                          "'example_kwargs' a mapping")

@@ -12,6 +12,7 @@ found so far.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -32,6 +33,7 @@ from pass_manager.validation import (
     run_program,
 )
 
+from .._analysis.marked_state import mutable_buffers
 from ..consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from ..delegation.ownership import program_state
 from ..errors import QuantizationInputError
@@ -269,6 +271,7 @@ def run_flow(
                 result.buffer_errors[name] = relative_buffer_errors(eager, trace)
             if RESET in traces:
                 quantization_checks(result, eager, traces, converted)
+            result.notes += _not_finite(result.step_errors)
             result.bought = _bought(result)
             # quantize_program's ExportedProgram goes on as it is: no re-export, no second
             # functionalization (its cache updates are already its mutation outputs).
@@ -369,6 +372,9 @@ def quantize_both_ways(
 
 def run_model(model: ModelSpec, **options: Any) -> FlowResult:
     """:func:`run_flow` on what a factory returned (:func:`~passes.flow.factory.model_spec`)."""
+    if not isinstance(model, ModelSpec):  # the factory's result itself, or several methods
+        raise TypeError(f"run_model takes model_spec(factory(), name, steps) of one method, got "
+                        f"{type(model).__name__} (several methods: run_methods_flow)")
     return run_flow(
         model.module,
         model.example_args,
@@ -389,7 +395,8 @@ def _state_notes(functional: Any) -> list[str]:
                       if spec.kind == kind]
                for kind in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)}
     notes = []
-    if not any(written.values()):
+    # A pipeline given as text may leave the writes in place (no mutation outputs): marked.
+    if not any(written.values()) and not mutable_buffers(functional):
         notes.append("the model writes no buffer: it keeps no state between calls, so the "
                      "passes have nothing to keep and the comparisons measure quantization "
                      "alone")
@@ -399,6 +406,14 @@ def _state_notes(functional: Any) -> list[str]:
                      "as state, but the state comparisons read buffers only, and ExecuTorch's "
                      "runtime refuses a written parameter (register them as buffers)")
     return notes
+
+
+def _not_finite(step_errors: Mapping[str, list[float]]) -> list[str]:
+    """The quantized decodes no number measures: the checks compare them with each other,
+    and pass when all of them are off by inf."""
+    broken = [name for name, errors in step_errors.items() if math.inf in errors]
+    return [f"off by inf from fp32 eager (an output NaN or inf, or of another shape) at "
+            f"some step: {', '.join(map(repr, broken))}"] if broken else []
 
 
 def _bought(result: FlowResult) -> list[str]:

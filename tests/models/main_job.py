@@ -75,3 +75,44 @@ def cache_and_running_sum():
     generator = torch.Generator().manual_seed(1)
     steps = [(torch.randn(1, 1, 8, generator=generator), torch.tensor([i])) for i in range(4)]
     return CacheAndRunningSum(), steps[0], steps
+
+
+class RunningSum(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4, dtype=dtype))
+        self.linear = torch.nn.Linear(4, 4).to(dtype)
+
+    def forward(self, x):
+        self.total.add_(self.linear(x).sum(0))
+        return self.total * 2
+
+
+def bfloat16_running_sum():
+    """A model as many checkpoints ship it: bfloat16 weights and state."""
+    torch.manual_seed(0)
+    return RunningSum(torch.bfloat16), (torch.randn(2, 4, dtype=torch.bfloat16),)
+
+
+class ScaledSum(torch.nn.Module):
+    """An optional keyword input: export fixes it at the example's value."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(3))
+
+    def forward(self, x, scale=1.0):
+        self.total.add_(x)
+        return self.total * scale
+
+
+def a_step_with_a_keyword_the_example_did_not_give():
+    x = torch.ones(3)
+    return {"module": ScaledSum(), "example_args": (x,), "steps": [(x,), ((x,), {"scale": 2.0})]}
+
+
+def a_method_call_with_a_keyword_its_example_did_not_give():
+    x = torch.ones(3)
+    return {"module": ScaledSum(), "methods": {"prefill": {"example_args": (x,)},
+                                               "decode": {"example_args": (x,)}},
+            "steps": [("prefill", (x,)), ("decode", (x,), {"scale": 2.0})]}

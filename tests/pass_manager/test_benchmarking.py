@@ -3,12 +3,14 @@ of the methods of one model), the program given left as it was."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pass_manager.benchmarking import benchmark_passes
 from pass_manager.program import node_count, program_text
 from passes import InplaceToFunctional, MarkMutableBuffers
 from passes.examples import decoder_job
+from tests.models.accumulators import Accumulate
 from tests.models.methods import decoder_methods
 
 PASSES = [MarkMutableBuffers(), InplaceToFunctional()]
@@ -38,3 +40,11 @@ def test_the_methods_of_one_model_are_timed_per_method():
         for index, name in enumerate(["MarkMutableBuffers", "InplaceToFunctional"])]
     assert result.nodes == sum(node_count(program) for program in programs.values())
     assert {name: program_text(p) for name, p in programs.items()} == before
+
+
+@pytest.mark.parametrize("repeat", [0, -1, 1.5, True])
+def test_a_repeat_that_is_no_positive_count_is_refused(repeat):
+    """repeat=0 timed nothing, then .table() failed on min() of no samples."""
+    program = torch.export.export(Accumulate(), (torch.ones(4),))
+    with pytest.raises(ValueError, match=f"repeat={repeat!r}: the runs to time, at least 1"):
+        benchmark_passes([], program, repeat=repeat)

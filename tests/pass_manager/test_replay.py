@@ -72,6 +72,15 @@ def test_a_folder_that_is_not_a_reproducer_is_one_line_and_status_2(tmp_path, ma
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+def test_the_folder_reproducers_are_written_in_names_them(written):
+    """Given the Reproducer's (or --reproducer-dir's) folder, the replay said only that it is
+    no reproducer; the main job's help says 'write a reproducer folder under DIR'."""
+    with pytest.raises(ArchiveError) as info:
+        load_reproducer(written.parent)
+    assert info.value.reason == ("it has no manifest.json: not a folder a Reproducer wrote; it "
+                                 f"holds reproducers: {written}")
+
+
 def _edited(written: Path, tmp_path: Path, edit) -> Path:
     folder = tmp_path / written.name
     folder.mkdir()

@@ -1,5 +1,6 @@
 """Running passes: condition checks and their cache, change detection, reports, hooks."""
 
+import copy
 import gc
 
 import pytest
@@ -13,6 +14,7 @@ from pass_manager import (
     PassFailedError,
     PassManager,
     PassResult,
+    PostconditionError,
     PreconditionError,
     PrintDiff,
     ProgramFormError,
@@ -293,3 +295,83 @@ def test_a_condition_whose_check_raises_is_named_not_blamed_on_the_pass(traced, 
     assert "the check of condition 'Buggy' raised KeyError" in info.value.reason
     assert isinstance(info.value.__cause__, KeyError)
     assert [n.target for n in graph_of(traced).nodes] == before  # rolled back
+
+
+@pytest.mark.parametrize("answer", [False, True, "a relu is left"])
+def test_a_check_answering_yes_or_no_or_one_string_is_named_not_read_as_violations(
+        traced, answer):
+    """False ("does not hold") passed as holding; a string was one violation per letter."""
+    answers = Condition("Answers", lambda program: answer)
+    before = [n.target for n in graph_of(traced).nodes]
+    with pytest.raises(PassFailedError) as info:
+        PassManager([function_pass(relu_to_abs, requires={answers})]).run(traced)
+    assert (f"the check of condition 'Answers' raised TypeError: check returned {answer!r}, not "
+            "the violations: a list of strings") in info.value.reason
+    assert [n.target for n in graph_of(traced).nodes] == before
+
+
+@pytest.mark.parametrize("mistake", [
+    lambda: PassManager(ReluToAbs()),
+    lambda: PassManager([ReluToAbs()], instruments=PrintDiff()),
+    lambda: PassManager([ReluToAbs()], instruments=[PrintDiff]),
+    lambda: PassManager([ReluToAbs()], instruments=[object()]),
+], ids=["a pass", "an instrument", "an instrument class", "not an instrument"])
+def test_passes_and_instruments_not_given_as_lists_of_them_are_named(mistake):
+    """They failed as "'ReluToAbs' object is not iterable", or at the first hook with
+    "before_run() missing 1 required positional argument" / an AttributeError."""
+    with pytest.raises(TypeError, match=r"PassManager takes its passes and instruments as lists|"
+                                        r"is not an Instrumentation instance"):
+        mistake()
+
+
+@pytest.mark.parametrize("preserves", [frozenset({NoRelu}), ALL_CONDITIONS],
+                         ids=["named", "everything"])
+def test_strict_checks_what_a_changing_pass_claims_to_preserve(traced, preserves):
+    """The claim was trusted even under strict=True: the next pass requiring the condition
+    ran on a program that broke it, and the pass that broke it was never named."""
+    class AbsToRelu(Pass):
+        def call(self, program):
+            for node in targets(program, "abs"):
+                node.target = torch.relu
+            return PassResult(program, True)
+
+    AbsToRelu.preserves = preserves
+    needs = function_pass(lambda program: None, requires={NoRelu}, name="needs_no_relu")
+    lax = PassManager([ReluToAbs(), AbsToRelu(), needs]).run(copy.deepcopy(traced))
+    assert [r.name for r in lax.report.records] == ["ReluToAbs", "AbsToRelu", "needs_no_relu"]
+    before = [n.target for n in graph_of(traced).nodes]
+    with pytest.raises(PostconditionError) as info:
+        PassManager([ReluToAbs(), AbsToRelu(), needs], strict=True).run(traced)
+    assert (info.value.pass_name, info.value.condition) == ("AbsToRelu", "NoRelu")
+    assert info.value.hint == "AbsToRelu declares it preserves it."
+    assert [n.target for n in graph_of(traced).nodes] != before  # ReluToAbs' rewrite stays
+    assert not targets(traced, "relu")  # and AbsToRelu's is rolled back
+
+
+def test_a_pass_returning_the_other_form_shows_no_change_it_did_not_make(exported):
+    """The rollback diff compared the program's text with the returned graph module's, so
+    it listed the signature's lines as removed: changes the pass had not made."""
+    to_module = function_pass(lambda program: program.module(), name="to_module")
+    with pytest.raises(PassFailedError) as info:
+        PassManager([to_module]).run(exported)
+    assert info.value.reason == ("returned a GraphModule for the ExportedProgram it was given: "
+                                 "a pass returns its form")
+    assert info.value.diff == ""
+    assert str(info.value).endswith("The pass was rolled back; it had not changed the graph.")
+
+
+@pytest.mark.parametrize("returned", [{"notes": "one remark"}, {"statistics": {"ops": "3"}},
+                                      {"statistics": {"ops": torch.tensor(3)}}],
+                         ids=["a string of notes", "a string count", "a tensor count"])
+def test_notes_or_statistics_the_report_cannot_read_are_named_at_the_pass(traced, returned):
+    """A string of notes became one note per letter; a count that is no number passed, then
+    printing the report raised 'Unknown format code'."""
+    def remarks(program):
+        relu_to_abs(program)
+        return PassResult(program, True, **returned)
+
+    before = [n.target for n in graph_of(traced).nodes]
+    with pytest.raises(PassFailedError, match="notes are a list of strings, statistics "
+                                              r"\{description: number\}"):
+        PassManager([function_pass(remarks)]).run(traced)
+    assert [n.target for n in graph_of(traced).nodes] == before

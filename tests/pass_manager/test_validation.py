@@ -1,6 +1,7 @@
 """Running programs for several calls: keyword inputs, programs torch cannot deep-copy, errors."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from pass_manager import (
     graph_of,
 )
 from pass_manager.validation import (
+    Trace,
     as_call,
     assert_same_behaviour,
     buffer_errors,
@@ -162,3 +164,23 @@ def test_state_carried_in_an_input_carries_across_calls_and_the_caller_keeps_its
     trace = run_program(WritesItsInput(), [((torch.ones(3), cache), {})] * 3)
     assert [out[0].tolist() for out in trace.outputs] == expected
     assert cache.tolist() == [0.0] * 3
+
+
+def test_a_difference_that_is_not_finite_is_infinite_not_the_largest_float():
+    """nan_to_num(inf) left +inf to its default, the largest float: a quantized output of inf
+    was reported as 'off by 1.8e+308', a 309-digit number in the main job's decode table."""
+    finite = Trace(outputs=[[torch.ones(2)]] * 2, buffers=[{"b": torch.ones(2)}] * 2)
+    broken = Trace(outputs=[[torch.tensor([1.0, float("inf")])], [torch.tensor([float("nan"),
+                                                                               1.0])]],
+                   buffers=[{"b": torch.tensor([float("inf"), 1.0])}] * 2)
+    assert output_errors(finite, broken) == [math.inf, math.inf]
+    assert buffer_errors(finite, broken) == [{"b": math.inf}] * 2
+
+
+def test_an_integer_output_that_differs_is_an_error_not_left_out():
+    """Only floating-point outputs were compared: a decoder returning token ids or the
+    position it wrote at was 'off by 0' (the main job's quantized decode) whatever it gave."""
+    expected = Trace(outputs=[[torch.ones(2), torch.tensor(1), torch.tensor([True])]])
+    actual = Trace(outputs=[[torch.ones(2), torch.tensor(4), torch.tensor([False])]])
+    assert output_errors(expected, actual) == [3.0]
+    assert output_errors(expected, expected) == [0.0]

@@ -9,7 +9,8 @@ import torch
 
 from pass_manager import Pass, PassResult, graph_module_of
 
-__all__ = ["AddToSub", "FailAfterRewrite", "FailsWithItsConstructorOption", "Nothing"]
+__all__ = ["AddToSub", "FailAfterRewrite", "FailsWithAnyOption", "FailsWithItsConstructorOption",
+           "Nothing"]
 
 aten = torch.ops.aten
 
@@ -60,3 +61,14 @@ class FailsWithItsConstructorOption(Pass):
     def call(self, program: Any) -> PassResult:
         _add_to_sub(program)
         raise RuntimeError(f"threshold {self.threshold} exceeded")
+
+
+@dataclass(frozen=True, repr=False)
+class FailsWithAnyOption(Pass):
+    """An option of any value (a tensor, a dtype, a function): its failure depends on it."""
+
+    option: Any = None
+
+    def call(self, program: Any) -> PassResult:
+        _add_to_sub(program)
+        raise RuntimeError(f"failed with {self.option!r}")

@@ -71,3 +71,10 @@ def test_print_ir_is_an_instrument_a_user_can_add(exported):
     PassManager([AddToSub()], instruments=[PrintIR(after="AddToSub", to=stream)]).run(exported)
     assert "IR Dump After AddToSub (#0)" in stream.getvalue()
     assert "aten.sub.Tensor" in stream.getvalue()
+
+
+def test_print_to_a_file_is_refused_where_it_is_given(exported, tmp_path):
+    """Each dump made a folder of it: FileExistsError escaped the manager after the pass."""
+    (tmp_path / "dump.txt").write_text("")
+    with pytest.raises(ValueError, match="a file, not a folder; to= takes a folder"):
+        PrintIR(after=True, to=tmp_path / "dump.txt")

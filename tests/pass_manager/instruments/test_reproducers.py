@@ -29,7 +29,13 @@ from passes.delegation import program_state
 from tests.models.accumulators import Accumulate
 from tests.models.failing import writes_constant
 
-from .failing_passes import AddToSub, FailAfterRewrite, FailsWithItsConstructorOption, Nothing
+from .failing_passes import (
+    AddToSub,
+    FailAfterRewrite,
+    FailsWithAnyOption,
+    FailsWithItsConstructorOption,
+    Nothing,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -297,6 +303,31 @@ def test_a_pass_whose_options_are_not_dataclass_fields_is_not_replayed_without_t
     assert "constructor takes threshold" in manifest["not_replayable_because"]
     with pytest.raises(ArchiveError, match="cannot be replayed"):
         load_reproducer(info.value.reproducer, trusted=True)
+
+
+@pytest.mark.parametrize("option", [torch.ones(2), torch.float16, abs, float("inf")],
+                         ids=["tensor", "dtype", "function", "inf"])
+def test_a_pass_whose_option_has_no_text_is_recorded_as_not_replayable(option, tmp_path):
+    """Its repr went into the pipeline text and the manifest said replayable; the replay then
+    failed to parse it (exit 2, 'cannot load the reproducer')."""
+    with pytest.raises(PassFailedError) as info:
+        PassManager([FailsWithAnyOption(option)], instruments=[Reproducer(tmp_path)]).run(
+            _program("ExportedProgram"))
+    manifest = json.loads((info.value.reproducer / "manifest.json").read_text())
+    assert manifest["replayable"] is False and manifest["pipeline"] is None
+    assert manifest["not_replayable_because"].startswith(
+        "FailsWithAnyOption has no pipeline text: its option option=")
+    with pytest.raises(ArchiveError, match="cannot be replayed"):
+        load_reproducer(info.value.reproducer, trusted=True)
+
+
+def test_a_pass_whose_options_are_literals_is_replayed_with_them(tmp_path):
+    option = {"floor": -0.5, "names": ("a", 'b,{"c"}'), "op": torch.ops.aten.add.Tensor}
+    with pytest.raises(PassFailedError) as info:
+        PassManager([FailsWithAnyOption(option)], instruments=[Reproducer(tmp_path)]).run(
+            _program("ExportedProgram"))
+    assert load_reproducer(info.value.reproducer, trusted=True).passes == [
+        FailsWithAnyOption(option)]
 
 
 def test_a_pass_that_cannot_be_rebuilt_is_recorded_and_load_refuses_it_by_name(tmp_path):

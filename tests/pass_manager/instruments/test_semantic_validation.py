@@ -205,3 +205,11 @@ def test_a_validation_of_no_calls_is_refused(inputs, calls):
     with pytest.raises(ValidationInputError) as info:
         SemanticValidation(inputs, calls=calls)
     assert info.value.call is None and "SemanticValidation" in str(info.value)
+
+
+@pytest.mark.parametrize("tolerances", [{"atol": -1e-6}, {"rtol": float("nan")}, {"atol": "0"}])
+def test_a_tolerance_that_is_no_number_at_least_zero_is_refused_before_any_pass(tolerances):
+    """torch.allclose refused it after the first changing pass: the pass was reported as
+    failing (PassFailedError) and rolled back."""
+    with pytest.raises(ValidationInputError, match="the tolerances are numbers, at least 0"):
+        SemanticValidation((_X, _POS), **tolerances)

@@ -193,6 +193,9 @@ def test_a_closed_stdout_ends_the_job_quietly(tmp_path):
     [
         ("--json", "missing/report.json", "--json missing/report.json: no folder 'missing'"),
         ("--json", "a_folder", "--json a_folder: a folder, not a file"),
+        # It wrote a file named '-' in the current folder.
+        ("--json", "-", "--json -: not stdout: the report goes there; give a file name"),
+        ("--dot", "-", "--dot -: not stdout: the report goes there; give a file name"),
         ("--dot", "a_file/plan.dot", "--dot a_file/plan.dot: 'a_file' is a file, not a folder"),
         ("--print-to", "a_file", "--print-to a_file: a file, not a folder"),
         ("--reproducer-dir", "a_file", "--reproducer-dir a_file: a file, not a folder"),
@@ -268,3 +271,58 @@ def test_state_that_fits_in_memory_is_not_warned(monkeypatch, capsys):
     monkeypatch.setattr(flow, "run_flow", lambda *args, **kwargs: flow.FlowResult(plan="0. P"))
     status = cli.main(["run", "--runtime", "python", MODEL, "--steps", "2", "--quiet"])
     assert status == 0 and capsys.readouterr().err == ""
+
+
+def test_a_bfloat16_model_on_executorchs_runtime_is_a_usage_error(monkeypatch, capsys):
+    """ExecuTorch's dequantize aborted the whole job (status 134, no report) on it."""
+    def flow_must_not_run(*args, **kwargs):
+        raise AssertionError("a bfloat16 model reached the flow")
+
+    monkeypatch.setattr(flow, "run_flow", flow_must_not_run)
+    status = cli.main(["run", "tests.models.main_job:bfloat16_running_sum", "--steps", "2",
+                       "--runtime", "executorch"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.strip() == (
+        "error: --runtime executorch: tests.models.main_job:bfloat16_running_sum computes in "
+        "torch.bfloat16 (linear.weight), and the ExecuTorch runtime stage takes float32 "
+        "programs (ExecuTorch's dequantize aborts on a bfloat16 output; the check allows "
+        "float32's 1e-5): convert the model with .float() in the factory, or run with "
+        "--runtime python")
+
+
+def test_a_bfloat16_model_by_default_decodes_in_python_with_a_notice(monkeypatch, capsys):
+    import passes.executorch as executorch
+
+    monkeypatch.setattr(executorch, "available", lambda: True)
+    status = cli.main(["run", "tests.models.main_job:bfloat16_running_sum", *FAST])
+    captured = capsys.readouterr()
+    assert status == 0, captured.out + captured.err
+    assert "decoding in Python only: tests.models.main_job:bfloat16_running_sum computes in " \
+           "torch.bfloat16" in captured.err
+    assert "runtime python" in captured.out.splitlines()[0]
+
+
+@pytest.mark.parametrize(("factory", "where"), [
+    ("a_step_with_a_keyword_the_example_did_not_give", "steps[1]"),
+    ("a_method_call_with_a_keyword_its_example_did_not_give", "steps[1] (decode)"),
+])
+def test_a_call_that_fits_forward_but_not_the_exported_program_is_a_load_error(
+        monkeypatch, capsys, factory, where):
+    """It failed the first decode making it (status 3) after the decodes before it; for
+    several methods, after each method's export."""
+    def flow_must_not_run(*args, **kwargs):
+        raise AssertionError("a call that does not fit reached the flow")
+
+    monkeypatch.setattr(flow, "run_flow", flow_must_not_run)
+    import passes.flow.run_methods as methods_flow
+
+    monkeypatch.setattr(methods_flow, "run_methods_flow", flow_must_not_run)
+    model = f"tests.models.main_job:{factory}"
+    status = cli.main(["run", "--runtime", "python", model, "--steps", "2"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.strip() == (
+        f"error: {model}(): {where} does not fit the exported program's inputs (x): the program "
+        "takes no keyword argument(s) 'scale' (a program takes the inputs its export example "
+        "gave)")

@@ -44,6 +44,9 @@ def _programs() -> dict:
         (lambda m: m.update(carried={"generate": {}}), "'carried' names 'generate'"),
         (lambda m: m.update(carried={"decode": ["h"]}), "'carried' must map"),
         (lambda m: m.pop("steps"), "'steps' must list the calls"),
+        # A tensor has no truth value: read for one, these raised a RuntimeError traceback.
+        (lambda m: m.update(steps=torch.ones(2)), "'steps' must list the calls"),
+        (lambda m: m.update(carried=torch.ones(2)), "'carried' must map"),
     ],
 )
 def test_a_malformed_programs_factory_is_a_model_error_saying_what_to_change(edit, message):

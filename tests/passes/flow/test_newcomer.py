@@ -21,6 +21,7 @@ from pass_manager.report import PassRecord
 from pass_manager.validation import Trace
 from passes.flow import cli
 from passes.flow import run_methods as methods_flow
+from passes.flow.examples import decoder_job, prefill_decode_job
 from passes.flow.result import FlowResult
 
 from .main_job_cli import ROOT
@@ -196,12 +197,83 @@ class _WritesAParameter(torch.nn.Module):
         return x * self.scale
 
 
-def _flow(model, dtype=torch.float32):
+class _CountsCalls(torch.nn.Module):
+    """Integer state alone: a call counter, no floating-point buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.proj(x) + self.calls
+
+
+def _flow(model, dtype=torch.float32, **options):
     from passes.flow import run_flow
 
     torch.manual_seed(0)
     steps = [(torch.randn(2, 4, dtype=dtype),) for _ in range(3)]
-    return run_flow(model, steps[0], steps, delegate=False, log=lambda line: None)
+    return run_flow(model, steps[0], steps, delegate=False, log=lambda line: None, **options)
+
+
+def test_a_model_with_integer_state_alone_is_not_told_it_has_no_buffers():
+    result = _flow(_CountsCalls())
+    assert result.ok
+    buffers_check = next(c for c in result.checks if c.name.startswith("quantized buffers"))
+    assert buffers_check.detail == (
+        "the model's buffers are integers (calls): no quantization grid to compare them on; "
+        "their values reach the outputs compared below")
+
+
+class _ReturnsItsPosition(_CountsCalls):
+    """Returns the position it wrote at beside its output, as a generate loop reads it."""
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.proj(x), self.calls + 0
+
+
+def test_an_integer_output_off_after_calibration_shows_in_the_decode():
+    """Integer outputs were left out of the comparison: torchao's recipe, which starts
+    decoding at the position calibration left (3 calls on), was 'off by 0'."""
+    from passes.flow.quantization import NO_PASSES, WITH_PASSES
+
+    result = _flow(_ReturnsItsPosition())
+    assert result.step_errors[NO_PASSES] == [3.0, 3.0, 3.0]
+    assert max(result.step_errors[WITH_PASSES]) < 0.1
+    assert result.bought[0].startswith("first decode step off by 3 without the passes")
+
+
+class _DividesByItsState(torch.nn.Module):
+    """A state that shrinks below its 8-bit grid: quantized, it is 0, and divides."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 1e-4))
+
+    def forward(self, x):
+        self.scale.mul_(0.5)
+        return self.proj(x) / self.scale
+
+
+def test_a_quantized_decode_off_by_inf_is_told_so():
+    """Every column read 'inf' (a 309-digit number before) and the checks, which compare the
+    flows with each other, passed without a word."""
+    result = _flow(_DividesByItsState())
+    assert ("off by inf from fp32 eager (an output NaN or inf, or of another shape) at some "
+            "step: 'quantized, no passes', 'quantized, no passes, caches reset by hand', "
+            "'quantized, with passes'") in result.notes
+
+
+def test_a_pipeline_leaving_the_writes_in_place_is_not_told_the_model_writes_no_buffer():
+    from pass_manager import parse_pipeline
+
+    result = _flow(_CountsCalls(), quantize=False, pipeline=parse_pipeline("MarkMutableBuffers"))
+    assert result.ok
+    assert not any("writes no buffer" in note for note in result.notes), result.notes
 
 
 def test_a_model_without_state_is_told_so_not_shown_a_zero_state_error():
@@ -260,3 +332,16 @@ def test_a_model_whose_own_import_fails_is_not_said_to_be_missing(monkeypatch, c
         f"error: cannot import {model.split(':')[0]!r}: it imports 'a_package_nobody_installed', "
         "which is not installed (ModuleNotFoundError: No module named "
         "'a_package_nobody_installed')")
+
+
+@pytest.mark.parametrize("made", [lambda: decoder_job(n_layers=1, steps=2),
+                                  lambda: prefill_decode_job(n_layers=1)],
+                         ids=["a factory's result", "several methods"])
+def test_run_model_given_what_it_does_not_take_says_what_it_takes(made):
+    """It failed with "AttributeError: 'tuple' object has no attribute 'module'"."""
+    from passes.flow import model_spec, run_model
+
+    given = made()
+    given = model_spec(given, "job", 2) if isinstance(given, dict) else given
+    with pytest.raises(TypeError, match=r"run_model takes model_spec\(factory\(\), name, steps\)"):
+        run_model(given, quantize=False, log=lambda line: None)
