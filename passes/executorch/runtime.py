@@ -64,6 +64,7 @@ __all__ = [
     "runtime_pairs",
     "runtime_steps",
     "within_grid_steps",
+    "within_grid_steps_per_call",
 ]
 
 PROGRAM_FORMS = (
@@ -582,3 +583,15 @@ def within_grid_steps(difference: float, grid: float, steps: int = 1) -> bool:
     of a step): a runtime whose integer kernels round differently lands ``steps`` grid
     points away at most."""
     return difference <= grid * (steps + GRID_ROUNDING_SLACK)
+
+
+def within_grid_steps_per_call(differences: Sequence[float], grid: float,
+                               carries_state: bool) -> bool:
+    """Whether a runtime's per-call ``differences`` from the same quantized program in
+    Python are its kernels' rounding: one grid step at each call, and where the program
+    writes state, one more per call before it. A value that differs by one grid step is
+    written into the state and read by the next call, which rounds again (an accumulator
+    measured at 2 steps from its second call, seeds 1 and 5 of 6); a state the runtime
+    drops or misreads is off by the state's magnitude, many steps at once."""
+    return all(within_grid_steps(difference, grid, call + 1 if carries_state else 1)
+               for call, difference in enumerate(differences))

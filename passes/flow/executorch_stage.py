@@ -12,13 +12,14 @@ import torch
 
 from pass_manager.validation import Trace, run_program
 
+from .._analysis.buffers import find_mutations
 from ..executorch.plan import planned_memory
 from ..executorch.runtime import (
     decode_on_runtime,
     lower_for_runtime,
     output_grid,
     runtime_steps,
-    within_grid_steps,
+    within_grid_steps_per_call,
 )
 from .result import Check
 
@@ -66,8 +67,9 @@ def flow_stage(
     eager), a line per program to the delegate summary (delegates, .pte size, planned
     mutable-buffer bytes read from its execution plan, the wrapper's notes) and a check that
     the runtime's outputs match the Python program's at every step: within 1e-5 in fp32,
-    within one step of the output's quantization grid when quantized
-    (:func:`~passes.executorch.runtime.within_grid_steps`). With ``--quantize-state`` the
+    within one step of the output's quantization grid when quantized, one more per call
+    before it when the program writes state
+    (:func:`~passes.executorch.runtime.within_grid_steps_per_call`). With ``--quantize-state`` the
     planned bytes of the quantized programs also go to ``result.state_storage``.
     """
     stage("check the steps against the programs' inputs",
@@ -84,9 +86,14 @@ def flow_stage(
                         lambda lowered=lowered: decode_on_runtime(lowered, None, steps))
         result.step_errors[f"{name} on executorch"] = _worst_per_step(eager, decoded.trace)
         grid = output_grid(program)
-        worst = max(_worst_per_step(python, decoded.trace), default=0.0)
-        close = worst <= FP32_TOLERANCE if grid is None else within_grid_steps(worst, grid)
-        bound = "1e-5" if grid is None else f"one quantization step ({grid:.3g})"
+        differences = _worst_per_step(python, decoded.trace)
+        worst = max(differences, default=0.0)
+        stateful = bool(find_mutations(program).writers)
+        close = (worst <= FP32_TOLERANCE if grid is None else
+                 within_grid_steps_per_call(differences, grid, stateful))
+        bound = ("1e-5" if grid is None else f"one quantization step ({grid:.3g})"
+                 + (" per call so far: the state carries each call's rounding" if stateful
+                    else ""))
         result.checks.append(Check(
             f"ExecuTorch runtime decodes the {name} program like Python (within {bound})",
             len(decoded.trace.outputs) == len(python.outputs) and close,

@@ -1,5 +1,6 @@
 """The main job's ExecuTorch stage: keyword steps, steps checked before any lowering, and
-the quantized comparison "within one grid step" allowing float32 rounding."""
+the quantized comparison "within one grid step" allowing float32 rounding, one more per
+call before it when the state carries each call's rounding into the next."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ pytest.importorskip("executorch")
 
 from pass_manager.validation import Trace
 from passes.executorch import ExecuTorchInputError
-from passes.executorch.runtime import GRID_ROUNDING_SLACK, within_grid_steps
+from passes.executorch.runtime import (
+    GRID_ROUNDING_SLACK,
+    within_grid_steps,
+    within_grid_steps_per_call,
+)
 from passes.flow.executorch_stage import flow_stage
 from passes.flow.run import run_flow
 
@@ -28,6 +33,42 @@ def test_one_grid_step_apart_passes_despite_float32_rounding():
     assert not within_grid_steps(grid * 1.01, grid)  # not rounding: off the grid
     assert not within_grid_steps(2 * grid, grid) and within_grid_steps(2 * grid, grid, steps=2)
     assert GRID_ROUNDING_SLACK < 0.01
+
+
+def test_state_allows_one_more_grid_step_per_call_before():
+    grid = 0.0347
+    twice = [grid, 2 * grid, grid, 2 * grid]  # an accumulator's runtime, seed 1 below
+    assert within_grid_steps_per_call(twice, grid, carries_state=True)
+    assert not within_grid_steps_per_call(twice, grid, carries_state=False)
+    assert not within_grid_steps_per_call([2 * grid], grid, carries_state=True)  # first call
+    assert not within_grid_steps_per_call([0.0, 3 * grid], grid, carries_state=True)
+    assert within_grid_steps_per_call([], grid, carries_state=True)
+
+
+class RunningSum(torch.nn.Module):
+    """An fp32 accumulator of a quantized linear's outputs, returned beside them."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(4))
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.acc.add_(self.lin(x).sum(0))
+        return self.lin(x) + self.acc
+
+
+def test_a_quantized_accumulator_on_the_runtime_passes_its_check():
+    """Seed 1: XNNPACK rounds the linear one grid step off Python's kernels, the
+    accumulator carries it, and the next calls were 2 steps off: the check failed a
+    correct program (2 of seeds 1-6) when it allowed one step at every call."""
+    torch.manual_seed(1)
+    model, example = RunningSum(), (torch.randn(2, 4),)
+    result = run_flow(model, example, [example] * 8, delegate=False, runtime="executorch",
+                      log=lambda line: None)
+    (check,) = [c for c in result.checks if "quantized program like Python" in c.name]
+    assert check.passed, check
+    assert "per call so far" in check.name
 
 
 class KeywordCounter(torch.nn.Module):
