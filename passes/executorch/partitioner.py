@@ -241,14 +241,14 @@ class BufferOwningPartitioner(Partitioner):
                 fqn, list(shared[fqn].methods), partitions,
                 f"{shared[fqn].describe()}; ExecuTorch shares a top-level buffer between "
                 "methods, never a delegate's copy")
-        unfolded = _unfolded_quantize(program, result.partition_tags)
+        unfolded = _unfolded_quantize(program, result.partition_tags, set(shared))
         if unfolded is not None:
             self._restore(graph, before)
             raise unfolded
         scalar_notes = self._keep_scalar_quantize_out(program, result.partition_tags)
         scalar_notes += _keep_dropped_quantize_out(program, result.partition_tags)
         scalar_notes += _keep_pass_through_clones_out(program, result.partition_tags)
-        scalar_notes += _keep_unsigned_grids_out(program, result.partition_tags)
+        scalar_notes += _keep_unsigned_grids_out(program, result.partition_tags, set(shared))
         verdicts = self._verdicts(program, result.partition_tags, shared)
         owned = []
         for verdict in verdicts:
@@ -562,12 +562,12 @@ def _on_unsigned_grid(node: Node) -> bool:
     return any(_unsigned_grid(value) for value in (*node.all_input_nodes, *node.users))
 
 
-def _constant_inputs(program: ExportedProgram) -> dict[str, str]:
+def _constant_inputs(program: ExportedProgram, state: set[str]) -> dict[str, str]:
     """The placeholders of ``program`` holding constants (parameters, buffers, lifted
     tensor constants), each with its FQN. A written parameter or buffer is state, not a
-    constant."""
+    constant, and so is a buffer in ``state`` (one another method writes)."""
     sig = program.graph_signature
-    mutated = {*sig.buffers_to_mutate.values(), *sig.parameters_to_mutate.values()}
+    mutated = {*sig.buffers_to_mutate.values(), *sig.parameters_to_mutate.values(), *state}
     constants = {name: fqn for name, fqn in (*sig.inputs_to_parameters.items(),
                                              *sig.inputs_to_buffers.items())
                  if fqn not in mutated}
@@ -576,7 +576,7 @@ def _constant_inputs(program: ExportedProgram) -> dict[str, str]:
 
 
 def _keep_unsigned_grids_out(
-    program: ExportedProgram, partition_tags: dict[str, Any]
+    program: ExportedProgram, partition_tags: dict[str, Any], state: set[str]
 ) -> list[str]:
     """Keep at the top level each XNNPACK partition computing on a uint8 grid, or only on
     dequantized constants; a note each.
@@ -595,7 +595,7 @@ def _keep_unsigned_grids_out(
 
     xnnpack = _xnnpack_tags(partition_tags)
     notes: list[str] = []
-    constants = _constant_inputs(program) if xnnpack else {}
+    constants = _constant_inputs(program, state) if xnnpack else {}
     for tag in sorted(xnnpack):
         nodes = [node for node in program.graph.nodes if node.meta.get(DELEGATION_TAG) == tag]
         unsigned = next((node for node in nodes if _unsigned_grid(node)), None)
@@ -630,7 +630,7 @@ def _untag_quantize(quantize: Node, tag: str) -> None:
 
 
 def _unfolded_quantize(
-    program: ExportedProgram, partition_tags: dict[str, Any]
+    program: ExportedProgram, partition_tags: dict[str, Any], state: set[str]
 ) -> UnfoldedQuantizeError | None:
     """The error for the first quantize of a constant (not 0-d) an XNNPACK partition holds:
     ``convert_pt2e(fold_quantize=False)`` leaves weights so, and XNNPACK computes wrong
@@ -642,7 +642,7 @@ def _unfolded_quantize(
         return None
     # A written parameter is state, read as state is (quantized in the graph), not a weight
     # left unfolded; lowering refuses it as written (ParameterMutationOnExecuTorchError).
-    constants = _constant_inputs(program)
+    constants = _constant_inputs(program, state)
     for node in program.graph.nodes:
         tag = node.meta.get(DELEGATION_TAG)
         if tag in xnnpack and is_quant(node) and isinstance(node.args[0], Node):
