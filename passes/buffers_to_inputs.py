@@ -3,6 +3,8 @@ InputsToBuffers."""
 
 from __future__ import annotations
 
+import keyword
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +37,9 @@ class BuffersToInputs(Pass):
     made resident come back exactly as they were (``returned=None``, the default: each as it
     was carried): same inputs, names, positions, outputs, call specs and example inputs;
     state that run's prefill created goes back to being created and returned. Other buffers
-    become keyword inputs named by their FQN (their value in the example inputs), appended
+    become keyword inputs named by their FQN with ``_`` for each character a Python name
+    cannot hold (``layers.0.k_cache`` -> ``layers_0_k_cache``: torch generates a ``forward``
+    with them as parameters; the notes say which), their value in the example inputs, appended
     after the others; returned values are appended to the outputs (a returned tuple grows,
     anything else becomes ``(outputs, *new values)``). The result is a new program; its
     input is left untouched. Requires the functional form.
@@ -97,6 +101,9 @@ class BuffersToInputs(Pass):
     def _plan(self, view: ProgramView, nodes: dict[str, list], chosen: list[str],
               record: CarriedRecord | None) -> list[Explicit]:
         moved = {m.buffer: m for m in record.moved} if record is not None else {}
+        own = {node for fqn in chosen for node in nodes[fqn]}
+        taken = {node.name for node in view.gm.graph.find_nodes(op="placeholder")
+                 if node not in own}
         explicit = []
         for fqn in chosen:
             value = next((view.writes[n] for n in nodes[fqn] if n in view.writes), None)
@@ -106,8 +113,24 @@ class BuffersToInputs(Pass):
                                          m.input or fqn, m.input_index, m.output_indices,
                                          m.input is not None))
             else:
-                explicit.append(Explicit(fqn, nodes[fqn], value, not self.returned, fqn))
+                explicit.append(Explicit(fqn, nodes[fqn], value, not self.returned,
+                                         _keyword(fqn, taken)))
         return explicit
+
+
+def _keyword(fqn: str, taken: set[str]) -> str:
+    """The keyword input a buffer becomes: its FQN with every character a Python name
+    cannot hold as ``_`` (``layers.0.k_cache`` -> ``layers_0_k_cache``), made unique
+    among the other inputs' names ``taken`` (which it joins). torch writes keyword inputs
+    as the parameters of the ``forward`` it generates (``ep.module()``,
+    ``run_decompositions``, hence ExecuTorch's lowering): a dotted name is a SyntaxError."""
+    base = re.sub(r"\W", "_", fqn)
+    base = base if base.isidentifier() else f"_{base}"
+    name, suffix = base, 1
+    while name in taken or keyword.iskeyword(name):
+        name, suffix = f"{base}_{suffix}", suffix + 1
+    taken.add(name)
+    return name
 
 
 def _named(view: ProgramView, node: Any) -> Any:
