@@ -578,8 +578,9 @@ def _constant_inputs(program: ExportedProgram, state: set[str]) -> dict[str, str
 def _keep_unsigned_grids_out(
     program: ExportedProgram, partition_tags: dict[str, Any], state: set[str]
 ) -> list[str]:
-    """Keep at the top level each XNNPACK partition computing on a uint8 grid, or only on
-    dequantized constants; a note each.
+    """Keep at the top level each XNNPACK partition computing on a uint8 grid, and each
+    value an XNNPACK partition computes from dequantized constants alone but hands out; a
+    note each.
 
     ExecuTorch 1.5.1's XNNPACK serializer writes every per-tensor quantized value that is
     not int32 as ``qint8``, uint8 included (QnnQuantizer's activations): with a zero point
@@ -587,36 +588,61 @@ def _keep_unsigned_grids_out(
     0x1), with one below it reads uint8 bytes as int8 and computes wrong values silently
     (``x + 1`` off by 1.0 on values of 1-5). Its partitioner takes such values all the same.
     XNNPACK's GEMM configs refuse a GEMM on uint8 activations, and leave the transpose of
-    its dequantized weight in a partition of its own, which fails to load too ("Failed to
-    create static transpose"). Kept out whole, those partitions' ops run on ExecuTorch's
-    portable kernels, which compute what the quantized program does.
+    its dequantized weight in a partition, whose output XNNPACK then fails to load ("Failed
+    to create static transpose"). Kept out, those ops run on ExecuTorch's portable kernels,
+    which compute what the quantized program does.
     """
-    from executorch.backends.xnnpack.utils.quant_utils import is_dequant
-
     xnnpack = _xnnpack_tags(partition_tags)
     notes: list[str] = []
     constants = _constant_inputs(program, state) if xnnpack else {}
     for tag in sorted(xnnpack):
         nodes = [node for node in program.graph.nodes if node.meta.get(DELEGATION_TAG) == tag]
         unsigned = next((node for node in nodes if _unsigned_grid(node)), None)
-        received = {value for node in nodes if node.op != "placeholder"
-                    for value in node.all_input_nodes
-                    if value.op == "placeholder" or value.meta.get(DELEGATION_TAG) != tag}
-        on_constants = any(is_dequant(node) for node in nodes) and all(
-            value.op == "placeholder" and value.name in constants for value in received)
-        if unsigned is None and not on_constants:
+        if unsigned is not None:
+            kept = nodes
+            why = (f"it computes on a uint8 grid ({unsigned.name}), which ExecuTorch's "
+                   "XNNPACK serializes as int8 (wrong values, or a method that fails to load)")
+        else:
+            kept = _constant_values_handed_out(nodes, tag, constants)
+            why = ("they compute from dequantized constants alone and leave the partition "
+                   "(XNNPACK left out the op using them), which XNNPACK fails to load")
+        if not kept:
             continue
-        for node in nodes:
+        for node in kept:
             del node.meta[DELEGATION_TAG]
-        del partition_tags[tag]
-        why = (f"it computes on a uint8 grid ({unsigned.name}), which ExecuTorch's XNNPACK "
-               "serializes as int8 (wrong values, or a method that fails to load)"
-               if unsigned is not None else
-               "it computes only on dequantized constants (XNNPACK left out the op using "
-               "them), which XNNPACK fails to load")
-        notes.append(f"kept partition {tag!r} ({len(nodes)} nodes) out of XNNPACK: {why}; "
-                     "its ops run on ExecuTorch's portable kernels")
+        if all(node in kept for node in nodes):
+            del partition_tags[tag]
+        names = ", ".join(node.name for node in kept if node.op != "placeholder")
+        notes.append(f"kept {names} out of XNNPACK partition {tag!r}: {why}; they run on "
+                     "ExecuTorch's portable kernels")
     return notes
+
+
+def _constant_values_handed_out(nodes: list[Node], tag: str, constants: Mapping[str, str]
+                                ) -> list[Node]:
+    """The nodes of partition ``tag`` (``nodes``, in graph order) computing from dequantized
+    constants alone whose values no node of the partition uses but another one of them (a
+    weight's ``dequantize`` -> ``permute`` whose GEMM stayed out), with the constants only
+    they read."""
+    from executorch.backends.xnnpack.utils.quant_utils import is_dequant
+
+    derived: set[Node] = set()
+    for node in nodes:
+        inputs = node.all_input_nodes
+        if node.op == "call_function" and inputs and all(
+                value in derived or (value.op == "placeholder" and value.name in constants)
+                for value in inputs) and (is_dequant(node) or any(v in derived for v in inputs)):
+            derived.add(node)
+    kept: list[Node] = []
+    for node in reversed(nodes):
+        if node in derived and not any(
+                user.meta.get(DELEGATION_TAG) == tag and user not in kept for user in node.users):
+            kept.append(node)
+    for node in nodes:  # constants no node left in the partition reads
+        if node.op == "placeholder" and node.name in constants and kept and not any(
+                user.meta.get(DELEGATION_TAG) == tag and user not in kept for user in node.users):
+            kept.append(node)
+    return kept
 
 
 def _untag_quantize(quantize: Node, tag: str) -> None:
