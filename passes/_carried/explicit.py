@@ -3,7 +3,8 @@
 Each buffer's node becomes an input placeholder; the value the program writes into it is
 written into that input in place, or returned. Restoring an InputsToBuffers record puts every
 input and output back where it was (same names, specs, example inputs); other buffers become
-keyword inputs named by their FQN, their new values appended to the outputs.
+keyword inputs named by their FQN as a Python name (``layers_0_k_cache``), their new values
+appended to the outputs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class Explicit:
         nodes: the nodes reading it (its placeholder, or every get_attr of it).
         value: the value the program writes into it (None: it is only read).
         in_place: write that value into the input (else return it).
-        input_name: the input's name (a restored record's, or the buffer's FQN).
+        input_name: the input's name (a restored record's, or the buffer's FQN as a Python
+            name).
         input_index: its flat input position (a restored record), else appended.
         output_indices: where its value is returned (a restored record), else appended
             once when not in place.

@@ -39,12 +39,15 @@ from ..errors import QuantizationFlowError
 
 __all__ = ["BufferObservers", "buffer_observers", "share_observers"]
 
-# What must agree for two observers to stand for one grid.
+# What must agree for two observers to stand for one grid. Not their class: one quantizer
+# observes one buffer's values with several (QnnQuantizer: a ConcatObserver on a key written
+# from a `cat`, a MovingAverageMinMaxObserver on its reads), and one instance of either
+# gives every method the grid of all the values it saw.
 _CONFIG = ("dtype", "qscheme", "quant_min", "quant_max", "ch_axis", "is_dynamic")
 
 
 def _config(observer: torch.nn.Module) -> tuple:
-    return (type(observer), *(getattr(observer, key, None) for key in _CONFIG))
+    return tuple(getattr(observer, key, None) for key in _CONFIG)
 
 
 def _describe(observer: torch.nn.Module) -> str:

@@ -130,7 +130,8 @@ class BufferOwningPartitioner(Partitioner):
             marked fused into a GEMM it then left out, which XNNPACK would drop and compute
             with an uninitialized tensor in its place; and so is a copy an XNNPACK
             partition holds of a value it also returns or receives, which XNNPACK would
-            drop and then refuse to return twice or pass through.)
+            drop and then refuse to return twice or pass through; and so is a whole XNNPACK
+            partition computing on a uint8 grid, which XNNPACK serializes as int8.)
 
     Warns:
         DelegateStateWarning: from ``partition``, a Core ML delegate will own an fp32 buffer
@@ -189,7 +190,14 @@ class BufferOwningPartitioner(Partitioner):
     def ops_to_not_decompose(
         self, ep: ExportedProgram
     ) -> tuple[list[torch._ops.OpOverload], Callable[[Node], bool] | None]:
-        return self.partitioner.ops_to_not_decompose(ep)
+        ops, keep = self.partitioner.ops_to_not_decompose(ep)
+        if _backend_id(self.partitioner) != XNNPACK_BACKEND:
+            return ops, keep
+        # An op on a uint8 grid will not be delegated (_keep_unsigned_grids_out): kept
+        # whole, it would be neither decomposed nor delegated, which lowering refuses.
+        def kept_whole(node: Node) -> bool:
+            return (keep is None or keep(node)) and not _on_unsigned_grid(node)
+        return ops, kept_whole
 
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
         # ExecuTorch hands ``partition`` a copy whose state holds fake tensors: the values
@@ -233,13 +241,14 @@ class BufferOwningPartitioner(Partitioner):
                 fqn, list(shared[fqn].methods), partitions,
                 f"{shared[fqn].describe()}; ExecuTorch shares a top-level buffer between "
                 "methods, never a delegate's copy")
-        unfolded = _unfolded_quantize(program, result.partition_tags)
+        unfolded = _unfolded_quantize(program, result.partition_tags, set(shared))
         if unfolded is not None:
             self._restore(graph, before)
             raise unfolded
         scalar_notes = self._keep_scalar_quantize_out(program, result.partition_tags)
         scalar_notes += _keep_dropped_quantize_out(program, result.partition_tags)
         scalar_notes += _keep_pass_through_clones_out(program, result.partition_tags)
+        scalar_notes += _keep_unsigned_grids_out(program, result.partition_tags, set(shared))
         verdicts = self._verdicts(program, result.partition_tags, shared)
         owned = []
         for verdict in verdicts:
@@ -539,6 +548,103 @@ def _keep_pass_through_clones_out(
     return notes
 
 
+def _unsigned_grid(node: Node) -> bool:
+    """Whether ``node`` quantizes to, or dequantizes from, uint8 (the dtype argument of
+    torch's ``quantized_decomposed`` ops)."""
+    from executorch.backends.xnnpack.utils.quant_utils import is_dequant, is_quant
+
+    return (is_quant(node) or is_dequant(node)) and torch.uint8 in (
+        *node.args, *node.kwargs.values())
+
+
+def _on_unsigned_grid(node: Node) -> bool:
+    """Whether ``node`` reads a value dequantized from uint8 or is quantized to uint8."""
+    return any(_unsigned_grid(value) for value in (*node.all_input_nodes, *node.users))
+
+
+def _constant_inputs(program: ExportedProgram, state: set[str]) -> dict[str, str]:
+    """The placeholders of ``program`` holding constants (parameters, buffers, lifted
+    tensor constants), each with its FQN. A written parameter or buffer is state, not a
+    constant, and so is a buffer in ``state`` (one another method writes)."""
+    sig = program.graph_signature
+    mutated = {*sig.buffers_to_mutate.values(), *sig.parameters_to_mutate.values(), *state}
+    constants = {name: fqn for name, fqn in (*sig.inputs_to_parameters.items(),
+                                             *sig.inputs_to_buffers.items())
+                 if fqn not in mutated}
+    constants.update(sig.inputs_to_lifted_tensor_constants)
+    return constants
+
+
+def _keep_unsigned_grids_out(
+    program: ExportedProgram, partition_tags: dict[str, Any], state: set[str]
+) -> list[str]:
+    """Keep at the top level each XNNPACK partition computing on a uint8 grid, and each
+    value an XNNPACK partition computes from dequantized constants alone but hands out; a
+    note each.
+
+    ExecuTorch 1.5.1's XNNPACK serializer writes every per-tensor quantized value that is
+    not int32 as ``qint8``, uint8 included (QnnQuantizer's activations): with a zero point
+    above 127 the runtime fails to load the method (XNNPACK ``invalid_parameter``, error
+    0x1), with one below it reads uint8 bytes as int8 and computes wrong values silently
+    (``x + 1`` off by 1.0 on values of 1-5). Its partitioner takes such values all the same.
+    XNNPACK's GEMM configs refuse a GEMM on uint8 activations, and leave the transpose of
+    its dequantized weight in a partition, whose output XNNPACK then fails to load ("Failed
+    to create static transpose"). Kept out, those ops run on ExecuTorch's portable kernels,
+    which compute what the quantized program does.
+    """
+    xnnpack = _xnnpack_tags(partition_tags)
+    notes: list[str] = []
+    constants = _constant_inputs(program, state) if xnnpack else {}
+    for tag in sorted(xnnpack):
+        nodes = [node for node in program.graph.nodes if node.meta.get(DELEGATION_TAG) == tag]
+        unsigned = next((node for node in nodes if _unsigned_grid(node)), None)
+        if unsigned is not None:
+            kept = nodes
+            why = (f"it computes on a uint8 grid ({unsigned.name}), which ExecuTorch's "
+                   "XNNPACK serializes as int8 (wrong values, or a method that fails to load)")
+        else:
+            kept = _constant_values_handed_out(nodes, tag, constants)
+            why = ("they compute from dequantized constants alone and leave the partition "
+                   "(XNNPACK left out the op using them), which XNNPACK fails to load")
+        if not kept:
+            continue
+        for node in kept:
+            del node.meta[DELEGATION_TAG]
+        if all(node in kept for node in nodes):
+            del partition_tags[tag]
+        names = ", ".join(node.name for node in kept if node.op != "placeholder")
+        notes.append(f"kept {names} out of XNNPACK partition {tag!r}: {why}; they run on "
+                     "ExecuTorch's portable kernels")
+    return notes
+
+
+def _constant_values_handed_out(nodes: list[Node], tag: str, constants: Mapping[str, str]
+                                ) -> list[Node]:
+    """The nodes of partition ``tag`` (``nodes``, in graph order) computing from dequantized
+    constants alone whose values no node of the partition uses but another one of them (a
+    weight's ``dequantize`` -> ``permute`` whose GEMM stayed out), with the constants only
+    they read."""
+    from executorch.backends.xnnpack.utils.quant_utils import is_dequant
+
+    derived: set[Node] = set()
+    for node in nodes:
+        inputs = node.all_input_nodes
+        if node.op == "call_function" and inputs and all(
+                value in derived or (value.op == "placeholder" and value.name in constants)
+                for value in inputs) and (is_dequant(node) or any(v in derived for v in inputs)):
+            derived.add(node)
+    kept: list[Node] = []
+    for node in reversed(nodes):
+        if node in derived and not any(
+                user.meta.get(DELEGATION_TAG) == tag and user not in kept for user in node.users):
+            kept.append(node)
+    for node in nodes:  # constants no node left in the partition reads
+        if node.op == "placeholder" and node.name in constants and kept and not any(
+                user.meta.get(DELEGATION_TAG) == tag and user not in kept for user in node.users):
+            kept.append(node)
+    return kept
+
+
 def _untag_quantize(quantize: Node, tag: str) -> None:
     """Take ``quantize`` out of partition ``tag`` (it then runs at the top level), and its
     input too when that is a placeholder no other node of the partition reads."""
@@ -550,7 +656,7 @@ def _untag_quantize(quantize: Node, tag: str) -> None:
 
 
 def _unfolded_quantize(
-    program: ExportedProgram, partition_tags: dict[str, Any]
+    program: ExportedProgram, partition_tags: dict[str, Any], state: set[str]
 ) -> UnfoldedQuantizeError | None:
     """The error for the first quantize of a constant (not 0-d) an XNNPACK partition holds:
     ``convert_pt2e(fold_quantize=False)`` leaves weights so, and XNNPACK computes wrong
@@ -560,14 +666,9 @@ def _unfolded_quantize(
     xnnpack = _xnnpack_tags(partition_tags)
     if not xnnpack:
         return None
-    sig = program.graph_signature
     # A written parameter is state, read as state is (quantized in the graph), not a weight
     # left unfolded; lowering refuses it as written (ParameterMutationOnExecuTorchError).
-    mutated = {*sig.buffers_to_mutate.values(), *sig.parameters_to_mutate.values()}
-    constants = {name: fqn for name, fqn in (*sig.inputs_to_parameters.items(),
-                                             *sig.inputs_to_buffers.items())
-                 if fqn not in mutated}
-    constants.update(sig.inputs_to_lifted_tensor_constants)
+    constants = _constant_inputs(program, state)
     for node in program.graph.nodes:
         tag = node.meta.get(DELEGATION_TAG)
         if tag in xnnpack and is_quant(node) and isinstance(node.args[0], Node):

@@ -5,6 +5,8 @@ one-token decode, exported from one module, with the calls deployment makes.
   prefill ``x[1, 4, dim]`` at positions 0-3, decode ``x[1, 1, dim]``.
 * :func:`llama_methods`: a tiny random Hugging Face Llama with a static cache
   (``tests.models.hf``), keyword inputs ``input_ids=`` / ``cache_position=``.
+* :func:`cat_key_methods`: :class:`CatKeyCache`, a cache whose key is written from a ``cat``
+  (Phi-3's partial rotary key) and read through a copy (HF's ``repeat_kv``).
 
 Each returns ``(module, programs, calls)``: the eager module (keep a deep copy as the
 reference before running anything: the programs share its buffer tensors), the methods
@@ -27,7 +29,9 @@ from .hf import _tokens, llama_module
 
 __all__ = [
     "PREFILL",
+    "CatKeyCache",
     "calls_in_sequence",
+    "cat_key_methods",
     "decoder_calls",
     "decoder_methods",
     "errors_per_call",
@@ -82,6 +86,43 @@ def llama_methods(decodes: int = 3, seed: int = 100, layers: int = 2):
     module = llama_module(layers)
     calls = llama_calls(decodes, seed)
     return module, _export(module, calls, strict=True), calls
+
+
+class CatKeyCache(torch.nn.Module):
+    """One cache: each call writes keys built as ``cat([rotated, passed], -1)`` at its
+    positions (Phi-3's partial rotary key) and reads the whole cache through an
+    ``expand(...).clone().reshape(...)`` (HF's ``repeat_kv``) for its scores.
+    ``QnnQuantizer`` observes the written key with a ``ConcatObserver`` and the copy with a
+    ``MovingAverageMinMaxObserver``: two observer classes, one grid."""
+
+    def __init__(self, dim: int = 8, positions: int = 8):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.rotated = torch.nn.Linear(dim, dim // 2)
+        self.passed = torch.nn.Linear(dim, dim // 2)
+        with torch.no_grad():
+            for linear in (self.rotated, self.passed):
+                linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) / 3)
+                linear.bias.zero_()
+        self.register_buffer("cache", torch.zeros(positions, dim))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        key = torch.cat([self.rotated(x), self.passed(x)], -1)
+        self.cache.index_copy_(0, positions, key)
+        heads = self.cache[None].expand(2, *self.cache.shape).clone()
+        return x @ heads.reshape(-1, self.cache.shape[-1]).T
+
+
+def cat_key_methods(decodes: int = 3, seed: int = 10):
+    """:class:`CatKeyCache` as a prefill of 4 positions and a one-position decode."""
+    module = CatKeyCache()
+    generator = torch.Generator().manual_seed(seed)
+    calls = [("prefill", (torch.randn(PREFILL, 8, generator=generator),
+                          torch.arange(PREFILL)), {})]
+    for step in range(decodes):
+        calls.append(("decode", (torch.randn(1, 8, generator=generator),
+                                 torch.tensor([PREFILL + step])), {}))
+    return module, _export(module, calls, strict=False), calls
 
 
 def calls_in_sequence(methods: Any, calls: Sequence[Any]) -> list[torch.Tensor]:

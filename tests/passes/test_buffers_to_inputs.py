@@ -263,6 +263,44 @@ def test_tied_buffers_become_one_input(form, named):
         assert torch.equal(state, eager.a) and torch.equal(state, eager.b)
 
 
+class NestedCache(torch.nn.Module):
+    """A cache registered in a submodule (FQN ``attn.cache``), written at a position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.Module()
+        self.attn.register_buffer("cache", torch.zeros(4, 2))
+
+    def forward(self, x, position):
+        self.attn.cache.index_copy_(0, position, x)
+        return self.attn.cache.sum(0)
+
+
+@pytest.mark.parametrize("returned", [False, True])
+def test_a_nested_buffer_becomes_a_keyword_torch_can_call_and_lower(returned):
+    """``attn.cache`` became the keyword input ``attn.cache``: torch writes keyword inputs
+    as parameters of the ``forward`` it generates, so ``ep.module()`` and
+    ``run_decompositions`` (ExecuTorch's lowering) failed with ``SyntaxError: def
+    forward(self, x, position, attn.cache)``. Now the keyword is ``attn_cache``, and the
+    program, decomposed too, computes what eager does, call after call, with the state
+    threaded by hand (written in place, or returned)."""
+    model = NestedCache()
+    calls = [(torch.full((1, 2), step + 1.0), torch.tensor([step])) for step in range(4)]
+    with torch.no_grad():
+        program = exported(copy.deepcopy(model), calls[0])
+    result = PassManager([BuffersToInputs(returned=returned)]).run(program)
+    eager = copy.deepcopy(model)
+    for candidate in (result.program, result.program.run_decompositions({})):
+        module, cache = candidate.module(), torch.zeros(4, 2)
+        for x, position in calls:
+            out = module(x, position, attn_cache=cache)
+            if returned:
+                out, cache = out
+            assert torch.equal(out, eager(x, position)) and torch.equal(cache, eager.attn.cache)
+        eager = copy.deepcopy(model)
+    assert "buffer 'attn.cache' -> input 'attn_cache'" in result.report.records[0].notes
+
+
 def test_a_name_that_is_no_buffer_is_refused():
     program = exported(Accumulate(), (torch.ones(4),))
     before = copy.deepcopy(program)

@@ -334,3 +334,58 @@ def test_an_unfolded_weight_quantize_in_xnnpack_is_a_typed_error():
     assert info.value.constant == "lin.weight"
     assert info.value.node.startswith("quantized_decomposed_quantize_per_tensor")
     assert "fold_quantize=True" in str(info.value)
+
+
+class RunningTotal(torch.nn.Module):
+    """A running total of its input (``linear=False``: the input plus one beside it) or of
+    a linear layer's output (``linear=True``), returned with the output; ``beside``: a
+    total of the input, returned with a linear layer's output and a softmax of the input,
+    which XNNPACK computes in float in the partition it puts the transpose of the linear's
+    weight in."""
+
+    def __init__(self, linear: bool, beside: bool = False) -> None:
+        super().__init__()
+        self.beside = beside
+        generator = torch.Generator().manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4) if linear else None
+        if linear:
+            with torch.no_grad():
+                self.lin.weight.copy_(torch.randn(4, 4, generator=generator) / 2)
+        self.register_buffer("total", torch.zeros(1, 4))
+
+    def forward(self, x):
+        if self.beside:
+            self.total.add_(x)
+            return self.lin(x), x.softmax(-1), self.total.clone()
+        self.total.add_(self.lin(x) if self.lin is not None else x)
+        return x + 1, self.total.clone()
+
+
+@pytest.mark.parametrize(("linear", "beside"), [(False, False), (True, False), (True, True)],
+                         ids=["add", "linear", "linear-beside-softmax"])
+def test_uint8_grids_stay_out_of_xnnpack_and_run_like_python(linear, beside):
+    """QnnQuantizer's uint8 grids through XNNPACK: ExecuTorch 1.5.1's XNNPACK serializes
+    every per-tensor quantized value as int8, so ``x + 1`` on positive ``x`` (zero point 0)
+    read uint8 bytes as int8 and was silently off by 1.0 on the runtime (and the total by
+    more), and a linear (XNNPACK refuses its GEMM, then fails to load the transpose of its
+    weight it kept, alone or in a partition with a float softmax) made the method fail to
+    load (``RuntimeError ... error: 0x1``). Wrapped, those partitions, and that transpose,
+    run on portable kernels (a note names each) and the runtime equals the quantized
+    program bit for bit over 4 calls, outputs and the state the model returns."""
+    from passes.executorch import decode_on_runtime
+    from passes.quantization import quantize_program
+    from tests.models.qnn import qnn_quantizer
+
+    generator = torch.Generator().manual_seed(1)
+    steps = [(torch.rand(1, 4, generator=generator) * 4,) for _ in range(CALLS)]
+    with torch.no_grad():
+        quantized = quantize_program(torch.export.export(RunningTotal(linear, beside),
+                                                         steps[0]), qnn_quantizer(), steps)
+    expected = run_program(copy.deepcopy(quantized), steps).outputs
+    run = decode_on_runtime(copy.deepcopy(quantized), None, steps)
+    for step, (got, want) in enumerate(zip(run.outputs, expected, strict=True)):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (step, float((a - b).abs().max()))
+    assert any("uint8 grid" in note for note in run.notes), run.notes
+    if beside:
+        assert any("dequantized constants alone" in note for note in run.notes), run.notes
