@@ -82,7 +82,8 @@ def test_a_method_that_would_not_write_the_callers_tensor_back_is_refused():
     prepared = {}
     for name, program in copy_program(programs).items():
         prepared[name] = _prepare(program, _flow_quantizer(xnnpack_quantizer(),
-                                                           _MethodQuantizer))
+                                                           _MethodQuantizer),
+                                  "quantize_methods")
     check_write_backs(prepared, carried)  # both write the cache back
     graph = prepared["decode"].graph
     write_back = next(n for n in graph.nodes if n.target is torch.ops.aten.copy_.default)

@@ -163,6 +163,7 @@ def test_the_methods_runtime_column_is_its_error_against_eager(monkeypatch):
                           memory=SimpleNamespace(shared_bytes=64))
     monkeypatch.setattr(methods, "run_methods_on_runtime", lambda programs, calls: run)
     monkeypatch.setattr(methods_flow, "output_grid", lambda gm: 0.1)
+    monkeypatch.setattr(methods_flow, "find_mutations", lambda p: SimpleNamespace(writers={}))
     result = FlowResult()
     stage = lambda title, fn: fn()  # noqa: E731
     program = SimpleNamespace(graph_module=None)
