@@ -326,3 +326,15 @@ def test_a_call_that_fits_forward_but_not_the_exported_program_is_a_load_error(
         f"error: {model}(): {where} does not fit the exported program's inputs (x): the program "
         "takes no keyword argument(s) 'scale' (a program takes the inputs its export example "
         "gave)")
+
+
+def test_a_pass_to_print_that_this_run_never_runs_is_warned(capsys):
+    """QuantizeMutableBuffers is a known pass, but runs only with --quantize-state."""
+    status = cli.main(["run", "--runtime", "python", MODEL, *FAST, "--quiet",
+                       "--print-after", "QuantizeMutableBuffers",
+                       "--print-before", "MarkMutableBuffers"])
+    captured = capsys.readouterr()
+    assert status == 0 and "IR Dump Before MarkMutableBuffers" in captured.out
+    assert captured.err.strip() == (
+        "warning: --print-before/--print-after QuantizeMutableBuffers: no pipeline of this run "
+        "ran that pass; nothing was printed for it")
