@@ -39,7 +39,7 @@ class PrintIR(Instrumentation):
         after_failure: print after every pass that failed.
         to: a text stream, or a folder path (created) for one file per dump.
         warn: a name to print that no pass of a run has is a warning in its report
-            (``unmatched``: the names no run had so far, for a caller of several runs).
+            (``unmatched()``: the names no run had so far, for a caller of several runs).
     """
 
     def __init__(
@@ -80,13 +80,9 @@ class PrintIR(Instrumentation):
         else:
             (self.to or sys.stdout).write(text)
 
-    def _unmatched(self, seen: set[str]) -> list[str]:
+    def unmatched(self, seen: set[str] | None = None) -> list[str]:
         named = (s for s in (self.before, self.after) if not isinstance(s, bool))
-        return sorted(set().union(*named) - seen)
-
-    @property
-    def unmatched(self) -> list[str]:
-        return self._unmatched(self.seen)
+        return sorted(set().union(*named) - (self.seen if seen is None else seen))
 
     def before_run(self, program: Any, report: Report) -> None:
         self._run_seen = set()
@@ -94,7 +90,7 @@ class PrintIR(Instrumentation):
     def after_run(self, program: Any, report: Report) -> None:
         if self.warn:
             report.warnings += [f"PrintIR: no pass of this run is named {name!r}: nothing "
-                                "printed for it" for name in self._unmatched(self._run_seen)]
+                                "printed for it" for name in self.unmatched(self._run_seen)]
 
     def before_pass(self, pass_: Any, program: Any, record: PassRecord) -> None:
         self.seen.add(record.name)

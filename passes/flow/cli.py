@@ -374,7 +374,7 @@ def _finish(args: argparse.Namespace, pass_options: dict[str, Any],
 def _warn_unprinted(pass_options: dict[str, Any]) -> None:
     """A --print-before/--print-after pass this run never ran (e.g. one an option adds)."""
     for printer in pass_options.get("instruments", ()):
-        for name in getattr(printer, "unmatched", ()):
+        for name in printer.unmatched() if isinstance(printer, PrintIR) else ():
             print(f"warning: --print-before/--print-after {name}: no pipeline of this run "
                   "ran that pass; nothing was printed for it", file=sys.stderr)
 

@@ -86,6 +86,6 @@ def test_a_name_to_print_no_pass_of_the_run_has_is_a_report_warning(exported):
     assert report.warnings == [
         "PrintIR: no pass of this run is named 'NoSuchPass': nothing printed for it",
         "PrintIR: no pass of this run is named 'Other': nothing printed for it"]
-    assert printer.unmatched == ["NoSuchPass", "Other"]
+    assert printer.unmatched() == ["NoSuchPass", "Other"]
     quiet = PrintIR(after=["Other"], warn=False, to=io.StringIO())
     assert PassManager([AddToSub()], instruments=[quiet]).run(exported).report.warnings == []
