@@ -72,7 +72,8 @@ class PassManagerError(Exception):
         if self.diff:
             text += f"\nThe pass was rolled back; it had changed:\n{self.diff}"
         elif self.rolled_back and isinstance(self, PassFailedError):
-            text += "\nThe pass was rolled back; it had not changed the graph."
+            text += ("\nThe pass was rolled back; the graph as printed had not changed (node "
+                     "meta and tensor data are not printed).")
         if self.unrestored:
             text += ("\nNot restored: tensors written in place by the pass (their old values "
                      f"were not kept): {', '.join(self.unrestored)}")

@@ -60,7 +60,7 @@ class Pass:
 
     def __call__(self, graph_module: Any) -> TorchPassResult:
         """Torch-style entry point: run this pass alone, conditions checked, transactionally."""
-        return run_alone(self, graph_module)
+        return run_alone(as_pass(self), graph_module)  # as_pass checks its declarations
 
     def __repr__(self) -> str:
         # A pass that is not a dataclass shows what its constructor stored, not "Name()".
@@ -102,6 +102,9 @@ class _CallablePass(Pass):
 def as_pass(item: Any) -> Pass:
     """Wrap a pipeline element (Pass, torch PassBase, or plain callable) as a Pass."""
     if isinstance(item, Pass):
+        if not isinstance(item.effects, Effects):  # it would fail inside its run, cryptically
+            raise TypeError(f"{item.name}.effects is {item.effects!r}: declare an Effects, e.g. "
+                            "effects = Effects.rewrite() or Effects.only_meta('key')")
         return item
     if isinstance(item, type) and issubclass(item, Pass):
         raise TypeError(

@@ -256,6 +256,16 @@ def _parse_pass(text: str) -> Any:
                 raise PipelineError(f"{name}: option {key!r} given twice")
             options[key] = _parse_value(value)
     cls = _pass_class(name)
+    for field in dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ():
+        # An int/float/bool option given a str or the like fails here, not deep in the pass;
+        # the annotation may be the type or its name (``from __future__ import annotations``).
+        kind = next((t for t in (bool, int, float) if field.type in (t, t.__name__)), None)
+        value = options.get(field.name, field.default)
+        if kind and value is not field.default and not (
+                isinstance(value, bool) == (kind is bool)
+                and isinstance(value, (kind, int) if kind is float else kind)):
+            raise PipelineError(f"{name}: option {field.name}={value!r}: expected "
+                                f"{kind.__name__}, got {type(value).__name__}")
     try:
         return cls(**options)
     except TypeError as e:

@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 from ..errors import PassManagerError
 from ..program import pass_diff, program_text
-from ..report import PassRecord
+from ..report import PassRecord, Report
 from .base import Instrumentation
 
 __all__ = ["PrintDiff", "PrintIR"]
@@ -38,6 +38,8 @@ class PrintIR(Instrumentation):
         after_change: print after every pass that changed the program.
         after_failure: print after every pass that failed.
         to: a text stream, or a folder path (created) for one file per dump.
+        warn: a name to print that no pass of a run has is a warning in its report
+            (``unmatched()``: the names no run had so far, for a caller of several runs).
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class PrintIR(Instrumentation):
         after_change: bool = False,
         after_failure: bool = False,
         to: TextIO | str | Path | None = None,
+        warn: bool = True,
     ):
         self.before = _selected(before)
         self.after = _selected(after)
@@ -55,8 +58,10 @@ class PrintIR(Instrumentation):
         if isinstance(to, (str, Path)) and Path(to).exists() and not Path(to).is_dir():
             raise ValueError(f"PrintIR(to={str(to)!r}): a file, not a folder; to= takes a "
                              "folder (one file per dump) or a text stream such as open(path, 'w')")
-        self.to = to
+        self.to, self.warn = to, warn
         self._count = 0
+        self.seen: set[str] = set()  # the names of the passes of every run so far
+        self._run_seen: set[str] = set()
 
     @staticmethod
     def _matches(selection: bool | frozenset[str], name: str) -> bool:
@@ -75,7 +80,21 @@ class PrintIR(Instrumentation):
         else:
             (self.to or sys.stdout).write(text)
 
+    def unmatched(self, seen: set[str] | None = None) -> list[str]:
+        named = (s for s in (self.before, self.after) if not isinstance(s, bool))
+        return sorted(set().union(*named) - (self.seen if seen is None else seen))
+
+    def before_run(self, program: Any, report: Report) -> None:
+        self._run_seen = set()
+
+    def after_run(self, program: Any, report: Report) -> None:
+        if self.warn:
+            report.warnings += [f"PrintIR: no pass of this run is named {name!r}: nothing "
+                                "printed for it" for name in self.unmatched(self._run_seen)]
+
     def before_pass(self, pass_: Any, program: Any, record: PassRecord) -> None:
+        self.seen.add(record.name)
+        self._run_seen.add(record.name)
         if self._matches(self.before, record.name):
             self._emit("Before", record, program_text(program))
 

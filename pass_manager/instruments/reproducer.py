@@ -86,6 +86,9 @@ class Reproducer(Instrumentation):
     """
 
     def __init__(self, directory: str | Path, validation: SemanticValidation | None = None):
+        if validation is not None and not isinstance(validation, SemanticValidation):
+            raise TypeError(f"Reproducer(validation={validation!r}): give the run's "
+                            "SemanticValidation instrument, or nothing")
         self.directory = Path(directory)
         self.validation = validation
         self.strict = False

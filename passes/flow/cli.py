@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
         f"{len(model.steps)} decode steps, exported {exported.mode}, runtime {args.runtime}",
         flush=True,
     )
-    return _finish(args, lambda: run_model(
+    return _finish(args, pass_options, lambda: run_model(
         model, exported=exported, delegate=not args.skip_delegation,
         **_flow_options(args, pipeline, pass_options)))
 
@@ -328,7 +328,7 @@ def _run_methods(args: argparse.Namespace, spec: str, model: MethodsSpec, pipeli
     if args.skip_delegation:
         _notice(args)("--skip-delegation: the several-method flow delegates only on "
                       "ExecuTorch's runtime (--runtime executorch)")
-    return _finish(args, lambda: run_methods_flow(
+    return _finish(args, pass_options, lambda: run_methods_flow(
         model, exported=exported, **_flow_options(args, pipeline, pass_options)))
 
 
@@ -347,13 +347,15 @@ def _flow_options(args: argparse.Namespace, pipeline: Any, pass_options: dict[st
     }
 
 
-def _finish(args: argparse.Namespace, flow: Callable[[], Any]) -> int:
+def _finish(args: argparse.Namespace, pass_options: dict[str, Any],
+            flow: Callable[[], Any]) -> int:
     """Run the flow; print its report (and where it failed) and give the exit status."""
     from .run import FlowError, FlowInterrupted
 
     try:
         result = flow()
     except FlowError as e:
+        _warn_unprinted(pass_options)
         return _failed(args, e)
     except FlowInterrupted as e:
         _print_report(e.result)
@@ -361,11 +363,20 @@ def _finish(args: argparse.Namespace, flow: Callable[[], Any]) -> int:
         print("interrupted (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED
     _print_report(result)
+    _warn_unprinted(pass_options)
     written = _write_outputs(args, result)
     _show_held_warnings(args)
     if not written:
         return LOAD_FAILED
     return 0 if result.ok else 1
+
+
+def _warn_unprinted(pass_options: dict[str, Any]) -> None:
+    """A --print-before/--print-after pass this run never ran (e.g. one an option adds)."""
+    for printer in pass_options.get("instruments", ()):
+        for name in printer.unmatched() if isinstance(printer, PrintIR) else ():
+            print(f"warning: --print-before/--print-after {name}: no pipeline of this run "
+                  "ran that pass; nothing was printed for it", file=sys.stderr)
 
 
 def _failed(args: argparse.Namespace, e: Any) -> int:
@@ -396,7 +407,7 @@ def _pass_options(args: argparse.Namespace) -> dict[str, Any]:
             or args.print_after_failure:
         instruments.append(PrintIR(args.print_before or (), args.print_after or (),
                                    args.print_after_change, args.print_after_failure,
-                                   args.print_to))
+                                   args.print_to, warn=False))  # said once, by _finish
     if args.reproducer_dir:
         instruments.append(Reproducer(args.reproducer_dir))
     return {"instruments": instruments} if instruments else {}

@@ -22,7 +22,8 @@ import torch
 from torch.export.graph_signature import OutputKind
 from tqdm import tqdm
 
-from pass_manager import PassManager
+from pass_manager import PassManager, PipelineError, RunResult
+from pass_manager.call_signature import signature_of
 from pass_manager.validation import (
     Trace,
     as_call,
@@ -155,6 +156,21 @@ class _Stages:
         return run_program(program, steps, on_call=self.progress(len(steps)), **options)
 
 
+def _check_inputs_kept(pipeline: PassManager, exported: torch.export.ExportedProgram,
+                       functional: RunResult, steps: Sequence[Any]) -> None:
+    """A pipeline in place of functionalization keeps the inputs the steps give; one that
+    changes them (BuffersToInputs) would fail the first decode in torch's pytree instead."""
+    before, after = signature_of(exported), signature_of(functional.program)
+    for index, (args, kwargs) in enumerate(steps):
+        why = after.mismatch(args, kwargs)
+        if why:
+            changed = ", ".join(r.name for r in functional.report.records if r.modified)
+            raise PipelineError(
+                f"the pipeline {pipeline.name} changed the program's inputs from {before} to "
+                f"{after}: steps[{index}] no longer fits ({why}); in place of functionalization "
+                f"a pipeline must keep them (its passes that changed the program: {changed})")
+
+
 def run_flow(
     model: torch.nn.Module,
     example_inputs: Any = (),
@@ -247,6 +263,9 @@ def run_flow(
             "functionalize", lambda: functionalize.run(copy_program(exported.program))
         )
         result.reports.append(("functionalize", functional.report))
+        if pipeline is not None:
+            stage("check the steps fit the pipeline's program",
+                  lambda: _check_inputs_kept(pipeline, exported.program, functional, steps))
         result.notes += _state_notes(functional.program)
         program: Any = functional.program
         # Later stages run the functional program's module, which shares its buffers.

@@ -169,3 +169,17 @@ def test_a_declared_state_write_is_restored_and_an_undeclared_one_is_an_error(tr
     assert info.value.unrestored == [] and torch.equal(traced.acc, acc)  # data restored
     with pytest.raises(EffectsError, match="writes_state = True"):
         PassManager([_Undeclared()]).run(traced)
+
+
+def test_effects_declared_as_a_string_is_refused_where_the_pass_is_given(exported):
+    class Tags(Pass):
+        effects = "only_meta"
+
+        def call(self, program):
+            return PassResult(program, False)
+
+    with pytest.raises(TypeError, match=r"Tags\.effects is 'only_meta': declare an Effects, "
+                                        r"e.g. effects = Effects.rewrite\(\)"):
+        PassManager([Tags()])
+    with pytest.raises(TypeError, match=r"Tags\.effects is 'only_meta'"):
+        Tags()(exported)

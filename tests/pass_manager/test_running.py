@@ -357,7 +357,27 @@ def test_a_pass_returning_the_other_form_shows_no_change_it_did_not_make(exporte
     assert info.value.reason == ("returned a GraphModule for the ExportedProgram it was given: "
                                  "a pass returns its form")
     assert info.value.diff == ""
-    assert str(info.value).endswith("The pass was rolled back; it had not changed the graph.")
+    assert str(info.value).endswith("The pass was rolled back; the graph as printed had not "
+                                    "changed (node meta and tensor data are not printed).")
+
+
+def test_strict_rejecting_a_meta_edit_claimed_unmodified_does_not_deny_the_change(traced):
+    """The change is in node meta, which the printed graph does not show: the message said
+    "changed the program" then "it had not changed the graph"."""
+    @function_pass
+    def tags(program):
+        for node in graph_of(program).nodes:
+            node.meta["tag"] = 1
+        return PassResult(program, False)
+
+    with pytest.raises(PassFailedError) as info:
+        PassManager([tags], strict=True).run(traced)
+    message = str(info.value)
+    assert message.startswith("pass #0 tags failed: reported 'unmodified' but changed the program")
+    assert "had not changed the graph" not in message
+    assert message.endswith("the graph as printed had not changed (node meta and tensor data "
+                            "are not printed).")
+    assert all("tag" not in node.meta for node in graph_of(traced).nodes)  # rolled back
 
 
 @pytest.mark.parametrize("returned", [{"notes": "one remark"}, {"statistics": {"ops": "3"}},

@@ -142,6 +142,37 @@ def test_bad_pipeline_text_is_a_pipeline_error(text, message):
         parse_pipeline(text)
 
 
+@dataclasses.dataclass(frozen=True)
+class Floored(Pass):
+    """Options annotated as strings, as ``from __future__ import annotations`` leaves them."""
+
+    floor: "int" = 0
+    scale: "float" = 1.0
+    exact: "bool" = False
+
+    def call(self, program):
+        return PassResult(program, False)
+
+
+@pytest.mark.parametrize(("option", "said"), [
+    ("floor='x'", "option floor='x': expected int, got str"),
+    ("floor=true", "option floor=True: expected int, got bool"),
+    ("scale='1'", "option scale='1': expected float, got str"),
+    ("exact=1", "option exact=1: expected bool, got int"),
+    ("factor='2'", "option factor='2': expected float, got str"),  # annotated as the type
+])
+def test_an_option_of_the_wrong_basic_type_is_a_pipeline_error(option, said):
+    name = "ScaleConstants" if option.startswith("factor") else "Floored"
+    with pytest.raises(PipelineError, match=f"^{name}: {said}$"):
+        parse_pipeline(f"{name}{{{option}}}")
+
+
+def test_an_option_of_the_right_basic_type_is_taken():
+    (p,) = parse_pipeline("Floored{floor=2,scale=3,exact=true}").plan()
+    assert p == Floored(2, 3, True)
+    assert parse_pipeline("ScaleConstants{factor=2}").plan()[0].factor == 2
+
+
 def test_a_class_redefined_under_one_name_is_parsed_as_the_live_one(traced):
     """A notebook cell run twice defines a second class of one name; the first is dead
     but, being in a reference cycle, stays until the garbage collector runs."""

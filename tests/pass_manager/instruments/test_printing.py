@@ -78,3 +78,14 @@ def test_print_to_a_file_is_refused_where_it_is_given(exported, tmp_path):
     (tmp_path / "dump.txt").write_text("")
     with pytest.raises(ValueError, match="a file, not a folder; to= takes a folder"):
         PrintIR(after=True, to=tmp_path / "dump.txt")
+
+
+def test_a_name_to_print_no_pass_of_the_run_has_is_a_report_warning(exported):
+    printer = PrintIR(before=["NoSuchPass"], after=["AddToSub", "Other"], to=io.StringIO())
+    report = PassManager([AddToSub()], instruments=[printer]).run(exported).report
+    assert report.warnings == [
+        "PrintIR: no pass of this run is named 'NoSuchPass': nothing printed for it",
+        "PrintIR: no pass of this run is named 'Other': nothing printed for it"]
+    assert printer.unmatched() == ["NoSuchPass", "Other"]
+    quiet = PrintIR(after=["Other"], warn=False, to=io.StringIO())
+    assert PassManager([AddToSub()], instruments=[quiet]).run(exported).report.warnings == []

@@ -388,3 +388,9 @@ def test_a_reproducer_of_a_users_own_pass_replays_without_setting_pythonpath(
     # Without trust the module is not imported at all, and the folder is not put on the path.
     refused = _replay(folder, env=env)
     assert refused.returncode == 2 and "'user_passes.rewrite'" in refused.stderr
+
+
+def test_a_validation_that_is_not_a_semantic_validation_is_refused_where_it_is_given(tmp_path):
+    with pytest.raises(TypeError, match=r"Reproducer\(validation='not a validation'\): give "
+                                        "the run's SemanticValidation instrument, or nothing"):
+        Reproducer(tmp_path, "not a validation")

@@ -326,3 +326,30 @@ def test_a_call_that_fits_forward_but_not_the_exported_program_is_a_load_error(
         f"error: {model}(): {where} does not fit the exported program's inputs (x): the program "
         "takes no keyword argument(s) 'scale' (a program takes the inputs its export example "
         "gave)")
+
+
+def test_a_pass_to_print_that_this_run_never_runs_is_warned(capsys):
+    """QuantizeMutableBuffers is a known pass, but runs only with --quantize-state."""
+    status = cli.main(["run", "--runtime", "python", MODEL, *FAST, "--quiet",
+                       "--print-after", "QuantizeMutableBuffers",
+                       "--print-before", "MarkMutableBuffers"])
+    captured = capsys.readouterr()
+    assert status == 0 and "IR Dump Before MarkMutableBuffers" in captured.out
+    assert captured.err.strip() == (
+        "warning: --print-before/--print-after QuantizeMutableBuffers: no pipeline of this run "
+        "ran that pass; nothing was printed for it")
+
+
+def test_a_pipeline_that_changes_the_inputs_fails_naming_it_not_at_the_first_decode(capsys):
+    """BuffersToInputs makes the caches keyword inputs no step gives: status 3 (found after
+    loading, once the pipeline ran), naming the pipeline and the inputs before and after."""
+    status = cli.main(["run", "--runtime", "python", MODEL, *FAST, "--quiet", "--pipeline",
+                       "MarkMutableBuffers,InplaceToFunctional,BuffersToInputs"])
+    failed = capsys.readouterr().out.split("== failed")[1]
+    assert status == 3
+    assert "stage:  check the steps fit the pipeline's program" in failed
+    assert ("reason: PipelineError: the pipeline PassManager[MarkMutableBuffers, "
+            "InplaceToFunctional, BuffersToInputs] changed the program's inputs from "
+            "(x, input_pos) to (x, input_pos, *, layers_0_attn_k_cache, layers_0_attn_v_cache): "
+            "steps[0] no longer fits") in failed
+    assert "kwarg keyword mismatch" not in failed
