@@ -163,7 +163,8 @@ class QuantizationInputError(PassManagerError, ValueError, TypeError):
     :func:`~passes.quantization.quantize_methods` was given what it cannot take (not an
     ExportedProgram, no calibration call, a call naming no method, a method never called:
     found before anything is prepared; a value the quantizer observes in a dtype pt2e's
-    quantize ops cannot take, such as float64: found after prepare, before calibration).
+    quantize ops cannot take, such as float64 or an integer counter: found after prepare,
+    before calibration).
     A ``ValueError`` and a ``TypeError`` too, like a call with the wrong arguments.
 
     Attributes:

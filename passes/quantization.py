@@ -402,7 +402,8 @@ def quantize_program(
         QuantizationInputError: ``program`` not an ExportedProgram, ``quantizer`` not a
             Quantizer (the message says what to pass, e.g. "call xnnpack_quantizer()"), no
             calibration call, or a value the quantizer observes of a dtype pt2e cannot
-            quantize (float64: the message names it; found before calibration); its
+            quantize (float64, or an integer a quantizer annotates whatever its dtype:
+            the message names it; found before calibration); its
             :class:`~passes.errors.CalibrationInputError` names the
             call and the input when a call does not fit the program (another dtype, a static
             size, another structure: checked before anything is prepared) or the prepared
@@ -473,7 +474,8 @@ def _flow_quantizer(quantizer: Quantizer, wrapper: Callable[..., PassQuantizer],
 
 
 # pt2e's quantize ops take float32 (float16 and bfloat16 they convert first): anything else
-# observed calibrates, then fails inside convert_pt2e with an untyped AssertionError.
+# observed calibrates, then fails inside convert_pt2e with an untyped AssertionError (or,
+# for an integer value under a fake-quantize, inside the first calibration call).
 _QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -488,11 +490,22 @@ def _prepare(program: ExportedProgram, wrapped: PassQuantizer, helper: str) -> G
             continue
         value = node.args[0].meta.get("val")
         dtype = getattr(value, "dtype", None)
-        if dtype is not None and dtype.is_floating_point and dtype not in _QUANTIZABLE:
+        if dtype is None or dtype in _QUANTIZABLE:
+            continue
+        said = (f"the quantizer observes {node.args[0].name!r}, of dtype {dtype}, which "
+                "pt2e's quantize ops cannot take (float32, float16 or bfloat16)")
+        if dtype.is_floating_point:
             raise QuantizationInputError(
-                helper, "program", f"the quantizer observes {node.args[0].name!r}, of dtype "
-                f"{dtype}, which pt2e's quantize ops cannot take (float32, float16 or "
-                "bfloat16): convert the model with .float() before export")
+                helper, "program", f"{said}: convert the model with .float() before export")
+        # An integer (or bool) value: a quantizer annotating an op whatever its dtype
+        # (CoreMLQuantizer's add, on a position counter) fails inside the first calibration
+        # call with a fake-quantize, or inside convert with an observer.
+        readers = ", ".join(sorted({user.name for user in node.users})) or "the output"
+        raise QuantizationInputError(
+            helper, "program", f"{said}, as an input of {readers}: an integer value (a "
+            "position counter, index arithmetic) is not quantized, the quantizer annotated "
+            "the op whatever its dtypes: use one that annotates floating-point values only, "
+            "or leave that op out of its configuration")
     return prepared
 
 

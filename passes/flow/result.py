@@ -223,7 +223,7 @@ def failure_of(stage: str, error: BaseException) -> Failure:
             "per call with 'dynamic_shapes')"
         )
     if any(said in reason for said in ("Expecting input to have dtype torch.float32",  # torchao
-                                       "which pt2e's quantize ops cannot take")):  # ours
+                                       "convert the model with .float() before export")):  # ours
         reason += (" (pt2e quantization takes float32 models: convert the model with .float() "
                    "in the factory, or run with --skip-quantization)")
     reproducer = next((e.reproducer for e in chain if getattr(e, "reproducer", None)), None)

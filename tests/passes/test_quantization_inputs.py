@@ -184,3 +184,34 @@ def test_a_float64_value_the_quantizer_observes_is_named_before_calibration(help
     assert "torch.float64" in error.reason and ".float()" in error.reason
     assert "'x'" in error.reason or "'linear_weight'" in error.reason, error.reason
     assert torch.equal(program.state_dict["total"], before)  # nothing calibrated
+
+
+@pytest.mark.parametrize("helper", ["quantize_program", "quantize_methods"])
+def test_an_integer_value_the_quantizer_observes_is_named_before_calibration(helper):
+    """ExecuTorch's CoreMLQuantizer annotates every ``add``, an int64 position counter's
+    too (Hugging Face's ``cumulative_length``, a tiny Qwen2's ``arange + offset``): its
+    fake-quantize raised inside the first calibration call, reported as that call's fault
+    (``CalibrationInputError: calibration[0]: ... not implemented for 'Long'``), the
+    state written by the call."""
+    pytest.importorskip("coremltools")
+    from tests.models.coreml_cases import coreml_quantizer
+    from tests.models.counters import CountedCache, counted_cache_calls
+
+    calls = counted_cache_calls(3, seed=1)
+    with torch.no_grad():
+        program = torch.export.export(CountedCache(), calls[0])
+    before = {name: value.clone() for name, value in program.state_dict.items()}
+    with pytest.raises(QuantizationInputError) as caught:
+        if helper == "quantize_program":
+            quantize_program(program, coreml_quantizer(("add",)), calls)
+        else:
+            quantize_methods({"forward": program}, coreml_quantizer(("add",)),
+                             [("forward", args, {}) for args in calls])
+    error = caught.value
+    assert not isinstance(error, CalibrationInputError), error
+    assert (error.helper, error.argument) == (helper, "program")
+    assert "torch.int64" in error.reason and "integer" in error.reason, error.reason
+    # The counter and the op reading it (its update), by node name.
+    assert "observes 'pos'" in error.reason and "input of add" in error.reason, error.reason
+    for name, value in before.items():  # nothing calibrated
+        assert torch.equal(program.state_dict[name], value), name
