@@ -480,6 +480,8 @@ _QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _prepare(program: ExportedProgram, wrapped: PassQuantizer, helper: str) -> GraphModule:
+    """prepare_pt2e on ``program``'s module; a value observed in a dtype pt2e's quantize ops
+    cannot take is a QuantizationInputError of ``helper``, before any calibration call."""
     from torchao.quantization.pt2e.observer import _is_activation_post_process
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
@@ -502,10 +504,10 @@ def _prepare(program: ExportedProgram, wrapped: PassQuantizer, helper: str) -> G
         # call with a fake-quantize, or inside convert with an observer.
         readers = ", ".join(sorted({user.name for user in node.users})) or "the output"
         raise QuantizationInputError(
-            helper, "program", f"{said}, as an input of {readers}: an integer value (a "
-            "position counter, index arithmetic) is not quantized, the quantizer annotated "
-            "the op whatever its dtypes: use one that annotates floating-point values only, "
-            "or leave that op out of its configuration")
+            helper, "program", f"{said}, as an input of {readers}: pt2e does not quantize "
+            "integer values (a position counter, index arithmetic), and this quantizer "
+            "annotated that op whatever its dtypes; use one that annotates floating-point "
+            "values only, or leave that op out of its configuration")
     return prepared
 
 
