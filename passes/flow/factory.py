@@ -81,6 +81,7 @@ __all__ = [
     "check_calls_fit",
     "export_methods",
     "export_program",
+    "first_misfit",
     "is_methods_factory",
     "methods_spec",
     "model_spec",
@@ -267,13 +268,23 @@ def check_calls_fit(program: torch.export.ExportedProgram, calls: Sequence[tuple
     Raises:
         ModelError: naming the call, the program's inputs and the difference.
     """
+    misfit = first_misfit(program, calls)
+    if misfit:
+        where, why = misfit
+        raise ModelError(f"{name}(): {where} does not fit the exported program's inputs "
+                         f"{signature_of(program)}: {why} (a program takes the inputs its "
+                         "export example gave)")
+
+
+def first_misfit(program: torch.export.ExportedProgram, calls: Sequence[tuple[str, Call]]
+                 ) -> tuple[str, str] | None:
+    """The first of ``calls`` (each named) ``program`` cannot take, and why; None if all fit."""
     signature = signature_of(program)
     for where, (args, kwargs) in calls:
         why = signature.mismatch(args, kwargs)
         if why:
-            raise ModelError(f"{name}(): {where} does not fit the exported program's inputs "
-                             f"{signature}: {why} (a program takes the inputs its export "
-                             "example gave)")
+            return where, why
+    return None
 
 
 def _export(

@@ -47,7 +47,7 @@ from ..unfreeze_mutable_buffer import UnfreezeMutableBuffer
 from .checks import quantization_checks, relative_buffer_errors
 from .delegation import delegation_stages
 from .examples import xnnpack_quantizer
-from .factory import Exported, ModelSpec, export_program
+from .factory import Exported, ModelSpec, export_program, first_misfit
 from .integer_state import INTEGER_STATE, integer_state_stage
 from .noise import native_stderr_held
 from .quantization import COLUMN_NOTES, NO_PASSES, RESET, WITH_PASSES, torchao_recipe
@@ -160,15 +160,16 @@ def _check_inputs_kept(pipeline: PassManager, exported: torch.export.ExportedPro
                        functional: RunResult, steps: Sequence[Any]) -> None:
     """A pipeline in place of functionalization keeps the inputs the steps give; one that
     changes them (BuffersToInputs) would fail the first decode in torch's pytree instead."""
-    before, after = signature_of(exported), signature_of(functional.program)
-    for index, (args, kwargs) in enumerate(steps):
-        why = after.mismatch(args, kwargs)
-        if why:
-            changed = ", ".join(r.name for r in functional.report.records if r.modified)
-            raise PipelineError(
-                f"the pipeline {pipeline.name} changed the program's inputs from {before} to "
-                f"{after}: steps[{index}] no longer fits ({why}); in place of functionalization "
-                f"a pipeline must keep them (its passes that changed the program: {changed})")
+    misfit = first_misfit(functional.program,
+                          [(f"steps[{index}]", step) for index, step in enumerate(steps)])
+    if misfit:
+        where, why = misfit
+        changed = ", ".join(r.name for r in functional.report.records if r.modified)
+        raise PipelineError(
+            f"the pipeline {pipeline.name} changed the program's inputs from "
+            f"{signature_of(exported)} to {signature_of(functional.program)}: {where} no "
+            f"longer fits ({why}); in place of functionalization a pipeline must keep them "
+            f"(its passes that changed the program: {changed})")
 
 
 def run_flow(
