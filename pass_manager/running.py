@@ -272,8 +272,8 @@ class Runner:
             raise EffectsError(p.name, index, "in_place", reason=(
                 "declares in_place = False (returns a new program) but changed the program "
                 "it was given"))
-        if change.structure:
-            graph_module_of(new_program).recompile()
+        for stale in change.structure:
+            stale.recompile()
         record.nodes_after = node_count(new_program)
 
     def _provide(self, p: Any, index: int, program: Any, record: PassRecord) -> None:

@@ -27,7 +27,7 @@ import torch
 from ..collector import collector_paused
 from ..effects import Effects
 from ..errors import EffectsError
-from ..program import graph_module_of
+from ..program import graph_module_of, modules_of
 from .graph import GraphRecord
 from .state import StateRecord
 
@@ -35,9 +35,10 @@ __all__ = ["Change", "RollbackRecord", "recorded", "take", "transaction"]
 
 
 class Change(NamedTuple):
-    """What a pass changed: ``structure`` (nodes, so the code) and ``anything`` at all."""
+    """What a pass changed: ``structure``, the graph modules whose nodes changed (their code
+    is stale), and ``anything`` at all."""
 
-    structure: bool
+    structure: list[torch.fx.GraphModule]
     anything: bool
 
 
@@ -60,8 +61,11 @@ class RollbackRecord:
         meta_only = effects.meta_only and not strict
         # Thousands of small records, none in a cycle (a meta-only record gains nothing).
         with nullcontext() if meta_only else collector_paused():
-            self._graph = GraphRecord(gm, effects.edits_meta_in_place or strict,
-                                      None if strict else effects.meta_keys)
+            # The graph module and those below it (torch.cond's and while_loop's branches).
+            self._graphs = [GraphRecord(m, effects.edits_meta_in_place or strict,
+                                        None if strict else effects.meta_keys)
+                            for _, m in modules_of(gm) if isinstance(m, torch.fx.GraphModule)]
+            self._graph = self._graphs[0]
             self._state = None if meta_only else StateRecord(program, gm, effects.writes_state)
 
     @property
@@ -135,14 +139,14 @@ class RollbackRecord:
             # A meta-only pass that says it changed something is taken at its word: the
             # comparison would only check claims of "no change", and there is no
             # recompile to decide (at worst, cached conditions are dropped needlessly).
-            return Change(False, bool(claimed_modified) or self._graph.meta_changed()
-                          or result is not self.program)
+            return Change([], bool(claimed_modified) or result is not self.program
+                          or any(g.meta_changed() for g in self._graphs))
         gm = graph_module_of(result)
         with collector_paused():
-            if gm is not self._graph.gm or self._graph.structure_changed(gm.graph):
-                return Change(True, True)
-            return Change(False, bool(self._written) or self._graph.meta_changed()
-                          or self._state.changed(result))
+            stale = [gm] if gm is not self._graph.gm else [
+                g.gm for g in self._graphs if g.structure_changed(g.gm.graph)]
+            return Change(stale, bool(stale) or bool(self._written) or self._state.changed(
+                result) or any(g.meta_changed() for g in self._graphs))
 
     # -- undo ------------------------------------------------------------------------
     @property
@@ -160,7 +164,8 @@ class RollbackRecord:
     def restore(self) -> None:
         if self._state is not None:
             self._state.restore()
-        self._graph.restore(rebuild=self._state is not None)
+        for graph in self._graphs:
+            graph.restore(rebuild=self._state is not None)
 
 
 def take(program: Any, effects: Effects, strict: bool = False) -> RollbackRecord:

@@ -11,9 +11,13 @@ from pass_manager import (
     PassManager,
     PassResult,
     PostconditionError,
+    SemanticsError,
+    SemanticValidation,
+    assert_same_behaviour,
     graph_of,
 )
 from pass_manager.program import program_text
+from tests.models.higher_order_ops import HIGHER_ORDER_CASES, BranchOnSign
 
 from ..conftest import NoRelu, targets
 
@@ -237,3 +241,49 @@ def test_a_rebuilt_graph_keeps_names_python_reserves():
     for step in range(3):
         x, y = torch.full((3,), float(step)), torch.arange(3.0) - step
         assert torch.equal(module(x, y), ReservedNames()(x, y))
+
+
+def _rewrite_branches(program):
+    """aten.add -> aten.sub inside torch.cond's branches (graph modules below the top one)."""
+    top = graph_of(program).owning_module
+    rewritten = 0
+    for module in top.modules():
+        if isinstance(module, torch.fx.GraphModule) and module is not top:
+            for node in module.graph.find_nodes(op="call_function",
+                                                target=torch.ops.aten.add.Tensor):
+                node.target = torch.ops.aten.sub.Tensor
+                rewritten += 1
+            module.recompile()
+    return rewritten
+
+
+@pytest.mark.parametrize("form", ["exported", "module"])
+def test_rollback_restores_a_rewritten_cond_branch(form):
+    _, _, calls = HIGHER_ORDER_CASES["cond"]
+    exported = torch.export.export(BranchOnSign(), calls[0])
+    program = exported if form == "exported" else exported.module()
+    before = copy.deepcopy(program)
+
+    def rewrite_branch_then_crash(program):
+        assert _rewrite_branches(program) == 1
+        raise RuntimeError("crash after rewriting a branch")
+
+    with pytest.raises(PassFailedError) as raised:
+        PassManager([rewrite_branch_then_crash]).run(program)
+    assert raised.value.rolled_back
+    assert_same_behaviour(before, program, calls)  # both branches, outputs and buffers
+
+
+def test_a_rewritten_cond_branch_is_a_change_validation_sees():
+    _, _, calls = HIGHER_ORDER_CASES["cond"]
+    exported = torch.export.export(BranchOnSign(), calls[0])
+    before = copy.deepcopy(exported)
+
+    def rewrite_branch(program):  # returns None: the manager measures the change
+        _rewrite_branches(program)
+
+    with pytest.raises(SemanticsError, match="rewrite_branch"):
+        PassManager([rewrite_branch], instruments=[SemanticValidation(calls)]).run(exported)
+    assert_same_behaviour(before, exported, calls)
+    result = PassManager([rewrite_branch]).run(exported)  # its own recompile not needed
+    assert result.report.records[0].modified
