@@ -100,23 +100,22 @@ _FORM_ADVICE = {
 def _unpack(out: Any, program: Any, exported: bool
             ) -> tuple[Any, bool | None, list[str], dict[str, Any]]:
     """A pass's return value -> (program, claimed modified, notes, statistics)."""
-    if out is None:
-        return program, None, [], {}
-    if isinstance(out, PassResult):
-        statistics = dict(out.statistics)  # read later: a note per letter, a count no number
-        if isinstance(out.notes, str) or not all(isinstance(v, (int, float))
-                                                 for v in statistics.values()):
-            raise TypeError(f"a pass returned notes={out.notes!r}, statistics={statistics!r}: "
-                            "notes are a list of strings, statistics {description: number}")
-        return out.program, out.modified, list(out.notes), statistics
     if isinstance(out, TorchPassResult):
-        gm = out.graph_module
-        if exported and gm is not program.graph_module:
-            return program._update(gm, program.graph_signature), out.modified, [], {}
-        return (program if gm is graph_module_of(program) else gm), out.modified, [], {}
-    if isinstance(out, (torch.fx.GraphModule, torch.export.ExportedProgram)):
-        return out, None, [], {}
-    raise TypeError(f"a pass returned {type(out).__name__}; expected PassResult, a program or None")
+        if exported and out.graph_module is not program.graph_module:
+            return program._update(out.graph_module, program.graph_signature), out.modified, [], {}
+        out = PassResult(out.graph_module, out.modified)
+    elif out is None or isinstance(out, (torch.fx.GraphModule, torch.export.ExportedProgram)):
+        out = PassResult(program if out is None else out)
+    if not isinstance(out, PassResult):
+        raise TypeError(f"a pass returned {type(out).__name__}, not a PassResult, program or None")
+    statistics = dict(out.statistics)  # read later: a note per letter, a count no number
+    if isinstance(out.notes, str) or not all(isinstance(v, (int, float))
+                                             for v in statistics.values()):
+        raise TypeError(f"a pass returned notes={out.notes!r}, statistics={statistics!r}: "
+                        "notes are a list of strings, statistics {description: number}")
+    # An ExportedProgram's own graph module stands for it (a plain function gets only that).
+    new = program if out.program is graph_module_of(program) else out.program
+    return new, out.modified, list(out.notes), statistics
 
 
 def _unchanged(record: Any, program: Any, after: bool) -> Any:

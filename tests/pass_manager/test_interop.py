@@ -9,7 +9,7 @@ from torch.fx.passes.infra.pass_base import PassBase
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 from torch.fx.passes.infra.pass_manager import PassManager as TorchPassManager
 
-from pass_manager import PassFailedError, PassManager, first_difference, run_program
+from pass_manager import PassFailedError, PassManager, PassResult, first_difference, run_program
 from tests.models.accumulators import Accumulate
 
 from .conftest import ReluToAbs, targets
@@ -84,3 +84,19 @@ def test_a_torch_pass_returning_a_new_graph_for_an_exported_program_has_its_clai
         is None
     with pytest.raises(PassFailedError, match="reported 'unmodified'"):
         PassManager([TorchStyleCopyReluToAbs()], strict=True).run(exported)
+
+
+def test_a_plain_function_returns_our_pass_result_with_the_graph_module_it_was_given(exported):
+    calls = [(torch.ones(4),), (torch.full((4,), -3.0),), (torch.arange(4.0),)]
+
+    def relu_to_abs(gm):  # given an ExportedProgram, a plain function gets its graph module
+        for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.relu.default):
+            node.target = torch.ops.aten.abs.default
+        return PassResult(gm, True, statistics={"relu rewritten": 1})
+
+    result = PassManager([relu_to_abs]).run(exported)
+    assert result.program is exported and result.report.records[0].modified
+    assert result.report.records[0].statistics == {"relu rewritten": 1}
+    reference = _AccumulateAbs()
+    reference.load_state_dict(Accumulate().state_dict())
+    assert first_difference(run_program(reference, calls), run_program(exported, calls)) is None
