@@ -14,6 +14,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
+from torch._export.verifier import SpecViolationError, _verify_exported_program_signature
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from ._rollback import recorded, take
@@ -123,6 +124,15 @@ def _unchanged(record: Any, program: Any, after: bool) -> Any:
     return unchanged(*record.measured(program, after))
 
 
+def _signature_fault(program: Any) -> str | None:
+    """What torch's check of an ExportedProgram's signature finds wrong with it, or None."""
+    try:
+        _verify_exported_program_signature(program)
+    except SpecViolationError as e:
+        return str(e)
+    return None
+
+
 def _error_statistics(error: BaseException) -> dict[str, Any]:
     """Statistics an exception carries (``error.statistics``), or its cause's."""
     for e in (error, error.__cause__):
@@ -161,6 +171,8 @@ class Runner:
                 self.name, None, type(program).__name__, [GRAPH_MODULE, EXPORTED_PROGRAM], advice
             ) from e
         self.exported = self.form == EXPORTED_PROGRAM
+        # A fault the program came with (torch's deepcopy renames an input named ``input``).
+        self.inherited_fault = _signature_fault(program) if self.exported else None
         self.holds: set[Condition] = set()  # the conditions known to hold
         report = Report(plan=self.plan, strict=self.strict)
         for instrument in self.instruments:
@@ -273,6 +285,10 @@ class Runner:
                 "it was given"))
         for stale in change.structure:
             stale.recompile()
+        fault = _signature_fault(new_program) if self.exported and change.anything else None
+        if fault and fault != self.inherited_fault:  # e.g. a buffer deleted from the state
+            raise PassFailedError(p.name, index, "left the ExportedProgram's signature out of "
+                                  f"step with its graph or state: {fault}")
         record.nodes_after = node_count(new_program)
 
     def _provide(self, p: Any, index: int, program: Any, record: PassRecord) -> None:

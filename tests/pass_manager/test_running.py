@@ -18,6 +18,7 @@ from pass_manager import (
     PreconditionError,
     PrintDiff,
     ProgramFormError,
+    assert_same_behaviour,
     function_pass,
     graph_of,
 )
@@ -395,3 +396,28 @@ def test_notes_or_statistics_the_report_cannot_read_are_named_at_the_pass(traced
                                               r"\{description: number\}"):
         PassManager([function_pass(remarks)]).run(traced)
     assert [n.target for n in graph_of(traced).nodes] == before
+
+
+def _drop_buffer_from_state(program):
+    del program.state_dict["acc"]  # the signature and the graph still read it
+
+
+def _add_input_to_graph_alone(program):
+    graph = graph_of(program)
+    with graph.inserting_after(graph.find_nodes(op="placeholder")[-1]):
+        graph.placeholder("extra")
+
+
+@pytest.mark.parametrize(("edit", "reason"), [
+    (_drop_buffer_from_state, "Buffer acc is not in the state dict"),
+    (_add_input_to_graph_alone, "Placeholders missing input_specs: {'extra'}"),
+])
+def test_a_pass_leaving_the_signature_out_of_step_is_named_and_rolled_back(exported, edit,
+                                                                            reason):
+    calls = [(torch.ones(4),), (torch.full((4,), -3.0),), (torch.arange(4.0),)]
+    before = copy.deepcopy(exported)
+    edits = function_pass(edit, name="edit_state", accepts=("ExportedProgram",))
+    with pytest.raises(PassFailedError, match="edit_state") as raised:
+        PassManager([edits]).run(exported)
+    assert reason in str(raised.value) and raised.value.rolled_back
+    assert_same_behaviour(before, exported, calls)
