@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._library.custom_ops import OPDEFS
 
 from .._untrusted import library_module
 from ..archive import PICKLED, save_data, save_program
 from ..errors import PassManagerError
 from ..pipeline_text import format_pass
-from ..program import program_form, program_text
+from ..program import graph_module_of, program_form, program_text
 from ..report import PassRecord, Report
 from .base import Instrumentation
 from .semantic_validation import SemanticValidation
@@ -53,6 +54,16 @@ def _import_root(module: str) -> str | None:
     path = Path(file).resolve().with_suffix("")  # root/a/b/c for a.b.c, root/a/__init__ for a
     parts = tuple(module.split(".")) + (("__init__",) if path.name == "__init__" else ())
     return str(path.parents[len(parts) - 1]) if path.parts[-len(parts):] == parts else None
+
+
+def _operator_modules(program: Any) -> set[str]:
+    """The modules outside torch defining the operators (``torch.library.custom_op``) the
+    program calls: a replay imports them before it loads the program."""
+    graphs = [m.graph for m in graph_module_of(program).modules()
+              if isinstance(m, torch.fx.GraphModule)]
+    defined = [OPDEFS.get(getattr(n.target, "_name", None)) for g in graphs for n in g.nodes]
+    return {d._init_fn.__module__ for d in defined
+            if d is not None and not d._init_fn.__module__.startswith("torch.")}
 
 
 def _validation_record(v: SemanticValidation) -> dict[str, Any]:
@@ -114,11 +125,12 @@ class Reproducer(Instrumentation):
         safe = "".join(c if c.isalnum() else "_" for c in record.name)[:40]
         folder = Path(tempfile.mkdtemp(prefix=f"{record.index}-{safe}-", dir=self.directory))
         group = callable(getattr(pass_, "pipeline_text", None))
-        modules = sorted({type(p).__module__ for p in (pass_.plan() if group else [pass_])})
+        modules = sorted({type(p).__module__ for p in (pass_.plan() if group else [pass_])}
+                         | _operator_modules(program))
         try:
             pipeline = pass_.pipeline_text() if group else format_pass(pass_)
-            not_replayable = ("a pass is defined in __main__, which a replay cannot import"
-                              if "__main__" in modules else "")
+            not_replayable = ("a pass or an operator the program calls is defined in __main__, "
+                              "which a replay cannot import" if "__main__" in modules else "")
         except PassManagerError as e:
             pipeline, modules, not_replayable = None, [], str(e)
         saved = save_program(program, folder / "program.pt2")
@@ -135,7 +147,8 @@ class Reproducer(Instrumentation):
         if validation_format == PICKLED:
             trust.append("validation.pt is pickled: its inputs or reference are not plain data")
         if outside := [m for m in modules if not library_module(m)]:
-            trust.append(f"the passes are defined outside this library's packages: {outside}")
+            trust.append("the passes or the operators the program calls are defined outside "
+                         f"this library's packages: {outside}")
         manifest = {
             "format": REPRODUCER_FORMAT,
             "pass": record.name,

@@ -394,3 +394,55 @@ def test_a_validation_that_is_not_a_semantic_validation_is_refused_where_it_is_g
     with pytest.raises(TypeError, match=r"Reproducer\(validation='not a validation'\): give "
                                         "the run's SemanticValidation instrument, or nothing"):
         Reproducer(tmp_path, "not a validation")
+
+
+_USER_OPERATOR = """
+import torch
+
+
+@torch.library.custom_op("reproducer_test_ops::triple", mutates_args=())
+def triple(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@triple.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class TriplesAndWritesAConstant(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.ones(4)  # a constant: InplaceToFunctional refuses its write
+
+    def forward(self, x):
+        self.weight.mul_(x)
+        return triple(self.weight) + 1
+"""
+
+
+def test_a_reproducer_of_a_program_calling_a_users_operator_replays_with_trust(
+    tmp_path, monkeypatch
+):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "user_ops.py").write_text(_USER_OPERATOR)
+    monkeypatch.syspath_prepend(str(project))
+    from user_ops import TriplesAndWritesAConstant
+
+    program = torch.export.export(TriplesAndWritesAConstant(), (torch.full((4,), 2.0),))
+    with pytest.raises(PassFailedError) as info:
+        PassManager([MarkMutableBuffers(), InplaceToFunctional()],
+                    instruments=[Reproducer(tmp_path / "out")]).run(program)
+    folder = info.value.reproducer
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["modules"] == ["passes.inplace_to_functional", "user_ops"]
+    assert manifest["import_paths"] == [str(project.resolve())]
+
+    # The replay imports the module defining the operator before it loads the program.
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    replayed = _replay(folder, "--trust", env=env)
+    assert replayed.returncode == 1, replayed.stdout + replayed.stderr
+    assert "reproduced: the recorded error" in replayed.stdout
+    refused = _replay(folder, env=env)
+    assert refused.returncode == 2 and "'user_ops'" in refused.stderr
