@@ -107,22 +107,26 @@ class RollbackRecord:
             raise EffectsError(pass_name, index, "meta_keys", edits)
 
     def _added_or_removed_nodes(self, result: Any) -> list[str]:
-        """Nodes a meta-only pass added or removed (restored by rebuilding the graph)."""
-        graph, recorded = graph_module_of(result).graph, self._graph.nodes
-        if not self._graph.nodes_changed(graph):
-            return []
-        nodes = list(graph.nodes)
-        before, after = set(recorded), set(nodes)
-        return sorted([f"added {n.name}" for n in nodes if n not in before]
-                      + [f"removed {n.name}" for n in recorded if n not in after]
-                      or ["the graph object was replaced"])
+        """Nodes a meta-only pass added to or removed from any graph (restored by rebuilding
+        it)."""
+        found = []
+        for record in self._graphs:
+            graph = graph_module_of(result).graph if record is self._graph else record.gm.graph
+            if record.nodes_changed(graph):
+                nodes, recorded = list(graph.nodes), record.nodes
+                before, after = set(recorded), set(nodes)
+                found += sorted([f"added {n.name}" for n in nodes if n not in before]
+                                + [f"removed {n.name}" for n in recorded if n not in after]
+                                or ["the graph object was replaced"])
+        return found
 
     def _undeclared_edits(self, result: Any) -> list[str]:
         """What a pass changed besides the meta keys of existing nodes it declares (and, if
         it does not rewrite, anything else at all): checked by ``strict``."""
         effects, record = self.effects, self._graph
         gm = graph_module_of(result)
-        structure_changed = gm is not record.gm or record.structure_changed(gm.graph)
+        structure_changed = gm is not record.gm or any(
+            g.structure_changed(g.gm.graph) for g in self._graphs)
         if structure_changed and not effects.rewrites:
             found = ["the graph's nodes or their arguments"]
         else:

@@ -3,6 +3,8 @@ meta entries, rolls them back exactly when the pass fails, notices nodes added o
 in any mode and puts the graph back, and under ``strict=True`` checks that nothing else changed
 (EffectsError, kind "meta_keys")."""
 
+import copy
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from pass_manager import (
 )
 from pass_manager.program import program_text
 from tests.models.accumulators import Accumulate
+from tests.models.higher_order_ops import HIGHER_ORDER_CASES, BranchOnSign
 
 from ..conftest import targets
 
@@ -169,3 +172,29 @@ def test_undeclared_meta_keys_go_unnoticed_without_strict_but_are_kept():
     program = torch.export.export(Accumulate(), (torch.ones(4),))
     PassManager([tag_and_set_another_key]).run(program)
     assert all(n.meta.get("undeclared") == 2 for n in graph_of(program).nodes)
+
+
+@function_pass(effects=Effects(rewrites=False, meta_keys={"tag"}, in_place=None))
+def tag_and_add_a_node_in_a_branch(program):
+    top = graph_of(program).owning_module
+    for module in top.modules():
+        if isinstance(module, torch.fx.GraphModule) and module is not top:
+            for node in module.graph.nodes:
+                node.meta["tag"] = "branch"
+            result = module.graph.output_node().args[0][0]
+            with module.graph.inserting_after(result):
+                module.graph.call_function(torch.ops.aten.neg.default, (result,))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_node_a_meta_only_pass_adds_in_a_cond_branch_is_an_error_and_put_back(strict):
+    _, _, calls = HIGHER_ORDER_CASES["cond"]
+    program = torch.export.export(BranchOnSign(), calls[0])
+    before = copy.deepcopy(program)
+    branches = [m for m in program.graph_module.modules() if m is not program.graph_module]
+    with pytest.raises(EffectsError, match=r"added neg|the graph's nodes"):
+        PassManager([tag_and_add_a_node_in_a_branch], strict=strict).run(program)
+    for branch in branches:
+        assert not branch.graph.find_nodes(op="call_function", target=torch.ops.aten.neg.default)
+        assert all("tag" not in node.meta for node in branch.graph.nodes)
+    assert_same_behaviour(before, program, calls)
