@@ -125,7 +125,16 @@ def _unchanged(record: Any, program: Any, after: bool) -> Any:
 
 
 def _signature_fault(program: Any) -> str | None:
-    """What torch's check of an ExportedProgram's signature finds wrong with it, or None."""
+    """What torch's check of an ExportedProgram's signature finds wrong with it, or None;
+    asked only if the counts of inputs and outputs or the state's names disagree (it is
+    quadratic in the mutated buffers; names are not compared: torch's deepcopy renames an
+    input called ``input``, and the passes pair inputs with specs by position)."""
+    signature, graph = program.graph_signature, program.graph
+    if (len(graph.find_nodes(op="placeholder")) == len(signature.input_specs)
+            and len(graph.output_node().args[0]) == len(signature.output_specs)
+            and {s.target for s in signature.input_specs} - {None}
+            <= program.state_dict.keys() | program.constants.keys()):
+        return None
     try:
         _verify_exported_program_signature(program)
     except SpecViolationError as e:
@@ -171,8 +180,6 @@ class Runner:
                 self.name, None, type(program).__name__, [GRAPH_MODULE, EXPORTED_PROGRAM], advice
             ) from e
         self.exported = self.form == EXPORTED_PROGRAM
-        # A fault the program came with (torch's deepcopy renames an input named ``input``).
-        self.inherited_fault = _signature_fault(program) if self.exported else None
         self.holds: set[Condition] = set()  # the conditions known to hold
         report = Report(plan=self.plan, strict=self.strict)
         for instrument in self.instruments:
@@ -286,7 +293,7 @@ class Runner:
         for stale in change.structure:
             stale.recompile()
         fault = _signature_fault(new_program) if self.exported and change.anything else None
-        if fault and fault != self.inherited_fault:  # e.g. a buffer deleted from the state
+        if fault:  # e.g. a buffer deleted from the state, an input added to the graph alone
             raise PassFailedError(p.name, index, "left the ExportedProgram's signature out of "
                                   f"step with its graph or state: {fault}")
         record.nodes_after = node_count(new_program)
