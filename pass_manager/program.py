@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-__all__ = ["EXPORTED_PROGRAM", "GRAPH_MODULE", "graph_module_of", "graph_of", "modules_of",
-           "node_count", "pass_diff", "program_form", "program_text"]
+__all__ = ["EXPORTED_PROGRAM", "GRAPH_MODULE", "graph_module_of", "graph_of", "graphs_text",
+           "modules_of", "node_count", "pass_diff", "program_form", "program_text"]
 
 GRAPH_MODULE = "GraphModule"
 EXPORTED_PROGRAM = "ExportedProgram"
@@ -53,9 +53,16 @@ def node_count(program: Any) -> int:
     return len(graph_of(program).nodes)
 
 
+def graphs_text(named_graphs: Any) -> str:
+    """``(name, graph)`` pairs as text: the top graph (named "") as is, each below it (a
+    torch.cond branch) headed by its name."""
+    return "".join(f"\n{name}:\n{graph}" if name else str(graph) for name, graph in named_graphs)
+
+
 def program_text(program: Any) -> str:
-    """The program as readable text: the graph, and for an ExportedProgram its signature."""
-    text = str(graph_of(program))
+    """The program as readable text: its graphs, and for an ExportedProgram its signature."""
+    text = graphs_text((name, m.graph) for name, m in modules_of(graph_module_of(program))
+                       if isinstance(m, torch.fx.GraphModule))
     if isinstance(program, ExportedProgram):
         text += "\n" + str(program.graph_signature)
     return text

@@ -27,7 +27,7 @@ import torch
 from ..collector import collector_paused
 from ..effects import Effects
 from ..errors import EffectsError
-from ..program import graph_module_of, modules_of
+from ..program import graph_module_of, graphs_text, modules_of
 from .graph import GraphRecord
 from .state import StateRecord
 
@@ -62,9 +62,11 @@ class RollbackRecord:
         # Thousands of small records, none in a cycle (a meta-only record gains nothing).
         with nullcontext() if meta_only else collector_paused():
             # The graph module and those below it (torch.cond's and while_loop's branches).
+            graphs = [(name, m) for name, m in modules_of(gm)
+                      if isinstance(m, torch.fx.GraphModule)]
+            self._names = [name for name, _ in graphs]
             self._graphs = [GraphRecord(m, effects.edits_meta_in_place or strict,
-                                        None if strict else effects.meta_keys)
-                            for _, m in modules_of(gm) if isinstance(m, torch.fx.GraphModule)]
+                                        None if strict else effects.meta_keys) for _, m in graphs]
             self._graph = self._graphs[0]
             self._state = None if meta_only else StateRecord(program, gm, effects.writes_state)
 
@@ -156,7 +158,7 @@ class RollbackRecord:
     @property
     def text(self) -> str:
         """The program as it was, as text (rendered only for the diff a failure shows)."""
-        text = str(self._graph.rebuild())
+        text = graphs_text(zip(self._names, map(GraphRecord.rebuild, self._graphs), strict=True))
         signature = (getattr(self.program, "graph_signature", None) if self._state is None
                      else self._state.signature_as_recorded())
         return text if signature is None else f"{text}\n{signature}"

@@ -271,6 +271,8 @@ def test_rollback_restores_a_rewritten_cond_branch(form):
     with pytest.raises(PassFailedError) as raised:
         PassManager([rewrite_branch_then_crash]).run(program)
     assert raised.value.rolled_back
+    assert "+    %add : [num_users=1] = call_function[target=torch.ops.aten.sub.Tensor]" in (
+        raised.value.diff)  # the diff shows the branch as it was changed
     assert_same_behaviour(before, program, calls)  # both branches, outputs and buffers
 
 
