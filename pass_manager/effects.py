@@ -9,7 +9,7 @@ the table in docs/pass-manager.md).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 __all__ = ["Effects"]
 
@@ -89,11 +89,6 @@ class Effects:
     def __repr__(self) -> str:
         if self.meta_only and not self.edits_meta_in_place:
             return f"Effects.only_meta({', '.join(map(repr, sorted(self.meta_keys)))})"
-        fields = []
-        defaults = Effects()
-        for name in ("rewrites", "meta_keys", "edits_meta_in_place", "writes_state", "in_place"):
-            value = getattr(self, name)
-            if value != getattr(defaults, name):
-                shown = sorted(value) if isinstance(value, frozenset) else value
-                fields.append(f"{name}={shown!r}")
-        return f"Effects({', '.join(fields)})"
+        shown = [f"{f.name}={sorted(v) if isinstance(v, frozenset) else v!r}"
+                 for f in fields(self) if (v := getattr(self, f.name)) != f.default]
+        return f"Effects({', '.join(shown)})"

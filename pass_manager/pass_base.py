@@ -11,7 +11,7 @@ from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 from .conditions import ALL_CONDITIONS, Condition, as_condition_set
 from .effects import Effects
 from .pipeline_text import format_value, pass_options, register
-from .program import EXPORTED_PROGRAM, GRAPH_MODULE
+from .program import EXPORTED_PROGRAM, GRAPH_MODULE, graph_module_of
 from .report import PassResult
 from .running import run_alone
 
@@ -89,9 +89,7 @@ class _CallablePass(Pass):
         return self._name
 
     def call(self, program: Any) -> Any:
-        if not isinstance(program, torch.export.ExportedProgram):
-            return self._fn(program)
-        out = self._fn(program.graph_module)
+        out = self._fn(graph_module_of(program))
         # The core loop puts a graph module returned for an ExportedProgram back into it.
         return TorchPassResult(out, None) if isinstance(out, torch.fx.GraphModule) else out
 
