@@ -66,10 +66,18 @@ class Plan:
 
 
 def _check_condition_names(passes: Sequence[Any]) -> None:
-    """Conditions are keyed by name in the plan: one name must mean one condition."""
+    """Conditions are keyed by name in the plan: one name must mean one condition (and a
+    declaration that is not of conditions is named with its pass)."""
     by_name: dict[str, Condition] = {}
     for p in passes:
-        for c in requires_of(p) | provides_of(p) | preserves_of(p):
+        declared: set[Condition] = set()
+        for kind, read in (("requires", requires_of), ("provides", provides_of),
+                           ("preserves", preserves_of)):
+            try:
+                declared |= read(p)
+            except TypeError as e:
+                raise TypeError(f"{p.name}.{kind}: {e}") from None
+        for c in declared:
             if by_name.setdefault(c.name, c) is not c:
                 raise PipelineError(
                     f"two different Condition objects are named {c.name!r} in one "

@@ -74,3 +74,15 @@ def test_pipeline_rejects_a_pass_class_instead_of_an_instance():
 
     with pytest.raises(TypeError, match=r"Something\(\)"):
         PassManager([Something])
+
+
+def test_a_declaration_of_names_instead_of_conditions_is_named_with_its_pass():
+    class DeclaresAName(Pass):
+        requires = frozenset({"Functional"})  # the condition's name, not the condition
+
+        def call(self, program):
+            return None
+
+    with pytest.raises(TypeError, match=r"^DeclaresAName\.requires: expected Condition objects, "
+                                        r"got 'Functional'"):
+        PassManager([DeclaresAName()])
