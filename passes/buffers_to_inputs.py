@@ -35,7 +35,8 @@ class BuffersToInputs(Pass):
     GraphModule's trailing ``copy_(input, value)``) or its next value returned as an output
     (``returned=True``). Exactly the buffers the last :class:`~passes.InputsToBuffers` run
     made resident come back exactly as they were (``returned=None``, the default: each as it
-    was carried): same inputs, names, positions, outputs, call specs and example inputs;
+    was carried; while the program's call signature is still the one that run left):
+    same inputs, names, positions, outputs, call specs and example inputs;
     state that run's prefill created goes back to being created and returned. Other buffers
     become keyword inputs named by their FQN as a Python identifier (``layers.0.k_cache``
     -> ``layers_0_k_cache``; their value in the example inputs), appended after the others;
