@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 from torch.fx import Graph, Node
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
@@ -191,6 +192,9 @@ class QuantizeMutableBuffers(Pass):
                 target = BuffersToInputs(buffers=list(by_buffer)).call(target).program
                 _quantized_examples(target, {by_buffer[p.fqn].input: p.grid
                                              for p in accepted if p.fqn in by_buffer})
+            # Inputs written in place now stored as integers: the example inputs say so too.
+            _quantized_examples(target, {_user_input_index(target, p.root.name): p.grid
+                                         for p in accepted if p.carried})
         return PassResult(target, True, notes, statistics)
 
     def _pairs(self, program: Any) -> tuple[list[Pair], list[str], Counter]:
@@ -359,6 +363,16 @@ def _quantized_examples(program: Any, grids: dict[int, Grid]) -> None:
         if isinstance(leaves[index], torch.Tensor) and leaves[index].is_floating_point():
             leaves[index] = grid.quantize(leaves[index])
     program.example_inputs = pytree.tree_unflatten(leaves, spec)
+
+
+def _user_input_index(program: Any, name: str) -> int:
+    """The flat call position of the user input placeholder ``name`` (of an
+    ExportedProgram; -1 for any other form, which keeps no example inputs)."""
+    if not isinstance(program, ExportedProgram):
+        return -1
+    users = [s.arg.name for s in program.graph_signature.input_specs
+             if s.kind == InputKind.USER_INPUT]
+    return users.index(name)
 
 
 def _paired_inputs(program: Any, pairs: list[Pair]) -> dict[str, Node]:
