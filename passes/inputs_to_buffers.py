@@ -225,6 +225,11 @@ class InputsToBuffers(Pass):
                                         f"{val.dtype} {tuple(val.shape)} state")
             return given.detach().clone()
         if example is not None:
+            if tuple(example.shape) != tuple(val.shape) or example.dtype != val.dtype:
+                raise CarriedStateError(_NAME, buffer, f"its example input is a "
+                                        f"{example.dtype} {tuple(example.shape)} tensor but "
+                                        f"the program takes a {val.dtype} "
+                                        f"{tuple(val.shape)} one: give its initial_values")
             return example.detach().clone()
         notes.append(f"buffer {buffer!r} starts as zeros (no example input or initial value)")
         return torch.zeros(val.shape, dtype=val.dtype, device=val.device)

@@ -291,6 +291,19 @@ def test_a_buffer_named_like_a_module_holding_state_is_refused(form):
         assert torch.equal(dict(module.named_buffers())["proj_state"], state)
 
 
+def test_an_example_input_that_no_longer_fits_the_program_is_refused():
+    """An ExportedProgram's example inputs are what a state starts as; one of another dtype
+    than the program takes (changed since export) is refused naming the input, never made a
+    buffer the program cannot write; initial_values then give the start."""
+    x, cache, position = models.cache_inputs()
+    program = functional(models.InPlaceCache(), (x, cache, position))
+    program.example_inputs = ((x, cache.double(), position), {})
+    error = _refused(program, CarriedStateError)
+    assert error.name == "cache" and "float64" in error.reason and "initial_values" in error.reason
+    result = resident(program, initial_values={"cache": cache})
+    assert torch.equal(result.program.constants["cache"], cache)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def hf(request):
     pytest.importorskip("transformers.exporters")

@@ -235,3 +235,24 @@ def test_state_made_resident_stored_as_integers_comes_back_with_integer_examples
         for call, step in enumerate(calls):
             assert same_bits(resident(*step), carried(*step, cache)), f"call {call}: output"
             assert same_bits(dict(resident.named_buffers())["cache"], cache), f"call {call}"
+
+
+def test_carried_state_stored_as_integers_then_made_resident_starts_from_its_integers():
+    """QuantizeMutableBuffers(carried_state=True), then InputsToBuffers: the buffer starts
+    as the example's grid integers (it was the float example, and the program's int8
+    ``index_copy_`` into it failed on the first call); called in a row it follows the carried
+    integer program bit for bit, output and state."""
+    from passes import InputsToBuffers
+
+    calls = grid_inputs()
+    program = exported(CarriedGridCache(), (*calls[0], carried_cache()), "exported_program")
+    quantize_state(program, carried_state=True)
+    grid = mutable_buffers(program)["cache"].grid
+    resident = PassManager([InputsToBuffers()]).run(program).program
+    assert resident.constants["cache"].dtype == torch.int8
+    module, carried = resident.module(), copy.deepcopy(program).module()
+    cache = grid.quantize(carried_cache())
+    with torch.no_grad():
+        for call, step in enumerate(calls):
+            assert same_bits(module(*step), carried(*step, cache)), f"call {call}: output"
+            assert same_bits(dict(module.named_buffers())["cache"], cache), f"call {call}"
