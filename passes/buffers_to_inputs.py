@@ -35,7 +35,8 @@ class BuffersToInputs(Pass):
     GraphModule's trailing ``copy_(input, value)``) or its next value returned as an output
     (``returned=True``). Exactly the buffers the last :class:`~passes.InputsToBuffers` run
     made resident come back exactly as they were (``returned=None``, the default: each as it
-    was carried): same inputs, names, positions, outputs, call specs and example inputs;
+    was carried; while the program's call signature is still the one that run left):
+    same inputs, names, positions, outputs, call specs and example inputs;
     state that run's prefill created goes back to being created and returned. Other buffers
     become keyword inputs named by their FQN as a Python identifier (``layers.0.k_cache``
     -> ``layers_0_k_cache``; their value in the example inputs), appended after the others;
@@ -92,7 +93,7 @@ class BuffersToInputs(Pass):
                       if not set(tied.get(fqn, ())) & set(chosen[:i])]
             if not chosen:
                 return PassResult(program, False)
-            record = _restorable(records_of(program), chosen, self.returned)
+            record, stale = _restorable(records_of(program), chosen, self.returned, view)
             explicit = self._plan(view, nodes, chosen, record, tied)
             result = make_explicit(view, explicit, record)
         statistics = Counter(
@@ -102,6 +103,10 @@ class BuffersToInputs(Pass):
                  f"buffer {e.buffer!r} -> created and returned again" for e in explicit]
         if record is not None:
             notes.append("the call signature before InputsToBuffers is restored")
+        if stale:
+            notes.append("the call signature changed after the InputsToBuffers run that made "
+                         "these buffers (inputs or outputs added or taken since), so it is not "
+                         "restored: the buffers become keyword inputs")
         return PassResult(result, True, notes, statistics)
 
     def _plan(self, view: ProgramView, nodes: dict[str, list], chosen: list[str],
@@ -137,11 +142,17 @@ def _named(view: ProgramView, node: Any) -> Any:
     return next(p for p in view.gm.graph.find_nodes(op="placeholder") if p.name == node.name)
 
 
-def _restorable(records: tuple[CarriedRecord, ...], chosen: list[str], returned: bool | None
-                ) -> CarriedRecord | None:
-    """The last InputsToBuffers record, when it moved exactly ``chosen`` and the user asked
-    for it to come back as it was."""
+def _restorable(records: tuple[CarriedRecord, ...], chosen: list[str], returned: bool | None,
+                view: ProgramView) -> tuple[CarriedRecord | None, bool]:
+    """The last InputsToBuffers record, when it moved exactly ``chosen``, the user asked for
+    it to come back as it was, and the program still has the call signature that run left
+    (its positions are positions in that signature: restored into another, inputs would go
+    missing); and whether such a record was passed over for that last reason."""
     if not records or returned is not None:
-        return None
+        return None, False
     record = records[-1]
-    return record if {m.buffer for m in record.moved} == set(chosen) else None
+    if {m.buffer for m in record.moved} != set(chosen):
+        return None, False
+    if not record.fits(view.in_spec, view.out_spec):
+        return None, True
+    return record, False

@@ -225,6 +225,11 @@ class InputsToBuffers(Pass):
                                         f"{val.dtype} {tuple(val.shape)} state")
             return given.detach().clone()
         if example is not None:
+            if tuple(example.shape) != tuple(val.shape) or example.dtype != val.dtype:
+                raise CarriedStateError(_NAME, buffer, f"its example input is a "
+                                        f"{example.dtype} {tuple(example.shape)} tensor but "
+                                        f"the program takes a {val.dtype} "
+                                        f"{tuple(val.shape)} one: give its initial_values")
             return example.detach().clone()
         notes.append(f"buffer {buffer!r} starts as zeros (no example input or initial value)")
         return torch.zeros(val.shape, dtype=val.dtype, device=val.device)
@@ -235,16 +240,25 @@ class InputsToBuffers(Pass):
         taken |= set(view.constants)
         seen: set[str] = set()
         for c in carried:
-            if c.buffer in taken or c.buffer in seen or not c.buffer or (
-                    not view.exported and _attribute_taken(view.gm, c.buffer)):
+            if _clashes(c.buffer, taken | seen) or not c.buffer or _attribute_taken(
+                    view.gm, c.buffer):
                 raise CarriedStateError(_NAME, c.buffer, "the buffer name is taken (by state "
-                                        "the program has, another input, or an attribute)")
+                                        "the program has, another input, or an attribute), "
+                                        "is the path of a module holding state, or lies "
+                                        "under a tensor: give another name in buffers")
             seen.add(c.buffer)
         unknown = set(self.initial_values or {}) - seen
         if unknown:
             name = sorted(unknown)[0]
             raise StateNameError(_NAME, name, "initial_values names a buffer no state becomes "
                                  f"(buffers: {', '.join(sorted(seen))})")
+
+
+def _clashes(fqn: str, taken: set[str]) -> bool:
+    """Whether ``fqn`` is one of ``taken``, a module path above one (``l`` beside
+    ``l.weight``: the module ``ep.module()`` builds would be replaced by the tensor), or a
+    path under one (a tensor has no attributes to hold it)."""
+    return any(fqn == t or t.startswith(fqn + ".") or fqn.startswith(t + ".") for t in taken)
 
 
 def _attribute_taken(gm: torch.nn.Module, fqn: str) -> bool:

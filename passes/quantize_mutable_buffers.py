@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 from torch.fx import Graph, Node
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
@@ -168,7 +169,7 @@ class QuantizeMutableBuffers(Pass):
             pairs, notes, statistics = self._pairs(program)
             target = _resident(program, pairs) if pairs else program
             plans, flow = plan_quantized_state(target, self.carried_state, owners)
-            by_buffer = {pair.input_name: pair for pair in pairs}
+            by_buffer = {_paired_buffer(pair): pair for pair in pairs}
             more_notes, more_statistics = _report(
                 [p for p in plans if p.fqn not in by_buffer])
             notes += more_notes
@@ -191,6 +192,9 @@ class QuantizeMutableBuffers(Pass):
                 target = BuffersToInputs(buffers=list(by_buffer)).call(target).program
                 _quantized_examples(target, {by_buffer[p.fqn].input: p.grid
                                              for p in accepted if p.fqn in by_buffer})
+            # Inputs written in place now stored as integers: the example inputs say so too.
+            _quantized_examples(target, {_user_input_index(target, p.root.name): p.grid
+                                         for p in accepted if p.carried})
         return PassResult(target, True, notes, statistics)
 
     def _pairs(self, program: Any) -> tuple[list[Pair], list[str], Counter]:
@@ -337,14 +341,24 @@ def _report_signature_state(plan: BufferPlan, label: str, keys: list[str], notes
         notes.append(f"{label}: {stays} {old}: {plan.reason}")
 
 
+_PAIRED_BUFFERS = "_paired_state"
+"""The module the paired inputs become buffers under while they are rewritten: their own
+names may be taken (an input ``proj`` beside a module ``proj``), this path is the pass's."""
+
+
+def _paired_buffer(pair: Pair) -> str:
+    """The buffer a paired input is while it is rewritten (put back as the input after)."""
+    return f"{_PAIRED_BUFFERS}.{pair.input_name}"
+
+
 def _resident(program: Any, pairs: list[Pair]) -> Any:
-    """``program`` with each paired input a resident buffer of its name (zeros: the caller's
-    values are not the program's to check), for the planning and rewrite buffers get."""
-    view_inputs = {pair.input_name: pair for pair in pairs}
+    """``program`` with each paired input a resident buffer (zeros: the caller's values are
+    not the program's to check), for the planning and rewrite buffers get."""
     nodes = _paired_inputs(program, pairs)
-    zeros = {name: torch.zeros(node.meta["val"].shape, dtype=node.meta["val"].dtype)
-             for name, node in nodes.items()}
-    return InputsToBuffers(buffers={name: name for name in view_inputs},
+    zeros = {_paired_buffer(p): torch.zeros(nodes[p.input_name].meta["val"].shape,
+                                            dtype=nodes[p.input_name].meta["val"].dtype)
+             for p in pairs}
+    return InputsToBuffers(buffers={p.input_name: _paired_buffer(p) for p in pairs},
                            next_values={p.input_name: p.output_name for p in pairs},
                            initial_values=zeros).call(program).program
 
@@ -359,6 +373,16 @@ def _quantized_examples(program: Any, grids: dict[int, Grid]) -> None:
         if isinstance(leaves[index], torch.Tensor) and leaves[index].is_floating_point():
             leaves[index] = grid.quantize(leaves[index])
     program.example_inputs = pytree.tree_unflatten(leaves, spec)
+
+
+def _user_input_index(program: Any, name: str) -> int:
+    """The flat call position of the user input placeholder ``name`` (of an
+    ExportedProgram; -1 for any other form, which keeps no example inputs)."""
+    if not isinstance(program, ExportedProgram):
+        return -1
+    users = [s.arg.name for s in program.graph_signature.input_specs
+             if s.kind == InputKind.USER_INPUT]
+    return users.index(name)
 
 
 def _paired_inputs(program: Any, pairs: list[Pair]) -> dict[str, Node]:

@@ -10,6 +10,7 @@ appended to the outputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -130,7 +131,8 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
         records = view.gm.meta.get(CARRIED_META, ())
         view.gm.meta[CARRIED_META] = tuple(r for r in records if r is not record)
         names = list(record.arg_names) if record.arg_names is not None else None
-        return view.build(record.in_spec, record.out_spec, record.example_inputs, names)
+        return view.build(record.in_spec, record.out_spec,
+                          _restored_examples(view, explicit, record), names)
     in_spec = with_leaves(view.in_spec, new_keywords)
     appended = sum(1 for index, _ in returned if index is None)
     out_spec = view.out_spec
@@ -161,6 +163,24 @@ def _returned_value(value: Node, node: Node | None) -> Node:
             and value.args[0] is node):
         return value.args[1]
     return value
+
+
+def _restored_examples(view: ProgramView, explicit: list[Explicit], record: CarriedRecord
+                       ) -> Any:
+    """The record's example inputs, an input restored given the buffer's value where the
+    buffer no longer has the dtype or shape of the example (stored as integers since, by
+    QuantizeMutableBuffers): the program's example inputs are a call it takes."""
+    if not view.exported or record.example_inputs is None:
+        return record.example_inputs
+    leaves, spec = pytree.tree_flatten(record.example_inputs)
+    for state in explicit:
+        if not state.keep_input or state.input_index is None:
+            continue
+        leaf, held = leaves[state.input_index], _initial(view, state)
+        if isinstance(leaf, torch.Tensor) and (leaf.dtype != held.dtype
+                                               or leaf.shape != held.shape):
+            leaves[state.input_index] = held
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def _initial(view: ProgramView, state: Explicit) -> torch.Tensor:

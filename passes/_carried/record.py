@@ -42,13 +42,21 @@ class Moved:
 @dataclass(frozen=True)
 class CarriedRecord:
     """One InputsToBuffers run: the call signature before it (specs, example inputs, the
-    forward's argument names), and what it moved."""
+    forward's argument names), what it moved, and the call specs it left (``resident_in_spec``,
+    ``resident_out_spec``): the record restores the signature before only while the program's
+    is still the one the run left, since the positions it keeps are positions in that one."""
 
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     moved: tuple[Moved, ...]
     example_inputs: Any = None
     arg_names: tuple[str, ...] | None = None
+    resident_in_spec: pytree.TreeSpec | None = None
+    resident_out_spec: pytree.TreeSpec | None = None
+
+    def fits(self, in_spec: pytree.TreeSpec, out_spec: pytree.TreeSpec) -> bool:
+        """Whether a program of these call specs still has the signature the run left."""
+        return self.resident_in_spec == in_spec and self.resident_out_spec == out_spec
 
 
 def records_of(program: Any) -> tuple[CarriedRecord, ...]:

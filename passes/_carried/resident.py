@@ -91,7 +91,7 @@ def make_resident(view: ProgramView, carried: list[Carried], refuse: Any) -> Any
     names = view.arg_names()
     record = CarriedRecord(view.in_spec, view.out_spec, moved,
                            view.source.example_inputs if view.exported else None,
-                           tuple(names) if names is not None else None)
+                           tuple(names) if names is not None else None, in_spec, out_spec)
     view.gm.meta[CARRIED_META] = (*view.gm.meta.get(CARRIED_META, ()), record)
     arg_names = kept_arg_names(view.arg_names(), view.in_spec, in_spec, dropped_inputs)
     return view.build(in_spec, out_spec, example_inputs, arg_names)

@@ -20,7 +20,8 @@ the prefill takes only the counters (mutated in place), creates the keys and val
 returned cache into the next decode (:func:`thread_calls`).
 
 Models are seeded and built from tiny configs: no download. Other architectures
-(:data:`SWEEP_ARCHITECTURES`: Mistral, Phi3, Gemma 1-3, GPT-NeoX, OLMo2, Phi, Qwen2) export the
+(:data:`SWEEP_ARCHITECTURES`: Mistral, Phi3, Gemma 1-3, GPT-NeoX, OLMo2, Phi, Qwen2, Falcon,
+Cohere2) export the
 same way; :func:`cache_options` reads the cache mapping from the programs' call specs for any of
 them, sliding-window layers included.
 """
@@ -278,11 +279,12 @@ def resident_cache_options(hf: HfExport) -> dict[str, dict[str, Any]]:
 # -- other architectures, and the cache mapping read from the programs' call specs -----------
 
 SWEEP_ARCHITECTURES = ("mistral", "phi3", "gemma", "gemma2", "gemma3", "gpt_neox", "olmo2",
-                       "phi", "qwen2")
+                       "phi", "qwen2", "falcon", "cohere2")
 """Tiny random decoders HF's exporter takes, with the cache layout each gives: every one a
 ``StaticCache`` of per-layer ``keys, values, cumulative_length``; ``mistral`` all sliding-window
-layers (``StaticSlidingWindowLayer``, window 8 < the cache's 16), ``gemma2`` / ``gemma3`` one
-sliding and one global layer."""
+layers (``StaticSlidingWindowLayer``, window 8 < the cache's 16), ``gemma2`` / ``gemma3`` /
+``cohere2`` one sliding and one global layer; ``falcon`` its new decoder (one fused
+query-key-value projection, grouped keys and values)."""
 
 
 def tiny_sweep_model(architecture: str, layers: int = 2) -> torch.nn.Module:
@@ -302,11 +304,16 @@ def tiny_sweep_model(architecture: str, layers: int = 2) -> torch.nn.Module:
         "olmo2": (t.Olmo2Config, t.Olmo2ForCausalLM, {}),
         "phi": (t.PhiConfig, t.PhiForCausalLM, {}),
         "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM, {}),
+        "falcon": (t.FalconConfig, t.FalconForCausalLM, {"new_decoder_architecture": True,
+                                                          "num_kv_heads": 1}),
+        "cohere2": (t.Cohere2Config, t.Cohere2ForCausalLM, {
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"][:layers]}),
     }[architecture]
     options = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
                "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
                "max_position_embeddings": 64, "use_cache": True, **extra}
-    if architecture == "gpt_neox":
+    if architecture in ("gpt_neox", "falcon"):
         del options["num_key_value_heads"]
     state = torch.random.get_rng_state()
     torch.manual_seed(0)

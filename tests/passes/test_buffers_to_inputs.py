@@ -334,3 +334,63 @@ def test_hf_exporters_programs_round_trip_exactly(hf, method):
     thread = (lambda s, _: s) if method == "decode" else (
         lambda s, _: ((), copy.deepcopy(kwargs)))
     assert_same_calls(program, result, [((), kwargs, thread)])
+
+
+class _CarriedBesideResident(torch.nn.Module):
+    """Two inputs written in place (``a``, ``b``) beside a resident counter ``r``."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("r", torch.ones(4))
+
+    def forward(self, x, a, b):
+        a.add_(x)
+        b.mul_(1.5)
+        self.r.add_(1)
+        return a + b * self.r
+
+
+def _carried_inputs():
+    return torch.linspace(-1, 1, 4), torch.zeros(4), torch.full((4,), 2.0)
+
+
+@pytest.mark.parametrize("steps", [
+    # Another buffer made an input after the run: its keyword joins the signature.
+    [dict(), ["r"], ["a", "b"]],
+    # Two runs, undone out of order: the later run's record no longer fits after the first.
+    [dict(buffers=["a"]), dict(buffers=["b"]), ["a"], ["b"]],
+], ids=["another buffer made an input since", "runs undone out of order"])
+@pytest.mark.parametrize("form", FORMS)
+def test_a_record_is_not_restored_into_a_signature_changed_since(form, steps):
+    """An InputsToBuffers record restores the signature before that run only while the
+    program still has the one it left: restored into another (an input added or taken
+    since), inputs went missing and the program could not be called. Then the buffers
+    become keyword inputs, as any buffer does, and the program behaves like eager."""
+    x, a, b = _carried_inputs()
+    program = exported(_CarriedBesideResident(), (x, a, b), form=form)
+    for step in steps:
+        if isinstance(step, dict):
+            if form == "module":  # no example inputs: start the buffers as eager's inputs
+                step = {**step, "initial_values": {n: t for n, t in (("a", a), ("b", b)) if
+                                                    n in step.get("buffers", ("a", "b"))}}
+            program = PassManager([InputsToBuffers(**step)]).run(program).program
+        else:
+            result = PassManager([BuffersToInputs(buffers=step)]).run(program)
+            program = result.program
+    notes = " ".join(result.report.records[0].notes)
+    assert "not restored" in notes and "before InputsToBuffers is restored" not in notes
+    module, eager = runnable(program), _CarriedBesideResident()
+    state = {"a": a.clone(), "b": b.clone()}
+    if "r" in steps[1]:
+        state["r"] = eager.r.clone()
+    expected_a, expected_b = a.clone(), b.clone()
+    for call in range(CALLS):
+        x = torch.linspace(-1, 1, 4) * (call + 1)
+        got = module(x, **state)
+        expected = eager(x, expected_a, expected_b)
+        torch.testing.assert_close(got if isinstance(got, torch.Tensor) else got[0],
+                                   expected, rtol=0, atol=0)
+        r = state["r"] if "r" in state else dict(module.named_buffers())["r"]
+        for got_state, want in zip((state["a"], state["b"], r),
+                                   (expected_a, expected_b, eager.r), strict=True):
+            torch.testing.assert_close(got_state, want, rtol=0, atol=0)

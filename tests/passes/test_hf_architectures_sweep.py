@@ -1,6 +1,7 @@
 """Other Hugging Face architectures through transformers' own exporter (a tiny random Mistral,
-all sliding-window layers; a Gemma3, one sliding and one global layer; a GPT-NeoX, another
-module layout): MarkMutableBuffers + InplaceToFunctional, then InputsToBuffers with the cache
+all sliding-window layers; a Gemma3 and a Cohere2, one sliding and one global layer; a
+GPT-NeoX and a Falcon (fused query-key-value projection), other module layouts):
+MarkMutableBuffers + InplaceToFunctional, then InputsToBuffers with the cache
 mapping read from the programs' call specs makes the prefill's and the decode's cache one
 resident state; called in turn, the two methods give HF's own programs' logits and cache bit
 for bit, call after call; BuffersToInputs gives each program back exactly.
@@ -29,7 +30,7 @@ FORMS = ["exported", "module"]
 DECODES = 4  # the prompt is 4 tokens, the sliding window 8
 
 
-@pytest.fixture(scope="module", params=["mistral", "gemma3", "gpt_neox"])
+@pytest.fixture(scope="module", params=["mistral", "gemma3", "gpt_neox", "falcon", "cohere2"])
 def hf(request):
     return hf_exporter.export(request.param)
 

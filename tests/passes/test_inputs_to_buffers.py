@@ -256,6 +256,54 @@ def test_a_taken_buffer_name_is_refused():
     assert error.name == "a"
 
 
+class _InputNamedLikeAModule(torch.nn.Module):
+    """An input ``proj`` written in place beside the module ``proj`` (``proj.weight``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, proj):
+        proj.add_(self.proj(x))
+        return proj * 2
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_buffer_named_like_a_module_holding_state_is_refused(form):
+    """Buffer ``proj`` beside parameter ``proj.weight`` would replace the module
+    ``ep.module()`` builds: the ExportedProgram's result could not be run (torch: "references
+    nonexistent attribute weight of proj"). Refused, as a name under a tensor is; another
+    name works."""
+    args = (torch.ones(4), torch.zeros(4))
+    program = functional(_InputNamedLikeAModule(), args, form=form)
+    assert _refused(program, CarriedStateError).name == "proj"
+    error = _refused(program, CarriedStateError, buffers={"proj": "proj.weight.state"})
+    assert error.name == "proj.weight.state" and "module" in error.reason
+    result = resident(program, buffers={"proj": "proj_state"},
+                      initial_values={"proj_state": torch.zeros(4)})
+    module, eager, state = runnable(result.program), _InputNamedLikeAModule(), torch.zeros(4)
+    eager.load_state_dict({k: v for k, v in module.state_dict().items() if "weight" in k
+                           or "bias" in k})
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(CALLS):
+        x = torch.randn(4, generator=generator)
+        assert torch.equal(module(x), eager(x, state))
+        assert torch.equal(dict(module.named_buffers())["proj_state"], state)
+
+
+def test_an_example_input_that_no_longer_fits_the_program_is_refused():
+    """An ExportedProgram's example inputs are what a state starts as; one of another dtype
+    than the program takes (changed since export) is refused naming the input, never made a
+    buffer the program cannot write; initial_values then give the start."""
+    x, cache, position = models.cache_inputs()
+    program = functional(models.InPlaceCache(), (x, cache, position))
+    program.example_inputs = ((x, cache.double(), position), {})
+    error = _refused(program, CarriedStateError)
+    assert error.name == "cache" and "float64" in error.reason and "initial_values" in error.reason
+    result = resident(program, initial_values={"cache": cache})
+    assert torch.equal(result.program.constants["cache"], cache)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def hf(request):
     pytest.importorskip("transformers.exporters")

@@ -191,3 +191,68 @@ def test_reset_of_resident_state_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", CarriedStateWarning)
         assert reset_mutable_buffers(program) == ["cache"]
+
+
+def test_the_example_inputs_give_the_integer_input_the_program_now_takes():
+    """Stored as integers, a carried input's example is its grid's integers: the program's
+    own example inputs are a call it takes (they stayed float, and torch refused them)."""
+    calls = grid_inputs()
+    program = exported(CarriedGridCache(), (*calls[0], carried_cache()), "exported_program")
+    reference = copy.deepcopy(program)
+    quantize_state(program, carried_state=True)
+    grid = mutable_buffers(program)["cache"].grid
+    (args, _), (reference_args, _) = program.example_inputs, reference.example_inputs
+    assert args[2].dtype == torch.int8 and torch.equal(args[2], grid.quantize(reference_args[2]))
+    assert torch.equal(args[0], reference_args[0]) and torch.equal(args[1], reference_args[1])
+    expected = run_carried(reference, calls[:3], reference_args[2].clone())
+    actual = run_carried(program, calls[:3], args[2].clone())
+    for call in range(3):
+        assert same_bits(expected[2 * call], actual[2 * call]), f"call {call}: output"
+        assert same_bits(grid.dequantize(actual[2 * call + 1]), expected[2 * call + 1])
+
+
+def test_state_made_resident_stored_as_integers_comes_back_with_integer_examples():
+    """InputsToBuffers, QuantizeMutableBuffers (the resident cache stored as integers), then
+    BuffersToInputs restoring the signature: the input is now the grid's integers, and so
+    is its example (the record's float example no longer fits the program). Called in a
+    row, the restored program follows the resident one bit for bit, output and state."""
+    from passes import BuffersToInputs, InplaceToFunctional, InputsToBuffers, MarkMutableBuffers
+
+    calls = grid_inputs()
+    program = exported(CarriedGridCache(), (*calls[0], carried_cache()), "exported_program")
+    program = PassManager([MarkMutableBuffers(), InplaceToFunctional(),
+                           InputsToBuffers(), QuantizeMutableBuffers()]).run(program).program
+    grid = mutable_buffers(program)["cache"].grid
+    assert program.constants["cache"].dtype == torch.int8
+    resident = copy.deepcopy(program).module()
+    back = PassManager([BuffersToInputs()]).run(program).program
+    assert back.graph_signature.user_inputs == ("x", "pos", "cache")
+    args, _ = back.example_inputs
+    assert args[2].dtype == torch.int8 and torch.equal(args[2], grid.quantize(carried_cache()))
+    carried = back.module()
+    cache = args[2].clone()
+    with torch.no_grad():
+        for call, step in enumerate(calls):
+            assert same_bits(resident(*step), carried(*step, cache)), f"call {call}: output"
+            assert same_bits(dict(resident.named_buffers())["cache"], cache), f"call {call}"
+
+
+def test_carried_state_stored_as_integers_then_made_resident_starts_from_its_integers():
+    """QuantizeMutableBuffers(carried_state=True), then InputsToBuffers: the buffer starts
+    as the example's grid integers (it was the float example, and the program's int8
+    ``index_copy_`` into it failed on the first call); called in a row it follows the carried
+    integer program bit for bit, output and state."""
+    from passes import InputsToBuffers
+
+    calls = grid_inputs()
+    program = exported(CarriedGridCache(), (*calls[0], carried_cache()), "exported_program")
+    quantize_state(program, carried_state=True)
+    grid = mutable_buffers(program)["cache"].grid
+    resident = PassManager([InputsToBuffers()]).run(program).program
+    assert resident.constants["cache"].dtype == torch.int8
+    module, carried = resident.module(), copy.deepcopy(program).module()
+    cache = grid.quantize(carried_cache())
+    with torch.no_grad():
+        for call, step in enumerate(calls):
+            assert same_bits(module(*step), carried(*step, cache)), f"call {call}: output"
+            assert same_bits(dict(module.named_buffers())["cache"], cache), f"call {call}"

@@ -115,3 +115,44 @@ def test_an_empty_pairing_is_no_pair(quantized_decode):
                                                  next_values={})]).run(
         copy.deepcopy(quantized_decode))
     assert not result.modified and not result.report.records[0].notes
+
+
+class _PairNamedLikeAModule(torch.nn.Module):
+    """A paired cache input ``proj`` beside the module ``proj`` (``proj.weight``), values
+    of one int8 grid written with ``index_copy``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x, pos, proj):
+        value = _qd.dequantize_per_tensor(_qd.quantize_per_tensor(
+            self.proj(x), 0.05, 3, -128, 127, torch.int8), 0.05, 3, -128, 127, torch.int8)
+        new = proj.index_copy(0, pos, value)
+        return (new * x).sum(-1), new
+
+
+@pytest.mark.parametrize("form", ["ExportedProgram", "GraphModule"])
+def test_a_pair_named_like_a_module_is_stored_as_integers(form):
+    """The pair is made a buffer while rewritten under the pass's own path: named after the
+    input, it clashed with the module ``proj`` (refused on the GraphModule, a CarriedStateError
+    the caller could do nothing about)."""
+    from passes import InplaceToFunctional, MarkMutableBuffers
+
+    steps = [(torch.randn(1, DIM, generator=torch.Generator().manual_seed(i)),
+              torch.tensor([i % SEQ]), None) for i in range(5)]
+    ep = torch.export.export(_PairNamedLikeAModule(), (*steps[0][:2], torch.zeros(SEQ, DIM)))
+    program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+        ep if form == "ExportedProgram" else ep.module()).program
+    expected, float_caches = _run(copy.deepcopy(program), steps, torch.zeros(SEQ, DIM))
+    result = PassManager([QuantizeMutableBuffers(carried_state=True,
+                                                 next_values={"proj": "1"})]).run(program)
+    assert result.report.records[0].statistics["input 'proj': float32 -> int8"] == 1
+    cache = _qd.quantize_per_tensor(torch.zeros(SEQ, DIM), 0.05, 3, -128, 127, torch.int8)
+    outputs, caches = _run(result.program, steps, cache)
+    for got, want, int_cache, float_cache in zip(outputs, expected, caches, float_caches,
+                                                 strict=True):
+        assert torch.equal(got, want)
+        assert torch.equal(_qd.dequantize_per_tensor(int_cache, 0.05, 3, -128, 127,
+                                                     torch.int8), float_cache)
