@@ -389,3 +389,28 @@ def test_uint8_grids_stay_out_of_xnnpack_and_run_like_python(linear, beside):
     assert any("uint8 grid" in note for note in run.notes), run.notes
     if beside:
         assert any("dequantized constants alone" in note for note in run.notes), run.notes
+
+
+@pytest.mark.parametrize("quant_dtype", ["use_16a8w", "use_16a16w"])
+def test_16_bit_grids_stay_out_of_xnnpack_and_run_like_python(quant_dtype):
+    """QnnQuantizer's 16-bit activations (int32 storage over [0, 65535], a zero point near
+    32768) through XNNPACK: ExecuTorch 1.5.1's XNNPACK partitioner takes them, and its
+    serializer then refuses the int32 grid (``ValueError: Invalid quantization scale or zero
+    point ... Found invalid zeropoint``), so nothing lowered. Wrapped, those partitions run
+    on portable kernels (a note names each) and the runtime equals the quantized program bit
+    for bit over 4 calls, outputs and the state the model returns."""
+    from passes.executorch import decode_on_runtime
+    from passes.quantization import quantize_program
+    from tests.models.qnn import qnn_quantizer
+
+    generator = torch.Generator().manual_seed(1)
+    steps = [(torch.rand(1, 4, generator=generator) * 4,) for _ in range(CALLS)]
+    with torch.no_grad():
+        quantized = quantize_program(torch.export.export(RunningTotal(True), steps[0]),
+                                     qnn_quantizer(quant_dtype, per_channel=True), steps)
+    expected = run_program(copy.deepcopy(quantized), steps).outputs
+    run = decode_on_runtime(copy.deepcopy(quantized), None, steps)
+    for step, (got, want) in enumerate(zip(run.outputs, expected, strict=True)):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (step, float((a - b).abs().max()))
+    assert any("torch.int32 (not int8) grid" in note for note in run.notes), run.notes
