@@ -11,9 +11,9 @@ runtime reads the index in the mutable data segment: the buffer starts from what
 buffer sits there, or, when no buffer has an entry of its own, the emitter writes no
 segment and the runtime refuses to load the method (a float accumulator's zeros matching
 QnnQuantizer's per-channel int32 zero points). The Hugging Face prefill's counters started
-so from an int8 key cache's bytes (``0x1414141414141414``, its zero point 20 repeated) and its ``index_put`` failed
-out of bounds; with float caches the buffer there held zeros and the wrong read went
-unseen.
+so from an int8 key cache's bytes (``0x1414141414141414``, its zero point 20 repeated)
+and its ``index_put`` failed out of bounds; with float caches the buffer there held zeros
+and the wrong read went unseen.
 
 :func:`repair_initial_state` checks every initialized mutable buffer of the emitted program
 against the value its method's program holds for it and points each one that reads
