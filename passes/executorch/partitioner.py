@@ -622,11 +622,13 @@ def _keep_misread_grids_out(
         nodes = [node for node in program.graph.nodes if node.meta.get(DELEGATION_TAG) == tag]
         misread = next((node for node in nodes if _misread_grid(node) is not None), None)
         if misread is not None:
-            dtype = _misread_grid(misread)
-            kind = "uint8" if dtype == torch.uint8 else f"{dtype} (not int8)"
-            why = (f"it computes on a {kind} grid ({misread.name}), which ExecuTorch's "
-                   "XNNPACK misreads (uint8 serialized as int8: wrong values, or a method that "
-                   "fails to load; 16-bit grids refused while lowering)")
+            if _misread_grid(misread) == torch.uint8:
+                why = (f"it computes on a uint8 grid ({misread.name}), which ExecuTorch's "
+                       "XNNPACK serializes as int8 (wrong values, or a method that fails to "
+                       "load)")
+            else:
+                why = (f"it computes on a {_misread_grid(misread)} (not int8) grid "
+                       f"({misread.name}), which ExecuTorch's XNNPACK refuses to serialize")
             kept = nodes
         else:
             kept = _constant_values_handed_out(nodes, tag, constants)
