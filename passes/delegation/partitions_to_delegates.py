@@ -73,14 +73,21 @@ __all__ = ["Delegate", "delegates", "to_delegate"]
 _OWNABLE = (InputKind.PARAMETER, InputKind.CONSTANT_TENSOR)
 
 
-def _with_getitems(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
-    """Add the getitem users of tagged multi-output nodes, so no tuple crosses the boundary."""
-    members = dict.fromkeys(nodes)
-    for node in nodes:
-        if node.users and all(u.target is operator.getitem for u in node.users):
-            members.update(dict.fromkeys(node.users))
-    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
-    return sorted(members, key=order.__getitem__)
+def _getitems_follow_their_source(graph: torch.fx.Graph) -> None:
+    """Give each ``getitem`` of a multi-output node the tag of that node (none if it has
+    none), whatever the partitioner gave it, so no tuple crosses a partition's boundary:
+    a partition holding a ``split`` and another holding some of its ``getitem`` nodes would
+    otherwise each need the tuple."""
+    for node in graph.nodes:
+        if not (node.op == "call_function" and node.users
+                and all(user.target is operator.getitem for user in node.users)):
+            continue
+        tag = node.meta.get(DELEGATION_TAG)
+        for item in node.users:
+            if tag is None:
+                item.meta.pop(DELEGATION_TAG, None)
+            else:
+                item.meta[DELEGATION_TAG] = tag
 
 
 def _with_subgraphs(
@@ -238,12 +245,13 @@ def to_delegate(
     work._graph_module = gm
     work._graph_signature = _renamed_signature(ep.graph_signature, renames)
     partitioner(work)
+    _getitems_follow_their_source(gm.graph)
     partitions = tagged_partitions(work)
     kept = _keep_call_graph_values(work, gm, renames)
     absorbed_targets = set()
     specs = {s.arg.name: s for s in work.graph_signature.input_specs if hasattr(s.arg, "name")}
     for index, (tag, nodes) in enumerate(partitions.items()):
-        members = _with_subgraphs(gm, tag, _with_getitems(nodes))
+        members = _with_subgraphs(gm, tag, nodes)
         for placeholder in _lower_partition(work, gm, tag, members, index, backend_id):
             absorbed_targets.add(specs[placeholder.name].target)
     for old, keeper in kept.items():
