@@ -65,29 +65,17 @@ from .delegate_runtime import (
     lowered_module_name,
 )
 from .errors import DelegationError, PartitionError
-from .partitioners import DELEGATION_TAG, Partitioner, tagged_partitions
+from .partitioners import (
+    DELEGATION_TAG,
+    Partitioner,
+    getitems_follow_their_source,
+    tagged_partitions,
+)
 from .subprogram import input_spec, make_program, output_spec
 
 __all__ = ["Delegate", "delegates", "to_delegate"]
 
 _OWNABLE = (InputKind.PARAMETER, InputKind.CONSTANT_TENSOR)
-
-
-def _getitems_follow_their_source(graph: torch.fx.Graph) -> None:
-    """Give each ``getitem`` of a multi-output node the tag of that node (none if it has
-    none), whatever the partitioner gave it, so no tuple crosses a partition's boundary:
-    a partition holding a ``split`` and another holding some of its ``getitem`` nodes would
-    otherwise each need the tuple."""
-    for node in graph.nodes:
-        if not (node.op == "call_function" and node.users
-                and all(user.target is operator.getitem for user in node.users)):
-            continue
-        tag = node.meta.get(DELEGATION_TAG)
-        for item in node.users:
-            if tag is None:
-                item.meta.pop(DELEGATION_TAG, None)
-            else:
-                item.meta[DELEGATION_TAG] = tag
 
 
 def _with_subgraphs(
@@ -245,7 +233,7 @@ def to_delegate(
     work._graph_module = gm
     work._graph_signature = _renamed_signature(ep.graph_signature, renames)
     partitioner(work)
-    _getitems_follow_their_source(gm.graph)
+    getitems_follow_their_source(gm.graph)
     partitions = tagged_partitions(work)
     kept = _keep_call_graph_values(work, gm, renames)
     absorbed_targets = set()

@@ -47,7 +47,7 @@ from torch.fx import Node
 from .._analysis.buffers import buffer_tensor
 from ..delegation.errors import BufferConsumptionError
 from ..delegation.ownership import BufferOwnership, tagged_buffer_ownership
-from ..delegation.partitioners import DELEGATION_TAG
+from ..delegation.partitioners import DELEGATION_TAG, getitems_follow_their_source
 from . import (
     DelegateStateDtypeError,
     DelegateStateWarning,
@@ -250,6 +250,7 @@ class BufferOwningPartitioner(Partitioner):
         scalar_notes += _keep_dropped_quantize_out(program, result.partition_tags)
         scalar_notes += _keep_pass_through_clones_out(program, result.partition_tags)
         scalar_notes += _keep_misread_grids_out(program, result.partition_tags, set(shared))
+        scalar_notes += _getitems_with_their_source(program, result.partition_tags)
         verdicts = self._verdicts(program, result.partition_tags, shared)
         owned = []
         for verdict in verdicts:
@@ -581,6 +582,27 @@ def _on_misread_grid(node: Node) -> bool:
     """Whether ``node`` reads a value dequantized from, or is quantized to, a grid XNNPACK
     misreads (:func:`_misread_grid`)."""
     return any(_misread_grid(value) is not None for value in (*node.all_input_nodes, *node.users))
+
+
+def _getitems_with_their_source(program: ExportedProgram, partition_tags: dict[str, Any]
+                                ) -> list[str]:
+    """Put each ``getitem`` in the partition of the multi-output node it reads (or at the
+    top level with it), a note saying which moved, and drop the partitions left empty.
+
+    ExecuTorch lowers a partition holding a ``getitem`` but not its ``split`` with the
+    list as the delegate's input (which fails when it runs), and one holding the ``split``
+    but not all its ``getitem`` nodes fails to lower (``RuntimeError: Tried to erase
+    Node getitem_2 but it still had 3 users``)."""
+    moved = getitems_follow_their_source(program.graph)
+    if not moved:
+        return []
+    tagged = {node.meta.get(DELEGATION_TAG) for node in program.graph.nodes
+              if node.op == "call_function"}
+    for tag in [tag for tag in partition_tags if tag not in tagged]:
+        del partition_tags[tag]
+    names = ", ".join(node.name for node in moved)
+    return [f"moved {names} to the partition of the multi-output node each reads (or the "
+            "top level, with it): a delegate can neither take nor hand out a tuple"]
 
 
 def _constant_inputs(program: ExportedProgram, state: set[str]) -> dict[str, str]:

@@ -414,3 +414,48 @@ def test_16_bit_grids_stay_out_of_xnnpack_and_run_like_python(quant_dtype):
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), (step, float((a - b).abs().max()))
     assert any("torch.int32 (not int8) grid" in note for note in run.notes), run.notes
+
+
+class SplitsItsCache(torch.nn.Module):
+    """A cache written, halved and split in two halves, each summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 3))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(0, pos, x.unsqueeze(0))
+        self.cache.mul_(0.5)
+        first, second = self.cache.split(2)
+        return first.sum(0) + second.sum(0)
+
+
+_UPDATE = {"index_put": "update", "mul": "update", "split_with_sizes_copy": "update"}
+_RECEIVES_LIST = (ValueError, "Trying to flatten user inputs")
+
+
+@pytest.mark.parametrize(("tags", "alone"), [
+    ({**_UPDATE, "getitem": "reader", "sum": "reader", "add": "reader"}, _RECEIVES_LIST),
+    ({"getitem": "reader", "sum": "reader", "add": "reader"}, _RECEIVES_LIST),
+    ({**_UPDATE, "getitem": "reader", "sum": "update", "add": "reader"},
+     (AssertionError, "found dependency cycles")),
+], ids=["split-in-another-partition", "split-at-top-level", "getitems-make-a-cycle"])
+def test_getitems_go_with_their_split(tags, alone):
+    """A partitioner tagging a ``split`` and its ``getitem`` nodes apart: ExecuTorch alone
+    hands the delegate holding the ``getitem`` nodes the list, which fails when the program
+    runs (``Trying to flatten user inputs``), or finds a dependency cycle through them; so
+    did the wrapper on main. Wrapped, each ``getitem`` goes with its split (a note says so)
+    and the lowered program runs like eager over 4 calls, outputs and state."""
+    steps = [(torch.randn(3, generator=torch.Generator().manual_seed(i)), torch.tensor([i % 4]))
+             for i in range(CALLS)]
+    with torch.no_grad():
+        ep = torch.export.export(SplitsItsCache(), steps[0])
+    with pytest.raises(alone[0], match=alone[1]):
+        edge = to_edge_transform_and_lower(copy.deepcopy(ep), partitioner=[OpPartitioner(tags)])
+        edge.exported_program().module()(*steps[0])
+    wrapper = BufferOwningPartitioner(OpPartitioner(tags))
+    edge = to_edge_transform_and_lower(copy.deepcopy(ep), partitioner=[wrapper])
+    assert any(note.startswith("moved getitem") for note in wrapper.notes), wrapper.notes
+    assert_same_behaviour(SplitsItsCache(), edge.exported_program(), steps,
+                          state=executorch_state)
+    edge.to_executorch()
