@@ -35,7 +35,8 @@ class UnfreezeMutableBuffer(Pass):
     ``_frozen_param`` attribute unless torchao recognises the buffer as mutable (it looks
     for ``copy_`` / ``put_`` in op names, so a buffer updated by ``add_`` is missed). The
     converted program then reads a stale copy forever. This pass puts back the buffer
-    read, the views on the way, and a ``quantize_per_tensor`` with the qparams the frozen
+    read, the ops on the way (views, a ``getitem`` of ``chunk``, pure ops of the buffer
+    alone such as ``flip``), and a ``quantize_per_tensor`` with the qparams the frozen
     value was made with. A frozen read whose dequantized value is the destination of a
     data-movement op (``index_put``, ``index_copy``, ``copy_``) is re-wired to the buffer
     itself: data movement is not quantized.

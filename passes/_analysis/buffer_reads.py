@@ -1,12 +1,13 @@
 """The record of a mutable buffer's reads that ``PassQuantizer`` keeps at prepare time.
 
-A :class:`BufferRead` names the buffer, the pure views on the way (replayable on a
-value) and the observer that watched it; ``UnfreezeMutableBuffer`` uses the records to
+A :class:`BufferRead` names the buffer, the views and pure ops on the way (replayable on
+a value) and the observer that watched it; ``UnfreezeMutableBuffer`` uses the records to
 tell which frozen constant stands for which read.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,8 @@ class BufferRead:
     consumers: frozenset[str] = frozenset()
 
     def describe(self) -> str:
-        views = "".join(f".{step.target.overloadpacket.__name__}(...)" for step in self.chain)
+        views = "".join(f".{getattr(step.target, 'overloadpacket', step.target).__name__}(...)"
+                        for step in self.chain)
         return f"{self.fqn}{views}"
 
     def replay(self, value: torch.Tensor) -> torch.Tensor:
@@ -52,24 +54,45 @@ class BufferRead:
 
 
 def view_chain(node: Node) -> tuple[Node, tuple[ViewStep, ...]] | None:
-    """``(buffer node, views)`` when ``node`` is a marked buffer seen through pure views.
+    """``(buffer node, steps)`` when ``node`` is a marked buffer seen through a chain of
+    ops that each read the previous value (their argument 0) and nothing else a graph
+    computes: views, a ``getitem`` of ``split`` / ``chunk`` / ``unbind``, and pure ops
+    (``flip``, ``roll``, ``repeat``, ``pad``, ``sum``, ...). None otherwise.
 
-    None otherwise. In-place results do not count: their value is not the buffer's value
-    as it was before the op.
+    torchao's constant folding folds any such chain ending in a quantize into one
+    constant, so each must be replayable on the buffer's live value. In-place results do
+    not count: their value is not the buffer's value as it was before the op; nor do
+    random ops.
     """
     steps: list[ViewStep] = []
     while isinstance(node, Node):
         if MUTABLE_BUFFER_META in node.meta and node.op in ("get_attr", "placeholder"):
             return node, tuple(reversed(steps))
-        found = aliased_argument(node)
-        if found is None or found[0] != 0 or found[2]:
-            return None
-        if any(isinstance(a, Node) for a in (*node.args[1:], *node.kwargs.values())):
+        if not _reads_only_its_first_argument(node):
             return None
         args, kwargs = _hashable(node.args[1:]), _hashable(node.kwargs.items())
         steps.append(ViewStep(node.target, args, kwargs))
-        node = found[1]
+        node = node.args[0]
     return None
+
+
+def _reads_only_its_first_argument(node: Node) -> bool:
+    """Whether ``node`` computes from its argument 0 alone (no other node), without
+    writing anything or drawing random numbers: a step :func:`view_chain` can replay."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
+        return False
+    if any(isinstance(a, Node) for a in (*node.args[1:], *node.kwargs.values())):
+        return False
+    if node.target is operator.getitem:
+        return True
+    found = aliased_argument(node)
+    if found is not None:
+        return found[1] is node.args[0] and not found[2]
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return not (target._schema.is_mutable
+                or torch.Tag.nondeterministic_seeded in target.tags)
 
 
 def _hashable(value: Any) -> Any:

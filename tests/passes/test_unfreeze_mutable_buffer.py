@@ -110,11 +110,43 @@ def _prepared(model: nn.Module, recorded: bool) -> torch.fx.GraphModule:
     return prepared
 
 
+STATE_READS = {
+    "flip": lambda state: state.flip(0)[0],
+    "roll": lambda state: state.roll(1, 1)[0],
+    "pad": lambda state: nn.functional.pad(state[0], (1, 0))[:16],
+    "repeat": lambda state: state.repeat(1, 2)[0, 2:18],
+    "expand_sum": lambda state: state[:1].expand(3, 16).sum(0),
+    "chunk": lambda state: state.chunk(2, 0)[1][0],
+}
+
+
+class StateReadThrough(nn.Module):
+    """A state read through a chain of ops that each take the previous value alone: not
+    views (``flip``, ``roll``, ``pad``, ``repeat``, ``expand`` then ``sum``) or a
+    ``getitem`` of ``chunk`` (:data:`STATE_READS`). torchao folds the whole chain into
+    one constant."""
+
+    def __init__(self, read: str, dim: int = 16):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.read = STATE_READS[read]
+        self.register_buffer("state", torch.zeros(2, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        out = y + self.read(self.state)
+        self.state.add_(y * 0.5)
+        return out
+
+
 @functools.cache
 def converted_pair(model_name: str, recorded: bool):
     torch.manual_seed(0)
-    model = {"accumulator": Accumulator, "two": TwoAccumulators, "shapes": TwoShapes,
-             "transposed": TransposedState}[model_name]().eval()
+    models = {"accumulator": Accumulator, "two": TwoAccumulators, "shapes": TwoShapes,
+              "transposed": TransposedState,
+              **{f"through_{read}": functools.partial(StateReadThrough, read)
+                 for read in STATE_READS}}
+    model = models[model_name]().eval()
     prepared = _prepared(model, recorded)
     folded = convert_pt2e(copy.deepcopy(prepared), fold_quantize=True)
     unfolded = convert_pt2e(copy.deepcopy(prepared), fold_quantize=False)
@@ -169,6 +201,22 @@ def test_read_through_a_view_is_replayed():
     folded = copy.deepcopy(folded)
     result = PassManager([UnfreezeMutableBuffer()]).run(folded)
     assert any("state.transpose" in note for r in result.report.records for note in r.notes)
+    same_behaviour(unfolded, result.program)
+
+
+@pytest.mark.parametrize("read", sorted(STATE_READS))
+def test_read_through_ops_of_the_state_alone_is_replayed(read):
+    """torchao folds ``quantize(flip(state)[0])`` (any chain of ops reading the state
+    alone) into one constant; on main only chains of views were recorded, so these reads
+    stayed frozen, silently (NoFrozenMutableBuffers held): the program read the initial
+    state forever. Now each is replayed on the live state."""
+    folded, unfolded = converted_pair(f"through_{read}", recorded=True)
+    folded = copy.deepcopy(folded)
+    with pytest.raises(AssertionError):
+        same_behaviour(unfolded, folded)
+    result = PassManager([UnfreezeMutableBuffer()]).run(folded)
+    assert any("live quantized read of state." in note
+               for r in result.report.records for note in r.notes)
     same_behaviour(unfolded, result.program)
 
 
