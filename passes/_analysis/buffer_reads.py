@@ -17,10 +17,22 @@ from torch.fx import GraphModule, Node
 from .aliasing import aliased_argument
 from .buffers import MUTABLE_BUFFER_META
 
-__all__ = ["OBSERVED_READS_META", "BufferRead", "ViewStep", "record_observed_reads", "view_chain"]
+__all__ = [
+    "OBSERVED_READS_META",
+    "UNREPLAYABLE_READS_META",
+    "BufferRead",
+    "UnreplayableRead",
+    "ViewStep",
+    "record_observed_reads",
+    "view_chain",
+]
 
 OBSERVED_READS_META = "mutable_buffer_observed_reads"
 """``node.meta`` key (on a mutable buffer's node) listing the :class:`BufferRead` observed."""
+
+UNREPLAYABLE_READS_META = "mutable_buffer_unreplayable_reads"
+"""``node.meta`` key (on a mutable buffer's node) listing the :class:`UnreplayableRead`
+observed: values torchao may fold that no :class:`BufferRead` can replay."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,17 @@ class BufferRead:
         for step in self.chain:
             value = step.target(value, *step.args, **dict(step.kwargs))
         return value
+
+
+@dataclass(frozen=True)
+class UnreplayableRead:
+    """An observed value computed from mutable buffers and constants alone, not through a
+    chain :func:`view_chain` can replay (two reads joined, a constant index beside the
+    buffer): ``source`` names its node, ``consumers`` the nodes the observer fed."""
+
+    buffers: tuple[str, ...]
+    source: str
+    consumers: frozenset[str]
 
 
 def view_chain(node: Node) -> tuple[Node, tuple[ViewStep, ...]] | None:
@@ -106,21 +129,55 @@ def record_observed_reads(model: GraphModule, edge_or_node_to_obs_or_fq: dict) -
     """Note on each marked buffer's nodes which observers see it (directly or via views),
     and which nodes consume the observed value."""
     consumers: dict[tuple, set[str]] = {}
+    unreplayable: dict[str, tuple[tuple[str, ...], set[str]]] = {}
     for key, observer in edge_or_node_to_obs_or_fq.items():
         if observer is None:
             continue
         source = key[0] if isinstance(key, tuple) else key
+        users = {key[1].name} if isinstance(key, tuple) else {u.name for u in key.users}
         found = view_chain(source)
         if found is None:
+            buffers = _state_alone(source)
+            if buffers:
+                unreplayable.setdefault(source.name, (buffers, set()))[1].update(users)
             continue
         root, chain = found
-        users = {key[1].name} if isinstance(key, tuple) else {u.name for u in key.users}
         read = (root.meta[MUTABLE_BUFFER_META], chain, observer)
         consumers.setdefault(read, set()).update(users)
     reads: dict[str, list[BufferRead]] = {}
     for (fqn, chain, observer), names in consumers.items():
         reads.setdefault(fqn, []).append(BufferRead(fqn, chain, observer, frozenset(names)))
+    values = [UnreplayableRead(buffers, name, frozenset(names))
+              for name, (buffers, names) in unreplayable.items()]
     for node in model.graph.nodes:
         fqn = node.meta.get(MUTABLE_BUFFER_META)
         if fqn in reads:
             node.meta[OBSERVED_READS_META] = list(reads[fqn])
+        mine = [value for value in values if fqn in value.buffers]
+        if mine:
+            node.meta[UNREPLAYABLE_READS_META] = mine
+
+
+def _state_alone(node: Node) -> tuple[str, ...]:
+    """The marked buffers ``node``'s value is computed from when it is computed from them
+    and constants alone (no input of the call, no random op), else ``()``: a value torchao
+    folds (in-place ops on constants included, such as a ``detach_`` of a fresh copy)."""
+    buffers: set[str] = set()
+    seen: set[Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if MUTABLE_BUFFER_META in current.meta and current.op in ("get_attr", "placeholder"):
+            buffers.add(current.meta[MUTABLE_BUFFER_META])
+        elif current.op == "get_attr":
+            continue
+        elif current.op != "call_function" or (
+                isinstance(current.target, torch._ops.OpOverload)
+                and torch.Tag.nondeterministic_seeded in current.target.tags):
+            return ()
+        else:
+            stack.extend(current.all_input_nodes)
+    return tuple(sorted(buffers))

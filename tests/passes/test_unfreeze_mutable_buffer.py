@@ -24,7 +24,7 @@ from passes import (
     conditions,
     reset_mutable_buffers,
 )
-from passes.errors import AmbiguousFrozenBufferError
+from passes.errors import AmbiguousFrozenBufferError, UnreplayableFrozenReadError
 from passes.flow.examples import xnnpack_quantizer
 from passes.quantization import PassQuantizer
 from tests.models.accumulators import Accumulator, accumulator_inputs
@@ -118,6 +118,11 @@ STATE_READS = {
     "expand_sum": lambda state: state[:1].expand(3, 16).sum(0),
     "chunk": lambda state: state.chunk(2, 0)[1][0],
 }
+# Reads torchao folds too, that no chain of ops of the state alone replays.
+UNREPLAYABLE_READS = {
+    "cat": lambda state: torch.cat([state[0], state[1]])[:16],
+    "index_select": lambda state: state.index_select(0, torch.tensor([1]))[0],
+}
 
 
 class StateReadThrough(nn.Module):
@@ -129,7 +134,7 @@ class StateReadThrough(nn.Module):
     def __init__(self, read: str, dim: int = 16):
         super().__init__()
         self.proj = nn.Linear(dim, dim)
-        self.read = STATE_READS[read]
+        self.read = {**STATE_READS, **UNREPLAYABLE_READS}[read]
         self.register_buffer("state", torch.zeros(2, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,7 +150,7 @@ def converted_pair(model_name: str, recorded: bool):
     models = {"accumulator": Accumulator, "two": TwoAccumulators, "shapes": TwoShapes,
               "transposed": TransposedState,
               **{f"through_{read}": functools.partial(StateReadThrough, read)
-                 for read in STATE_READS}}
+                 for read in (*STATE_READS, *UNREPLAYABLE_READS)}}
     model = models[model_name]().eval()
     prepared = _prepared(model, recorded)
     folded = convert_pt2e(copy.deepcopy(prepared), fold_quantize=True)
@@ -218,6 +223,26 @@ def test_read_through_ops_of_the_state_alone_is_replayed(read):
     assert any("live quantized read of state." in note
                for r in result.report.records for note in r.notes)
     same_behaviour(unfolded, result.program)
+
+
+@pytest.mark.parametrize("read", sorted(UNREPLAYABLE_READS))
+def test_a_folded_read_no_chain_replays_is_a_typed_error(read):
+    """Two reads of the state joined (``cat``), or the state beside a constant index
+    (``index_select``): torchao folds the value into one constant, which no read replays.
+    On main the pass left it frozen and its condition held: the program read the initial
+    state forever. Now UnreplayableFrozenReadError names the buffer, and the program is
+    left as it was."""
+    folded, _ = converted_pair(f"through_{read}", recorded=True)
+    folded = copy.deepcopy(folded)
+    before = program_text(folded)
+    with pytest.raises(PassFailedError) as error:
+        PassManager([UnfreezeMutableBuffer()]).run(folded)
+    cause = error.value.__cause__
+    assert isinstance(cause, UnreplayableFrozenReadError)
+    assert cause.buffers == ["state"] and "InplaceToFunctional" in str(cause)
+    assert program_text(folded) == before
+    assert any("computed from state alone" in v
+               for v in conditions.NoFrozenMutableBuffers.check(folded))
 
 
 def test_nothing_frozen_is_a_no_op():
