@@ -62,10 +62,13 @@ class UnfreezeMutableBuffer(Pass):
         ProgramFormError: an ExportedProgram (pass the GraphModule ``convert_pt2e``
             returned, or the program's ``.module()``), or no program at all.
         PassFailedError: run by a PassManager or called as ``pass_(program)``, in place
-            of the AmbiguousFrozenBufferError below (its ``__cause__``); the program is left
-            as it was.
+            of the errors below (its ``__cause__``); the program is left as it was.
         AmbiguousFrozenBufferError: raised by ``call`` when a frozen constant matches the
             reads of several mutable buffers and no provenance was recorded.
+        UnreplayableFrozenReadError: raised by ``call`` when a frozen constant stands for
+            a value recorded (``PassQuantizer``) as computed from mutable buffers alone
+            through ops no read replays (``cat`` of two reads, ``index_select`` by a
+            constant): quantize a functional program instead (``quantize_program``).
     """
 
     provides = frozenset({NoFrozenMutableBuffers})
