@@ -31,6 +31,7 @@ from .errors import (
     StateOwnerError,
     StatePairingError,
     UnpairedStateError,
+    UnreplayableFrozenReadError,
     UnsupportedMutationError,
 )
 from .functional_variants import register_functional_variant
@@ -71,6 +72,7 @@ __all__: list[str] = [
     "StatePairingError",
     "UnfreezeMutableBuffer",
     "UnpairedStateError",
+    "UnreplayableFrozenReadError",
     "UnsupportedMutationError",
     "check_shared_buffers",
     "conditions",

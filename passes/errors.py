@@ -27,6 +27,7 @@ __all__ = [
     "StateOwnerError",
     "StatePairingError",
     "UnpairedStateError",
+    "UnreplayableFrozenReadError",
     "UnsupportedMutationError",
 ]
 
@@ -54,6 +55,26 @@ class AmbiguousFrozenBufferError(QuantizationFlowError):
             node=node,
         )
         self.candidates = candidates
+
+
+class UnreplayableFrozenReadError(QuantizationFlowError):
+    """A frozen constant stands for a value computed from mutable buffers through ops
+    UnfreezeMutableBuffer cannot replay (several reads, or a constant beside the buffer)."""
+
+    def __init__(self, pass_name: str, node: str, buffers: list[str], source: str):
+        super().__init__(
+            f"frozen constant stands for {source!r}, computed from mutable buffer(s) "
+            + ", ".join(map(repr, buffers))
+            + " alone, which convert_pt2e folded: the program would read their initial "
+            "value forever, and the ops on the way cannot be replayed on the live value; make "
+            "the program functional before prepare_pt2e (MarkMutableBuffers then "
+            "InplaceToFunctional, as quantize_program does), so torchao sees the write-back "
+            "and does not fold it",
+            pass_name=pass_name,
+            node=node,
+        )
+        self.buffers = buffers
+        self.source = source
 
 
 class UnsupportedMutationError(PassManagerError):

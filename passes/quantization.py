@@ -18,7 +18,8 @@ The flow, with torchao's ``prepare_pt2e`` / ``convert_pt2e``::
     gm = torch.export.export(model, example_inputs).module()
     quantizer = PassQuantizer(
         XNNPACKQuantizer().set_global(config),
-        transform=[MarkMutableBuffers()],              # in transform_for_annotation
+        # in transform_for_annotation; functional, so convert_pt2e sees the write-backs
+        transform=[MarkMutableBuffers(), InplaceToFunctional()],
         after_annotate=[SkipAnnotateDataMovementOps()],  # after the quantizer's annotate
     )
     prepared = prepare_pt2e(gm, quantizer)

@@ -35,7 +35,8 @@ class UnfreezeMutableBuffer(Pass):
     ``_frozen_param`` attribute unless torchao recognises the buffer as mutable (it looks
     for ``copy_`` / ``put_`` in op names, so a buffer updated by ``add_`` is missed). The
     converted program then reads a stale copy forever. This pass puts back the buffer
-    read, the views on the way, and a ``quantize_per_tensor`` with the qparams the frozen
+    read, the ops on the way (views, a ``getitem`` of ``chunk``, pure ops of the buffer
+    alone such as ``flip``), and a ``quantize_per_tensor`` with the qparams the frozen
     value was made with. A frozen read whose dequantized value is the destination of a
     data-movement op (``index_put``, ``index_copy``, ``copy_``) is re-wired to the buffer
     itself: data movement is not quantized.
@@ -61,10 +62,13 @@ class UnfreezeMutableBuffer(Pass):
         ProgramFormError: an ExportedProgram (pass the GraphModule ``convert_pt2e``
             returned, or the program's ``.module()``), or no program at all.
         PassFailedError: run by a PassManager or called as ``pass_(program)``, in place
-            of the AmbiguousFrozenBufferError below (its ``__cause__``); the program is left
-            as it was.
+            of the errors below (its ``__cause__``); the program is left as it was.
         AmbiguousFrozenBufferError: raised by ``call`` when a frozen constant matches the
             reads of several mutable buffers and no provenance was recorded.
+        UnreplayableFrozenReadError: raised by ``call`` when a frozen constant stands for
+            a value recorded (``PassQuantizer``) as computed from mutable buffers alone
+            through ops no read replays (``cat`` of two reads, ``index_select`` by a
+            constant): quantize a functional program instead (``quantize_program``).
     """
 
     provides = frozenset({NoFrozenMutableBuffers})

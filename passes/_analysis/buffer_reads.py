@@ -1,12 +1,13 @@
 """The record of a mutable buffer's reads that ``PassQuantizer`` keeps at prepare time.
 
-A :class:`BufferRead` names the buffer, the pure views on the way (replayable on a
-value) and the observer that watched it; ``UnfreezeMutableBuffer`` uses the records to
+A :class:`BufferRead` names the buffer, the views and pure ops on the way (replayable on
+a value) and the observer that watched it; ``UnfreezeMutableBuffer`` uses the records to
 tell which frozen constant stands for which read.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +17,22 @@ from torch.fx import GraphModule, Node
 from .aliasing import aliased_argument
 from .buffers import MUTABLE_BUFFER_META
 
-__all__ = ["OBSERVED_READS_META", "BufferRead", "ViewStep", "record_observed_reads", "view_chain"]
+__all__ = [
+    "OBSERVED_READS_META",
+    "UNREPLAYABLE_READS_META",
+    "BufferRead",
+    "UnreplayableRead",
+    "ViewStep",
+    "record_observed_reads",
+    "view_chain",
+]
 
 OBSERVED_READS_META = "mutable_buffer_observed_reads"
 """``node.meta`` key (on a mutable buffer's node) listing the :class:`BufferRead` observed."""
+
+UNREPLAYABLE_READS_META = "mutable_buffer_unreplayable_reads"
+"""``node.meta`` key (on a mutable buffer's node) listing the :class:`UnreplayableRead`
+observed: values torchao may fold that no :class:`BufferRead` can replay."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +55,8 @@ class BufferRead:
     consumers: frozenset[str] = frozenset()
 
     def describe(self) -> str:
-        views = "".join(f".{step.target.overloadpacket.__name__}(...)" for step in self.chain)
+        views = "".join(f".{getattr(step.target, 'overloadpacket', step.target).__name__}(...)"
+                        for step in self.chain)
         return f"{self.fqn}{views}"
 
     def replay(self, value: torch.Tensor) -> torch.Tensor:
@@ -51,25 +65,57 @@ class BufferRead:
         return value
 
 
-def view_chain(node: Node) -> tuple[Node, tuple[ViewStep, ...]] | None:
-    """``(buffer node, views)`` when ``node`` is a marked buffer seen through pure views.
+@dataclass(frozen=True)
+class UnreplayableRead:
+    """An observed value computed from mutable buffers and constants alone, not through a
+    chain :func:`view_chain` can replay (two reads joined, a constant index beside the
+    buffer): ``source`` names its node, ``consumers`` the nodes the observer fed."""
 
-    None otherwise. In-place results do not count: their value is not the buffer's value
-    as it was before the op.
+    buffers: tuple[str, ...]
+    source: str
+    consumers: frozenset[str]
+
+
+def view_chain(node: Node) -> tuple[Node, tuple[ViewStep, ...]] | None:
+    """``(buffer node, steps)`` when ``node`` is a marked buffer seen through a chain of
+    ops that each read the previous value (their argument 0) and nothing else a graph
+    computes: views, a ``getitem`` of ``split`` / ``chunk`` / ``unbind``, and pure ops
+    (``flip``, ``roll``, ``repeat``, ``pad``, ``sum``, ...). None otherwise.
+
+    torchao's constant folding folds any such chain ending in a quantize into one
+    constant, so each must be replayable on the buffer's live value. In-place results do
+    not count: their value is not the buffer's value as it was before the op; nor do
+    random ops.
     """
     steps: list[ViewStep] = []
     while isinstance(node, Node):
         if MUTABLE_BUFFER_META in node.meta and node.op in ("get_attr", "placeholder"):
             return node, tuple(reversed(steps))
-        found = aliased_argument(node)
-        if found is None or found[0] != 0 or found[2]:
-            return None
-        if any(isinstance(a, Node) for a in (*node.args[1:], *node.kwargs.values())):
+        if not _reads_only_its_first_argument(node):
             return None
         args, kwargs = _hashable(node.args[1:]), _hashable(node.kwargs.items())
         steps.append(ViewStep(node.target, args, kwargs))
-        node = found[1]
+        node = node.args[0]
     return None
+
+
+def _reads_only_its_first_argument(node: Node) -> bool:
+    """Whether ``node`` computes from its argument 0 alone (no other node), without
+    writing anything or drawing random numbers: a step :func:`view_chain` can replay."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
+        return False
+    if any(isinstance(a, Node) for a in (*node.args[1:], *node.kwargs.values())):
+        return False
+    if node.target is operator.getitem:
+        return True
+    found = aliased_argument(node)
+    if found is not None:
+        return found[1] is node.args[0] and not found[2]
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return not (target._schema.is_mutable
+                or torch.Tag.nondeterministic_seeded in target.tags)
 
 
 def _hashable(value: Any) -> Any:
@@ -83,21 +129,55 @@ def record_observed_reads(model: GraphModule, edge_or_node_to_obs_or_fq: dict) -
     """Note on each marked buffer's nodes which observers see it (directly or via views),
     and which nodes consume the observed value."""
     consumers: dict[tuple, set[str]] = {}
+    unreplayable: dict[str, tuple[tuple[str, ...], set[str]]] = {}
     for key, observer in edge_or_node_to_obs_or_fq.items():
         if observer is None:
             continue
         source = key[0] if isinstance(key, tuple) else key
+        users = {key[1].name} if isinstance(key, tuple) else {u.name for u in key.users}
         found = view_chain(source)
         if found is None:
+            buffers = _state_alone(source)
+            if buffers:
+                unreplayable.setdefault(source.name, (buffers, set()))[1].update(users)
             continue
         root, chain = found
-        users = {key[1].name} if isinstance(key, tuple) else {u.name for u in key.users}
         read = (root.meta[MUTABLE_BUFFER_META], chain, observer)
         consumers.setdefault(read, set()).update(users)
     reads: dict[str, list[BufferRead]] = {}
     for (fqn, chain, observer), names in consumers.items():
         reads.setdefault(fqn, []).append(BufferRead(fqn, chain, observer, frozenset(names)))
+    values = [UnreplayableRead(buffers, name, frozenset(names))
+              for name, (buffers, names) in unreplayable.items()]
     for node in model.graph.nodes:
         fqn = node.meta.get(MUTABLE_BUFFER_META)
         if fqn in reads:
             node.meta[OBSERVED_READS_META] = list(reads[fqn])
+        mine = [value for value in values if fqn in value.buffers]
+        if mine:
+            node.meta[UNREPLAYABLE_READS_META] = mine
+
+
+def _state_alone(node: Node) -> tuple[str, ...]:
+    """The marked buffers ``node``'s value is computed from when it is computed from them
+    and constants alone (no input of the call, no random op), else ``()``: a value torchao
+    folds (in-place ops on constants included, such as a ``detach_`` of a fresh copy)."""
+    buffers: set[str] = set()
+    seen: set[Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if MUTABLE_BUFFER_META in current.meta and current.op in ("get_attr", "placeholder"):
+            buffers.add(current.meta[MUTABLE_BUFFER_META])
+        elif current.op == "get_attr":
+            continue
+        elif current.op != "call_function" or (
+                isinstance(current.target, torch._ops.OpOverload)
+                and torch.Tag.nondeterministic_seeded in current.target.tags):
+            return ()
+        else:
+            stack.extend(current.all_input_nodes)
+    return tuple(sorted(buffers))

@@ -20,8 +20,13 @@ from pass_manager import Condition, graph_module_of
 from pass_manager.analysis import Same, cached
 from pass_manager.program import modules_of
 
-from ..errors import AmbiguousFrozenBufferError
-from .buffer_reads import OBSERVED_READS_META, BufferRead
+from ..errors import AmbiguousFrozenBufferError, UnreplayableFrozenReadError
+from .buffer_reads import (
+    OBSERVED_READS_META,
+    UNREPLAYABLE_READS_META,
+    BufferRead,
+    UnreplayableRead,
+)
 from .buffers import BUFFER, MUTABLE_BUFFER_META, PARAMETER, find_mutations
 
 __all__ = [
@@ -116,6 +121,7 @@ def frozen_buffer_reads(
     gm: GraphModule,
     pass_name: str,
     on_ambiguous: Callable[[Node, list[str]], None] | None = None,
+    on_unreplayable: Callable[[Node, UnreplayableRead], None] | None = None,
 ) -> list[FrozenRead]:
     """Every frozen constant that is a quantized read of a mutable buffer, with its read.
 
@@ -123,18 +129,26 @@ def frozen_buffer_reads(
     stands for the read whose observer fed the same consumer nodes, with the same qparams.
     Otherwise a constant matches a read when quantizing the buffer's current value (seen
     through the read's views) with the qparams of the constant's dequantize gives exactly
-    the constant. Zero matches: a real constant. Several:
+    the constant. Zero matches: a real constant, unless the constant fed the consumers of
+    a value recorded as computed from buffers alone that no read replays:
+    :class:`UnreplayableFrozenReadError` (or ``on_unreplayable``). Several:
     :class:`AmbiguousFrozenBufferError` (or ``on_ambiguous``).
 
     The scan is cached (``pass_manager.analysis``) while the graph, the marks and the
     tensors it reads are unchanged, so UnfreezeMutableBuffer and NoFrozenMutableBuffers
     share it.
     """
-    found, ambiguous = cached(gm, "frozen_buffer_reads", _scan_frozen, _frozen_scan_inputs)
+    found, ambiguous, unreplayable = cached(gm, "frozen_buffer_reads", _scan_frozen,
+                                            _frozen_scan_inputs)
     for node, names in ambiguous:
         if on_ambiguous is None:
             raise AmbiguousFrozenBufferError(pass_name, node.name, names)
         on_ambiguous(node, names)
+    for node, read in unreplayable:
+        if on_unreplayable is None:
+            raise UnreplayableFrozenReadError(pass_name, node.name, list(read.buffers),
+                                              read.source)
+        on_unreplayable(node, read)
     return list(found)
 
 
@@ -142,7 +156,8 @@ def _frozen_scan_inputs(gm: GraphModule) -> tuple:
     """What the frozen-read scan reads besides the graph: marks, records, tensor data."""
     marks = tuple(
         (Same(n), n.meta.get(MUTABLE_BUFFER_META),
-         tuple(map(Same, n.meta.get(OBSERVED_READS_META, ()))))
+         tuple(map(Same, n.meta.get(OBSERVED_READS_META, ()))),
+         tuple(n.meta.get(UNREPLAYABLE_READS_META, ())))
         for n in gm.graph.nodes
         if MUTABLE_BUFFER_META in n.meta or OBSERVED_READS_META in n.meta
     )
@@ -158,8 +173,11 @@ def _frozen_scan_inputs(gm: GraphModule) -> tuple:
     return marks, tensors
 
 
-def _scan_frozen(gm: GraphModule) -> tuple[list[FrozenRead], list[tuple[Node, list[str]]]]:
+def _scan_frozen(gm: GraphModule) -> tuple[list[FrozenRead], list[tuple[Node, list[str]]],
+                                            list[tuple[Node, UnreplayableRead]]]:
     reads = _candidate_reads(gm)
+    unreplayable_reads = list(dict.fromkeys(
+        read for n in gm.graph.nodes for read in n.meta.get(UNREPLAYABLE_READS_META, ())))
     values = _ReadValues(gm, [r for r in reads if not r.consumers])
     # The recorded reads by the nodes they fed: a constant is compared with those that fed
     # its consumers, not with every read (a constant per weight, a read per cache).
@@ -170,6 +188,7 @@ def _scan_frozen(gm: GraphModule) -> tuple[list[FrozenRead], list[tuple[Node, li
             by_consumer.setdefault(name, []).append(read)
     found: list[FrozenRead] = []
     ambiguous: list[tuple[Node, list[str]]] = []
+    unreplayable: list[tuple[Node, UnreplayableRead]] = []
     for node in frozen_nodes(gm):
         constant = getattr(gm, str(node.target), None)
         users = list(node.users)
@@ -195,7 +214,11 @@ def _scan_frozen(gm: GraphModule) -> tuple[list[FrozenRead], list[tuple[Node, li
             ambiguous.append((node, names))
         elif matches:
             found.append(FrozenRead(node, matches[0], qparams))
-    return found, ambiguous
+        else:
+            stale = next((r for r in unreplayable_reads if r.consumers & consumers), None)
+            if stale is not None:
+                unreplayable.append((node, stale))
+    return found, ambiguous, unreplayable
 
 
 class _ReadValues:
@@ -259,6 +282,10 @@ def _frozen_buffer_reads(program: Any) -> list[str]:
         "NoFrozenMutableBuffers",
         on_ambiguous=lambda node, names: ambiguous.append(
             f"{node.name}: frozen constant {node.target!r} may stand for {', '.join(names)}"
+        ),
+        on_unreplayable=lambda node, read: ambiguous.append(
+            f"{node.name}: frozen constant {node.target!r} stands for {read.source!r}, "
+            f"computed from {', '.join(read.buffers)} alone"
         ),
     )
     return [f"{f.node.name}: frozen constant {f.node.target!r} is a quantized read of "

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "AllNodePartitioner",
     "OpSupportPartitioner",
     "Partitioner",
+    "getitems_follow_their_source",
     "tagged_partitions",
 ]
 
@@ -45,6 +47,33 @@ def tagged_partitions(ep: ExportedProgram) -> dict[str, list[torch.fx.Node]]:
         if tag is not None and node.op == "call_function":
             partitions.setdefault(str(tag), []).append(node)
     return partitions
+
+
+def getitems_follow_their_source(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """Give each ``getitem`` of a multi-output node that node's tag (none if it has none),
+    whatever the partitioner gave it; returns the ``getitem`` nodes whose tag changed.
+
+    A tuple cannot cross a partition's boundary: with a ``split`` in one partition and
+    some of its ``getitem`` nodes in another, lowering the first takes them along and the
+    second then refers to nodes no longer in the graph (``to_delegate``; ExecuTorch:
+    ``Tried to erase Node getitem``), and with the ``split`` outside the partition, the
+    delegate receives the list itself.
+    """
+    moved = []
+    for node in graph.nodes:
+        if not (node.op == "call_function" and node.users
+                and all(user.target is operator.getitem for user in node.users)):
+            continue
+        tag = node.meta.get(DELEGATION_TAG)
+        for item in node.users:
+            if item.meta.get(DELEGATION_TAG) == tag:
+                continue
+            if tag is None:
+                item.meta.pop(DELEGATION_TAG)
+            else:
+                item.meta[DELEGATION_TAG] = tag
+            moved.append(item)
+    return moved
 
 
 def _as_predicate(supported: Any) -> NodePredicate:

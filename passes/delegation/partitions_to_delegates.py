@@ -65,22 +65,17 @@ from .delegate_runtime import (
     lowered_module_name,
 )
 from .errors import DelegationError, PartitionError
-from .partitioners import DELEGATION_TAG, Partitioner, tagged_partitions
+from .partitioners import (
+    DELEGATION_TAG,
+    Partitioner,
+    getitems_follow_their_source,
+    tagged_partitions,
+)
 from .subprogram import input_spec, make_program, output_spec
 
 __all__ = ["Delegate", "delegates", "to_delegate"]
 
 _OWNABLE = (InputKind.PARAMETER, InputKind.CONSTANT_TENSOR)
-
-
-def _with_getitems(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
-    """Add the getitem users of tagged multi-output nodes, so no tuple crosses the boundary."""
-    members = dict.fromkeys(nodes)
-    for node in nodes:
-        if node.users and all(u.target is operator.getitem for u in node.users):
-            members.update(dict.fromkeys(node.users))
-    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
-    return sorted(members, key=order.__getitem__)
 
 
 def _with_subgraphs(
@@ -238,12 +233,13 @@ def to_delegate(
     work._graph_module = gm
     work._graph_signature = _renamed_signature(ep.graph_signature, renames)
     partitioner(work)
+    getitems_follow_their_source(gm.graph)
     partitions = tagged_partitions(work)
     kept = _keep_call_graph_values(work, gm, renames)
     absorbed_targets = set()
     specs = {s.arg.name: s for s in work.graph_signature.input_specs if hasattr(s.arg, "name")}
     for index, (tag, nodes) in enumerate(partitions.items()):
-        members = _with_subgraphs(gm, tag, _with_getitems(nodes))
+        members = _with_subgraphs(gm, tag, nodes)
         for placeholder in _lower_partition(work, gm, tag, members, index, backend_id):
             absorbed_targets.add(specs[placeholder.name].target)
     for old, keeper in kept.items():

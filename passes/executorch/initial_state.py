@@ -8,10 +8,12 @@ consults ``cached_spec_hash_values``). When a constant with the same bytes came 
 ``int64`` zero such as the Hugging Face cache's ``cumulative_length``, and an ``int64``
 zero constant of an earlier method), the buffer is given that constant's index, but the
 runtime reads the index in the mutable data segment: the buffer starts from whatever
-buffer sits there. The Hugging Face prefill's counters started so from an int8 key cache's
-bytes (``0x1414141414141414``, its zero point 20 repeated) and its ``index_put`` failed
-out of bounds; with float caches the buffer there held zeros and the wrong read went
-unseen.
+buffer sits there, or, when no buffer has an entry of its own, the emitter writes no
+segment and the runtime refuses to load the method (a float accumulator's zeros matching
+QnnQuantizer's per-channel int32 zero points). The Hugging Face prefill's counters started
+so from an int8 key cache's bytes (``0x1414141414141414``, its zero point 20 repeated)
+and its ``index_put`` failed out of bounds; with float caches the buffer there held zeros
+and the wrong read went unseen.
 
 :func:`repair_initial_state` checks every initialized mutable buffer of the emitted program
 against the value its method's program holds for it and points each one that reads
@@ -44,9 +46,10 @@ def repair_initial_state(et: ExecutorchProgramManager,
     or a value in its method's program is left as the emitter made it.
     """
     output = et._emitter_output  # the emitted program, before serialization
-    segment = output.mutable_data
-    if not segment:
-        return []
+    # When every initialized buffer was matched to a constant, the emitter emits no
+    # segment at all (None: only its reserved empty entry 0), and the runtime refuses to
+    # load the method (``getTensorDataPtr() failed: 0x20``): start one.
+    segment = output.mutable_data or [Buffer(storage=b"")]
     notes = []
     for plan in output.program.execution_plan:
         program = et.exported_program(plan.name)
@@ -71,6 +74,7 @@ def repair_initial_state(et: ExecutorchProgramManager,
                          f"(ExecuTorch's emitter matched it to a constant of the same "
                          f"bytes); it now reads entry {tensor.data_buffer_idx}, its own")
     if notes:
+        output.mutable_data = segment
         et._pte_data, et._tensor_data = serialize_for_executorch(
             output, config, et._data_serializer, et._named_data)
         et._buffer = None

@@ -47,7 +47,7 @@ from torch.fx import Node
 from .._analysis.buffers import buffer_tensor
 from ..delegation.errors import BufferConsumptionError
 from ..delegation.ownership import BufferOwnership, tagged_buffer_ownership
-from ..delegation.partitioners import DELEGATION_TAG
+from ..delegation.partitioners import DELEGATION_TAG, getitems_follow_their_source
 from . import (
     DelegateStateDtypeError,
     DelegateStateWarning,
@@ -131,7 +131,8 @@ class BufferOwningPartitioner(Partitioner):
             with an uninitialized tensor in its place; and so is a copy an XNNPACK
             partition holds of a value it also returns or receives, which XNNPACK would
             drop and then refuse to return twice or pass through; and so is a whole XNNPACK
-            partition computing on a uint8 grid, which XNNPACK serializes as int8.)
+            partition computing on a uint8 grid, which XNNPACK serializes as int8, or on
+            a 16-bit one (QnnQuantizer's 16a8w / 16a16w), which it refuses to serialize.)
 
     Warns:
         DelegateStateWarning: from ``partition``, a Core ML delegate will own an fp32 buffer
@@ -193,10 +194,10 @@ class BufferOwningPartitioner(Partitioner):
         ops, keep = self.partitioner.ops_to_not_decompose(ep)
         if _backend_id(self.partitioner) != XNNPACK_BACKEND:
             return ops, keep
-        # An op on a uint8 grid will not be delegated (_keep_unsigned_grids_out): kept
+        # An op on a grid XNNPACK misreads will not be delegated (_keep_misread_grids_out): kept
         # whole, it would be neither decomposed nor delegated, which lowering refuses.
         def kept_whole(node: Node) -> bool:
-            return (keep is None or keep(node)) and not _on_unsigned_grid(node)
+            return (keep is None or keep(node)) and not _on_misread_grid(node)
         return ops, kept_whole
 
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
@@ -248,7 +249,8 @@ class BufferOwningPartitioner(Partitioner):
         scalar_notes = self._keep_scalar_quantize_out(program, result.partition_tags)
         scalar_notes += _keep_dropped_quantize_out(program, result.partition_tags)
         scalar_notes += _keep_pass_through_clones_out(program, result.partition_tags)
-        scalar_notes += _keep_unsigned_grids_out(program, result.partition_tags, set(shared))
+        scalar_notes += _keep_misread_grids_out(program, result.partition_tags, set(shared))
+        scalar_notes += _getitems_with_their_source(program, result.partition_tags)
         verdicts = self._verdicts(program, result.partition_tags, shared)
         owned = []
         for verdict in verdicts:
@@ -548,18 +550,59 @@ def _keep_pass_through_clones_out(
     return notes
 
 
-def _unsigned_grid(node: Node) -> bool:
-    """Whether ``node`` quantizes to, or dequantizes from, uint8 (the dtype argument of
-    torch's ``quantized_decomposed`` ops)."""
+_INT32_RANGE = (torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max)
+
+
+def _misread_grid(node: Node) -> torch.dtype | None:
+    """The dtype of the grid ``node`` quantizes to or dequantizes from (torch's
+    ``quantized_decomposed`` ops) when ExecuTorch's XNNPACK cannot compute on it, else None.
+
+    XNNPACK computes on int8 grids and takes int32 ones as a GEMM's bias (the full int32
+    range, zero point 0). Anything else it misreads: a uint8 grid is serialized as int8;
+    a 16-bit grid (QnnQuantizer's 16a8w / 16a16w: int32 storage over [0, 65535], int16
+    weights) as int32, which its serializer refuses for a zero point other than 0
+    (``ValueError: Invalid quantization scale or zero point``)."""
     from executorch.backends.xnnpack.utils.quant_utils import is_dequant, is_quant
 
-    return (is_quant(node) or is_dequant(node)) and torch.uint8 in (
-        *node.args, *node.kwargs.values())
+    if not (is_quant(node) or is_dequant(node)):
+        return None
+    args = [*node.args, *node.kwargs.values()]
+    at = next((i for i, arg in enumerate(args) if isinstance(arg, torch.dtype)), None)
+    if at is None:
+        return None
+    dtype = args[at]
+    if dtype == torch.int8:
+        return None
+    if dtype == torch.int32 and tuple(args[at - 2:at]) == _INT32_RANGE:
+        return None
+    return dtype
 
 
-def _on_unsigned_grid(node: Node) -> bool:
-    """Whether ``node`` reads a value dequantized from uint8 or is quantized to uint8."""
-    return any(_unsigned_grid(value) for value in (*node.all_input_nodes, *node.users))
+def _on_misread_grid(node: Node) -> bool:
+    """Whether ``node`` reads a value dequantized from, or is quantized to, a grid XNNPACK
+    misreads (:func:`_misread_grid`)."""
+    return any(_misread_grid(value) is not None for value in (*node.all_input_nodes, *node.users))
+
+
+def _getitems_with_their_source(program: ExportedProgram, partition_tags: dict[str, Any]
+                                ) -> list[str]:
+    """Put each ``getitem`` in the partition of the multi-output node it reads (or at the
+    top level with it), a note saying which moved, and drop the partitions left empty.
+
+    ExecuTorch lowers a partition holding a ``getitem`` but not its ``split`` with the
+    list as the delegate's input (which fails when it runs), and one holding the ``split``
+    but not all its ``getitem`` nodes fails to lower (``RuntimeError: Tried to erase
+    Node getitem_2 but it still had 3 users``)."""
+    moved = getitems_follow_their_source(program.graph)
+    if not moved:
+        return []
+    tagged = {node.meta.get(DELEGATION_TAG) for node in program.graph.nodes
+              if node.op == "call_function"}
+    for tag in [tag for tag in partition_tags if tag not in tagged]:
+        del partition_tags[tag]
+    names = ", ".join(node.name for node in moved)
+    return [f"moved {names} to the partition of the multi-output node each reads (or the "
+            "top level, with it): a delegate can neither take nor hand out a tuple"]
 
 
 def _constant_inputs(program: ExportedProgram, state: set[str]) -> dict[str, str]:
@@ -575,12 +618,12 @@ def _constant_inputs(program: ExportedProgram, state: set[str]) -> dict[str, str
     return constants
 
 
-def _keep_unsigned_grids_out(
+def _keep_misread_grids_out(
     program: ExportedProgram, partition_tags: dict[str, Any], state: set[str]
 ) -> list[str]:
-    """Keep at the top level each XNNPACK partition computing on a uint8 grid, and each
-    value an XNNPACK partition computes from dequantized constants alone but hands out; a
-    note each.
+    """Keep at the top level each XNNPACK partition computing on a grid it misreads (uint8,
+    16-bit: :func:`_misread_grid`), and each value an XNNPACK partition computes from
+    dequantized constants alone but hands out; a note each.
 
     ExecuTorch 1.5.1's XNNPACK serializer writes every per-tensor quantized value that is
     not int32 as ``qint8``, uint8 included (QnnQuantizer's activations): with a zero point
@@ -590,18 +633,25 @@ def _keep_unsigned_grids_out(
     XNNPACK's GEMM configs refuse a GEMM on uint8 activations, and leave the transpose of
     its dequantized weight in a partition, whose output XNNPACK then fails to load ("Failed
     to create static transpose"). Kept out, those ops run on ExecuTorch's portable kernels,
-    which compute what the quantized program does.
+    which compute what the quantized program does. A 16-bit grid (QnnQuantizer's 16a8w /
+    16a16w activations, int32 storage over [0, 65535]) it serializes as int32 and refuses
+    while lowering (``ValueError: ... Found invalid zeropoint``); kept out alike.
     """
     xnnpack = _xnnpack_tags(partition_tags)
     notes: list[str] = []
     constants = _constant_inputs(program, state) if xnnpack else {}
     for tag in sorted(xnnpack):
         nodes = [node for node in program.graph.nodes if node.meta.get(DELEGATION_TAG) == tag]
-        unsigned = next((node for node in nodes if _unsigned_grid(node)), None)
-        if unsigned is not None:
+        misread = next((node for node in nodes if _misread_grid(node) is not None), None)
+        if misread is not None:
+            if _misread_grid(misread) == torch.uint8:
+                why = (f"it computes on a uint8 grid ({misread.name}), which ExecuTorch's "
+                       "XNNPACK serializes as int8 (wrong values, or a method that fails to "
+                       "load)")
+            else:
+                why = (f"it computes on a {_misread_grid(misread)} (not int8) grid "
+                       f"({misread.name}), which ExecuTorch's XNNPACK refuses to serialize")
             kept = nodes
-            why = (f"it computes on a uint8 grid ({unsigned.name}), which ExecuTorch's "
-                   "XNNPACK serializes as int8 (wrong values, or a method that fails to load)")
         else:
             kept = _constant_values_handed_out(nodes, tag, constants)
             why = ("they compute from dequantized constants alone and leave the partition "

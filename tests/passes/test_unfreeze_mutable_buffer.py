@@ -24,7 +24,7 @@ from passes import (
     conditions,
     reset_mutable_buffers,
 )
-from passes.errors import AmbiguousFrozenBufferError
+from passes.errors import AmbiguousFrozenBufferError, UnreplayableFrozenReadError
 from passes.flow.examples import xnnpack_quantizer
 from passes.quantization import PassQuantizer
 from tests.models.accumulators import Accumulator, accumulator_inputs
@@ -110,11 +110,48 @@ def _prepared(model: nn.Module, recorded: bool) -> torch.fx.GraphModule:
     return prepared
 
 
+STATE_READS = {
+    "flip": lambda state: state.flip(0)[0],
+    "roll": lambda state: state.roll(1, 1)[0],
+    "pad": lambda state: nn.functional.pad(state[0], (1, 0))[:16],
+    "repeat": lambda state: state.repeat(1, 2)[0, 2:18],
+    "expand_sum": lambda state: state[:1].expand(3, 16).sum(0),
+    "chunk": lambda state: state.chunk(2, 0)[1][0],
+}
+# Reads torchao folds too, that no chain of ops of the state alone replays.
+UNREPLAYABLE_READS = {
+    "cat": lambda state: torch.cat([state[0], state[1]])[:16],
+    "index_select": lambda state: state.index_select(0, torch.tensor([1]))[0],
+}
+
+
+class StateReadThrough(nn.Module):
+    """A state read through a chain of ops that each take the previous value alone: not
+    views (``flip``, ``roll``, ``pad``, ``repeat``, ``expand`` then ``sum``) or a
+    ``getitem`` of ``chunk`` (:data:`STATE_READS`). torchao folds the whole chain into
+    one constant."""
+
+    def __init__(self, read: str, dim: int = 16):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.read = {**STATE_READS, **UNREPLAYABLE_READS}[read]
+        self.register_buffer("state", torch.zeros(2, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        out = y + self.read(self.state)
+        self.state.add_(y * 0.5)
+        return out
+
+
 @functools.cache
 def converted_pair(model_name: str, recorded: bool):
     torch.manual_seed(0)
-    model = {"accumulator": Accumulator, "two": TwoAccumulators, "shapes": TwoShapes,
-             "transposed": TransposedState}[model_name]().eval()
+    models = {"accumulator": Accumulator, "two": TwoAccumulators, "shapes": TwoShapes,
+              "transposed": TransposedState,
+              **{f"through_{read}": functools.partial(StateReadThrough, read)
+                 for read in (*STATE_READS, *UNREPLAYABLE_READS)}}
+    model = models[model_name]().eval()
     prepared = _prepared(model, recorded)
     folded = convert_pt2e(copy.deepcopy(prepared), fold_quantize=True)
     unfolded = convert_pt2e(copy.deepcopy(prepared), fold_quantize=False)
@@ -170,6 +207,42 @@ def test_read_through_a_view_is_replayed():
     result = PassManager([UnfreezeMutableBuffer()]).run(folded)
     assert any("state.transpose" in note for r in result.report.records for note in r.notes)
     same_behaviour(unfolded, result.program)
+
+
+@pytest.mark.parametrize("read", sorted(STATE_READS))
+def test_read_through_ops_of_the_state_alone_is_replayed(read):
+    """torchao folds ``quantize(flip(state)[0])`` (any chain of ops reading the state
+    alone) into one constant; on main only chains of views were recorded, so these reads
+    stayed frozen, silently (NoFrozenMutableBuffers held): the program read the initial
+    state forever. Now each is replayed on the live state."""
+    folded, unfolded = converted_pair(f"through_{read}", recorded=True)
+    folded = copy.deepcopy(folded)
+    with pytest.raises(AssertionError):
+        same_behaviour(unfolded, folded)
+    result = PassManager([UnfreezeMutableBuffer()]).run(folded)
+    assert any("live quantized read of state." in note
+               for r in result.report.records for note in r.notes)
+    same_behaviour(unfolded, result.program)
+
+
+@pytest.mark.parametrize("read", sorted(UNREPLAYABLE_READS))
+def test_a_folded_read_no_chain_replays_is_a_typed_error(read):
+    """Two reads of the state joined (``cat``), or the state beside a constant index
+    (``index_select``): torchao folds the value into one constant, which no read replays.
+    On main the pass left it frozen and its condition held: the program read the initial
+    state forever. Now UnreplayableFrozenReadError names the buffer, and the program is
+    left as it was."""
+    folded, _ = converted_pair(f"through_{read}", recorded=True)
+    folded = copy.deepcopy(folded)
+    before = program_text(folded)
+    with pytest.raises(PassFailedError) as error:
+        PassManager([UnfreezeMutableBuffer()]).run(folded)
+    cause = error.value.__cause__
+    assert isinstance(cause, UnreplayableFrozenReadError)
+    assert cause.buffers == ["state"] and "InplaceToFunctional" in str(cause)
+    assert program_text(folded) == before
+    assert any("computed from state alone" in v
+               for v in conditions.NoFrozenMutableBuffers.check(folded))
 
 
 def test_nothing_frozen_is_a_no_op():

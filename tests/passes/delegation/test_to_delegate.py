@@ -276,3 +276,50 @@ def test_lowering_twice_keeps_earlier_delegates(decoder):
 
     with pytest.raises(PartitionError, match="earlier lowering"):
         to_delegate(once, everything_tagged)
+
+
+class _SplitsItsCache(nn.Module):
+    """A cache written, halved, then split in two: the ``split`` and its ``getitem``
+    nodes are separate nodes a partitioner may tag apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 3))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(0, pos, x.unsqueeze(0))
+        self.cache.mul_(0.5)
+        first, second = self.cache.split(2)
+        return torch.stack([first, second]).sum(0), second.sum()
+
+
+@pytest.mark.parametrize("getitem_tag", ["other", None], ids=["in_another", "at_top_level"])
+def test_a_split_and_its_getitems_tagged_apart_lower_together(getitem_tag):
+    """The partitioner puts ``split`` in one partition and its ``getitem`` nodes in
+    another: lowering the first pulled them in and the second then failed on nodes no
+    longer in the graph (an untyped ``KeyError: getitem_2`` on main). Left at the top
+    level they were pulled in already. A ``getitem`` goes with its source, so the tuple
+    stays inside one delegate; the program runs like eager, state included, and after
+    its buffer consumption too."""
+    eager = _SplitsItsCache()
+    calls = [(torch.randn(3, generator=torch.Generator().manual_seed(i)), torch.tensor([i % 4]))
+             for i in range(CALLS)]
+    ep = torch.export.export(copy.deepcopy(eager), calls[0]).run_decompositions({})
+
+    def partitioner(program):
+        for node in program.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is operator.getitem:
+                if getitem_tag is not None:
+                    node.meta[DELEGATION_TAG] = getitem_tag
+            elif node.target.overloadpacket in (aten.stack, aten.sum):
+                node.meta[DELEGATION_TAG] = "other"
+            else:
+                node.meta[DELEGATION_TAG] = "writes"
+
+    lowered = to_delegate(ep, partitioner)
+    assert sorted(d.tag for d in delegates(lowered)) == ["other", "writes"]
+    assert_same_behaviour(copy.deepcopy(eager), lowered, calls, state=program_state)
+    consumed = PassManager([ConsumeBufferMutationsInDelegate()]).run(lowered).program
+    assert_same_behaviour(copy.deepcopy(eager), consumed, calls, state=program_state)

@@ -389,3 +389,73 @@ def test_uint8_grids_stay_out_of_xnnpack_and_run_like_python(linear, beside):
     assert any("uint8 grid" in note for note in run.notes), run.notes
     if beside:
         assert any("dequantized constants alone" in note for note in run.notes), run.notes
+
+
+@pytest.mark.parametrize("quant_dtype", ["use_16a8w", "use_16a16w"])
+def test_16_bit_grids_stay_out_of_xnnpack_and_run_like_python(quant_dtype):
+    """QnnQuantizer's 16-bit activations (int32 storage over [0, 65535], a zero point near
+    32768) through XNNPACK: ExecuTorch 1.5.1's XNNPACK partitioner takes them, and its
+    serializer then refuses the int32 grid (``ValueError: Invalid quantization scale or zero
+    point ... Found invalid zeropoint``), so nothing lowered. Wrapped, those partitions run
+    on portable kernels (a note names each) and the runtime equals the quantized program bit
+    for bit over 4 calls, outputs and the state the model returns."""
+    from passes.executorch import decode_on_runtime
+    from passes.quantization import quantize_program
+    from tests.models.qnn import qnn_quantizer
+
+    generator = torch.Generator().manual_seed(1)
+    steps = [(torch.rand(1, 4, generator=generator) * 4,) for _ in range(CALLS)]
+    with torch.no_grad():
+        quantized = quantize_program(torch.export.export(RunningTotal(True), steps[0]),
+                                     qnn_quantizer(quant_dtype, per_channel=True), steps)
+    expected = run_program(copy.deepcopy(quantized), steps).outputs
+    run = decode_on_runtime(copy.deepcopy(quantized), None, steps)
+    for step, (got, want) in enumerate(zip(run.outputs, expected, strict=True)):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (step, float((a - b).abs().max()))
+    assert any("torch.int32 (not int8) grid" in note for note in run.notes), run.notes
+
+
+class SplitsItsCache(torch.nn.Module):
+    """A cache written, halved and split in two halves, each summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 3))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(0, pos, x.unsqueeze(0))
+        self.cache.mul_(0.5)
+        first, second = self.cache.split(2)
+        return first.sum(0) + second.sum(0)
+
+
+_UPDATE = {"index_put": "update", "mul": "update", "split_with_sizes_copy": "update"}
+_RECEIVES_LIST = (ValueError, "Trying to flatten user inputs")
+
+
+@pytest.mark.parametrize(("tags", "alone"), [
+    ({**_UPDATE, "getitem": "reader", "sum": "reader", "add": "reader"}, _RECEIVES_LIST),
+    ({"getitem": "reader", "sum": "reader", "add": "reader"}, _RECEIVES_LIST),
+    ({**_UPDATE, "getitem": "reader", "sum": "update", "add": "reader"},
+     (AssertionError, "found dependency cycles")),
+], ids=["split-in-another-partition", "split-at-top-level", "getitems-make-a-cycle"])
+def test_getitems_go_with_their_split(tags, alone):
+    """A partitioner tagging a ``split`` and its ``getitem`` nodes apart: ExecuTorch alone
+    hands the delegate holding the ``getitem`` nodes the list, which fails when the program
+    runs (``Trying to flatten user inputs``), or finds a dependency cycle through them; so
+    did the wrapper on main. Wrapped, each ``getitem`` goes with its split (a note says so)
+    and the lowered program runs like eager over 4 calls, outputs and state."""
+    steps = [(torch.randn(3, generator=torch.Generator().manual_seed(i)), torch.tensor([i % 4]))
+             for i in range(CALLS)]
+    with torch.no_grad():
+        ep = torch.export.export(SplitsItsCache(), steps[0])
+    with pytest.raises(alone[0], match=alone[1]):
+        edge = to_edge_transform_and_lower(copy.deepcopy(ep), partitioner=[OpPartitioner(tags)])
+        edge.exported_program().module()(*steps[0])
+    wrapper = BufferOwningPartitioner(OpPartitioner(tags))
+    edge = to_edge_transform_and_lower(copy.deepcopy(ep), partitioner=[wrapper])
+    assert any(note.startswith("moved getitem") for note in wrapper.notes), wrapper.notes
+    assert_same_behaviour(SplitsItsCache(), edge.exported_program(), steps,
+                          state=executorch_state)
+    edge.to_executorch()

@@ -78,3 +78,29 @@ def test_the_emitter_points_the_counter_at_the_totals_bytes_and_the_repair_once_
     assert repair_initial_state(et, config) == []  # consistent now: nothing more to do
     repaired = Runtime.get().load_program(et.buffer).load_method("forward")
     assert repaired.execute(list(STEPS[0]))[0].tolist() == [1, 9]
+
+
+class TotalAfterZeroConstant(torch.nn.Module):
+    """The program's only mutable buffer (float zeros) has the bytes of a constant emitted
+    before it (an int32 zero vector, as QnnQuantizer's per-channel zero points are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("zero_points", torch.zeros(4, dtype=torch.int32))  # read only
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x + self.zero_points)
+        return self.total * 2
+
+
+def test_the_only_buffer_matched_to_a_constant_gets_a_segment_of_its_own():
+    """The emitter matched the total to the constant, so it wrote no mutable data segment:
+    the runtime refused to load the method (``getTensorDataPtr() failed: 0x20``, a
+    QnnQuantizer per-channel linear's running total on main). It now starts from its zeros."""
+    steps = [(torch.full((4,), float(i)),) for i in (1, 2, 3)]
+    eager = TotalAfterZeroConstant()
+    expected = [eager(*step) for step in steps]
+    run = decode_on_runtime(torch.export.export(TotalAfterZeroConstant(), steps[0]), None, steps)
+    assert [out[0].tolist() for out in run.outputs] == [t.tolist() for t in expected]
+    assert any("'total' was emitted reading entry" in note for note in run.notes), run.notes
