@@ -157,11 +157,11 @@ class _Stages:
 
 
 def _check_inputs_kept(pipeline: PassManager, exported: torch.export.ExportedProgram,
-                       functional: RunResult, steps: Sequence[Any]) -> None:
-    """A pipeline in place of functionalization keeps the inputs the steps give; one that
-    changes them (BuffersToInputs) would fail the first decode in torch's pytree instead."""
-    misfit = first_misfit(functional.program,
-                          [(f"steps[{index}]", step) for index, step in enumerate(steps)])
+                       functional: RunResult, calls: Sequence[tuple[str, Any]]) -> None:
+    """A pipeline in place of functionalization keeps the inputs the calls (each named)
+    give; one that changes them (BuffersToInputs) would fail the first decode in torch's
+    pytree instead. Both main jobs, one method and several, check it."""
+    misfit = first_misfit(functional.program, calls)
     if misfit:
         where, why = misfit
         changed = ", ".join(r.name for r in functional.report.records if r.modified)
@@ -266,7 +266,8 @@ def run_flow(
         result.reports.append(("functionalize", functional.report))
         if pipeline is not None:
             stage("check the steps fit the pipeline's program",
-                  lambda: _check_inputs_kept(pipeline, exported.program, functional, steps))
+                  lambda: _check_inputs_kept(pipeline, exported.program, functional, [
+                      (f"steps[{index}]", step) for index, step in enumerate(steps)]))
         result.notes += _state_notes(functional.program)
         program: Any = functional.program
         # Later stages run the functional program's module, which shares its buffers.

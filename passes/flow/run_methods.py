@@ -41,7 +41,7 @@ from .integer_state import dequantized_state, storage_of
 from .noise import native_stderr_held
 from .quantized_graphs import output_grid
 from .result import Check, FlowResult, restricted
-from .run import EXPORT_ATOL, EXPORT_RTOL, _Stages
+from .run import EXPORT_ATOL, EXPORT_RTOL, _check_inputs_kept, _not_finite, _Stages
 
 __all__ = ["FP32_METHODS", "INTEGER_METHODS", "ONE_GRID", "PER_METHOD", "run_methods_flow"]
 
@@ -91,6 +91,9 @@ def run_methods_flow(
                            lambda: functionalize.run({m: e.program for m, e in exported.items()}))
         for method, run in functional.items():
             result.reports.append((f"functionalize {method}", run.report))
+        if pipeline is not None:
+            stage("check the steps fit the pipeline's programs",
+                  lambda: _check_pipeline_kept_inputs(pipeline, exported, functional, spec))
         fp32 = {method: run.program for method, run in functional.items()}
         if spec.carried:
             fp32 = stage("make carried state resident (InputsToBuffers)",
@@ -114,7 +117,19 @@ def run_methods_flow(
         if runtime == "executorch":
             with native_stderr_held():  # ExecuTorch's native CPU probe, among others
                 _runtime_stage(stage, result, lowered, calls, eager)
+        result.notes += _not_finite(result.step_errors)
     return result
+
+
+def _check_pipeline_kept_inputs(pipeline: PassManager, exported: Mapping[str, Exported],
+                                functional: Mapping[str, Any], spec: MethodsSpec) -> None:
+    """Each method's calls against what the pipeline made of it, as the one-method job
+    checks them (a carried method's calls fit it once resident, after the pipeline)."""
+    for method, run in functional.items():
+        if method not in spec.carried:
+            _check_inputs_kept(pipeline, exported[method].program, run, [
+                (f"steps[{index}] ({method})", (args, kwargs))
+                for index, (name, args, kwargs) in enumerate(spec.steps) if name == method])
 
 
 def _resident(result: FlowResult, programs: dict[str, Any],
