@@ -30,6 +30,7 @@ from .errors import (
     StateNameError,
     StateOwnerError,
     StatePairingError,
+    StatePastEndError,
     UnpairedStateError,
     UnsupportedMutationError,
 )
@@ -69,6 +70,7 @@ __all__: list[str] = [
     "StateNameError",
     "StateOwnerError",
     "StatePairingError",
+    "StatePastEndError",
     "UnfreezeMutableBuffer",
     "UnpairedStateError",
     "UnsupportedMutationError",

@@ -8,8 +8,8 @@ a factory the built-in seeded
 KV-cache decoder is used. The report goes to stdout alone, so it can be piped or redirected;
 progress lines, notices and errors go to stderr (``--quiet`` drops the progress and notices).
 Exit status: 0 every check passed, 1 a check failed, 2 bad usage or the model could not be
-loaded (or exported), 3 the flow failed (a short report says where), 130 interrupted
-(Ctrl-C), 141 stdout was closed before the report ended (``| head``).
+loaded (or exported, or its steps do not fit it), 3 the flow failed (a short report says
+where), 130 interrupted (Ctrl-C), 141 stdout was closed before the report ended (``| head``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ import torch
 
 from pass_manager import PassManagerError, PrintIR, Reproducer, parse_pipeline
 from pass_manager.pipeline_text import registered_passes
+from pass_manager.validation import as_call
 
 from .. import __version__
+from ..errors import StatePastEndError
 from .factory import (
     EXPORT_MODES,
     Exported,
@@ -40,6 +42,7 @@ from .factory import (
     ModelError,
     ModelSpec,
     check_calls_fit,
+    check_steps_within_state,
     export_methods,
     export_program,
     model_spec,
@@ -56,7 +59,7 @@ INTERRUPTED, OUTPUT_CLOSED = 130, 141
 EXIT_STATUSES = """exit status:
   0    every check passed
   1    a check failed
-  2    bad usage, or the model could not be loaded or exported (one line on stderr)
+  2    bad usage, or the model could not be loaded or exported or its steps do not fit it
   3    the flow failed after loading (the report so far, then where it failed)
   130  interrupted (Ctrl-C): the report so far, then the stage it stopped
   141  stdout was closed before the report ended (e.g. piped into head)"""
@@ -285,10 +288,14 @@ def run(args: argparse.Namespace) -> int:
         exported = _export(model, spec, args.export)
         check_calls_fit(exported.program,
                         [(f"steps[{i}]", call) for i, call in enumerate(model.steps)], spec)
-    except ModelError as e:
+        check_steps_within_state({"forward": exported.program},
+                                 [("forward", *as_call(call)) for call in model.steps], spec)
+    except (ModelError, StatePastEndError) as e:
         if args.traceback:
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        hint = (f" (--steps {e.step} stops before it)"
+                if isinstance(e, StatePastEndError) and e.step else "")
+        print(f"error: {e}{hint}", file=sys.stderr)
         return LOAD_FAILED
     except KeyboardInterrupt:  # the flow's own stages report theirs in _finish
         print(f"interrupted (Ctrl-C) while {doing} {spec}", file=sys.stderr)
@@ -316,6 +323,9 @@ def _run_methods(args: argparse.Namespace, spec: str, model: MethodsSpec, pipeli
         if method not in model.carried:  # a carried method's calls fit it once resident
             check_calls_fit(exported[method].program,
                             [(f"steps[{index}] ({method})", (step_args, kwargs))], spec)
+    if not model.carried:  # else the flow checks, once the state is resident
+        check_steps_within_state({m: e.program for m, e in exported.items()}, model.steps,
+                                 spec)
     from .run_methods import run_methods_flow
 
     modes = ", ".join(f"{m} exported {e.mode}" for m, e in exported.items())

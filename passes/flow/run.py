@@ -47,7 +47,13 @@ from ..unfreeze_mutable_buffer import UnfreezeMutableBuffer
 from .checks import quantization_checks, relative_buffer_errors
 from .delegation import delegation_stages
 from .examples import xnnpack_quantizer
-from .factory import Exported, ModelSpec, export_program, first_misfit
+from .factory import (
+    Exported,
+    ModelSpec,
+    check_steps_within_state,
+    export_program,
+    first_misfit,
+)
 from .integer_state import INTEGER_STATE, integer_state_stage
 from .noise import native_stderr_held
 from .quantization import COLUMN_NOTES, NO_PASSES, RESET, WITH_PASSES, torchao_recipe
@@ -242,10 +248,20 @@ def run_flow(
         result.plan = every_pass.explain()
         result.dot = every_pass.to_dot()
 
+        def within_state(program: torch.export.ExportedProgram) -> None:
+            # More steps than a static cache holds: one line naming the step and the cache,
+            # not an IndexError at that step (eager's), or an untyped error 0x12 (the
+            # runtime's); and eager may take steps its program cannot (a window it rolls).
+            stage("check the steps stay within the state", lambda: check_steps_within_state(
+                {"forward": program}, [("forward", *call) for call in steps], "run_flow"))
+
+        if exported is not None:
+            within_state(exported.program)
         eager = stage("fp32 eager decode", lambda: stage.run(model, steps))
         if exported is None:
             exported = stage("export", lambda: export_program(
                 model, args, kwargs, dynamic_shapes=dynamic_shapes, mode=export))
+            within_state(exported.program)
         if exported.note:
             result.notes.append(exported.note)
         if runtime == "executorch":

@@ -134,3 +134,26 @@ def test_a_methods_pipeline_that_changes_the_inputs_fails_naming_it_not_at_the_f
     assert ("reason: PipelineError: the pipeline PassManager[MarkMutableBuffers, "
             "InplaceToFunctional, BuffersToInputs] changed the program's inputs from ") in failed
     assert "steps[0] (prefill) no longer fits" in failed
+
+
+def test_calls_past_the_cache_fail_before_eager_naming_the_call_and_the_cache():
+    """Eager raised torch's IndexError at the call (prefill 4 + 12 decodes fill the 16
+    positions of the built-in decoder's caches; one more decode writes position 16)."""
+    from passes import StatePastEndError
+    from passes.flow.factory import export_methods
+    from passes.flow.result import FlowError
+
+    made = prefill_decode_job(n_layers=1, decode_steps=12)
+    x, _ = made["steps"][-1][1]
+    made["steps"].append(("decode", (x, torch.tensor([16]))))
+    spec = methods_spec(made, "job", 100)
+    with pytest.raises(FlowError) as info:
+        run_methods_flow(spec, exported=export_methods(spec), quantize=False,
+                         log=lambda line: None)
+    error = info.value.__cause__
+    assert isinstance(error, StatePastEndError)
+    assert (error.argument, error.state, error.position, error.length) == (
+        "steps[13] (decode)", "layers.0.attn.k_cache", 16, 16)
+    assert info.value.failure.stage == "check the steps stay within the state"
+    assert [title for title, _ in info.value.result.stage_times] == [
+        "check the steps stay within the state"]
