@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -111,12 +112,31 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     if factory is None:
         raise ModelError(f"{module_name!r} has no attribute {attr!r}")
     if not callable(factory):
-        raise ModelError(f"{spec} is a {type(factory).__name__}, not a factory function")
+        raise ModelError(f"{spec} is {_a(type(factory).__name__)}, not a factory function")
+    required = _required_parameters(factory)
+    if required:
+        raise ModelError(f"{spec} takes {', '.join(required)}: a factory takes no arguments "
+                         "(wrap it in one that gives them, e.g. def factory(): return "
+                         f"{attr}(...))")
     try:
         made = factory()
     except Exception as e:
         raise ModelError(f"{spec}() failed: {type(e).__name__}: {e}") from e
     return model_spec(made, spec, steps)
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def _required_parameters(factory: Callable[..., Any]) -> list[str]:
+    """The parameters ``factory()`` would leave without a value (none when unreadable)."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def state_copies(steps: int) -> int:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.export.graph_signature import OutputKind
 from tqdm import tqdm
 
@@ -258,6 +259,7 @@ def run_flow(
         if exported is not None:
             within_state(exported.program)
         eager = stage("fp32 eager decode", lambda: stage.run(model, steps))
+        result.notes += _no_outputs(eager)
         if exported is None:
             exported = stage("export", lambda: export_program(
                 model, args, kwargs, dynamic_shapes=dynamic_shapes, mode=export))
@@ -443,6 +445,16 @@ def _state_notes(functional: Any) -> list[str]:
                      "as state, but the state comparisons read buffers only, and ExecuTorch's "
                      "runtime refuses a written parameter (register them as buffers)")
     return notes
+
+
+def _no_outputs(eager: Trace) -> list[str]:
+    """A model returning no tensor: every output column would read 0, comparing nothing."""
+    if any(isinstance(leaf, torch.Tensor) for outputs in eager.outputs
+           for leaf in pytree.tree_leaves(outputs)):
+        return []
+    return ["the model returns no tensor (None, or only Python values): the decode table's "
+            "output errors compare nothing and read 0; its state, compared below it, is "
+            "what measures the programs"]
 
 
 def _not_finite(step_errors: Mapping[str, list[float]]) -> list[str]:

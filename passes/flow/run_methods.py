@@ -41,7 +41,14 @@ from .integer_state import dequantized_state, storage_of
 from .noise import native_stderr_held
 from .quantized_graphs import output_grid
 from .result import Check, FlowResult, restricted
-from .run import EXPORT_ATOL, EXPORT_RTOL, _check_inputs_kept, _not_finite, _Stages
+from .run import (
+    EXPORT_ATOL,
+    EXPORT_RTOL,
+    _check_inputs_kept,
+    _no_outputs,
+    _not_finite,
+    _Stages,
+)
 
 __all__ = ["FP32_METHODS", "INTEGER_METHODS", "ONE_GRID", "PER_METHOD", "run_methods_flow"]
 
@@ -92,6 +99,7 @@ def run_methods_flow(
             within_state({m: e.program for m, e in exported.items()})
         eager = stage("fp32 eager calls",
                       lambda: stage.run(spec.module, [(a, k) for _, a, k in calls]))
+        result.notes += _no_outputs(eager)
         if exported is None:
             exported = stage("export each method", lambda: export_methods(spec, export))
         result.notes += [f"{m}: {e.note}" for m, e in exported.items() if e.note]

@@ -368,3 +368,24 @@ def test_run_flow_given_steps_past_the_cache_says_which_before_decoding():
         assert stages == ["check the steps stay within the state"]
         assert isinstance(info.value.__cause__, StatePastEndError)
         assert "steps[4] writes position 4 of 'cache'" in info.value.failure.reason
+
+
+class _ReturnsNothing(torch.nn.Module):
+    """Keeps a running sum and returns None: only its state says what it computed."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x):
+        self.total.add_(x.sum(0))
+
+
+def test_a_model_returning_nothing_is_told_its_output_errors_compare_nothing():
+    """Its decode table read 0.000000 in every output column without a word."""
+    result = _flow(_ReturnsNothing())
+    assert result.ok
+    assert ("the model returns no tensor (None, or only Python values): the decode table's "
+            "output errors compare nothing and read 0; its state, compared below it, is what "
+            "measures the programs") in result.notes
+    assert not any("returns no tensor" in note for note in _flow(_CountsCalls()).notes)
