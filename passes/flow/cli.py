@@ -51,6 +51,7 @@ from .factory import (
 from .noise import held, hold_known_noise
 
 DEFAULT_MODEL = "passes.examples:stateful_decoder_job"
+DEFAULT_STEPS = 8
 # The console command setup.cfg installs is named after the distribution.
 COMMAND = "mutable-buffer-passes"
 # 2 is also bad usage (argparse's own status for it).
@@ -299,7 +300,10 @@ def run(args: argparse.Namespace) -> int:
             return FLOW_FAILED
     doing = "loading"
     try:
-        model = load_model(spec, args.steps)
+        model = load_model(spec, args.steps or DEFAULT_STEPS)
+        if args.steps and len(model.steps) < args.steps:
+            _notice(args)(f"--steps {args.steps}: {spec} gives {len(model.steps)} step(s); "
+                          "decoding those")
         _runtime_for_precision(args, spec, model.module, runtime_asked)
         doing = "exporting"
         if isinstance(model, MethodsSpec):
@@ -556,12 +560,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         nargs="?",
         default="",
         metavar="MODEL",
-        help="package.module:factory, a function returning (module, example_inputs[, steps]) "
-        f"or a mapping (see passes.flow.factory); default: {DEFAULT_MODEL}, a seeded "
+        help="package.module:factory or path/to/file.py:factory, a function returning "
+        "(module, example_inputs[, steps]) or a mapping (see passes.flow.factory); default: "
+        f"{DEFAULT_MODEL}, a seeded "
         "2-layer Llama-style decoder with KV caches",
     )
-    run_parser.add_argument("--steps", type=_positive_int, default=8, metavar="N",
-                            help="decode calls, at least 1 (default 8)")
+    run_parser.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+                            help="decode calls, at least 1: the first N of the factory's "
+                            f"steps, or its example repeated N times (default {DEFAULT_STEPS})")
     run_parser.add_argument(
         "--quantizer",
         choices=("xnnpack", "every-op"),

@@ -373,3 +373,14 @@ def test_a_ring_buffer_wrapping_around_its_cache_runs(capsys):
     status = cli.main(["run", "tests.models.static_cache:ring_buffer", "--quiet",
                        "--runtime", "python", "--skip-delegation"])
     assert status == 0, capsys.readouterr().out
+
+
+def test_more_steps_than_the_factory_gives_says_how_many_it_decodes(capsys):
+    """--steps 20 on a factory giving 8 decoded 8, the help saying 'decode calls'."""
+    status = cli.main(["run", "tests.models.static_cache:ring_buffer", "--steps", "20",
+                       "--runtime", "python", "--skip-quantization", "--skip-delegation"])
+    captured = capsys.readouterr()
+    assert status == 0
+    assert ("--steps 20: tests.models.static_cache:ring_buffer gives 8 step(s); decoding "
+            "those\n") in captured.err
+    assert "8 decode steps" in captured.out
