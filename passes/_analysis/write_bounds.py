@@ -65,6 +65,8 @@ class _Slice:
     inputs: list[tuple[str, str]]  # (kind, name): "user" + position, "buffer" / "constant" + FQN
     writes: list[tuple[str, int, int]]  # (state, dim, length) per index output
     updates: list[str]  # FQNs of the integer buffers whose next values follow the indices
+    advanced: set[str]  # FQNs of the buffers it advances (by ``updates`` or in place)
+    reads: set[str]  # FQNs of the buffers it reads
 
 
 def first_write_past_end(programs: Mapping[str, ExportedProgram],
@@ -76,17 +78,30 @@ def first_write_past_end(programs: Mapping[str, ExportedProgram],
     than integer inputs and integer state (then the run itself finds it).
     :func:`flat_user_inputs` flattens a call as Python takes it."""
     slices = {method: _slice(program) for method, program in programs.items()}
-    state: dict[str, torch.Tensor] = {}
-    for program in programs.values():
-        for name, tensor in (*program.state_dict.items(), *program.constants.items()):
-            if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
-                state.setdefault(name, tensor.clone())
+    # The methods share what some method writes, by name; a read-only tensor is each
+    # method's own (HF's lifted counter steps: one name, 4 in the prefill, 1 in the decode).
+    written = {method: _integers_written(program) for method, program in programs.items()}
+    shared: dict[str, torch.Tensor] = {}
+    own: dict[str, dict[str, torch.Tensor]] = {}
+    for method, program in programs.items():
+        own[method] = {name: tensor.clone() for name, tensor in (
+            *program.state_dict.items(), *program.constants.items())
+            if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point()}
+        for name in written[method] & set(own[method]):
+            shared.setdefault(name, own[method][name])
+    # A counter some method advances where this analysis cannot follow (a method writing
+    # no state by position, a count computed from floats): its positions are the run's.
+    untracked = set().union(*(names - (slices[m].advanced if slices[m] else set())
+                              for m, names in written.items()))
+    if any(found and found.reads & untracked for found in slices.values()):
+        return None
     for step, (method, leaves) in enumerate(calls):
         found = slices.get(method)
         if found is None:
             continue
         try:
-            values = [leaves[int(name)] if kind == "user" else state[name]
+            values = [leaves[int(name)] if kind == "user" else
+                      shared[name] if name in shared else own[method][name]
                       for kind, name in found.inputs]
             with torch.no_grad():
                 results = found.module(*values)
@@ -97,7 +112,7 @@ def first_write_past_end(programs: Mapping[str, ExportedProgram],
             outside = position[(position >= length) | (position < -length)]
             if outside.numel():
                 return WritePastEnd(step, method, name, dim, int(outside.flatten()[0]), length)
-        state.update(zip(found.updates, nexts, strict=True))
+        shared.update(zip(found.updates, nexts, strict=True))
     return None
 
 
@@ -129,7 +144,8 @@ def _slice(program: ExportedProgram) -> _Slice | None:
                     val.shape[dim], int):
                 writes.append((str(names[destination]), dim % val.dim(), val.shape[dim]))
                 positions.append(position)
-    if not writes:
+    counters = _integers_written(program)  # advanced even by a method writing no position
+    if not writes and not counters:
         return None
     outputs = program.graph.output_node().args[0]
     next_values = {str(spec.target): value for spec, value in zip(
@@ -139,18 +155,20 @@ def _slice(program: ExportedProgram) -> _Slice | None:
     # running its writers on the tensor itself; a functional one, by its mutation output.
     writers = {state.name: nodes for state, nodes in find_mutations(program).writers.items()
                if state.kind == BUFFER}
+    def written_reads(nodes: set[Node]) -> set[str]:
+        return {kinds[node][1] for node in nodes if kinds.get(node, ("", ""))[0] == "buffer"
+                and kinds[node][1] in writers}
+
     roots, advanced, updates = list(positions), set(), []
     needed = _needed(roots)
-    while True:  # the integer buffers the positions read, advanced call by call
-        more = {kinds[node][1] for node in needed if kinds.get(node, ("", ""))[0] == "buffer"
-                and kinds[node][1] in writers} - advanced
-        if not more:
-            break
+    more = counters | written_reads(needed)
+    while more:  # the buffers the positions read and the counters, advanced call by call
         advanced |= more
         updates += sorted(name for name in more if name in next_values)
         roots += [writer for name in sorted(more) for writer in writers[name]
                   if writer not in next_values.values()]
         needed = _needed([*roots, *(next_values[name] for name in updates)])
+        more = written_reads(needed) - advanced
     if any(_is_float(node) for node in needed if node.op == "placeholder"):
         return None
     graph, env, taken = Graph(), {}, {}
@@ -168,7 +186,17 @@ def _slice(program: ExportedProgram) -> _Slice | None:
     if any(kind == "missing" for kind, _ in inputs):
         return None
     graph.output(tuple([*(taken[n] for n in positions), *(env[next_values[u]] for u in updates)]))
-    return _Slice(GraphModule(program.graph_module, graph), inputs, writes, updates)
+    reads = {name for kind, name in inputs if kind == "buffer"}
+    return _Slice(GraphModule(program.graph_module, graph), inputs, writes, updates, advanced,
+                  reads)
+
+
+def _integers_written(program: ExportedProgram) -> set[str]:
+    """The integer buffers ``program`` writes (FQNs)."""
+    values = {**program.state_dict, **program.constants}
+    return {state.name for state in find_mutations(program).writers
+            if state.kind == BUFFER and isinstance(values.get(state.name), torch.Tensor)
+            and not values[state.name].is_floating_point()}
 
 
 def _positions(node: Node) -> list[tuple[int, Node]]:

@@ -16,6 +16,7 @@ from tests.models.static_cache import (
     ROWS,
     CountedWrites,
     PositionedWrites,
+    ResettableCounter,
     RingBuffer,
     token_calls,
 )
@@ -83,3 +84,20 @@ def test_positions_the_model_computes_from_floats_are_left_to_the_run():
 
     calls = token_calls(2, positioned=True)
     assert _first_past_end(export_program(ArgmaxPosition(), calls[0]).program, calls) is None
+
+
+def test_a_counter_another_method_resets_is_followed_across_methods():
+    module = ResettableCounter()
+    calls = token_calls(ROWS)
+    programs = {"decode": export_program(module, calls[0]).program,
+                "reset": export_program(module, (calls[0][0], True)).program}
+    sequence = [*(("decode", call) for call in calls), ("reset", (calls[0][0], True)),
+                *(("decode", call) for call in calls)]
+    flat = [(method, flat_user_inputs(programs[method], call, {}))
+            for method, call in sequence]
+    for _, call in sequence:  # eager runs every call: the reset makes room
+        module(*call)
+    assert first_write_past_end(programs, flat) is None
+    # without the reset, the fifth decode writes past the cache
+    found = first_write_past_end(programs, [entry for entry in flat if entry[0] == "decode"])
+    assert (found.step, found.position) == (ROWS, ROWS)
