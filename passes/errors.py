@@ -26,6 +26,7 @@ __all__ = [
     "StateNameError",
     "StateOwnerError",
     "StatePairingError",
+    "StatePastEndError",
     "UnpairedStateError",
     "UnreplayableFrozenReadError",
     "UnsupportedMutationError",
@@ -331,3 +332,37 @@ class SharedBufferError(PassManagerError):
         if len(differences) > 1:
             message += "\nAll differences:\n" + "\n".join(f"  - {d}" for d in differences)
         super().__init__(message)
+
+
+class StatePastEndError(PassManagerError, IndexError):
+    """A call writes state at a position the state does not have: a decode given more steps
+    than its static KV cache holds. Found before anything runs, from the calls and the
+    state's shape (:mod:`passes._analysis.write_bounds`), where eager would raise an
+    ``IndexError`` at that call and ExecuTorch's runtime an untyped ``RuntimeError``
+    (``index_put.out`` failing with error 0x12). A position wrapped into the state (a ring
+    buffer) is in range.
+
+    Attributes:
+        helper: what checked the calls, e.g. ``"decode_on_runtime"`` or the model's name.
+        argument: the call, ``"steps[16]"`` or ``"calls[3] ('decode')"``.
+        step: its index among the calls (the calls before it fit).
+        state: the buffer's fully-qualified name (or the input's name).
+        dim: the dimension written along.
+        position: the position written.
+        length: how many positions the state holds along ``dim``.
+    """
+
+    def __init__(self, helper: str, argument: str, step: int, state: str, dim: int,
+                 position: int, length: int):
+        self.helper = helper
+        self.argument = argument
+        self.step = step
+        self.state = state
+        self.dim = dim
+        self.position = position
+        self.length = length
+        super().__init__(
+            f"{helper}: {argument} writes position {position} of {state!r} along dimension "
+            f"{dim}, which holds {length} (positions 0 to {length - 1}): the calls go past "
+            "the state's end; give fewer calls, positions within it, or a longer state",
+            pass_name=helper)

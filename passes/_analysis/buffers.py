@@ -63,6 +63,7 @@ __all__ = [
     "state_nodes",
     "tied_names",
     "trailing_write_backs",
+    "user_outputs",
 ]
 
 MUTABLE_BUFFER_META = "mutable_buffer"
@@ -198,6 +199,18 @@ def named_output_specs(program: ExportedProgram) -> list[OutputSpec]:
             spec = dataclasses.replace(spec, arg=TensorArgument(name=value.name))
         specs.append(spec)
     return specs
+
+
+def user_outputs(program: Any) -> list[Node]:
+    """The nodes a program returns to its caller: an ExportedProgram's ``USER_OUTPUT``
+    outputs (by its graph signature, not its mutation outputs, which carry state), a
+    GraphModule's outputs (its state is written in place, not returned)."""
+    returned = pytree.tree_leaves(program.graph.output_node().args[0])
+    if isinstance(program, ExportedProgram):
+        kinds = [spec.kind for spec in program.graph_signature.output_specs]
+        returned = [value for value, kind in zip(returned, kinds, strict=True)
+                    if kind == OutputKind.USER_OUTPUT]
+    return [value for value in returned if isinstance(value, Node)]
 
 
 def call_graph_names(program: ExportedProgram) -> set[str]:

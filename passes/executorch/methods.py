@@ -32,6 +32,7 @@ from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPas
 from executorch.runtime import Runtime
 from torch.export import ExportedProgram
 
+from .._analysis.write_bounds import check_writes_within_state
 from .._carried.pairs import method_pairing
 from .._methods.shared_buffers import shared_buffer_differences
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
@@ -246,6 +247,8 @@ def run_methods_on_runtime(
             ExportedPrograms (or sharing a buffer they disagree on), a call naming an
             unknown method or whose inputs do not fit it, a ``partitioner`` that is not one.
         ParameterMutationOnExecuTorchError: a method writes a parameter.
+        StatePastEndError: a call writes a buffer past its end (more decode calls than the
+            cache holds), found before lowering, where the runtime would fail with 0x12.
         UnpairedStateError: a method's output looks like one of its inputs' next value,
             and no pairing says whether it is (naming the method, input and output).
         StateNameError, StatePairingError: a pairing naming no input or output of a
@@ -253,6 +256,8 @@ def run_methods_on_runtime(
     """
     programs = _checked_programs(programs)
     flat_calls = _flat_calls(programs, calls)
+    check_writes_within_state(HELPER, programs, flat_calls,
+                              lambda step, method: f"calls[{step}] ({method!r})")
     pairs = {method: runtime_pairs(HELPER, program, method_pairing(
         next_values, method, list(programs)), pair_by_name, method)
         for method, program in programs.items()}

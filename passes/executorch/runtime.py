@@ -40,6 +40,8 @@ from torch.export import ExportedProgram
 from pass_manager.call_signature import describe_inputs, signature_of
 from pass_manager.validation import Trace
 
+from .._analysis.buffers import user_outputs
+from .._analysis.write_bounds import check_writes_within_state
 from .._carried.pairs import pairs_of
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
 from .initial_state import repair_initial_state
@@ -483,6 +485,9 @@ def decode_on_runtime(
             number, keyword names, a dtype, a static size or a dynamic size out of range),
             or inputs the runtime refuses.
         ParameterMutationOnExecuTorchError: ``program`` writes a parameter.
+        StatePastEndError: a step writes a buffer past its end (more decode steps than the
+            cache holds), found before lowering an ExportedProgram or module, where the
+            runtime would fail with an untyped error 0x12.
         UnpairedStateError: no pairing given, and an output looks like an input's next
             value (name, OpenVINO's names, or an update of the input).
         StateNameError, StatePairingError: the pairing names no input or output, or pairs
@@ -493,6 +498,10 @@ def decode_on_runtime(
     if isinstance(program, torch.nn.Module):
         program = _exported(helper, program, example_inputs)  # once: checked, then lowered
     flat_steps = runtime_steps(helper, program, steps)
+    if isinstance(program, ExportedProgram):  # a lowered program no longer shows its writes
+        check_writes_within_state(helper, {"forward": program},
+                                  [("forward", flat) for flat in flat_steps],
+                                  lambda step, _: f"steps[{step}]")
     pairs = runtime_pairs(helper, program, next_values, pair_by_name)
     lowered = _lower_timed(helper, program, None, partitioner)
     module = portable_lib._load_for_executorch_from_buffer(lowered.pte)
@@ -535,7 +544,8 @@ def decode_pte(pte: bytes, steps: Sequence[Any]) -> Trace:
 
 
 def output_grid(program: Any) -> float | None:
-    """The step of the quantization grid of ``program``'s outputs (the largest output scale).
+    """The step of the quantization grid of ``program``'s outputs (the largest output scale):
+    the outputs its caller gets, not the mutation outputs of a lifted program's state.
 
     A quantized program ends in ``dequantize_per_tensor(q, scale, ...)``; a runtime whose
     integer kernels round differently lands on a neighbouring grid point, so per-step
@@ -546,19 +556,18 @@ def output_grid(program: Any) -> float | None:
             lowered program (edge, ExecuTorch or ``.pte``) is refused, since its outputs'
             dequantize may have moved into a delegate: pass the program before lowering.
     """
-    if isinstance(program, (ExportedProgram, torch.fx.GraphModule)):
-        graph = program.graph
-    elif isinstance(program, (EdgeProgramManager, ExecutorchProgramManager, bytes, bytearray)):
+    if isinstance(program, (EdgeProgramManager, ExecutorchProgramManager, bytes, bytearray)):
         raise ExecuTorchInputError(
             "output_grid", "program", f"got {_kind(program)}, already lowered: a delegate "
             "may hold its outputs' dequantize; pass the quantized program you lowered (the "
             "ExportedProgram or GraphModule)")
-    else:
+    if not isinstance(program, (ExportedProgram, torch.fx.GraphModule)):
         raise ExecuTorchInputError(
             "output_grid", "program", f"got {_kind(program)}; pass the quantized "
             "ExportedProgram or GraphModule")
     scales = []
-    for node in graph.output_node().all_input_nodes:
+    # The caller's outputs only: a mutation output dequantizes a cache on the cache's grid.
+    for node in user_outputs(program):
         if node.op == "call_function" and "dequantize" in str(node.target):
             scale = node.args[1]
             if isinstance(scale, (float, int)):

@@ -8,8 +8,8 @@ a factory the built-in seeded
 KV-cache decoder is used. The report goes to stdout alone, so it can be piped or redirected;
 progress lines, notices and errors go to stderr (``--quiet`` drops the progress and notices).
 Exit status: 0 every check passed, 1 a check failed, 2 bad usage or the model could not be
-loaded (or exported), 3 the flow failed (a short report says where), 130 interrupted
-(Ctrl-C), 141 stdout was closed before the report ended (``| head``).
+loaded (or exported, or its steps do not fit it), 3 the flow failed (a short report says
+where), 130 interrupted (Ctrl-C), 141 stdout was closed before the report ended (``| head``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -31,8 +32,10 @@ import torch
 
 from pass_manager import PassManagerError, PrintIR, Reproducer, parse_pipeline
 from pass_manager.pipeline_text import registered_passes
+from pass_manager.validation import as_call
 
 from .. import __version__
+from ..errors import StatePastEndError
 from .factory import (
     EXPORT_MODES,
     Exported,
@@ -40,6 +43,7 @@ from .factory import (
     ModelError,
     ModelSpec,
     check_calls_fit,
+    check_steps_within_state,
     export_methods,
     export_program,
     model_spec,
@@ -47,6 +51,7 @@ from .factory import (
 from .noise import held, hold_known_noise
 
 DEFAULT_MODEL = "passes.examples:stateful_decoder_job"
+DEFAULT_STEPS = 8
 # The console command setup.cfg installs is named after the distribution.
 COMMAND = "mutable-buffer-passes"
 # 2 is also bad usage (argparse's own status for it).
@@ -56,7 +61,7 @@ INTERRUPTED, OUTPUT_CLOSED = 130, 141
 EXIT_STATUSES = """exit status:
   0    every check passed
   1    a check failed
-  2    bad usage, or the model could not be loaded or exported (one line on stderr)
+  2    bad usage, or the model could not be loaded or exported or its steps do not fit it
   3    the flow failed after loading (the report so far, then where it failed)
   130  interrupted (Ctrl-C): the report so far, then the stage it stopped
   141  stdout was closed before the report ended (e.g. piped into head)"""
@@ -108,12 +113,31 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     if factory is None:
         raise ModelError(f"{module_name!r} has no attribute {attr!r}")
     if not callable(factory):
-        raise ModelError(f"{spec} is a {type(factory).__name__}, not a factory function")
+        raise ModelError(f"{spec} is {_a(type(factory).__name__)}, not a factory function")
+    required = _required_parameters(factory)
+    if required:
+        raise ModelError(f"{spec} takes {', '.join(required)}: a factory takes no arguments "
+                         "(wrap it in one that gives them, e.g. def factory(): return "
+                         f"{attr}(...))")
     try:
         made = factory()
     except Exception as e:
         raise ModelError(f"{spec}() failed: {type(e).__name__}: {e}") from e
     return model_spec(made, spec, steps)
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def _required_parameters(factory: Callable[..., Any]) -> list[str]:
+    """The parameters ``factory()`` would leave without a value (none when unreadable)."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def state_copies(steps: int) -> int:
@@ -276,7 +300,10 @@ def run(args: argparse.Namespace) -> int:
             return FLOW_FAILED
     doing = "loading"
     try:
-        model = load_model(spec, args.steps)
+        model = load_model(spec, args.steps or DEFAULT_STEPS)
+        if args.steps and len(model.steps) < args.steps:
+            _notice(args)(f"--steps {args.steps}: {spec} gives {len(model.steps)} step(s); "
+                          "decoding those")
         _runtime_for_precision(args, spec, model.module, runtime_asked)
         doing = "exporting"
         if isinstance(model, MethodsSpec):
@@ -285,10 +312,14 @@ def run(args: argparse.Namespace) -> int:
         exported = _export(model, spec, args.export)
         check_calls_fit(exported.program,
                         [(f"steps[{i}]", call) for i, call in enumerate(model.steps)], spec)
-    except ModelError as e:
+        check_steps_within_state({"forward": exported.program},
+                                 [("forward", *as_call(call)) for call in model.steps], spec)
+    except (ModelError, StatePastEndError) as e:
         if args.traceback:
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        hint = (f" (--steps {e.step} stops before it)"
+                if isinstance(e, StatePastEndError) and e.step else "")
+        print(f"error: {e}{hint}", file=sys.stderr)
         return LOAD_FAILED
     except KeyboardInterrupt:  # the flow's own stages report theirs in _finish
         print(f"interrupted (Ctrl-C) while {doing} {spec}", file=sys.stderr)
@@ -316,6 +347,9 @@ def _run_methods(args: argparse.Namespace, spec: str, model: MethodsSpec, pipeli
         if method not in model.carried:  # a carried method's calls fit it once resident
             check_calls_fit(exported[method].program,
                             [(f"steps[{index}] ({method})", (step_args, kwargs))], spec)
+    if not model.carried:  # else the flow checks, once the state is resident
+        check_steps_within_state({m: e.program for m, e in exported.items()}, model.steps,
+                                 spec)
     from .run_methods import run_methods_flow
 
     modes = ", ".join(f"{m} exported {e.mode}" for m, e in exported.items())
@@ -526,12 +560,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         nargs="?",
         default="",
         metavar="MODEL",
-        help="package.module:factory, a function returning (module, example_inputs[, steps]) "
-        f"or a mapping (see passes.flow.factory); default: {DEFAULT_MODEL}, a seeded "
+        help="package.module:factory or path/to/file.py:factory, a function returning "
+        "(module, example_inputs[, steps]) or a mapping (see passes.flow.factory); default: "
+        f"{DEFAULT_MODEL}, a seeded "
         "2-layer Llama-style decoder with KV caches",
     )
-    run_parser.add_argument("--steps", type=_positive_int, default=8, metavar="N",
-                            help="decode calls, at least 1 (default 8)")
+    run_parser.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+                            help="decode calls, at least 1: the first N of the factory's "
+                            f"steps, or its example repeated N times (default {DEFAULT_STEPS})")
     run_parser.add_argument(
         "--quantizer",
         choices=("xnnpack", "every-op"),

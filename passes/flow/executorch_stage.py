@@ -13,6 +13,7 @@ import torch
 from pass_manager.validation import Trace, run_program
 
 from .._analysis.buffers import find_mutations
+from .._analysis.write_bounds import check_writes_within_state
 from ..executorch.plan import planned_memory
 from ..executorch.runtime import (
     decode_on_runtime,
@@ -45,9 +46,14 @@ def check_runtime_steps(programs: Sequence[tuple[str, Any]], steps: Sequence[Any
 
     Raises:
         ExecuTorchInputError: a step does not fit a program's inputs.
+        StatePastEndError: a step writes a buffer past its end (more steps than the cache
+            holds), where the runtime would fail with an untyped error 0x12.
     """
     for _, program in programs:
-        runtime_steps("decode_on_runtime", program, steps)
+        flat = runtime_steps("decode_on_runtime", program, steps)
+        check_writes_within_state("decode_on_runtime", {"forward": program},
+                                  [("forward", step) for step in flat],
+                                  lambda step, _: f"steps[{step}]")
 
 
 def flow_stage(

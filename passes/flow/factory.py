@@ -69,6 +69,8 @@ import torch
 from pass_manager.call_signature import signature_of
 from pass_manager.validation import Call, as_call, copy_program
 
+from .._analysis.write_bounds import check_writes_within_state, flat_user_inputs
+
 __all__ = [
     "EXPORT_MODES",
     "ExportError",
@@ -79,6 +81,7 @@ __all__ = [
     "ModelError",
     "ModelSpec",
     "check_calls_fit",
+    "check_steps_within_state",
     "export_methods",
     "export_program",
     "first_misfit",
@@ -274,6 +277,26 @@ def check_calls_fit(program: torch.export.ExportedProgram, calls: Sequence[tuple
         raise ModelError(f"{name}(): {where} does not fit the exported program's inputs "
                          f"{signature_of(program)}: {why} (a program takes the inputs its "
                          "export example gave)")
+
+
+def check_steps_within_state(programs: Mapping[str, torch.export.ExportedProgram],
+                             calls: Sequence[MethodCall], name: str) -> None:
+    """The calls ``(method, args, kwargs)``, in order over the methods' shared state (one
+    program: ``{"forward": program}``), against the length of the state they write by
+    position: more decode calls than a static cache holds fail here, naming the call and
+    the cache, before a run in which eager or the exported program raises an IndexError at
+    that call and ExecuTorch's runtime an untyped error 0x12.
+
+    Raises:
+        StatePastEndError: naming the call (``steps[16]``, with its method when there are
+            several), the buffer, the position and the length.
+    """
+    several = len(programs) > 1
+    check_writes_within_state(
+        f"{name}()", programs,
+        [(method, flat_user_inputs(programs[method], args, kwargs))
+         for method, args, kwargs in calls],
+        lambda step, method: f"steps[{step}]" + (f" ({method})" if several else ""))
 
 
 def first_misfit(program: torch.export.ExportedProgram, calls: Sequence[tuple[str, Call]]

@@ -13,7 +13,10 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
+
+from .._analysis.buffers import user_outputs
 
 __all__ = ["buffer_grid", "describe_op_difference", "output_grid", "quantized_ops"]
 
@@ -81,10 +84,12 @@ def buffer_grid(gm: GraphModule) -> dict[str, float]:
     return grids
 
 
-def output_grid(gm: GraphModule) -> float:
-    """One step of the grid the program's outputs are quantized on (0.0 when they are not)."""
-    outputs = [n for n in gm.graph.nodes if n.op == "output"]
-    return _grid_near(gm, [a for out in outputs for a in out.all_input_nodes])
+def output_grid(program: ExportedProgram | GraphModule) -> float:
+    """One step of the grid the program's outputs are quantized on (0.0 when they are not):
+    the outputs its caller gets (an ExportedProgram's user outputs, by its graph
+    signature), not the caches a lifted program returns on the caches' own grids."""
+    gm = program.graph_module if isinstance(program, ExportedProgram) else program
+    return _grid_near(gm, user_outputs(program))
 
 
 def quantized_ops(gm: GraphModule) -> Counter[str]:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.export.graph_signature import OutputKind
 from tqdm import tqdm
 
@@ -47,7 +48,13 @@ from ..unfreeze_mutable_buffer import UnfreezeMutableBuffer
 from .checks import quantization_checks, relative_buffer_errors
 from .delegation import delegation_stages
 from .examples import xnnpack_quantizer
-from .factory import Exported, ModelSpec, export_program, first_misfit
+from .factory import (
+    Exported,
+    ModelSpec,
+    check_steps_within_state,
+    export_program,
+    first_misfit,
+)
 from .integer_state import INTEGER_STATE, integer_state_stage
 from .noise import native_stderr_held
 from .quantization import COLUMN_NOTES, NO_PASSES, RESET, WITH_PASSES, torchao_recipe
@@ -157,11 +164,11 @@ class _Stages:
 
 
 def _check_inputs_kept(pipeline: PassManager, exported: torch.export.ExportedProgram,
-                       functional: RunResult, steps: Sequence[Any]) -> None:
-    """A pipeline in place of functionalization keeps the inputs the steps give; one that
-    changes them (BuffersToInputs) would fail the first decode in torch's pytree instead."""
-    misfit = first_misfit(functional.program,
-                          [(f"steps[{index}]", step) for index, step in enumerate(steps)])
+                       functional: RunResult, calls: Sequence[tuple[str, Any]]) -> None:
+    """A pipeline in place of functionalization keeps the inputs the calls (each named)
+    give; one that changes them (BuffersToInputs) would fail the first decode in torch's
+    pytree instead. Both main jobs, one method and several, check it."""
+    misfit = first_misfit(functional.program, calls)
     if misfit:
         where, why = misfit
         changed = ", ".join(r.name for r in functional.report.records if r.modified)
@@ -242,10 +249,21 @@ def run_flow(
         result.plan = every_pass.explain()
         result.dot = every_pass.to_dot()
 
+        def within_state(program: torch.export.ExportedProgram) -> None:
+            # More steps than a static cache holds: one line naming the step and the cache,
+            # not an IndexError at that step (eager's), or an untyped error 0x12 (the
+            # runtime's); and eager may take steps its program cannot (a window it rolls).
+            stage("check the steps stay within the state", lambda: check_steps_within_state(
+                {"forward": program}, [("forward", *call) for call in steps], "run_flow"))
+
+        if exported is not None:
+            within_state(exported.program)
         eager = stage("fp32 eager decode", lambda: stage.run(model, steps))
+        result.notes += _no_outputs(eager)
         if exported is None:
             exported = stage("export", lambda: export_program(
                 model, args, kwargs, dynamic_shapes=dynamic_shapes, mode=export))
+            within_state(exported.program)
         if exported.note:
             result.notes.append(exported.note)
         if runtime == "executorch":
@@ -266,7 +284,8 @@ def run_flow(
         result.reports.append(("functionalize", functional.report))
         if pipeline is not None:
             stage("check the steps fit the pipeline's program",
-                  lambda: _check_inputs_kept(pipeline, exported.program, functional, steps))
+                  lambda: _check_inputs_kept(pipeline, exported.program, functional, [
+                      (f"steps[{index}]", step) for index, step in enumerate(steps)]))
         result.notes += _state_notes(functional.program)
         program: Any = functional.program
         # Later stages run the functional program's module, which shares its buffers.
@@ -426,6 +445,16 @@ def _state_notes(functional: Any) -> list[str]:
                      "as state, but the state comparisons read buffers only, and ExecuTorch's "
                      "runtime refuses a written parameter (register them as buffers)")
     return notes
+
+
+def _no_outputs(eager: Trace) -> list[str]:
+    """A model returning no tensor: every output column would read 0, comparing nothing."""
+    if any(isinstance(leaf, torch.Tensor) for outputs in eager.outputs
+           for leaf in pytree.tree_leaves(outputs)):
+        return []
+    return ["the model returns no tensor (None, or only Python values): the decode table's "
+            "output errors compare nothing and read 0; its state, compared below it, is "
+            "what measures the programs"]
 
 
 def _not_finite(step_errors: Mapping[str, list[float]]) -> list[str]:

@@ -36,12 +36,19 @@ from ..mark_mutable_buffers import MarkMutableBuffers
 from ..quantization import quantize_methods, quantize_program
 from ..quantize_mutable_buffers import QuantizeMutableBuffers
 from .examples import xnnpack_quantizer
-from .factory import Exported, MethodsSpec, export_methods
+from .factory import Exported, MethodsSpec, check_steps_within_state, export_methods
 from .integer_state import dequantized_state, storage_of
 from .noise import native_stderr_held
 from .quantized_graphs import output_grid
 from .result import Check, FlowResult, restricted
-from .run import EXPORT_ATOL, EXPORT_RTOL, _Stages
+from .run import (
+    EXPORT_ATOL,
+    EXPORT_RTOL,
+    _check_inputs_kept,
+    _no_outputs,
+    _not_finite,
+    _Stages,
+)
 
 __all__ = ["FP32_METHODS", "INTEGER_METHODS", "ONE_GRID", "PER_METHOD", "run_methods_flow"]
 
@@ -82,8 +89,17 @@ def run_methods_flow(
                                                 **options)
         result.plan = functionalize.explain()
         result.dot = functionalize.to_dot()
+        def within_state(programs: Mapping[str, Any]) -> None:
+            # More calls than a static cache holds: the call and the cache, in one line.
+            stage("check the steps stay within the state",
+                  lambda: check_steps_within_state(programs, calls, "run_methods_flow"))
+
+        checked = exported is not None and not spec.carried
+        if checked:  # before eager fails at that call
+            within_state({m: e.program for m, e in exported.items()})
         eager = stage("fp32 eager calls",
                       lambda: stage.run(spec.module, [(a, k) for _, a, k in calls]))
+        result.notes += _no_outputs(eager)
         if exported is None:
             exported = stage("export each method", lambda: export_methods(spec, export))
         result.notes += [f"{m}: {e.note}" for m, e in exported.items() if e.note]
@@ -91,10 +107,15 @@ def run_methods_flow(
                            lambda: functionalize.run({m: e.program for m, e in exported.items()}))
         for method, run in functional.items():
             result.reports.append((f"functionalize {method}", run.report))
+        if pipeline is not None:
+            stage("check the steps fit the pipeline's programs",
+                  lambda: _check_pipeline_kept_inputs(pipeline, exported, functional, spec))
         fp32 = {method: run.program for method, run in functional.items()}
         if spec.carried:
             fp32 = stage("make carried state resident (InputsToBuffers)",
                          lambda: _resident(result, fp32, spec.carried, options))
+        if not checked:
+            within_state(fp32)  # as the methods take the calls, their state resident
         shared = share_buffer_tensors(fp32)
         result.notes.append(
             "buffers shared by " + " and ".join(map(repr, fp32)) + ": "
@@ -114,7 +135,19 @@ def run_methods_flow(
         if runtime == "executorch":
             with native_stderr_held():  # ExecuTorch's native CPU probe, among others
                 _runtime_stage(stage, result, lowered, calls, eager)
+        result.notes += _not_finite(result.step_errors)
     return result
+
+
+def _check_pipeline_kept_inputs(pipeline: PassManager, exported: Mapping[str, Exported],
+                                functional: Mapping[str, Any], spec: MethodsSpec) -> None:
+    """Each method's calls against what the pipeline made of it, as the one-method job
+    checks them (a carried method's calls fit it once resident, after the pipeline)."""
+    for method, run in functional.items():
+        if method not in spec.carried:
+            _check_inputs_kept(pipeline, exported[method].program, run, [
+                (f"steps[{index}] ({method})", (args, kwargs))
+                for index, (name, args, kwargs) in enumerate(spec.steps) if name == method])
 
 
 def _resident(result: FlowResult, programs: dict[str, Any],
@@ -186,7 +219,7 @@ def _quantized_stages(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
         merged[0] if merged else f"{len(together.shared_buffers)} shared buffers on one grid "
         f"each; quantized per method, {len(split)} of them are on different grids"
         + (f" (e.g. {split[0]})" if split else "")))
-    grid = max(output_grid(p.graph_module) for p in together.values())
+    grid = max(output_grid(p) for p in together.values())
     mine, theirs = result.step_errors[ONE_GRID], result.step_errors[PER_METHOD]
     worse = [i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a > b + grid + 1e-6]
     result.checks.append(Check(
@@ -246,6 +279,7 @@ def _runtime_stage(stage: _Stages, result: FlowResult,
     more per call before it when the methods write state); its
     column in the decode table is, like every other, its error against fp32 eager."""
     from ..executorch.methods import run_methods_on_runtime
+    from ..executorch.runtime import output_grid as user_output_grid
     from ..executorch.runtime import within_grid_steps_per_call
 
     for label, programs, python in lowered:
@@ -253,8 +287,9 @@ def _runtime_stage(stage: _Stages, result: FlowResult,
                     lambda programs=programs: run_methods_on_runtime(programs, calls))
         on_runtime = Trace(run.outputs)
         errors = output_errors(python, on_runtime)
+        # The step of the dequantize each method returns, as the one-method job reads it.
         grid = None if label == "fp32" else max(
-            output_grid(p.graph_module) for p in programs.values())
+            (g for g in map(user_output_grid, programs.values()) if g is not None), default=None)
         tolerance = EXPORT_ATOL if grid is None else grid
         stateful = any(find_mutations(p).writers for p in programs.values())
         result.step_errors[f"{label} on ExecuTorch"] = output_errors(eager, on_runtime)

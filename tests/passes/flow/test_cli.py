@@ -353,3 +353,34 @@ def test_a_pipeline_that_changes_the_inputs_fails_naming_it_not_at_the_first_dec
             "(x, input_pos) to (x, input_pos, *, layers_0_attn_k_cache, layers_0_attn_v_cache): "
             "steps[0] no longer fits") in failed
     assert "kwarg keyword mismatch" not in failed
+
+
+def test_steps_past_the_cache_are_one_line_and_status_two_before_the_run(capsys):
+    """Eager failed at the fifth call with torch's IndexError (status 3, after the eager
+    decode); on ExecuTorch's runtime it was an untyped RuntimeError 0x12."""
+    status = cli.main(["run", "tests.models.static_cache:past_the_cache", "--quiet",
+                       "--runtime", "python", "--skip-quantization", "--skip-delegation"])
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == ""
+    assert captured.err == (
+        "error: tests.models.static_cache:past_the_cache(): steps[4] writes position 4 of "
+        "'cache' along dimension 1, which holds 4 (positions 0 to 3): the calls go past the "
+        "state's end; give fewer calls, positions within it, or a longer state (--steps 4 "
+        "stops before it)\n")
+
+
+def test_a_ring_buffer_wrapping_around_its_cache_runs(capsys):
+    status = cli.main(["run", "tests.models.static_cache:ring_buffer", "--quiet",
+                       "--runtime", "python", "--skip-delegation"])
+    assert status == 0, capsys.readouterr().out
+
+
+def test_more_steps_than_the_factory_gives_says_how_many_it_decodes(capsys):
+    """--steps 20 on a factory giving 8 decoded 8, the help saying 'decode calls'."""
+    status = cli.main(["run", "tests.models.static_cache:ring_buffer", "--steps", "20",
+                       "--runtime", "python", "--skip-quantization", "--skip-delegation"])
+    captured = capsys.readouterr()
+    assert status == 0
+    assert ("--steps 20: tests.models.static_cache:ring_buffer gives 8 step(s); decoding "
+            "those\n") in captured.err
+    assert "8 decode steps" in captured.out

@@ -13,6 +13,11 @@ from .main_job_cli import run_main
         ("no_such_package.models:factory", "cannot import 'no_such_package.models'"),
         ("passes.examples:missing", "has no attribute 'missing'"),
         ("passes.examples:__doc__", "not a factory function"),
+        ("tests.models.static_cache:ROWS", "tests.models.static_cache:ROWS is an int, not a "
+         "factory function"),
+        # Called without them, it failed with Python's "missing 1 required positional argument".
+        ("passes.flow.examples:decode_inputs", "passes.flow.examples:decode_inputs takes cfg, "
+         "steps: a factory takes no arguments"),
         ("passes.examples", "MODEL must be package.module:factory"),
         ("tests.models.main_job:not_exportable", "is not exportable"),
         ("tests.models.main_job:not_exportable",

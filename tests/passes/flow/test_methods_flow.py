@@ -4,6 +4,7 @@ the built-in decoder and a tiny Hugging Face Llama as a prefill + a one-token de
 from __future__ import annotations
 
 import pytest
+import torch
 
 from passes.flow.cli import main
 from passes.flow.examples import AnnotateEveryOpQuantizer, prefill_decode_job, xnnpack_quantizer
@@ -85,3 +86,74 @@ def test_the_fp32_methods_run_from_one_pte_with_shared_buffers_like_eager():
     runtime = next(c for c in result.checks if "ExecuTorch's runtime" in c.name)
     assert "shared mutable buffers planned once: 4,096 B" in runtime.detail  # 2 caches x 2 KiB
     assert max(result.step_errors["fp32 on ExecuTorch"]) <= 1e-5
+
+
+class _DividesByItsState(torch.nn.Module):
+    """A state that shrinks below its 8-bit grid: quantized, it is 0, and divides."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 1e-4))
+
+    def forward(self, x):
+        self.scale.mul_(0.5)
+        return self.proj(x) / self.scale
+
+
+def _two_methods(module: torch.nn.Module, calls: int = 3) -> dict:
+    torch.manual_seed(0)
+    prompt, token = torch.randn(3, 4), torch.randn(1, 4)
+    return {"module": module,
+            "methods": {"prefill": {"example_args": (prompt,)},
+                        "decode": {"example_args": (token,)}},
+            "steps": [("prefill", (prompt,)), *(("decode", (torch.randn(1, 4),))
+                                                for _ in range(calls - 1))]}
+
+
+def test_a_methods_decode_off_by_inf_is_told_so():
+    """The one-method job says so; the several-method job's columns read inf and its checks,
+    comparing the quantized flows with each other, passed without a word."""
+    spec = methods_spec(_two_methods(_DividesByItsState()), "job", 8)
+    result = run_methods_flow(spec, log=lambda line: None)
+    assert ("off by inf from fp32 eager (an output NaN or inf, or of another shape) at some "
+            f"step: {PER_METHOD!r}, {ONE_GRID!r}") in result.notes
+
+
+def test_a_methods_pipeline_that_changes_the_inputs_fails_naming_it_not_at_the_first_call(
+        capsys):
+    """BuffersToInputs makes the caches inputs no step gives: the one-method job names the
+    pipeline right after it ran; the several-method job failed in torch's pytree at the
+    first call ('Ran into a kwarg keyword mismatch')."""
+    status = main(["run", "passes.flow.examples:prefill_decode_job", "--quiet", "--runtime",
+                   "python", "--skip-quantization", "--steps", "2", "--pipeline",
+                   "MarkMutableBuffers,InplaceToFunctional,BuffersToInputs"])
+    failed = capsys.readouterr().out.split("== failed")[1]
+    assert status == 3
+    assert "stage:  check the steps fit the pipeline's programs" in failed
+    assert ("reason: PipelineError: the pipeline PassManager[MarkMutableBuffers, "
+            "InplaceToFunctional, BuffersToInputs] changed the program's inputs from ") in failed
+    assert "steps[0] (prefill) no longer fits" in failed
+
+
+def test_calls_past_the_cache_fail_before_eager_naming_the_call_and_the_cache():
+    """Eager raised torch's IndexError at the call (prefill 4 + 12 decodes fill the 16
+    positions of the built-in decoder's caches; one more decode writes position 16)."""
+    from passes import StatePastEndError
+    from passes.flow.factory import export_methods
+    from passes.flow.result import FlowError
+
+    made = prefill_decode_job(n_layers=1, decode_steps=12)
+    x, _ = made["steps"][-1][1]
+    made["steps"].append(("decode", (x, torch.tensor([16]))))
+    spec = methods_spec(made, "job", 100)
+    with pytest.raises(FlowError) as info:
+        run_methods_flow(spec, exported=export_methods(spec), quantize=False,
+                         log=lambda line: None)
+    error = info.value.__cause__
+    assert isinstance(error, StatePastEndError)
+    assert (error.argument, error.state, error.position, error.length) == (
+        "steps[13] (decode)", "layers.0.attn.k_cache", 16, 16)
+    assert info.value.failure.stage == "check the steps stay within the state"
+    assert [title for title, _ in info.value.result.stage_times] == [
+        "check the steps stay within the state"]

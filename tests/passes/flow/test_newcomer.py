@@ -154,6 +154,7 @@ def test_the_methods_runtime_column_is_its_error_against_eager(monkeypatch):
     """The decode table's header says "vs fp32 eager": the runtime's column must hold that,
     not the runtime's difference from the same methods in Python (which is the check's)."""
     import passes.executorch.methods as methods
+    import passes.executorch.runtime as runtime
 
     eager = Trace([[torch.tensor([1.0])], [torch.tensor([2.0])]])
     python = Trace([[torch.tensor([1.5])], [torch.tensor([2.25])]])
@@ -162,7 +163,7 @@ def test_the_methods_runtime_column_is_its_error_against_eager(monkeypatch):
                           notes=["kept 'cache' at the top level"],
                           memory=SimpleNamespace(shared_bytes=64))
     monkeypatch.setattr(methods, "run_methods_on_runtime", lambda programs, calls: run)
-    monkeypatch.setattr(methods_flow, "output_grid", lambda gm: 0.1)
+    monkeypatch.setattr(runtime, "output_grid", lambda program: 0.1)
     monkeypatch.setattr(methods_flow, "find_mutations", lambda p: SimpleNamespace(writers={}))
     result = FlowResult()
     stage = lambda title, fn: fn()  # noqa: E731
@@ -346,3 +347,45 @@ def test_run_model_given_what_it_does_not_take_says_what_it_takes(made):
     given = model_spec(given, "job", 2) if isinstance(given, dict) else given
     with pytest.raises(TypeError, match=r"run_model takes model_spec\(factory\(\), name, steps\)"):
         run_model(given, quantize=False, log=lambda line: None)
+
+
+def test_run_flow_given_steps_past_the_cache_says_which_before_decoding():
+    from passes import StatePastEndError
+    from passes.flow import run_flow
+    from passes.flow.factory import export_program
+    from passes.flow.result import FlowError
+    from tests.models.static_cache import CountedWrites, token_calls
+
+    calls = token_calls(6)
+    for exported in (export_program(CountedWrites(), calls[0]), None):
+        with pytest.raises(FlowError) as info:
+            run_flow(CountedWrites(), calls[0], calls, exported=exported, log=lambda line: None)
+        stages = [title for title, _ in info.value.result.stage_times]
+        if exported is None:  # eager fails first, at the call the check names
+            assert stages == ["fp32 eager decode"]
+            assert "index 4 is out of bounds" in info.value.failure.reason
+            continue
+        assert stages == ["check the steps stay within the state"]
+        assert isinstance(info.value.__cause__, StatePastEndError)
+        assert "steps[4] writes position 4 of 'cache'" in info.value.failure.reason
+
+
+class _ReturnsNothing(torch.nn.Module):
+    """Keeps a running sum and returns None: only its state says what it computed."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x):
+        self.total.add_(x.sum(0))
+
+
+def test_a_model_returning_nothing_is_told_its_output_errors_compare_nothing():
+    """Its decode table read 0.000000 in every output column without a word."""
+    result = _flow(_ReturnsNothing())
+    assert result.ok
+    assert ("the model returns no tensor (None, or only Python values): the decode table's "
+            "output errors compare nothing and read 0; its state, compared below it, is what "
+            "measures the programs") in result.notes
+    assert not any("returns no tensor" in note for note in _flow(_CountsCalls()).notes)

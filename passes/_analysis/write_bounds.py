@@ -1,0 +1,246 @@
+"""Where a sequence of calls writes state at positions the state does not have.
+
+A static KV cache holds ``max_seq`` positions; a decode loop given more steps than that
+writes past its end: eager raises ``IndexError`` at that step, ExecuTorch's runtime an
+untyped ``RuntimeError`` (its ``index_put.out`` failing with error ``0x12``). The positions
+a call writes at are computed from its inputs (``input_pos``, ``cache_position``) and from
+integer state (a step counter the program advances), rarely from anything else. So they
+can be found before anything runs, cheaply and exactly: the part of each program that
+computes its write positions and its integer state, and nothing of the model, is run on
+the calls in order, threading that integer state from call to call and from method to
+method (methods share a buffer by name). A position wrapped into the state (a ring buffer,
+``pos % window``) is in range and passes.
+
+Which writes: ``index_copy`` along a dimension and ``index_put`` with integer indices,
+into a buffer or an input the program carries state in. Positions computed from
+floating-point values (a position chosen by the model's own output) are not looked at: the
+run finds those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx import Graph, GraphModule, Node
+
+from pass_manager.call_signature import signature_of
+
+from ..errors import StatePastEndError
+from .buffers import BUFFER, find_mutations, placeholder_specs
+
+__all__ = ["WritePastEnd", "check_writes_within_state", "first_write_past_end",
+           "flat_user_inputs"]
+
+_aten = torch.ops.aten
+_INDEX_COPIES = {_aten.index_copy.default, _aten.index_copy_.default}
+_INDEX_PUTS = {_aten.index_put.default, _aten.index_put_.default}
+_STATE_KINDS = (InputKind.BUFFER, InputKind.USER_INPUT)
+
+
+@dataclass(frozen=True)
+class WritePastEnd:
+    """The first call writing state at a position the state does not have."""
+
+    step: int
+    """The call's index in the sequence."""
+    method: str
+    state: str
+    """The buffer's fully-qualified name, or the input's name."""
+    dim: int
+    position: int
+    length: int
+    """How many positions the state holds along ``dim``."""
+
+
+@dataclass
+class _Slice:
+    """What of one program computes its write positions and its integer state."""
+
+    module: GraphModule
+    inputs: list[tuple[str, str]]  # (kind, name): "user" + position, "buffer" / "constant" + FQN
+    writes: list[tuple[str, int, int]]  # (state, dim, length) per index output
+    updates: list[str]  # FQNs of the integer buffers whose next values follow the indices
+    advanced: set[str]  # FQNs of the buffers it advances (by ``updates`` or in place)
+    reads: set[str]  # FQNs of the buffers it reads
+
+
+def first_write_past_end(programs: Mapping[str, ExportedProgram],
+                         calls: Sequence[tuple[str, Sequence[Any]]],
+                         ) -> WritePastEnd | None:
+    """The first of ``calls`` (``(method, its user inputs flat in the exported order)``, in
+    order, over the methods' shared state) that writes past the end of a buffer or carried
+    input; None when every write is within range, or where the positions depend on more
+    than integer inputs and integer state (then the run itself finds it).
+    :func:`flat_user_inputs` flattens a call as Python takes it."""
+    slices = {method: _slice(program) for method, program in programs.items()}
+    # The methods share what some method writes, by name; a read-only tensor is each
+    # method's own (HF's lifted counter steps: one name, 4 in the prefill, 1 in the decode).
+    written = {method: _integers_written(program) for method, program in programs.items()}
+    shared: dict[str, torch.Tensor] = {}
+    own: dict[str, dict[str, torch.Tensor]] = {}
+    for method, program in programs.items():
+        own[method] = {name: tensor.clone() for name, tensor in (
+            *program.state_dict.items(), *program.constants.items())
+            if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point()}
+        for name in written[method] & set(own[method]):
+            shared.setdefault(name, own[method][name])
+    # A counter some method advances where this analysis cannot follow (a method writing
+    # no state by position, a count computed from floats): its positions are the run's.
+    untracked = set().union(*(names - (slices[m].advanced if slices[m] else set())
+                              for m, names in written.items()))
+    if any(found and found.reads & untracked for found in slices.values()):
+        return None
+    for step, (method, leaves) in enumerate(calls):
+        found = slices.get(method)
+        if found is None:
+            continue
+        try:
+            values = [leaves[int(name)] if kind == "user" else
+                      shared[name] if name in shared else own[method][name]
+                      for kind, name in found.inputs]
+            with torch.no_grad():
+                results = found.module(*values)
+        except (IndexError, KeyError, RuntimeError, TypeError, ValueError):
+            return None  # the run says what is wrong with this call
+        positions, nexts = results[:len(found.writes)], results[len(found.writes):]
+        for (name, dim, length), position in zip(found.writes, positions, strict=True):
+            outside = position[(position >= length) | (position < -length)]
+            if outside.numel():
+                return WritePastEnd(step, method, name, dim, int(outside.flatten()[0]), length)
+        shared.update(zip(found.updates, nexts, strict=True))
+    return None
+
+
+def flat_user_inputs(program: ExportedProgram, args: tuple, kwargs: Mapping[str, Any],
+                     ) -> list[Any]:
+    """A call as Python makes it (one that fits the program), flat in the exported order."""
+    return [leaf for _, leaf in signature_of(program).leaves(args, kwargs)]
+
+
+def _slice(program: ExportedProgram) -> _Slice | None:
+    """The program's write positions and integer state updates as one small graph module,
+    or None when it writes no state by position or its positions read a float."""
+    kinds: dict[Node, tuple[str, str]] = {}
+    user = 0
+    for node, spec in placeholder_specs(program):
+        if spec.kind == InputKind.USER_INPUT:
+            kinds[node] = ("user", str(user))
+            user += 1
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            kinds[node] = ("buffer", str(spec.target))
+    names = {node: (spec.target if spec.kind == InputKind.BUFFER else node.name)
+             for node, spec in placeholder_specs(program) if spec.kind in _STATE_KINDS}
+    writes, positions = [], []
+    for node in program.graph.nodes:
+        for dim, position in _positions(node):
+            destination = node.args[0]
+            val = destination.meta.get("val") if isinstance(destination, Node) else None
+            if destination in names and isinstance(val, torch.Tensor) and isinstance(
+                    val.shape[dim], int):
+                writes.append((str(names[destination]), dim % val.dim(), val.shape[dim]))
+                positions.append(position)
+    counters = _integers_written(program)  # advanced even by a method writing no position
+    if not writes and not counters:
+        return None
+    outputs = program.graph.output_node().args[0]
+    next_values = {str(spec.target): value for spec, value in zip(
+        program.graph_signature.output_specs, outputs, strict=True)
+        if spec.kind == OutputKind.BUFFER_MUTATION}
+    # A buffer written in place (export's IR before functionalization) is advanced by
+    # running its writers on the tensor itself; a functional one, by its mutation output.
+    writers = {state.name: nodes for state, nodes in find_mutations(program).writers.items()
+               if state.kind == BUFFER}
+    def written_reads(nodes: set[Node]) -> set[str]:
+        return {kinds[node][1] for node in nodes if kinds.get(node, ("", ""))[0] == "buffer"
+                and kinds[node][1] in writers}
+
+    roots, advanced, updates = list(positions), set(), []
+    needed = _needed(roots)
+    more = counters | written_reads(needed)
+    while more:  # the buffers the positions read and the counters, advanced call by call
+        advanced |= more
+        updates += sorted(name for name in more if name in next_values)
+        roots += [writer for name in sorted(more) for writer in writers[name]
+                  if writer not in next_values.values()]
+        needed = _needed([*roots, *(next_values[name] for name in updates)])
+        more = written_reads(needed) - advanced
+    if any(_is_float(node) for node in needed if node.op == "placeholder"):
+        return None
+    graph, env, taken = Graph(), {}, {}
+    inputs = []
+    for node in program.graph.nodes:
+        if node not in needed:
+            continue
+        if node.op == "placeholder":
+            env[node] = graph.placeholder(node.name)
+            inputs.append(kinds.get(node, ("missing", node.name)))
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        if node in positions:  # as the write reads it: a counter advances later in place
+            taken[node] = graph.call_function(_aten.clone.default, (env[node],))
+    if any(kind == "missing" for kind, _ in inputs):
+        return None
+    graph.output(tuple([*(taken[n] for n in positions), *(env[next_values[u]] for u in updates)]))
+    reads = {name for kind, name in inputs if kind == "buffer"}
+    return _Slice(GraphModule(program.graph_module, graph), inputs, writes, updates, advanced,
+                  reads)
+
+
+def _integers_written(program: ExportedProgram) -> set[str]:
+    """The integer buffers ``program`` writes (FQNs)."""
+    values = {**program.state_dict, **program.constants}
+    return {state.name for state in find_mutations(program).writers
+            if state.kind == BUFFER and isinstance(values.get(state.name), torch.Tensor)
+            and not values[state.name].is_floating_point()}
+
+
+def _positions(node: Node) -> list[tuple[int, Node]]:
+    """(dimension, index node) of each position ``node`` writes state at by index."""
+    if node.op != "call_function":
+        return []
+    if node.target in _INDEX_COPIES and isinstance(node.args[2], Node):
+        return [(int(node.args[1]), node.args[2])]
+    if node.target in _INDEX_PUTS:
+        return [(dim, index) for dim, index in enumerate(node.args[1])
+                if isinstance(index, Node) and not _is_float(index) and not _is_bool(index)]
+    return []
+
+
+def _needed(roots: list[Node]) -> set[Node]:
+    """Every node ``roots`` are computed from, and the roots."""
+    needed, stack = set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack += node.all_input_nodes
+    return needed
+
+
+def _is_float(node: Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _is_bool(node: Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dtype == torch.bool
+
+
+def check_writes_within_state(helper: str, programs: Mapping[str, ExportedProgram],
+                              calls: Sequence[tuple[str, Sequence[Any]]],
+                              name: Callable[[int, str], str]) -> None:
+    """:func:`first_write_past_end`, raised: ``name(step, method)`` names the call.
+
+    Raises:
+        StatePastEndError: a call writes past the end of a buffer or carried input.
+    """
+    found = first_write_past_end(programs, calls)
+    if found is not None:
+        raise StatePastEndError(helper, name(found.step, found.method), found.step, found.state,
+                                found.dim, found.position, found.length)

@@ -1,0 +1,103 @@
+"""Calls writing a static cache past its end are found before anything runs, at the call
+where eager raises, in every program form; a ring buffer wrapping its position is not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pass_manager import PassManager, run_program
+from passes import InplaceToFunctional, MarkMutableBuffers
+from passes._analysis.write_bounds import first_write_past_end, flat_user_inputs
+from passes.flow.examples import xnnpack_quantizer
+from passes.flow.factory import export_program
+from passes.quantization import quantize_program
+from tests.models.static_cache import (
+    ROWS,
+    CountedWrites,
+    PositionedWrites,
+    ResettableCounter,
+    RingBuffer,
+    token_calls,
+)
+
+CALLS = ROWS + 2
+
+
+def _forms(module: torch.nn.Module, calls: list[tuple]):
+    """The program as exported (in-place writes), functional, and quantized."""
+    exported = export_program(module, calls[0]).program
+    functional = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+        export_program(module, calls[0]).program).program
+    quantized = quantize_program(functional, xnnpack_quantizer(), calls[:ROWS])
+    return {"exported": exported, "functional": functional, "quantized": quantized}
+
+
+def _first_past_end(program, calls):
+    return first_write_past_end(
+        {"forward": program}, [("forward", flat_user_inputs(program, call, {}))
+                               for call in calls])
+
+
+def _eager_fails_at(module: torch.nn.Module, calls: list[tuple]) -> int | None:
+    for index, call in enumerate(calls):
+        try:
+            module(*call)
+        except IndexError:
+            return index
+    return None
+
+
+@pytest.mark.parametrize("make, positioned", [
+    (PositionedWrites, True), (lambda: PositionedWrites(index_put=True), True),
+    (CountedWrites, False)], ids=["index_copy at input", "index_put at input", "counter"])
+def test_a_write_past_the_cache_is_found_at_the_call_eager_fails(make, positioned):
+    calls = token_calls(CALLS, positioned)
+    assert _eager_fails_at(make(), calls) == ROWS
+    for form, program in _forms(make(), calls).items():
+        found = _first_past_end(program, calls)
+        assert found is not None, form
+        assert (found.step, found.state, found.dim, found.position, found.length) == (
+            ROWS, "cache", 1, ROWS, ROWS), form
+        assert _first_past_end(program, calls[:ROWS]) is None, form
+        # the program's own buffers are read, not advanced
+        assert int(program.state_dict.get("pos", torch.zeros(1))[0]) == 0
+
+
+def test_a_ring_buffer_is_never_refused():
+    calls = token_calls(3 * ROWS)
+    module = RingBuffer()
+    forms = _forms(module, calls)  # exported from copies: the module's state stays fresh
+    for form, program in forms.items():
+        assert _first_past_end(program, calls) is None, form
+    trace = run_program(forms["functional"], calls)
+    eager = [module(*call) for call in calls]  # every call runs, wrapping three times
+    assert all(torch.equal(e, t[0]) for e, t in zip(eager, trace.outputs, strict=True))
+    assert torch.equal(module.cache, trace.buffers[-1]["cache"])
+
+
+def test_positions_the_model_computes_from_floats_are_left_to_the_run():
+    class ArgmaxPosition(PositionedWrites):
+        def forward(self, x, pos):
+            self.cache.index_copy_(1, x.argmax(-1).view(1) + ROWS, self.proj(x))
+            return self.cache.sum(1)
+
+    calls = token_calls(2, positioned=True)
+    assert _first_past_end(export_program(ArgmaxPosition(), calls[0]).program, calls) is None
+
+
+def test_a_counter_another_method_resets_is_followed_across_methods():
+    module = ResettableCounter()
+    calls = token_calls(ROWS)
+    programs = {"decode": export_program(module, calls[0]).program,
+                "reset": export_program(module, (calls[0][0], True)).program}
+    sequence = [*(("decode", call) for call in calls), ("reset", (calls[0][0], True)),
+                *(("decode", call) for call in calls)]
+    flat = [(method, flat_user_inputs(programs[method], call, {}))
+            for method, call in sequence]
+    for _, call in sequence:  # eager runs every call: the reset makes room
+        module(*call)
+    assert first_write_past_end(programs, flat) is None
+    # without the reset, the fifth decode writes past the cache
+    found = first_write_past_end(programs, [entry for entry in flat if entry[0] == "decode"])
+    assert (found.step, found.position) == (ROWS, ROWS)
