@@ -29,6 +29,7 @@ __all__ = [
     "aten_op",
     "facts_of",
     "in_dialect_of",
+    "is_maybe_view",
     "may_write",
     "schema_of",
     "target_of",
@@ -96,7 +97,17 @@ MAYBE_VIEWS = frozenset({
     _aten.to.dtype, _aten.to.device, _aten.to.dtype_layout, _aten.to.other,
     _aten.contiguous.default, *UNANNOTATED_MAYBE_VIEWS,
 })
-"""Ops that return a view only sometimes (a copy otherwise)."""
+"""Ops that return a view only sometimes (a copy otherwise), named. Every other op whose
+schema says its result aliases an argument and that is CompositeImplicitAutograd is one too
+(:func:`is_maybe_view`): its schema only says what its decomposition *may* do (``ravel`` of
+a non-contiguous tensor, ``resolve_conj`` of a conjugated one return copies)."""
+
+
+def _composite(op: torch._ops.OpOverload) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+    except RuntimeError:  # an op the dispatcher does not know by that name
+        return False
 
 STORAGE_VIEWS = frozenset({_aten.as_strided.default, _aten._reshape_alias.default})
 """Views addressed in their input's *storage* (sizes, strides, an absolute offset), so
@@ -117,7 +128,7 @@ class OpFacts:
     result_written: bool  # ... and whether that argument is written (an in-place op)
     list_views_of: int | None  # the argument a list of views aliases (split, unbind)
     results_alias: tuple[int | None, ...]  # per result of a multi-result op
-    maybe_view: bool  # in MAYBE_VIEWS
+    maybe_view: bool  # a view only sometimes: see MAYBE_VIEWS
     hidden_writes: tuple[int, tuple[int, ...]] | None  # an entry of HIDDEN_WRITES
     no_write_unless: int | None  # an entry of NO_WRITE_UNLESS
     fresh: bool  # no result aliases an argument: the op's value is new storage
@@ -152,7 +163,9 @@ def _facts(op: torch._ops.OpOverload) -> OpFacts:
         and args[result_of].alias_info.is_write,
         list_views_of=list_views_of,
         results_alias=results_alias,
-        maybe_view=op in MAYBE_VIEWS,
+        maybe_view=op in MAYBE_VIEWS or (
+            result_of is not None and args[result_of].alias_info is not None
+            and not args[result_of].alias_info.is_write and _composite(op)),
         hidden_writes=HIDDEN_WRITES.get(op),
         no_write_unless=NO_WRITE_UNLESS.get(op),
         fresh=result_of is None and list_views_of is None
@@ -267,6 +280,13 @@ def may_write(node: Node) -> bool:
 
 def written_nodes(node: Node) -> list[Node]:
     return [n for _, n in written_arguments(node)]
+
+
+def is_maybe_view(node: Node) -> bool:
+    """Whether the node's op returns a view of an argument only sometimes (see
+    :data:`MAYBE_VIEWS`): whether it did is read from storage sharing of fake values."""
+    facts = facts_of(node)
+    return facts is not None and facts.maybe_view
 
 
 def view_base_index(node: Node) -> int | None:

@@ -48,12 +48,12 @@ from .._analysis.buffers import (
 )
 from .._analysis.fake_values import FakeValues, is_contiguous, same_metadata, same_strides
 from .._analysis.op_schema import (
-    MAYBE_VIEWS,
     METADATA_QUERIES,
     STORAGE_READERS,
     STORAGE_VIEWS,
     argument_value,
     in_dialect_of,
+    is_maybe_view,
     schema_of,
     target_of,
     view_base_index,
@@ -246,7 +246,7 @@ class Rewrite:
         args = _resolved(node.args, self.resolve)
         kwargs = _resolved(node.kwargs, self.resolve) if node.kwargs else node.kwargs
         self._set_args(node, args, kwargs)
-        if target_of(node) in MAYBE_VIEWS and "val" in node.meta and not (
+        if is_maybe_view(node) and "val" in node.meta and not (
             self.aliases[node].root is node and same_metadata(old_inputs, node.all_input_nodes)
         ):
             # Whether it is a view is read from storage sharing: keep that true of its new input.
@@ -688,7 +688,7 @@ def _fresh_like(src: Any, dst: Node) -> bool:
     dtype: then ``copy(dst, src)`` equals ``src``, and ``dst.copy_(src)`` makes ``dst``
     hold exactly ``src``. Re-exported programs keep one such whole-buffer copy per
     mutated buffer; ``run_decompositions`` drops them, and so does this pass."""
-    if not isinstance(src, Node) or src.op != "call_function" or target_of(src) in MAYBE_VIEWS:
+    if not isinstance(src, Node) or src.op != "call_function" or is_maybe_view(src):
         return False
     if view_base_index(src) is not None or (
         src.target is operator.getitem and isinstance(src.args[0], Node)
