@@ -105,7 +105,8 @@ a non-contiguous tensor, ``resolve_conj`` of a conjugated one return copies)."""
 
 def _composite(op: torch._ops.OpOverload) -> bool:
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+        return torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), "CompositeImplicitAutograd")
     except RuntimeError:  # an op the dispatcher does not know by that name
         return False
 
