@@ -3,10 +3,12 @@
 ``base.<view>(...)`` mutated to ``value`` makes the base ``<view>_scatter(base, value, ...)``
 (slice, select, diagonal; as_strided and _reshape_alias address the storage root) or the
 inverse view of ``value`` when the view is a pure re-indexing of every element (transpose,
-permute, unsqueeze, view/reshape, alias). ``real``/``imag`` scatter into the base's real
-view; an ``expand`` that broadcasts nothing is a reshape; an ``unfold`` whose windows do
-not overlap places its windows with ``unfold_backward`` and keeps the base where no window
-reaches.
+permute, unsqueeze, view/reshape, alias, and the composite views export keeps: ``.T``,
+``.mT``, ``moveaxis``, ``ravel``). ``real``/``imag`` scatter into the base's real view;
+a conjugating view (``conj``, ``.mH``, ``adjoint``) writes back the conjugate; an
+``expand`` (``expand_as``, ``broadcast_to``) that broadcasts nothing is a reshape; an
+``unfold`` whose windows do not overlap places its windows with ``unfold_backward`` and
+keeps the base where no window reaches.
 """
 
 from __future__ import annotations
@@ -43,17 +45,21 @@ _SCATTERS = {
     aten.slice.Tensor: aten.slice_scatter.default,
     aten.select.int: aten.select_scatter.default,
     aten.diagonal.default: aten.diagonal_scatter.default,
+    aten.linalg_diagonal.default: aten.diagonal_scatter.default,  # (offset, dim1, dim2) too
 }
 _RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                        aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
                        aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default,
                        aten.reshape_as.default, aten.type_as.default, aten.sum_to_size.default,
+                       aten.ravel.default,
                        aten.atleast_1d.default, aten.atleast_2d.default, aten.atleast_3d.default,
                        aten.dropout.default, aten.feature_dropout.default,
                        aten.alpha_dropout.default, aten.feature_alpha_dropout.default})
 _IDENTITIES = frozenset({aten.alias.default, aten.detach.default, aten.to.dtype,
                          aten.to.device, aten.to.dtype_layout, aten.to.other,
-                         aten.contiguous.default, aten.lift_fresh.default})
+                         aten.contiguous.default, aten.lift_fresh.default,
+                         aten.positive.default, aten.resolve_conj.default,
+                         aten.resolve_neg.default})
 # hsplit / vsplit / dsplit are tensor_split along a fixed dim (hsplit: 0 for 1-D input).
 _DIRECTIONAL_SPLITS = {
     aten.hsplit.int: (aten.tensor_split.sections, lambda ndim: 0 if ndim == 1 else 1),
@@ -77,14 +83,29 @@ _INVERSES = {
         aten.movedim.intlist, value, destination, source),
     aten.swapaxes.default: lambda view, value, a, b: (aten.swapaxes.default, value, a, b),
     aten.swapdims.default: lambda view, value, a, b: (aten.swapdims.default, value, a, b),
+    aten.moveaxis.int: lambda view, value, source, destination: (
+        aten.movedim.int, value, destination, source),
+    aten.moveaxis.intlist: lambda view, value, source, destination: (
+        aten.movedim.intlist, value, destination, source),
     aten.view_as_real.default: lambda view, value: (aten.view_as_complex.default, value),
     aten.view_as_complex.default: lambda view, value: (aten.view_as_real.default, value),
+    # Reversing all dims, or swapping the last two, twice is the identity.
+    aten.numpy_T.default: lambda view, value: (aten.numpy_T.default, value),
+    aten.mT.default: lambda view, value: (aten.mT.default, value),
 }
+# Views that conjugate (lazily, by the conjugate bit): their write-back conjugates the
+# value back when it is complex, then undoes the view's transpose if it has one.
+_CONJUGATING = {aten.conj.default: False, aten._conj.default: False,
+                aten.adjoint.default: True, aten.mH.default: True,
+                aten.matrix_H.default: True}
+# Views that broadcast: writable only when they broadcast nothing (then a reshape).
+_BROADCASTS = frozenset({aten.expand.default, aten.expand_as.default,
+                         aten.broadcast_to.default})
 _COMPLEX_PARTS = {aten.real.default: 0, aten.imag.default: 1}
 _OTHERS = frozenset({aten.unfold.default, *_COMPLEX_PARTS, aten.narrow.default,
                      aten.transpose.int, aten.t.default, aten.permute.default,
-                     aten.unsqueeze.default, aten.view.dtype, aten.expand.default,
-                     *_INVERSES})
+                     aten.unsqueeze.default, aten.view.dtype, *_BROADCASTS,
+                     *_INVERSES, *_CONJUGATING})
 _WRITABLE_VIEWS = STORAGE_VIEWS | _SCATTERS.keys() | _RESHAPES | _IDENTITIES | _OTHERS | _LIST_VIEWS
 
 
@@ -108,7 +129,7 @@ def write_back_reason(view: Node) -> str | None:
             return (f"writes through {view.name} = unfold with overlapping windows or "
                     f"symbolic sizes (size {size}, step {step})")
         return None
-    if target is aten.expand.default:
+    if target in _BROADCASTS:
         # Eager refuses writes through a broadcasting expand (elements addressed twice); one
         # that only adds leading size-1 dims is a reshape.
         shape, base_shape = _shape(view), _shape(view.args[0])
@@ -116,7 +137,8 @@ def write_back_reason(view: Node) -> str | None:
                 isinstance(s, int) for s in (*shape, *base_shape)) and math.prod(
                 shape) == math.prod(base_shape):
             return None
-        return f"writes through {view.name} = expand, which broadcasts or has symbolic sizes"
+        return (f"writes through {view.name} = {target}, which broadcasts or has symbolic "
+                "sizes")
     if target in _WRITABLE_VIEWS:
         return None
     return (f"writes through the view {view.name} = {target}, which has no write-back into "
@@ -153,6 +175,10 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         return emit(aten.slice_scatter.default, base, value, dim, start, end)
     if target in _INVERSES:
         return emit(*_INVERSES[target](view, value, *_args(view)))
+    if target in _CONJUGATING:
+        if view.meta["val"].is_complex():
+            value = emit(aten.conj_physical.default, value)
+        return emit(aten.mT.default, value) if _CONJUGATING[target] else value
     if target is aten.transpose.int:
         return emit(aten.transpose.int, value, *_args(view))
     if target is aten.t.default:
@@ -171,7 +197,7 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         return emit(aten.view.dtype, value, base.meta["val"].dtype)
     if target in _IDENTITIES:
         return value
-    if target is aten.expand.default:
+    if target in _BROADCASTS:
         return emit(aten.reshape.default, value, list(_shape(view.args[0])))
     shape = _shape(base)
     if shape is not None and all(isinstance(s, int) for s in shape):
