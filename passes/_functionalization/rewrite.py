@@ -369,7 +369,9 @@ class Rewrite:
             args = node.args
             kwargs = {k: v for k, v in node.kwargs.items() if k not in variant.out_args}
         call = self.emit(node, variant.functional, *args, **kwargs)
-        n_results = n_returns + (0 if variant.returns_written else len(writes))
+        # One new value per written argument: a written list's (``_foreach_add_``) is a list.
+        written_args = list(dict.fromkeys(i for i, _ in writes))
+        n_results = n_returns + (0 if variant.returns_written else len(written_args))
         single = variant.picks is None and (isinstance(call.meta.get("val"), torch.Tensor) or (
             "val" not in call.meta and n_results == 1))
 
@@ -386,7 +388,8 @@ class Rewrite:
             if n_returns > 1:
                 self.multi_results[node] = results
         else:
-            new_values = [result(n_returns + k) for k in range(len(writes))]
+            new_values = self._new_values(node, writes, written_args, call, result,
+                                          n_returns, n_results)
             if n_returns == 1:
                 self.value[node] = (result(0), 0)
             elif n_returns:
@@ -402,6 +405,25 @@ class Rewrite:
             self.value[node] = (self._view_values(alias.root, alias.chain)[-1],
                                 self.version[alias.root])
         self.dead.append(node)
+
+    def _new_values(self, node: Node, writes: list[tuple[int, Node]], written_args: list[int],
+                    call: Node, result: Any, n_returns: int, n_results: int) -> list[Node]:
+        """The new value of each written tensor among the functional call's results: the
+        result of its argument, or that result's element when the argument is a list."""
+        schema = target_of(node)._schema
+        lists: dict[int, Node] = {}
+        taken: Counter[int] = Counter()
+        values = []
+        for i, _ in writes:
+            j = n_returns + written_args.index(i)
+            if not isinstance(argument_value(node, schema, i), (list, tuple)):
+                values.append(result(j))
+                continue
+            if i not in lists:
+                lists[i] = call if n_results == 1 else result(j)
+            values.append(self.emit(node, operator.getitem, lists[i], taken[i]))
+            taken[i] += 1
+        return values
 
     def _conform(self, node: Node, written: Node, new: Node) -> Node:
         """Cast the functional result to the written tensor's dtype, as the in-place op does."""
