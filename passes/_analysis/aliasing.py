@@ -97,11 +97,16 @@ def _dropout_is_identity(node: Node) -> bool:
 def _multi_alias(node: Node, facts: OpFacts | None) -> tuple[str, list] | None:
     """Ops with several results aliasing arguments.
 
-    ``("views", [arg])`` for list-of-views ops (split, unbind: ``Tensor(a -> *)``) and
+    ``("views", [arg])`` for list-of-views ops (split, unbind: ``Tensor(a -> *)``),
+    ``("elements", [arg per result])`` for ops whose i-th result views their list's i-th
+    tensor (``broadcast_tensors``: op_schema.ELEMENT_VIEWS) and
     ``("returns", [arg or None per result])`` for tuple results that alias written args.
     """
     if facts is None:
         return None
+    if facts.element_views:
+        values = argument_value(node, facts.schema, 0)
+        return ("elements", list(values)) if isinstance(values, (list, tuple)) else None
     if facts.list_views_of is not None:
         value = argument_value(node, facts.schema, facts.list_views_of)
         return ("views", [value]) if isinstance(value, Node) else None
@@ -153,6 +158,13 @@ def alias_map(
                     source = aliases[targets[0]]
                     aliases[node] = Alias(source.root, (*source.chain, base, node))
                     continue
+                if kind == "elements":
+                    element = targets[index] if isinstance(index, int) and (
+                        0 <= index < len(targets)) else None
+                    if isinstance(element, Node) and element in aliases:
+                        source = aliases[element]
+                        aliases[node] = Alias(source.root, (*source.chain, base, node))
+                        continue
                 if isinstance(index, int) and targets[index] is not None:
                     aliases[node] = aliases[targets[index]]
                     continue

@@ -18,12 +18,14 @@ from torch.fx import Node
 
 __all__ = [
     "DROPOUTS",
+    "ELEMENT_VIEWS",
     "HIDDEN_WRITES",
     "MAYBE_VIEWS",
     "METADATA_QUERIES",
     "NO_WRITE_UNLESS",
     "STORAGE_READERS",
     "STORAGE_VIEWS",
+    "UNANNOTATED_LIST_VIEWS",
     "OpFacts",
     "argument_value",
     "aten_op",
@@ -84,6 +86,18 @@ def schema_of(node: Node) -> torch.FunctionSchema | None:
 _aten = torch.ops.aten
 DROPOUTS = frozenset({_aten.dropout.default, _aten.feature_dropout.default,
                        _aten.alpha_dropout.default, _aten.feature_alpha_dropout.default})
+UNANNOTATED_LIST_VIEWS = frozenset({
+    _aten.unsafe_split.Tensor, _aten.unsafe_split_with_sizes.default, _aten.unsafe_chunk.default,
+})
+"""Ops returning views of their first argument, as ``split`` / ``split_with_sizes`` /
+``chunk`` do (``unsafe`` only for autograd), though their schema declares no alias."""
+ELEMENT_VIEWS = frozenset({
+    _aten.broadcast_tensors.default, _aten.meshgrid.default, _aten.meshgrid.indexing,
+    _aten.atleast_1d.Sequence, _aten.atleast_2d.Sequence, _aten.atleast_3d.Sequence,
+})
+"""Ops taking a list of tensors whose i-th result is a view of the i-th (expanded or
+reshaped), though their schema declares no alias: a write through a result writes that
+input, and a result read after a write to its input reads the new value."""
 UNANNOTATED_MAYBE_VIEWS = frozenset({
     _aten.type_as.default, _aten.sum_to_size.default, _aten.atleast_1d.default,
     _aten.atleast_2d.default, _aten.atleast_3d.default, *DROPOUTS,
@@ -130,6 +144,7 @@ class OpFacts:
     list_views_of: int | None  # the argument a list of views aliases (split, unbind)
     results_alias: tuple[int | None, ...]  # per result of a multi-result op
     maybe_view: bool  # a view only sometimes: see MAYBE_VIEWS
+    element_views: bool  # result i is a view of list element i: see ELEMENT_VIEWS
     hidden_writes: tuple[int, tuple[int, ...]] | None  # an entry of HIDDEN_WRITES
     no_write_unless: int | None  # an entry of NO_WRITE_UNLESS
     fresh: bool  # no result aliases an argument: the op's value is new storage
@@ -152,6 +167,8 @@ def _facts(op: torch._ops.OpOverload) -> OpFacts:
         result_of = 0
     list_views_of = next((i for i, a in enumerate(args) if a.alias_info is not None
                           and "*" in a.alias_info.after_set and not a.alias_info.is_write), None)
+    if op in UNANNOTATED_LIST_VIEWS:
+        list_views_of = 0
     results_alias = tuple(aliased_by(r.alias_info) for r in schema.returns) if len(
         schema.returns) > 1 else ()
     written = tuple(i for i, a in enumerate(args)
@@ -169,7 +186,8 @@ def _facts(op: torch._ops.OpOverload) -> OpFacts:
             and not args[result_of].alias_info.is_write and _composite(op)),
         hidden_writes=HIDDEN_WRITES.get(op),
         no_write_unless=NO_WRITE_UNLESS.get(op),
-        fresh=result_of is None and list_views_of is None
+        element_views=op in ELEMENT_VIEWS,
+        fresh=result_of is None and list_views_of is None and op not in ELEMENT_VIEWS
         and all(i is None for i in results_alias),
         may_write=bool(written) or op in HIDDEN_WRITES,
     )

@@ -48,6 +48,7 @@ from .._analysis.buffers import (
 )
 from .._analysis.fake_values import FakeValues, is_contiguous, same_metadata, same_strides
 from .._analysis.op_schema import (
+    ELEMENT_VIEWS,
     METADATA_QUERIES,
     STORAGE_READERS,
     STORAGE_VIEWS,
@@ -212,11 +213,20 @@ class Rewrite:
         for k, view in enumerate(chain):
             key = (root, chain[: k + 1], ver)
             if key not in self.memo:
-                self.memo[key] = self._replay(view, values[-1])
+                following = chain[k + 1] if k + 1 < len(chain) else None
+                self.memo[key] = self._replay(view, values[-1], following)
             values.append(self.memo[key])
         return values
 
-    def _replay(self, view: Node, base: Node) -> Node:
+    def _replay(self, view: Node, base: Node, following: Node | None = None) -> Node:
+        if target_of(view) in ELEMENT_VIEWS:
+            # Result i (taken by the ``following`` getitem) views input i only: the op
+            # again, on ``base`` at i and the other inputs (their shapes) as they are now.
+            tensors = list(argument_value(view, schema_of(view), 0))
+            tensors[following.args[1]] = base
+            tensors = [t if j == following.args[1] else self.resolve(t)
+                       for j, t in enumerate(tensors)]
+            return self.emit(view, view.target, tensors, *view.args[1:], **view.kwargs)
         if target_of(view) in STORAGE_VIEWS:  # ``base`` is the storage root's current value
             size, stride = view.args[1:3]
             offset = self._storage_offset(view, view, view.meta.get("val"))

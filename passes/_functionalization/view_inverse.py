@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch.fx import Node
 
-from .._analysis.op_schema import STORAGE_VIEWS, argument_value, target_of
+from .._analysis.op_schema import ELEMENT_VIEWS, STORAGE_VIEWS, argument_value, target_of
 from .element_overlap import overlaps_itself
 
 __all__ = ["Emit", "write_back", "write_back_reason"]
@@ -69,12 +69,17 @@ _DIRECTIONAL_SPLITS = {
     aten.dsplit.int: (aten.tensor_split.sections, lambda ndim: 2),
     aten.dsplit.array: (aten.tensor_split.indices, lambda ndim: 2),
 }
+# The unsafe_ splits are the splits without autograd's view tracking: the same pieces.
+_UNSAFE_SPLITS = {aten.unsafe_split.Tensor: aten.split.Tensor,
+                  aten.unsafe_split_with_sizes.default: aten.split_with_sizes.default,
+                  aten.unsafe_chunk.default: aten.chunk.default}
 _LIST_VIEWS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
                          aten.chunk.default, aten.tensor_split.sections,
-                         aten.tensor_split.indices, *_DIRECTIONAL_SPLITS})
+                         aten.tensor_split.indices, *_DIRECTIONAL_SPLITS, *_UNSAFE_SPLITS})
 # List views whose pieces' bounds depend on the split input's length.
-_SIZED_BY_INPUT = frozenset({aten.chunk.default, aten.tensor_split.sections, aten.hsplit.int,
-                             aten.vsplit.int, aten.dsplit.int})
+_SIZED_BY_INPUT = frozenset({aten.chunk.default, aten.unsafe_chunk.default,
+                             aten.tensor_split.sections, aten.hsplit.int, aten.vsplit.int,
+                             aten.dsplit.int})
 # Views that re-index every element: a write through one is written back by its inverse.
 _INVERSES = {
     aten.movedim.int: lambda view, value, source, destination: (
@@ -120,6 +125,17 @@ def write_back_reason(view: Node) -> str | None:
             if target_of(source) in _SIZED_BY_INPUT:
                 static = static and _shape(source.args[0]) is not None
             return None if static else f"writes through {view.name}, a symbolic split"
+        if isinstance(source, Node) and target_of(source) in ELEMENT_VIEWS:
+            # A result holding each element of its input once (no broadcasting) is that
+            # input reshaped; one that broadcasts addresses an element twice.
+            element = _element_input(source, view.args[1])
+            shape, base_shape = _shape(view), _shape(element)
+            if shape is not None and base_shape is not None and all(
+                    isinstance(s, int) for s in (*shape, *base_shape)) and math.prod(
+                    shape) == math.prod(base_shape):
+                return None
+            return (f"writes through {view.name}, a result of {source.name} = "
+                    f"{target_of(source)} that broadcasts its input or has symbolic sizes")
         return f"writes through {source} (getitem of a non-view)"
     if target is aten.unfold.default:
         _, size, step = _args(view)
@@ -139,7 +155,7 @@ def write_back_reason(view: Node) -> str | None:
             return None
         return (f"writes through {view.name} = {target}, which broadcasts or has symbolic "
                 "sizes")
-    if target in _WRITABLE_VIEWS:
+    if target in _WRITABLE_VIEWS or target in ELEMENT_VIEWS:  # (their getitem decides)
         return None
     return (f"writes through the view {view.name} = {target}, which has no write-back into "
             f"its base (no *_scatter and no inverse view)")
@@ -218,7 +234,10 @@ def _write_back_windows(emit: Emit, view: Node, base: Node, value: Node) -> Node
 
 def _write_back_item(emit: Emit, split: Node, index: int, base: Node, value: Node) -> Node:
     target = target_of(split)
+    if target in ELEMENT_VIEWS:  # a reshape of its input (write_back_reason)
+        return emit(aten.reshape.default, value, list(_shape(_element_input(split, index))))
     args = _args(split)
+    target = _UNSAFE_SPLITS.get(target, target)
     if target in _DIRECTIONAL_SPLITS:
         target, dim_of = _DIRECTIONAL_SPLITS[target]
         args = [*args, dim_of(len(_shape(base)))]
@@ -249,6 +268,11 @@ def _write_back_item(emit: Emit, split: Node, index: int, base: Node, value: Nod
     start = sum(sizes[:index]) if sizes is not None else index * size
     end = start + (sizes[index] if sizes is not None else size)
     return emit(aten.slice_scatter.default, base, value, dim, start, end)
+
+
+def _element_input(node: Node, index: int) -> Node:
+    """The input whose view is result ``index`` of an ELEMENT_VIEWS op."""
+    return argument_value(node, target_of(node)._schema, 0)[index]
 
 
 def view_steps(chain: tuple[Node, ...]) -> list[tuple[Node, ...]]:
