@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch.fx import Node
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "DROPOUTS",
@@ -34,6 +35,7 @@ __all__ = [
     "is_maybe_view",
     "may_write",
     "schema_of",
+    "shares_storage",
     "target_of",
     "view_base_index",
     "written_arguments",
@@ -103,7 +105,9 @@ UNANNOTATED_MAYBE_VIEWS = frozenset({
     _aten.atleast_2d.default, _aten.atleast_3d.default, *DROPOUTS,
 })
 """Ops whose schema declares no alias but that return ``self`` (or a view of it) when
-they have nothing to do: ``type_as`` of the same dtype, ``atleast_2d`` of a 2-D tensor, a
+they have nothing to do (any other CompositeImplicitAutograd op declaring no alias is
+read as ``self`` when its fake value shares its first argument's storage, see
+``OpFacts.self_if_shared``): ``type_as`` of the same dtype, ``atleast_2d`` of a 2-D tensor, a
 dropout with ``train=False`` or ``p=0``. Eager writes through such a result write
 ``self``; read as views of their first argument when they share its storage."""
 MAYBE_VIEWS = frozenset({
@@ -145,6 +149,9 @@ class OpFacts:
     results_alias: tuple[int | None, ...]  # per result of a multi-result op
     maybe_view: bool  # a view only sometimes: see MAYBE_VIEWS
     element_views: bool  # result i is a view of list element i: see ELEMENT_VIEWS
+    # A composite op declaring no alias: its first argument itself when their fake values
+    # share storage (``to_dense`` of a strided tensor returns ``self``).
+    self_if_shared: bool
     hidden_writes: tuple[int, tuple[int, ...]] | None  # an entry of HIDDEN_WRITES
     no_write_unless: int | None  # an entry of NO_WRITE_UNLESS
     fresh: bool  # no result aliases an argument: the op's value is new storage
@@ -173,6 +180,12 @@ def _facts(op: torch._ops.OpOverload) -> OpFacts:
         schema.returns) > 1 else ()
     written = tuple(i for i, a in enumerate(args)
                     if a.alias_info is not None and a.alias_info.is_write)
+    tensor = torch._C.TensorType.get()
+    self_if_shared = (
+        result_of is None and list_views_of is None and not written
+        and op not in ELEMENT_VIEWS and len(schema.returns) == 1
+        and schema.returns[0].type == tensor and bool(args) and args[0].type == tensor
+        and _composite(op))
     return OpFacts(
         schema=schema,
         written=written,
@@ -187,8 +200,9 @@ def _facts(op: torch._ops.OpOverload) -> OpFacts:
         hidden_writes=HIDDEN_WRITES.get(op),
         no_write_unless=NO_WRITE_UNLESS.get(op),
         element_views=op in ELEMENT_VIEWS,
+        self_if_shared=self_if_shared,
         fresh=result_of is None and list_views_of is None and op not in ELEMENT_VIEWS
-        and all(i is None for i in results_alias),
+        and not self_if_shared and all(i is None for i in results_alias),
         may_write=bool(written) or op in HIDDEN_WRITES,
     )
 
@@ -308,9 +322,24 @@ def is_maybe_view(node: Node) -> bool:
     return facts is not None and facts.maybe_view
 
 
+def shares_storage(a: Node, b: Node) -> bool | None:
+    """Whether the fake values of two nodes share storage; None when one has none."""
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(va.untyped_storage()) == StorageWeakRef(vb.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def view_base_index(node: Node) -> int | None:
-    """The schema index of the argument a view op's result(s) may alias, from the schema only."""
+    """The schema index of the argument a view op's result(s) may alias, from the schema
+    (for an op declaring no alias but returning its input, from storage sharing)."""
     facts = facts_of(node)
     if facts is None or facts.result_written:
         return None
+    if facts.self_if_shared:
+        source = argument_value(node, facts.schema, 0)
+        return 0 if isinstance(source, Node) and shares_storage(node, source) is True else None
     return facts.result_of if facts.result_of is not None else facts.list_views_of

@@ -20,7 +20,14 @@ from collections.abc import Callable
 import torch
 from torch.fx import Node
 
-from .._analysis.op_schema import ELEMENT_VIEWS, STORAGE_VIEWS, argument_value, target_of
+from .._analysis.fake_values import same_metadata
+from .._analysis.op_schema import (
+    ELEMENT_VIEWS,
+    STORAGE_VIEWS,
+    argument_value,
+    facts_of,
+    target_of,
+)
 from .element_overlap import overlaps_itself
 
 __all__ = ["Emit", "write_back", "write_back_reason"]
@@ -157,6 +164,14 @@ def write_back_reason(view: Node) -> str | None:
                 "sizes")
     if target in _WRITABLE_VIEWS or target in ELEMENT_VIEWS:  # (their getitem decides)
         return None
+    facts = facts_of(view)
+    if facts is not None and facts.self_if_shared:
+        # Read as a view because it shares its input's storage: writable when it is that
+        # input (the same layout), not some other view of it.
+        if same_metadata([view], [view.args[0]]):
+            return None
+        return (f"writes through {view.name} = {target}, a view of its input laid out "
+                "otherwise, whose schema declares no alias")
     return (f"writes through the view {view.name} = {target}, which has no write-back into "
             f"its base (no *_scatter and no inverse view)")
 
@@ -211,7 +226,7 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         return emit(aten.squeeze.dim, value, dim)
     if target is aten.view.dtype:
         return emit(aten.view.dtype, value, base.meta["val"].dtype)
-    if target in _IDENTITIES:
+    if target in _IDENTITIES or facts_of(view).self_if_shared:
         return value
     if target in _BROADCASTS:
         return emit(aten.reshape.default, value, list(_shape(view.args[0])))

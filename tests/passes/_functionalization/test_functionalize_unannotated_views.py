@@ -101,3 +101,23 @@ def test_a_write_through_a_result_of_symbolic_size_is_refused():
                              dynamic_shapes=({0: Dim("n", min=2, max=8)},))
     error = refused_in_both_forms_of(ep, "no-write-back")
     assert "broadcast_tensors" in error.reason
+
+
+class ToDense(nn.Module):
+    """``to_dense`` of a strided tensor returns ``self``, though its schema declares no
+    alias (any composite op declaring none is read so when it shares storage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(12.0).reshape(3, 4))
+        self.register_buffer("c", torch.zeros(3, 4))
+
+    def forward(self, x):
+        dense = self.b.to_dense()
+        self.b.mul_(2)  # dense is read after: the new value
+        self.c.to_dense().add_(x)  # writes c
+        return dense * 1, torch.nn.functional.linear(x, self.c)  # linear: a fresh result
+
+
+def test_composite_op_returning_its_input_is_that_input():
+    functionalize_both_forms(ToDense, _calls((3, 4)))
