@@ -15,7 +15,8 @@ A functional variant takes the op's arguments (without the ``out=`` ones) and re
 
 * when every written argument is returned by the op (in-place and ``out=`` ops): the
   new values, in the order of the op's results;
-* otherwise: the op's results followed by the new value of each written argument.
+* otherwise: the op's results followed by the new value of each written argument (for a
+  written list of tensors, the list of their new values).
 """
 
 from __future__ import annotations
@@ -127,8 +128,10 @@ def _returns_written(schema: torch.FunctionSchema) -> bool:
     for ret in schema.returns:
         if ret.alias_info is not None:
             returned |= set(ret.alias_info.before_set)
+    # A written list (``Tensor(a!)[] self`` of the _foreach_ ops) has an empty alias set:
+    # no op returns it, its functional version returns its new values as a list.
     return all(
-        set(arg.alias_info.before_set) <= returned
+        arg.alias_info.before_set and set(arg.alias_info.before_set) <= returned
         for arg in schema.arguments
         if arg.alias_info is not None and arg.alias_info.is_write
     )

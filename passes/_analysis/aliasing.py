@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 import torch
 from torch.fx import Node
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from .op_schema import (
     DROPOUTS,
@@ -26,6 +25,7 @@ from .op_schema import (
     argument_value,
     aten_op,
     facts_of,
+    shares_storage,
     target_of,
 )
 
@@ -53,16 +53,6 @@ class OpaqueNode:
     reason: str
 
 
-def _shares_storage(a: Node, b: Node) -> bool | None:
-    va, vb = a.meta.get("val"), b.meta.get("val")
-    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
-        return None
-    try:
-        return StorageWeakRef(va.untyped_storage()) == StorageWeakRef(vb.untyped_storage())
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
 def aliased_argument(node: Node) -> tuple[int, Node, bool] | None:
     """For an op whose single tensor result aliases an argument: (index, argument, written).
 
@@ -74,12 +64,16 @@ def aliased_argument(node: Node) -> tuple[int, Node, bool] | None:
 
 
 def _aliased(node: Node, facts: OpFacts | None) -> tuple[int, Node, bool] | None:
+    if facts is not None and facts.self_if_shared:
+        value = argument_value(node, facts.schema, 0)
+        shared = isinstance(value, Node) and shares_storage(node, value) is True
+        return (0, value, False) if shared else None
     if facts is None or facts.result_of is None:
         return None
     value = argument_value(node, facts.schema, facts.result_of)
     if not isinstance(value, Node):
         return None
-    if facts.maybe_view and _shares_storage(node, value) is False and not (
+    if facts.maybe_view and shares_storage(node, value) is False and not (
             _dropout_is_identity(node)):
         return None
     return facts.result_of, value, facts.result_written
@@ -97,11 +91,16 @@ def _dropout_is_identity(node: Node) -> bool:
 def _multi_alias(node: Node, facts: OpFacts | None) -> tuple[str, list] | None:
     """Ops with several results aliasing arguments.
 
-    ``("views", [arg])`` for list-of-views ops (split, unbind: ``Tensor(a -> *)``) and
+    ``("views", [arg])`` for list-of-views ops (split, unbind: ``Tensor(a -> *)``),
+    ``("elements", [arg per result])`` for ops whose i-th result views their list's i-th
+    tensor (``broadcast_tensors``: op_schema.ELEMENT_VIEWS) and
     ``("returns", [arg or None per result])`` for tuple results that alias written args.
     """
     if facts is None:
         return None
+    if facts.element_views:
+        values = argument_value(node, facts.schema, 0)
+        return ("elements", list(values)) if isinstance(values, (list, tuple)) else None
     if facts.list_views_of is not None:
         value = argument_value(node, facts.schema, facts.list_views_of)
         return ("views", [value]) if isinstance(value, Node) else None
@@ -153,6 +152,13 @@ def alias_map(
                     source = aliases[targets[0]]
                     aliases[node] = Alias(source.root, (*source.chain, base, node))
                     continue
+                if kind == "elements":
+                    element = targets[index] if isinstance(index, int) and (
+                        0 <= index < len(targets)) else None
+                    if isinstance(element, Node) and element in aliases:
+                        source = aliases[element]
+                        aliases[node] = Alias(source.root, (*source.chain, base, node))
+                        continue
                 if isinstance(index, int) and targets[index] is not None:
                     aliases[node] = aliases[targets[index]]
                     continue

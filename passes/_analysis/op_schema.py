@@ -15,22 +15,27 @@ from typing import Any
 
 import torch
 from torch.fx import Node
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "DROPOUTS",
+    "ELEMENT_VIEWS",
     "HIDDEN_WRITES",
     "MAYBE_VIEWS",
     "METADATA_QUERIES",
     "NO_WRITE_UNLESS",
     "STORAGE_READERS",
     "STORAGE_VIEWS",
+    "UNANNOTATED_LIST_VIEWS",
     "OpFacts",
     "argument_value",
     "aten_op",
     "facts_of",
     "in_dialect_of",
+    "is_maybe_view",
     "may_write",
     "schema_of",
+    "shares_storage",
     "target_of",
     "view_base_index",
     "written_arguments",
@@ -83,12 +88,26 @@ def schema_of(node: Node) -> torch.FunctionSchema | None:
 _aten = torch.ops.aten
 DROPOUTS = frozenset({_aten.dropout.default, _aten.feature_dropout.default,
                        _aten.alpha_dropout.default, _aten.feature_alpha_dropout.default})
+UNANNOTATED_LIST_VIEWS = frozenset({
+    _aten.unsafe_split.Tensor, _aten.unsafe_split_with_sizes.default, _aten.unsafe_chunk.default,
+})
+"""Ops returning views of their first argument, as ``split`` / ``split_with_sizes`` /
+``chunk`` do (``unsafe`` only for autograd), though their schema declares no alias."""
+ELEMENT_VIEWS = frozenset({
+    _aten.broadcast_tensors.default, _aten.meshgrid.default, _aten.meshgrid.indexing,
+    _aten.atleast_1d.Sequence, _aten.atleast_2d.Sequence, _aten.atleast_3d.Sequence,
+})
+"""Ops taking a list of tensors whose i-th result is a view of the i-th (expanded or
+reshaped), though their schema declares no alias: a write through a result writes that
+input, and a result read after a write to its input reads the new value."""
 UNANNOTATED_MAYBE_VIEWS = frozenset({
     _aten.type_as.default, _aten.sum_to_size.default, _aten.atleast_1d.default,
     _aten.atleast_2d.default, _aten.atleast_3d.default, *DROPOUTS,
 })
 """Ops whose schema declares no alias but that return ``self`` (or a view of it) when
-they have nothing to do: ``type_as`` of the same dtype, ``atleast_2d`` of a 2-D tensor, a
+they have nothing to do (any other CompositeImplicitAutograd op declaring no alias is
+read as ``self`` when its fake value shares its first argument's storage, see
+``OpFacts.self_if_shared``): ``type_as`` of the same dtype, ``atleast_2d`` of a 2-D tensor, a
 dropout with ``train=False`` or ``p=0``. Eager writes through such a result write
 ``self``; read as views of their first argument when they share its storage."""
 MAYBE_VIEWS = frozenset({
@@ -96,7 +115,18 @@ MAYBE_VIEWS = frozenset({
     _aten.to.dtype, _aten.to.device, _aten.to.dtype_layout, _aten.to.other,
     _aten.contiguous.default, *UNANNOTATED_MAYBE_VIEWS,
 })
-"""Ops that return a view only sometimes (a copy otherwise)."""
+"""Ops that return a view only sometimes (a copy otherwise), named. Every other op whose
+schema says its result aliases an argument and that is CompositeImplicitAutograd is one too
+(:func:`is_maybe_view`): its schema only says what its decomposition *may* do (``ravel`` of
+a non-contiguous tensor, ``resolve_conj`` of a conjugated one return copies)."""
+
+
+def _composite(op: torch._ops.OpOverload) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), "CompositeImplicitAutograd")
+    except RuntimeError:  # an op the dispatcher does not know by that name
+        return False
 
 STORAGE_VIEWS = frozenset({_aten.as_strided.default, _aten._reshape_alias.default})
 """Views addressed in their input's *storage* (sizes, strides, an absolute offset), so
@@ -117,7 +147,11 @@ class OpFacts:
     result_written: bool  # ... and whether that argument is written (an in-place op)
     list_views_of: int | None  # the argument a list of views aliases (split, unbind)
     results_alias: tuple[int | None, ...]  # per result of a multi-result op
-    maybe_view: bool  # in MAYBE_VIEWS
+    maybe_view: bool  # a view only sometimes: see MAYBE_VIEWS
+    element_views: bool  # result i is a view of list element i: see ELEMENT_VIEWS
+    # A composite op declaring no alias: its first argument itself when their fake values
+    # share storage (``to_dense`` of a strided tensor returns ``self``).
+    self_if_shared: bool
     hidden_writes: tuple[int, tuple[int, ...]] | None  # an entry of HIDDEN_WRITES
     no_write_unless: int | None  # an entry of NO_WRITE_UNLESS
     fresh: bool  # no result aliases an argument: the op's value is new storage
@@ -140,10 +174,18 @@ def _facts(op: torch._ops.OpOverload) -> OpFacts:
         result_of = 0
     list_views_of = next((i for i, a in enumerate(args) if a.alias_info is not None
                           and "*" in a.alias_info.after_set and not a.alias_info.is_write), None)
+    if op in UNANNOTATED_LIST_VIEWS:
+        list_views_of = 0
     results_alias = tuple(aliased_by(r.alias_info) for r in schema.returns) if len(
         schema.returns) > 1 else ()
     written = tuple(i for i, a in enumerate(args)
                     if a.alias_info is not None and a.alias_info.is_write)
+    tensor = torch._C.TensorType.get()
+    self_if_shared = (
+        result_of is None and list_views_of is None and not written
+        and op not in ELEMENT_VIEWS and len(schema.returns) == 1
+        and schema.returns[0].type == tensor and bool(args) and args[0].type == tensor
+        and _composite(op))
     return OpFacts(
         schema=schema,
         written=written,
@@ -152,11 +194,15 @@ def _facts(op: torch._ops.OpOverload) -> OpFacts:
         and args[result_of].alias_info.is_write,
         list_views_of=list_views_of,
         results_alias=results_alias,
-        maybe_view=op in MAYBE_VIEWS,
+        maybe_view=op in MAYBE_VIEWS or (
+            result_of is not None and args[result_of].alias_info is not None
+            and not args[result_of].alias_info.is_write and _composite(op)),
         hidden_writes=HIDDEN_WRITES.get(op),
         no_write_unless=NO_WRITE_UNLESS.get(op),
-        fresh=result_of is None and list_views_of is None
-        and all(i is None for i in results_alias),
+        element_views=op in ELEMENT_VIEWS,
+        self_if_shared=self_if_shared,
+        fresh=result_of is None and list_views_of is None and op not in ELEMENT_VIEWS
+        and not self_if_shared and all(i is None for i in results_alias),
         may_write=bool(written) or op in HIDDEN_WRITES,
     )
 
@@ -269,9 +315,31 @@ def written_nodes(node: Node) -> list[Node]:
     return [n for _, n in written_arguments(node)]
 
 
+def is_maybe_view(node: Node) -> bool:
+    """Whether the node's op returns a view of an argument only sometimes (see
+    :data:`MAYBE_VIEWS`): whether it did is read from storage sharing of fake values."""
+    facts = facts_of(node)
+    return facts is not None and facts.maybe_view
+
+
+def shares_storage(a: Node, b: Node) -> bool | None:
+    """Whether the fake values of two nodes share storage; None when one has none."""
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(va.untyped_storage()) == StorageWeakRef(vb.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def view_base_index(node: Node) -> int | None:
-    """The schema index of the argument a view op's result(s) may alias, from the schema only."""
+    """The schema index of the argument a view op's result(s) may alias, from the schema
+    (for an op declaring no alias but returning its input, from storage sharing)."""
     facts = facts_of(node)
     if facts is None or facts.result_written:
         return None
+    if facts.self_if_shared:
+        source = argument_value(node, facts.schema, 0)
+        return 0 if isinstance(source, Node) and shares_storage(node, source) is True else None
     return facts.result_of if facts.result_of is not None else facts.list_views_of

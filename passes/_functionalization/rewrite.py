@@ -48,12 +48,13 @@ from .._analysis.buffers import (
 )
 from .._analysis.fake_values import FakeValues, is_contiguous, same_metadata, same_strides
 from .._analysis.op_schema import (
-    MAYBE_VIEWS,
+    ELEMENT_VIEWS,
     METADATA_QUERIES,
     STORAGE_READERS,
     STORAGE_VIEWS,
     argument_value,
     in_dialect_of,
+    is_maybe_view,
     schema_of,
     target_of,
     view_base_index,
@@ -212,11 +213,20 @@ class Rewrite:
         for k, view in enumerate(chain):
             key = (root, chain[: k + 1], ver)
             if key not in self.memo:
-                self.memo[key] = self._replay(view, values[-1])
+                following = chain[k + 1] if k + 1 < len(chain) else None
+                self.memo[key] = self._replay(view, values[-1], following)
             values.append(self.memo[key])
         return values
 
-    def _replay(self, view: Node, base: Node) -> Node:
+    def _replay(self, view: Node, base: Node, following: Node | None = None) -> Node:
+        if target_of(view) in ELEMENT_VIEWS:
+            # Result i (taken by the ``following`` getitem) views input i only: the op
+            # again, on ``base`` at i and the other inputs (their shapes) as they are now.
+            tensors = list(argument_value(view, schema_of(view), 0))
+            tensors[following.args[1]] = base
+            tensors = [t if j == following.args[1] else self.resolve(t)
+                       for j, t in enumerate(tensors)]
+            return self.emit(view, view.target, tensors, *view.args[1:], **view.kwargs)
         if target_of(view) in STORAGE_VIEWS:  # ``base`` is the storage root's current value
             size, stride = view.args[1:3]
             offset = self._storage_offset(view, view, view.meta.get("val"))
@@ -246,7 +256,7 @@ class Rewrite:
         args = _resolved(node.args, self.resolve)
         kwargs = _resolved(node.kwargs, self.resolve) if node.kwargs else node.kwargs
         self._set_args(node, args, kwargs)
-        if target_of(node) in MAYBE_VIEWS and "val" in node.meta and not (
+        if is_maybe_view(node) and "val" in node.meta and not (
             self.aliases[node].root is node and same_metadata(old_inputs, node.all_input_nodes)
         ):
             # Whether it is a view is read from storage sharing: keep that true of its new input.
@@ -369,7 +379,9 @@ class Rewrite:
             args = node.args
             kwargs = {k: v for k, v in node.kwargs.items() if k not in variant.out_args}
         call = self.emit(node, variant.functional, *args, **kwargs)
-        n_results = n_returns + (0 if variant.returns_written else len(writes))
+        # One new value per written argument: a written list's (``_foreach_add_``) is a list.
+        written_args = list(dict.fromkeys(i for i, _ in writes))
+        n_results = n_returns + (0 if variant.returns_written else len(written_args))
         single = variant.picks is None and (isinstance(call.meta.get("val"), torch.Tensor) or (
             "val" not in call.meta and n_results == 1))
 
@@ -386,7 +398,8 @@ class Rewrite:
             if n_returns > 1:
                 self.multi_results[node] = results
         else:
-            new_values = [result(n_returns + k) for k in range(len(writes))]
+            new_values = self._new_values(node, writes, written_args, call, result,
+                                          n_returns, n_results)
             if n_returns == 1:
                 self.value[node] = (result(0), 0)
             elif n_returns:
@@ -402,6 +415,25 @@ class Rewrite:
             self.value[node] = (self._view_values(alias.root, alias.chain)[-1],
                                 self.version[alias.root])
         self.dead.append(node)
+
+    def _new_values(self, node: Node, writes: list[tuple[int, Node]], written_args: list[int],
+                    call: Node, result: Any, n_returns: int, n_results: int) -> list[Node]:
+        """The new value of each written tensor among the functional call's results: the
+        result of its argument, or that result's element when the argument is a list."""
+        schema = target_of(node)._schema
+        lists: dict[int, Node] = {}
+        taken: Counter[int] = Counter()
+        values = []
+        for i, _ in writes:
+            j = n_returns + written_args.index(i)
+            if not isinstance(argument_value(node, schema, i), (list, tuple)):
+                values.append(result(j))
+                continue
+            if i not in lists:
+                lists[i] = call if n_results == 1 else result(j)
+            values.append(self.emit(node, operator.getitem, lists[i], taken[i]))
+            taken[i] += 1
+        return values
 
     def _conform(self, node: Node, written: Node, new: Node) -> Node:
         """Cast the functional result to the written tensor's dtype, as the in-place op does."""
@@ -688,7 +720,7 @@ def _fresh_like(src: Any, dst: Node) -> bool:
     dtype: then ``copy(dst, src)`` equals ``src``, and ``dst.copy_(src)`` makes ``dst``
     hold exactly ``src``. Re-exported programs keep one such whole-buffer copy per
     mutated buffer; ``run_decompositions`` drops them, and so does this pass."""
-    if not isinstance(src, Node) or src.op != "call_function" or target_of(src) in MAYBE_VIEWS:
+    if not isinstance(src, Node) or src.op != "call_function" or is_maybe_view(src):
         return False
     if view_base_index(src) is not None or (
         src.target is operator.getitem and isinstance(src.args[0], Node)

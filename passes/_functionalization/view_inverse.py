@@ -3,10 +3,12 @@
 ``base.<view>(...)`` mutated to ``value`` makes the base ``<view>_scatter(base, value, ...)``
 (slice, select, diagonal; as_strided and _reshape_alias address the storage root) or the
 inverse view of ``value`` when the view is a pure re-indexing of every element (transpose,
-permute, unsqueeze, view/reshape, alias). ``real``/``imag`` scatter into the base's real
-view; an ``expand`` that broadcasts nothing is a reshape; an ``unfold`` whose windows do
-not overlap places its windows with ``unfold_backward`` and keeps the base where no window
-reaches.
+permute, unsqueeze, view/reshape, alias, and the composite views export keeps: ``.T``,
+``.mT``, ``moveaxis``, ``ravel``). ``real``/``imag`` scatter into the base's real view;
+a conjugating view (``conj``, ``.mH``, ``adjoint``) writes back the conjugate; an
+``expand`` (``expand_as``, ``broadcast_to``) that broadcasts nothing is a reshape; an
+``unfold`` whose windows do not overlap places its windows with ``unfold_backward`` and
+keeps the base where no window reaches.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from collections.abc import Callable
 import torch
 from torch.fx import Node
 
-from .._analysis.op_schema import STORAGE_VIEWS, argument_value, target_of
+from .._analysis.fake_values import same_metadata
+from .._analysis.op_schema import (
+    ELEMENT_VIEWS,
+    STORAGE_VIEWS,
+    argument_value,
+    facts_of,
+    target_of,
+)
 from .element_overlap import overlaps_itself
 
 __all__ = ["Emit", "write_back", "write_back_reason"]
@@ -43,17 +52,21 @@ _SCATTERS = {
     aten.slice.Tensor: aten.slice_scatter.default,
     aten.select.int: aten.select_scatter.default,
     aten.diagonal.default: aten.diagonal_scatter.default,
+    aten.linalg_diagonal.default: aten.diagonal_scatter.default,  # (offset, dim1, dim2) too
 }
 _RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                        aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
                        aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default,
                        aten.reshape_as.default, aten.type_as.default, aten.sum_to_size.default,
+                       aten.ravel.default,
                        aten.atleast_1d.default, aten.atleast_2d.default, aten.atleast_3d.default,
                        aten.dropout.default, aten.feature_dropout.default,
                        aten.alpha_dropout.default, aten.feature_alpha_dropout.default})
 _IDENTITIES = frozenset({aten.alias.default, aten.detach.default, aten.to.dtype,
                          aten.to.device, aten.to.dtype_layout, aten.to.other,
-                         aten.contiguous.default, aten.lift_fresh.default})
+                         aten.contiguous.default, aten.lift_fresh.default,
+                         aten.positive.default, aten.resolve_conj.default,
+                         aten.resolve_neg.default})
 # hsplit / vsplit / dsplit are tensor_split along a fixed dim (hsplit: 0 for 1-D input).
 _DIRECTIONAL_SPLITS = {
     aten.hsplit.int: (aten.tensor_split.sections, lambda ndim: 0 if ndim == 1 else 1),
@@ -63,12 +76,17 @@ _DIRECTIONAL_SPLITS = {
     aten.dsplit.int: (aten.tensor_split.sections, lambda ndim: 2),
     aten.dsplit.array: (aten.tensor_split.indices, lambda ndim: 2),
 }
+# The unsafe_ splits are the splits without autograd's view tracking: the same pieces.
+_UNSAFE_SPLITS = {aten.unsafe_split.Tensor: aten.split.Tensor,
+                  aten.unsafe_split_with_sizes.default: aten.split_with_sizes.default,
+                  aten.unsafe_chunk.default: aten.chunk.default}
 _LIST_VIEWS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
                          aten.chunk.default, aten.tensor_split.sections,
-                         aten.tensor_split.indices, *_DIRECTIONAL_SPLITS})
+                         aten.tensor_split.indices, *_DIRECTIONAL_SPLITS, *_UNSAFE_SPLITS})
 # List views whose pieces' bounds depend on the split input's length.
-_SIZED_BY_INPUT = frozenset({aten.chunk.default, aten.tensor_split.sections, aten.hsplit.int,
-                             aten.vsplit.int, aten.dsplit.int})
+_SIZED_BY_INPUT = frozenset({aten.chunk.default, aten.unsafe_chunk.default,
+                             aten.tensor_split.sections, aten.hsplit.int, aten.vsplit.int,
+                             aten.dsplit.int})
 # Views that re-index every element: a write through one is written back by its inverse.
 _INVERSES = {
     aten.movedim.int: lambda view, value, source, destination: (
@@ -77,14 +95,29 @@ _INVERSES = {
         aten.movedim.intlist, value, destination, source),
     aten.swapaxes.default: lambda view, value, a, b: (aten.swapaxes.default, value, a, b),
     aten.swapdims.default: lambda view, value, a, b: (aten.swapdims.default, value, a, b),
+    aten.moveaxis.int: lambda view, value, source, destination: (
+        aten.movedim.int, value, destination, source),
+    aten.moveaxis.intlist: lambda view, value, source, destination: (
+        aten.movedim.intlist, value, destination, source),
     aten.view_as_real.default: lambda view, value: (aten.view_as_complex.default, value),
     aten.view_as_complex.default: lambda view, value: (aten.view_as_real.default, value),
+    # Reversing all dims, or swapping the last two, twice is the identity.
+    aten.numpy_T.default: lambda view, value: (aten.numpy_T.default, value),
+    aten.mT.default: lambda view, value: (aten.mT.default, value),
 }
+# Views that conjugate (lazily, by the conjugate bit): their write-back conjugates the
+# value back when it is complex, then undoes the view's transpose if it has one.
+_CONJUGATING = {aten.conj.default: False, aten._conj.default: False,
+                aten.adjoint.default: True, aten.mH.default: True,
+                aten.matrix_H.default: True}
+# Views that broadcast: writable only when they broadcast nothing (then a reshape).
+_BROADCASTS = frozenset({aten.expand.default, aten.expand_as.default,
+                         aten.broadcast_to.default})
 _COMPLEX_PARTS = {aten.real.default: 0, aten.imag.default: 1}
 _OTHERS = frozenset({aten.unfold.default, *_COMPLEX_PARTS, aten.narrow.default,
                      aten.transpose.int, aten.t.default, aten.permute.default,
-                     aten.unsqueeze.default, aten.view.dtype, aten.expand.default,
-                     *_INVERSES})
+                     aten.unsqueeze.default, aten.view.dtype, *_BROADCASTS,
+                     *_INVERSES, *_CONJUGATING})
 _WRITABLE_VIEWS = STORAGE_VIEWS | _SCATTERS.keys() | _RESHAPES | _IDENTITIES | _OTHERS | _LIST_VIEWS
 
 
@@ -99,6 +132,17 @@ def write_back_reason(view: Node) -> str | None:
             if target_of(source) in _SIZED_BY_INPUT:
                 static = static and _shape(source.args[0]) is not None
             return None if static else f"writes through {view.name}, a symbolic split"
+        if isinstance(source, Node) and target_of(source) in ELEMENT_VIEWS:
+            # A result holding each element of its input once (no broadcasting) is that
+            # input reshaped; one that broadcasts addresses an element twice.
+            element = _element_input(source, view.args[1])
+            shape, base_shape = _shape(view), _shape(element)
+            if shape is not None and base_shape is not None and all(
+                    isinstance(s, int) for s in (*shape, *base_shape)) and math.prod(
+                    shape) == math.prod(base_shape):
+                return None
+            return (f"writes through {view.name}, a result of {source.name} = "
+                    f"{target_of(source)} that broadcasts its input or has symbolic sizes")
         return f"writes through {source} (getitem of a non-view)"
     if target is aten.unfold.default:
         _, size, step = _args(view)
@@ -108,7 +152,7 @@ def write_back_reason(view: Node) -> str | None:
             return (f"writes through {view.name} = unfold with overlapping windows or "
                     f"symbolic sizes (size {size}, step {step})")
         return None
-    if target is aten.expand.default:
+    if target in _BROADCASTS:
         # Eager refuses writes through a broadcasting expand (elements addressed twice); one
         # that only adds leading size-1 dims is a reshape.
         shape, base_shape = _shape(view), _shape(view.args[0])
@@ -116,9 +160,18 @@ def write_back_reason(view: Node) -> str | None:
                 isinstance(s, int) for s in (*shape, *base_shape)) and math.prod(
                 shape) == math.prod(base_shape):
             return None
-        return f"writes through {view.name} = expand, which broadcasts or has symbolic sizes"
-    if target in _WRITABLE_VIEWS:
+        return (f"writes through {view.name} = {target}, which broadcasts or has symbolic "
+                "sizes")
+    if target in _WRITABLE_VIEWS or target in ELEMENT_VIEWS:  # (their getitem decides)
         return None
+    facts = facts_of(view)
+    if facts is not None and facts.self_if_shared:
+        # Read as a view because it shares its input's storage: writable when it is that
+        # input (the same layout), not some other view of it.
+        if same_metadata([view], [view.args[0]]):
+            return None
+        return (f"writes through {view.name} = {target}, a view of its input laid out "
+                "otherwise, whose schema declares no alias")
     return (f"writes through the view {view.name} = {target}, which has no write-back into "
             f"its base (no *_scatter and no inverse view)")
 
@@ -153,6 +206,10 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         return emit(aten.slice_scatter.default, base, value, dim, start, end)
     if target in _INVERSES:
         return emit(*_INVERSES[target](view, value, *_args(view)))
+    if target in _CONJUGATING:
+        if view.meta["val"].is_complex():
+            value = emit(aten.conj_physical.default, value)
+        return emit(aten.mT.default, value) if _CONJUGATING[target] else value
     if target is aten.transpose.int:
         return emit(aten.transpose.int, value, *_args(view))
     if target is aten.t.default:
@@ -169,9 +226,9 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         return emit(aten.squeeze.dim, value, dim)
     if target is aten.view.dtype:
         return emit(aten.view.dtype, value, base.meta["val"].dtype)
-    if target in _IDENTITIES:
+    if target in _IDENTITIES or facts_of(view).self_if_shared:
         return value
-    if target is aten.expand.default:
+    if target in _BROADCASTS:
         return emit(aten.reshape.default, value, list(_shape(view.args[0])))
     shape = _shape(base)
     if shape is not None and all(isinstance(s, int) for s in shape):
@@ -192,7 +249,10 @@ def _write_back_windows(emit: Emit, view: Node, base: Node, value: Node) -> Node
 
 def _write_back_item(emit: Emit, split: Node, index: int, base: Node, value: Node) -> Node:
     target = target_of(split)
+    if target in ELEMENT_VIEWS:  # a reshape of its input (write_back_reason)
+        return emit(aten.reshape.default, value, list(_shape(_element_input(split, index))))
     args = _args(split)
+    target = _UNSAFE_SPLITS.get(target, target)
     if target in _DIRECTIONAL_SPLITS:
         target, dim_of = _DIRECTIONAL_SPLITS[target]
         args = [*args, dim_of(len(_shape(base)))]
@@ -223,6 +283,11 @@ def _write_back_item(emit: Emit, split: Node, index: int, base: Node, value: Nod
     start = sum(sizes[:index]) if sizes is not None else index * size
     end = start + (sizes[index] if sizes is not None else size)
     return emit(aten.slice_scatter.default, base, value, dim, start, end)
+
+
+def _element_input(node: Node, index: int) -> Node:
+    """The input whose view is result ``index`` of an ELEMENT_VIEWS op."""
+    return argument_value(node, target_of(node)._schema, 0)[index]
 
 
 def view_steps(chain: tuple[Node, ...]) -> list[tuple[Node, ...]]:
