@@ -17,6 +17,7 @@ import re
 import pytest
 import torch
 from torch import nn
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 import pass_manager.errors
 import passes.delegation.errors
@@ -33,6 +34,7 @@ from passes._methods.shared_buffers import BufferDifference
 from passes.delegation import AllNodePartitioner, OpSupportPartitioner, to_delegate
 from passes.flow.examples import xnnpack_quantizer
 from passes.flow.quantization import torchao_recipe
+from passes.quantization import PassQuantizer
 from tests.models.accumulators import ReadBeforeUpdate, TwoBuffers
 
 ERRORS = {
@@ -79,6 +81,21 @@ class TwoAccumulators(nn.Module):
         return out
 
 
+class StateJoined(nn.Module):
+    """A state's two rows joined by ``cat``: torchao folds the value, which no read replays."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("state", torch.zeros(2, 4))
+
+    def forward(self, x):
+        y = self.proj(x)
+        out = y + torch.cat([self.state[0], self.state[1]])[:4]
+        self.state.add_(y * 0.5)
+        return out
+
+
 X = torch.ones(4)
 
 
@@ -103,6 +120,16 @@ def _sharing_storage() -> torch.export.ExportedProgram:
 
 
 @functools.cache
+def _converted_with_a_joined_read() -> torch.fx.GraphModule:
+    torch.manual_seed(0)
+    quantizer = PassQuantizer(xnnpack_quantizer(), transform=[MarkMutableBuffers()])
+    prepared = prepare_pt2e(torch.export.export(StateJoined().eval(), (X,)).module(), quantizer)
+    with torch.no_grad():
+        prepared(torch.randn(4))
+    return convert_pt2e(prepared, fold_quantize=True)
+
+
+@functools.cache
 def _converted_without_provenance() -> torch.fx.GraphModule:
     torch.manual_seed(0)
     return torchao_recipe(_exported(TwoAccumulators().eval()), xnnpack_quantizer(),
@@ -118,6 +145,7 @@ PROGRAMS = {
     "the lifted graph of an ExportedProgram": lambda: _exported(Counter()).graph_module,
     "a marked write to a constant": lambda: _marked(WritesConstant()),
     "frozen reads of two equal buffers": lambda: copy.deepcopy(_converted_without_provenance()),
+    "a folded read of two rows joined": lambda: copy.deepcopy(_converted_with_a_joined_read()),
     "a buffer read outside its delegate": lambda: to_delegate(
         _functional(ReadBeforeUpdate()), OpSupportPartitioner([torch.ops.aten.add.Tensor])),
     "a buffer sharing storage": _sharing_storage,
@@ -138,7 +166,8 @@ TRIGGERS = {
     "UnfreezeMutableBuffer": (UnfreezeMutableBuffer(), {
         "ProgramFormError": "a functional ExportedProgram",
         "PassFailedError": "frozen reads of two equal buffers",
-        "AmbiguousFrozenBufferError": "frozen reads of two equal buffers"}),
+        "AmbiguousFrozenBufferError": "frozen reads of two equal buffers",
+        "UnreplayableFrozenReadError": "a folded read of two rows joined"}),
     "ConsumeBufferMutationsInDelegate": (ConsumeBufferMutationsInDelegate(strict=True), {
         "PreconditionError": "unmarked writes",
         "ProgramFormError": "a functional GraphModule",
