@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch.fx import Node
-from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "DROPOUTS",
@@ -327,8 +326,8 @@ def shares_storage(a: Node, b: Node) -> bool | None:
     va, vb = a.meta.get("val"), b.meta.get("val")
     if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
         return None
-    try:
-        return StorageWeakRef(va.untyped_storage()) == StorageWeakRef(vb.untyped_storage())
+    try:  # the storages' C pointers, as StorageWeakRef compares them, without weak refs
+        return va.untyped_storage()._cdata == vb.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
         return None
 
