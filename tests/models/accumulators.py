@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Accumulate", "Accumulator", "ReadBeforeUpdate", "TwoBuffers", "accumulator_inputs"]
+__all__ = ["Accumulate", "Accumulator", "DividesByItsState", "ReadBeforeUpdate", "TwoBuffers",
+           "accumulator_inputs"]
 
 
 class Accumulate(torch.nn.Module):
@@ -92,3 +93,16 @@ class TwoBuffers(torch.nn.Module):
     def forward(self, x):
         self.a.add_(x)
         return self.a + self.b
+
+
+class DividesByItsState(torch.nn.Module):
+    """A state that shrinks below its 8-bit grid: quantized, it is 0, and divides."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 1e-4))
+
+    def forward(self, x):
+        self.scale.mul_(0.5)
+        return self.proj(x) / self.scale

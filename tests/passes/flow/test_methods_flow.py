@@ -17,6 +17,7 @@ from passes.flow.run_methods import (
     run_methods_flow,
 )
 from tests.models import hf
+from tests.models.accumulators import DividesByItsState
 
 
 def _checks(result) -> dict[str, bool]:
@@ -88,19 +89,6 @@ def test_the_fp32_methods_run_from_one_pte_with_shared_buffers_like_eager():
     assert max(result.step_errors["fp32 on ExecuTorch"]) <= 1e-5
 
 
-class _DividesByItsState(torch.nn.Module):
-    """A state that shrinks below its 8-bit grid: quantized, it is 0, and divides."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(4, 4)
-        self.register_buffer("scale", torch.full((4,), 1e-4))
-
-    def forward(self, x):
-        self.scale.mul_(0.5)
-        return self.proj(x) / self.scale
-
-
 def _two_methods(module: torch.nn.Module, calls: int = 3) -> dict:
     torch.manual_seed(0)
     prompt, token = torch.randn(3, 4), torch.randn(1, 4)
@@ -114,7 +102,7 @@ def _two_methods(module: torch.nn.Module, calls: int = 3) -> dict:
 def test_a_methods_decode_off_by_inf_is_told_so():
     """The one-method job says so; the several-method job's columns read inf and its checks,
     comparing the quantized flows with each other, passed without a word."""
-    spec = methods_spec(_two_methods(_DividesByItsState()), "job", 8)
+    spec = methods_spec(_two_methods(DividesByItsState()), "job", 8)
     result = run_methods_flow(spec, log=lambda line: None)
     assert ("off by inf from fp32 eager (an output NaN or inf, or of another shape) at some "
             f"step: {PER_METHOD!r}, {ONE_GRID!r}") in result.notes

@@ -23,6 +23,7 @@ from passes.flow import cli
 from passes.flow import run_methods as methods_flow
 from passes.flow.examples import decoder_job, prefill_decode_job
 from passes.flow.result import FlowResult
+from tests.models.accumulators import DividesByItsState
 
 from .main_job_cli import ROOT
 
@@ -248,23 +249,10 @@ def test_an_integer_output_off_after_calibration_shows_in_the_decode():
     assert result.bought[0].startswith("first decode step off by 3 without the passes")
 
 
-class _DividesByItsState(torch.nn.Module):
-    """A state that shrinks below its 8-bit grid: quantized, it is 0, and divides."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(4, 4)
-        self.register_buffer("scale", torch.full((4,), 1e-4))
-
-    def forward(self, x):
-        self.scale.mul_(0.5)
-        return self.proj(x) / self.scale
-
-
 def test_a_quantized_decode_off_by_inf_is_told_so():
     """Every column read 'inf' (a 309-digit number before) and the checks, which compare the
     flows with each other, passed without a word."""
-    result = _flow(_DividesByItsState())
+    result = _flow(DividesByItsState())
     assert ("off by inf from fp32 eager (an output NaN or inf, or of another shape) at some "
             "step: 'quantized, no passes', 'quantized, no passes, caches reset by hand', "
             "'quantized, with passes'") in result.notes
