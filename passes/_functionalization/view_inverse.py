@@ -135,11 +135,7 @@ def write_back_reason(view: Node) -> str | None:
         if isinstance(source, Node) and target_of(source) in ELEMENT_VIEWS:
             # A result holding each element of its input once (no broadcasting) is that
             # input reshaped; one that broadcasts addresses an element twice.
-            element = _element_input(source, view.args[1])
-            shape, base_shape = _shape(view), _shape(element)
-            if shape is not None and base_shape is not None and all(
-                    isinstance(s, int) for s in (*shape, *base_shape)) and math.prod(
-                    shape) == math.prod(base_shape):
+            if _broadcasts_nothing(view, _element_input(source, view.args[1])):
                 return None
             return (f"writes through {view.name}, a result of {source.name} = "
                     f"{target_of(source)} that broadcasts its input or has symbolic sizes")
@@ -155,10 +151,7 @@ def write_back_reason(view: Node) -> str | None:
     if target in _BROADCASTS:
         # Eager refuses writes through a broadcasting expand (elements addressed twice); one
         # that only adds leading size-1 dims is a reshape.
-        shape, base_shape = _shape(view), _shape(view.args[0])
-        if shape is not None and base_shape is not None and all(
-                isinstance(s, int) for s in (*shape, *base_shape)) and math.prod(
-                shape) == math.prod(base_shape):
+        if _broadcasts_nothing(view, view.args[0]):
             return None
         return (f"writes through {view.name} = {target}, which broadcasts or has symbolic "
                 "sizes")
@@ -174,6 +167,15 @@ def write_back_reason(view: Node) -> str | None:
                 "otherwise, whose schema declares no alias")
     return (f"writes through the view {view.name} = {target}, which has no write-back into "
             f"its base (no *_scatter and no inverse view)")
+
+
+def _broadcasts_nothing(view: Node, base: Node) -> bool:
+    """Whether ``view`` holds each element of ``base`` once (static sizes, as many
+    elements): a broadcasting view is then only a reshape of it."""
+    shape, base_shape = _shape(view), _shape(base)
+    return (shape is not None and base_shape is not None
+            and all(isinstance(s, int) for s in (*shape, *base_shape))
+            and math.prod(shape) == math.prod(base_shape))
 
 
 def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
