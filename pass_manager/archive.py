@@ -36,6 +36,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ._untrusted import archive_refusals, graph_refusals, plain_data
 from .errors import ArchiveError, UntrustedFileError
+from .program import graph_modules
 
 __all__ = ["EXPORTED", "PICKLED", "PLAIN", "SavedProgram", "load_data", "load_program",
            "save_data", "save_program", "state_file"]
@@ -261,16 +262,12 @@ def _read(path: Path, trusted: bool) -> tuple[str, Any]:
 # The exported format -----------------------------------------------------------------
 
 
-def _graph_modules(gm: GraphModule) -> dict[str, GraphModule]:
-    return {path: m for path, m in gm.named_modules() if isinstance(m, GraphModule)}
-
-
 def _side_meta(gm: GraphModule) -> tuple[dict, list[str]]:
     """The node and module meta torch.export.save does not keep, as plain data, and
     what is left out."""
     side: dict[str, dict] = {"meta": {}, "module_meta": {}, "tensor_meta": {}}
     left_out: dict[tuple[str, str], list[str]] = {}  # (key, type) -> where
-    for path, module in _graph_modules(gm).items():
+    for path, module in graph_modules(gm):
         for node in module.graph.nodes:
             for key, value in node.meta.items():
                 if key == "tensor_meta":
@@ -351,7 +348,7 @@ def _load_exported(path: Path, trusted: bool) -> ExportedProgram:
 
 
 def _restore_meta(gm: GraphModule, state: dict[str, Any], where: Path) -> None:
-    modules = _graph_modules(gm)
+    modules = dict(graph_modules(gm))
     nodes = {(path, n.name): n for path, m in modules.items() for n in m.graph.nodes}
     named = [(path, name) for field in ("meta", "tensor_meta")
              for path, names in state[field].items() for name in names]

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-__all__ = ["EXPORTED_PROGRAM", "GRAPH_MODULE", "graph_module_of", "graph_of", "graphs_text",
-           "modules_of", "node_count", "pass_diff", "program_form", "program_text"]
+__all__ = ["EXPORTED_PROGRAM", "GRAPH_MODULE", "graph_module_of", "graph_modules", "graph_of",
+           "graphs_text", "modules_of", "node_count", "pass_diff", "program_form", "program_text"]
 
 GRAPH_MODULE = "GraphModule"
 EXPORTED_PROGRAM = "ExportedProgram"
@@ -49,6 +49,13 @@ def modules_of(gm: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return found
 
 
+def graph_modules(program: Any) -> list[tuple[str, torch.fx.GraphModule]]:
+    """The program's graph module and those below it (torch.cond's and while_loop's
+    branches), by qualified name."""
+    return [(name, m) for name, m in modules_of(graph_module_of(program))
+            if isinstance(m, torch.fx.GraphModule)]
+
+
 def node_count(program: Any) -> int:
     return len(graph_of(program).nodes)
 
@@ -61,8 +68,7 @@ def graphs_text(named_graphs: Any) -> str:
 
 def program_text(program: Any) -> str:
     """The program as readable text: its graphs, and for an ExportedProgram its signature."""
-    text = graphs_text((name, m.graph) for name, m in modules_of(graph_module_of(program))
-                       if isinstance(m, torch.fx.GraphModule))
+    text = graphs_text((name, m.graph) for name, m in graph_modules(program))
     if isinstance(program, ExportedProgram):
         text += "\n" + str(program.graph_signature)
     return text

@@ -27,7 +27,7 @@ import torch
 from ..collector import collector_paused
 from ..effects import Effects
 from ..errors import EffectsError
-from ..program import graph_module_of, graphs_text, modules_of
+from ..program import graph_module_of, graph_modules, graphs_text
 from .graph import GraphRecord
 from .state import StateRecord
 
@@ -61,9 +61,7 @@ class RollbackRecord:
         meta_only = effects.meta_only and not strict
         # Thousands of small records, none in a cycle (a meta-only record gains nothing).
         with nullcontext() if meta_only else collector_paused():
-            # The graph module and those below it (torch.cond's and while_loop's branches).
-            graphs = [(name, m) for name, m in modules_of(gm)
-                      if isinstance(m, torch.fx.GraphModule)]
+            graphs = graph_modules(gm)
             self._names = [name for name, _ in graphs]
             self._graphs = [GraphRecord(m, effects.edits_meta_in_place or strict,
                                         None if strict else effects.meta_keys) for _, m in graphs]

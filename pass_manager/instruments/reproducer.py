@@ -26,7 +26,7 @@ from .._untrusted import library_module
 from ..archive import PICKLED, save_data, save_program
 from ..errors import PassManagerError
 from ..pipeline_text import format_pass
-from ..program import graph_module_of, program_form, program_text
+from ..program import graph_modules, program_form, program_text
 from ..report import PassRecord, Report
 from .base import Instrumentation
 from .semantic_validation import SemanticValidation
@@ -59,9 +59,8 @@ def _import_root(module: str) -> str | None:
 def _operator_modules(program: Any) -> set[str]:
     """The modules outside torch defining the operators (``torch.library.custom_op``) the
     program calls: a replay imports them before it loads the program."""
-    graphs = [m.graph for m in graph_module_of(program).modules()
-              if isinstance(m, torch.fx.GraphModule)]
-    defined = [OPDEFS.get(getattr(n.target, "_name", None)) for g in graphs for n in g.nodes]
+    defined = [OPDEFS.get(getattr(n.target, "_name", None))
+               for _, m in graph_modules(program) for n in m.graph.nodes]
     return {d._init_fn.__module__ for d in defined
             if d is not None and not d._init_fn.__module__.startswith("torch.")}
 
