@@ -13,7 +13,7 @@ from .effects import Effects
 from .pipeline_text import format_value, pass_options, register
 from .program import EXPORTED_PROGRAM, GRAPH_MODULE, graph_module_of
 from .report import PassResult
-from .running import run_alone
+from .running import Runner, default_instruments
 
 __all__ = ["Pass", "PassResult", "as_pass", "function_pass"]
 
@@ -60,7 +60,10 @@ class Pass:
 
     def __call__(self, graph_module: Any) -> TorchPassResult:
         """Torch-style entry point: run this pass alone, conditions checked, transactionally."""
-        return run_alone(as_pass(self), graph_module)  # as_pass checks its declarations
+        alone = as_pass(self)  # checks its declarations
+        result = Runner([alone], default_instruments(), name=self.name, alone=True).run(
+            graph_module)
+        return TorchPassResult(result.graph_module, result.modified)
 
     def __repr__(self) -> str:
         # A pass that is not a dataclass shows what its constructor stored, not "Name()".

@@ -47,7 +47,7 @@ from .program import (
 )
 from .report import PassRecord, PassResult, Report
 
-__all__ = ["RunResult", "Runner", "default_instruments", "run_alone"]
+__all__ = ["RunResult", "Runner", "default_instruments"]
 
 
 @dataclass
@@ -331,10 +331,3 @@ class Runner:
                 return condition, violations
             self.holds.add(condition)
         return None
-
-
-def run_alone(pass_: Any, graph_module: Any) -> TorchPassResult:
-    """Run one pass, checked and transactional, as a torch-style callable."""
-    result = Runner([pass_], default_instruments(), name=pass_.name, alone=True).run(
-        graph_module)
-    return TorchPassResult(result.graph_module, result.modified)
