@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import functools
 import gc
 import inspect
 import weakref
@@ -92,17 +93,13 @@ def format_value(value: Any, *, python: bool = False) -> str:
         return str(value) if python else str(value).lower()
     if isinstance(value, _OPERATORS):
         return str(value)
+    text = functools.partial(format_value, python=python)
     if isinstance(value, tuple):
-        inner = ", ".join(format_value(v, python=python) for v in value)
-        return f"({inner},)" if len(value) == 1 else f"({inner})"
+        return f"({', '.join(map(text, value))}{',' if len(value) == 1 else ''})"
     if isinstance(value, list):
-        return "[" + ", ".join(format_value(v, python=python) for v in value) + "]"
+        return f"[{', '.join(map(text, value))}]"
     if isinstance(value, dict):
-        items = (
-            f"{format_value(k, python=python)}: {format_value(v, python=python)}"
-            for k, v in value.items()
-        )
-        return "{" + ", ".join(items) + "}"
+        return "{" + ", ".join(f"{text(k)}: {text(v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 
