@@ -498,11 +498,11 @@ def decode_on_runtime(
     if isinstance(program, torch.nn.Module):
         program = _exported(helper, program, example_inputs)  # once: checked, then lowered
     flat_steps = runtime_steps(helper, program, steps)
+    pairs = runtime_pairs(helper, program, next_values, pair_by_name)
     if isinstance(program, ExportedProgram):  # a lowered program no longer shows its writes
         check_writes_within_state(helper, {"forward": program},
                                   [("forward", flat) for flat in flat_steps],
-                                  lambda step, _: f"steps[{step}]")
-    pairs = runtime_pairs(helper, program, next_values, pair_by_name)
+                                  lambda step, _: f"steps[{step}]", {"forward": pairs})
     lowered = _lower_timed(helper, program, None, partitioner)
     module = portable_lib._load_for_executorch_from_buffer(lowered.pte)
     meta = module.method_meta("forward")
