@@ -256,14 +256,14 @@ def run_flow(
             stage("check the steps stay within the state", lambda: check_steps_within_state(
                 {"forward": program}, [("forward", *call) for call in steps], "run_flow"))
 
-        if exported is not None:
-            within_state(exported.program)
-        eager = stage("fp32 eager decode", lambda: stage.run(model, steps))
-        result.notes += _no_outputs(eager)
+        # Exported (a copy of the model) before eager decodes: a step past the end of a
+        # static cache is the check's one line, not eager's IndexError at that step.
         if exported is None:
             exported = stage("export", lambda: export_program(
                 model, args, kwargs, dynamic_shapes=dynamic_shapes, mode=export))
-            within_state(exported.program)
+        within_state(exported.program)
+        eager = stage("fp32 eager decode", lambda: stage.run(model, steps))
+        result.notes += _no_outputs(eager)
         if exported.note:
             result.notes.append(exported.note)
         if runtime == "executorch":
@@ -382,8 +382,11 @@ def quantize_both_ways(
     def with_passes() -> None:
         # prepare, calibrate, reset, convert, UnfreezeMutableBuffer, and the lift back into
         # an ExportedProgram, where torchao's recipe re-exports.
+        # A copy of the calls: calibration writes the inputs a model advances in place
+        # (a position it carries), and the decodes after it start from the steps as given.
         quantized, report = quantize_program(
-            copy_program(functional), quantizer_factory(), calibration, return_report=True,
+            copy_program(functional), quantizer_factory(), copy_program(calibration),
+            return_report=True,
             on_call=stage.progress(len(calibration)), **(pass_options or {}),
         )
         stage.result.reports += report.passes

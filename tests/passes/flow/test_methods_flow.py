@@ -135,13 +135,14 @@ def test_calls_past_the_cache_fail_before_eager_naming_the_call_and_the_cache():
     x, _ = made["steps"][-1][1]
     made["steps"].append(("decode", (x, torch.tensor([16]))))
     spec = methods_spec(made, "job", 100)
-    with pytest.raises(FlowError) as info:
-        run_methods_flow(spec, exported=export_methods(spec), quantize=False,
-                         log=lambda line: None)
-    error = info.value.__cause__
-    assert isinstance(error, StatePastEndError)
-    assert (error.argument, error.state, error.position, error.length) == (
-        "steps[13] (decode)", "layers.0.attn.k_cache", 16, 16)
-    assert info.value.failure.stage == "check the steps stay within the state"
-    assert [title for title, _ in info.value.result.stage_times] == [
-        "check the steps stay within the state"]
+    # Not exported beforehand, eager called first and failed with torch's IndexError.
+    for exported in (export_methods(spec), None):
+        with pytest.raises(FlowError) as info:
+            run_methods_flow(spec, exported=exported, quantize=False, log=lambda line: None)
+        error = info.value.__cause__
+        assert isinstance(error, StatePastEndError)
+        assert (error.argument, error.state, error.position, error.length) == (
+            "steps[13] (decode)", "layers.0.attn.k_cache", 16, 16)
+        assert info.value.failure.stage == "check the steps stay within the state"
+        assert [title for title, _ in info.value.result.stage_times] == [
+            "export each method"] * (exported is None) + ["check the steps stay within the state"]
