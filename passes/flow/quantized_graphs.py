@@ -17,6 +17,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
 from .._analysis.buffers import user_outputs
+from .._analysis.data_movement import DATA_MOVEMENT_OPS
 
 __all__ = ["buffer_grid", "describe_op_difference", "output_grid", "quantized_ops"]
 
@@ -87,9 +88,30 @@ def buffer_grid(gm: GraphModule) -> dict[str, float]:
 def output_grid(program: ExportedProgram | GraphModule) -> float:
     """One step of the grid the program's outputs are quantized on (0.0 when they are not):
     the outputs its caller gets (an ExportedProgram's user outputs, by its graph
-    signature), not the caches a lifted program returns on the caches' own grids."""
+    signature), not the caches a lifted program returns on the caches' own grids.
+
+    An output that is a dequantize (or a view or copy of one) lies on that dequantize's
+    grid, whatever grids the op before it read: two programs quantizing it alike differ by
+    whole steps of that grid. Only an output a float op computes from dequantized values
+    (lying on no grid) takes the largest grid within a few hops before it."""
     gm = program.graph_module if isinstance(program, ExportedProgram) else program
-    return _grid_near(gm, user_outputs(program))
+    return max((_own_grid(gm, node) for node in user_outputs(program)), default=0.0)
+
+
+def _own_grid(gm: GraphModule, output: Node) -> float:
+    """The step of the grid ``output`` lies on: its dequantize's, through data movement
+    (views, copies) that keeps values on their grid; else :func:`_grid_near`."""
+    node = output
+    for _ in range(_HOPS):
+        if _is_qdq(node) and "dequantize" in str(node.target):
+            return _scale(gm, node)
+        moves = (node.op == "call_function" and node.args and isinstance(node.args[0], Node)
+                 and getattr(node.target, "overloadpacket", None) in DATA_MOVEMENT_OPS
+                 and DATA_MOVEMENT_OPS[node.target.overloadpacket] is None)
+        if not moves:
+            break
+        node = node.args[0]
+    return _grid_near(gm, [output])
 
 
 def quantized_ops(gm: GraphModule) -> Counter[str]:
