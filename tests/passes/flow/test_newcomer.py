@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -363,6 +364,7 @@ def test_a_position_the_caller_carries_in_an_input_is_followed_by_the_flow():
     calibration advanced the steps' own tensor, so the decodes after it started at 4 and
     failed with torch's IndexError."""
     from passes import StatePastEndError
+    from passes.errors import CarriedStateWarning
     from passes.flow import run_flow
     from passes.flow.result import FlowError
     from tests.models.static_cache import ROWS, CarriedCounter, token_calls
@@ -372,7 +374,10 @@ def test_a_position_the_caller_carries_in_an_input_is_followed_by_the_flow():
         return [(x, pos) for (x,) in token_calls(count)]
 
     steps = calls(ROWS)
-    result = run_flow(CarriedCounter(), steps[0], steps, delegate=False, log=lambda line: None)
+    with warnings.catch_warnings():  # "pass fresh tensors": the flow calibrates on copies
+        warnings.simplefilter("error", CarriedStateWarning)
+        result = run_flow(CarriedCounter(), steps[0], steps, delegate=False,
+                          log=lambda line: None)
     assert result.ok, [c for c in result.checks if not c.passed]
     assert int(steps[0][1]) == 0  # the caller's tensor: no call of the flow wrote it
     steps = calls(ROWS + 1)
