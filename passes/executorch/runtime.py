@@ -41,6 +41,7 @@ from pass_manager.call_signature import describe_inputs, signature_of
 from pass_manager.validation import Trace
 
 from .._analysis.buffers import user_outputs
+from .._analysis.data_movement import moved_from
 from .._analysis.write_bounds import check_writes_within_state
 from .._carried.pairs import pairs_of
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
@@ -545,7 +546,8 @@ def decode_pte(pte: bytes, steps: Sequence[Any]) -> Trace:
 
 def output_grid(program: Any) -> float | None:
     """The step of the quantization grid of ``program``'s outputs (the largest output scale):
-    the outputs its caller gets, not the mutation outputs of a lifted program's state.
+    the outputs its caller gets, not the mutation outputs of a lifted program's state; an
+    output that views a dequantize (a reshape after it) is on the dequantize's grid.
 
     A quantized program ends in ``dequantize_per_tensor(q, scale, ...)``; a runtime whose
     integer kernels round differently lands on a neighbouring grid point, so per-step
@@ -567,7 +569,7 @@ def output_grid(program: Any) -> float | None:
             "ExportedProgram or GraphModule")
     scales = []
     # The caller's outputs only: a mutation output dequantizes a cache on the cache's grid.
-    for node in user_outputs(program):
+    for node in map(moved_from, user_outputs(program)):  # a view of a dequantize is on its grid
         if node.op == "call_function" and "dequantize" in str(node.target):
             scale = node.args[1]
             if isinstance(scale, (float, int)):

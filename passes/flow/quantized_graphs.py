@@ -17,7 +17,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
 from .._analysis.buffers import user_outputs
-from .._analysis.data_movement import DATA_MOVEMENT_OPS
+from .._analysis.data_movement import moved_from
 
 __all__ = ["buffer_grid", "describe_op_difference", "output_grid", "quantized_ops"]
 
@@ -101,16 +101,9 @@ def output_grid(program: ExportedProgram | GraphModule) -> float:
 def _own_grid(gm: GraphModule, output: Node) -> float:
     """The step of the grid ``output`` lies on: its dequantize's, through data movement
     (views, copies) that keeps values on their grid; else :func:`_grid_near`."""
-    node = output
-    for _ in range(_HOPS):
-        if _is_qdq(node) and "dequantize" in str(node.target):
-            return _scale(gm, node)
-        moves = (node.op == "call_function" and node.args and isinstance(node.args[0], Node)
-                 and getattr(node.target, "overloadpacket", None) in DATA_MOVEMENT_OPS
-                 and DATA_MOVEMENT_OPS[node.target.overloadpacket] is None)
-        if not moves:
-            break
-        node = node.args[0]
+    source = moved_from(output, _HOPS)
+    if _is_qdq(source) and "dequantize" in str(source.target):
+        return _scale(gm, source)
     return _grid_near(gm, [output])
 
 

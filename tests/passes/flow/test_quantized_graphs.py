@@ -116,4 +116,7 @@ def test_the_flows_output_grid_is_the_outputs_own_not_an_input_grid_near_it(quan
                       if "dequantize" in str(node.target) and any(
                           "linear" in str(user.target) for user in node.users))
     assert output_grid(program) == float(returned.args[1]) < inputs_grid / 2
+    # The runtime check's grid too: a reshape of the dequantize read as no grid at all, and
+    # a quantized program was held to float32's 1e-5 on ExecuTorch's runtime.
+    assert runtime_output_grid(program) == output_grid(program)
     run_program(program, steps)
