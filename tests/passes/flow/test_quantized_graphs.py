@@ -120,3 +120,22 @@ def test_the_flows_output_grid_is_the_outputs_own_not_an_input_grid_near_it(quan
     # a quantized program was held to float32's 1e-5 on ExecuTorch's runtime.
     assert runtime_output_grid(program) == output_grid(program)
     run_program(program, steps)
+
+
+def test_a_reshape_and_the_view_it_decomposes_to_are_one_quantized_op():
+    """torchao's recipe runs run_decompositions (reshape -> view): the check said "the two
+    flows quantized different graphs (quantized only with the passes: aten.reshape x1; only
+    without: aten.view x1)" of one graph."""
+    from collections import Counter
+
+    from passes.flow.quantized_graphs import describe_op_difference, quantized_ops
+
+    torch.manual_seed(0)
+    steps = [((torch.randn(1, 4),), {}) for _ in range(2)]
+    exported = export_program(_InputLouderThanOutput(reshaped=True), *steps[0]).program
+    functional = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(exported).program
+    decomposed = functional.run_decompositions({})
+    counts = [quantized_ops(quantize_program(p, AnnotateEveryOpQuantizer(), steps).module())
+              for p in (functional, decomposed)]
+    assert counts[0]["aten.view"] == 1 and isinstance(counts[0], Counter)
+    assert describe_op_difference(*counts) == ""
