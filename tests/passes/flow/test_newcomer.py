@@ -387,6 +387,21 @@ def test_a_position_the_caller_carries_in_an_input_is_followed_by_the_flow():
     assert f"steps[{ROWS}] writes position {ROWS} of 'cache'" in info.value.failure.reason
 
 
+def test_state_carried_in_inputs_is_not_called_no_buffers():
+    """A model whose cache is an input it writes: the buffer check said "the model has no
+    buffers: nothing to compare", as of a model without state."""
+    from passes.flow import run_flow
+    from tests.models.input_state import DIM, InputCache
+
+    cache = torch.zeros(4, DIM)
+    steps = [(torch.randn(1, DIM), torch.tensor([i]), cache) for i in range(3)]
+    result = run_flow(InputCache(), steps[0], steps, delegate=False, log=lambda line: None)
+    detail = next(c.detail for c in result.checks if c.name.startswith("quantized buffers"))
+    assert detail == ("the model keeps its state in the inputs it writes (cache), not in "
+                      "buffers: the outputs compared below are what measure it")
+    assert result.ok
+
+
 class _ReturnsNothing(torch.nn.Module):
     """Keeps a running sum and returns None: only its state says what it computed."""
 
