@@ -344,8 +344,11 @@ def _value_misfit(program: torch.export.ExportedProgram, positional: Sequence[st
                   if isinstance(value, torch.Tensor) and node is not None
                   and isinstance(node.meta.get("val"), torch.Tensor)
                   and list(value.shape) != list(node.meta["val"].shape)]
-        return (f"{'; '.join(shapes) or _first_line(e)} (a factory gives other shapes per "
-                "call with 'dynamic_shapes')")
+        if shapes:
+            return (f"{'; '.join(shapes)} (a factory gives other shapes per call with "
+                    "'dynamic_shapes')")
+        return (f"{_first_line(e)} (a value that is no tensor is fixed at export: every "
+                "call gives the example's)")
     return None
 
 

@@ -51,3 +51,10 @@ def test_a_step_of_another_shape_or_dtype_is_a_model_error_before_any_decode():
         check_calls_fit(program, [("steps[1]", ((torch.ones(1, 2, DIM),
                                                  torch.tensor([2, 3], dtype=torch.int32)), {}))],
                         "job")
+    # A Python value is part of the program: another one at a step is not taken.
+    from tests.models.static_cache import ResettableCounter
+
+    program = export_program(ResettableCounter(), (torch.zeros(1, 1, DIM), False)).program
+    with pytest.raises(ModelError, match=r"to be equal to False, but got True \(a value that "
+                       r"is no tensor is fixed at export"):
+        check_calls_fit(program, [("steps[1]", ((torch.ones(1, 1, DIM), True), {}))], "job")
