@@ -26,6 +26,7 @@ __all__ = [
     "DataMovementNotAnnotated",
     "buffer_of",
     "data_movement_nodes",
+    "moved_from",
 ]
 
 aten = torch.ops.aten
@@ -85,6 +86,20 @@ def buffer_of(node: Any, memo: dict[Node, str | None] | None = None) -> str | No
     if memo is not None:
         memo.update(dict.fromkeys(chain, fqn))
     return fqn
+
+
+def moved_from(node: Node, hops: int = 8) -> Node:
+    """The node whose values ``node`` holds, through at most ``hops`` ops that only view or
+    copy out their argument 0 (a reshape of a dequantize holds the dequantize's values, on
+    its grid); ``node`` itself when its op computes."""
+    for _ in range(hops):
+        packet = getattr(node.target, "overloadpacket", None) if node.op == "call_function" \
+            else None
+        if packet not in DATA_MOVEMENT_OPS or DATA_MOVEMENT_OPS[packet] is not None or not (
+                node.args and isinstance(node.args[0], Node)):
+            break
+        node = node.args[0]
+    return node
 
 
 def data_movement_nodes(graph: torch.fx.Graph, ops: Mapping[Any, int | None]) -> list[Node]:

@@ -256,11 +256,11 @@ def run_methods_on_runtime(
     """
     programs = _checked_programs(programs)
     flat_calls = _flat_calls(programs, calls)
-    check_writes_within_state(HELPER, programs, flat_calls,
-                              lambda step, method: f"calls[{step}] ({method!r})")
     pairs = {method: runtime_pairs(HELPER, program, method_pairing(
         next_values, method, list(programs)), pair_by_name, method)
         for method, program in programs.items()}
+    check_writes_within_state(HELPER, programs, flat_calls,
+                              lambda step, method: f"calls[{step}] ({method!r})", pairs)
     start = time.perf_counter()
     lowered = _lower_methods(programs, partitioner)
     seconds = time.perf_counter() - start

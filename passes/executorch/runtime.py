@@ -41,6 +41,7 @@ from pass_manager.call_signature import describe_inputs, signature_of
 from pass_manager.validation import Trace
 
 from .._analysis.buffers import user_outputs
+from .._analysis.data_movement import moved_from
 from .._analysis.write_bounds import check_writes_within_state
 from .._carried.pairs import pairs_of
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
@@ -498,11 +499,11 @@ def decode_on_runtime(
     if isinstance(program, torch.nn.Module):
         program = _exported(helper, program, example_inputs)  # once: checked, then lowered
     flat_steps = runtime_steps(helper, program, steps)
+    pairs = runtime_pairs(helper, program, next_values, pair_by_name)
     if isinstance(program, ExportedProgram):  # a lowered program no longer shows its writes
         check_writes_within_state(helper, {"forward": program},
                                   [("forward", flat) for flat in flat_steps],
-                                  lambda step, _: f"steps[{step}]")
-    pairs = runtime_pairs(helper, program, next_values, pair_by_name)
+                                  lambda step, _: f"steps[{step}]", {"forward": pairs})
     lowered = _lower_timed(helper, program, None, partitioner)
     module = portable_lib._load_for_executorch_from_buffer(lowered.pte)
     meta = module.method_meta("forward")
@@ -545,7 +546,8 @@ def decode_pte(pte: bytes, steps: Sequence[Any]) -> Trace:
 
 def output_grid(program: Any) -> float | None:
     """The step of the quantization grid of ``program``'s outputs (the largest output scale):
-    the outputs its caller gets, not the mutation outputs of a lifted program's state.
+    the outputs its caller gets, not the mutation outputs of a lifted program's state; an
+    output that views a dequantize (a reshape after it) is on the dequantize's grid.
 
     A quantized program ends in ``dequantize_per_tensor(q, scale, ...)``; a runtime whose
     integer kernels round differently lands on a neighbouring grid point, so per-step
@@ -567,7 +569,7 @@ def output_grid(program: Any) -> float | None:
             "ExportedProgram or GraphModule")
     scales = []
     # The caller's outputs only: a mutation output dequantizes a cache on the cache's grid.
-    for node in user_outputs(program):
+    for node in map(moved_from, user_outputs(program)):  # a view of a dequantize is on its grid
         if node.op == "call_function" and "dequantize" in str(node.target):
             scale = node.args[1]
             if isinstance(scale, (float, int)):

@@ -13,6 +13,7 @@ from torch.fx import GraphModule
 
 from pass_manager.validation import Trace, buffer_errors
 
+from .._analysis.buffers import USER_INPUT, find_mutations
 from .quantization import RESET, WITH_PASSES
 from .quantized_graphs import buffer_grid, describe_op_difference, output_grid, quantized_ops
 from .result import Check, FlowResult
@@ -42,10 +43,15 @@ def _worst_abs(reference: Trace, trace: Trace) -> dict[str, float]:
     return worst
 
 
-def _no_float_state(eager: Trace) -> str:
+def _no_float_state(eager: Trace, program: Any) -> str:
     """What the buffer check says with no floating-point buffer to compare."""
     integers = sorted(name for name, value in (eager.buffers or [{}])[0].items()
                       if not value.is_floating_point())
+    carried = sorted(state.name for state in find_mutations(program).writers
+                     if state.kind == USER_INPUT)
+    if carried:  # not "no buffers": the state is in the caller's tensors
+        return (f"the model keeps its state in the inputs it writes ({', '.join(carried)}), "
+                "not in buffers: the outputs compared below are what measure it")
     if not integers:
         return "the model has no buffers: nothing to compare"
     return (f"the model's buffers are integers ({', '.join(integers)}): no quantization grid "
@@ -76,7 +82,7 @@ def quantization_checks(
         f"8-bit error itself (information): worst {worst_name} "
         f"{relative.get(worst_name, 0.0):.2%} of its fp32 magnitude with the passes, "
         f"{result.buffer_errors[RESET].get(worst_name, 0.0):.2%} without"
-    ) if relative else _no_float_state(eager)
+    ) if relative else _no_float_state(eager, converted[WITH_PASSES])
     if worse:
         name, (error, theirs, grid) = next(iter(worse.items()))
         detail = (

@@ -301,12 +301,54 @@ def check_steps_within_state(programs: Mapping[str, torch.export.ExportedProgram
 
 def first_misfit(program: torch.export.ExportedProgram, calls: Sequence[tuple[str, Call]]
                  ) -> tuple[str, str] | None:
-    """The first of ``calls`` (each named) ``program`` cannot take, and why; None if all fit."""
+    """The first of ``calls`` (each named) ``program`` cannot take, and why; None if all fit:
+    their structure (count, keywords), then each tensor's dtype and shape against what the
+    program was exported for (torch's own check: static sizes, dynamic sizes in range),
+    which otherwise fail at that call's decode, after the others (a guard, or an op
+    refusing an int32 index)."""
     signature = signature_of(program)
+    placeholders = {node.name: node for node in program.graph.find_nodes(op="placeholder")}
+    exported = [placeholders.get(getattr(spec.arg, "name", None))
+                for spec in program.graph_signature.input_specs
+                if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
     for where, (args, kwargs) in calls:
-        why = signature.mismatch(args, kwargs)
+        why = signature.mismatch(args, kwargs) or _value_misfit(
+            program, signature.positional, signature.leaves(args, kwargs), exported)
         if why:
             return where, why
+    return None
+
+
+def _value_misfit(program: torch.export.ExportedProgram, positional: Sequence[str],
+                  leaves: list[tuple[tuple, Any]], exported: list[Any]) -> str | None:
+    """Why the leaves of a call that fits the program's structure hold other tensors than
+    it was exported for (dtype, shape), or None."""
+    def label(path: tuple) -> str:
+        top, key, *rest = path
+        head = (positional[key.idx] if top.idx == 0 and key.idx < len(positional)
+                else f"args[{key.idx}]" if top.idx == 0 else str(key.key))
+        return head + torch.utils._pytree.keystr(tuple(rest))
+
+    for (path, value), node in zip(leaves, exported, strict=False):
+        wanted = node.meta.get("val") if node is not None else None
+        if isinstance(value, torch.Tensor) and isinstance(wanted, torch.Tensor) \
+                and value.dtype != wanted.dtype:
+            return (f"input {label(path)!r} is {str(value.dtype).removeprefix('torch.')}, the "
+                    f"program was exported for {str(wanted.dtype).removeprefix('torch.')}")
+    try:
+        program._check_input_constraints(leaves)
+    except RuntimeError as e:
+        shapes = [f"input {label(path)!r} has shape {list(value.shape)}, the program was "
+                  f"exported for [{', '.join(map(str, node.meta['val'].shape))}]"
+                  for (path, value), node in zip(leaves, exported, strict=False)
+                  if isinstance(value, torch.Tensor) and node is not None
+                  and isinstance(node.meta.get("val"), torch.Tensor)
+                  and list(value.shape) != list(node.meta["val"].shape)]
+        if shapes:
+            return (f"{'; '.join(shapes)} (a factory gives other shapes per call with "
+                    "'dynamic_shapes')")
+        return (f"{_first_line(e)} (a value that is no tensor is fixed at export: every "
+                "call gives the example's)")
     return None
 
 

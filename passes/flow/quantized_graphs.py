@@ -17,6 +17,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
 from .._analysis.buffers import user_outputs
+from .._analysis.data_movement import moved_from
 
 __all__ = ["buffer_grid", "describe_op_difference", "output_grid", "quantized_ops"]
 
@@ -87,9 +88,23 @@ def buffer_grid(gm: GraphModule) -> dict[str, float]:
 def output_grid(program: ExportedProgram | GraphModule) -> float:
     """One step of the grid the program's outputs are quantized on (0.0 when they are not):
     the outputs its caller gets (an ExportedProgram's user outputs, by its graph
-    signature), not the caches a lifted program returns on the caches' own grids."""
+    signature), not the caches a lifted program returns on the caches' own grids.
+
+    An output that is a dequantize (or a view or copy of one) lies on that dequantize's
+    grid, whatever grids the op before it read: two programs quantizing it alike differ by
+    whole steps of that grid. Only an output a float op computes from dequantized values
+    (lying on no grid) takes the largest grid within a few hops before it."""
     gm = program.graph_module if isinstance(program, ExportedProgram) else program
-    return _grid_near(gm, user_outputs(program))
+    return max((_own_grid(gm, node) for node in user_outputs(program)), default=0.0)
+
+
+def _own_grid(gm: GraphModule, output: Node) -> float:
+    """The step of the grid ``output`` lies on: its dequantize's, through data movement
+    (views, copies) that keeps values on their grid; else :func:`_grid_near`."""
+    source = moved_from(output, _HOPS)
+    if _is_qdq(source) and "dequantize" in str(source.target):
+        return _scale(gm, source)
+    return _grid_near(gm, [output])
 
 
 def quantized_ops(gm: GraphModule) -> Counter[str]:
@@ -104,9 +119,15 @@ def quantized_ops(gm: GraphModule) -> Counter[str]:
     return ops
 
 
+# One op in two spellings: torchao's recipe decomposes (run_decompositions turns reshape into
+# view), the passes do not; counted apart, the check said the flows quantized different graphs.
+_SAME_OP = {"aten.reshape": "aten.view", "aten._unsafe_view": "aten.view"}
+
+
 def _op_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
-        return target.name().replace("::", ".")
+        name = target.name().replace("::", ".")
+        return _SAME_OP.get(name, name)
     return str(getattr(target, "__name__", target))
 
 

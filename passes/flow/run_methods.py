@@ -39,6 +39,7 @@ from .examples import xnnpack_quantizer
 from .factory import Exported, MethodsSpec, check_steps_within_state, export_methods
 from .integer_state import dequantized_state, storage_of
 from .noise import native_stderr_held
+from .quantization import calibration_copy
 from .quantized_graphs import output_grid
 from .result import Check, FlowResult, restricted
 from .run import (
@@ -94,14 +95,12 @@ def run_methods_flow(
             stage("check the steps stay within the state",
                   lambda: check_steps_within_state(programs, calls, "run_methods_flow"))
 
-        checked = exported is not None and not spec.carried
-        if checked:  # before eager fails at that call
-            within_state({m: e.program for m, e in exported.items()})
-        eager = stage("fp32 eager calls",
-                      lambda: stage.run(spec.module, [(a, k) for _, a, k in calls]))
-        result.notes += _no_outputs(eager)
+        # Exported (copies of the module) and checked before eager calls: a call past the
+        # end of a static cache is the check's one line, not eager's IndexError at it.
         if exported is None:
             exported = stage("export each method", lambda: export_methods(spec, export))
+        if not spec.carried:
+            within_state({m: e.program for m, e in exported.items()})
         result.notes += [f"{m}: {e.note}" for m, e in exported.items() if e.note]
         functional = stage("functionalize the methods",
                            lambda: functionalize.run({m: e.program for m, e in exported.items()}))
@@ -114,8 +113,10 @@ def run_methods_flow(
         if spec.carried:
             fp32 = stage("make carried state resident (InputsToBuffers)",
                          lambda: _resident(result, fp32, spec.carried, options))
-        if not checked:
             within_state(fp32)  # as the methods take the calls, their state resident
+        eager = stage("fp32 eager calls",
+                      lambda: stage.run(spec.module, [(a, k) for _, a, k in calls]))
+        result.notes += _no_outputs(eager)
         shared = share_buffer_tensors(fp32)
         result.notes.append(
             "buffers shared by " + " and ".join(map(repr, fp32)) + ": "
@@ -191,15 +192,22 @@ def _quantized_stages(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
     own_calls = spec.calls_by_method
 
     def per_method() -> dict[str, Any]:
-        return {m: quantize_program(copy_program(p), quantizer_factory(), own_calls[m])
-                for m, p in fp32.items()}
+        quantized = {}
+        for method, program in fp32.items():
+            with calibration_copy(own_calls[method]) as own:
+                quantized[method] = quantize_program(copy_program(program),
+                                                     quantizer_factory(), own)
+        return quantized
+
+    def one_grid() -> Any:
+        with calibration_copy(calls) as copied:
+            return quantize_methods(copy_program(fp32), quantizer_factory(), copied)
 
     separate = stage("quantize each method on its own (today's way)", per_method)
     share_buffer_tensors(separate)
     separate_trace = stage("per-method quantized methods in turn",
                            lambda: _in_turn(stage, separate, calls))
-    together = stage("quantize the methods together (quantize_methods)",
-                     lambda: quantize_methods(copy_program(fp32), quantizer_factory(), calls))
+    together = stage("quantize the methods together (quantize_methods)", one_grid)
     for method, reports in together.reports.items():
         result.reports += [(f"quantize {method}: {name}", report)
                            for name, report in reports.items()]

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CountedWrites", "PositionedWrites", "ResettableCounter", "RingBuffer", "past_the_cache",
-           "ring_buffer",
-           "token_calls"]
+__all__ = ["CarriedCounter", "CountedWrites", "PositionedWrites", "ResettableCounter",
+           "ReturnedCounter", "RingBuffer", "past_the_cache", "ring_buffer", "token_calls"]
 
 ROWS, DIM = 4, 2
 
@@ -43,6 +42,25 @@ class CountedWrites(torch.nn.Module):
         self.cache.index_copy_(1, self.pos, self.proj(x))
         self.pos.add_(1)
         return self.cache.sum(1)
+
+
+class CarriedCounter(PositionedWrites):
+    """The caller carries the position: an input the model advances in place, passed to
+    every call as one tensor (eager fails at call ``ROWS``)."""
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(1, pos, self.proj(x))
+        pos.add_(1)
+        return self.cache.sum(1)
+
+
+class ReturnedCounter(PositionedWrites):
+    """The position's next value is returned (output ``1``), for the caller to feed back:
+    state carried as an input/output pair."""
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.index_copy_(1, pos, self.proj(x))
+        return self.cache.sum(1), pos + 1
 
 
 class RingBuffer(CountedWrites):

@@ -14,9 +14,11 @@ from passes.flow.factory import export_program
 from passes.quantization import quantize_program
 from tests.models.static_cache import (
     ROWS,
+    CarriedCounter,
     CountedWrites,
     PositionedWrites,
     ResettableCounter,
+    ReturnedCounter,
     RingBuffer,
     token_calls,
 )
@@ -33,10 +35,10 @@ def _forms(module: torch.nn.Module, calls: list[tuple]):
     return {"exported": exported, "functional": functional, "quantized": quantized}
 
 
-def _first_past_end(program, calls):
+def _first_past_end(program, calls, **pairs):
     return first_write_past_end(
         {"forward": program}, [("forward", flat_user_inputs(program, call, {}))
-                               for call in calls])
+                               for call in calls], **pairs)
 
 
 def _eager_fails_at(module: torch.nn.Module, calls: list[tuple]) -> int | None:
@@ -101,3 +103,44 @@ def test_a_counter_another_method_resets_is_followed_across_methods():
     # without the reset, the fifth decode writes past the cache
     found = first_write_past_end(programs, [entry for entry in flat if entry[0] == "decode"])
     assert (found.step, found.position) == (ROWS, ROWS)
+
+
+def _carried_position_calls() -> tuple[list[tuple], torch.Tensor]:
+    """``CALLS`` tokens, each call passing the one position tensor the caller carries."""
+    pos = torch.zeros(1, dtype=torch.long)
+    return [(x, pos) for (x,) in token_calls(CALLS)], pos
+
+
+def test_a_counter_the_caller_carries_written_in_place_is_threaded():
+    """On main every call read the position as given (0): no call was found past the end."""
+    forms = _forms(CarriedCounter(), _carried_position_calls()[0])  # calibration writes it
+    calls, pos = _carried_position_calls()
+    for form, program in forms.items():
+        found = _first_past_end(program, calls)
+        assert found is not None, form
+        assert (found.step, found.state, found.position, found.length) == (
+            ROWS, "cache", ROWS, ROWS), form
+        assert _first_past_end(program, calls[:ROWS]) is None, form
+        assert int(pos) == 0  # the caller's tensor is read, not written
+    assert _eager_fails_at(CarriedCounter(), calls) == ROWS
+
+
+def test_a_counter_returned_as_its_next_value_is_threaded_by_its_pairing():
+    """Paired (``decode_on_runtime(next_values={"pos": "1"})``), each call takes the last
+    output: found at the call the runtime fails with 0x12; unpaired, each call's own."""
+    calls, _ = _carried_position_calls()
+    program = _forms(ReturnedCounter(), calls)["functional"]  # no input written: calls kept
+    found = _first_past_end(program, calls, pairs={"forward": {1: 1}})
+    assert (found.step, found.position) == (ROWS, ROWS)
+    assert _first_past_end(program, calls) is None  # every call at position 0: in range
+
+
+def test_decode_on_runtime_refuses_a_paired_counter_past_the_end_before_lowering():
+    pytest.importorskip("executorch")
+    from passes.errors import StatePastEndError
+    from passes.executorch import decode_on_runtime
+
+    calls, _ = _carried_position_calls()
+    program = _forms(ReturnedCounter(), calls)["functional"]
+    with pytest.raises(StatePastEndError, match=rf"steps\[{ROWS}\] writes position {ROWS}"):
+        decode_on_runtime(program, None, calls, next_values={"pos": "1"})

@@ -28,3 +28,33 @@ def test_absent_or_none_steps_repeat_the_example():
     made = {"module": KeywordOnly(), "example_kwargs": {"x": torch.ones(3)}, "steps": None}
     steps = model_spec(made, "job", 2).steps
     assert len(steps) == 2 and all(torch.equal(kwargs["x"], torch.ones(3)) for _, kwargs in steps)
+
+
+def test_a_step_of_another_shape_or_dtype_is_a_model_error_before_any_decode():
+    """Both fit forward's signature and failed at that step's decode, after export and the
+    steps before it (status 3): a 1-token step on a program exported for 2 tokens without
+    dynamic_shapes (torch's guard), an int32 position on an int64 one (index_copy_)."""
+    from passes.flow.factory import check_calls_fit, export_program
+    from tests.models.static_cache import DIM, PositionedWrites
+
+    program = export_program(PositionedWrites(), (torch.zeros(1, 2, DIM), torch.arange(2))).program
+    check_calls_fit(program, [("steps[0]", ((torch.ones(1, 2, DIM), torch.tensor([2, 3])), {}))],
+                    "job")
+    with pytest.raises(ModelError, match=r"job\(\): steps\[1\] does not fit .*: input 'x' has "
+                       r"shape \[1, 1, 2\], the program was exported for \[1, 2, 2\]; input "
+                       r"'pos' has shape \[1\], the program was exported for \[2\] \(a factory "
+                       r"gives other shapes per call with 'dynamic_shapes'\)"):
+        check_calls_fit(program, [("steps[1]", ((torch.ones(1, 1, DIM), torch.tensor([2])),
+                                                {}))], "job")
+    with pytest.raises(ModelError, match=r"input 'pos' is int32, the program was exported for "
+                       r"int64"):
+        check_calls_fit(program, [("steps[1]", ((torch.ones(1, 2, DIM),
+                                                 torch.tensor([2, 3], dtype=torch.int32)), {}))],
+                        "job")
+    # A Python value is part of the program: another one at a step is not taken.
+    from tests.models.static_cache import ResettableCounter
+
+    program = export_program(ResettableCounter(), (torch.zeros(1, 1, DIM), False)).program
+    with pytest.raises(ModelError, match=r"to be equal to False, but got True \(a value that "
+                       r"is no tensor is fixed at export"):
+        check_calls_fit(program, [("steps[1]", ((torch.ones(1, 1, DIM), True), {}))], "job")

@@ -76,3 +76,66 @@ def test_the_runtime_output_grid_is_the_user_outputs_not_the_caches():
     loose = max(float(node.args[1]) for node in program.graph.output_node().all_input_nodes
                 if "dequantize" in str(node.target))
     assert within_grid_steps(off_by_four_steps, loose)  # what the check allowed on main
+
+
+class _InputLouderThanOutput(torch.nn.Module):
+    """Its linear shrinks what it reads: the linear's input grid is several times the
+    output's. ``reshaped``: the output is a view of the linear's."""
+
+    def __init__(self, reshaped: bool = False):
+        super().__init__()
+        self.reshaped = reshaped
+        self.proj = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            self.proj.weight /= 8
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x):
+        self.total.add_(x.sum(0))
+        y = self.proj(x)
+        return y.reshape(2, 2) if self.reshaped else y
+
+
+@pytest.mark.parametrize("reshaped", [False, True], ids=["dequantized", "a view of it"])
+@pytest.mark.parametrize("quantizer", [xnnpack_quantizer, AnnotateEveryOpQuantizer],
+                         ids=["xnnpack", "every-op"])
+def test_the_flows_output_grid_is_the_outputs_own_not_an_input_grid_near_it(quantizer,
+                                                                             reshaped):
+    """The largest scale within four hops of the output was the grid of the linear's
+    input: on the built-in decoder 0.0214 for an output on 0.0127, a check 1.7x looser
+    than one output step."""
+    torch.manual_seed(0)
+    steps = [((torch.randn(1, 4) * 8,), {}) for _ in range(3)]
+    exported = export_program(_InputLouderThanOutput(reshaped), *steps[0]).program
+    functional = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(exported).program
+    program = quantize_program(functional, quantizer(), steps)
+    returned = program.graph.output_node().args[0][-1]
+    while "dequantize" not in str(returned.target):  # the reshape, when not quantized
+        returned = returned.args[0]
+    inputs_grid = max(float(node.args[1]) for node in program.graph.nodes
+                      if "dequantize" in str(node.target) and any(
+                          "linear" in str(user.target) for user in node.users))
+    assert output_grid(program) == float(returned.args[1]) < inputs_grid / 2
+    # The runtime check's grid too: a reshape of the dequantize read as no grid at all, and
+    # a quantized program was held to float32's 1e-5 on ExecuTorch's runtime.
+    assert runtime_output_grid(program) == output_grid(program)
+    run_program(program, steps)
+
+
+def test_a_reshape_and_the_view_it_decomposes_to_are_one_quantized_op():
+    """torchao's recipe runs run_decompositions (reshape -> view): the check said "the two
+    flows quantized different graphs (quantized only with the passes: aten.reshape x1; only
+    without: aten.view x1)" of one graph."""
+    from collections import Counter
+
+    from passes.flow.quantized_graphs import describe_op_difference, quantized_ops
+
+    torch.manual_seed(0)
+    steps = [((torch.randn(1, 4),), {}) for _ in range(2)]
+    exported = export_program(_InputLouderThanOutput(reshaped=True), *steps[0]).program
+    functional = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(exported).program
+    decomposed = functional.run_decompositions({})
+    counts = [quantized_ops(quantize_program(p, AnnotateEveryOpQuantizer(), steps).module())
+              for p in (functional, decomposed)]
+    assert counts[0]["aten.view"] == 1 and isinstance(counts[0], Counter)
+    assert describe_op_difference(*counts) == ""
