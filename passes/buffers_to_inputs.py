@@ -43,7 +43,9 @@ class BuffersToInputs(Pass):
     returned values are appended to the outputs (a returned tuple grows, anything else
     becomes ``(outputs, *new values)``). Tied buffers (one tensor registered
     under several names) become one input, named by the first of them chosen; none stays
-    resident. The result is a new program; its input is left untouched. Requires the
+    resident. A GraphModule keeps no example inputs: each input placeholder made from a
+    buffer keeps the value the buffer held instead, which InputsToBuffers starts the buffer
+    from again. The result is a new program; its input is left untouched. Requires the
     functional form.
 
     Example (GraphModule form, ``returned=True``)::

@@ -17,7 +17,7 @@ from pass_manager.collector import collector_paused
 from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
 from ._analysis.buffers import USER_INPUT, state_nodes
 from ._carried.pairs import check_pair, resolve_pairs
-from ._carried.record import records_of
+from ._carried.record import EXAMPLE_META, records_of
 from ._carried.resident import Carried, make_resident
 from ._carried.specs import input_names, output_names
 from ._carried.view import ProgramView
@@ -66,8 +66,9 @@ class InputsToBuffers(Pass):
     input mutated in place or paired becomes a buffer named after its dotted path (else its
     placeholder). The inputs and the outputs that carried the state leave the call signature
     (pytree specs, graph signature, module call graph and example inputs agree). A buffer
-    starts as ``initial_values[buffer]``, else the example input's value (ExportedProgram),
-    else zeros (a note says so). Each write keeps a value of its own, as InplaceToFunctional
+    starts as ``initial_values[buffer]``, else the example input's value (an ExportedProgram's
+    example inputs; a GraphModule's input that BuffersToInputs made: the value its buffer
+    held), else zeros (a note says so). Each write keeps a value of its own, as InplaceToFunctional
     leaves them: state paired with another state's old value reads a ``clone`` of it, one
     output paired with two inputs is written into the second through ``aten.copy``.
 
@@ -169,7 +170,8 @@ class InputsToBuffers(Pass):
         carried = []
         for i, buffer in chosen.items():
             node = view.inputs[i]
-            carried.append(self._input_state(view, node, buffer, pairs.get(i), outputs))
+            carried.append(self._input_state(view, node, buffer, pairs.get(i), outputs,
+                                             notes))
         for out, buffer in (self.created or {}).items():
             index = output_index(out, "created")
             if index in pairs.values():
@@ -185,7 +187,7 @@ class InputsToBuffers(Pass):
         return carried, notes
 
     def _input_state(self, view: ProgramView, node: Node, buffer: str, output: int | None,
-                     outputs: list[str]) -> Carried:
+                     outputs: list[str], notes: list[str]) -> Carried:
         written = view.writes.get(node)
         if written is None and output is None:
             raise StateNameError(_NAME, node.name, "buffers names an input the program neither "
@@ -204,7 +206,7 @@ class InputsToBuffers(Pass):
             check_pair(_NAME, node, paired, outputs[output])
             value = written if written is not None else paired  # the copy, when written
         example = _example_value(view, node)
-        initial = self._initial(buffer, value, example, [])
+        initial = self._initial(buffer, value, example, notes)
         return Carried(buffer, node, value, (output,) if output is not None else (),
                        written is not None, initial)
 
@@ -283,8 +285,11 @@ def _same_value(written: Node, paired: Any, node: Node) -> bool:
 
 
 def _example_value(view: ProgramView, node: Node) -> torch.Tensor | None:
-    """The example input's value of ``node`` (an ExportedProgram keeps its example inputs)."""
-    if not view.exported or view.source.example_inputs is None:
+    """The example input's value of ``node``: an ExportedProgram keeps its example inputs; a
+    GraphModule keeps none, but an input BuffersToInputs made keeps the buffer's value."""
+    if not view.exported:
+        return node.meta.get(EXAMPLE_META)
+    if view.source.example_inputs is None:
         return None
     leaves = pytree.tree_leaves(view.source.example_inputs)
     value = leaves[view.inputs.index(node)]

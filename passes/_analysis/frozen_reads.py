@@ -215,10 +215,30 @@ def _scan_frozen(gm: GraphModule) -> tuple[list[FrozenRead], list[tuple[Node, li
         elif matches:
             found.append(FrozenRead(node, matches[0], qparams))
         else:
-            stale = next((r for r in unreplayable_reads if r.consumers & consumers), None)
+            stale = next((r for r in unreplayable_reads if r.consumers & consumers
+                          and not _still_read_live(gm, r, r.consumers & consumers)), None)
             if stale is not None:
                 unreplayable.append((node, stale))
     return found, ambiguous, unreplayable
+
+
+def _still_read_live(gm: GraphModule, read: UnreplayableRead, consumers: set[str]) -> bool:
+    """Whether each of ``consumers`` still reads ``read``'s value from its node (through a
+    quantize and dequantize): then that value was not folded, and a constant beside it (a
+    folded weight multiplying a position bias) stands for something else."""
+    nodes = {n.name: n for n in gm.graph.nodes if n.name in consumers or n.name == read.source}
+    source = nodes.get(read.source)
+    if source is None:
+        return False
+
+    def reads_source(arg: Node) -> bool:
+        while arg is not source and (arg.target is _QUANTIZE or arg.target in _DEQUANTIZE_OPS
+                                     ) and isinstance(arg.args[0], Node):
+            arg = arg.args[0]
+        return arg is source
+
+    return all(name in nodes and any(reads_source(a) for a in nodes[name].all_input_nodes)
+               for name in consumers)
 
 
 class _ReadValues:

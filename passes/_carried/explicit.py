@@ -18,7 +18,7 @@ from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 from torch.fx import Node
 
 from .._analysis.buffers import INITIAL_META, MUTABLE_BUFFER_META, MUTABLE_INPUT_META
-from .record import CARRIED_META, CarriedRecord
+from .record import CARRIED_META, EXAMPLE_META, CarriedRecord
 from .specs import with_leaves
 from .view import ProgramView
 
@@ -90,6 +90,8 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
         for old in state.nodes:
             view.writes.pop(old, None)
         node = _input_node(view, state) if state.keep_input else None
+        if node is not None and not view.exported:
+            node.meta[EXAMPLE_META] = _held(view, state.buffer)
         for old in state.nodes:
             if old is not node:
                 if node is not None:
@@ -187,6 +189,15 @@ def _initial(view: ProgramView, state: Explicit) -> torch.Tensor:
     source = view.source
     held = source.constants if state.buffer in source.constants else source.state_dict
     return held[state.buffer].clone()
+
+
+def _held(view: ProgramView, fqn: str) -> torch.Tensor:
+    """A copy of the value a GraphModule's buffer ``fqn`` holds (before it is removed)."""
+    *path, leaf = fqn.split(".")
+    owner = view.gm
+    for part in path:
+        owner = getattr(owner, part)
+    return owner._buffers[leaf].detach().clone()
 
 
 def _input_node(view: ProgramView, state: Explicit) -> Node:

@@ -12,11 +12,17 @@ from torch.export import ExportedProgram
 
 from pass_manager import graph_module_of
 
-__all__ = ["CARRIED_META", "CarriedRecord", "Moved", "records_of"]
+__all__ = ["CARRIED_META", "EXAMPLE_META", "CarriedRecord", "Moved", "records_of"]
 
 CARRIED_META = "carried_state"
 """``graph_module.meta`` key: the tuple of :class:`CarriedRecord`, one per InputsToBuffers run
 that changed the program, oldest first."""
+
+EXAMPLE_META = "carried_example"
+"""``node.meta`` key of an input placeholder of a GraphModule: the value the buffer held when
+:class:`passes.BuffersToInputs` made it this input. A GraphModule keeps no example inputs;
+this is its input's example, which :class:`passes.InputsToBuffers` starts the buffer from
+(an ExportedProgram keeps it in its example inputs)."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from torch.fx import GraphModule, Node
 from .._analysis.buffers import INITIAL_META, MUTABLE_BUFFER_META, MUTABLE_INPUT_META
 from .._analysis.marked_state import initial_copy
 from .._lifting.state import export_name
-from .record import CARRIED_META, CarriedRecord, Moved
+from .record import CARRIED_META, EXAMPLE_META, CarriedRecord, Moved
 from .specs import kept_arg_names, without_leaves
 from .view import ProgramView
 
@@ -60,6 +60,7 @@ def register_buffer(gm: torch.nn.Module, fqn: str, tensor: torch.Tensor) -> None
 
 def _mark(node: Node, state: Carried) -> None:
     node.meta.pop(MUTABLE_INPUT_META, None)
+    node.meta.pop(EXAMPLE_META, None)
     node.meta[MUTABLE_BUFFER_META] = state.buffer
     node.meta[INITIAL_META] = initial_copy(state.initial)
 

@@ -40,6 +40,7 @@ __all__ = [
     "ARCHITECTURES",
     "MAX_CACHE",
     "PROMPT",
+    "STATE_LAYOUTS",
     "SWEEP_ARCHITECTURES",
     "HfExport",
     "cache_options",
@@ -202,13 +203,20 @@ def decode_kwargs(like: dict[str, Any], token: int, position: int, cache: Any) -
         additive[..., : position + 1] = 0
         return additive
 
-    return {
+    if "decoder_input_ids" in like:  # encoder-decoder: the encoder's inputs stay as they were
+        return {**like, "decoder_input_ids": torch.tensor([[token]]),
+                "decoder_attention_mask": mask(like["decoder_attention_mask"]), "cache": cache}
+    kwargs = {
         "input_ids": torch.tensor([[token]]),
-        # Qwen3 takes one mask per attention kind ({"full_attention": mask}).
-        "attention_mask": torch.utils._pytree.tree_map(mask, like["attention_mask"]),
+        # Qwen3 takes one mask per attention kind ({"full_attention": mask}); a layer kind
+        # needing none (LFM2's convolutions, Mamba) has None.
+        "attention_mask": torch.utils._pytree.tree_map(
+            lambda m: None if m is None else mask(m), like.get("attention_mask"),
+            is_leaf=lambda m: m is None),
         "position_ids": torch.tensor([[position]]),
         "cache": cache,
     }
+    return {key: value for key, value in kwargs.items() if key in like}
 
 
 def thread_calls(hf: HfExport, prefill: Any, decode: Any, steps: int) -> Iterator[tuple[Any, Any]]:
@@ -223,7 +231,7 @@ def thread_calls(hf: HfExport, prefill: Any, decode: Any, steps: int) -> Iterato
     result = prefill(**kwargs)
     logits, cache = result[0], result[1]
     yield logits, cache
-    position = kwargs["input_ids"].shape[-1]
+    position = kwargs.get("decoder_input_ids", kwargs.get("input_ids")).shape[-1]
     for _ in range(steps):
         token = int(logits[0, -1].argmax())
         result = decode(**decode_kwargs(hf.decode_kwargs, token, position, cache))
@@ -287,11 +295,41 @@ layers (``StaticSlidingWindowLayer``, window 8 < the cache's 16), ``gemma2`` / `
 query-key-value projection, grouped keys and values)."""
 
 
+STATE_LAYOUTS = ("t5", "mamba", "lfm2")
+"""Tiny random models whose state HF's exporter lays out otherwise: ``t5`` an
+``EncoderDecoderCache`` (per layer a self-attention cache the decode writes and a
+cross-attention cache the prefill creates and the decode only reads, returning it as it
+was), ``mamba`` a recurrent convolution and SSM state per layer (``LinearAttentionLayer``),
+``lfm2`` a convolution state beside an attention layer's keys and values."""
+
+
+def _state_layout_model(t: Any, architecture: str, layers: int) -> torch.nn.Module:
+    if architecture == "t5":
+        return t.T5ForConditionalGeneration(t.T5Config(
+            vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=layers, num_heads=2,
+            decoder_start_token_id=0, pad_token_id=0))
+    if architecture == "mamba":
+        return t.MambaForCausalLM(t.MambaConfig(
+            vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=layers, expand=2,
+            conv_kernel=4))
+    return t.Lfm2ForCausalLM(t.Lfm2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        layer_types=["conv", "full_attention"][:layers]))
+
+
 def tiny_sweep_model(architecture: str, layers: int = 2) -> torch.nn.Module:
     """A seeded random causal LM of ``architecture`` (hidden 32, 2 heads, vocab 64; sliding
     window 8 where the architecture has one)."""
     import transformers as t
 
+    if architecture in STATE_LAYOUTS:
+        state = torch.random.get_rng_state()
+        torch.manual_seed(0)
+        try:
+            return _state_layout_model(t, architecture, layers).eval()
+        finally:
+            torch.random.set_rng_state(state)
     config_class, model_class, extra = {
         "mistral": (t.MistralConfig, t.MistralForCausalLM, {"sliding_window": 8, "head_dim": 16}),
         "phi3": (t.Phi3Config, t.Phi3ForCausalLM, {"pad_token_id": 0}),
@@ -334,6 +372,9 @@ def _leaf_paths(spec: Any) -> list[str]:
             found[context["i"]] = path
         elif isinstance(context, dict) and context.get("_t") == "obj":
             walk(context["s"], path)
+        elif isinstance(context, dict) and context.get("_t") == "items":  # {key: tensor}
+            for key, value in context["v"]:
+                walk(value, f"{path}.{key}" if path else str(key))
         elif isinstance(context, dict) and "_t" not in context:
             for key, value in context.items():
                 walk(value, f"{path}.{key}" if path else str(key))

@@ -394,3 +394,26 @@ def test_a_record_is_not_restored_into_a_signature_changed_since(form, steps):
         for got_state, want in zip((state["a"], state["b"], r),
                                    (expected_a, expected_b, eager.r), strict=True):
             torch.testing.assert_close(got_state, want, rtol=0, atol=0)
+
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_buffer_made_an_input_and_resident_again_starts_from_its_value(form):
+    """BuffersToInputs then InputsToBuffers gives the buffer back its value on both forms:
+    the ExportedProgram keeps it as the input's example, and a GraphModule, which keeps no
+    example inputs, kept nothing: the counter ``r`` (ones) came back as zeros (a note said
+    so) and every call's output and state differed."""
+    x, a, b = _carried_inputs()
+    program = exported(_CarriedBesideResident(), (x, a, b), form=form)
+    as_input = PassManager([BuffersToInputs(buffers=["r"])]).run(copy.deepcopy(program))
+    again = PassManager([InputsToBuffers(buffers=["r"])]).run(as_input.program)
+    assert not any("zeros" in note for note in again.report.records[0].notes)
+    first, second = runnable(program), runnable(again.program)
+    first_state, second_state = (a.clone(), b.clone()), (a.clone(), b.clone())
+    for call in range(CALLS):
+        x = torch.linspace(-1, 1, 4) * (call + 1)
+        torch.testing.assert_close(second(x, *second_state), first(x, *first_state),
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(second_state, first_state, rtol=0, atol=0)
+        torch.testing.assert_close(dict(second.named_buffers())["r"],
+                                   dict(first.named_buffers())["r"], rtol=0, atol=0)

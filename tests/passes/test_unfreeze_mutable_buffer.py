@@ -347,3 +347,47 @@ def test_accepts_only_graph_modules():
     ep = torch.export.export(model, CALLS[0])
     with pytest.raises(ProgramFormError, match="accepts GraphModule"):
         PassManager([UnfreezeMutableBuffer()]).run(ep)
+
+
+class ScaledDistance(nn.Module):
+    """A position bias computed from a step counter and a constant (T5's relative position
+    bias from its cache's ``cumulative_length``): ``log(|arange - step| + 1) * scale``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 4))
+
+    def forward(self, x):
+        distance = (torch.arange(4) - self.step).float()
+        bias = torch.log(distance.abs() + 1.0) * self.scale
+        self.step.add_(1)
+        return self.proj(x) + bias
+
+
+def test_a_folded_constant_beside_a_live_value_of_state_is_left_folded():
+    """``mul(quantized bias, quantized scale)``: torchao folds the constant ``scale`` and
+    keeps the bias, computed from the counter, live. The folded scale shares its consumer
+    with the bias's observer, and was taken for the bias folded: quantize_program raised
+    UnreplayableFrozenReadError on a correct program (a T5 decode from transformers'
+    exporter, its cache made resident, could not be quantized). Now the program equals the
+    one converted without folding, call after call, and its counter eager's."""
+    from passes import InplaceToFunctional, MarkMutableBuffers
+    from passes.quantization import quantize_program
+
+    torch.manual_seed(0)
+    model = ScaledDistance().eval()
+    eager = copy.deepcopy(model)
+    calls = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    with torch.no_grad():
+        program = torch.export.export(model, (calls[0],))
+    program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program).program
+    folded, unfolded = (quantize_program(copy.deepcopy(program), xnnpack_quantizer(),
+                                         [(x,) for x in calls[:3]], fold=fold).module()
+                        for fold in (True, False))
+    with torch.no_grad():
+        for x in calls:
+            eager(x)
+            torch.testing.assert_close(folded(x), unfolded(x), rtol=0, atol=0)
+            assert dict(folded.named_buffers())["step"] == eager.step
