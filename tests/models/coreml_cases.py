@@ -345,7 +345,7 @@ def coreml_io(delegate: LoweredBackendModule) -> tuple[dict[str, str], dict[str,
 
 def coreml_ops(delegate: LoweredBackendModule) -> list[tuple[str, list[str]]]:
     """The MIL program of a Core ML delegate, constants left out: (op type, the names its
-    inputs read), in program order."""
+    inputs read, in no set order: the spec keeps them in a map), in program order."""
     ops = []
     for function in _spec(delegate).mlProgram.functions.values():
         for block in function.block_specializations.values():
