@@ -523,12 +523,40 @@ def _convert(prepared: GraphModule, like: ExportedProgram, fold: bool,
 
     with reads_kept_live(prepared, read_only_state) as give_back_parameters:
         converted = give_back_parameters(convert_pt2e(prepared, fold_quantize=fold))
+    _resolve_overload_packets(converted)
     timed("convert")
     unfrozen = PassManager([UnfreezeMutableBuffer()], **options).run(converted)
     timed("unfreeze")
     lifted = exported_program_from(unfrozen.program, like=like)
     timed("lift")
     return lifted, unfrozen.report
+
+
+def _resolve_overload_packets(gm: GraphModule) -> None:
+    """Give each op ``convert_pt2e`` inserted as an overload packet its overload.
+
+    torchao's affine observers (per-block weights: ``QnnQuantizer``'s ``use_16a4w_block``)
+    convert to ``torch.ops.torchao.dequantize_affine``, the packet, which an
+    ExportedProgram's verifier refuses (``not an allowed operator type``): a re-export
+    would resolve it, the lift does not trace. The overload is the packet's only one, or
+    the one its arguments' values select (as dynamo resolves a packet); one that cannot be
+    resolved is left for the lift to name."""
+    for node in gm.graph.nodes:
+        packet = node.target
+        if node.op != "call_function" or not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        overloads = packet.overloads()
+        if len(overloads) != 1:
+            def value(arg: Any) -> Any:
+                return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+            args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), value)
+            try:
+                overloads = [torch._C._jit_resolve_packet(packet._qualified_op_name,
+                                                          *args, **kwargs)]
+            except RuntimeError:
+                continue
+        node.target = getattr(packet, overloads[0])
+    gm.recompile()
 
 
 class _MethodQuantizer(PassQuantizer):

@@ -160,14 +160,17 @@ class UnfoldedQuantizeError(PassManagerError):
 
 class DelegateStateWarning(UserWarning):
     """``BufferOwningPartitioner``: a delegate will own a buffer whose value on the device
-    is not the program's: Core ML keeps fp32 state as fp16, and zero-fills state when the
-    model is prewarmed (a non-zero initial value is lost; require
-    :data:`passes.conditions.ZeroInitialState` to refuse such programs).
+    is not the program's: Core ML keeps fp32 state as fp16 (``keep_precision`` keeps it
+    fp32 at the top level), and zero-fills state when the model is prewarmed (a non-zero
+    initial value is lost; require :data:`passes.conditions.ZeroInitialState` to refuse
+    such programs).
 
     Attributes:
         buffer: the buffer's FQN.
         backend: the delegate's backend id.
-        issue: ``"fp16"`` or ``"initial value"``.
+        issue: ``"fp16"``, ``"initial value"``, or ``"fp16 compute"`` (a buffer
+            ``keep_precision`` kept fp32 at the top level is updated by a Core ML partition
+            computing in fp16, which rounds its new value all the same).
     """
 
     # Rebuilt as ``cls(*args)`` (``warnings``, ``copy``, pytest-xdist): ``args`` are the

@@ -133,7 +133,8 @@ def _wrapper(partitioner: Any, programs: dict[str, ExportedProgram]) -> BufferOw
     if isinstance(partitioner, BufferOwningPartitioner):
         return BufferOwningPartitioner(partitioner.partitioner, methods=programs,
                                        strict=partitioner.strict,
-                                       own_buffers=partitioner.own_buffers)
+                                       own_buffers=partitioner.own_buffers,
+                                       keep_precision=partitioner.keep_precision)
     if not isinstance(partitioner, Partitioner):
         raise ExecuTorchInputError(
             HELPER, "partitioner", f"an ExecuTorch Partitioner (e.g. XnnpackPartitioner()); "

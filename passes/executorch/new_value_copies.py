@@ -253,11 +253,18 @@ class _TrialPartitioner(Partitioner):
         self.partitioner = partitioner
         self.verdicts = verdicts
         self.leaves_owner: dict[str, bool] = {}  # owned buffer -> an op use lies outside
+        self.partitioned = False
 
     def ops_to_not_decompose(self, ep: ExportedProgram):
+        # Asked again after the partition, to check that each op kept whole was delegated:
+        # the trial delegates nothing by design, so nothing is left to check (Core ML keeps
+        # aten.sym_size whole, and the trial of a dynamic-shape program failed on it).
+        if self.partitioned:
+            return [], None
         return self.partitioner.ops_to_not_decompose(ep)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        self.partitioned = True
         result = self.partitioner.partition(exported_program)
         program = result.tagged_exported_program
         for verdict in self.verdicts(program, result.partition_tags):

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -111,10 +111,21 @@ class BufferOwningPartitioner(Partitioner):
             buffer (as stateful backends' partitioners do, e.g. with ExecuTorch's
             ``tag_mutated_buffer``); XNNPACK's gives none, and an XNNPACK delegate handed a
             buffer to update crashes the runtime, so its buffers stay at the top level.
+        keep_precision: float buffers a backend would hold in a narrower dtype on the
+            device (Core ML keeps fp32 state as fp16) that stay at the top level in their
+            own dtype instead: ``True`` for all of them, or their FQNs (``["acc"]``). The
+            delegate receives such a buffer and returns its new value, as it does for the
+            integer state it cannot hold; buffers the backend holds as they are are
+            unaffected. Core ML then computes the new value in its compute precision:
+            ``DelegateStateWarning`` (issue ``"fp16 compute"``) says so when that is fp16
+            (the default; ``CoreMLBackend.generate_compile_specs(compute_precision=
+            coremltools.precision.FLOAT32)`` keeps every bit).
 
     Raises:
         ExecuTorchInputError: ``partitioner`` is not a ``Partitioner`` instance (the class
             itself, ``XnnpackPartitioner`` for ``XnnpackPartitioner()``, names the fix).
+        ExecuTorchInputError: ``keep_precision`` is not a bool or a collection of FQNs, or
+            (from ``partition``) names a buffer the program does not have.
         DelegateStateDtypeError: from ``partition``, a Core ML delegate would own a buffer
             stored as int8 or uint8 (``QuantizeMutableBuffers``): Core ML keeps fp16 state
             only (its converter fails with ``slice_update ... dtype int8`` otherwise). Raised,
@@ -136,8 +147,10 @@ class BufferOwningPartitioner(Partitioner):
 
     Warns:
         DelegateStateWarning: from ``partition``, a Core ML delegate will own an fp32 buffer
-            (fp16 on the device), or a buffer whose initial value is not all zeros (Core ML
-            zero-fills state when the model is prewarmed).
+            (fp16 on the device; ``keep_precision`` keeps it out), or a buffer whose initial
+            value is not all zeros (Core ML zero-fills state when the model is prewarmed),
+            or a buffer ``keep_precision`` kept out is updated by a Core ML partition
+            computing in fp16.
 
     After ``transform_for_pre_decomposition``, ``copy_plan`` says which new buffer values
     got a copy for their uses outside the owner (:class:`CopyPlan`). After each
@@ -157,12 +170,14 @@ class BufferOwningPartitioner(Partitioner):
         methods: Mapping[str, ExportedProgram] | None = None,
         strict: bool = False,
         own_buffers: bool | None = None,
+        keep_precision: bool | Collection[str] = False,
     ):
         super().__init__(getattr(_checked_partitioner(partitioner), "spec", {}))
         self.partitioner = partitioner
         self.methods = _checked_methods(methods)
         self.strict = strict
         self.own_buffers = own_buffers
+        self.keep_precision = _checked_keep_precision(keep_precision)
         self.notes: list[str] = []
         self.method_notes: dict[str, list[str]] = {}
         self.ownership: list[BufferOwnership] = []
@@ -171,11 +186,15 @@ class BufferOwningPartitioner(Partitioner):
             method_state(self.methods) if self.methods is not None else None)
         self._copy_plans: dict[str, CopyPlan] = {}
         self._nonzero: dict[str, int] = {}
+        # Buffer FQN -> the partition that would own it, for those the last verdicts kept
+        # at the top level because keep_precision asked.
+        self._precision_kept: dict[str, str] = {}
 
     def __repr__(self) -> str:
         methods = f", methods={list(self.methods)}" if self.methods is not None else ""
+        kept = (f", keep_precision={self.keep_precision!r}" if self.keep_precision else "")
         return (f"{PASS_NAME}({self.partitioner!r}{methods}, strict={self.strict}, "
-                f"own_buffers={self.own_buffers})")
+                f"own_buffers={self.own_buffers}{kept})")
 
     def _shared(self, program: ExportedProgram) -> tuple[str | None, dict[str, SharedBuffer]]:
         """Which method ``program`` is (a label, None without ``methods``) and its buffers
@@ -204,6 +223,7 @@ class BufferOwningPartitioner(Partitioner):
         # ExecuTorch hands ``partition`` a copy whose state holds fake tensors: the values
         # of the buffers (is an initial value zeros?) are read here, where they are real.
         self._nonzero.update(_nonzero_elements(exported_program))
+        self._check_keep_precision(exported_program)
         program = self.partitioner.transform_for_pre_decomposition(exported_program)
         # The copies only serve a delegate that owns the buffer and leave it by a use outside
         # (any other copy is one whole-buffer copy per call for nothing), so the trial
@@ -228,6 +248,7 @@ class BufferOwningPartitioner(Partitioner):
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         graph = exported_program.graph
         before = {node: node.meta.get(DELEGATION_TAG) for node in graph.nodes}
+        self._check_keep_precision(exported_program)
         label, shared = self._shared(exported_program)
         copy_plan = self._copy_plans.get(label, self.copy_plan) if label else self.copy_plan
         result = self.partitioner.partition(exported_program)
@@ -261,7 +282,9 @@ class BufferOwningPartitioner(Partitioner):
                     verdict.owner_tag = None
                 else:
                     owned.append((verdict, copies))
-        refused = [v for v in verdicts if not v.consumable and v.mutated_by]
+        # A buffer kept out because keep_precision asked is not refused: the user chose it.
+        refused = [v for v in verdicts if not v.consumable and v.mutated_by
+                   and v.fqn not in self._precision_kept]
         if self.strict and refused:
             self._restore(graph, before)
             v = refused[0]
@@ -272,6 +295,8 @@ class BufferOwningPartitioner(Partitioner):
             if error is not None:
                 self._restore(graph, before)
                 raise error
+        for fqn, tag in self._precision_kept.items():
+            _warn_of_compute_precision(fqn, result.partition_tags.get(tag))
         notes = list(scalar_notes)
         if copy_plan is not None and copy_plan.failure is not None:
             notes.append(
@@ -385,6 +410,7 @@ class BufferOwningPartitioner(Partitioner):
         other methods use too (``shared``) stays at the top level."""
         verdicts = tagged_buffer_ownership(program)
         stateful = self._stateful_backends(verdicts, partition_tags)
+        self._precision_kept = {}
         for verdict in verdicts:
             if shared and verdict.fqn in shared:
                 verdict.reason = (
@@ -399,10 +425,29 @@ class BufferOwningPartitioner(Partitioner):
                     "its delegates no mutable buffers (own_buffers=True overrides)"
                 )
             elif verdict.consumable:
-                verdict.reason = _state_kept_off_device(program, verdict.fqn, backend)
+                keep = self.keep_precision is True or verdict.fqn in (self.keep_precision or ())
+                verdict.reason = _state_kept_off_device(program, verdict.fqn, backend, keep)
+                if verdict.reason is not None and buffer_tensor(
+                        program, verdict.fqn).is_floating_point():
+                    self._precision_kept[verdict.fqn] = verdict.owner_tag
             if not verdict.consumable:
                 verdict.owner_tag = None
         return verdicts
+
+    def _check_keep_precision(self, program: ExportedProgram) -> None:
+        """Refuse FQNs in ``keep_precision`` that name no buffer of ``program`` (nor, with
+        ``methods``, of any method): a misspelt name would keep nothing, silently."""
+        if self.keep_precision in (True, False):
+            return
+        known = set(program.graph_signature.inputs_to_buffers.values())
+        for other in (self.methods or {}).values():
+            known.update(other.graph_signature.inputs_to_buffers.values())
+        unknown = sorted(set(self.keep_precision) - known)
+        if unknown:
+            raise ExecuTorchInputError(
+                PASS_NAME, "keep_precision",
+                f"names {', '.join(map(repr, unknown))}, which the program has no buffer "
+                f"called; its buffers: {', '.join(map(repr, sorted(known))) or 'none'}")
 
     @staticmethod
     def _backend(partition_tags: dict[str, Any], tag: str | None) -> str | None:
@@ -744,19 +789,47 @@ def _nonzero_elements(program: ExportedProgram) -> dict[str, int]:
     return found
 
 
-def _state_kept_off_device(program: ExportedProgram, fqn: str, backend: str | None
-                           ) -> str | None:
+def _state_kept_off_device(program: ExportedProgram, fqn: str, backend: str | None,
+                           keep_precision: bool = False) -> str | None:
     """Why buffer ``fqn`` stays at the top level rather than in ``backend``'s state: a
     dtype its state would not hold as it is, but the delegate can receive and return (None
-    when the state holds it, or when nothing can: :func:`_state_on_device` raises)."""
+    when the state holds it, or when nothing can: :func:`_state_on_device` raises). A
+    float buffer the state would round stays only when ``keep_precision`` asks (else
+    :func:`_state_on_device` warns)."""
     kept = _STATE_DTYPE.get(backend)
     value = buffer_tensor(program, fqn)
-    if (kept is None or value.is_floating_point()
+    if (kept is None or value.dtype == kept
             or value.dtype in _NO_INPUT_DTYPES.get(backend, ())):
         return None
-    return (f"{backend} keeps {str(kept).split('.')[-1]} state only, which would not hold "
-            f"this {str(value.dtype).split('.')[-1]} buffer as it is (an integer above 2048 is "
+    held, dtype = str(kept).split(".")[-1], str(value.dtype).split(".")[-1]
+    if value.is_floating_point():
+        if not keep_precision:
+            return None
+        return (f"keep_precision asks for it: {backend} keeps {held} state only, which "
+                f"would round this {dtype} buffer; the delegate receives it and returns its "
+                "new value instead")
+    return (f"{backend} keeps {held} state only, which would not hold "
+            f"this {dtype} buffer as it is (an integer above 2048 is "
             "rounded): the delegate receives it and returns its new value instead")
+
+
+def _warn_of_compute_precision(fqn: str, spec: Any) -> None:
+    """Warn that a Core ML partition computing in fp16 (``spec``: its delegation spec)
+    rounds the new value of ``fqn``, which ``keep_precision`` kept out of its state."""
+    if getattr(spec, "backend_id", None) != COREML_BACKEND:
+        return
+    import coremltools
+    from executorch.backends.apple.coreml.compiler import CoreMLBackend
+
+    precision = CoreMLBackend.model_compute_precision_from_compile_specs(spec.compile_specs)
+    if precision != coremltools.precision.FLOAT16:
+        return
+    warnings.warn(DelegateStateWarning(
+        fqn, COREML_BACKEND, "fp16 compute",
+        f"{PASS_NAME}: {fqn!r} stays fp32 at the top level (keep_precision), but the "
+        f"{COREML_BACKEND} partition updating it computes in fp16, which rounds its new "
+        "value all the same: generate its compile specs with "
+        "compute_precision=coremltools.precision.FLOAT32"), stacklevel=3)
 
 
 def _state_on_device(
@@ -777,8 +850,9 @@ def _state_on_device(
         warnings.warn(DelegateStateWarning(
             verdict.fqn, backend, "fp16",
             f"{PASS_NAME}: {backend} keeps {verdict.fqn!r} ({value.dtype}) as "
-            f"{str(kept).split('.')[-1]} state on the device: its values are rounded there"),
-            stacklevel=3)
+            f"{str(kept).split('.')[-1]} state on the device: its values are rounded there "
+            f"(keep_precision=[{verdict.fqn!r}] keeps it {str(value.dtype).split('.')[-1]} "
+            "at the top level)"), stacklevel=3)
     count = (nonzero.get(verdict.fqn, 0) if isinstance(value, FakeTensor)
              else int(value.count_nonzero()))
     if backend in _ZERO_FILLED and count:
@@ -811,6 +885,21 @@ def _checked_partitioner(partitioner: Any) -> Partitioner:
             f"got {type(partitioner).__name__} {partitioner!r:.80}; pass an ExecuTorch "
             "Partitioner instance, e.g. XnnpackPartitioner()")
     return partitioner
+
+
+def _checked_keep_precision(keep: Any) -> bool | frozenset[str]:
+    """``keep`` as True, False or a frozenset of FQNs; a lone string (an easy slip for
+    ``["acc"]``) or anything else is refused."""
+    if isinstance(keep, bool):
+        return keep
+    if isinstance(keep, Collection) and not isinstance(keep, (str, bytes)) and all(
+            isinstance(name, str) for name in keep):
+        return frozenset(keep)
+    hint = f"; for one buffer: keep_precision=[{keep!r}]" if isinstance(keep, str) else ""
+    raise ExecuTorchInputError(
+        PASS_NAME, "keep_precision",
+        f"got {type(keep).__name__} {keep!r:.80}; pass True (every float buffer the backend "
+        f"would round) or a collection of buffer FQNs{hint}")
 
 
 def _checked_methods(methods: Any) -> dict[str, ExportedProgram] | None:

@@ -36,6 +36,7 @@ __all__ = [
     "CALLS",
     "CASES",
     "COREML_BACKEND",
+    "Accumulator",
     "CacheWrite",
     "CachesWrittenLast",
     "CoreMLCase",
@@ -45,6 +46,8 @@ __all__ = [
     "RunningMean",
     "TinyAttention",
     "attention_inputs",
+    "coreml_io",
+    "coreml_ops",
     "coreml_partitioner",
     "coreml_quantizer",
     "coreml_states",
@@ -58,10 +61,13 @@ CALLS = 4
 MLPACKAGE = os.path.join("lowered_module", "model.mlpackage")
 
 
-def coreml_partitioner(skip_ops: tuple[str, ...] = ()) -> CoreMLPartitioner:
-    """ExecuTorch's Core ML partitioner taking mutable buffers over as Core ML state."""
+def coreml_partitioner(skip_ops: tuple[str, ...] = (),
+                       precision: coremltools.precision = coremltools.precision.FLOAT16
+                       ) -> CoreMLPartitioner:
+    """ExecuTorch's Core ML partitioner taking mutable buffers over as Core ML state,
+    computing in ``precision`` (Core ML's default: fp16)."""
     specs = CoreMLBackend.generate_compile_specs(
-        minimum_deployment_target=coremltools.target.iOS18)
+        minimum_deployment_target=coremltools.target.iOS18, compute_precision=precision)
     return CoreMLPartitioner(compile_specs=specs, take_over_mutable_buffer=True,
                              skip_ops_for_coreml_delegation=list(skip_ops))
 
@@ -158,6 +164,21 @@ class CacheWrite(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self.cache.index_put_((pos,), x)
         return torch.mm(self.cache, self.weight)
+
+
+class Accumulator(nn.Module):
+    """An fp32 accumulator of small increments on a large total, beside a cache: in fp16
+    (spacing 0.5 at 1000) every increment of ``x / 1000`` would be lost."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.full((1, 4), 1000.0))
+        self.register_buffer("cache", torch.zeros(8, 4))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.acc.add_(x * 1e-3)
+        self.cache.index_copy_(0, pos, x)
+        return self.acc * 2 + self.cache.sum(0)
 
 
 class CachesWrittenLast(nn.Module):
@@ -293,15 +314,41 @@ def owned_buffers(delegate: LoweredBackendModule) -> set[str]:
     return set(sig.buffers_to_mutate.values()) & set(sig.inputs_to_buffers.values())
 
 
-def coreml_states(delegate: LoweredBackendModule) -> dict[str, str]:
-    """State name -> data type (``"FLOAT16"``) in the spec of a Core ML delegate's
-    ``.mlpackage`` (names are FQNs with ``.`` as ``_``)."""
-    from coremltools.proto import FeatureTypes_pb2
-
+def _spec(delegate: LoweredBackendModule):
+    """The spec (protobuf) of a Core ML delegate's ``.mlpackage``."""
     with tempfile.TemporaryDirectory() as folder:
         if not executorchcoreml.unflatten_directory_contents(delegate.processed_bytes, folder):
             raise ValueError(f"{delegate.backend_id} delegate: not a flattened .mlpackage")
-        spec = coremltools.utils.load_spec(os.path.join(folder, MLPACKAGE))
-    return {state.name: FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(
-                state.type.stateType.arrayType.dataType)
-            for state in spec.description.state}
+        return coremltools.utils.load_spec(os.path.join(folder, MLPACKAGE))
+
+
+def _dtype_name(array_type) -> str:
+    from coremltools.proto import FeatureTypes_pb2
+
+    return FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(array_type.dataType)
+
+
+def coreml_states(delegate: LoweredBackendModule) -> dict[str, str]:
+    """State name -> data type (``"FLOAT16"``) in the spec of a Core ML delegate's
+    ``.mlpackage`` (names are FQNs with ``.`` as ``_``)."""
+    return {state.name: _dtype_name(state.type.stateType.arrayType)
+            for state in _spec(delegate).description.state}
+
+
+def coreml_io(delegate: LoweredBackendModule) -> tuple[dict[str, str], dict[str, str]]:
+    """The inputs and the outputs of a Core ML delegate's model, name -> data type
+    (a buffer the delegate receives is named ``b_<fqn>``)."""
+    description = _spec(delegate).description
+    return ({i.name: _dtype_name(i.type.multiArrayType) for i in description.input},
+            {o.name: _dtype_name(o.type.multiArrayType) for o in description.output})
+
+
+def coreml_ops(delegate: LoweredBackendModule) -> list[tuple[str, list[str]]]:
+    """The MIL program of a Core ML delegate, constants left out: (op type, the names its
+    inputs read, in no set order: the spec keeps them in a map), in program order."""
+    ops = []
+    for function in _spec(delegate).mlProgram.functions.values():
+        for block in function.block_specializations.values():
+            ops += [(op.type, [a.name for v in op.inputs.values() for a in v.arguments])
+                    for op in block.operations if op.type != "const"]
+    return ops

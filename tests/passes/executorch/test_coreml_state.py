@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("coremltools")
 
+import coremltools
 import torch
 from executorch.exir import to_edge, to_edge_transform_and_lower
 
@@ -28,13 +29,17 @@ from passes.executorch import (
     BufferOwningPartitioner,
     DelegateStateDtypeError,
     DelegateStateWarning,
+    ExecuTorchInputError,
     executorch_state,
 )
 from tests.models.coreml_cases import (
+    Accumulator,
     CacheWrite,
     CountedCache,
     RunningMean,
     cache_inputs,
+    coreml_io,
+    coreml_ops,
     coreml_partitioner,
     coreml_states,
     delegates,
@@ -147,3 +152,95 @@ def test_nonzero_initial_state_owned_by_coreml_warns_of_zero_fill():
 
 def test_other_backends_owning_the_same_state_do_not_warn():
     assert _partition_warnings(CacheWrite(torch.ones(8, 4)), everything()) == []
+
+
+# keep_precision: fp32 state a user needs exact stays at the top level, in fp32.
+
+def _accumulator_inputs(calls: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(1, 4, generator=generator), torch.tensor([step % 8]))
+            for step in range(calls)]
+
+
+def _lowered_accumulator(precision, **options):
+    model = Accumulator()
+    wrapper = BufferOwningPartitioner(coreml_partitioner(precision=precision), **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        edge = to_edge_transform_and_lower(exported(model, _accumulator_inputs()),
+                                           partitioner=[wrapper])
+    found = sorted((w.message.buffer, w.message.issue) for w in caught
+                   if isinstance(w.message, DelegateStateWarning))
+    return model, wrapper, edge, found
+
+
+@pytest.mark.parametrize("keep", [["acc"], ("acc",), True], ids=["list", "tuple", "all"])
+def test_keep_precision_keeps_fp32_state_at_the_top_level(keep):
+    """The accumulator adds x / 1000 to 1000: Core ML's fp16 state (spacing 0.5 there)
+    would keep 1000 forever. Kept out, it is an fp32 input and output of the Core ML
+    model with no cast on its path (fp32 compute), and the lowered program equals eager
+    bit for bit, outputs and state, over 6 calls."""
+    model, wrapper, edge, found = _lowered_accumulator(coremltools.precision.FLOAT32,
+                                                       keep_precision=keep)
+    program = edge.exported_program()
+    assert "acc" in program.graph_signature.buffers_to_mutate.values()
+    assert program.state_dict["acc"].dtype == torch.float32
+    (delegate,) = delegates(program)
+    owned = set() if keep is True else {"cache"}
+    assert owned_buffers(delegate) == owned
+    assert coreml_states(delegate) == dict.fromkeys(owned, "FLOAT16")
+    inputs, outputs = coreml_io(delegate)
+    assert inputs["b_acc"] == "FLOAT32" and set(outputs.values()) == {"FLOAT32"}
+    readers = [op for op, args in coreml_ops(delegate) if "b_acc" in args]
+    assert readers == ["add"]  # acc + x / 1000 in fp32, not cast to fp16 first
+    (note,) = [n for n in wrapper.notes if "'acc'" in n]
+    assert note.startswith("kept 'acc' at the top level: keep_precision asks for it")
+    assert found == [("cache", "fp16")] * (keep is not True)
+    assert_same_behaviour(model, program, _accumulator_inputs(), atol=0,
+                          state=executorch_state)
+    edge.to_executorch()
+
+
+def test_coreml_alone_holds_the_accumulator_as_fp16_state():
+    """What keep_precision changes: without it Core ML owns the accumulator as fp16 state
+    (read, cast to fp32, added, cast back to fp16, zero-filled when prewarmed), with the
+    warning naming the way out."""
+    _, _, edge, found = _lowered_accumulator(coremltools.precision.FLOAT32)
+    (delegate,) = delegates(edge.exported_program())
+    assert coreml_states(delegate) == {"acc": "FLOAT16", "cache": "FLOAT16"}
+    assert found == [("acc", "fp16"), ("acc", "initial value"), ("cache", "fp16")]
+    assert "keep_precision=['acc']" in str(_partition_warnings(Accumulator(),
+                                                              coreml_partitioner())[0])
+
+
+def test_keep_precision_under_fp16_compute_warns_that_the_value_is_rounded():
+    """Kept fp32 at the top level, the accumulator is still added in fp16 when the Core ML
+    partition computes in fp16 (the default): the wrapper says so, naming the fix."""
+    _, _, edge, found = _lowered_accumulator(coremltools.precision.FLOAT16,
+                                             keep_precision=["acc"])
+    assert ("acc", "fp16 compute") in found
+    (delegate,) = delegates(edge.exported_program())
+    assert [op for op, args in coreml_ops(delegate) if "b_acc" in args] == ["cast"]
+
+
+def test_keep_precision_is_no_refusal_under_strict():
+    """strict=True refuses a buffer kept at the top level for the wrapper's own reasons,
+    not one the user asked to keep."""
+    edge = to_edge(exported(Accumulator(), _accumulator_inputs())).exported_program()
+    wrapper = BufferOwningPartitioner(coreml_partitioner(), strict=True, keep_precision=["acc"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DelegateStateWarning)
+        wrapper.partition(edge)
+    assert [v.fqn for v in wrapper.ownership if v.consumable] == ["cache"]
+
+
+@pytest.mark.parametrize("keep, match", [
+    (["acc", "acum"], "names 'acum', which the program has no buffer called"),
+    ("acc", r"for one buffer: keep_precision=\['acc'\]"),
+    (1, "pass True"),
+], ids=["misspelt", "a string", "an int"])
+def test_keep_precision_refuses_what_would_keep_nothing(keep, match):
+    program = to_edge(exported(Accumulator(), _accumulator_inputs())).exported_program()
+    with pytest.raises(ExecuTorchInputError, match=match) as info:
+        BufferOwningPartitioner(coreml_partitioner(), keep_precision=keep).partition(program)
+    assert info.value.argument == "keep_precision"

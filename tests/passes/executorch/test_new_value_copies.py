@@ -191,3 +191,41 @@ def test_a_failed_trial_copies_every_shared_new_value():
                           state=executorch_state)
     with torch.no_grad():
         assert whole_buffer_copies(lowered.to_executorch(), model) == Counter({"delegate": 2})
+
+
+class PrefixWrite(torch.nn.Module):
+    """``cache[:n] = 2 * x`` for a dynamic ``n``, and an accumulator; both read inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(8, 4))
+        self.register_buffer("acc", torch.zeros(1, 4))
+
+    def forward(self, x):
+        self.cache[: x.shape[0]] = x * 2
+        self.acc.add_(x.sum(0, keepdim=True))
+        return self.cache.sum(0) + self.acc
+
+
+def test_the_trial_of_a_dynamic_shape_program_copies_nothing_for_core_ml():
+    """Core ML keeps ``aten.sym_size`` whole; the trial partition, which delegates nothing,
+    then failed ExecuTorch's check that each op kept whole was delegated (8dcccbe), and every
+    new value used besides its write-back was copied: a whole cache returned per call. Now
+    the trial runs, no new value is copied, and the program equals eager over 4 calls of
+    4 lengths."""
+    pytest.importorskip("coremltools")
+    from tests.models.coreml_cases import coreml_partitioner
+
+    generator = torch.Generator().manual_seed(0)
+    calls = [(torch.randn(n, 4, generator=generator),) for n in (3, 5, 1, 8)]
+    rows = torch.export.Dim("rows", min=1, max=8)
+    with torch.no_grad():
+        ep = torch.export.export(PrefixWrite(), calls[0], dynamic_shapes=({0: rows},))
+    wrapper = BufferOwningPartitioner(coreml_partitioner())
+    edge = to_edge_transform_and_lower(ep, partitioner=[wrapper])
+    assert wrapper.copy_plan.failure is None
+    assert wrapper.copy_plan.copied == frozenset()
+    assert wrapper.notes == ["'cache' owned by partition 'tag1'", "'acc' owned by partition 'tag1'"]
+    assert_same_behaviour(PrefixWrite(), edge.exported_program(), calls, atol=ATOL,
+                          state=executorch_state)
+    edge.to_executorch()
