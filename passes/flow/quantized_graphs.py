@@ -17,7 +17,6 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
 from .._analysis.buffers import user_outputs
-from .._analysis.data_movement import moved_from
 
 __all__ = ["buffer_grid", "describe_op_difference", "output_grid", "quantized_ops"]
 
@@ -90,21 +89,15 @@ def output_grid(program: ExportedProgram | GraphModule) -> float:
     the outputs its caller gets (an ExportedProgram's user outputs, by its graph
     signature), not the caches a lifted program returns on the caches' own grids.
 
-    An output that is a dequantize (or a view or copy of one) lies on that dequantize's
-    grid, whatever grids the op before it read: two programs quantizing it alike differ by
-    whole steps of that grid. Only an output a float op computes from dequantized values
-    (lying on no grid) takes the largest grid within a few hops before it."""
+    It is the largest grid within a few hops before them, which may be the grid an op
+    before the output read rather than the output's own (0.0214 for an output on 0.0127 on
+    the built-in decoder). That is the tolerance the "no worse than" checks want: two
+    calibrations of one program differ by more than the output's own step (Hugging Face's
+    tiny Llama, one grid per cache against each method alone: 0.1738 against 0.1699 with
+    the output's own step 0.0026). The runtime check, one program against itself, takes
+    the output's own grid (:func:`passes.executorch.runtime.output_grid`)."""
     gm = program.graph_module if isinstance(program, ExportedProgram) else program
-    return max((_own_grid(gm, node) for node in user_outputs(program)), default=0.0)
-
-
-def _own_grid(gm: GraphModule, output: Node) -> float:
-    """The step of the grid ``output`` lies on: its dequantize's, through data movement
-    (views, copies) that keeps values on their grid; else :func:`_grid_near`."""
-    source = moved_from(output, _HOPS)
-    if _is_qdq(source) and "dequantize" in str(source.target):
-        return _scale(gm, source)
-    return _grid_near(gm, [output])
+    return _grid_near(gm, user_outputs(program))
 
 
 def quantized_ops(gm: GraphModule) -> Counter[str]:

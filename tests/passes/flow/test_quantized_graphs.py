@@ -99,11 +99,10 @@ class _InputLouderThanOutput(torch.nn.Module):
 @pytest.mark.parametrize("reshaped", [False, True], ids=["dequantized", "a view of it"])
 @pytest.mark.parametrize("quantizer", [xnnpack_quantizer, AnnotateEveryOpQuantizer],
                          ids=["xnnpack", "every-op"])
-def test_the_flows_output_grid_is_the_outputs_own_not_an_input_grid_near_it(quantizer,
-                                                                             reshaped):
-    """The largest scale within four hops of the output was the grid of the linear's
-    input: on the built-in decoder 0.0214 for an output on 0.0127, a check 1.7x looser
-    than one output step."""
+def test_the_runtime_output_grid_is_the_outputs_own_through_a_view(quantizer, reshaped):
+    """The runtime check (one program against itself) reads the grid of the output's own
+    dequantize: a reshape of it read as no grid at all, and a quantized program was held to
+    float32's 1e-5 on ExecuTorch's runtime."""
     torch.manual_seed(0)
     steps = [((torch.randn(1, 4) * 8,), {}) for _ in range(3)]
     exported = export_program(_InputLouderThanOutput(reshaped), *steps[0]).program
@@ -112,13 +111,7 @@ def test_the_flows_output_grid_is_the_outputs_own_not_an_input_grid_near_it(quan
     returned = program.graph.output_node().args[0][-1]
     while "dequantize" not in str(returned.target):  # the reshape, when not quantized
         returned = returned.args[0]
-    inputs_grid = max(float(node.args[1]) for node in program.graph.nodes
-                      if "dequantize" in str(node.target) and any(
-                          "linear" in str(user.target) for user in node.users))
-    assert output_grid(program) == float(returned.args[1]) < inputs_grid / 2
-    # The runtime check's grid too: a reshape of the dequantize read as no grid at all, and
-    # a quantized program was held to float32's 1e-5 on ExecuTorch's runtime.
-    assert runtime_output_grid(program) == output_grid(program)
+    assert runtime_output_grid(program) == float(returned.args[1]) > 0
     run_program(program, steps)
 
 
