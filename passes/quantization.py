@@ -38,6 +38,7 @@ starts from whatever the last calibration batch left in a KV cache or an accumul
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -54,7 +55,11 @@ from ._analysis.buffer_reads import record_observed_reads
 from ._analysis.marked_state import reset_mutable_buffers
 from ._carried.pairs import method_pairing, pairs_of
 from ._lifting import exported_program_from
-from ._methods.calibration import check_calibration_call, run_calibration_call
+from ._methods.calibration import (
+    callers_state_restored,
+    check_calibration_call,
+    run_calibration_call,
+)
 from ._methods.calls import (
     PairedState,
     QuantizedMethods,
@@ -73,7 +78,12 @@ from ._methods.shared_buffers import (
     shared_objects,
     written_by_any_method,
 )
-from .errors import CalibrationInputError, QuantizationFlowError, QuantizationInputError
+from .errors import (
+    CalibrationInputError,
+    CarriedStateWarning,
+    QuantizationFlowError,
+    QuantizationInputError,
+)
 from .inplace_to_functional import InplaceToFunctional
 from .mark_mutable_buffers import MarkMutableBuffers
 from .quantize_mutable_buffers import QuantizeMutableBuffers
@@ -412,7 +422,10 @@ def quantize_program(
 
     The result shares the program's buffer tensors (as ``program.module()`` does): the
     calibration writes them and the reset puts back, bit for bit, the values they had (or,
-    on a program MarkMutableBuffers marked before, the values it saw then). Copy the
+    on a program MarkMutableBuffers marked before, the values it saw then). State the
+    program carries in inputs it writes in place (the caller's cache or position) is
+    threaded through the calibration calls passing one tensor, and each such tensor is put
+    back afterwards to what it held before them. Copy the
     program first (``pass_manager.validation.copy_program``) to keep the two apart.
 
     Example:
@@ -441,17 +454,18 @@ def quantize_program(
     wrapped = _flow_quantizer(quantizer, PassQuantizer, **options)
     prepared = _prepare(program, wrapped, "quantize_program")
     timed("prepare")
-    with torch.no_grad():
+    with torch.no_grad(), callers_state_restored(
+            {"forward": program}, [("forward", *call) for call in calls]):
         try:
             for index, (args, kwargs) in enumerate(calls):
                 run_calibration_call(prepared, args, kwargs, "quantize_program", index)
                 if on_call is not None:
                     on_call(index)
         except CalibrationInputError:
-            reset_mutable_buffers(prepared)  # the program's buffers as they were given
+            _reset(prepared)  # the program's buffers as they were given
             raise
     timed("calibrate")
-    report.reset_buffers = reset_mutable_buffers(prepared)
+    report.reset_buffers = _reset(prepared)
     timed("reset")
     lifted, unfrozen = _convert(prepared, program, fold, timed, **options)
     if not return_report:
@@ -460,6 +474,15 @@ def quantize_program(
                           strict=True), ("after convert", unfrozen)]
     report.repaired_reads = [note for record in unfrozen.records for note in record.notes]
     return QuantizedProgram(lifted, report)
+
+
+def _reset(prepared: Any) -> list[str]:
+    """:func:`~passes.reset_mutable_buffers` after calibration, whose caller's tensors
+    :func:`callers_state_restored` puts back: its warning that it cannot reset them does
+    not apply."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CarriedStateWarning)
+        return reset_mutable_buffers(prepared)
 
 
 def _flow_quantizer(quantizer: Quantizer, wrapper: Callable[..., PassQuantizer],
@@ -612,8 +635,9 @@ def quantize_methods(
     pass one tensor, each prepared method writes it back (checked: an
     :class:`~passes.errors.InputStateError` otherwise), and inputs given one tensor object
     in several methods are one state with one observer, hence one grid
-    (:attr:`QuantizedMethods.shared_inputs`). The caller's tensors hold the last
-    calibration call's state afterwards (they are the caller's, not reset).
+    (:attr:`QuantizedMethods.shared_inputs`). Afterwards the caller's tensors hold, bit
+    for bit, what they held before calibration (saved and put back, as the buffers are
+    reset).
 
     State carried as an input/output pair (the method returns an input's next value, as
     static-shape backends take state) is calibrated along alike once paired
@@ -703,7 +727,7 @@ def quantize_methods(
     shared = share_buffer_tensors(prepared)
     observers = share_observers(
         prepared, {name: wrapped[name].buffer_observers for name in programs})
-    with torch.no_grad():
+    with torch.no_grad(), callers_state_restored(programs, calibration):
         try:
             for index, (method, args, kwargs) in enumerate(calibration):
                 args, kwargs, given = paired_state.inputs(method, args, kwargs)
@@ -711,9 +735,9 @@ def quantize_methods(
                                               "quantize_methods", index, method)
                 paired_state.returned(method, given, result)
         except CalibrationInputError:
-            reset_mutable_buffers(prepared)  # the programs' buffers as they were given
+            _reset(prepared)  # the programs' buffers as they were given
             raise
-    reset_mutable_buffers(prepared)
+    _reset(prepared)
     reports: dict[str, dict[str, Report]] = {}
     quantized = {}
     for name, program in programs.items():

@@ -9,7 +9,8 @@ x.size()[1] == 1``), without the call's index or the input's name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,9 +21,10 @@ from torch.utils import _pytree as pytree
 
 from pass_manager.call_signature import signature_of
 
+from .._analysis.buffers import USER_INPUT, find_mutations
 from ..errors import CalibrationInputError
 
-__all__ = ["check_calibration_call", "run_calibration_call"]
+__all__ = ["callers_state_restored", "check_calibration_call", "run_calibration_call"]
 
 
 def _input_name(path: tuple, positional: tuple[str, ...]) -> str:
@@ -107,3 +109,34 @@ def run_calibration_call(call: Callable[..., Any], args: tuple, kwargs: Mapping[
         raise CalibrationInputError(
             helper, step, f"the prepared program raised {type(error).__name__}: {first}",
             method=method) from error
+
+
+@contextmanager
+def callers_state_restored(programs: Mapping[str, ExportedProgram],
+                           calls: Iterable[tuple[str, tuple, Mapping[str, Any]]],
+                           ) -> Iterator[None]:
+    """Calibration leaves the caller's tensors as it found them: each tensor a call
+    ``(method, args, kwargs)`` passes for an input its program writes in place (a cache or
+    a position the caller carries) is put back, bit for bit, when the block ends, as
+    :func:`passes.reset_mutable_buffers` puts back the buffers. A tensor several calls pass
+    is saved once, before the first of them: the calls inside still thread it, as
+    deployment does."""
+    written = {method: {state.name for state in find_mutations(program).writers
+                        if state.kind == USER_INPUT} for method, program in programs.items()}
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for method, args, kwargs in calls:
+        if not written[method]:
+            continue
+        signature = signature_of(programs[method])
+        args, kwargs = _keywords_bound(signature.positional, tuple(args), dict(kwargs))
+        for (_, value), node in zip(signature.leaves(args, kwargs),
+                                    _placeholders(programs[method]), strict=True):
+            if node is not None and node.name in written[method] \
+                    and isinstance(value, torch.Tensor):
+                saved.setdefault(id(value), (value, value.detach().clone()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in saved.values():
+                tensor.copy_(value)

@@ -13,9 +13,7 @@ program is converted twice: as it is (``left``) and with the buffers put back by
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -24,10 +22,7 @@ from torch.fx import GraphModule
 
 from pass_manager.validation import as_call, copy_program
 
-from ..errors import CarriedStateWarning
-
-__all__ = ["COLUMN_NOTES", "NO_PASSES", "RESET", "WITH_PASSES", "TorchaoRecipe",
-           "calibration_copy", "torchao_recipe"]
+__all__ = ["COLUMN_NOTES", "NO_PASSES", "RESET", "WITH_PASSES", "TorchaoRecipe", "torchao_recipe"]
 
 NO_PASSES, RESET, WITH_PASSES = (
     "quantized, no passes",
@@ -44,18 +39,6 @@ COLUMN_NOTES = {
     WITH_PASSES: "quantize_program: the passes, reset_mutable_buffers after calibration, "
                  "UnfreezeMutableBuffer after convert",
 }
-
-
-@contextlib.contextmanager
-def calibration_copy(calls: Sequence[Any]) -> Iterator[list]:
-    """A copy of the flow's ``calls`` to calibrate on, copied together (a tensor several
-    calls pass stays one tensor). Calibration writes the inputs a model advances in place
-    (a position or a cache it carries); the decodes after it must start from the calls as
-    given. So reset_mutable_buffers' CarriedStateWarning (it cannot reset the caller's
-    tensors) says nothing here, and is not shown."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CarriedStateWarning)
-        yield copy_program(list(calls))
 
 
 class TorchaoRecipe(NamedTuple):

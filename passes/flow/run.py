@@ -57,14 +57,7 @@ from .factory import (
 )
 from .integer_state import INTEGER_STATE, integer_state_stage
 from .noise import native_stderr_held
-from .quantization import (
-    COLUMN_NOTES,
-    NO_PASSES,
-    RESET,
-    WITH_PASSES,
-    calibration_copy,
-    torchao_recipe,
-)
+from .quantization import COLUMN_NOTES, NO_PASSES, RESET, WITH_PASSES, torchao_recipe
 from .result import (
     Check,
     FlowError,
@@ -389,11 +382,10 @@ def quantize_both_ways(
     def with_passes() -> None:
         # prepare, calibrate, reset, convert, UnfreezeMutableBuffer, and the lift back into
         # an ExportedProgram, where torchao's recipe re-exports.
-        with calibration_copy(calibration) as calls:
-            quantized, report = quantize_program(
-                copy_program(functional), quantizer_factory(), calls, return_report=True,
-                on_call=stage.progress(len(calibration)), **(pass_options or {}),
-            )
+        quantized, report = quantize_program(
+            copy_program(functional), quantizer_factory(), calibration, return_report=True,
+            on_call=stage.progress(len(calibration)), **(pass_options or {}),
+        )
         stage.result.reports += report.passes
         stage.result.quantization = report
         converted[WITH_PASSES] = quantized

@@ -39,7 +39,6 @@ from .examples import xnnpack_quantizer
 from .factory import Exported, MethodsSpec, check_steps_within_state, export_methods
 from .integer_state import dequantized_state, storage_of
 from .noise import native_stderr_held
-from .quantization import calibration_copy
 from .quantized_graphs import output_grid
 from .result import Check, FlowResult, restricted
 from .run import (
@@ -192,22 +191,15 @@ def _quantized_stages(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
     own_calls = spec.calls_by_method
 
     def per_method() -> dict[str, Any]:
-        quantized = {}
-        for method, program in fp32.items():
-            with calibration_copy(own_calls[method]) as own:
-                quantized[method] = quantize_program(copy_program(program),
-                                                     quantizer_factory(), own)
-        return quantized
-
-    def one_grid() -> Any:
-        with calibration_copy(calls) as copied:
-            return quantize_methods(copy_program(fp32), quantizer_factory(), copied)
+        return {m: quantize_program(copy_program(p), quantizer_factory(), own_calls[m])
+                for m, p in fp32.items()}
 
     separate = stage("quantize each method on its own (today's way)", per_method)
     share_buffer_tensors(separate)
     separate_trace = stage("per-method quantized methods in turn",
                            lambda: _in_turn(stage, separate, calls))
-    together = stage("quantize the methods together (quantize_methods)", one_grid)
+    together = stage("quantize the methods together (quantize_methods)",
+                     lambda: quantize_methods(copy_program(fp32), quantizer_factory(), calls))
     for method, reports in together.reports.items():
         result.reports += [(f"quantize {method}: {name}", report)
                            for name, report in reports.items()]

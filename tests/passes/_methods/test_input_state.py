@@ -32,9 +32,21 @@ def _grid_of_cache_writes(program):
 
 
 @pytest.mark.parametrize("functional", [False, True], ids=["in place", "functional"])
-def test_a_cache_passed_as_an_input_is_calibrated_along_the_calls_on_one_grid(functional):
+def test_a_cache_passed_as_an_input_is_calibrated_along_the_calls_on_one_grid(
+        functional, monkeypatch):
     """As exported (``index_copy_`` on the input) and functional (a USER_INPUT_MUTATION
-    output)."""
+    output). Afterwards the caller's tensor holds what it held before calibration."""
+    import passes.quantization
+
+    seen = []  # the caller's cache after each calibration call
+    run_call = passes.quantization.run_calibration_call
+
+    def spied(call, args, kwargs, *where):
+        result = run_call(call, args, kwargs, *where)
+        seen.append(args[2].clone())  # (tokens, positions, cache)
+        return result
+
+    monkeypatch.setattr(passes.quantization, "run_calibration_call", spied)
     module, programs = input_cache_methods()
     if functional:
         programs = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
@@ -47,14 +59,16 @@ def test_a_cache_passed_as_an_input_is_calibrated_along_the_calls_on_one_grid(fu
                    for call in input_cache_calls(calibration_cache, 4, seed)]
     quantized = quantize_methods(copy_program(programs), xnnpack_quantizer(), calibration)
 
-    # The calibration ran on the caller's tensor, threaded from call to call: it holds
-    # what eager's calls leave in a cache (the prepared methods compute in fp32).
+    # The calibration ran on the caller's tensor, threaded from call to call: after the
+    # last call it held what eager's calls leave in a cache (the prepared methods compute
+    # in fp32); then it was put back, bit for bit.
     eager_cache = torch.zeros(SEQ, DIM)
     with torch.no_grad():
         for _, args, kwargs in input_cache_calls(eager_cache, 4, 8):
             reference(*args, **kwargs)
-    assert calibration_cache.any()
-    assert torch.allclose(calibration_cache, eager_cache, atol=1e-6)
+    assert len(seen) == len(calibration) and seen[-1].any()
+    assert torch.allclose(seen[-1], eager_cache, atol=1e-6)
+    assert torch.equal(calibration_cache, torch.zeros(SEQ, DIM))
 
     assert quantized.shared_inputs == {"input cache": {"prefill": "cache", "decode": "cache"}}
     assert quantized.observers["input cache"] >= 2
