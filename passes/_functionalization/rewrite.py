@@ -378,6 +378,8 @@ class Rewrite:
         else:
             args = node.args
             kwargs = {k: v for k, v in node.kwargs.items() if k not in variant.out_args}
+        if variant.out_args:
+            args, kwargs = _in_out_dtype(variant.functional, args, kwargs, writes)
         call = self.emit(node, variant.functional, *args, **kwargs)
         # One new value per written argument: a written list's (``_foreach_add_``) is a list.
         written_args = list(dict.fromkeys(i for i, _ in writes))
@@ -730,6 +732,32 @@ def _fresh_like(src: Any, dst: Node) -> bool:
     a, b = src.meta.get("val"), dst.meta.get("val")
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
         a.shape == b.shape and a.dtype == b.dtype and a.device == b.device)
+
+
+def _in_out_dtype(functional: Any, args: tuple, kwargs: dict, writes: list[tuple[int, Node]]
+                  ) -> tuple[tuple, dict]:
+    """The functional call of an ``out=`` op given ``dtype=out.dtype`` when the op leaves
+    its dtype unset and the functional op takes one.
+
+    An ``out=`` reduction, scan or factory computes in its out tensor's dtype, not in the
+    one it would return: ``torch.sum(x_half, 0, out=f32)`` sums in float32 and
+    ``torch.cumsum(x, 0, out=int64)`` casts before it sums, so a cast of the functional
+    result would differ from eager (checked against eager for sum, prod, mean, nansum,
+    cumsum, cumprod, linspace, logspace, hann_window, randn, rand: the dtype argument
+    matches it everywhere, the cast does not)."""
+    schema = getattr(functional, "_schema", None)
+    out = writes[0][1].meta.get("val") if len(writes) == 1 else None
+    if schema is None or not isinstance(out, torch.Tensor):
+        return args, kwargs
+    for i, argument in enumerate(schema.arguments):
+        if argument.name == "dtype" and isinstance(argument.type, torch.OptionalType):
+            if i < len(args) and not argument.kwarg_only:
+                if args[i] is None:
+                    args = (*args[:i], out.dtype, *args[i + 1:])
+            elif kwargs.get("dtype") is None:
+                kwargs = {**kwargs, "dtype": out.dtype}
+            break
+    return args, kwargs
 
 
 def _whole_storage(val: Any) -> bool:
