@@ -448,6 +448,16 @@ class Rewrite:
             # out= resizes its destination: a rename to the result for a fresh tensor.
             self._check_relayout(node, written, "an out= resize")
         if old.dtype != val.dtype:
+            if torch.Tag.reduction in getattr(target_of(node), "tags", ()):
+                # An out= reduction computes in its out tensor's dtype (std, var, logsumexp
+                # into a float32 buffer from float16 differ from a cast of their result);
+                # one with a dtype argument was given it (``_in_out_dtype``), these have none.
+                raise UnsupportedMutationError(
+                    node, f"it reduces into {written.name} of dtype {old.dtype}, computing in "
+                          f"that dtype as torch's out= reductions do, and its functional form "
+                          f"computes in {val.dtype} with no dtype argument: compute the value "
+                          f"in {old.dtype} (from the input converted to it) and copy_ it",
+                    "no-variant")
             return self.emit(node, aten._to_copy.default, new, dtype=old.dtype)
         return new
 

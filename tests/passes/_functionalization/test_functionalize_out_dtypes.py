@@ -6,7 +6,8 @@ the floats before summing. Rewritten as the functional op followed by a cast of 
 (the rule for element-wise ops), each of these programs differed from eager (a sum into an
 int64 buffer by 2, a float16 sum into a float32 buffer by 0.012): the functional call gets
 ``dtype=out.dtype`` instead. Each case: both program forms, 4 calls, outputs, buffers and
-inputs equal to eager bit for bit.
+inputs equal to eager bit for bit. A reduction with no dtype argument (``var``,
+``logsumexp``) into another dtype has no functional form computing like it: refused.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 
 from pass_manager import graph_of
 
-from .functionalize_checks import functionalize_both_forms
+from .functionalize_checks import functionalize_both_forms, refused_in_both_forms
 
 aten = torch.ops.aten
 
@@ -103,3 +104,49 @@ def test_out_variant_computes_in_the_out_dtype(case):
                           aten.sum.dim_IntList, aten.mean.dim, aten.prod.dim_int,
                           aten.cumsum.default, aten.linspace.default)]
         assert with_dtype, "no functional call was given the out tensor's dtype"
+
+
+class VarianceIntoFloat(nn.Module):
+    """``var`` of float16 activations into a float32 buffer: eager computes in float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("var", torch.zeros(8))
+
+    def forward(self, x):
+        torch.var(x, 0, out=self.var)
+        return self.var * 1
+
+
+class LogSumExpIntoHalf(nn.Module):
+    """``logsumexp`` of float32 into a float16 row: eager sums the exponentials in float16."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("lse", torch.zeros(2, 8, dtype=torch.float16))
+
+    def forward(self, x):
+        torch.logsumexp(x, 0, out=self.lse[1])
+        return self.lse * 1
+
+
+@pytest.mark.parametrize("factory, calls", [(VarianceIntoFloat, _half(300, 8)),
+                                            (LogSumExpIntoHalf, _uniform(300, 8))])
+def test_reduction_without_a_dtype_argument_into_another_dtype_is_refused(factory, calls):
+    """A cast of the functional result differs from eager (by 4e-4 and 4e-3 on these)."""
+    error = refused_in_both_forms(factory, calls, "no-variant")
+    assert "copy_" in str(error) and "dtype" in str(error)
+
+
+def test_reduction_into_its_own_dtype_is_rewritten():
+    class SameDtype(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("v", torch.zeros(8))
+
+        def forward(self, x):
+            torch.var(x, 0, out=self.v)
+            torch.logsumexp(x, 0, out=self.v[None][0])
+            return self.v * 1
+
+    functionalize_both_forms(SameDtype, _uniform(300, 8))
