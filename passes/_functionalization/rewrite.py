@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, OutputSpec, TensorArgument
 from torch.fx import Node, map_arg
@@ -124,6 +125,8 @@ class Rewrite:
         # write) are all the two steps below look at. It is taken again only after one of
         # them changed the graph.
         scan = find_mutations(program)
+        if scan.candidates:
+            _check_one_fake_mode(self.graph)
         # no_grad regions that write state are inlined first.
         inlined = inline_grad_regions(self.gm, type(self), scan.candidates)
         if inlined.dead or inlined.functionalized:
@@ -782,6 +785,26 @@ def _whole_storage(val: Any) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return val.is_contiguous() and nbytes == val.numel() * val.element_size()
+
+
+def _check_one_fake_mode(graph: torch.fx.Graph) -> None:
+    """Refuse a graph whose fake values come from several fake modes: ``make_fx``'s real
+    tracing records each node's value alone, in a mode of its own, so a view's value has
+    lost its base and storage offset (``as_strided(b, (2,), (4,), 1)`` records offset 0),
+    and a rewrite reading them would write back at the wrong place."""
+    first = None
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if not isinstance(val, FakeTensor):
+            continue
+        if first is None:
+            first = val.fake_mode
+        elif val.fake_mode is not first:
+            raise UnsupportedMutationError(
+                node, "the graph's values were recorded in several fake modes (as "
+                      "make_fx's real tracing records them), so views do not record their "
+                      "base and storage offset; trace it with make_fx(..., "
+                      "tracing_mode='fake') or torch.export.export", "fake-failure")
 
 
 def _repair_use_lists(graph: torch.fx.Graph) -> None:
