@@ -57,7 +57,8 @@ class InplaceToFunctional(Pass):
             as it was.
         UnsupportedMutationError: raised by ``call`` for a mutation it cannot rewrite
             correctly, its ``kind`` saying which: a write to a lifted constant
-            ("writes-constant"), an op with no known functional variant ("no-variant"), a
+            ("writes-constant"), an op with no known functional variant, such as an ``out=``
+            reduction computing in an out tensor of another dtype ("no-variant"), a
             write through a view with no write-back ("no-write-back"), a written tensor
             that may partially overlap another argument ("overlap"), a write it cannot
             see through, such as one inside a higher-order op ("opaque"), an op failing

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, OutputSpec, TensorArgument
 from torch.fx import Node, map_arg
@@ -124,6 +125,8 @@ class Rewrite:
         # write) are all the two steps below look at. It is taken again only after one of
         # them changed the graph.
         scan = find_mutations(program)
+        if scan.candidates:
+            _check_one_fake_mode(self.graph)
         # no_grad regions that write state are inlined first.
         inlined = inline_grad_regions(self.gm, type(self), scan.candidates)
         if inlined.dead or inlined.functionalized:
@@ -378,6 +381,8 @@ class Rewrite:
         else:
             args = node.args
             kwargs = {k: v for k, v in node.kwargs.items() if k not in variant.out_args}
+        if variant.out_args:
+            args, kwargs = _in_out_dtype(variant.functional, args, kwargs, writes)
         call = self.emit(node, variant.functional, *args, **kwargs)
         # One new value per written argument: a written list's (``_foreach_add_``) is a list.
         written_args = list(dict.fromkeys(i for i, _ in writes))
@@ -446,6 +451,16 @@ class Rewrite:
             # out= resizes its destination: a rename to the result for a fresh tensor.
             self._check_relayout(node, written, "an out= resize")
         if old.dtype != val.dtype:
+            if torch.Tag.reduction in getattr(target_of(node), "tags", ()):
+                # An out= reduction computes in its out tensor's dtype (std, var, logsumexp
+                # into a float32 buffer from float16 differ from a cast of their result);
+                # one with a dtype argument was given it (``_in_out_dtype``), these have none.
+                raise UnsupportedMutationError(
+                    node, f"it reduces into {written.name} of dtype {old.dtype}, computing in "
+                          f"that dtype as torch's out= reductions do, and its functional form "
+                          f"computes in {val.dtype} with no dtype argument: compute the value "
+                          f"in {old.dtype} (from the input converted to it) and copy_ it",
+                    "no-variant")
             return self.emit(node, aten._to_copy.default, new, dtype=old.dtype)
         return new
 
@@ -732,6 +747,32 @@ def _fresh_like(src: Any, dst: Node) -> bool:
         a.shape == b.shape and a.dtype == b.dtype and a.device == b.device)
 
 
+def _in_out_dtype(functional: Any, args: tuple, kwargs: dict, writes: list[tuple[int, Node]]
+                  ) -> tuple[tuple, dict]:
+    """The functional call of an ``out=`` op given ``dtype=out.dtype`` when the op leaves
+    its dtype unset and the functional op takes one.
+
+    An ``out=`` reduction, scan or factory computes in its out tensor's dtype, not in the
+    one it would return: ``torch.sum(x_half, 0, out=f32)`` sums in float32 and
+    ``torch.cumsum(x, 0, out=int64)`` casts before it sums, so a cast of the functional
+    result would differ from eager (checked against eager for sum, prod, mean, nansum,
+    cumsum, cumprod, linspace, logspace, hann_window, randn, rand: the dtype argument
+    matches it everywhere, the cast does not)."""
+    schema = getattr(functional, "_schema", None)
+    out = writes[0][1].meta.get("val") if len(writes) == 1 else None
+    if schema is None or not isinstance(out, torch.Tensor):
+        return args, kwargs
+    for i, argument in enumerate(schema.arguments):
+        if argument.name == "dtype" and isinstance(argument.type, torch.OptionalType):
+            if i < len(args) and not argument.kwarg_only:
+                if args[i] is None:
+                    args = (*args[:i], out.dtype, *args[i + 1:])
+            elif kwargs.get("dtype") is None:
+                kwargs = {**kwargs, "dtype": out.dtype}
+            break
+    return args, kwargs
+
+
 def _whole_storage(val: Any) -> bool:
     """A contiguous tensor with static sizes at offset 0 that owns all of its storage."""
     if not isinstance(val, torch.Tensor):
@@ -744,6 +785,26 @@ def _whole_storage(val: Any) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return val.is_contiguous() and nbytes == val.numel() * val.element_size()
+
+
+def _check_one_fake_mode(graph: torch.fx.Graph) -> None:
+    """Refuse a graph whose fake values come from several fake modes: ``make_fx``'s real
+    tracing records each node's value alone, in a mode of its own, so a view's value has
+    lost its base and storage offset (``as_strided(b, (2,), (4,), 1)`` records offset 0),
+    and a rewrite reading them would write back at the wrong place."""
+    first = None
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if not isinstance(val, FakeTensor):
+            continue
+        if first is None:
+            first = val.fake_mode
+        elif val.fake_mode is not first:
+            raise UnsupportedMutationError(
+                node, "the graph's values were recorded in several fake modes (as "
+                      "make_fx's real tracing records them), so views do not record their "
+                      "base and storage offset; trace it with make_fx(..., "
+                      "tracing_mode='fake') or torch.export.export", "fake-failure")
 
 
 def _repair_use_lists(graph: torch.fx.Graph) -> None:
