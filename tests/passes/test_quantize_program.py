@@ -350,3 +350,43 @@ def test_per_block_weights_lift_and_compute_what_pt2e_computes():
     # 4-bit weights in blocks of 4, 16-bit activations: near eager (measured 0.04-0.08;
     # per-channel 4-bit weights 0.06-0.13), the state included.
     assert max(output_errors(run_program(model, calls), run_program(quantized, calls))) < 0.12
+
+
+@pytest.mark.parametrize("by_keyword", [False, True], ids=["positional", "keyword"])
+def test_calibration_puts_back_the_callers_carried_cache(by_keyword):
+    """A cache the caller passes and the program writes in place is threaded through the
+    calibration calls, then put back bit for bit: it held the last call's state, and a
+    decode from it started there (a CarriedStateWarning said "pass fresh tensors")."""
+    import warnings
+
+    from passes.errors import CarriedStateWarning
+    from tests.models.quantized_state import CarriedCache, carried_cache, grid_inputs
+
+    calls = grid_inputs()
+    model = CarriedCache()
+    with torch.no_grad():
+        ep = torch.export.export(copy.deepcopy(model), (*calls[0], carried_cache()))
+    cache = carried_cache() + 0.25  # a non-zero start, put back exactly
+    before = cache.clone()
+    calibration = [((*args,), {"cache": cache}) if by_keyword else (*args, cache)
+                   for args in calls[:4]]
+    seen = []  # the caller's cache after each calibration call
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CarriedStateWarning)
+        quantized = quantize_program(copy_program(ep), xnnpack_quantizer(), calibration,
+                                     on_call=lambda index: seen.append(cache.clone()))
+    assert torch.equal(cache, before)
+    # The calls were threaded along one cache, as eager runs them (the prepared program
+    # computes in fp32): after the last, it held what eager's four calls leave.
+    eager_cache = before.clone()
+    with torch.no_grad():
+        for args in calls[:4]:
+            model(*args, eager_cache)
+    assert len(seen) == 4 and not torch.equal(seen[-1], before)
+    assert torch.allclose(seen[-1], eager_cache, atol=1e-6)
+    # A decode from the caller's tensor starts from the state it was given.
+    module, fresh = quantized.module(), before.clone()
+    with torch.no_grad():
+        for args in calls:
+            assert torch.equal(module(*args, cache), module(*args, fresh))
+            assert torch.equal(cache, fresh)
