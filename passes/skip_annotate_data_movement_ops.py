@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from ._analysis.data_movement import (
     buffer_of,
     data_movement_nodes,
 )
+from ._analysis.union_observers import averages_by_construction, class_name, union_observer_ctr
 
 if TYPE_CHECKING:
     from torchao.quantization.pt2e.quantizer import QuantizationAnnotation
@@ -108,11 +110,17 @@ class SkipAnnotateDataMovementOps(Pass):
         notes: list[str] = []
         statistics: Counter[str] = Counter()
         memo: dict[Node, str | None] = {}
+        # The written value's edge into each buffer write (or, for a write the quantizer
+        # left alone, the value itself) -> the buffer written.
+        written: dict[tuple[Node, Node], str] = {}
         for node in data_movement_nodes(gm.graph, self._ops):
+            packet = node.target.overloadpacket
+            value = self._written_value(node, self._ops[packet])
+            if value is not None and (fqn := buffer_of(node.args[0], memo)) is not None:
+                written[(value, node)] = fqn
             annotation = node.meta.get(ANNOTATION_META)
             if annotation is None:
                 continue
-            packet = node.target.overloadpacket
             buffer_inputs = [a for a in annotation.input_qspec_map
                              if buffer_of(a, memo) is not None]
             destination = node.args[0] if node.args else None
@@ -126,7 +134,71 @@ class SkipAnnotateDataMovementOps(Pass):
                        else "outputs left unquantized"] += 1
             notes.append(f"{node.name}: buffer {fqn or buffer_of(buffer_inputs[0], memo)!r} is not "
                          f"observed; the result {output}")
+        if written:
+            self._observe_union(gm, written, notes, statistics)
         return PassResult(program, bool(notes), notes, statistics)
+
+    @staticmethod
+    def _written_value(node: Node, value_index: int | None) -> Node | None:
+        """The value ``node`` writes into its argument 0, or None (a view, no such value)."""
+        if value_index is None or value_index >= len(node.args):
+            return None
+        value = node.args[value_index]
+        return value if isinstance(value, Node) else None
+
+    @staticmethod
+    def _observe_union(gm: Any, written: dict[tuple[Node, Node], str], notes: list[str],
+                       statistics: Counter[str]) -> None:
+        """Give the observer a written value shares with its buffer a min-max kind.
+
+        pt2e builds one observer per sharing group (explicit ``SharedQuantizationSpec`` and
+        its implicit sharing of a producer's output with its consumers' edges), from the
+        first member's spec in graph order; torchao's own grouping says which members those
+        are, and each one's spec gets the min-max observer, so whichever comes first does.
+        """
+        from torchao.quantization.pt2e.prepare import (
+            _get_edge_or_node_to_group_id,
+            _get_edge_or_node_to_qspec,
+        )
+        from torchao.quantization.pt2e.quantizer import QuantizationSpec
+
+        qspecs = _get_edge_or_node_to_qspec(gm)
+        group_of = _get_edge_or_node_to_group_id(qspecs)
+        groups: dict[int, str] = {}
+        for (value, write), fqn in written.items():
+            # The write's edge when the quantizer annotated the write, else the value's own
+            # output observer (a Core ML linear feeding an unannotated index_copy).
+            member = (value, write) if (value, write) in group_of else value
+            if member in group_of:
+                groups.setdefault(group_of[member], fqn)
+        owned: set[Node] = set()  # nodes whose annotation is already this pass's copy
+        for member, qspec in qspecs.items():
+            fqn = groups.get(group_of[member])
+            if fqn is None or not isinstance(qspec, QuantizationSpec):
+                continue
+            where = (member.name if isinstance(member, Node)
+                     else f"{member[1].name}'s input {member[0].name}")
+            ctr = qspec.observer_or_fake_quant_ctr
+            union = union_observer_ctr(ctr)
+            if union is None:
+                if averages_by_construction(ctr):
+                    statistics["averaging observers left (fused)"] += 1
+                    notes.append(f"{where}: {class_name(ctr)} averages the ranges written into "
+                                 f"buffer {fqn!r} and cannot take another observer; left as is")
+                continue
+            node = member if isinstance(member, Node) else member[1]
+            annotation = node.meta[ANNOTATION_META]
+            if node not in owned:
+                annotation = _replaced(node, annotation)
+                owned.add(node)
+            new = dataclasses.replace(qspec, observer_or_fake_quant_ctr=union)
+            if isinstance(member, Node):
+                annotation.output_qspec = new
+            else:
+                annotation.input_qspec_map[member[0]] = new
+            statistics["observers made min-max (state's union)"] += 1
+            notes.append(f"{where}: observed by {class_name(union)} instead of {class_name(ctr)}"
+                         f", for the union of the ranges written into buffer {fqn!r}")
 
     @staticmethod
     def _rewrite(
