@@ -52,14 +52,26 @@ class SkipAnnotateDataMovementOps(Pass):
       written value (``SharedQuantizationSpec``), so the cache, the value written into it
       and later reads use one set of qparams;
     * a view of a buffer shares the qparams of the buffer value it views, or, when that
-      value is not quantized, is not quantized either.
+      value is not quantized, is not quantized either;
+    * the value written into a buffer (annotated write or not), and every edge or output
+      pt2e gives the same observer (torchao's sharing groups), is observed by the union of
+      its ranges: a moving-average observer (``MovingAverageMinMaxObserver``, its
+      per-channel kind, also as a ``FakeQuantize``'s ``observer``; QnnQuantizer's and
+      CoreMLQuantizer's defaults) becomes the min-max one, with the spec's other
+      arguments kept. A cache written a row per call holds every row written, and an
+      average of per-call ranges clips it. Union observers (min-max, histogram) are
+      left; a ``FusedMovingAvgObsFakeQuantize`` (XNNPACK QAT) cannot take another
+      observer and is left, with a note.
 
     Compute ops on a buffer (``add_``, ``mul_``) keep their annotations.
 
-    Example (k is the written value; ``own`` = its own observer, ``k`` = shares k's)::
+    Example (k is the written value; ``own`` = its own observer, ``k`` = shares k's;
+    ``avg`` / ``minmax`` its observer class)::
 
-        before:  %index_copy = aten.index_copy(%k_cache[own], 2, %pos, %k[own]) -> own
-        after:   %index_copy = aten.index_copy(%k_cache, 2, %pos, %k[k]) -> k
+        before:  %k = aten.linear(...) -> own(avg)
+                 %index_copy = aten.index_copy(%k_cache[own], 2, %pos, %k[own]) -> own
+        after:   %k = aten.linear(...) -> own(minmax)
+                 %index_copy = aten.index_copy(%k_cache, 2, %pos, %k[k]) -> k
 
     Args:
         extra_ops: more data-movement ops, a tuple whose entries are an op (overload or
