@@ -271,3 +271,24 @@ def test_xnnpack_static_observers_are_left_as_they_are():
     assert all(after[key] is before[key] for key in before)
     (record,) = result.report.records
     assert "observers made min-max (state's union)" not in record.statistics
+
+
+def test_a_fused_moving_average_fake_quantize_is_left_and_reported():
+    """XNNPACK's QAT config observes with FusedMovingAvgObsFakeQuantize, whose kernel
+    averages whatever observer it holds: left as it is, and the notes say so."""
+    from torchao.testing.pt2e._xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+
+    model, calls = RowCache(), _row_calls()
+    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_qat=True))
+    gm = _annotated_with(quantizer, model, calls[0])
+    before = _observer_ctrs(gm)
+    result = PassManager([SkipAnnotateDataMovementOps()]).run(gm)
+    after = _observer_ctrs(gm)
+    assert all(after[key] is before[key] for key in before.keys() & after.keys())
+    (record,) = result.report.records
+    assert record.statistics["averaging observers left (fused)"] >= 1
+    assert any("FusedMovingAvgObsFakeQuantize averages the ranges written into buffer 'cache'"
+               in note for note in record.notes)
