@@ -53,13 +53,14 @@ class SkipAnnotateDataMovementOps(Pass):
       and later reads use one set of qparams;
     * a view of a buffer shares the qparams of the buffer value it views, or, when that
       value is not quantized, is not quantized either;
-    * the value written into a buffer (annotated write or not), and every edge or output
-      pt2e gives the same observer (torchao's sharing groups), is observed by the union of
-      its ranges: a moving-average observer (``MovingAverageMinMaxObserver``, its
-      per-channel kind, also as a ``FakeQuantize``'s ``observer``; QnnQuantizer's and
-      CoreMLQuantizer's defaults) becomes the min-max one, with the spec's other
-      arguments kept. A cache written a row per call holds every row written, and an
-      average of per-call ranges clips it. Union observers (min-max, histogram) are
+    * the value written into a buffer (annotated write or not), a compute op's read of a
+      buffer (``acc.add_(x)``'s read of ``acc``), and every edge or output pt2e gives the
+      same observer (torchao's sharing groups), is observed by the union of its ranges:
+      a moving-average observer (``MovingAverageMinMaxObserver``, its per-channel kind,
+      also as a ``FakeQuantize``'s ``observer``; QnnQuantizer's and CoreMLQuantizer's
+      defaults) becomes the min-max one, with the spec's other arguments kept. A cache
+      written a row per call holds every row written, an accumulator what every call
+      added, and an average of per-call ranges clips them. Union observers (min-max, histogram) are
       left; a ``FusedMovingAvgObsFakeQuantize`` (XNNPACK QAT) cannot take another
       observer and is left, with a note.
 
@@ -123,7 +124,8 @@ class SkipAnnotateDataMovementOps(Pass):
         statistics: Counter[str] = Counter()
         memo: dict[Node, str | None] = {}
         # The written value's edge into each buffer write (or, for a write the quantizer
-        # left alone, the value itself) -> the buffer written.
+        # left alone, the value itself), and each compute op's read of a buffer -> the
+        # buffer.
         written: dict[tuple[Node, Node], str] = {}
         for node in data_movement_nodes(gm.graph, self._ops):
             packet = node.target.overloadpacket
@@ -146,6 +148,15 @@ class SkipAnnotateDataMovementOps(Pass):
                        else "outputs left unquantized"] += 1
             notes.append(f"{node.name}: buffer {fqn or buffer_of(buffer_inputs[0], memo)!r} is not "
                          f"observed; the result {output}")
+        # A compute op's read of a buffer (``acc.add_(x)`` reads ``acc``) sees the state,
+        # which holds every call's writes, as the value written into it does.
+        for node in gm.graph.nodes:
+            annotation = node.meta.get(ANNOTATION_META)
+            if annotation is None or getattr(node.target, "overloadpacket", None) in self._ops:
+                continue
+            for arg in annotation.input_qspec_map:
+                if (fqn := buffer_of(arg, memo)) is not None:
+                    written[(arg, node)] = fqn
         if written:
             self._observe_union(gm, written, notes, statistics)
         return PassResult(program, bool(notes), notes, statistics)

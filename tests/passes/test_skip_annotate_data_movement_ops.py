@@ -292,3 +292,38 @@ def test_a_fused_moving_average_fake_quantize_is_left_and_reported():
     assert record.statistics["averaging observers left (fused)"] >= 1
     assert any("FusedMovingAvgObsFakeQuantize averages the ranges written into buffer 'cache'"
                in note for note in record.notes)
+
+
+class Accumulating(nn.Module):
+    """An accumulator a compute op reads and writes (``acc.add_(x)``): every call adds
+    values of one range, so ``acc``'s range grows call by call."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.acc.add_(x)
+        return self.acc * 0.5
+
+
+@pytest.mark.parametrize("quantizer", [_qnn, _coreml], ids=["qnn", "coreml"])
+def test_a_compute_ops_read_of_state_is_observed_over_all_calls(quantizer):
+    """``add``'s read of ``acc`` had its own averaging observer (QnnQuantizer's default,
+    CoreMLQuantizer's): its grid lagged the growing accumulator and clipped it, 84% (QNN)
+    and 87% (Core ML) of its last value off eager after 8 calls. It is the state's value,
+    and is now observed by the union of its ranges, as the written value is: 1.0% and
+    3.7% (Core ML's grid is symmetric, half its steps unused by this positive state, and
+    each call's rounding adds up). The output ``acc * 0.5`` is no state: its own
+    averaging observer is the quantizer's, and clips it still (41%)."""
+    from pass_manager.validation import buffer_errors, run_program
+
+    generator = torch.Generator().manual_seed(0)
+    calls = [(torch.rand(8, generator=generator) + 0.5,) for _ in range(8)]
+    model = Accumulating()
+    quantized = quantize_program(torch.export.export(copy.deepcopy(model), calls[0]),
+                                 quantizer(), calls)
+    eager, actual = run_program(model, calls), run_program(quantized, calls)
+    top = eager.buffers[-1]["acc"].abs().max().item()
+    state_error = max(errors["acc"] for errors in buffer_errors(eager, actual)) / top
+    assert state_error < 0.05, state_error
