@@ -148,17 +148,7 @@ class SkipAnnotateDataMovementOps(Pass):
                        else "outputs left unquantized"] += 1
             notes.append(f"{node.name}: buffer {fqn or buffer_of(buffer_inputs[0], memo)!r} is not "
                          f"observed; the result {output}")
-        # A compute op's read of a buffer (``acc.add_(x)`` reads ``acc``) sees the state,
-        # which holds every call's writes, as the value written into it does.
-        for node in gm.graph.nodes:
-            annotation = node.meta.get(ANNOTATION_META)
-            if annotation is None or getattr(node.target, "overloadpacket", None) in self._ops:
-                continue
-            for arg in annotation.input_qspec_map:
-                if (fqn := buffer_of(arg, memo)) is not None:
-                    written[(arg, node)] = fqn
-        if written:
-            self._observe_union(gm, written, notes, statistics)
+        self._observe_union(gm, written, memo, notes, statistics)
         return PassResult(program, bool(notes), notes, statistics)
 
     @staticmethod
@@ -169,10 +159,11 @@ class SkipAnnotateDataMovementOps(Pass):
         value = node.args[value_index]
         return value if isinstance(value, Node) else None
 
-    @staticmethod
-    def _observe_union(gm: Any, written: dict[tuple[Node, Node], str], notes: list[str],
+    def _observe_union(self, gm: Any, written: dict[tuple[Node, Node], str],
+                       memo: dict[Node, str | None], notes: list[str],
                        statistics: Counter[str]) -> None:
-        """Give the observer a written value shares with its buffer a min-max kind.
+        """Give the observer a written value shares with its buffer, and a compute op's
+        read of a buffer, a min-max kind.
 
         pt2e builds one observer per sharing group (explicit ``SharedQuantizationSpec`` and
         its implicit sharing of a producer's output with its consumers' edges), from the
@@ -186,6 +177,25 @@ class SkipAnnotateDataMovementOps(Pass):
         from torchao.quantization.pt2e.quantizer import QuantizationSpec
 
         qspecs = _get_edge_or_node_to_qspec(gm)
+        # Only averaging observers change: without any (XNNPACK's static config) torchao's
+        # sharing groups, a walk over every edge, are not needed.
+        distinct = {id(ctr): ctr for ctr in (qspec.observer_or_fake_quant_ctr for qspec in
+                                             qspecs.values()
+                                             if isinstance(qspec, QuantizationSpec))}
+        if not any(union_observer_ctr(ctr) is not None or averages_by_construction(ctr)
+                   for ctr in distinct.values()):
+            return
+        # A compute op's read of a buffer (``acc.add_(x)`` reads ``acc``) sees the state,
+        # which holds every call's writes, as the value written into it does.
+        for node in gm.graph.nodes:
+            annotation = node.meta.get(ANNOTATION_META)
+            if annotation is None or getattr(node.target, "overloadpacket", None) in self._ops:
+                continue
+            for arg in annotation.input_qspec_map:
+                if (fqn := buffer_of(arg, memo)) is not None:
+                    written[(arg, node)] = fqn
+        if not written:
+            return
         group_of = _get_edge_or_node_to_group_id(qspecs)
         groups: dict[int, str] = {}
         for (value, write), fqn in written.items():
