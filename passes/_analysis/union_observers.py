@@ -22,19 +22,30 @@ _AVERAGING_ONLY = ("averaging_constant",)
 
 
 @functools.cache
+def _quantization_modules() -> tuple[tuple[Any, Any], ...]:
+    """``(observer module, fake_quantize module)`` of torchao's pt2e flow and, where this
+    torch still has it, of ``torch.ao``'s legacy flow: a spec may hold either's classes."""
+    # Imported here: importing torchao is slow and noisy, and `import passes` should not.
+    from torchao.quantization.pt2e import fake_quantize, observer
+
+    modules = [(observer, fake_quantize)]
+    try:
+        from torch.ao.quantization import fake_quantize as legacy_fake_quantize
+        from torch.ao.quantization import observer as legacy_observer
+    except ImportError:  # torch without the legacy flow: torchao's classes only
+        pass
+    else:
+        modules.append((legacy_observer, legacy_fake_quantize))
+    return tuple(modules)
+
+
+@functools.cache
 def _union_classes() -> dict[type, type]:
     """Each moving-average observer class to its min-max counterpart."""
-    # Imported here: importing torchao is slow and noisy, and `import passes` should not.
-    from torchao.quantization.pt2e import observer as ao
-
-    classes = {ao.MovingAverageMinMaxObserver: ao.MinMaxObserver,
-               ao.MovingAveragePerChannelMinMaxObserver: ao.PerChannelMinMaxObserver}
-    try:
-        from torch.ao.quantization import observer as torch_ao
-    except ImportError:  # torch without the legacy flow: torchao's classes only
-        return classes
-    classes[torch_ao.MovingAverageMinMaxObserver] = torch_ao.MinMaxObserver
-    classes[torch_ao.MovingAveragePerChannelMinMaxObserver] = torch_ao.PerChannelMinMaxObserver
+    classes = {}
+    for obs, _ in _quantization_modules():
+        classes[obs.MovingAverageMinMaxObserver] = obs.MinMaxObserver
+        classes[obs.MovingAveragePerChannelMinMaxObserver] = obs.PerChannelMinMaxObserver
     return classes
 
 
@@ -42,28 +53,13 @@ def _union_classes() -> dict[type, type]:
 def _fake_quantize_classes() -> dict[type, type]:
     """Each FakeQuantize class whose ``observer`` argument can be swapped, to the observer
     class it defaults to."""
-    from torchao.quantization.pt2e import fake_quantize as ao
-
-    classes: dict[type, type] = {ao.FakeQuantize: ao.MovingAverageMinMaxObserver}
-    try:
-        from torch.ao.quantization import fake_quantize as torch_ao
-    except ImportError:
-        return classes
-    classes[torch_ao.FakeQuantize] = torch_ao.MovingAverageMinMaxObserver
-    return classes
+    return {fakes.FakeQuantize: fakes.MovingAverageMinMaxObserver
+            for _, fakes in _quantization_modules()}
 
 
 @functools.cache
 def _fused_classes() -> tuple[type, ...]:
-    from torchao.quantization.pt2e import fake_quantize as ao
-
-    classes: list[type] = [ao.FusedMovingAvgObsFakeQuantize]
-    try:
-        from torch.ao.quantization import fake_quantize as torch_ao
-    except ImportError:
-        return tuple(classes)
-    classes.append(torch_ao.FusedMovingAvgObsFakeQuantize)
-    return tuple(classes)
+    return tuple(fakes.FusedMovingAvgObsFakeQuantize for _, fakes in _quantization_modules())
 
 
 def _split(ctr: Any) -> tuple[Any, tuple, dict[str, Any], dict[str, Any]] | None:
