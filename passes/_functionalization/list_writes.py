@@ -37,6 +37,7 @@ class _Position:
     kwargs: dict
     written: list[Node]
     touched: list[Node]
+    shared: frozenset[Node]  # given to every position (a non-list argument)
 
 
 def split_order_dependent_list_writes(gm: GraphModule, candidates: Iterable[Node],
@@ -85,17 +86,22 @@ def _positions(node: Node) -> list[_Position] | None:
                 args.append(value)
         positions.append(_Position(
             tuple(args), kwargs, [t for i in facts.written for t in _nodes(values[i])],
-            [t for v in values for t in _nodes(v)]))
+            [t for v in values for t in _nodes(v)],
+            frozenset(t for v, listed in zip(values, is_list, strict=True) if not listed
+                      for t in _nodes(v))))
     return positions
 
 
 def _order_dependent(positions: list[_Position], aliases: dict[Node, Alias]) -> bool:
     """Whether a tensor one position writes may share an element with one that another
-    position reads or writes (a tensor given to every position, too)."""
+    position reads or writes (a tensor given to every position, too). A written tensor
+    given to every position (AMP's ``found_inf``) is the op's own across positions: one
+    call updates it as the positions in turn do."""
     return any(
         _may_share(w, t, aliases)
         for k, position in enumerate(positions) for w in position.written
         for j, other in enumerate(positions) if j != k for t in other.touched
+        if not (t is w and w in position.shared)
     )
 
 

@@ -57,7 +57,11 @@ def test_foreach_ops_write_each_tensor_of_their_list():
 def test_a_written_list_and_a_written_tensor_in_one_op():
     calls = _calls((3,), (2,))
     calls[1] = (torch.tensor([1.0, float("inf"), 2.0]), calls[1][1])  # found_inf is set
-    functionalize_both_forms(UnscalesGradients, calls)
+    for program in functionalize_both_forms(UnscalesGradients, calls):
+        # found_inf, given to every position, does not make the positions depend on
+        # one another: the op stays one call.
+        assert targets(program).count(
+            aten._amp_foreach_non_finite_check_and_unscale.default) == 1
 
 
 
