@@ -181,6 +181,9 @@ def test_methods_quantized_alone_are_refused_by_the_cross_method_condition():
     assert caught.value.methods == ["prefill", "decode"]
     assert caught.value.buffer in CACHES
     assert "before the pipeline" in str(caught.value)
+    # They came from one model: the remedy is one calibration, not another export.
+    assert "quantize them together (passes.quantization.quantize_methods" in str(caught.value)
+    assert "export them from one model" not in str(caught.value)
 
 
 def test_reset_on_the_methods_restores_the_shared_state_once():
