@@ -35,9 +35,11 @@ class BuffersToInputs(Pass):
     GraphModule's trailing ``copy_(input, value)``) or its next value returned as an output
     (``returned=True``). Exactly the buffers the last :class:`~passes.InputsToBuffers` run
     made resident come back exactly as they were (``returned=None``, the default: each as it
-    was carried; while the program's call signature is still the one that run left):
+    was carried; while the program's call signature is still the one that run left, and
+    ``buffers`` names all of them):
     same inputs, names, positions, outputs, call specs and example inputs;
     state that run's prefill created goes back to being created and returned. Other buffers
+    (the program's own state beside them included)
     become keyword inputs named by their FQN as a Python identifier (``layers.0.k_cache``
     -> ``layers_0_k_cache``; their value in the example inputs), appended after the others;
     returned values are appended to the outputs (a returned tuple grows, anything else
@@ -122,6 +124,9 @@ class BuffersToInputs(Pass):
         for node in view.gm.graph.nodes:
             if node not in leaving:  # a buffer's own node goes: its name is free
                 keywords.create_name(node.name, None)
+        if record is not None:  # the restored signature's keywords come back beside them
+            for name in (*record.in_spec.child(1).context, *(record.arg_names or ())):
+                keywords.create_name(name, None)
         explicit = []
         for fqn in chosen:
             # Every name of the tensor reads the one input (export reads one of them).
@@ -146,14 +151,16 @@ def _named(view: ProgramView, node: Any) -> Any:
 
 def _restorable(records: tuple[CarriedRecord, ...], chosen: list[str], returned: bool | None,
                 view: ProgramView) -> tuple[CarriedRecord | None, bool]:
-    """The last InputsToBuffers record, when it moved exactly ``chosen``, the user asked for
-    it to come back as it was, and the program still has the call signature that run left
-    (its positions are positions in that signature: restored into another, inputs would go
-    missing); and whether such a record was passed over for that last reason."""
+    """The last InputsToBuffers record, when it moved only buffers of ``chosen`` (the others,
+    the program's own state, such as a rotary embedding's frequencies Phi3's longrope
+    rewrites, are appended to the restored signature), the user asked for it to come back
+    as it was, and the program still has the call signature that run left (its positions
+    are positions in that signature: restored into another, inputs would go missing); and
+    whether such a record was passed over for that last reason."""
     if not records or returned is not None:
         return None, False
     record = records[-1]
-    if {m.buffer for m in record.moved} != set(chosen):
+    if not {m.buffer for m in record.moved} <= set(chosen):
         return None, False
     if not record.fits(view.in_spec, view.out_spec):
         return None, True

@@ -327,8 +327,14 @@ class SharedBufferError(PassManagerError):
             f"the methods do not share buffer {first.buffer!r}: {first.methods[0]!r} and "
             f"{first.methods[1]!r} differ in {first.aspect}: {first.difference}. Methods of "
             "one program share each buffer by name (one buffer for all of them on a "
-            "device), so each must hold it alike: export them from one model."
+            "device), so each must hold it alike: "
         )
+        # Methods quantized one at a time (each on its own calibration: transformers'
+        # PT2EQuantizer quantizes each method it exports alone) come from one model and
+        # still differ in grid; exporting them again would not help.
+        message += ("quantize them together (passes.quantization.quantize_methods gives each "
+                    "shared buffer one grid), not each on its own."
+                    if first.aspect == "quantization grid" else "export them from one model.")
         if len(differences) > 1:
             message += "\nAll differences:\n" + "\n".join(f"  - {d}" for d in differences)
         super().__init__(message)

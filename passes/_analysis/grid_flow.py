@@ -243,9 +243,22 @@ class GridFlow:
     def _cat(self, node: Node) -> Result:
         tensors = argument_value(node, node.target._schema, 0)
         result: Result = WILD
+        empty: list[Grid] = []
         for value in tensors:
-            result = _unify(node, result, self.grid(value))
+            grid = self.grid(value)
             self._carry(node, value)
+            if isinstance(grid, Grid) and _holds_no_values(value):
+                # No value of it lands in the result: HF's rotary ``cat([k_rot, k_pass])``
+                # passes an empty ``k_pass`` (full rotary) on the projection's grid.
+                empty.append(grid)
+                continue
+            result = _unify(node, result, grid)
+        if isinstance(result, Grid) and any(g.dtype != result.dtype for g in empty):
+            # Its integers are still concatenated: another dtype would promote the rest.
+            return Refusal(node.name, "concatenates an empty value of another integer dtype")
+        if len(empty) == len(tensors):  # nothing but empty values: an empty result
+            result = empty[0] if all(g.same(empty[0]) for g in empty) else Refusal(
+                node.name, "concatenates empty values of several grids")
         if isinstance(result, Grid) and result.per_channel:
             rank = len(_val(node).shape) if _val(node) is not None else None
             dim = argument_value(node, node.target._schema, 1) or 0
@@ -330,6 +343,12 @@ def _unify(node: Node, a: Result, b: Result) -> Result:
     if a.same(b):
         return a
     return Refusal(node.name, f"mixes two grids: {a.describe()} and {b.describe()}")
+
+
+def _holds_no_values(node: Any) -> bool:
+    """``node``'s value has no elements (its static shape has a 0)."""
+    value = _val(node)
+    return value is not None and any(isinstance(d, int) and d == 0 for d in value.shape)
 
 
 def _op_name(node: Node) -> str:

@@ -78,7 +78,8 @@ def _clear_marks(node: Node, state: Explicit, exported: bool) -> None:
 def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRecord | None
                   ) -> torch.nn.Module:
     """The program of ``view`` with each of ``explicit`` an input; with ``record``, its call
-    signature restored exactly (and the record dropped)."""
+    signature restored exactly (and the record dropped), the buffers it did not move
+    appended to it as keywords."""
     graph = view.gm.graph
     inputs = list(view.inputs)
     outputs = list(view.outputs)
@@ -129,26 +130,28 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
     outputs.extend(value for index, value in returned if index is None)
     _order_placeholders(view, inputs)
     view.inputs, view.outputs = inputs, outputs
+    # Restoring a record, its signature is the one the others are appended to.
+    in_spec, out_spec = (record.in_spec, record.out_spec) if record is not None else (
+        view.in_spec, view.out_spec)
+    names = (list(record.arg_names) if record.arg_names is not None else None
+             ) if record is not None else view.arg_names()
+    example_inputs = (_restored_examples(view, explicit, record) if record is not None
+                      else view.source.example_inputs if view.exported else None)
     if record is not None:
         records = view.gm.meta.get(CARRIED_META, ())
         view.gm.meta[CARRIED_META] = tuple(r for r in records if r is not record)
-        names = list(record.arg_names) if record.arg_names is not None else None
-        return view.build(record.in_spec, record.out_spec,
-                          _restored_examples(view, explicit, record), names)
-    in_spec = with_leaves(view.in_spec, new_keywords)
+    if new_keywords:
+        in_spec = with_leaves(in_spec, new_keywords)
     appended = sum(1 for index, _ in returned if index is None)
-    out_spec = view.out_spec
     if appended:
         leaves = [pytree.tree_structure(0)] * appended
         out_spec = (pytree.TreeSpec(tuple, None, [*out_spec.children(), *leaves])
                     if out_spec.type is tuple else
                     pytree.TreeSpec(tuple, None, [out_spec, *leaves]))
-    names = view.arg_names()
     if names is not None:
         names = names + list(new_keywords)
-    example_inputs = None
-    if view.exported and view.source.example_inputs is not None:
-        args, kwargs = view.source.example_inputs
+    if example_inputs is not None and new_keywords:
+        args, kwargs = example_inputs
         kwargs = dict(kwargs)
         for state in explicit:
             if state.keep_input and state.input_index is None:

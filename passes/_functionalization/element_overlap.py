@@ -14,7 +14,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-__all__ = ["ENUMERATION_LIMIT", "element_offsets", "may_overlap", "overlaps_itself"]
+__all__ = ["ENUMERATION_LIMIT", "element_offsets", "may_overlap", "may_share", "overlaps_itself"]
 
 
 def _known(condition: Any) -> bool:
@@ -98,3 +98,17 @@ def may_overlap(a: Node, b: Node) -> bool:
     if ea is None or eb is None:
         return True
     return not (_known(ea[1] < eb[0]) or _known(eb[1] < ea[0]))
+
+
+def may_share(a: Node, b: Node) -> bool:
+    """Whether two views of one storage may touch a common element, identical ones
+    included (:func:`may_overlap` leaves those out). True when it cannot be proven
+    otherwise."""
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if a is b or not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+        return True
+    if _known(va.numel() == 0) or _known(vb.numel() == 0):
+        return False
+    la, lb = _layout(va), _layout(vb)
+    identical = va.dim() == vb.dim() and all(_known(x == y) for x, y in zip(la, lb, strict=True))
+    return identical or may_overlap(a, b)

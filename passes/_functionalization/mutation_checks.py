@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .._analysis.aliasing import Alias
 from .._analysis.buffers import CONSTANT, USER_INPUT, State, buffer_tensor
 from ..errors import UnsupportedMutationError
-from .element_overlap import may_overlap
+from .element_overlap import may_overlap, may_share
 from .view_inverse import write_back_reason
 
 __all__ = ["check_opaque", "check_shared_storage", "check_write"]
@@ -45,6 +45,7 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
                 states: dict[Node, State]) -> None:
     """A write the rewrite can express exactly, or an UnsupportedMutationError."""
     inputs = [a for a in node.all_input_nodes if a in aliases]
+    _check_written_once(node, written, aliases)
     for w in written:
         alias = aliases[w]
         state = states.get(alias.root)
@@ -66,6 +67,26 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
                 raise UnsupportedMutationError(
                     node, f"the written {w.name} and the argument {other.name} are views of "
                           "one storage that may partially overlap", "overlap")
+
+
+def _check_written_once(node: Node, written: list[Node], aliases: dict[Node, Alias]) -> None:
+    """Refuse an op writing one element through two of its written arguments (a custom
+    op ``two(a, b)`` given one buffer for both): eager's result is whatever order the
+    op's body writes them in, while its functional form computes each new value from the
+    old one and the second write-back drops the first. (List ops run one position after
+    the other; those whose positions share tensors were split before: ``list_writes``.)"""
+    for k, w in enumerate(written):
+        for other in written[k + 1:]:
+            if w in aliases and other in aliases and (
+                aliases[w].root is aliases[other].root and may_share(w, other)
+            ):
+                what = (f"{w.name} is given for two of its written arguments" if w is other
+                        else f"its written arguments {w.name} and {other.name} may share "
+                             "an element")
+                raise UnsupportedMutationError(
+                    node, f"{what}: the order in which the op writes them decides eager's "
+                          "result, and its functional form keeps only one of the two new "
+                          "values; pass tensors that share no element", "overlap")
 
 
 def check_shared_storage(program: object, states: dict[Node, State], written: set[State],

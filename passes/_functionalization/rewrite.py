@@ -1,8 +1,10 @@
 """The rewrite behind InplaceToFunctional: one walk over the graph.
 
-Before the walk, state-writing grad-mode regions are inlined (``grad_regions``) and
-metadata mutations become views (``metadata_mutations``); the program's state, the roots
-to functionalize and its mutation outputs are read from the mutation scan.
+Before the walk, state-writing grad-mode regions are inlined (``grad_regions``), list
+writes whose positions depend on one another are split into one op per position
+(``list_writes``) and metadata mutations become views (``metadata_mutations``); the
+program's state, the roots to functionalize and its mutation outputs are read from the
+mutation scan.
 
 Every tensor has a storage root and a chain of views from it (``aliasing``, built from
 the op facts of ``op_schema``). Each written root has a *current value* node and a
@@ -65,6 +67,7 @@ from ..errors import UnsupportedMutationError
 from ..functional_variants import functional_variant
 from .element_overlap import overlaps_itself
 from .grad_regions import inline_grad_regions
+from .list_writes import split_order_dependent_list_writes
 from .metadata_mutations import normalize_metadata_mutations
 from .mutation_checks import check_opaque, check_shared_storage, check_write
 from .overlapping_writes import needs_written_positions, written_positions
@@ -130,6 +133,9 @@ class Rewrite:
         # no_grad regions that write state are inlined first.
         inlined = inline_grad_regions(self.gm, type(self), scan.candidates)
         if inlined.dead or inlined.functionalized:
+            scan = find_mutations(program)
+        # A list write whose positions read or write one another's tensors: one op each.
+        if split_order_dependent_list_writes(self.gm, scan.candidates, scan.aliases):
             scan = find_mutations(program)
         self.fake = FakeValues(self.graph, tensor_meta=True)
         # Metadata mutations become views / renames first.

@@ -11,7 +11,8 @@ method the same grid. A buffer's observers are:
 
 * the values written into it: the written argument of each write (``index_copy``,
   ``index_put``, ``copy_``, the ``*_scatter`` ops) whose destination is its contents, and
-  what that argument is a view or a copy of, back to the op that computed it;
+  what that argument is a view or a copy of, back to the op that computed it, through a
+  ``cat`` to each operand putting values into it;
 * its contents: the buffer and every value carrying it on: any view of it (whatever op,
   read from the op's schema: ``t``, ``narrow``, ``select``, ``slice``, ...), a copy of it,
   a functional write's result on it, and so on transitively, so that a write through a
@@ -80,6 +81,22 @@ def _carried(node: Node) -> Node | None:
     return None
 
 
+def _joined(node: Node) -> list[Node]:
+    """The operands of a ``cat`` whose values its result holds: each but the empty ones
+    (HF's rotary ``cat([k_rot, k_pass])`` with every dim rotated passes an empty ``k_pass``
+    of another grid, which puts nothing into the key cache)."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
+        return []
+    operands = node.args[0] if node.args else node.kwargs.get("tensors", ())
+    return [o for o in operands if isinstance(o, Node) and not _empty(o)]
+
+
+def _empty(node: Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and any(
+        isinstance(d, int) and d == 0 for d in value.shape)
+
+
 @dataclass
 class BufferObservers:
     """The observers standing for each marked buffer in one prepared method.
@@ -140,6 +157,7 @@ def buffer_observers(model: GraphModule, observer_of: Mapping[Any, Any],
             index = _written_value_index(value)
             if index is not None and index < len(value.args):
                 pending.append((value.args[index], value))
+            pending.extend((joined, value) for joined in _joined(value))
 
     for node, fqn in contents.items():
         add(found.grid, fqn, node)

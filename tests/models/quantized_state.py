@@ -228,6 +228,24 @@ class TwoGrids(GridCache):
         return ((self.cache * x).sum(-1),)
 
 
+class EmptyPartOnAnotherGrid(GridCache):
+    """Hugging Face's rotary embedding with every dim rotated: ``cat([k_rot, k_pass])``
+    joins the written value with an empty ``k_pass`` sliced from a value on another grid
+    (``grid``). Nothing of it lands in the cache: on an int8 grid the cache is stored as
+    integers; on another integer dtype (uint8) concatenating its integers would promote
+    the rest, so it stays float."""
+
+    def __init__(self, grid: tuple = OTHER_GRID):
+        super().__init__("index_copy")
+        self.grid = grid
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rotated = on_grid(self.proj(x))
+        passed = on_grid(x, self.grid)[..., 4:]  # all 4 dims rotated: nothing passes
+        self.cache.index_copy_(1, pos, torch.cat([rotated, passed], dim=-1))
+        return ((self.cache * x).sum(-1),)
+
+
 class ComputedAfterDequantize(GridCache):
     """A write of a value computed from a dequantized one: off the grid, stays float."""
 

@@ -398,6 +398,35 @@ def test_a_record_is_not_restored_into_a_signature_changed_since(form, steps):
 
 
 @pytest.mark.parametrize("form", FORMS)
+def test_the_programs_own_state_joins_the_restored_signature(form):
+    """A program writing state of its own beside the carried state InputsToBuffers made
+    resident (Phi3's longrope rewrites its rotary frequencies beside HF's cache): by default
+    BuffersToInputs makes every written buffer an input, and the carried ones come back as
+    they were, the program's own appended as a keyword. The record was dropped instead:
+    ``a`` and ``b`` came back as keywords ``a``/``b`` after ``x``, no note said why, and
+    the call ``program(x, a, b)`` that worked before InputsToBuffers failed."""
+    x, a, b = _carried_inputs()
+    program = exported(_CarriedBesideResident(), (x, a, b), form=form)
+    options = {} if form == "exported" else {"initial_values": {"a": a, "b": b}}
+    resident = PassManager([InputsToBuffers(**options)]).run(copy.deepcopy(program)).program
+    result = PassManager([BuffersToInputs()]).run(resident)
+    assert "the call signature before InputsToBuffers is restored" in result.report.records[
+        0].notes
+    back = result.program
+    if form == "exported":
+        args, kwargs = back.call_spec.in_spec.children()
+        assert (args, kwargs.context) == (program.call_spec.in_spec.child(0), ["r"])
+        assert [t.shape for t in pytree.tree_leaves(back.example_inputs)] == [(4,)] * 4
+    eager = _CarriedBesideResident()
+    got, expected = runnable(back), (a.clone(), b.clone())
+    state, r = (a.clone(), b.clone()), eager.r.clone()
+    for call in range(CALLS):
+        x = torch.linspace(-1, 1, 4) * (call + 1)
+        torch.testing.assert_close(got(x, *state, r=r), eager(x, *expected), rtol=0, atol=0)
+        torch.testing.assert_close((*state, r), (*expected, eager.r), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", FORMS)
 def test_a_buffer_made_an_input_and_resident_again_starts_from_its_value(form):
     """BuffersToInputs then InputsToBuffers gives the buffer back its value on both forms:
     the ExportedProgram keeps it as the input's example, and a GraphModule, which keeps no

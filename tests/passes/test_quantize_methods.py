@@ -181,6 +181,9 @@ def test_methods_quantized_alone_are_refused_by_the_cross_method_condition():
     assert caught.value.methods == ["prefill", "decode"]
     assert caught.value.buffer in CACHES
     assert "before the pipeline" in str(caught.value)
+    # They came from one model: the remedy is one calibration, not another export.
+    assert "quantize them together (passes.quantization.quantize_methods" in str(caught.value)
+    assert "export them from one model" not in str(caught.value)
 
 
 def test_reset_on_the_methods_restores_the_shared_state_once():
@@ -339,3 +342,50 @@ def test_integer_state_a_method_only_reads_is_read_as_those_integers():
         assert torch.equal(got, want)
     expected = calls_in_sequence(reference, case.calls)
     assert max(errors_per_call(expected, stored)) < 0.1  # the mask and count exactly too
+
+
+class _RotaryKeys(torch.nn.Module):
+    """Keys written as HF writes them with every dim rotated: ``cat([k_rot, k_pass])``,
+    ``k_pass`` empty, sliced from the projection (its own grid)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(1, 8, 4))
+
+    def forward(self, x, positions):
+        k = self.proj(x)
+        rotated = k * 0.75 + k.flip(-1) * 0.5
+        self.cache.index_copy_(1, positions, torch.cat([rotated, k[..., 4:]], dim=-1))
+        return (self.cache * self.cache.mean(1, keepdim=True)).sum(-1)
+
+
+def test_a_cache_written_through_a_cat_with_an_empty_part_gets_one_grid():
+    """The key cache of HF's rotary embedding (Phi3, GPT-NeoX with every dim rotated): the
+    empty ``k_pass`` puts nothing in, so the cache lies on the rotated keys' grid. It stayed
+    float ('mixes two grids'); stored as integers, quantize_methods must find the observer
+    behind the ``cat`` to give both methods one grid (SharedBufferError otherwise)."""
+    torch.manual_seed(0)
+    model = _RotaryKeys().eval()
+    generator = torch.Generator().manual_seed(1)
+    prompt = (torch.randn(1, 3, 4, generator=generator), torch.arange(3))
+    steps = [(torch.randn(1, 1, 4, generator=generator), torch.tensor([3 + i]))
+             for i in range(3)]
+    programs = {"prefill": torch.export.export(copy.deepcopy(model), prompt),
+                "decode": torch.export.export(copy.deepcopy(model), steps[0])}
+    calls = [("prefill", prompt, {})] + [("decode", s, {}) for s in steps]
+    floats = quantize_methods(copies(programs), xnnpack_quantizer(), calls)
+    stored = quantize_methods(copies(programs), xnnpack_quantizer(), calls,
+                              quantize_state=True)
+    for name in ("prefill", "decode"):
+        assert buffer_tensor(stored[name], "cache").dtype == torch.int8, name
+    prefill, decode = (stored[m].module() for m in ("prefill", "decode"))
+    decode._buffers["cache"] = prefill._buffers["cache"]  # one state, as on a device
+    reference = {m: floats[m].module() for m in ("prefill", "decode")}
+    reference["decode"]._buffers["cache"] = reference["prefill"]._buffers["cache"]
+    grid = mutable_buffers(stored["decode"])["cache"].grid
+    for method, args, _ in calls:
+        got = (prefill if method == "prefill" else decode)(*args)
+        assert torch.equal(got, reference[method](*args)), method
+        assert torch.equal(grid.dequantize(prefill.get_buffer("cache")),
+                           reference["prefill"].get_buffer("cache"))

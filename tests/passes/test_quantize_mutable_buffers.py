@@ -41,6 +41,7 @@ from tests.models.quantized_state import (
     STEPS,
     CacheAndAccumulator,
     ComputedAfterDequantize,
+    EmptyPartOnAnotherGrid,
     GridCache,
     MalformedGrid,
     PerChannelCache,
@@ -153,6 +154,9 @@ HAND_QUANTIZED = {
     "initial_on_grid": lambda: GridCache("index_copy", on_grid_initial()),
     "initial_off_grid": lambda: GridCache("index_copy", on_grid_initial(offset=1e-3)),
     "two_grids": TwoGrids,
+    "empty_part_on_another_grid": EmptyPartOnAnotherGrid,
+    "empty_part_of_another_dtype": lambda: EmptyPartOnAnotherGrid(
+        (0.04, 128, 0, 255, torch.uint8)),
     "computed_after_dequantize": ComputedAfterDequantize,
     "per_channel": PerChannelCache,
     "per_channel_axis_lost": lambda: PerChannelCache(split=True),
@@ -161,6 +165,7 @@ HAND_QUANTIZED = {
 STAY_FLOAT = {
     "initial_off_grid": "its contents and its initial value not on the grid",
     "two_grids": "two grids",
+    "empty_part_of_another_dtype": "an empty value of another integer dtype",
     "computed_after_dequantize": "computed by mul.Tensor",
     "per_channel_axis_lost": "does not keep the channel axis",
     "shared_storage": "shares its storage with 'cache'",

@@ -314,6 +314,25 @@ def test_custom_ops_fall_back_to_auto_functionalized():
         assert targets(program).count(torch.ops.higher_order.auto_functionalized) == 2
 
 
+
+class OneTensorForTwoWrittenArguments(nn.Module):
+    """A custom op writing two arguments, given one buffer for both: eager adds x and then
+    doubles it; one functional call computed both new values from the old buffer and kept
+    only the doubled one (2.0 where eager has 5.08 after the first call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("a", torch.ones(3))
+
+    def forward(self, x):
+        y = _accumulate2(self.a, self.a, x)
+        return y + self.a
+
+
+def test_one_tensor_for_two_written_arguments_is_refused():
+    error = refused_in_both_forms(OneTensorForTwoWrittenArguments, _calls((3,)), "overlap")
+    assert "is given for two of its written arguments" in error.reason
+
 class RunningStats(nn.Module):
     """Ops torch functionalizes that update state: instance norm tracking running stats,
     the fused moving-average observer + fake quant, and dropout_ outside training."""
