@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch._export.verifier import SpecViolationError, _verify_exported_program_signature
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from ._rollback import recorded, take
@@ -124,11 +125,36 @@ def _unchanged(record: Any, program: Any, after: bool) -> Any:
     return unchanged(*record.measured(program, after))
 
 
+def _call_spec_fault(program: Any) -> str | None:
+    """Why ``ep.module()`` could not take or return the values the signature lists, or None:
+    the call spec flattens a call into exactly the USER_INPUT placeholders and builds the
+    result from exactly the USER_OUTPUT values (torch's signature check looks at neither,
+    and a pass adding an output without its out_spec fails at the program's first call, as
+    a pytree length error)."""
+    in_spec, out_spec = program.call_spec
+    signature = program.graph_signature
+    counts = [
+        ("input", "in_spec", in_spec,
+         sum(s.kind == InputKind.USER_INPUT for s in signature.input_specs)),
+        ("output", "out_spec", out_spec,
+         sum(s.kind == OutputKind.USER_OUTPUT for s in signature.output_specs)),
+    ]
+    for what, name, spec, listed in counts:
+        if spec is not None and spec.num_leaves != listed:
+            return (f"its signature lists {listed} user {what}(s) but its call spec "
+                    f"({name}, module_call_graph[0].signature) has {spec.num_leaves}: update "
+                    f"both, or ep.module() cannot be called")
+    return None
+
+
 def _signature_fault(program: Any) -> str | None:
     """What torch's check of an ExportedProgram's signature finds wrong with it, or None;
     asked only if the counts of inputs and outputs or the state's names disagree (it is
     quadratic in the mutated buffers; names are not compared: torch's deepcopy renames an
     input called ``input``, and the passes pair inputs with specs by position)."""
+    call_fault = _call_spec_fault(program)
+    if call_fault:
+        return call_fault
     signature, graph = program.graph_signature, program.graph
     if (len(graph.find_nodes(op="placeholder")) == len(signature.input_specs)
             and len(graph.output_node().args[0]) == len(signature.output_specs)
