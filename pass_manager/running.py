@@ -309,7 +309,8 @@ class Runner:
         if in_place is True and new_program is not program:
             raise EffectsError(p.name, index, "in_place", reason=(
                 "declares in_place = True (in its effects) but returned a different program "
-                "object"))
+                "object; a pass returning a new program declares "
+                "effects = Effects.rewrite(in_place=False)"))
         change = rollback.compare(new_program, record.claimed_modified)
         record.modified = change.anything
         if in_place is False and new_program is program and record.modified:
