@@ -207,6 +207,8 @@ class Runner:
             ) from e
         self.exported = self.form == EXPORTED_PROGRAM
         self.holds: set[Condition] = set()  # the conditions known to hold
+        # A condition that held until a changing pass did not preserve it: that pass.
+        self.dropped_by: dict[Condition, str] = {}
         report = Report(plan=self.plan, strict=self.strict)
         for instrument in self.instruments:
             instrument.before_run(program, report)
@@ -297,6 +299,10 @@ class Runner:
             provided_here = any(condition in provides_of(q) for q in self.passes)
             hint = "" if provided_here else _providers_hint(
                 condition, repr(p) if self.alone else None)
+            if condition in self.dropped_by:
+                hint = (f"It held until pass {self.dropped_by[condition]}, which changed the "
+                        "program and does not list it in preserves: that pass broke it, or "
+                        f"{p.name} must run before it. {hint}").rstrip()
             raise PreconditionError(p.name, index, condition.name, violations, hint=hint)
 
     def _measure(self, p: Any, index: int, program: Any, new_program: Any, rollback: Any,
@@ -327,7 +333,9 @@ class Runner:
 
     def _provide(self, p: Any, index: int, program: Any, record: PassRecord) -> None:
         if record.modified and not preserves_everything(p):
-            self.holds &= preserves_of(p)
+            kept = preserves_of(p)
+            self.dropped_by.update(dict.fromkeys(self.holds - kept, f"#{index} {p.name}"))
+            self.holds &= kept
         checked = provides_of(p)
         if record.modified and self.strict:  # what it claims to preserve is checked, not trusted
             checked, self.holds = checked | self.holds, set()

@@ -106,6 +106,22 @@ def test_a_pass_called_alone_is_told_what_to_run_before_it(traced):
     NeedsNoRelu()(ReluToAbs()(traced).graph_module)  # the advice works
 
 
+def test_a_requirement_a_later_pass_broke_names_that_pass(traced):
+    """The pipeline provides NoRelu, so the error said only that it does not hold: not that
+    it held until a pass that does not preserve it changed the program."""
+
+    def abs_back_to_relu(program):
+        for node in targets(program, "abs"):
+            node.target = torch.relu
+
+    with pytest.raises(PreconditionError) as info:
+        PassManager([ReluToAbs(), function_pass(abs_back_to_relu), NeedsNoRelu()]).run(traced)
+    assert str(info.value).splitlines()[-1] == (
+        "It held until pass #1 abs_back_to_relu, which changed the program and does not list "
+        "it in preserves: that pass broke it, or NeedsNoRelu must run before it.")
+    assert targets(traced, "relu") and not targets(traced, "abs")  # as #1 left it
+
+
 def test_a_dead_pass_class_is_not_offered_as_a_provider(traced):
     """A class of a finished function (another test's, a notebook cell's) is dead, but a
     reference cycle keeps it until the garbage collector runs: the hint must not name it."""
