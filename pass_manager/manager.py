@@ -15,7 +15,7 @@ from .conditions import (
     provides_of,
 )
 from .effects import Effects
-from .instruments import Instrumentation
+from .instruments import Instrumentation, Timing
 from .pass_base import Pass, PassResult, as_pass
 from .pipeline_text import format_pipeline, parse_passes
 from .planning import Plan, build_plan
@@ -68,7 +68,11 @@ class PassManager(Pass):
         # The user's hooks run innermost-last: after-hooks run in reverse, so a check that
         # rejects a pass (SemanticValidation) runs before the hooks listed before it see
         # the pass succeed.
-        self.instruments: list[Instrumentation] = [*default_instruments(strict), *instruments]
+        # A Timing given here (it is public) replaces the one every run has: one clock.
+        timed = any(isinstance(i, Timing) for i in instruments)
+        defaults = [i for i in default_instruments(strict)
+                    if not (timed and isinstance(i, Timing))]
+        self.instruments: list[Instrumentation] = [*defaults, *instruments]
         self._name = name
 
     # -- a PassManager is itself a pass, so pipelines nest as groups -------------------

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch._export.verifier import SpecViolationError, _verify_exported_program_signature
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from ._rollback import recorded, take
@@ -124,11 +125,36 @@ def _unchanged(record: Any, program: Any, after: bool) -> Any:
     return unchanged(*record.measured(program, after))
 
 
+def _call_spec_fault(program: Any) -> str | None:
+    """Why ``ep.module()`` could not take or return the values the signature lists, or None:
+    the call spec flattens a call into exactly the USER_INPUT placeholders and builds the
+    result from exactly the USER_OUTPUT values (torch's signature check looks at neither,
+    and a pass adding an output without its out_spec fails at the program's first call, as
+    a pytree length error)."""
+    in_spec, out_spec = program.call_spec
+    signature = program.graph_signature
+    counts = [
+        ("input", "in_spec", in_spec,
+         sum(s.kind == InputKind.USER_INPUT for s in signature.input_specs)),
+        ("output", "out_spec", out_spec,
+         sum(s.kind == OutputKind.USER_OUTPUT for s in signature.output_specs)),
+    ]
+    for what, name, spec, listed in counts:
+        if spec is not None and spec.num_leaves != listed:
+            return (f"its signature lists {listed} user {what}(s) but its call spec "
+                    f"({name}, module_call_graph[0].signature) has {spec.num_leaves}: update "
+                    f"both, or ep.module() cannot be called")
+    return None
+
+
 def _signature_fault(program: Any) -> str | None:
     """What torch's check of an ExportedProgram's signature finds wrong with it, or None;
     asked only if the counts of inputs and outputs or the state's names disagree (it is
     quadratic in the mutated buffers; names are not compared: torch's deepcopy renames an
     input called ``input``, and the passes pair inputs with specs by position)."""
+    call_fault = _call_spec_fault(program)
+    if call_fault:
+        return call_fault
     signature, graph = program.graph_signature, program.graph
     if (len(graph.find_nodes(op="placeholder")) == len(signature.input_specs)
             and len(graph.output_node().args[0]) == len(signature.output_specs)
@@ -181,6 +207,8 @@ class Runner:
             ) from e
         self.exported = self.form == EXPORTED_PROGRAM
         self.holds: set[Condition] = set()  # the conditions known to hold
+        # A condition that held until a changing pass did not preserve it: that pass.
+        self.dropped_by: dict[Condition, str] = {}
         report = Report(plan=self.plan, strict=self.strict)
         for instrument in self.instruments:
             instrument.before_run(program, report)
@@ -271,6 +299,10 @@ class Runner:
             provided_here = any(condition in provides_of(q) for q in self.passes)
             hint = "" if provided_here else _providers_hint(
                 condition, repr(p) if self.alone else None)
+            if condition in self.dropped_by:
+                hint = (f"It held until pass {self.dropped_by[condition]}, which changed the "
+                        "program and does not list it in preserves: that pass broke it, or "
+                        f"{p.name} must run before it. {hint}").rstrip()
             raise PreconditionError(p.name, index, condition.name, violations, hint=hint)
 
     def _measure(self, p: Any, index: int, program: Any, new_program: Any, rollback: Any,
@@ -283,7 +315,8 @@ class Runner:
         if in_place is True and new_program is not program:
             raise EffectsError(p.name, index, "in_place", reason=(
                 "declares in_place = True (in its effects) but returned a different program "
-                "object"))
+                "object; a pass returning a new program declares "
+                "effects = Effects.rewrite(in_place=False)"))
         change = rollback.compare(new_program, record.claimed_modified)
         record.modified = change.anything
         if in_place is False and new_program is program and record.modified:
@@ -300,7 +333,9 @@ class Runner:
 
     def _provide(self, p: Any, index: int, program: Any, record: PassRecord) -> None:
         if record.modified and not preserves_everything(p):
-            self.holds &= preserves_of(p)
+            kept = preserves_of(p)
+            self.dropped_by.update(dict.fromkeys(self.holds - kept, f"#{index} {p.name}"))
+            self.holds &= kept
         checked = provides_of(p)
         if record.modified and self.strict:  # what it claims to preserve is checked, not trusted
             checked, self.holds = checked | self.holds, set()

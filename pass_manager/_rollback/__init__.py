@@ -64,7 +64,8 @@ class RollbackRecord:
             graphs = graph_modules(gm)
             self._names = [name for name, _ in graphs]
             self._graphs = [GraphRecord(m, effects.edits_meta_in_place or strict,
-                                        None if strict else effects.meta_keys) for _, m in graphs]
+                                        None if strict else effects.meta_keys, copy_shared=strict)
+                            for _, m in graphs]
             self._graph = self._graphs[0]
             self._state = None if meta_only else StateRecord(program, gm, effects.writes_state)
 

@@ -128,11 +128,13 @@ class GraphRecord:
 
     Per node: the node, its fields and a shallow copy of its meta; with ``meta_keys`` (the
     only keys a pass may change on existing nodes), the live meta dicts and only those
-    entries. With ``copy_values``, also copies of the mutable objects the metas hold.
+    entries. With ``copy_values``, also copies of the mutable objects the metas hold, but
+    for the value and provenance entries passes replace (``_SHARED_META``), unless
+    ``copy_shared`` (``strict``: an in-place edit of a module stack is restored and named too).
     """
 
     def __init__(self, gm: torch.fx.GraphModule, copy_values: bool,
-                 meta_keys: frozenset[str] | None):
+                 meta_keys: frozenset[str] | None, copy_shared: bool = False):
         graph = gm.graph
         self.gm = gm
         self.graph = graph
@@ -149,10 +151,11 @@ class GraphRecord:
             self.metas = metas
             self.entries = {key: _entries(metas, key) for key in meta_keys}
         # Most nodes hold only shared entries (values, provenance): nothing to copy.
+        shared = frozenset() if copy_shared else _SHARED_META
         self._copies = {
-            i: {k: copy_value(v) for k, v in n.meta.items() if k not in _SHARED_META
+            i: {k: copy_value(v) for k, v in n.meta.items() if k not in shared
                 and _is_container(v) and (meta_keys is None or k in meta_keys)}
-            for i, n in enumerate(nodes) if not _SHARED_META.issuperset(n.meta)
+            for i, n in enumerate(nodes) if not shared.issuperset(n.meta)
         } if copy_values else {}
         self.gm_meta = dict(gm.meta)
         self._gm_copies = {k: copy_value(v) for k, v in gm.meta.items()
@@ -239,7 +242,11 @@ class GraphRecord:
             # sets it, else signatures naming it no longer find it.
             new.name = name
             new.meta = dict(items)  # a copy: the record may be restored again
-            new.meta.update((k, copy_value(v)) for k, v in self._copies.get(i, {}).items())
+            for key, recorded in self._copies.get(i, {}).items():
+                # An object the pass did not edit stays itself (nodes may share it).
+                original = items.get(key, MISSING)
+                if not same(original, recorded):
+                    new.meta[key] = copy_value(recorded)
             env[old] = new
         graph._codegen = copy.copy(self._codegen)
         return graph

@@ -46,14 +46,23 @@ class Instrumentation:
 
 class Timing(Instrumentation):
     """Fills ``record.wall_time`` with the pass's wall time, checks included (and the
-    rollback, for a pass that failed)."""
+    rollback, for a pass that failed).
+
+    The start is kept here, per record, and the time written whole: a second Timing (a
+    user's own, or one shared by nested managers) rewrites the same figure instead of
+    adding a raw clock reading to it."""
+
+    def __init__(self) -> None:
+        self._started: dict[int, float] = {}
 
     def before_pass(self, pass_: Any, program: Any, record: PassRecord) -> None:
-        record.wall_time = -time.perf_counter()
+        self._started[id(record)] = time.perf_counter()
 
     def after_pass(self, pass_: Any, program: Any, record: PassRecord,
                    error: PassManagerError | None = None) -> None:
-        record.wall_time += time.perf_counter()
+        started = self._started.pop(id(record), None)
+        if started is not None:
+            record.wall_time = time.perf_counter() - started
 
     after_pass_failed = after_pass  # the clock stops the same way for a pass that failed
 

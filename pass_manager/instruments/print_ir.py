@@ -118,9 +118,24 @@ class PrintIR(Instrumentation):
 
 
 class PrintDiff(Instrumentation):
-    """Prints a unified diff of the program after every pass that changed it."""
+    """Prints a unified diff of the program after every pass that changed it.
 
-    def __init__(self, stream: TextIO | None = None):
+    Args:
+        stream: a text stream (default stdout), or a file path: the diffs are appended to
+            that file (created), each as its pass ends.
+    """
+
+    def __init__(self, stream: TextIO | str | Path | None = None):
+        # Checked here: a wrong target failing in the first changing pass's hook would be
+        # reported as that pass failing.
+        if isinstance(stream, (str, Path)):
+            if Path(stream).is_dir():
+                raise ValueError(f"PrintDiff({str(stream)!r}): a folder; PrintDiff takes a "
+                                 "file path or a text stream (PrintIR(to=folder) writes "
+                                 "one file per dump)")
+        elif stream is not None and not callable(getattr(stream, "write", None)):
+            raise TypeError(f"PrintDiff takes a text stream or a file path, got "
+                            f"{type(stream).__name__}")
         self.stream = stream
         self._before = ""
 
@@ -128,5 +143,11 @@ class PrintDiff(Instrumentation):
         self._before = program_text(program)
 
     def after_pass(self, pass_: Any, program: Any, record: PassRecord) -> None:
-        if record.modified:
-            (self.stream or sys.stdout).write(pass_diff(self._before, program, record.name))
+        if not record.modified:
+            return
+        diff = pass_diff(self._before, program, record.name)
+        if isinstance(self.stream, (str, Path)):
+            with open(self.stream, "a") as file:
+                file.write(diff)
+        else:
+            (self.stream or sys.stdout).write(diff)

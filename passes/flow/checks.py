@@ -26,7 +26,9 @@ def relative_buffer_errors(reference: Trace, trace: Trace) -> dict[str, float]:
     worst: dict[str, float] = {}
     for call, errors in enumerate(buffer_errors(reference, trace)):
         for name, error in errors.items():
-            scale = max(reference.buffers[call][name].abs().max().item(), 1e-12)
+            fp32 = reference.buffers[call][name]
+            # An empty buffer (a cache of zero positions) has no largest value.
+            scale = max(fp32.abs().max().item() if fp32.numel() else 0.0, 1e-12)
             worst[name] = max(worst.get(name, 0.0), error / scale)
     return worst
 

@@ -269,18 +269,13 @@ def run(args: argparse.Namespace) -> int:
     spec = args.model or DEFAULT_MODEL
     hold_known_noise()
     pass_options = _pass_options(args)
-    try:
-        pipeline = parse_pipeline(args.pipeline, **pass_options) if args.pipeline else None
-    except PassManagerError as e:
-        print(f"error: --pipeline: {str(e).splitlines()[0]}", file=sys.stderr)
-        return LOAD_FAILED
     if args.quantize_state and args.skip_quantization:
         print("error: --quantize-state stores quantized state: it cannot go with "
               "--skip-quantization", file=sys.stderr)
         return LOAD_FAILED
     # Found now, not after minutes of quantization (or, for the debugging flags, never:
-    # a misspelt pass prints nothing, an unusable folder loses the dump).
-    problem = _unknown_pass_to_print(args) or _unusable_output(args)
+    # an unusable folder loses the dump).
+    problem = _unusable_output(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return LOAD_FAILED
@@ -301,6 +296,12 @@ def run(args: argparse.Namespace) -> int:
     doing = "loading"
     try:
         model = load_model(spec, args.steps or DEFAULT_STEPS)
+        # Read once the model's module is imported, before its export: a pass of the user's
+        # own that module defines or imports is registered by then.
+        pipeline, problem = _pass_flags(args, pass_options)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return LOAD_FAILED
         if args.steps and len(model.steps) < args.steps:
             _notice(args)(f"--steps {args.steps}: {spec} gives {len(model.steps)} step(s); "
                           "decoding those")
@@ -499,6 +500,20 @@ def _unwritable(path: Path, kind: str) -> str | None:
     if not os.access(folder, os.W_OK):
         return f"cannot write in {str(folder)!r}"
     return None
+
+
+def _pass_flags(args: argparse.Namespace, pass_options: dict[str, Any]
+                ) -> tuple[Any, str | None]:
+    """The ``--pipeline`` manager and what is wrong with the pass flags (a pipeline that does
+    not parse, a name to print no pass has), or None."""
+    own = " (a pass of your own: define or import it in MODEL's module)"
+    try:
+        pipeline = parse_pipeline(args.pipeline, **pass_options) if args.pipeline else None
+    except PassManagerError as e:
+        first = str(e).splitlines()[0]
+        return None, f"--pipeline: {first}{own if 'no registered pass' in first else ''}"
+    problem = _unknown_pass_to_print(args)
+    return pipeline, problem and problem + own
 
 
 def _unknown_pass_to_print(args: argparse.Namespace) -> str | None:

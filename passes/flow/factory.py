@@ -49,7 +49,8 @@ under ``torch.no_grad()`` and strict (TorchDynamo) unless told otherwise. Strict
 first because it is the mode that sees a model's state as it is: non-strict tracing lifts
 tensors reached through plain Python objects (Hugging Face's ``StaticCache`` layers) as
 constants, so a KV cache becomes a constant the program writes, which no pass can make
-functional. When strict export fails (code TorchDynamo cannot trace), the model is exported
+functional. When strict export fails (code TorchDynamo cannot trace), or would drop a
+buffer ``forward`` rebinds (``self.total = self.total + x``), the model is exported
 non-strict and the report says why; ``export="strict"`` / ``"non-strict"`` forces one mode.
 """
 
@@ -60,6 +61,7 @@ import copy
 import inspect
 import io
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -246,6 +248,15 @@ def export_program(
     """
     modes = [mode] if mode else list(EXPORT_MODES)
     failures = []
+    rebound = [] if mode == "non-strict" else rebound_buffers(module, args, kwargs or {})
+    if rebound:
+        dropped = (f"strict: forward reassigns the buffer(s) {', '.join(rebound)} "
+                   "(self.x = ...), which strict export (TorchDynamo) drops as a side effect: "
+                   "the program would never update them")
+        if mode == "strict":
+            raise ExportError(dropped + "; write them in place (self.x.copy_(...)) or export "
+                              "non-strict, which writes them back")
+        modes, failures = ["non-strict"], [dropped]
     for attempt in modes:
         try:
             program = _export(module, args, dict(kwargs or {}), dynamic_shapes, attempt)
@@ -260,6 +271,31 @@ def export_program(
                 "write the branch with torch.cond, or compute both sides and pick with "
                 "torch.where)")
     raise ExportError("; ".join(failures) + hint)
+
+
+def rebound_buffers(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]
+                    ) -> list[str]:
+    """The buffers ``forward`` rebinds (``self.acc = self.acc + x``) instead of writing in
+    place, found by one call of a copy on the example. Strict export drops such a rebinding
+    with only a warning, so its program silently keeps the initial value; non-strict
+    export writes it back (``copy_``), which the passes handle. A forward that raises on
+    its example rebinds nothing here: the export reports that."""
+    probe = copy_program(module)
+    before = dict(probe.named_buffers())
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            probe(*copy.deepcopy(args), **copy.deepcopy(dict(kwargs)))
+    except Exception:  # noqa: BLE001 - the export that follows names the failure
+        return []
+    # A rebinding to the value it had (a dtype or device conversion) loses nothing.
+    return sorted(name for name, tensor in probe.named_buffers()
+                  if name in before and tensor is not before[name]
+                  and not _same_value(tensor, before[name]))
+
+
+def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
 def check_calls_fit(program: torch.export.ExportedProgram, calls: Sequence[tuple[str, Call]],

@@ -116,3 +116,22 @@ def a_method_call_with_a_keyword_its_example_did_not_give():
     return {"module": ScaledSum(), "methods": {"prefill": {"example_args": (x,)},
                                                "decode": {"example_args": (x,)}},
             "steps": [("prefill", (x,)), ("decode", (x,), {"scale": 2.0})]}
+
+
+class RebindsItsSum(torch.nn.Module):
+    """Keeps a running sum by rebinding its buffer (``self.total = self.total + ...``), not
+    writing it in place: strict export drops the rebinding (TorchDynamo's side effect)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(3))
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x):
+        self.total = self.total + x
+        self.scale = self.scale.float()  # rebinds to the same value: nothing is lost
+        return self.total * self.scale * 2
+
+
+def rebinds_its_sum():
+    return RebindsItsSum(), (torch.ones(3),)

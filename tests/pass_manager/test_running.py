@@ -2,9 +2,12 @@
 
 import copy
 import gc
+import time
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
 
 from pass_manager import (
     ALL_CONDITIONS,
@@ -18,10 +21,12 @@ from pass_manager import (
     PreconditionError,
     PrintDiff,
     ProgramFormError,
+    Timing,
     assert_same_behaviour,
     function_pass,
     graph_of,
 )
+from tests.models.accumulators import Accumulate
 
 from .conftest import NoRelu, ReluToAbs, targets
 
@@ -99,6 +104,22 @@ def test_a_pass_called_alone_is_told_what_to_run_before_it(traced):
     assert "called alone" not in str(info.value)
     assert "No pass in this pipeline provides it; add one of: ReluToAbs." in str(info.value)
     NeedsNoRelu()(ReluToAbs()(traced).graph_module)  # the advice works
+
+
+def test_a_requirement_a_later_pass_broke_names_that_pass(traced):
+    """The pipeline provides NoRelu, so the error said only that it does not hold: not that
+    it held until a pass that does not preserve it changed the program."""
+
+    def abs_back_to_relu(program):
+        for node in targets(program, "abs"):
+            node.target = torch.relu
+
+    with pytest.raises(PreconditionError) as info:
+        PassManager([ReluToAbs(), function_pass(abs_back_to_relu), NeedsNoRelu()]).run(traced)
+    assert str(info.value).splitlines()[-1] == (
+        "It held until pass #1 abs_back_to_relu, which changed the program and does not list "
+        "it in preserves: that pass broke it, or NeedsNoRelu must run before it.")
+    assert targets(traced, "relu") and not targets(traced, "abs")  # as #1 left it
 
 
 def test_a_dead_pass_class_is_not_offered_as_a_provider(traced):
@@ -269,10 +290,36 @@ def test_print_diff_shows_the_change(traced, capsys):
     assert "target=torch.abs" in added[0] and "%relu" in added[0]
 
 
+def test_print_diff_to_a_file_path_appends_every_diff_and_blames_no_pass(traced, tmp_path):
+    """PrintDiff("diff.txt") raised AttributeError in the first changing pass's hook, reported
+    as that pass failing (PassFailedError naming ReluToAbs)."""
+    path = tmp_path / "diff.txt"
+    PassManager([ReluToAbs()], instruments=[PrintDiff(str(path))]).run(traced)
+    lines = path.read_text().splitlines()
+    assert lines[:2] == ["--- before ReluToAbs", "+++ after ReluToAbs"]
+    with pytest.raises(ValueError, match="a folder; PrintDiff takes a file path"):
+        PrintDiff(tmp_path)
+    with pytest.raises(TypeError, match="a text stream or a file path, got int"):
+        PrintDiff(3)
+
+
 def test_print_diff_is_silent_when_nothing_changed(traced, capsys):
     PassManager([function_pass(lambda p: None, name="look")], instruments=[PrintDiff()]).run(
         traced)
     assert capsys.readouterr().out == ""
+
+
+def test_a_timing_instrument_given_by_the_user_reports_each_pass_once(traced):
+    """Timing is public; given as an instrument beside the one every run has, each pass was
+    reported as taking the process's clock reading (hundreds of seconds)."""
+    started = time.perf_counter()
+    result = PassManager([ReluToAbs()], instruments=[Timing()]).run(traced)
+    elapsed = time.perf_counter() - started
+    assert 0 < result.report.records[0].wall_time <= elapsed
+    nested = PassManager([PassManager([ReluToAbs()], instruments=[Timing()])],
+                         instruments=[Timing()])
+    record = nested.run(torch.fx.symbolic_trace(Accumulate())).report.records[0]
+    assert 0 < record.wall_time <= time.perf_counter() - started
 
 
 def test_report_separates_check_time_and_serializes(traced):
@@ -421,3 +468,44 @@ def test_a_pass_leaving_the_signature_out_of_step_is_named_and_rolled_back(expor
         PassManager([edits]).run(exported)
     assert reason in str(raised.value) and raised.value.rolled_back
     assert_same_behaviour(before, exported, calls)
+
+
+def _add_output(program, with_out_spec):
+    """Return the input doubled as a second user output; ``with_out_spec``: also in the call
+    spec ``ep.module()`` builds its result with."""
+    graph = graph_of(program)
+    output = graph.output_node()
+    x = graph.find_nodes(op="placeholder")[-1]
+    with graph.inserting_before(output):
+        doubled = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    doubled.meta["val"] = x.meta["val"]
+    output.args = ((*output.args[0], doubled),)
+    program.graph_signature.output_specs.append(OutputSpec(
+        OutputKind.USER_OUTPUT, TensorArgument(doubled.name), None))
+    if with_out_spec:
+        signature = program.module_call_graph[0].signature
+        signature.out_spec = pytree.tree_structure((0, 0))
+
+
+def test_a_pass_adding_an_output_without_its_call_spec_is_named_and_rolled_back(exported):
+    calls = [(torch.ones(4),), (torch.full((4,), -3.0),), (torch.arange(4.0),)]
+    before = copy.deepcopy(exported)
+    edit = function_pass(lambda p: _add_output(p, with_out_spec=False), name="add_output",
+                         accepts=("ExportedProgram",))
+    with pytest.raises(PassFailedError, match="add_output") as raised:
+        PassManager([edit]).run(exported)
+    # Not the pytree length error of the program's first call, after the run.
+    assert "lists 2 user output(s) but its call spec (out_spec" in str(raised.value)
+    assert raised.value.rolled_back
+    assert_same_behaviour(before, exported, calls)
+
+
+def test_a_pass_adding_an_output_with_its_call_spec_runs(exported):
+    eager = copy.deepcopy(exported).module()
+    edit = function_pass(lambda p: _add_output(p, with_out_spec=True), name="add_output",
+                         accepts=("ExportedProgram",))
+    program = PassManager([edit]).run(exported).program.module()
+    for x in (torch.ones(4), torch.full((4,), -3.0), torch.arange(4.0)):
+        out, doubled = program(x)
+        assert torch.equal(out, eager(x)) and torch.equal(doubled, x * 2)
+        assert torch.equal(program.acc, eager.acc)

@@ -215,6 +215,8 @@ def test_an_in_place_pass_returning_another_program_is_a_typed_error(traced):
         PassManager([returns_copy]).run(traced)
     assert isinstance(info.value, PassFailedError) and info.value.rolled_back
     assert traced.code == before
+    # A Pass subclass declaring nothing is in place (Effects()): told what to declare.
+    assert "declares effects = Effects.rewrite(in_place=False)" in str(info.value)
 
 
 def test_a_pass_declaring_a_new_program_must_not_change_its_input(traced):

@@ -153,3 +153,33 @@ def test_replacing_meta_objects_is_what_the_declaration_allows(traced):
     result = PassManager([declared], strict=True).run(traced)
     assert result.modified
     assert targets(traced, "relu")[0].meta["quantization_annotation"].output_qspec is None
+
+
+def test_strict_undoes_and_names_an_in_place_edit_of_a_module_stack(exported):
+    """Provenance entries are kept by reference (a pass replaces them); under strict=True a
+    pass editing one in place is undone and named like any other meta object (it was left
+    edited: every node's nn_module_stack emptied after the rollback)."""
+    stacks = {n.name: dict(n.meta["nn_module_stack"]) for n in graph_of(exported).nodes
+              if "nn_module_stack" in n.meta}
+    assert stacks
+
+    def clears_stacks_then_fails(program):
+        for node in graph_of(program).nodes:
+            node.meta.get("nn_module_stack", {}).clear()
+        raise RuntimeError("boom")
+
+    with pytest.raises(PassFailedError):
+        PassManager([clears_stacks_then_fails], strict=True).run(exported)
+    assert {n.name: n.meta["nn_module_stack"] for n in graph_of(exported).nodes
+            if "nn_module_stack" in n.meta} == stacks
+
+    def clears_stacks(program):
+        targets(program, "relu")[0].meta["nn_module_stack"].clear()
+
+    declared = function_pass(clears_stacks, effects=Effects.rewrite(in_place=None),
+                             name="clears_stacks")
+    with pytest.raises(EffectsError) as info:
+        PassManager([declared], strict=True).run(exported)
+    assert info.value.kind == "edits_meta_in_place"
+    assert any("nn_module_stack" in e and "relu" in e for e in info.value.edits)
+    assert targets(exported, "relu")[0].meta["nn_module_stack"] == stacks["relu"]

@@ -384,3 +384,57 @@ def test_more_steps_than_the_factory_gives_says_how_many_it_decodes(capsys):
     assert ("--steps 20: tests.models.static_cache:ring_buffer gives 8 step(s); decoding "
             "those\n") in captured.err
     assert "8 decode steps" in captured.out
+
+
+_OWN_PASS_MODEL = '''
+from dataclasses import dataclass
+
+import torch
+
+from pass_manager import Pass, PassResult, graph_of
+
+
+@dataclass(frozen=True, repr=False)
+class CountsCallsOfTheUser(Pass):
+    """A pass of the user's own: counts the call_function nodes, changes nothing."""
+
+    def call(self, program):
+        count = sum(n.op == "call_function" for n in graph_of(program).nodes)
+        return PassResult(program, False, statistics={"calls seen": count})
+
+
+class Sums(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(3))
+
+    def forward(self, x):
+        self.total.add_(x)
+        return self.total * 2
+
+
+def factory():
+    return Sums(), (torch.ones(3),)
+'''
+
+
+def test_a_pass_the_models_module_defines_runs_in_the_pipeline(monkeypatch, capsys, tmp_path):
+    """--pipeline was read before MODEL's module was imported, so a pass of the user's own
+    was never registered: status 2, 'no registered pass is named ... (import the module that
+    defines it)', which a command line cannot do."""
+    (tmp_path / "own_pass_model.py").write_text(_OWN_PASS_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    status = cli.main(["run", "--runtime", "python", "own_pass_model:factory", *FAST, "--quiet",
+                       "--pipeline", "MarkMutableBuffers,InplaceToFunctional,CountsCallsOfTheUser",
+                       "--print-after", "CountsCallsOfTheUser"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert "// -----// IR Dump After CountsCallsOfTheUser (#2) //----- //" in out
+    assert "calls seen" in out
+    status = cli.main(["run", "--runtime", "python", "own_pass_model:factory", *FAST,
+                       "--pipeline", "MarkMutableBuffers,CountsCallsOfTheUsr"])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: --pipeline: no registered pass is named 'CountsCallsOfTheUsr'")
+    assert err.strip().endswith("(a pass of your own: define or import it in MODEL's module)")

@@ -110,3 +110,16 @@ def test_a_step_the_runtime_cannot_take_fails_before_any_lowering(monkeypatch):
         flow_stage(result, lambda name, run: run(), [("fp32", copy.deepcopy(program))],
                    steps[0][0], steps, Trace())
     assert info.value.argument == "steps[2]"
+
+
+def test_an_empty_output_is_no_difference_not_a_crash_of_the_comparison():
+    """A model returning an empty tensor beside its result (x[:0]): the runtime stage's
+    comparison took max() of the empty difference and failed with torch's RuntimeError
+    (status 3, 'checks after decode the fp32 program on ExecuTorch's runtime')."""
+    from passes.flow.executorch_stage import _worst_per_step
+
+    python = Trace(outputs=[[torch.ones(4), torch.zeros(0, 4)], [torch.full((4,), 2.0),
+                                                                 torch.zeros(0, 4)]])
+    runtime = Trace(outputs=[[torch.ones(4), torch.zeros(0, 4)], [torch.full((4,), 2.5),
+                                                                  torch.zeros(0, 4)]])
+    assert _worst_per_step(python, runtime) == [0.0, 0.5]

@@ -58,3 +58,29 @@ def test_a_step_of_another_shape_or_dtype_is_a_model_error_before_any_decode():
     with pytest.raises(ModelError, match=r"to be equal to False, but got True \(a value that "
                        r"is no tensor is fixed at export"):
         check_calls_fit(program, [("steps[1]", ((torch.ones(1, 1, DIM), True), {}))], "job")
+
+
+def test_a_buffer_forward_rebinds_is_exported_non_strict_and_kept():
+    """Strict export dropped ``self.total = self.total + x``: the program kept total at 0
+    while eager summed (the job's first check failed, its note said the model writes no
+    buffer). Non-strict writes it back, and the note says why strict was not used."""
+    import copy
+
+    from pass_manager import PassManager
+    from passes import InplaceToFunctional, MarkMutableBuffers
+    from passes.flow.factory import ExportError, export_program
+    from tests.models.main_job import RebindsItsSum
+
+    model = RebindsItsSum()
+    eager = copy.deepcopy(model)
+    exported = export_program(model, (torch.ones(3),))
+    assert exported.mode == "non-strict"
+    assert "reassigns the buffer(s) total (self.x = ...)" in exported.note
+    assert "scale" not in exported.note
+    functional = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+        exported.program).program.module()
+    for x in (torch.ones(3), torch.arange(3.0), torch.full((3,), -2.0)):
+        assert torch.equal(functional(x), eager(x))
+        assert torch.equal(functional.total, eager.total)
+    with pytest.raises(ExportError, match=r"strict: forward reassigns the buffer\(s\) total"):
+        export_program(RebindsItsSum(), (torch.ones(3),), mode="strict")

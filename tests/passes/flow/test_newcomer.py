@@ -421,3 +421,28 @@ def test_a_model_returning_nothing_is_told_its_output_errors_compare_nothing():
             "output errors compare nothing and read 0; its state, compared below it, is what "
             "measures the programs") in result.notes
     assert not any("returns no tensor" in note for note in _flow(_CountsCalls()).notes)
+
+
+class _SumsWithAnEmptyCache(torch.nn.Module):
+    """A running sum beside a cache of zero positions (a window sized to nothing) that
+    forward also writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(4))
+        self.register_buffer("window", torch.zeros(0, 4))
+
+    def forward(self, x):
+        self.total.add_(self.proj(x).sum(0))
+        self.window.mul_(2)
+        return self.total + 1
+
+
+def test_an_empty_buffer_is_compared_not_a_crash_of_the_checks():
+    """Its relative error divided by the largest value of an empty tensor: the flow failed
+    in 'checks after decode quantized, with passes' with torch's RuntimeError max()."""
+    result = _flow(_SumsWithAnEmptyCache())
+    assert result.ok
+    assert set(result.buffer_errors["quantized, with passes"]) == {"total", "window"}
+    assert result.buffer_errors["quantized, with passes"]["window"] == 0.0
