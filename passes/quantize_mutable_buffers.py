@@ -31,7 +31,7 @@ from ._analysis.buffers import (
 from ._analysis.data_movement import DataMovementNotAnnotated
 from ._analysis.fake_values import FakeValues
 from ._analysis.frozen_reads import NoFrozenMutableBuffers
-from ._analysis.grid_flow import FUNCTIONAL_WRITES, MOVES, GridFlow, value_operands
+from ._analysis.grid_flow import FUNCTIONAL_WRITES, MOVES, SELECTS, GridFlow, value_operands
 from ._analysis.grids import Grid, dequantize_grid, quantize_grid
 from ._analysis.marked_state import initial_copy
 from ._analysis.op_schema import argument_value
@@ -70,7 +70,8 @@ class QuantizeMutableBuffers(Pass):
     torchao returns, or that program re-exported and functionalized). A buffer qualifies
     when each write stores ``dequantize(q, scale, zero_point, quant_min, quant_max,
     dtype)`` of one grid, or data movement of such values (views, ``cat``, ``index_copy``,
-    ``index_put``, ``slice_scatter``, ``copy_``, the buffer's own contents included; one
+    ``index_put``, ``slice_scatter``, ``copy_``, ``where(mask, new, buffer)``, the buffer's
+    own contents included; one
     channel axis per channel for ``dequantize_per_channel``), and its contents and the
     initial value ``MarkMutableBuffers`` kept lie on that grid bit for bit. Such a buffer
     then holds the integers: each write stores the same data movement applied to ``q``,
@@ -563,7 +564,7 @@ class _Rewrite:
         """The quantize nodes of a quantized buffer's value onto its own grid, and that
         value: they read the integers."""
         found = []
-        moving = (*MOVES, *FUNCTIONAL_WRITES, torch.ops.aten.cat.default)
+        moving = (*MOVES, *FUNCTIONAL_WRITES, *SELECTS, torch.ops.aten.cat.default)
         quantizes = [n for op in _QUANTIZE for n in self.graph.find_nodes(
             op="call_function", target=op)]
         for node in sorted(quantizes):

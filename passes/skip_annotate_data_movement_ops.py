@@ -61,8 +61,10 @@ class SkipAnnotateDataMovementOps(Pass):
       defaults) becomes the min-max one, with the spec's other arguments kept. A cache
       written a row per call holds every row written, an accumulator what every call
       added, and an average of per-call ranges clips them. Union observers (min-max, histogram) are
-      left; a ``FusedMovingAvgObsFakeQuantize`` (XNNPACK QAT) cannot take another
-      observer and is left, with a note.
+      left; a ``FusedMovingAvgObsFakeQuantize`` (XNNPACK's and QnnQuantizer's QAT
+      configs), whose fused kernel averages whatever observer it holds, becomes a plain
+      ``FakeQuantize`` around the min-max observer (the same fake quantization); one it
+      cannot rebuild (positional arguments, an unknown observer) is left, with a note.
 
     Compute ops on a buffer (``add_``, ``mul_``) keep their annotations.
 

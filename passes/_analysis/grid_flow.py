@@ -4,7 +4,9 @@ A value lies on a grid when it is a ``dequantize`` onto it, or data movement of 
 views and copies (``view``, ``reshape``, ``transpose``, ``permute``, ``expand``, ``slice``,
 ``select``, ``squeeze``/``unsqueeze``, ``clone``, ...), ``cat``, and the functional writes
 (``index_copy``, ``index_put``, ``slice_scatter``, ``select_scatter``, ``copy``) of values on
-it into a value on it. A mutable buffer's own contents lie on the grid assumed for it.
+it into a value on it, and ``where(mask, a, b)`` choosing each element from two values on it
+(a cache written as ``torch.where(mask, new, cache)``). A mutable buffer's own contents lie on
+the grid assumed for it.
 Data movement applied to the integers of the grid gives the integers of the moved values,
 which is what :class:`GridFlow` answers for each node, with the reason when it cannot.
 
@@ -31,6 +33,7 @@ __all__ = [
     "FUNCTIONAL_WRITES",
     "IN_PLACE_WRITES",
     "MOVES",
+    "SELECTS",
     "WILD",
     "GridFlow",
     "Refusal",
@@ -43,7 +46,8 @@ aten = torch.ops.aten
 
 MOVES = frozenset({
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
-    aten.permute.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
+    aten.permute.default, aten.expand.default, aten.expand_as.default, aten.slice.Tensor,
+    aten.select.int,
     aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
     aten.clone.default, aten.contiguous.default, aten.alias.default, aten.t.default,
     aten.narrow.default, aten.flatten.using_ints, aten.unflatten.int,
@@ -56,6 +60,9 @@ FUNCTIONAL_WRITES = {
     aten.select_scatter.default: (0, 1), aten.copy.default: (0, 1),
 }
 """Functional writes: op -> (index of the destination, index of the value written)."""
+SELECTS = {aten.where.self: (1, 2)}
+"""Ops choosing each element from one of their operands (the rest decide which): op ->
+the indices of those operands. Choosing among integers chooses the same elements."""
 IN_PLACE_WRITES = {
     aten.index_copy_.default: 3, aten.index_put_.default: 2, aten.copy_.default: 1,
 }
@@ -106,6 +113,8 @@ def value_operands(node: Node) -> tuple[int, ...]:
         return (0,)
     if node.target in FUNCTIONAL_WRITES:
         return FUNCTIONAL_WRITES[node.target]
+    if node.target in SELECTS:
+        return SELECTS[node.target]
     if node.target in IN_PLACE_WRITES:
         return (0, IN_PLACE_WRITES[node.target])
     return ()
@@ -144,7 +153,7 @@ def moved_axis(node: Node, axis: int | None) -> Any:
         dim = arg(1) % rank
         return axis if dim != axis or (
             target is not aten.index_select.default and ins[axis] == outs[axis]) else _LOST
-    if target is aten.expand.default:
+    if target in (aten.expand.default, aten.expand_as.default):
         moved = axis + len(outs) - rank
         return moved if outs[moved] == ins[axis] else _LOST
     if target not in _RESHAPES:
@@ -210,6 +219,8 @@ class GridFlow:
             return self._moved(node, self.grid(node.args[0]))
         if target is aten.cat.default:
             return self._cat(node)
+        if target in SELECTS:
+            return self._select(node)
         if target in FUNCTIONAL_WRITES:
             dest, src = (argument_value(node, target._schema, i)
                          for i in FUNCTIONAL_WRITES[target])
@@ -264,6 +275,22 @@ class GridFlow:
             dim = argument_value(node, node.target._schema, 1) or 0
             if rank is None or dim % rank == result.axis:
                 return Refusal(node.name, "concatenates along the channel axis")
+        return result
+
+    def _select(self, node: Node) -> Result:
+        result: Result = WILD
+        out = _val(node)
+        for index in SELECTS[node.target]:
+            value = argument_value(node, node.target._schema, index)
+            grid = self.grid(value)
+            # Per channel, an operand broadcast into the result may have its channels
+            # elsewhere: only operands of the result's own shape keep the axis.
+            if isinstance(grid, Grid) and grid.per_channel and (
+                    out is None or _val(value) is None or _val(value).shape != out.shape):
+                grid = Refusal(node.name, f"{_op_name(node)} broadcasts {value.name} along "
+                                          f"the channel axis {grid.axis}")
+            result = _unify(node, result, grid)
+            self._carry(node, value)
         return result
 
     def _carry(self, node: Node, *inputs: Any) -> None:

@@ -6,8 +6,12 @@ class, or a torchao ``PartialWrapper`` around one (``Cls.with_args(**kwargs)``).
 moving-average observer (``MovingAverageMinMaxObserver``,
 ``MovingAveragePerChannelMinMaxObserver``, torchao's or ``torch.ao``'s) replaced by the
 min-max observer of the same kind, inside a ``FakeQuantize`` (its ``observer`` argument)
-as well. A moving average of per-call ranges is right for a value each call recomputes and
-wrong for state written a part at a time, which holds the union of what was written.
+as well. A ``FusedMovingAvgObsFakeQuantize`` (XNNPACK's and QnnQuantizer's QAT activations)
+averages in its fused kernel whatever observer it holds, so it becomes a plain
+``FakeQuantize`` of the same library around the min-max observer: the same fake
+quantization forward and backward (straight-through), over the union of the ranges. A moving
+average of per-call ranges is right for a value each call recomputes and wrong for state
+written a part at a time, which holds the union of what was written.
 """
 
 from __future__ import annotations
@@ -58,8 +62,11 @@ def _fake_quantize_classes() -> dict[type, type]:
 
 
 @functools.cache
-def _fused_classes() -> tuple[type, ...]:
-    return tuple(fakes.FusedMovingAvgObsFakeQuantize for _, fakes in _quantization_modules())
+def _fused_classes() -> dict[type, type]:
+    """Each fused moving-average FakeQuantize class to the plain FakeQuantize of its library,
+    which takes the same arguments and calls its observer instead of averaging itself."""
+    return {fakes.FusedMovingAvgObsFakeQuantize: fakes.FakeQuantize
+            for _, fakes in _quantization_modules()}
 
 
 def _split(ctr: Any) -> tuple[Any, tuple, dict[str, Any], dict[str, Any]] | None:
@@ -83,8 +90,8 @@ def _join(cls: type, args: tuple, keywords: dict[str, Any], callable_args: dict[
 
 def union_observer_ctr(ctr: Any) -> Any | None:
     """``ctr`` observing the union of the ranges it sees, or None when it already does, or
-    is not a constructor this knows (a fused moving-average fake-quantize: see
-    :func:`averages_by_construction`). The class's other keyword arguments are kept."""
+    is not a constructor this knows. The class's other keyword arguments are kept; a fused
+    moving-average fake-quantize becomes its library's plain ``FakeQuantize``."""
     parts = _split(ctr)
     if parts is None:
         return None
@@ -94,7 +101,14 @@ def union_observer_ctr(ctr: Any) -> Any | None:
         for name in _AVERAGING_ONLY:
             keywords.pop(name, None)
         return _join(union, args, keywords, callable_args)
-    default_observer = _fake_quantize_classes().get(cls)
+    unfused = _fused_classes().get(cls)
+    if unfused is not None:
+        # Its fused kernel averages with the observer's averaging constant, whatever the
+        # observer: only the plain FakeQuantize, which calls its observer, can take the union.
+        default_observer = _fake_quantize_classes()[unfused]
+        cls = unfused
+    else:
+        default_observer = _fake_quantize_classes().get(cls)
     if default_observer is None or args:
         return None
     observer = union_observer_ctr(keywords.get("observer", default_observer))
@@ -106,10 +120,12 @@ def union_observer_ctr(ctr: Any) -> Any | None:
 
 def averages_by_construction(ctr: Any) -> bool:
     """Whether ``ctr`` builds a fused moving-average fake-quantize
-    (``FusedMovingAvgObsFakeQuantize``, XNNPACK's QAT activations): its kernel averages
-    whatever observer it is given, so :func:`union_observer_ctr` cannot swap it."""
+    (``FusedMovingAvgObsFakeQuantize``, XNNPACK's and QnnQuantizer's QAT activations) that
+    :func:`union_observer_ctr` cannot replace: one given positional arguments, or an
+    observer it does not know."""
     parts = _split(ctr)
-    return parts is not None and issubclass(parts[0], _fused_classes())
+    return (parts is not None and issubclass(parts[0], tuple(_fused_classes()))
+            and union_observer_ctr(ctr) is None)
 
 
 def class_name(ctr: Any) -> str:

@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import executorch.kernels.quantized  # noqa: F401  (registers the out variants; see below)
 import torch
 from executorch.exir.backend.partitioner import Partitioner, PartitionResult
 from torch._subclasses.fake_tensor import FakeTensor
@@ -67,6 +68,13 @@ from .new_value_copies import (
 __all__ = ["BufferOwningPartitioner", "executorch_state", "separate_new_buffer_values"]
 
 PASS_NAME = "BufferOwningPartitioner"
+
+# The wrapper keeps some quantize / dequantize nodes at the top level (a 0-d value, a
+# quantize XNNPACK would drop, partitions on grids XNNPACK misreads), and state stored as
+# integers is written by one there too: ExecuTorch's portable kernels run them, whose out
+# variants only `executorch.kernels.quantized` (imported above) registers. Without it, a
+# user's `to_executorch()` fails with `RuntimeError: Missing out variants:
+# {'quantized_decomposed::quantize_per_tensor'}` (our runtime helpers import it themselves).
 
 # Backends whose state on the device is not the buffer as the program holds it: the dtype
 # kept, and whether state starts zero-filled. Core ML (coremltools 9) casts fp32 state to

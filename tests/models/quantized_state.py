@@ -157,8 +157,10 @@ class GridCache(nn.Module):
 
     ``write``: ``index_copy`` (``index_copy_(1, pos, v)``), ``index_put``
     (``cache[:, pos] = v``), ``slice`` (``cache[:, 2:3].copy_(v)``), ``select``
-    (``cache[:, 5] = v[:, 0]``) or ``shift`` (``cache.copy_(cat([cache[:, 1:], v], 1))``, a
-    sliding window: the new value is the cache's own contents and the write).
+    (``cache[:, 5] = v[:, 0]``), ``shift`` (``cache.copy_(cat([cache[:, 1:], v], 1))``, a
+    sliding window: the new value is the cache's own contents and the write), ``where``
+    (``cache.copy_(where(row == pos, v.expand_as(cache), cache))``: each element chosen from
+    the written value or the cache) or ``where_broadcast`` (the same with ``v`` broadcast).
     """
 
     def __init__(self, write: str = "index_copy", initial: torch.Tensor | None = None):
@@ -177,6 +179,10 @@ class GridCache(nn.Module):
             self.cache[:, 2:3].copy_(v)
         elif self.write == "select":
             self.cache[:, 5] = v[:, 0]
+        elif self.write.startswith("where"):
+            row = (torch.arange(self.cache.shape[1]) == pos).view(1, -1, 1)
+            new = v.expand_as(self.cache) if self.write == "where" else v
+            self.cache.copy_(torch.where(row, new, self.cache))
         else:
             self.cache.copy_(torch.cat([self.cache[:, 1:], v], dim=1))
         scores = (self.cache * x).sum(-1)

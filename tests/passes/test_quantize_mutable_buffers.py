@@ -149,7 +149,8 @@ def hand_quantized():
 
 HAND_QUANTIZED = {
     **{f"write_{w}": functools.partial(GridCache, w)
-       for w in ("index_copy", "index_put", "slice", "select", "shift")},
+       for w in ("index_copy", "index_put", "slice", "select", "shift", "where",
+                 "where_broadcast")},
     "read_before_write": ReadBeforeWrite,
     "initial_on_grid": lambda: GridCache("index_copy", on_grid_initial()),
     "initial_off_grid": lambda: GridCache("index_copy", on_grid_initial(offset=1e-3)),

@@ -57,10 +57,36 @@ def test_fake_quantize_gets_a_min_max_observer():
     assert class_name(union) == "FakeQuantize(MinMaxObserver)"
 
 
-def test_union_observers_and_fused_fake_quantize_are_left():
+def test_union_observers_are_left():
     for ctr in (MinMaxObserver, MinMaxObserver.with_args(eps=1e-3), HistogramObserver,
                 PerChannelMinMaxObserver, FakeQuantize.with_args(observer=MinMaxObserver)):
         assert union_observer_ctr(ctr) is None, ctr
         assert not averages_by_construction(ctr)
-    fused = FusedMovingAvgObsFakeQuantize.with_args(eps=2 ** -12)
-    assert union_observer_ctr(fused) is None and averages_by_construction(fused)
+
+
+def test_a_fused_moving_average_fake_quantize_becomes_a_plain_one_with_min_max():
+    """FusedMovingAvgObsFakeQuantize (XNNPACK's and QnnQuantizer's QAT activations) averages
+    in its fused kernel whatever observer it holds: it becomes a plain FakeQuantize around
+    the min-max observer, its other keywords kept, which keeps the union of two calls'
+    ranges (the fused one, averaging by 0.01, had barely moved)."""
+    fused = FusedMovingAvgObsFakeQuantize.with_args(
+        observer=MovingAverageMinMaxObserver, eps=2 ** -12, dtype=torch.qint8,
+        qscheme=torch.per_tensor_affine)
+    union = union_observer_ctr(fused)
+    assert union.p.func is FakeQuantize and not averages_by_construction(fused)
+    keywords = _kwargs(union)
+    assert keywords.pop("observer").p.func is MinMaxObserver
+    assert keywords == {"eps": 2 ** -12, "dtype": torch.qint8,
+                        "qscheme": torch.per_tensor_affine}
+    assert class_name(union) == "FakeQuantize(MinMaxObserver)"
+    module = union(quant_min=-128, quant_max=127)
+    before = fused(quant_min=-128, quant_max=127)
+    for x in (torch.tensor([0.0, 1.0]), torch.tensor([0.0, 9.0])):
+        module(x)
+        before(x)
+    assert module.activation_post_process.max_val.item() == 9.0
+    assert before.activation_post_process.max_val.item() < 1.1
+    # Its default observer (the moving average) is replaced too.
+    default = union_observer_ctr(FusedMovingAvgObsFakeQuantize)
+    assert default.p.func is FakeQuantize
+    assert default.p.keywords["observer"].p.func is MinMaxObserver
