@@ -37,6 +37,7 @@ __all__ = [
     "WILD",
     "GridFlow",
     "Refusal",
+    "holds_no_values",
     "is_element_view",
     "moved_axis",
     "value_operands",
@@ -258,7 +259,7 @@ class GridFlow:
         for value in tensors:
             grid = self.grid(value)
             self._carry(node, value)
-            if isinstance(grid, Grid) and _holds_no_values(value):
+            if isinstance(grid, Grid) and holds_no_values(value):
                 # No value of it lands in the result: HF's rotary ``cat([k_rot, k_pass])``
                 # passes an empty ``k_pass`` (full rotary) on the projection's grid.
                 empty.append(grid)
@@ -372,7 +373,7 @@ def _unify(node: Node, a: Result, b: Result) -> Result:
     return Refusal(node.name, f"mixes two grids: {a.describe()} and {b.describe()}")
 
 
-def _holds_no_values(node: Any) -> bool:
+def holds_no_values(node: Any) -> bool:
     """``node``'s value has no elements (its static shape has a 0)."""
     value = _val(node)
     return value is not None and any(isinstance(d, int) and d == 0 for d in value.shape)

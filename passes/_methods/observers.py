@@ -36,6 +36,7 @@ from .._analysis.aliasing import aliased_argument
 from .._analysis.buffer_reads import OBSERVED_READS_META
 from .._analysis.buffers import MUTABLE_BUFFER_META, MUTABLE_INPUT_META
 from .._analysis.data_movement import DATA_MOVEMENT_OPS
+from .._analysis.grid_flow import holds_no_values
 from ..errors import QuantizationFlowError
 
 __all__ = ["BufferObservers", "buffer_observers", "share_observers"]
@@ -88,13 +89,7 @@ def _joined(node: Node) -> list[Node]:
     if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
         return []
     operands = node.args[0] if node.args else node.kwargs.get("tensors", ())
-    return [o for o in operands if isinstance(o, Node) and not _empty(o)]
-
-
-def _empty(node: Node) -> bool:
-    value = node.meta.get("val")
-    return isinstance(value, torch.Tensor) and any(
-        isinstance(d, int) and d == 0 for d in value.shape)
+    return [o for o in operands if isinstance(o, Node) and not holds_no_values(o)]
 
 
 @dataclass
