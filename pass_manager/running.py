@@ -135,9 +135,9 @@ def _call_spec_fault(program: Any) -> str | None:
     signature = program.graph_signature
     counts = [
         ("input", "in_spec", in_spec,
-         sum(s.kind == InputKind.USER_INPUT for s in signature.input_specs)),
+         [s.kind for s in signature.input_specs].count(InputKind.USER_INPUT)),
         ("output", "out_spec", out_spec,
-         sum(s.kind == OutputKind.USER_OUTPUT for s in signature.output_specs)),
+         [s.kind for s in signature.output_specs].count(OutputKind.USER_OUTPUT)),
     ]
     for what, name, spec, listed in counts:
         if spec is not None and spec.num_leaves != listed:
