@@ -20,7 +20,7 @@ from .pass_base import Pass, PassResult, as_pass
 from .pipeline_text import format_pipeline, parse_passes
 from .planning import Plan, build_plan
 from .program_sets import MethodsRunResult, run_each
-from .running import Runner, RunResult, default_instruments
+from .running import ENCLOSING, Runner, RunResult, default_instruments
 
 __all__ = ["PassManager", "RunResult", "parse_pipeline"]
 
@@ -106,7 +106,7 @@ class PassManager(Pass):
             rewrites=False, meta_keys=(), edits_meta_in_place=False))
 
     def call(self, program: Any) -> PassResult:
-        result = self.run(program)
+        result = self.run(program, _enclosing=ENCLOSING.get())
         notes = [f"{r.name}: {n}" for r in result.report.records for n in r.notes]
         statistics: dict[str, Any] = {}
         for r in result.report.records:  # a group counts what its passes counted, summed
@@ -140,7 +140,7 @@ class PassManager(Pass):
         result = self.run(graph_module)
         return TorchPassResult(result.graph_module, result.modified)
 
-    def run(self, program: Any) -> RunResult | MethodsRunResult:
+    def run(self, program: Any, _enclosing: tuple = ()) -> RunResult | MethodsRunResult:
         """Run the plan on ``program``; return the program (same form) and a report.
 
         ``{name: program}`` (the methods of one model) runs the pipeline on each in turn,
@@ -149,7 +149,7 @@ class PassManager(Pass):
         if isinstance(program, Mapping):
             return run_each(self.run, program, self.name)
         return Runner(self.plan(), self.instruments, name=self.name, strict=self.strict,
-                      plan=self.explain()).run(program)
+                      plan=self.explain(), enclosing=_enclosing).run(program)
 
 
 def parse_pipeline(text: str, **options: Any) -> PassManager:

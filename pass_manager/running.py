@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
+from contextvars import ContextVar
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
@@ -48,7 +49,11 @@ from .program import (
 )
 from .report import PassRecord, PassResult, Report
 
-__all__ = ["RunResult", "Runner", "default_instruments"]
+__all__ = ["ENCLOSING", "RunResult", "Runner", "default_instruments"]
+
+# The instruments of the pipelines around the pass being called: a PassManager called as a
+# pass (a group) shows its passes to them too, as MLIR's nested pass managers do.
+ENCLOSING: ContextVar[tuple[Instrumentation, ...]] = ContextVar("enclosing", default=())
 
 
 @dataclass
@@ -183,7 +188,8 @@ class Runner:
     ``name`` is the pipeline's (in an error about the program given), ``plan`` its
     explanation (for the report), ``start`` the place of the first pass (a replay runs one
     pass under its original number), ``strict`` checks every pass's effects in full, and
-    ``alone`` says the one pass was called by itself (errors say so).
+    ``alone`` says the one pass was called by itself (errors say so); ``enclosing`` are
+    the instruments of the pipelines a group runs in, which see its passes first.
     """
 
     passes: Sequence[Any]
@@ -194,6 +200,7 @@ class Runner:
     start: int = 0
     strict: bool = False
     alone: bool = False
+    enclosing: Sequence[Instrumentation] = ()
 
     def run(self, program: Any) -> RunResult:
         try:
@@ -210,6 +217,7 @@ class Runner:
         # A condition that held until a changing pass did not preserve it: that pass.
         self.dropped_by: dict[Condition, str] = {}
         report = Report(plan=self.plan, strict=self.strict)
+        self.hooks = [*self.enclosing, *self.instruments]  # around each pass
         for instrument in self.instruments:
             instrument.before_run(program, report)
         for index, p in enumerate(self.passes, self.start):
@@ -231,7 +239,7 @@ class Runner:
     def _run_pass(self, p: Any, index: int, program: Any, record: PassRecord) -> Any:
         rollback, current = None, program
         try:
-            for instrument in self.instruments:
+            for instrument in self.hooks:
                 instrument.before_pass(p, program, record)
             record.nodes_before = node_count(program)
             taken = take(program, p.effects, self.strict)
@@ -248,7 +256,7 @@ class Runner:
                 self._measure(p, index, program, current, rollback, record)
                 with nullcontext() if through else _unchanged(rollback, current, True):
                     self._provide(p, index, current, record)
-            for instrument in reversed(self.instruments):
+            for instrument in reversed(self.hooks):
                 instrument.after_pass(p, current, record)
             return current
         except Exception as e:
@@ -274,18 +282,23 @@ class Runner:
                                       | set(rollback.unrestorable_changes()))
             rollback.restore()
             error.rolled_back = True
-        for instrument in reversed(self.instruments):
+        for instrument in reversed(self.hooks):
             instrument.after_pass_failed(p, program, record, error)
         return error
 
     def _call(self, p: Any, index: int, program: Any, record: PassRecord) -> Any:
         """Run the pass; its result program, with its claim, notes and statistics recorded."""
+        # Each run has its own clock and claim check; the others see a group's passes.
+        token = ENCLOSING.set(tuple(i for i in self.hooks
+                                    if not isinstance(i, (Timing, ClaimCheck))))
         try:
             out = p.call(program)
         except Exception as e:
             if getattr(e, "_from_runner", False):  # a nested pipeline named its failing pass
                 raise
             raise PassFailedError(p.name, index, f"{type(e).__name__}: {e}") from e
+        finally:
+            ENCLOSING.reset(token)
         current, record.claimed_modified, record.notes, record.statistics = _unpack(
             out, program, self.exported)
         return current

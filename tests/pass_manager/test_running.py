@@ -20,7 +20,10 @@ from pass_manager import (
     PostconditionError,
     PreconditionError,
     PrintDiff,
+    PrintIR,
     ProgramFormError,
+    SemanticsError,
+    SemanticValidation,
     Timing,
     assert_same_behaviour,
     function_pass,
@@ -320,6 +323,29 @@ def test_a_timing_instrument_given_by_the_user_reports_each_pass_once(traced):
                          instruments=[Timing()])
     record = nested.run(torch.fx.symbolic_trace(Accumulate())).report.records[0]
     assert 0 < record.wall_time <= time.perf_counter() - started
+
+
+def test_the_instruments_of_a_pipeline_see_the_passes_of_a_group_in_it(exported):
+    """A PassManager used as a pass ran its passes under its own instruments only: the
+    outer PrintIR(before=[...]) printed nothing, and the outer SemanticValidation blamed
+    the group, not the pass in it that changed the result (MLIR's nested pass managers
+    share their parent's instrumentation)."""
+    import io
+
+    eager, x = Accumulate(), torch.ones(4)
+    printed = io.StringIO()
+    group = PassManager([function_pass(lambda p: None, name="look"), ReluToAbs()],
+                        name="group")
+    outer = PassManager([group], instruments=[PrintIR(before=["ReluToAbs"], to=printed),
+                                              SemanticValidation((x,))])
+    with pytest.raises(SemanticsError, match=r"pass #1 ReluToAbs changed what the program "
+                       "computes") as failure:
+        outer.run(exported)
+    assert failure.value.rolled_back and "IR Dump Before ReluToAbs (#1)" in printed.getvalue()
+    assert targets(exported, "relu") and not failure.value.report.warnings
+    module = exported.module()
+    for _ in range(3):  # rolled back: the program computes what eager does, state included
+        assert torch.equal(module(x), eager(x)) and torch.equal(module.acc, eager.acc)
 
 
 def test_report_separates_check_time_and_serializes(traced):
