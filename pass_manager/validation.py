@@ -231,11 +231,11 @@ def output_errors(expected: Trace, actual: Trace) -> list[float]:
 
 
 def buffer_errors(expected: Trace, actual: Trace) -> list[dict[str, float]]:
-    """Per call, the largest absolute difference of each floating-point buffer both traces
+    """Per call, the largest absolute difference of each float or complex buffer both traces
     have (a quantized program can hold extra state: observers', delegates'), by name."""
     return [
         {name: _abs_error(value, act_buf[name]) for name, value in exp_buf.items()
-         if name in act_buf and value.is_floating_point()}
+         if name in act_buf and (value.is_floating_point() or value.is_complex())}
         for exp_buf, act_buf in zip(expected.buffers, actual.buffers, strict=True)
     ]
 
@@ -245,7 +245,8 @@ def _abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
         return float("inf")
     if not a.numel():
         return 0.0
-    return (a.double() - b.double()).abs().nan_to_num(nan=math.inf, posinf=math.inf).max().item()
+    wide = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float64)  # complex
+    return (a.to(wide) - b.to(wide)).abs().nan_to_num(nan=math.inf, posinf=math.inf).max().item()
 
 
 def assert_same_behaviour(

@@ -48,7 +48,7 @@ def _worst_abs(reference: Trace, trace: Trace) -> dict[str, float]:
 def _no_float_state(eager: Trace, program: Any) -> str:
     """What the buffer check says with no floating-point buffer to compare."""
     integers = sorted(name for name, value in (eager.buffers or [{}])[0].items()
-                      if not value.is_floating_point())
+                      if not (value.is_floating_point() or value.is_complex()))
     carried = sorted(state.name for state in find_mutations(program).writers
                      if state.kind == USER_INPUT)
     if carried:  # not "no buffers": the state is in the caller's tensors

@@ -231,6 +231,38 @@ def test_a_model_with_integer_state_alone_is_not_told_it_has_no_buffers():
         "their values reach the outputs compared below")
 
 
+class _RotatesAPhase(torch.nn.Module):
+    """Complex state: a phase turned by what it reads, its real part in the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("phase", torch.ones(4, dtype=torch.complex64))
+
+    def forward(self, x):
+        y = self.proj(x)
+        self.phase.mul_(torch.polar(torch.ones(4), y.mean(0)))
+        return y + self.phase.real
+
+
+def test_a_model_with_complex_state_has_it_compared_not_called_integers():
+    """A complex buffer was labelled an integer and left out of every state comparison (and
+    a complex value's difference dropped its imaginary part)."""
+    from pass_manager.validation import Trace, buffer_errors, output_errors
+    from passes.flow.quantization import NO_PASSES, WITH_PASSES
+
+    turned = Trace([(torch.tensor([1j]),)], [{"phase": torch.tensor([1j])}], [])
+    still = Trace([(torch.tensor([0j]),)], [{"phase": torch.tensor([0j])}], [])
+    assert output_errors(turned, still) == [1.0]
+    assert buffer_errors(turned, still) == [{"phase": 1.0}]
+    result = _flow(_RotatesAPhase())
+    assert result.ok
+    errors = result.buffer_errors
+    assert errors[WITH_PASSES]["phase"] < 0.1 < errors[NO_PASSES]["phase"]
+    buffers_check = next(c for c in result.checks if c.name.startswith("quantized buffers"))
+    assert "integers" not in buffers_check.detail and "worst phase" in buffers_check.detail
+
+
 class _ReturnsItsPosition(_CountsCalls):
     """Returns the position it wrote at beside its output, as a generate loop reads it."""
 
