@@ -263,6 +263,35 @@ def test_a_model_with_complex_state_has_it_compared_not_called_integers():
     assert "integers" not in buffers_check.detail and "worst phase" in buffers_check.detail
 
 
+class _FillsACache(torch.nn.Module):
+    """A static cache of 3 positions and a position counter: 3 calls fill it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(3, 4))
+        self.register_buffer("pos", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.cache.index_copy_(0, self.pos.view(1), self.proj(x).sum(0, keepdim=True))
+        self.pos.add_(1)
+        return self.cache * 2
+
+
+def test_torchaos_recipe_decoding_past_the_cache_is_a_column_lost_not_the_job():
+    """torchao's recipe decodes from the position calibration left (3 calls on), past the
+    cache's end at its first call: the job stopped there (status 3, an IndexError), with
+    the passes' flow, which decodes in range, never reported."""
+    from passes.flow.quantization import NO_PASSES, RESET, WITH_PASSES
+
+    result = _flow(_FillsACache())
+    assert result.ok and result.failure is None
+    assert NO_PASSES not in result.step_errors and max(result.step_errors[WITH_PASSES]) < 0.1
+    assert RESET in result.step_errors and len(result.checks) == 4
+    assert result.bought[0].startswith("torchao's recipe without the passes fails (decode "
+                                       "quantized, no passes (call 1 of 3): IndexError")
+
+
 class _ReturnsItsPosition(_CountsCalls):
     """Returns the position it wrote at beside its output, as a generate loop reads it."""
 
