@@ -51,8 +51,7 @@ from .report import PassRecord, PassResult, Report
 
 __all__ = ["ENCLOSING", "RunResult", "Runner", "default_instruments"]
 
-# The instruments of the pipelines around the pass being called: a PassManager called as a
-# pass (a group) shows its passes to them too, as MLIR's nested pass managers do.
+# The hooks around the pass being called: a group's passes run under them (MLIR nesting).
 ENCLOSING: ContextVar[tuple[Instrumentation, ...]] = ContextVar("enclosing", default=())
 
 
@@ -188,8 +187,7 @@ class Runner:
     ``name`` is the pipeline's (in an error about the program given), ``plan`` its
     explanation (for the report), ``start`` the place of the first pass (a replay runs one
     pass under its original number), ``strict`` checks every pass's effects in full, and
-    ``alone`` says the one pass was called by itself (errors say so); ``enclosing`` are
-    the instruments of the pipelines a group runs in, which see its passes first.
+    ``alone`` says the one pass was called by itself (errors say so).
     """
 
     passes: Sequence[Any]
@@ -200,7 +198,7 @@ class Runner:
     start: int = 0
     strict: bool = False
     alone: bool = False
-    enclosing: Sequence[Instrumentation] = ()
+    enclosing: Sequence[Instrumentation] = ()  # a group's: the pipelines' it runs in
 
     def run(self, program: Any) -> RunResult:
         try:
@@ -288,9 +286,7 @@ class Runner:
 
     def _call(self, p: Any, index: int, program: Any, record: PassRecord) -> Any:
         """Run the pass; its result program, with its claim, notes and statistics recorded."""
-        # Each run has its own clock and claim check; the others see a group's passes.
-        token = ENCLOSING.set(tuple(i for i in self.hooks
-                                    if not isinstance(i, (Timing, ClaimCheck))))
+        token = ENCLOSING.set(tuple(self.hooks))
         try:
             out = p.call(program)
         except Exception as e:
