@@ -311,7 +311,7 @@ def run_flow(
             if RESET in traces:
                 quantization_checks(result, eager, traces, converted)
             result.notes += _not_finite(result.step_errors)
-            result.bought += _bought(result)
+            result.bought += _bought(result, returns_tensors=not _no_outputs(eager))
             # quantize_program's ExportedProgram goes on as it is: no re-export, no second
             # functionalization (its cache updates are already its mutation outputs).
             program = quantized = converted[WITH_PASSES]
@@ -473,15 +473,16 @@ def _not_finite(step_errors: Mapping[str, list[float]]) -> list[str]:
             f"some step: {', '.join(map(repr, broken))}"] if broken else []
 
 
-def _bought(result: FlowResult) -> list[str]:
-    """What the passes changed on this model's quantized decode, against torchao's recipe."""
+def _bought(result: FlowResult, returns_tensors: bool = True) -> list[str]:
+    """What the passes changed on this model's quantized decode, against torchao's recipe
+    (its outputs only if it returns a tensor: else both would read 'off by 0')."""
     if NO_PASSES not in result.step_errors or WITH_PASSES not in result.step_errors:
         return []
     without, with_ = result.step_errors[NO_PASSES], result.step_errors[WITH_PASSES]
     bought = [
         f"first decode step off by {without[0]:.3g} without the passes, {with_[0]:.3g} with",
         f"worst decode step off by {max(without):.3g} without, {max(with_):.3g} with",
-    ]
+    ] if returns_tensors else []
     if result.buffer_errors[NO_PASSES] or result.buffer_errors[WITH_PASSES]:  # not 0% of none
         state_without = max(result.buffer_errors[NO_PASSES].values(), default=0.0)
         state_with = max(result.buffer_errors[WITH_PASSES].values(), default=0.0)

@@ -481,6 +481,8 @@ def test_a_model_returning_nothing_is_told_its_output_errors_compare_nothing():
     assert ("the model returns no tensor (None, or only Python values): the decode table's "
             "output errors compare nothing and read 0; its state, compared below it, is what "
             "measures the programs") in result.notes
+    # What the passes bought is its state alone, not "first decode step off by 0 ... 0 with".
+    assert [line.split(" error ")[0] for line in result.bought] == ["worst state"]
     assert not any("returns no tensor" in note for note in _flow(_CountsCalls()).notes)
 
 
