@@ -215,7 +215,8 @@ class Runner:
         # A condition that held until a changing pass did not preserve it: that pass.
         self.dropped_by: dict[Condition, str] = {}
         report = Report(plan=self.plan, strict=self.strict)
-        self.hooks = [*self.enclosing, *self.instruments]  # around each pass
+        # Around each pass: the enclosing runs' hooks (a group's), then this run's own.
+        self.hooks = [*self.enclosing, *(i for i in self.instruments if i not in self.enclosing)]
         for instrument in self.instruments:
             instrument.before_run(program, report)
         for index, p in enumerate(self.passes, self.start):
