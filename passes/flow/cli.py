@@ -78,11 +78,16 @@ def _import_model_module(module_name: str) -> Any:
         path = Path(module_name)
         if not path.is_file():
             raise ModelError(f"no such file {module_name!r}; MODEL is {MODEL_FORMS}")
-        name = f"_mutable_buffer_passes_model_{path.stem}"
+        sys.path.insert(0, str(path.resolve().parent))  # the file's own sibling imports
+        # By its own name where that name finds this file: what records a pass it defines
+        # by module (a reproducer, pipeline text) imports it again, in a replay too.
+        found = importlib.util.find_spec(path.stem) if path.stem.isidentifier() else None
+        if found is not None and found.origin and Path(found.origin) == path.resolve():
+            return importlib.import_module(path.stem)
+        name = f"_mutable_buffer_passes_model_{path.stem}"  # a name taken by another module
         loader = importlib.util.spec_from_file_location(name, path.resolve())
         module = importlib.util.module_from_spec(loader)
         sys.modules[name] = module
-        sys.path.insert(0, str(path.resolve().parent))  # the file's own sibling imports
         loader.loader.exec_module(module)
         return module
     if os.getcwd() not in sys.path and "" not in sys.path:

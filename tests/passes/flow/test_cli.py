@@ -438,3 +438,24 @@ def test_a_pass_the_models_module_defines_runs_in_the_pipeline(monkeypatch, caps
     assert status == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith("error: --pipeline: no registered pass is named 'CountsCallsOfTheUsr'")
     assert err.strip().endswith("(a pass of your own: define or import it in MODEL's module)")
+
+
+def test_a_reproducer_of_a_pass_a_model_file_defines_replays(capsys, tmp_path):
+    """A MODEL given as a file was imported under a made-up module name, so the reproducer
+    of a pass it defines named a module no replay could import: the command the failure
+    printed ended in 'ModuleNotFoundError: No module named
+    '_mutable_buffer_passes_model_...''."""
+    (tmp_path / "own_failing_pass.py").write_text(_OWN_PASS_MODEL.replace(
+        'return PassResult(program, False, statistics={"calls seen": count})',
+        'raise ValueError(f"{count} calls: too many")').replace("CountsCallsOfTheUser",
+                                                              "FailsForTheUser"))
+    status = cli.main(["run", "--runtime", "python", str(tmp_path / "own_failing_pass.py:factory"),
+                       *FAST, "--quiet", "--reproducer-dir", str(tmp_path / "repro"),
+                       "--pipeline", "MarkMutableBuffers,FailsForTheUser"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("reproducer: "))
+    assert status == 3
+    replayed = subprocess.run([sys.executable, "-m", "pass_manager", "replay", line.split()[1],
+                               "--trust"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert replayed.returncode == 1, replayed.stderr
+    assert "calls: too many" in replayed.stdout
+    assert "reproduced: the recorded error" in replayed.stdout
