@@ -399,8 +399,8 @@ def test_no_grad_state_update_trains_like_eager_once_functional():
     """Inlined, a no_grad region used to record its update in autograd: the state then held
     a grad history, so the second backward failed (``Trying to backward through the graph a
     second time``) and the first one's gradients went through the update (off eager by 0.40,
-    against eager's largest gradient of 0.36). Its reads now go through ``detach``: 4 training steps equal eager bit for bit,
-    gradients and state."""
+    against eager's largest gradient of 0.36). Its reads now go through ``detach``: 4
+    training steps equal eager bit for bit, gradients and state."""
     inputs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     ep = torch.export.export(EmaInNoGrad(), (inputs[0],))
     functional = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
