@@ -94,8 +94,8 @@ def test_qat_training_loop_over_state_written_under_no_grad():
     decode calls each: the inlined no_grad writes used to carry the step's autograd graph
     into the cache, and the second backward failed (``Trying to backward through the graph
     a second time``). Now the state never holds a grad history, and the trained program
-    converts: the converted cache is within 1.2% of its largest value of the fake-quantized
-    program's, over the same 6 calls."""
+    converts: the converted cache and sum are within 0.86% and 0.80% of their largest value of
+    the fake-quantized program's, over the same 6 calls."""
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer,
         get_symmetric_quantization_config,
