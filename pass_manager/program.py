@@ -6,14 +6,16 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
 
-__all__ = ["EXPORTED_PROGRAM", "GRAPH_MODULE", "graph_module_of", "graph_modules", "graph_of",
-           "graphs_text", "modules_of", "node_count", "pass_diff", "program_form", "program_text"]
+__all__ = ["EXPORTED_PROGRAM", "GRAPH_MODULE", "graph_module_copy", "graph_module_of",
+           "graph_modules", "graph_of", "graphs_text", "modules_of", "node_count", "pass_diff",
+           "program_form", "program_text"]
 
 GRAPH_MODULE = "GraphModule"
 EXPORTED_PROGRAM = "ExportedProgram"
@@ -30,6 +32,22 @@ def program_form(program: Any) -> str:
 
 def graph_module_of(program: Any) -> torch.fx.GraphModule:
     return program.graph_module if isinstance(program, ExportedProgram) else program
+
+
+def graph_module_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A graph module over a copy of ``gm``'s graph, sharing its submodules, attributes and
+    state (``meta`` copied shallowly), to rewrite without touching ``gm``.
+
+    Each node keeps its name: ``copy.deepcopy`` of a graph renames the names Python
+    reserves (an input ``input`` becomes ``input_1``, ``list`` ``list_1``), which an
+    ExportedProgram's signature still names (``SpecViolationError: Input spec name input
+    does not match node name input_1`` once it is checked)."""
+    graph = copy.deepcopy(gm.graph)
+    for original, node in zip(gm.graph.nodes, graph.nodes, strict=True):
+        node.name = original.name
+    copied = torch.fx.GraphModule(gm, graph)
+    copied.meta.update(gm.meta)
+    return copied
 
 
 def graph_of(program: Any) -> torch.fx.Graph:

@@ -9,7 +9,6 @@ rules are in :mod:`passes.delegation.ownership`), and reports why it kept the ot
 
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from torch.export.graph_signature import (
 from torch.fx import Node
 
 from pass_manager import EXPORTED_PROGRAM, Effects, Pass, PassResult
+from pass_manager.program import graph_module_copy
 
 from ._analysis.aliasing import alias_map
 from ._analysis.buffer_conditions import Functional
@@ -179,8 +179,7 @@ class ConsumeBufferMutationsInDelegate(Pass):
 
     # -- the rewrite, on a copy ---------------------------------------------------------
     def _consume(self, ep: ExportedProgram, consumed: list[BufferOwnership]) -> ExportedProgram:
-        gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
-        gm.meta.update(ep.graph_module.meta)
+        gm = graph_module_copy(ep.graph_module)
         nodes = {n.name: n for n in gm.graph.nodes}
         by_owner: dict[str, list[BufferOwnership]] = defaultdict(list)
         for v in consumed:

@@ -53,6 +53,7 @@ __all__ = [
     "buffer_tensor",
     "call_graph_names",
     "find_mutations",
+    "hop_operands_written",
     "hop_writes",
     "lifted_state_kind",
     "named_input_specs",
@@ -313,7 +314,7 @@ def _subgraph_written(sub: torch.fx.GraphModule) -> list[int] | None:
     roots = set()
     for node in sub.graph.nodes:
         roots.update(aliases[w].root for w in written_nodes(node) if w in aliases)
-        nested = _hop_operands_written(node, sub)
+        nested = hop_operands_written(node, sub)
         roots.update(aliases[w].root for w in nested or () if w in aliases)
     # A tensor the subgraph allocates itself is local: writing it is no program mutation.
     roots = {r for r in roots if r.op != "call_function"}
@@ -324,7 +325,7 @@ def _subgraph_written(sub: torch.fx.GraphModule) -> list[int] | None:
     return [i for i, p in enumerate(placeholders) if p in roots]
 
 
-def _hop_operands_written(node: Node, gm: torch.nn.Module) -> list[Node] | None:
+def hop_operands_written(node: Node, gm: torch.nn.Module) -> list[Node] | None:
     """Operands a higher-order op's subgraph writes; the operands follow the subgraph
     argument (``wrap_with_set_grad_enabled(enabled, body, *operands)``)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
@@ -349,7 +350,7 @@ def _hop_operands_written(node: Node, gm: torch.nn.Module) -> list[Node] | None:
 
 def hop_writes(node: Node, gm: torch.nn.Module) -> OpaqueNode | None:
     """A higher-order op whose subgraph writes: its writes are not rewritten from outside."""
-    return _hop_opaque(node, _hop_operands_written(node, gm))
+    return _hop_opaque(node, hop_operands_written(node, gm))
 
 
 def _hop_opaque(node: Node, written: list[Node] | None) -> OpaqueNode | None:
@@ -385,7 +386,7 @@ def _scan_mutations(program: Any) -> Mutations:
     written_roots: set[Node] = set()
     writing_nodes: list[Node] = []
     for node in candidates:
-        nested = _hop_operands_written(node, gm)  # read once: each read re-scans subgraphs
+        nested = hop_operands_written(node, gm)  # read once: each read re-scans subgraphs
         hop = _hop_opaque(node, nested)
         if hop is not None:
             opaque.append(hop)

@@ -35,6 +35,8 @@ from torch.export.graph_signature import (
 from torch.fx import GraphModule, Node
 from torch.fx.graph import _PyTreeCodeGen
 
+from pass_manager.program import graph_module_copy
+
 from .._analysis.buffers import (
     MUTATION_OUTPUT_KINDS,
     named_input_specs,
@@ -111,11 +113,7 @@ class ProgramView:
 
     @classmethod
     def _of_exported(cls, ep: ExportedProgram) -> ProgramView:
-        graph = copy.deepcopy(ep.graph)
-        for original, node in zip(ep.graph.nodes, graph.nodes, strict=True):
-            node.name = original.name  # the copy renames names Python reserves (``list``)
-        gm = torch.fx.GraphModule(ep.graph_module, graph)
-        gm.meta.update(ep.graph_module.meta)
+        gm = graph_module_copy(ep.graph_module)
         placeholders = gm.graph.find_nodes(op="placeholder")
         specs = dict(zip(placeholders, named_input_specs(ep), strict=True))
         inputs = [p for p, s in specs.items() if s.kind == InputKind.USER_INPUT]

@@ -5,7 +5,13 @@ Export wraps a region run under another grad mode in the higher-order op
 ``wrap_with_autocast(device, dtype, enabled, cache, body, *operands)``. Grad mode changes no
 value a region computes, only what autograd records, and ``run_decompositions`` inlines these
 regions too; a grad region whose body writes state (an EMA update, an SSM state cache written
-under ``no_grad``) is inlined so its writes are functionalized like any other. Autocast
+under ``no_grad``) is inlined so its writes are functionalized like any other. A ``no_grad``
+body reads the operands it does not write through an ``aten.detach``, so that what it
+computes records no autograd history once inlined, as under ``no_grad``: a program trained
+after the rewrite (QAT's ``prepare_qat_pt2e``) would otherwise write a value with a grad
+history into the state, and the next call's backward would run through the previous call's
+graph (``RuntimeError: Trying to backward through the graph a second time``), besides
+sending gradients through the update. Autocast
 changes values (it casts the inputs of matmuls and the like), so an autocast region that
 writes state keeps its body, functionalized inside: the body returns the new value of each
 operand it wrote, and the region is followed by a ``copy_`` of it into the operand, which
@@ -26,7 +32,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .._analysis.aliasing import alias_map
-from .._analysis.buffers import hop_writes, trailing_write_backs
+from .._analysis.buffers import hop_operands_written, hop_writes, trailing_write_backs
 from ..errors import UnsupportedMutationError
 
 __all__ = ["InlinedRegions", "inline_grad_regions"]
@@ -161,6 +167,31 @@ def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions,
                     (user.args, user.kwargs), lambda a, old=item, new=back: new if a is old else a)
 
 
+def _read_without_grad(node: Node, gm: GraphModule, copied: dict[Node, Node]
+                       ) -> dict[Node, Node]:
+    """``copied`` (body placeholder -> operand) with each tensor operand the ``no_grad``
+    region does not write read through an ``aten.detach`` inserted here: the inlined body
+    then records no autograd history, as under ``no_grad``. Written operands keep their
+    node, since the functionalization rewrites writes to it; their new value is computed
+    from detached reads and from their own old value."""
+    written = set(hop_operands_written(node, gm) or ())
+    detached: dict[Node, Node] = {}
+    result = {}
+    for placeholder, operand in copied.items():
+        value = operand.meta.get("val") if isinstance(operand, Node) else None
+        if operand in written or not isinstance(value, torch.Tensor):
+            result[placeholder] = operand
+            continue
+        if operand not in detached:
+            made = detached[operand] = gm.graph.call_function(
+                torch.ops.aten.detach.default, (operand,))
+            made.meta.update({k: v for k, v in node.meta.items()
+                              if k not in ("val", "tensor_meta")})
+            made.meta["val"] = value.detach()
+        result[placeholder] = detached[operand]
+    return result
+
+
 def inline_grad_regions(gm: GraphModule, rewrite_of: Callable[[GraphModule], Any],
                         candidates: list[Node] | None = None) -> InlinedRegions:
     """Replace each state-writing grad-mode region by its body's nodes; give each other
@@ -181,6 +212,8 @@ def inline_grad_regions(gm: GraphModule, rewrite_of: Callable[[GraphModule], Any
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         copied: dict[Node, Node] = dict(zip(placeholders, node.args[2:], strict=True))
         with graph.inserting_before(node):
+            if node.args[0] is False:
+                copied = _read_without_grad(node, gm, copied)
             results = graph.graph_copy(sub.graph, copied)
         results = results if isinstance(results, (tuple, list)) else (results,)
         for item in list(node.users):

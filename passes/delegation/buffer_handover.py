@@ -11,7 +11,6 @@ caller's to update.
 
 from __future__ import annotations
 
-import copy
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import Node
+
+from pass_manager.program import graph_module_copy
 
 from .delegate_runtime import LoweredBackendModule
 from .subprogram import input_spec, make_program, output_spec, user_input_nodes
@@ -59,7 +60,7 @@ def hand_over_buffers(
     """
     old = gm.get_submodule(call.args[0].target)
     sub = old.program
-    sub_gm = torch.fx.GraphModule(sub.graph_module, copy.deepcopy(sub.graph))
+    sub_gm = graph_module_copy(sub.graph_module)
     sub_nodes = {n.name: n for n in sub_gm.graph.nodes}
     inputs = {sub_nodes[s.arg.name]: s for s in sub.graph_signature.input_specs}
     user_inputs = [sub_nodes[n.name] for n in user_input_nodes(sub)]

@@ -55,6 +55,8 @@ from torch.export.graph_signature import (
 )
 from torch.fx import Node
 
+from pass_manager.program import graph_module_copy
+
 __all__ = ["coreml_state_order", "needs_coreml_state_order"]
 
 # Ops coremltools' torch frontend turns into nothing (identity, removed by its
@@ -131,8 +133,7 @@ def coreml_state_order(ep: ExportedProgram) -> ExportedProgram:
     State tensors are shared with ``ep``, which is not modified."""
     if not needs_coreml_state_order(ep):
         return ep
-    gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
-    gm.meta.update(ep.graph_module.meta)
+    gm = graph_module_copy(ep.graph_module)
     work = ep._update(gm, copy.deepcopy(ep.graph_signature))
     specs = list(work.graph_signature.output_specs)
     _distinct_state_values(work.graph, specs)

@@ -53,6 +53,8 @@ from torch.export.graph_signature import (
 )
 from torch.fx import Node
 
+from pass_manager.program import graph_module_copy
+
 from ..delegation.ownership import BufferOwnership, update_paths
 from ..delegation.partitioners import DELEGATION_TAG
 from ..delegation.subprogram import input_spec, make_program, output_spec
@@ -80,8 +82,7 @@ def functional(ep: ExportedProgram) -> ExportedProgram:
     if not Functional.check(ep):
         return ep
     # The passes rewrite in place: give them a graph of their own (state stays shared).
-    gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
-    gm.meta.update(ep.graph_module.meta)
+    gm = graph_module_copy(ep.graph_module)
     work = ep._update(gm, copy.deepcopy(ep.graph_signature))
     return PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(work).program
 
@@ -135,8 +136,7 @@ def separate_new_buffer_values(
     if not needs_copy:
         return ep
     specs = list(ep.graph_signature.output_specs)
-    gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
-    gm.meta.update(ep.graph_module.meta)
+    gm = graph_module_copy(ep.graph_module)
     nodes = {n.name: n for n in gm.graph.nodes}
     output = gm.graph.output_node()
     returned = list(output.args[0])

@@ -459,3 +459,30 @@ def test_getitems_go_with_their_split(tags, alone):
     assert_same_behaviour(SplitsItsCache(), edge.exported_program(), steps,
                           state=executorch_state)
     edge.to_executorch()
+
+
+class ReadsInput(torch.nn.Module):
+    """A stateful model whose argument is named ``input``, as ``nn.Linear.forward`` names
+    its own: Python reserves the name, so a copied graph calls it ``input_1``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("acc", torch.ones(4))
+
+    def forward(self, input):
+        self.acc.add_(self.lin(input))
+        return self.acc * 2
+
+
+def test_an_input_named_input_lowers_wrapped():
+    """The wrapper rewrote a copy of the program whose graph had renamed ``input`` to
+    ``input_1``: lowering failed with ``SpecViolationError: Input spec name input does not
+    match node name input_1``. Copies keep node names now; the lowered program equals eager
+    over 4 calls, outputs and state (the delegate owns ``acc``; XNNPACK's wrapper, which
+    copies the program alike, failed the same)."""
+    inputs = [(torch.randn(4, generator=torch.Generator().manual_seed(i)),) for i in range(4)]
+    with torch.no_grad():
+        lowered = _lower(ReadsInput(), inputs, BufferOwningPartitioner(everything()))
+    assert_same_behaviour(ReadsInput(), lowered, inputs, atol=ATOL, state=executorch_state)
