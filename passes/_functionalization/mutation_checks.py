@@ -16,7 +16,7 @@ from torch.fx import Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analysis.aliasing import Alias
-from .._analysis.buffers import CONSTANT, USER_INPUT, State, buffer_tensor
+from .._analysis.buffers import BUFFER, CONSTANT, USER_INPUT, State, buffer_tensor
 from ..errors import UnsupportedMutationError
 from .element_overlap import may_overlap, may_share
 from .view_inverse import write_back_reason
@@ -41,9 +41,44 @@ def check_opaque(node: Node, reason: str | None, aliases: dict[Node, Alias], roo
             node, f"{reason}, so it may write the mutable state it receives ({names})", "opaque")
 
 
+def _storage(tensor: object) -> StorageWeakRef | None:
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        return None
+    try:
+        return StorageWeakRef(tensor.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # a subclass without one storage
+        return None
+
+
+def _buffer_holding(program: object, states: dict[Node, State], constant: str) -> str | None:
+    """The buffer of ``program`` whose storage the constant ``constant`` is: non-strict
+    export lifts a tensor reached through a plain Python object (the layers of
+    transformers' ``StaticCache``) as a constant even when the module registers the very
+    same tensor as a buffer, as transformers' ExecuTorch recipes do."""
+    storage = _storage(buffer_tensor(program, constant))
+    if storage is None:
+        return None
+    return next((s.name for s in states.values()
+                 if s.kind == BUFFER and _storage(buffer_tensor(program, s.name)) == storage),
+                None)
+
+
+def _constant_write_reason(program: object | None, states: dict[Node, State],
+                           constant: str) -> str:
+    buffer = None if program is None else _buffer_holding(program, states, constant)
+    if buffer is None:
+        return f"it writes the constant {constant!r}; register it as a buffer"
+    return (f"it writes the constant {constant!r}, which is the tensor of the registered "
+            f"buffer {buffer!r} reached through a plain Python object (non-strict export "
+            "lifts it as a constant beside the buffer, and writes the constant); export "
+            "strict (torch.export.export(..., strict=True), as transformers' ExecuTorch "
+            "recipes do), which reads and writes the buffer")
+
+
 def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
-                states: dict[Node, State]) -> None:
-    """A write the rewrite can express exactly, or an UnsupportedMutationError."""
+                states: dict[Node, State], program: object | None = None) -> None:
+    """A write the rewrite can express exactly, or an UnsupportedMutationError
+    (``program``: to name the buffer a written constant is the tensor of)."""
     inputs = [a for a in node.all_input_nodes if a in aliases]
     _check_written_once(node, written, aliases)
     for w in written:
@@ -53,8 +88,7 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
             # A constant is not program state: a write to it cannot be an output of the
             # program (torch's functionalization refuses it too: "register it as buffer").
             raise UnsupportedMutationError(
-                node, f"it writes the constant {state.name!r}; register it as a buffer",
-                "writes-constant")
+                node, _constant_write_reason(program, states, state.name), "writes-constant")
         for view in alias.chain:
             reason = write_back_reason(view)
             if reason is not None:

@@ -333,7 +333,7 @@ class Rewrite:
             raise UnsupportedMutationError(node, self.refused_metadata[node], "relayout")
         writes = written_arguments(node)
         if writes:
-            check_write(node, [w for _, w in writes], self.aliases, self.states)
+            check_write(node, [w for _, w in writes], self.aliases, self.states, self.program)
             self._remap(node)
             self._rewrite(node, writes)
         else:

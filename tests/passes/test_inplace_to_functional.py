@@ -325,3 +325,43 @@ def test_registry_rejects_what_is_not_a_mutating_op():
         register_functional_variant(torch.add, torch.add)
     with pytest.raises(ValueError, match="writes none of its arguments"):
         register_functional_variant(torch.ops.aten.add.Tensor, torch.ops.aten.add.Tensor)
+
+
+class _Holder:
+    """A plain Python object holding a tensor, as transformers' ``StaticCache`` layers do."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class _BufferWrittenThroughAnObject(torch.nn.Module):
+    """Registers the held tensor as a buffer (as transformers' ExecuTorch recipes register
+    each cache layer's tensors) and writes it through the plain object."""
+
+    def __init__(self):
+        super().__init__()
+        self.holder = _Holder(torch.zeros(4))
+        self.register_buffer("total", self.holder.tensor, persistent=False)
+
+    def forward(self, x):
+        self.holder.tensor.add_(x)
+        return self.holder.tensor * 2
+
+
+@pytest.mark.parametrize("form", ["exported", "module"])
+def test_a_written_constant_that_is_a_buffers_tensor_names_the_buffer_and_strict_export(form):
+    """Non-strict export lifts the tensor reached through the object as a constant beside
+    the buffer and writes the constant (transformers' old recipe exported with
+    ``strict=False``); the refusal said "register it as a buffer" of a registered buffer."""
+    with torch.no_grad():
+        ep = torch.export.export(_BufferWrittenThroughAnObject(), (torch.ones(4),), strict=False)
+    error = _assert_rejected(ep if form == "exported" else ep.module(), "writes-constant", "add_")
+    assert "registered buffer 'total'" in str(error) and "strict=True" in str(error)
+    # The way out it names: strict export reads and writes the buffer, made functional.
+    model = _BufferWrittenThroughAnObject()
+    with torch.no_grad():
+        strict = torch.export.export(copy.deepcopy(model), (torch.ones(4),), strict=True)
+    functional = functionalize(strict).program
+    assert "total" in functional.graph_signature.buffers_to_mutate.values()
+    calls = [(torch.full((4,), float(i)),) for i in range(3)]
+    assert_same_behaviour(model, functional, calls)
