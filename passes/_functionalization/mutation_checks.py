@@ -3,7 +3,8 @@
 Refused: a write to a lifted constant (torch refuses it too), a write through a view with
 no write-back, a written tensor that may partially overlap another argument of the same
 op, an opaque node (no schema, or a higher-order op writing inside its subgraph) that
-receives mutable state, and written state sharing its storage with other state. Each is
+receives mutable state, and written state sharing its storage with other state or
+with itself (a buffer registered expanded). Each is
 an :class:`~passes.errors.UnsupportedMutationError` naming the node and the reason. A
 write through a view addressing an element twice is checked where it is written back
 (``overlapping_writes``).
@@ -94,7 +95,14 @@ def check_shared_storage(program: object, states: dict[Node, State], written: se
     """Refuse a written piece of state that shares its storage with another one the
     program reads (``register_buffer("head", whole[:4])``): the graph names them as two
     inputs, so a functional program would read the other one's old value where eager
-    reads the new one. Tied state (one tensor, two names) is one input and passes."""
+    reads the new one. Tied state (one tensor, two names) is one input and passes.
+
+    Refuse too written state that is an expanded tensor (a buffer registered as
+    ``torch.arange(4.).expand(3, 4)``: a dim of stride 0 holding several elements): its
+    new value, computed whole, cannot be stored back, as ``copy_`` refuses such a
+    destination (so the functional program would fail when called, as torch's
+    ``run_decompositions({})`` does), and eager's write to one position changes every
+    position sharing its element."""
     seen: dict[StorageWeakRef, tuple[Node, State]] = {}
     for node, state in states.items():
         if state.kind == USER_INPUT or (not node.users and state not in written):
@@ -106,6 +114,8 @@ def check_shared_storage(program: object, states: dict[Node, State], written: se
             storage = StorageWeakRef(value.untyped_storage())
         except (RuntimeError, NotImplementedError):  # a subclass without one storage
             continue
+        if state in written and state.kind != CONSTANT:
+            _refuse_expanded(node, state, buffer_tensor(program, state.name))
         first, other = seen.setdefault(storage, (node, state))
         if other != state and (state in written or other in written):
             writer, shared = (node, other) if state in written else (first, state)
@@ -115,3 +125,15 @@ def check_shared_storage(program: object, states: dict[Node, State], written: se
                 "two inputs, so a functional program would not see one's write in the "
                 "other; register one buffer and take the other as a view of it in forward",
                 "shared-storage")
+
+
+def _refuse_expanded(node: Node, state: State, tensor: torch.Tensor) -> None:
+    """Refuse written state with a dim of stride 0 holding several elements: exactly the
+    destinations ``copy_`` refuses (``at::has_internal_overlap`` says YES), the store of a
+    functional program's new state included."""
+    if torch._debug_has_internal_overlap(tensor) == 1:
+        raise UnsupportedMutationError(
+            node, f"the written {state.kind} {state.name!r} is an expanded tensor (size "
+            f"{tuple(tensor.shape)}, stride {tensor.stride()}): its elements share memory, so "
+            "its new value cannot be stored back into it; register it with .contiguous()",
+            "overlap")
