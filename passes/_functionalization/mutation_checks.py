@@ -18,11 +18,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analysis.aliasing import Alias
 from .._analysis.buffers import CONSTANT, USER_INPUT, State, buffer_tensor
+from .._analysis.op_schema import target_of
 from ..errors import UnsupportedMutationError
-from .element_overlap import may_overlap, may_share
+from .element_overlap import addresses_twice, may_overlap, may_share
+from .overlapping_writes import stores_aliased_positions
 from .view_inverse import write_back_reason
 
 __all__ = ["check_opaque", "check_shared_storage", "check_write"]
+
+aten = torch.ops.aten
 
 
 
@@ -56,6 +60,14 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
             raise UnsupportedMutationError(
                 node, f"it writes the constant {state.name!r}; register it as a buffer",
                 "writes-constant")
+        if state is not None and state.kind != USER_INPUT and _laid_out_overlapping(
+                alias.root) and target_of(node) is not aten.copy_.default and (
+                stores_aliased_positions(node, w)):
+            raise UnsupportedMutationError(
+                node, f"it writes {w.name}, which addresses some storage elements of the "
+                      f"{state.kind} {state.name!r} more than once (the {state.kind} is "
+                      "registered with overlapping strides), and it is not proven to give "
+                      "each of them one value; register it with .contiguous()", "overlap")
         for view in alias.chain:
             reason = write_back_reason(view)
             if reason is not None:
@@ -68,6 +80,18 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
                 raise UnsupportedMutationError(
                     node, f"the written {w.name} and the argument {other.name} are views of "
                           "one storage that may partially overlap", "overlap")
+
+
+def _laid_out_overlapping(root: Node) -> bool:
+    """Whether program state is itself laid out addressing an element twice (registered as
+    ``x.as_strided((3, 4), (1, 1))``). Writes through its views that address each element
+    once are exact, and so is a ``copy_`` (``copy`` and the scatter ops write into a clone
+    of its layout, position after position as eager does), but an op writing positions
+    that share an element computes each position from the values the positions before
+    stored in eager (``add_`` of the whole buffer), from the old values in its functional
+    form: refused (torch's ``run_decompositions({})`` gives the wrong values there)."""
+    val = root.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.layout == torch.strided and addresses_twice(val)
 
 
 def _check_written_once(node: Node, written: list[Node], aliases: dict[Node, Alias]) -> None:
