@@ -67,7 +67,8 @@ class InplaceToFunctional(Pass):
             those of intermediates and views become views or renames), a read of a
             written tensor's storage that cannot be kept ("storage"), or written state
             sharing its storage with other state the program reads, such as a buffer
-            registered as a view of another ("shared-storage").
+            registered as a view of another ("shared-storage"), or written state that is
+            an expanded tensor ("overlap": its new value cannot be stored into it).
     """
 
     requires = frozenset({MutableBuffersMarked})

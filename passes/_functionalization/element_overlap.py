@@ -14,7 +14,8 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-__all__ = ["ENUMERATION_LIMIT", "element_offsets", "may_overlap", "may_share", "overlaps_itself"]
+__all__ = ["ENUMERATION_LIMIT", "addresses_twice", "element_offsets", "may_overlap", "may_share",
+           "overlaps_itself"]
 
 
 def _known(condition: Any) -> bool:
@@ -66,10 +67,27 @@ def overlaps_itself(node: Node) -> bool:
     view with overlapping strides): a write through it has no functional equivalent.
     True when it cannot be proven otherwise."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return True
+    return not isinstance(val, torch.Tensor) or addresses_twice(val)
+
+
+def addresses_twice(val: torch.Tensor) -> bool:
+    """Whether a strided tensor may address one storage element at two positions (an
+    ``expand`` broadcasting a dim, an ``as_strided`` with overlapping strides). Proven not
+    to when its strides, sorted, each step past everything the smaller ones reach (any
+    contiguous, permuted or sliced layout, however large); else its elements are
+    enumerated. True when it cannot be proven otherwise (symbolic layouts)."""
     layout = _layout(val)
-    if not all(isinstance(x, int) for x in layout) or val.numel() > ENUMERATION_LIMIT:
+    if not all(isinstance(x, int) for x in layout):
+        return True
+    reach = 0
+    for stride, size in sorted((stride, size) for size, stride in zip(
+            val.shape, val.stride(), strict=True) if size > 1):
+        if stride <= reach:
+            break
+        reach += (size - 1) * stride
+    else:
+        return False
+    if val.numel() > ENUMERATION_LIMIT:
         return True
     elements = _elements(val)
     return elements.unique().numel() < elements.numel()

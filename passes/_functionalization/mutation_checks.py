@@ -3,7 +3,8 @@
 Refused: a write to a lifted constant (torch refuses it too), a write through a view with
 no write-back, a written tensor that may partially overlap another argument of the same
 op, an opaque node (no schema, or a higher-order op writing inside its subgraph) that
-receives mutable state, and written state sharing its storage with other state. Each is
+receives mutable state, and written state sharing its storage with other state or
+with itself (a buffer registered expanded). Each is
 an :class:`~passes.errors.UnsupportedMutationError` naming the node and the reason. A
 write through a view addressing an element twice is checked where it is written back
 (``overlapping_writes``).
@@ -17,13 +18,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analysis.aliasing import Alias
 from .._analysis.buffers import BUFFER, CONSTANT, USER_INPUT, State, buffer_tensor
+from .._analysis.op_schema import target_of
 from ..errors import UnsupportedMutationError
-from .element_overlap import may_overlap, may_share
+from .element_overlap import addresses_twice, may_overlap, may_share
+from .overlapping_writes import stores_aliased_positions
 from .view_inverse import write_back_reason
 
 __all__ = ["check_opaque", "check_shared_storage", "check_write"]
 
-
+aten = torch.ops.aten
 
 
 def check_opaque(node: Node, reason: str | None, aliases: dict[Node, Alias], roots: set[Node],
@@ -89,6 +92,14 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
             # program (torch's functionalization refuses it too: "register it as buffer").
             raise UnsupportedMutationError(
                 node, _constant_write_reason(program, states, state.name), "writes-constant")
+        if state is not None and state.kind != USER_INPUT and _laid_out_overlapping(
+                alias.root) and target_of(node) is not aten.copy_.default and (
+                stores_aliased_positions(node, w)):
+            raise UnsupportedMutationError(
+                node, f"it writes {w.name}, which addresses some storage elements of the "
+                      f"{state.kind} {state.name!r} more than once (the {state.kind} is "
+                      "registered with overlapping strides), and it is not proven to give "
+                      "each of them one value; register it with .contiguous()", "overlap")
         for view in alias.chain:
             reason = write_back_reason(view)
             if reason is not None:
@@ -101,6 +112,18 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
                 raise UnsupportedMutationError(
                     node, f"the written {w.name} and the argument {other.name} are views of "
                           "one storage that may partially overlap", "overlap")
+
+
+def _laid_out_overlapping(root: Node) -> bool:
+    """Whether program state is itself laid out addressing an element twice (registered as
+    ``x.as_strided((3, 4), (1, 1))``). Writes through its views that address each element
+    once are exact, and so is a ``copy_`` (``copy`` and the scatter ops write into a clone
+    of its layout, position after position as eager does), but an op writing positions
+    that share an element computes each position from the values the positions before
+    stored in eager (``add_`` of the whole buffer), from the old values in its functional
+    form: refused (torch's ``run_decompositions({})`` gives the wrong values there)."""
+    val = root.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.layout == torch.strided and addresses_twice(val)
 
 
 def _check_written_once(node: Node, written: list[Node], aliases: dict[Node, Alias]) -> None:
@@ -128,18 +151,23 @@ def check_shared_storage(program: object, states: dict[Node, State], written: se
     """Refuse a written piece of state that shares its storage with another one the
     program reads (``register_buffer("head", whole[:4])``): the graph names them as two
     inputs, so a functional program would read the other one's old value where eager
-    reads the new one. Tied state (one tensor, two names) is one input and passes."""
+    reads the new one. Tied state (one tensor, two names) is one input and passes.
+
+    Refuse too written state that is an expanded tensor (a buffer registered as
+    ``torch.arange(4.).expand(3, 4)``: a dim of stride 0 holding several elements): its
+    new value, computed whole, cannot be stored back, as ``copy_`` refuses such a
+    destination (so the functional program would fail when called, as torch's
+    ``run_decompositions({})`` does), and eager's write to one position changes every
+    position sharing its element."""
     seen: dict[StorageWeakRef, tuple[Node, State]] = {}
     for node, state in states.items():
         if state.kind == USER_INPUT or (not node.users and state not in written):
             continue
-        value = node.meta.get("val") if is_ep else buffer_tensor(program, state.name)
-        if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        storage = _storage(node.meta.get("val") if is_ep else buffer_tensor(program, state.name))
+        if storage is None:
             continue
-        try:
-            storage = StorageWeakRef(value.untyped_storage())
-        except (RuntimeError, NotImplementedError):  # a subclass without one storage
-            continue
+        if state in written and state.kind != CONSTANT:
+            _refuse_expanded(node, state, buffer_tensor(program, state.name))
         first, other = seen.setdefault(storage, (node, state))
         if other != state and (state in written or other in written):
             writer, shared = (node, other) if state in written else (first, state)
@@ -149,3 +177,15 @@ def check_shared_storage(program: object, states: dict[Node, State], written: se
                 "two inputs, so a functional program would not see one's write in the "
                 "other; register one buffer and take the other as a view of it in forward",
                 "shared-storage")
+
+
+def _refuse_expanded(node: Node, state: State, tensor: torch.Tensor) -> None:
+    """Refuse written state with a dim of stride 0 holding several elements: exactly the
+    destinations ``copy_`` refuses (``at::has_internal_overlap`` says YES), the store of a
+    functional program's new state included."""
+    if torch._debug_has_internal_overlap(tensor) == 1:
+        raise UnsupportedMutationError(
+            node, f"the written {state.kind} {state.name!r} is an expanded tensor (size "
+            f"{tuple(tensor.shape)}, stride {tensor.stride()}): its elements share memory, so "
+            "its new value cannot be stored back into it; register it with .contiguous()",
+            "overlap")

@@ -36,7 +36,7 @@ from torch.fx import Node
 from .._analysis.op_schema import STORAGE_VIEWS, argument_value, target_of
 from .element_overlap import ENUMERATION_LIMIT, element_offsets, overlaps_itself
 
-__all__ = ["needs_written_positions", "written_positions"]
+__all__ = ["needs_written_positions", "stores_aliased_positions", "written_positions"]
 
 aten = torch.ops.aten
 # In-place writes storing one value, independent of the old ones, at every position.
@@ -115,7 +115,13 @@ def needs_written_positions(chain: tuple[Node, ...], writer: Node, written: Node
     positions and ``writer`` does not store one value everywhere: its write-back must
     store only the positions the op writes (or the write is refused)."""
     return any(target_of(v) in STORAGE_VIEWS and overlaps_itself(v) for v in chain) and (
-        overlaps_itself(written) and not _is_uniform_write(writer))
+        stores_aliased_positions(writer, written))
+
+
+def stores_aliased_positions(writer: Node, written: Node) -> bool:
+    """Whether ``written`` may address an element at two positions and ``writer`` may
+    store different values there (it does not store one value everywhere)."""
+    return overlaps_itself(written) and not _is_uniform_write(writer)
 
 
 def written_positions(writer: Node, written: Node, root: Node) -> Selection | None:

@@ -4,8 +4,9 @@
 (slice, select, diagonal; as_strided and _reshape_alias address the storage root) or the
 inverse view of ``value`` when the view is a pure re-indexing of every element (transpose,
 permute, unsqueeze, view/reshape, alias, and the composite views export keeps: ``.T``,
-``.mT``, ``moveaxis``, ``ravel``). ``real``/``imag`` scatter into the base's real view;
-a conjugating view (``conj``, ``.mH``, ``adjoint``) writes back the conjugate; an
+``.mT``, ``moveaxis``, ``ravel``). ``real``/``imag`` scatter into the base's real view
+(of a conjugated base, resolved first); a conjugating view (``conj``, ``.mH``,
+``adjoint``) writes back the conjugate, a negating one (``_neg_view``) the negation; an
 ``expand`` (``expand_as``, ``broadcast_to``) that broadcasts nothing is a reshape; an
 ``unfold`` whose windows do not overlap places its windows with ``unfold_backward`` and
 keeps the base where no window reaches.
@@ -116,7 +117,8 @@ _BROADCASTS = frozenset({aten.expand.default, aten.expand_as.default,
 _COMPLEX_PARTS = {aten.real.default: 0, aten.imag.default: 1}
 _OTHERS = frozenset({aten.unfold.default, *_COMPLEX_PARTS, aten.narrow.default,
                      aten.transpose.int, aten.t.default, aten.permute.default,
-                     aten.unsqueeze.default, aten.view.dtype, *_BROADCASTS,
+                     aten.unsqueeze.default, aten.view.dtype, aten._neg_view.default,
+                     *_BROADCASTS,
                      *_INVERSES, *_CONJUGATING})
 _WRITABLE_VIEWS = STORAGE_VIEWS | _SCATTERS.keys() | _RESHAPES | _IDENTITIES | _OTHERS | _LIST_VIEWS
 
@@ -196,6 +198,10 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         return emit(aten.as_strided_scatter.default, base, value, size, stride,
                     view.meta["val"].storage_offset())
     if target in _COMPLEX_PARTS:
+        base_val = base.meta.get("val")
+        if isinstance(base_val, torch.Tensor) and base_val.is_conj():
+            # A conjugated base (``b.conj().imag``): view_as_real refuses the conjugate bit.
+            base = emit(aten.resolve_conj.default, base)
         parts = emit(aten.view_as_real.default, base)
         return emit(aten.view_as_complex.default, emit(
             aten.select_scatter.default, parts, value, -1, _COMPLEX_PARTS[target]))
@@ -208,6 +214,8 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         return emit(aten.slice_scatter.default, base, value, dim, start, end)
     if target in _INVERSES:
         return emit(*_INVERSES[target](view, value, *_args(view)))
+    if target is aten._neg_view.default:  # the view reads each element negated
+        return emit(aten.neg.default, value)
     if target in _CONJUGATING:
         if view.meta["val"].is_complex():
             value = emit(aten.conj_physical.default, value)

@@ -121,3 +121,31 @@ def test_writes_through_composite_views_export_keeps(write):
 def test_writes_through_conjugating_views_of_complex_state(write):
     """The conjugate bit: the base gets the conjugate of what the view was written."""
     functionalize_both_forms(_writes_through(write, dtype=torch.complex64), _calls((3, 4)))
+
+
+@pytest.mark.parametrize("write", [
+    # each returns the conjugated view, read back after the write
+    lambda b, x: (b.conj().imag.add_(x.real), b.conj())[1],
+    lambda b, x: (b.mH.imag[0].mul_(x.real[:, 0]), b.mH)[1],
+    lambda b, x: (b.conj().real[1:].sub_(x.imag[1:]), b.conj())[1],
+], ids=["conj-imag", "mH-imag-row", "conj-real"])
+def test_writes_to_a_part_of_a_conjugated_view(write):
+    """``real`` / ``imag`` of a conjugated view are written back through the view's
+    ``view_as_real``, which refuses the conjugate bit: refused before (``fake-failure``)
+    where run_decompositions({}) is exact."""
+    factory = _writes_through(write, dtype=torch.complex64)
+    calls = _calls((3, 4))
+    ep = torch.export.export(factory(), copy.deepcopy(calls[0]))
+    assert_same_behaviour(factory(), ep.run_decompositions({}), calls, calls=4)
+    functionalize_both_forms(factory, calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_writes_through_a_negating_view(dtype):
+    """``_neg_view`` reads each element negated: its write-back is the negation (refused
+    before as a view with no write-back; run_decompositions({}) is exact)."""
+    factory = _writes_through(lambda b, x: torch._neg_view(b)[1:].add_(x[1:]), dtype=dtype)
+    calls = _calls((3, 4))
+    ep = torch.export.export(factory(), copy.deepcopy(calls[0]))
+    assert_same_behaviour(factory(), ep.run_decompositions({}), calls, calls=4)
+    functionalize_both_forms(factory, calls)

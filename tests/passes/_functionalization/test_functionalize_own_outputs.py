@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 from torch.export.graph_signature import OutputKind
 
 from pass_manager import PassManager, assert_same_behaviour
@@ -29,6 +30,8 @@ from tests.models.shared_values import (
     WrittenTwiceAndReturned,
     vector_calls,
 )
+
+from .functionalize_checks import functionalize_both_forms, refused_in_both_forms
 
 aten = torch.ops.aten
 CASES = {
@@ -117,6 +120,34 @@ def test_buffers_sharing_a_storage_are_refused(form):
         InplaceToFunctional().call(program)
     assert caught.value.kind == "shared-storage"
     assert str(program.graph) == before
+
+
+class ExpandedBuffer(nn.Module):
+    """A buffer registered expanded (stride 0): its three rows are one row of memory."""
+
+    def __init__(self, rows: int = 3):
+        super().__init__()
+        self.register_buffer("rows", torch.arange(4.0).expand(rows, 4))
+
+    def forward(self, x):
+        self.rows[0].add_(x)
+        return self.rows * 2
+
+
+def test_written_expanded_buffer_is_refused():
+    """Eager's write to row 0 changes all three rows; the functional program's new value
+    cannot be stored into the buffer (``copy_`` refuses a destination whose elements share
+    memory), so it used to fail when called, with an untyped RuntimeError, as torch's
+    ``run_decompositions({})`` does. Refused at the pass, naming the buffer."""
+    error = refused_in_both_forms(ExpandedBuffer, [(torch.ones(4),)], "overlap")
+    assert "'rows' is an expanded tensor" in str(error)
+
+
+def test_written_buffer_expanded_along_one_row_is_functionalized():
+    """An expand adding a size-1 dim (HF's ``position_ids = arange(n).expand((1, -1))``)
+    addresses each element once: written and stored back like any buffer."""
+    calls = [(torch.full((4,), float(k)),) for k in range(4)]
+    functionalize_both_forms(lambda: ExpandedBuffer(rows=1), calls)
 
 
 def test_tied_buffers_are_one_piece_of_state():
