@@ -106,7 +106,7 @@ class PassManager(Pass):
             rewrites=False, meta_keys=(), edits_meta_in_place=False))
 
     def call(self, program: Any) -> PassResult:
-        result = self.run(program, _enclosing=ENCLOSING.get())
+        result = self._runner(enclosing=ENCLOSING.get()).run(program)
         notes = [f"{r.name}: {n}" for r in result.report.records for n in r.notes]
         statistics: dict[str, Any] = {}
         for r in result.report.records:  # a group counts what its passes counted, summed
@@ -140,7 +140,7 @@ class PassManager(Pass):
         result = self.run(graph_module)
         return TorchPassResult(result.graph_module, result.modified)
 
-    def run(self, program: Any, _enclosing: tuple = ()) -> RunResult | MethodsRunResult:
+    def run(self, program: Any) -> RunResult | MethodsRunResult:
         """Run the plan on ``program``; return the program (same form) and a report.
 
         ``{name: program}`` (the methods of one model) runs the pipeline on each in turn,
@@ -148,8 +148,12 @@ class PassManager(Pass):
         """
         if isinstance(program, Mapping):
             return run_each(self.run, program, self.name)
+        return self._runner().run(program)
+
+    def _runner(self, enclosing: Sequence[Instrumentation] = ()) -> Runner:
+        """A run of the plan; ``enclosing``: the hooks of the pipelines a group runs in."""
         return Runner(self.plan(), self.instruments, name=self.name, strict=self.strict,
-                      plan=self.explain(), enclosing=_enclosing).run(program)
+                      plan=self.explain(), enclosing=enclosing)
 
 
 def parse_pipeline(text: str, **options: Any) -> PassManager:
