@@ -181,27 +181,15 @@ def _operator(dotted: str) -> Any:
 _NAMES = {"true": True, "false": False, "True": True, "False": False, "None": None, "none": None}
 
 
-def _evaluate(node: ast.AST, text: str) -> Any:
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.Name) and node.id in _NAMES:
-        return _NAMES[node.id]
-    if isinstance(node, ast.Attribute):
-        return _operator(ast.unparse(node))
-    if isinstance(node, ast.Tuple):
-        return tuple(_evaluate(e, text) for e in node.elts)
-    if isinstance(node, ast.List):
-        return [_evaluate(e, text) for e in node.elts]
-    if isinstance(node, ast.Dict) and None not in node.keys:
-        return {_evaluate(k, text): _evaluate(v, text) for k, v in zip(node.keys, node.values,
-                                                                       strict=True)}
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        value = _evaluate(node.operand, text)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return -value if isinstance(node.op, ast.USub) else value
-    raise PipelineError(
-        f"option value {text!r}: expected a Python literal, true/false or an operator name"
-    )
+class _Names(ast.NodeTransformer):
+    """true/false/none and operator names as the constants they stand for (the rest is
+    left to ``ast.literal_eval``, which reads Python literals and refuses anything else)."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.Constant(_NAMES[node.id]) if node.id in _NAMES else node
+
+    def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
+        return ast.Constant(_operator(ast.unparse(node)))
 
 
 def _parse_value(text: str) -> Any:
@@ -209,7 +197,11 @@ def _parse_value(text: str) -> Any:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as e:
         raise PipelineError(f"option value {text!r} does not parse: {e.msg}") from e
-    return _evaluate(tree.body, text)
+    try:
+        return ast.literal_eval(_Names().visit(tree))
+    except (ValueError, TypeError) as e:  # TypeError: an unhashable dict key or set item
+        raise PipelineError(f"option value {text!r}: expected a Python literal, true/false "
+                            "or an operator name") from e
 
 
 def _pass_class(name: str) -> type:
