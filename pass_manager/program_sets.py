@@ -6,8 +6,7 @@ The manager knows no condition over them itself: a library registers its own
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import PassManagerError, ProgramFormError
@@ -54,41 +53,32 @@ def register_joint_condition(condition: JointCondition) -> None:
     _JOINT[condition.name] = condition
 
 
-@dataclass
-class MethodsRunResult(Mapping):
+class MethodsRunResult(dict):
     """A ``RunResult`` per program, by name (``result["decode"].program``), in the mapping's
     order; ``notes``: what the joint conditions' ``settle`` reported, merged."""
 
-    results: dict[str, Any]
-    notes: dict[str, Any] = field(default_factory=dict)
-
-    def __getitem__(self, name: str) -> Any:
-        return self.results[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.results)
-
-    def __len__(self) -> int:
-        return len(self.results)
+    def __init__(self, results: Mapping[str, Any], notes: dict[str, Any] | None = None):
+        super().__init__(results)
+        self.notes = notes or {}
 
     @property
     def programs(self) -> dict[str, Any]:
         """The programs, by name (the form each was given in)."""
-        return {name: result.program for name, result in self.results.items()}
+        return {name: result.program for name, result in self.items()}
 
     program = programs  # what ``.program`` is for one program
 
     @property
     def modified(self) -> bool:
-        return any(result.modified for result in self.results.values())
+        return any(result.modified for result in self.values())
 
     @property
     def reports(self) -> dict[str, Report]:
-        return {name: result.report for name, result in self.results.items()}
+        return {name: result.report for name, result in self.items()}
 
     def __str__(self) -> str:
         return "\n".join(f"method {name!r}:\n{result.report}"
-                         for name, result in self.results.items())
+                         for name, result in self.items())
 
 
 def run_each(run: Callable[[Any], Any], programs: Mapping[str, Any],
