@@ -20,7 +20,7 @@ from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 from torch.fx.passes.infra.pass_manager import PassManager as TorchPassManager
 
 from pass_manager import Condition, Effects, PassManager, function_pass
-from pass_manager._rollback import take
+from pass_manager._rollback import RollbackRecord
 from pass_manager.benchmarking import time_call
 from pass_manager.program import graph_module_of
 
@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> str:
         torch_t = time_call("torch", lambda m: TorchPassManager(RAW_PASSES)(m), fresh, args.repeat)
         ours_t = time_call("ours", lambda m: PassManager(OUR_PASSES).run(m), fresh, args.repeat)
         fp_t = time_call("fingerprint", fingerprint, fresh, args.repeat)
-        snap_t = time_call("snapshot", lambda m: take(m, Effects.anything()), fresh, args.repeat)
+        snap_t = time_call("snapshot", lambda m: RollbackRecord(m, Effects.anything()), fresh,
+                           args.repeat)
         lines.append(
             f"| {size} | {torch_t.median * 1e3:.2f} | {ours_t.median * 1e3:.2f} "
             f"({ours_t.min * 1e3:.2f}/{ours_t.max * 1e3:.2f}) | "

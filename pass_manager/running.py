@@ -19,7 +19,7 @@ from torch._export.verifier import SpecViolationError, _verify_exported_program_
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
-from ._rollback import recorded, take
+from ._rollback import RollbackRecord, recorded
 from .analysis import unchanged
 from .conditions import (
     Condition,
@@ -241,7 +241,7 @@ class Runner:
             for instrument in self.hooks:
                 instrument.before_pass(p, program, record)
             record.nodes_before = node_count(program)
-            taken = take(program, p.effects, self.strict)
+            taken = RollbackRecord(program, p.effects, self.strict)
             # The checks share the node records the rollback record took; a pass that
             # leaves the nodes alone runs inside that one measurement too.
             through = taken.leaves_nodes_alone

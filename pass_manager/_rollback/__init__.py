@@ -1,7 +1,7 @@
 """The rollback record: what a pass may change, recorded before it runs.
 
-:func:`take` records a program for a pass's :class:`~pass_manager.effects.Effects`; the
-record then checks the declaration (:meth:`RollbackRecord.check`), measures what changed by
+:class:`RollbackRecord` records a program for a pass's :class:`~pass_manager.effects.Effects`;
+it then checks the declaration (:meth:`RollbackRecord.check`), measures what changed by
 identity (:meth:`~RollbackRecord.compare`) and undoes it (:meth:`~RollbackRecord.restore`).
 It records what the declaration allows: for a pass that changes only some node-meta keys
 (``Effects.only_meta``), those entries, the nodes and their fields; for any other, the nodes
@@ -31,7 +31,7 @@ from ..program import graph_module_of, graph_modules, graphs_text
 from .graph import GraphRecord
 from .state import StateRecord
 
-__all__ = ["Change", "RollbackRecord", "recorded", "take", "transaction"]
+__all__ = ["Change", "RollbackRecord", "recorded", "transaction"]
 
 
 class Change(NamedTuple):
@@ -173,11 +173,6 @@ class RollbackRecord:
             graph.restore(rebuild=self._state is not None)
 
 
-def take(program: Any, effects: Effects, strict: bool = False) -> RollbackRecord:
-    """Record ``program`` for a pass declaring ``effects``."""
-    return RollbackRecord(program, effects, strict)
-
-
 # The programs the core loop holds a record of while their pass runs (by identity: the
 # record is of that very object).
 _RECORDED: ContextVar[tuple[Any, ...]] = ContextVar("recorded_programs", default=())
@@ -200,7 +195,7 @@ def transaction(program: Any, effects: Effects) -> Iterator[None]:
     if any(map(operator.is_, _RECORDED.get(), itertools.repeat(program))):
         yield
         return
-    record = take(program, effects)
+    record = RollbackRecord(program, effects)
     try:
         yield
     except BaseException:

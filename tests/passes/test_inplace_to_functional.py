@@ -157,12 +157,12 @@ def _counting_records(monkeypatch):
     """Count the rollback records taken outside the core loop (by ``transaction``)."""
     taken = []
 
-    def take(*args, **kwargs):
+    def record(*args, **kwargs):
         taken.append(args[0])
         return real(*args, **kwargs)
 
-    real = rollback.take
-    monkeypatch.setattr(rollback, "take", take)
+    real = rollback.RollbackRecord
+    monkeypatch.setattr(rollback, "RollbackRecord", record)
     return taken
 
 
