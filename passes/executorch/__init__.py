@@ -168,8 +168,9 @@ class DelegateStateWarning(UserWarning):
     Attributes:
         buffer: the buffer's FQN.
         backend: the delegate's backend id.
-        issue: ``"fp16"``, ``"initial value"``, or ``"fp16 compute"`` (a buffer
-            ``keep_precision`` kept fp32 at the top level is updated by a Core ML partition
+        issue: ``"fp16"``, ``"initial value"``, or ``"fp16 compute"`` (a float buffer
+            kept fp32 at the top level, by ``keep_precision``, because several methods
+            share it, or for an ownership reason, is updated by a Core ML partition
             computing in fp16, which rounds its new value all the same).
     """
 

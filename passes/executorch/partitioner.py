@@ -157,8 +157,9 @@ class BufferOwningPartitioner(Partitioner):
         DelegateStateWarning: from ``partition``, a Core ML delegate will own an fp32 buffer
             (fp16 on the device; ``keep_precision`` keeps it out), or a buffer whose initial
             value is not all zeros (Core ML zero-fills state when the model is prewarmed),
-            or a buffer ``keep_precision`` kept out is updated by a Core ML partition
-            computing in fp16.
+            or a float buffer kept at the top level (by ``keep_precision``, because
+            several ``methods`` share it, or for an ownership reason) is updated by a Core
+            ML partition computing in fp16, which rounds its new value every call.
 
     After ``transform_for_pre_decomposition``, ``copy_plan`` says which new buffer values
     got a copy for their uses outside the owner (:class:`CopyPlan`). After each
@@ -303,8 +304,10 @@ class BufferOwningPartitioner(Partitioner):
             if error is not None:
                 self._restore(graph, before)
                 raise error
-        for fqn, tag in self._precision_kept.items():
-            _warn_of_compute_precision(fqn, result.partition_tags.get(tag))
+        for verdict in verdicts:
+            if not verdict.consumable:
+                self._warn_of_compute_precision(program, verdict, result.partition_tags,
+                                                label, shared)
         notes = list(scalar_notes)
         if copy_plan is not None and copy_plan.failure is not None:
             notes.append(
@@ -441,6 +444,40 @@ class BufferOwningPartitioner(Partitioner):
             if not verdict.consumable:
                 verdict.owner_tag = None
         return verdicts
+
+    def _warn_of_compute_precision(
+        self, program: ExportedProgram, verdict: BufferOwnership,
+        partition_tags: dict[str, Any], label: str | None, shared: dict[str, SharedBuffer],
+    ) -> None:
+        """Warn that a Core ML partition computing in fp16 rounds the new value of a float
+        buffer kept at the top level in a wider dtype (by ``keep_precision``, because
+        several methods share it, or for an ownership reason): the partition casts the
+        buffer it receives to fp16, updates it and returns the value cast back, so the
+        top level stores an fp16-rounded value every call (an accumulator at 1000, fp16
+        spacing 0.5, never moves by ``x / 1000``)."""
+        value = buffer_tensor(program, verdict.fqn)
+        if not value.is_floating_point() or value.dtype == torch.float16:
+            return
+        rounding = [tag for tag in verdict.mutated_by
+                    if _computes_in_fp16(partition_tags.get(tag))]
+        if not rounding:
+            return
+        if verdict.fqn in self._precision_kept:
+            why = "keep_precision"
+        elif verdict.fqn in shared:
+            why = shared[verdict.fqn].describe()
+        else:
+            why = verdict.reason
+        where = f" in method {label!r}" if label is not None else ""
+        dtype = str(value.dtype).split(".")[-1]
+        partitions = ", ".join(map(repr, rounding))
+        warnings.warn(DelegateStateWarning(
+            verdict.fqn, COREML_BACKEND, "fp16 compute",
+            f"{PASS_NAME}: {verdict.fqn!r} stays {dtype} at the top level{where} ({why}), "
+            f"but the {COREML_BACKEND} partition {partitions} updating it computes in fp16, "
+            "which rounds its new value on every call (an increment below half the fp16 "
+            "spacing is lost): generate its compile specs with "
+            "compute_precision=coremltools.precision.FLOAT32"), stacklevel=3)
 
     def _check_keep_precision(self, program: ExportedProgram) -> None:
         """Refuse FQNs in ``keep_precision`` that name no buffer of ``program`` (nor, with
@@ -821,23 +858,16 @@ def _state_kept_off_device(program: ExportedProgram, fqn: str, backend: str | No
             "rounded): the delegate receives it and returns its new value instead")
 
 
-def _warn_of_compute_precision(fqn: str, spec: Any) -> None:
-    """Warn that a Core ML partition computing in fp16 (``spec``: its delegation spec)
-    rounds the new value of ``fqn``, which ``keep_precision`` kept out of its state."""
+def _computes_in_fp16(spec: Any) -> bool:
+    """Whether ``spec`` (a partition's delegation spec) is a Core ML one computing in fp16
+    (its default)."""
     if getattr(spec, "backend_id", None) != COREML_BACKEND:
-        return
+        return False
     import coremltools
     from executorch.backends.apple.coreml.compiler import CoreMLBackend
 
     precision = CoreMLBackend.model_compute_precision_from_compile_specs(spec.compile_specs)
-    if precision != coremltools.precision.FLOAT16:
-        return
-    warnings.warn(DelegateStateWarning(
-        fqn, COREML_BACKEND, "fp16 compute",
-        f"{PASS_NAME}: {fqn!r} stays fp32 at the top level (keep_precision), but the "
-        f"{COREML_BACKEND} partition updating it computes in fp16, which rounds its new "
-        "value all the same: generate its compile specs with "
-        "compute_precision=coremltools.precision.FLOAT32"), stacklevel=3)
+    return precision == coremltools.precision.FLOAT16
 
 
 def _state_on_device(

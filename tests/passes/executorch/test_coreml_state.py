@@ -244,3 +244,41 @@ def test_keep_precision_refuses_what_would_keep_nothing(keep, match):
     with pytest.raises(ExecuTorchInputError, match=match) as info:
         BufferOwningPartitioner(coreml_partitioner(), keep_precision=keep).partition(program)
     assert info.value.argument == "keep_precision"
+
+
+# State shared by methods stays fp32 at the top level, and so does state kept there for an
+# ownership reason: a Core ML partition computing in fp16 still rounds its new value.
+
+def _method_warnings(precision) -> dict[str, list[tuple[str, str]]]:
+    """The DelegateStateWarnings of partitioning each method of a running total that the
+    ``wide`` method adds to and the ``narrow`` one only reads (both lowered to Core ML)."""
+    from tests.models.methods_on_runtime import accumulator_methods
+
+    programs = accumulator_methods().programs
+    edge = to_edge(copy.deepcopy(programs))
+    wrapper = BufferOwningPartitioner(coreml_partitioner(precision=precision), methods=programs)
+    found = {}
+    for method in programs:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapper.partition(edge.exported_program(method))
+        found[method] = [(w.message.buffer, w.message.issue, str(w.message)) for w in caught
+                         if isinstance(w.message, DelegateStateWarning)]
+    return found
+
+
+def test_state_shared_by_methods_under_fp16_compute_warns_that_its_value_is_rounded():
+    """The total stays fp32 at the top level (the methods share it), and the wide method's
+    Core ML partition casts it to fp16, adds and casts back: its new value is rounded on
+    every call (the .mlpackage's ops, as with keep_precision). Said for the method that
+    writes it, not the one that only reads it."""
+    found = _method_warnings(coremltools.precision.FLOAT16)
+    assert found["narrow"] == []
+    ((buffer, issue, message),) = found["wide"]
+    assert (buffer, issue) == ("total", "fp16 compute")
+    assert "in method 'wide'" in message and "'narrow', 'wide'" in message
+    assert "compute_precision=coremltools.precision.FLOAT32" in message
+
+
+def test_state_shared_by_methods_under_fp32_compute_does_not_warn():
+    assert _method_warnings(coremltools.precision.FLOAT32) == {"narrow": [], "wide": []}
