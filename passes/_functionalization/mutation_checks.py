@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analysis.aliasing import Alias
 from .._analysis.buffers import BUFFER, CONSTANT, USER_INPUT, State, buffer_tensor
-from .._analysis.op_schema import target_of
+from .._analysis.op_schema import argument_value, target_of
 from ..errors import UnsupportedMutationError
 from .element_overlap import addresses_twice, may_overlap, may_share
 from .overlapping_writes import stores_aliased_positions
@@ -84,6 +84,7 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
     (``program``: to name the buffer a written constant is the tensor of)."""
     inputs = [a for a in node.all_input_nodes if a in aliases]
     _check_written_once(node, written, aliases)
+    _check_product_operands(node, written, aliases)
     for w in written:
         alias = aliases[w]
         state = states.get(alias.root)
@@ -112,6 +113,41 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
                 raise UnsupportedMutationError(
                     node, f"the written {w.name} and the argument {other.name} are views of "
                           "one storage that may partially overlap", "overlap")
+
+
+_PRODUCTS_INTO_OUT = {
+    aten.mm.out: ("self", "mat2"), aten.bmm.out: ("self", "mat2"),
+    aten.matmul.out: ("self", "other"), aten.mv.out: ("self", "vec"),
+    aten.addmm.out: ("mat1", "mat2"), aten._addmm_activation.out: ("mat1", "mat2"),
+    aten.baddbmm.out: ("batch1", "batch2"), aten.addbmm.out: ("batch1", "batch2"),
+    aten.addmv.out: ("mat", "vec"), aten.kron.out: ("self", "other"),
+    aten.linalg_matrix_power.out: ("self",),
+}
+"""``out=`` matrix products whose CPU kernels (BLAS gemm / gemv) write their out tensor
+while still reading these operands: given an out tensor sharing an element with one of
+them, eager's result is whatever the kernel's order leaves (``torch.mm(a, b, out=a)`` is
+off the product by 5.7 on a 4x4 probe), while a functional form computes the product.
+(``addmm``'s own ``self`` is read first, as BLAS's ``C``: an out tensor that is ``self``
+is exact. Other ``out=`` ops either compute into a temporary or refuse the overlap.)"""
+
+
+def _check_product_operands(node: Node, written: list[Node], aliases: dict[Node, Alias]) -> None:
+    operands = _PRODUCTS_INTO_OUT.get(target_of(node))
+    if operands is None:
+        return
+    schema = target_of(node)._schema
+    names = [a.name for a in schema.arguments]
+    for name in operands:
+        operand = argument_value(node, schema, names.index(name))
+        for w in written:
+            if isinstance(operand, Node) and operand in aliases and w in aliases and (
+                aliases[operand].root is aliases[w].root and may_share(w, operand)
+            ):
+                raise UnsupportedMutationError(
+                    node, f"its out tensor {w.name} shares elements with its operand "
+                          f"{name}={operand.name}, which its kernel still reads while it "
+                          "writes the out tensor: eager's result depends on that order; "
+                          "compute the product, then copy_ it", "overlap")
 
 
 def _laid_out_overlapping(root: Node) -> bool:
