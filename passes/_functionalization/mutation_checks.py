@@ -20,7 +20,7 @@ from .._analysis.aliasing import Alias
 from .._analysis.buffers import BUFFER, CONSTANT, USER_INPUT, State, buffer_tensor
 from .._analysis.op_schema import argument_value, target_of
 from ..errors import UnsupportedMutationError
-from .element_overlap import addresses_twice, may_overlap, may_share
+from .element_overlap import addresses_twice, may_overlap, may_share, tensors_may_share
 from .overlapping_writes import stores_aliased_positions
 from .view_inverse import write_back_reason
 
@@ -195,17 +195,23 @@ def check_shared_storage(program: object, states: dict[Node, State], written: se
     destination (so the functional program would fail when called, as torch's
     ``run_decompositions({})`` does), and eager's write to one position changes every
     position sharing its element."""
-    seen: dict[StorageWeakRef, tuple[Node, State]] = {}
+    seen: dict[StorageWeakRef, list[tuple[Node, State, torch.Tensor]]] = {}
     for node, state in states.items():
         if state.kind == USER_INPUT or (not node.users and state not in written):
             continue
-        storage = _storage(node.meta.get("val") if is_ep else buffer_tensor(program, state.name))
+        tensor = node.meta.get("val") if is_ep else buffer_tensor(program, state.name)
+        storage = _storage(tensor)
         if storage is None:
             continue
         if state in written and state.kind != CONSTANT:
             _refuse_expanded(node, state, buffer_tensor(program, state.name))
-        first, other = seen.setdefault(storage, (node, state))
-        if other != state and (state in written or other in written):
+        before = seen.setdefault(storage, [])
+        # Pieces of one storage sharing no element (a stacked cache's rows registered as
+        # buffers of their own) are independent state: neither sees the other's writes.
+        first, other = next(((n, s) for n, s, t in before if s != state and (
+            state in written or s in written) and tensors_may_share(t, tensor)), (None, None))
+        before.append((node, state, tensor))
+        if other is not None:
             writer, shared = (node, other) if state in written else (first, state)
             raise UnsupportedMutationError(
                 writer, f"the written {states[writer].kind} {states[writer].name!r} shares "
