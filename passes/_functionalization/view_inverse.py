@@ -9,7 +9,9 @@ permute, unsqueeze, view/reshape, alias, and the composite views export keeps: `
 ``adjoint``) writes back the conjugate, a negating one (``_neg_view``) the negation; an
 ``expand`` (``expand_as``, ``broadcast_to``) that broadcasts nothing is a reshape; an
 ``unfold`` whose windows do not overlap places its windows with ``unfold_backward`` and
-keeps the base where no window reaches.
+keeps the base where no window reaches. A view returned by an op declaring no alias
+(``einsum("ij->ji", [b])``) laid out otherwise than its contiguous operand is placed back
+at its storage positions (``as_strided_scatter`` into the operand's value).
 """
 
 from __future__ import annotations
