@@ -91,7 +91,7 @@ class UnsupportedMutationError(PassManagerError):
             "storage" (an op reading a written tensor's storage, such as ``as_strided``,
             whose root is not a contiguous tensor owning all of its storage, or program
             state whose strides a metadata mutation changes) or "shared-storage"
-            (written state sharing its storage with other state the program reads).
+            (written state sharing storage elements with other state the program reads).
     """
 
     def __init__(self, node: Node, reason: str, kind: str):

@@ -60,13 +60,14 @@ class InplaceToFunctional(Pass):
             ("writes-constant"), an op with no known functional variant, such as an ``out=``
             reduction computing in an out tensor of another dtype ("no-variant"), a
             write through a view with no write-back ("no-write-back"), a written tensor
-            that may partially overlap another argument ("overlap"), a write it cannot
+            that may partially overlap another argument, or the out tensor of an ``out=``
+            matrix product sharing elements with an operand ("overlap"), a write it cannot
             see through, such as one inside a higher-order op ("opaque"), an op failing
             on its fake values ("fake-failure"), a metadata mutation (``unsqueeze_``,
             ``resize_``, ``set_``, ...) changing the shape of program state ("relayout";
             those of intermediates and views become views or renames), a read of a
             written tensor's storage that cannot be kept ("storage"), or written state
-            sharing its storage with other state the program reads, such as a buffer
+            sharing storage elements with other state the program reads, such as a buffer
             registered as a view of another ("shared-storage"), or written state that is
             an expanded tensor ("overlap": its new value cannot be stored into it).
     """

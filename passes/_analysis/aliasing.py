@@ -25,6 +25,7 @@ from .op_schema import (
     argument_value,
     aten_op,
     facts_of,
+    shared_input,
     shares_storage,
     target_of,
 )
@@ -65,9 +66,8 @@ def aliased_argument(node: Node) -> tuple[int, Node, bool] | None:
 
 def _aliased(node: Node, facts: OpFacts | None) -> tuple[int, Node, bool] | None:
     if facts is not None and facts.self_if_shared:
-        value = argument_value(node, facts.schema, 0)
-        shared = isinstance(value, Node) and shares_storage(node, value) is True
-        return (0, value, False) if shared else None
+        shared = shared_input(node)
+        return None if shared is None else (shared[0], shared[2], False)
     if facts is None or facts.result_of is None:
         return None
     value = argument_value(node, facts.schema, facts.result_of)

@@ -50,7 +50,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ..errors import LiftError
-from .op_schema import facts_of, view_base_index
+from .op_schema import facts_of, is_maybe_view, view_base_index
 
 __all__ = [
     "FakeValues",
@@ -534,9 +534,11 @@ def _fresh_fake_tensor(mode: FakeTensorMode, layout: _Layout, device: torch.devi
 
 def _static_key(node: Node) -> tuple | None:
     """A key for the fake result of a non-view op with static shapes (the op and its inputs'
-    metadata), else None. Views are never keyed: their result shares its input's storage."""
+    metadata), else None. Views are never keyed: their result shares its input's storage;
+    nor are ops that are views only sometimes, which only their dispatch tells."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or view_base_index(node) is not None:
+    if not isinstance(target, torch._ops.OpOverload) or view_base_index(node) is not None or (
+            is_maybe_view(node)):
         return None
     try:
         args, kwargs = map_arg((node.args, node.kwargs), lambda arg: arg.meta["val"])

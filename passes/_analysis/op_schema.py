@@ -34,6 +34,7 @@ __all__ = [
     "is_maybe_view",
     "may_write",
     "schema_of",
+    "shared_input",
     "shares_storage",
     "target_of",
     "view_base_index",
@@ -105,10 +106,11 @@ UNANNOTATED_MAYBE_VIEWS = frozenset({
 })
 """Ops whose schema declares no alias but that return ``self`` (or a view of it) when
 they have nothing to do (any other CompositeImplicitAutograd op declaring no alias is
-read as ``self`` when its fake value shares its first argument's storage, see
-``OpFacts.self_if_shared``): ``type_as`` of the same dtype, ``atleast_2d`` of a 2-D tensor, a
-dropout with ``train=False`` or ``p=0``. Eager writes through such a result write
-``self``; read as views of their first argument when they share its storage."""
+read as a view of the tensor argument, or tensor list element, whose storage its fake
+value shares, see ``OpFacts.self_if_shared`` and :func:`shared_input`): ``type_as`` of
+the same dtype, ``atleast_2d`` of a 2-D tensor, a dropout with ``train=False`` or
+``p=0``. Eager writes through such a result write ``self``; read as views of their first
+argument when they share its storage."""
 MAYBE_VIEWS = frozenset({
     _aten.reshape.default, _aten.reshape_as.default, _aten.flatten.using_ints,
     _aten.to.dtype, _aten.to.device, _aten.to.dtype_layout, _aten.to.other,
@@ -148,8 +150,10 @@ class OpFacts:
     results_alias: tuple[int | None, ...]  # per result of a multi-result op
     maybe_view: bool  # a view only sometimes: see MAYBE_VIEWS
     element_views: bool  # result i is a view of list element i: see ELEMENT_VIEWS
-    # A composite op declaring no alias: its first argument itself when their fake values
-    # share storage (``to_dense`` of a strided tensor returns ``self``).
+    # A composite op declaring no alias: a view of the tensor argument (or element of a
+    # tensor list argument) whose storage its fake value shares (``to_dense`` of a strided
+    # tensor returns ``self``; ``einsum("ij->ji", [b])`` a transpose of ``b``, and
+    # ``cartesian_prod([v])`` ``v`` itself): see :func:`shared_input`.
     self_if_shared: bool
     hidden_writes: tuple[int, tuple[int, ...]] | None  # an entry of HIDDEN_WRITES
     no_write_unless: int | None  # an entry of NO_WRITE_UNLESS
@@ -183,7 +187,7 @@ def _facts(op: torch._ops.OpOverload) -> OpFacts:
     self_if_shared = (
         result_of is None and list_views_of is None and not written
         and op not in ELEMENT_VIEWS and len(schema.returns) == 1
-        and schema.returns[0].type == tensor and bool(args) and args[0].type == tensor
+        and schema.returns[0].type == tensor and bool(_tensor_arguments(schema))
         and _composite(op))
     return OpFacts(
         schema=schema,
@@ -193,7 +197,7 @@ def _facts(op: torch._ops.OpOverload) -> OpFacts:
         and args[result_of].alias_info.is_write,
         list_views_of=list_views_of,
         results_alias=results_alias,
-        maybe_view=op in MAYBE_VIEWS or (
+        maybe_view=op in MAYBE_VIEWS or self_if_shared or (
             result_of is not None and args[result_of].alias_info is not None
             and not args[result_of].alias_info.is_write and _composite(op)),
         hidden_writes=HIDDEN_WRITES.get(op),
@@ -204,6 +208,16 @@ def _facts(op: torch._ops.OpOverload) -> OpFacts:
         and not self_if_shared and all(i is None for i in results_alias),
         may_write=bool(written) or op in HIDDEN_WRITES,
     )
+
+
+_TENSOR_LIST = torch._C.ListType(torch._C.TensorType.get())
+
+
+def _tensor_arguments(schema: torch.FunctionSchema) -> tuple[tuple[int, bool], ...]:
+    """``(index, is a list)`` of each argument taking a tensor or a list of tensors."""
+    tensor = torch._C.TensorType.get()
+    return tuple((i, a.type == _TENSOR_LIST) for i, a in enumerate(schema.arguments)
+                 if a.type == tensor or a.type == _TENSOR_LIST)
 
 
 # Facts by the operator's id: an OpOverload hashes in Python, and the scans ask for the
@@ -332,13 +346,32 @@ def shares_storage(a: Node, b: Node) -> bool | None:
         return None
 
 
+def shared_input(node: Node) -> tuple[int, int | None, Node] | None:
+    """For a composite op declaring no alias (``OpFacts.self_if_shared``): the input its
+    result is a view of, read from storage sharing of fake values, as ``(schema index,
+    position in that list argument or None, the input's node)``; None when it shares no
+    input's storage (a copy). ``einsum`` takes its operands as a list after the equation,
+    so the viewed input need not be the first argument."""
+    facts = facts_of(node)
+    if facts is None or not facts.self_if_shared:
+        return None
+    for index, is_list in _tensor_arguments(facts.schema):
+        value = argument_value(node, facts.schema, index)
+        items = list(enumerate(value)) if is_list and isinstance(value, (list, tuple)) else (
+            [(None, value)])
+        for position, item in items:
+            if isinstance(item, Node) and shares_storage(node, item) is True:
+                return index, position, item
+    return None
+
+
 def view_base_index(node: Node) -> int | None:
     """The schema index of the argument a view op's result(s) may alias, from the schema
-    (for an op declaring no alias but returning its input, from storage sharing)."""
+    (for an op declaring no alias but returning an input, from storage sharing)."""
     facts = facts_of(node)
     if facts is None or facts.result_written:
         return None
     if facts.self_if_shared:
-        source = argument_value(node, facts.schema, 0)
-        return 0 if isinstance(source, Node) and shares_storage(node, source) is True else None
+        shared = shared_input(node)
+        return None if shared is None else shared[0]
     return facts.result_of if facts.result_of is not None else facts.list_views_of

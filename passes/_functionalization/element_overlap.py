@@ -15,7 +15,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = ["ENUMERATION_LIMIT", "addresses_twice", "element_offsets", "may_overlap", "may_share",
-           "overlaps_itself"]
+           "overlaps_itself", "tensors_may_share"]
 
 
 def _known(condition: Any) -> bool:
@@ -125,8 +125,20 @@ def may_share(a: Node, b: Node) -> bool:
     va, vb = a.meta.get("val"), b.meta.get("val")
     if a is b or not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
         return True
+    return tensors_may_share(va, vb)
+
+
+def tensors_may_share(va: torch.Tensor, vb: torch.Tensor) -> bool:
+    """:func:`may_share` of two (real or fake) strided tensors of one storage."""
     if _known(va.numel() == 0) or _known(vb.numel() == 0):
         return False
     la, lb = _layout(va), _layout(vb)
-    identical = va.dim() == vb.dim() and all(_known(x == y) for x, y in zip(la, lb, strict=True))
-    return identical or may_overlap(a, b)
+    if va.dim() == vb.dim() and all(_known(x == y) for x, y in zip(la, lb, strict=True)):
+        return True
+    static = all(isinstance(x, int) for x in (*la, *lb))
+    if static and va.numel() + vb.numel() <= ENUMERATION_LIMIT:
+        return bool(torch.isin(_elements(va), _elements(vb)).any())
+    ea, eb = _extent(va), _extent(vb)
+    if ea is None or eb is None:
+        return True
+    return not (_known(ea[1] < eb[0]) or _known(eb[1] < ea[0]))

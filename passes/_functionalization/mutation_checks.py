@@ -18,9 +18,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analysis.aliasing import Alias
 from .._analysis.buffers import BUFFER, CONSTANT, USER_INPUT, State, buffer_tensor
-from .._analysis.op_schema import target_of
+from .._analysis.op_schema import argument_value, target_of
 from ..errors import UnsupportedMutationError
-from .element_overlap import addresses_twice, may_overlap, may_share
+from .element_overlap import addresses_twice, may_overlap, may_share, tensors_may_share
 from .overlapping_writes import stores_aliased_positions
 from .view_inverse import write_back_reason
 
@@ -84,6 +84,7 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
     (``program``: to name the buffer a written constant is the tensor of)."""
     inputs = [a for a in node.all_input_nodes if a in aliases]
     _check_written_once(node, written, aliases)
+    _check_product_operands(node, written, aliases)
     for w in written:
         alias = aliases[w]
         state = states.get(alias.root)
@@ -112,6 +113,41 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
                 raise UnsupportedMutationError(
                     node, f"the written {w.name} and the argument {other.name} are views of "
                           "one storage that may partially overlap", "overlap")
+
+
+_PRODUCTS_INTO_OUT = {
+    aten.mm.out: ("self", "mat2"), aten.bmm.out: ("self", "mat2"),
+    aten.matmul.out: ("self", "other"), aten.mv.out: ("self", "vec"),
+    aten.addmm.out: ("mat1", "mat2"), aten._addmm_activation.out: ("mat1", "mat2"),
+    aten.baddbmm.out: ("batch1", "batch2"), aten.addbmm.out: ("batch1", "batch2"),
+    aten.addmv.out: ("mat", "vec"), aten.kron.out: ("self", "other"),
+    aten.linalg_matrix_power.out: ("self",),
+}
+"""``out=`` matrix products whose CPU kernels (BLAS gemm / gemv) write their out tensor
+while still reading these operands: given an out tensor sharing an element with one of
+them, eager's result is whatever the kernel's order leaves (``torch.mm(a, b, out=a)`` is
+off the product by 5.7 on a 4x4 probe), while a functional form computes the product.
+(``addmm``'s own ``self`` is read first, as BLAS's ``C``: an out tensor that is ``self``
+is exact. Other ``out=`` ops either compute into a temporary or refuse the overlap.)"""
+
+
+def _check_product_operands(node: Node, written: list[Node], aliases: dict[Node, Alias]) -> None:
+    operands = _PRODUCTS_INTO_OUT.get(target_of(node))
+    if operands is None:
+        return
+    schema = target_of(node)._schema
+    names = [a.name for a in schema.arguments]
+    for name in operands:
+        operand = argument_value(node, schema, names.index(name))
+        for w in written:
+            if isinstance(operand, Node) and operand in aliases and w in aliases and (
+                aliases[operand].root is aliases[w].root and may_share(w, operand)
+            ):
+                raise UnsupportedMutationError(
+                    node, f"its out tensor {w.name} shares elements with its operand "
+                          f"{name}={operand.name}, which its kernel still reads while it "
+                          "writes the out tensor: eager's result depends on that order; "
+                          "compute the product, then copy_ it", "overlap")
 
 
 def _laid_out_overlapping(root: Node) -> bool:
@@ -159,17 +195,23 @@ def check_shared_storage(program: object, states: dict[Node, State], written: se
     destination (so the functional program would fail when called, as torch's
     ``run_decompositions({})`` does), and eager's write to one position changes every
     position sharing its element."""
-    seen: dict[StorageWeakRef, tuple[Node, State]] = {}
+    seen: dict[StorageWeakRef, list[tuple[Node, State, torch.Tensor]]] = {}
     for node, state in states.items():
         if state.kind == USER_INPUT or (not node.users and state not in written):
             continue
-        storage = _storage(node.meta.get("val") if is_ep else buffer_tensor(program, state.name))
+        tensor = node.meta.get("val") if is_ep else buffer_tensor(program, state.name)
+        storage = _storage(tensor)
         if storage is None:
             continue
         if state in written and state.kind != CONSTANT:
             _refuse_expanded(node, state, buffer_tensor(program, state.name))
-        first, other = seen.setdefault(storage, (node, state))
-        if other != state and (state in written or other in written):
+        before = seen.setdefault(storage, [])
+        # Pieces of one storage sharing no element (a stacked cache's rows registered as
+        # buffers of their own) are independent state: neither sees the other's writes.
+        first, other = next(((n, s) for n, s, t in before if s != state and (
+            state in written or s in written) and tensors_may_share(t, tensor)), (None, None))
+        before.append((node, state, tensor))
+        if other is not None:
             writer, shared = (node, other) if state in written else (first, state)
             raise UnsupportedMutationError(
                 writer, f"the written {states[writer].kind} {states[writer].name!r} shares "

@@ -59,6 +59,7 @@ from .._analysis.op_schema import (
     in_dialect_of,
     is_maybe_view,
     schema_of,
+    shared_input,
     target_of,
     view_base_index,
     written_arguments,
@@ -245,6 +246,12 @@ class Rewrite:
         schema = schema_of(view)
         index = view_base_index(view)
         args, kwargs = list(view.args), dict(view.kwargs)
+        shared = shared_input(view)
+        if shared is not None and shared[1] is not None:
+            # A view of one element of a list argument (``einsum``'s operands): that
+            # element is ``base``, the others their values now.
+            base = [base if j == shared[1] else self.resolve(t) for j, t in enumerate(
+                argument_value(view, schema, index))]
         if index < len(args):
             args[index] = base
         else:

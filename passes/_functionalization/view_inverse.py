@@ -9,7 +9,9 @@ permute, unsqueeze, view/reshape, alias, and the composite views export keeps: `
 ``adjoint``) writes back the conjugate, a negating one (``_neg_view``) the negation; an
 ``expand`` (``expand_as``, ``broadcast_to``) that broadcasts nothing is a reshape; an
 ``unfold`` whose windows do not overlap places its windows with ``unfold_backward`` and
-keeps the base where no window reaches.
+keeps the base where no window reaches. A view returned by an op declaring no alias
+(``einsum("ij->ji", [b])``) laid out otherwise than its contiguous operand is placed back
+at its storage positions (``as_strided_scatter`` into the operand's value).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .._analysis.op_schema import (
     STORAGE_VIEWS,
     argument_value,
     facts_of,
+    shared_input,
     target_of,
 )
 from .element_overlap import overlaps_itself
@@ -159,14 +162,16 @@ def write_back_reason(view: Node) -> str | None:
                 "sizes")
     if target in _WRITABLE_VIEWS or target in ELEMENT_VIEWS:  # (their getitem decides)
         return None
-    facts = facts_of(view)
-    if facts is not None and facts.self_if_shared:
-        # Read as a view because it shares its input's storage: writable when it is that
-        # input (the same layout), not some other view of it.
-        if same_metadata([view], [view.args[0]]):
+    shared = shared_input(view)
+    if shared is not None:
+        # Read as a view because it shares an input's storage: writable when it is that
+        # input (the same layout), or addresses elements of a contiguous input once each
+        # (``einsum("ij->ji", [b])``: placed back by their storage positions).
+        if same_metadata([view], [shared[2]]) or _placed_in(view, shared[2]) is not None:
             return None
         return (f"writes through {view.name} = {target}, a view of its input laid out "
-                "otherwise, whose schema declares no alias")
+                "otherwise (of a non-contiguous input, symbolic, or addressing an element "
+                "twice), whose schema declares no alias")
     return (f"writes through the view {view.name} = {target}, which has no write-back into "
             f"its base (no *_scatter and no inverse view)")
 
@@ -197,6 +202,8 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         size, stride = _args(view)[:2]
         return emit(aten.as_strided_scatter.default, base, value, size, stride,
                     view.meta["val"].storage_offset())
+    if target in _COMPLEX_PARTS and not _is_complex(view.args[0]):
+        return value  # ``real`` of a real tensor is that tensor (``imag`` of one fails)
     if target in _COMPLEX_PARTS:
         base_val = base.meta.get("val")
         if isinstance(base_val, torch.Tensor) and base_val.is_conj():
@@ -236,6 +243,13 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         return emit(aten.squeeze.dim, value, dim)
     if target is aten.view.dtype:
         return emit(aten.view.dtype, value, base.meta["val"].dtype)
+    shared = shared_input(view)
+    if shared is not None and not same_metadata([view], [shared[2]]):
+        # Eager's view addresses the storage of its contiguous input: place the value at
+        # those positions of the input's value (made contiguous, as eager's input is).
+        size, stride, offset = _placed_in(view, shared[2])
+        contiguous = emit(aten.clone.default, base, memory_format=torch.contiguous_format)
+        return emit(aten.as_strided_scatter.default, contiguous, value, size, stride, offset)
     if target in _IDENTITIES or facts_of(view).self_if_shared:
         return value
     if target in _BROADCASTS:
@@ -244,6 +258,30 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
     if shape is not None and all(isinstance(s, int) for s in shape):
         return emit(aten.reshape.default, value, list(shape))
     return emit(aten.reshape_as.default, value, base)
+
+
+def _placed_in(view: Node, source: Node) -> tuple[list[int], list[int], int] | None:
+    """``(size, stride, offset)`` of ``view`` in the storage of ``source`` counted from
+    ``source``'s first element, when ``source`` is contiguous and static and ``view``
+    addresses elements of it only, each once; else None."""
+    val, src = view.meta.get("val"), source.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor):
+        return None
+    layout = (*val.shape, *val.stride(), val.storage_offset(), *src.shape,
+              src.storage_offset())
+    if not all(isinstance(x, int) for x in layout) or not src.is_contiguous() or (
+            overlaps_itself(view)):
+        return None
+    offset = val.storage_offset() - src.storage_offset()
+    last = offset + sum((n - 1) * st for n, st in zip(val.shape, val.stride(), strict=True))
+    if val.numel() and (offset < 0 or last >= src.numel() or min(val.stride(), default=0) < 0):
+        return None
+    return list(val.shape), list(val.stride()), offset
+
+
+def _is_complex(node: Node) -> bool:
+    val = node.meta.get("val")
+    return not isinstance(val, torch.Tensor) or val.is_complex()
 
 
 def _write_back_windows(emit: Emit, view: Node, base: Node, value: Node) -> Node:

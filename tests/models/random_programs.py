@@ -107,6 +107,8 @@ def apply_view(t: torch.Tensor, view: tuple) -> torch.Tensor:
         return t.chunk(chunks, dim)[index]
     if kind == "as_strided":  # addressed in the root's storage (every root holds >= 6)
         return t.as_strided(*args)
+    if kind == "einsum":  # a view of its one operand though its schema declares no alias
+        return torch.einsum(*args, t)
     raise ValueError(kind)
 
 
@@ -120,6 +122,8 @@ def _random_view(ch: Chooser, t: torch.Tensor) -> tuple | None:
     if nd >= 2:
         options += ["transpose", "permute", "diagonal", "movedim", "swapaxes"]
     options.append("as_strided")
+    if 1 <= nd <= 3:
+        options.append("einsum")
     if nd == 2:
         options.append("t")
     if t.is_contiguous() and nd != 1:
@@ -155,6 +159,9 @@ def _random_view(ch: Chooser, t: torch.Tensor) -> tuple | None:
         return kind, dim, ch.integer(0, nd - 1)
     if kind == "as_strided":
         return kind, *ch.choice([((2, 2), (1, 1), 0), ((3,), (2,), 1), ((2,), (1,), 4)])
+    if kind == "einsum":  # the operand itself, reversed or rotated
+        dims = "abc"[:nd]
+        return kind, f"{dims}->" + ch.choice([dims, dims[::-1], dims[1:] + dims[:1]])
     return (kind,)
 
 

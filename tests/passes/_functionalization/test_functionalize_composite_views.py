@@ -149,3 +149,11 @@ def test_writes_through_a_negating_view(dtype):
     ep = torch.export.export(factory(), copy.deepcopy(calls[0]))
     assert_same_behaviour(factory(), ep.run_decompositions({}), calls, calls=4)
     functionalize_both_forms(factory, calls)
+
+
+def test_writes_through_real_of_real_state():
+    """``real`` of a real tensor is that tensor (generic code taking ``.real`` of state of
+    any dtype): refused before (``fake-failure``: its write-back's ``view_as_real``
+    refuses a real tensor)."""
+    factory = _writes_through(lambda b, x: b.real[1:].mul_(x[1:]))
+    functionalize_both_forms(factory, _calls((3, 4)))

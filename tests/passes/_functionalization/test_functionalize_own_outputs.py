@@ -31,7 +31,7 @@ from tests.models.shared_values import (
     vector_calls,
 )
 
-from .functionalize_checks import functionalize_both_forms, refused_in_both_forms
+from .functionalize_checks import _calls, functionalize_both_forms, refused_in_both_forms
 
 aten = torch.ops.aten
 CASES = {
@@ -160,3 +160,37 @@ def test_tied_buffers_are_one_piece_of_state():
     functional = _functional(copy.deepcopy(ep).module())
     assert_same_behaviour(TiedBuffers(), functional, calls)
     assert_same_behaviour(TiedBuffers(), exported_program_from(functional, like=ep), calls)
+
+
+class StackedCacheRows(nn.Module):
+    """One stacked cache whose rows (a key and a value cache per layer) are registered as
+    buffers of their own, plus the interleaved columns of another: buffers sharing a storage
+    but no element are independent state."""
+
+    def __init__(self):
+        super().__init__()
+        stacked = torch.zeros(2, 2, 3, 4)  # layer, key/value, position, feature
+        for layer in range(2):
+            self.register_buffer(f"k{layer}", stacked[layer, 0])
+            self.register_buffer(f"v{layer}", stacked[layer, 1])
+        columns = torch.arange(8.0).reshape(2, 4)
+        self.register_buffer("even", columns[:, ::2])
+        self.register_buffer("odd", columns[:, 1::2])
+        self.register_buffer("pos", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        at = (self.pos % 3).view(1)
+        y = x
+        for layer in range(2):
+            getattr(self, f"k{layer}").index_copy_(0, at, y)
+            getattr(self, f"v{layer}").index_copy_(0, at, y * 2)
+            y = (getattr(self, f"k{layer}") * getattr(self, f"v{layer}")).sum(0, keepdim=True) + y
+        self.pos.add_(1)
+        self.even.add_(x[:, :2])
+        return y, self.k0 + self.v1, self.odd * self.even
+
+
+def test_buffers_sharing_a_storage_but_no_element_are_functionalized():
+    """Refused before (``shared-storage``), though neither buffer sees the other's writes."""
+    functionalize_both_forms(StackedCacheRows, _calls((1, 4)))
+    functionalize_both_forms(StackedCacheRows, _calls((1, 4)), strict=True)

@@ -121,3 +121,68 @@ class ToDense(nn.Module):
 
 def test_composite_op_returning_its_input_is_that_input():
     functionalize_both_forms(ToDense, _calls((3, 4)))
+
+
+class ViewsOfAListedOperand(nn.Module):
+    """``einsum`` of one operand re-indexes it without copying (a transpose, a diagonal, the
+    operand itself) and ``cartesian_prod`` of one tensor returns it, though both declare no
+    alias and take their tensors as a list: a write through the result writes the buffer,
+    and a result read after a write to the buffer reads its new value."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(16.0).reshape(4, 4))
+        self.register_buffer("c", torch.zeros(2, 4, 4))
+        self.register_buffer("row", torch.arange(4.0))
+
+    def forward(self, x):
+        transposed = torch.einsum("ij->ji", self.b)
+        self.b.mul_(x)  # transposed is read after: the new value
+        torch.einsum("ii->i", self.b).add_(x[0])  # writes b's diagonal
+        torch.einsum("bij->jib", self.c)[1].sub_(x[:2].t())  # a re-laid-out write
+        diagonals = torch.einsum("bii->bi", self.c)
+        self.c.add_(1)
+        same = torch.cartesian_prod(self.row)
+        same.mul_(x[1])  # writes row
+        return transposed * 1, diagonals * 1, same * 1
+
+
+def test_a_composite_view_of_a_listed_operand_is_that_operands_view():
+    functionalize_both_forms(ViewsOfAListedOperand, _calls((4, 4)))
+
+
+class WritesThroughAToDenseAfterAWrite(nn.Module):
+    """The view an op declaring no alias returns stays a view once its input was rewritten
+    (before: the rewrite failed with an untyped ``TypeError``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("c", torch.zeros(3, 4))
+
+    def forward(self, x):
+        self.c.add_(1)
+        self.c.to_dense().add_(x)
+        dense = self.c.to_dense()
+        self.c.mul_(2)
+        return dense * 1
+
+
+def test_a_composite_view_of_a_rewritten_input_stays_a_view():
+    functionalize_both_forms(WritesThroughAToDenseAfterAWrite, _calls((3, 4)))
+
+
+class WritesThroughEinsumOfATransposedBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("c", torch.zeros(4, 4))
+
+    def forward(self, x):
+        torch.einsum("ij->ji", self.c.t()).add_(x)
+        return self.c * 1
+
+
+def test_a_write_through_a_composite_view_of_a_non_contiguous_input_is_refused():
+    """Its elements are placed back by their storage positions in a contiguous input only."""
+    error = refused_in_both_forms_of(torch.export.export(
+        WritesThroughEinsumOfATransposedBuffer(), (torch.randn(4, 4),)), "no-write-back")
+    assert "einsum" in error.reason
