@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from pass_manager import PassManagerError, PrintIR, Reproducer, parse_pipeline
-from pass_manager.pipeline_text import registered_passes
+from pass_manager.pipeline_text import did_you_mean, registered_passes
 from pass_manager.validation import as_call
 
 from .. import __version__
@@ -523,13 +523,13 @@ def _pass_flags(args: argparse.Namespace, pass_options: dict[str, Any]
 
 def _unknown_pass_to_print(args: argparse.Namespace) -> str | None:
     """A --print-before / --print-after name no pass has (it would silently print nothing)."""
-    known = {cls.__name__ for cls in registered_passes()}
+    known = sorted({cls.__name__ for cls in registered_passes()})
     for option, names in (("--print-before", args.print_before),
                           ("--print-after", args.print_after)):
         for name in names or ():
             if name not in known:
-                return (f"{option}: no pass is named {name!r}; known: "
-                        f"{', '.join(sorted(known))}")
+                return (f"{option}: no pass is named {name!r}{did_you_mean(name, known)}; "
+                        f"known: {', '.join(known)}")
     return None
 
 
