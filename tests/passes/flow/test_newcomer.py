@@ -188,6 +188,17 @@ class _Linear(torch.nn.Module):
         return self.proj(x)
 
 
+class _ScalesByABuffer(_Linear):
+    """A buffer it reads and never writes: no state between calls either."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+
 class _WritesAParameter(torch.nn.Module):
     """State kept in a parameter: the flow keeps it, but compares buffers only."""
 
@@ -328,14 +339,16 @@ def test_a_pipeline_leaving_the_writes_in_place_is_not_told_the_model_writes_no_
     assert not any("writes no buffer" in note for note in result.notes), result.notes
 
 
-def test_a_model_without_state_is_told_so_not_shown_a_zero_state_error():
-    result = _flow(_Linear())
+@pytest.mark.parametrize("model", [_Linear, _ScalesByABuffer])
+def test_a_model_without_state_is_told_so_not_shown_a_zero_state_error(model):
+    """A model with a buffer it never writes was told "the model has no buffers"."""
+    result = _flow(model())
     assert result.ok
     assert ("the model writes no buffer: it keeps no state between calls, so the passes have "
             "nothing to keep and the comparisons measure quantization alone") in result.notes
     assert not any("state error" in line for line in result.bought)
     buffers_check = next(c for c in result.checks if c.name.startswith("quantized buffers"))
-    assert buffers_check.detail == "the model has no buffers: nothing to compare"
+    assert buffers_check.detail == "the model writes no buffer: nothing to compare"
 
 
 def test_a_model_writing_a_parameter_is_told_where_its_state_goes_unchecked():
