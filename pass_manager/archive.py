@@ -342,9 +342,22 @@ def _load_exported(path: Path, trusted: bool) -> ExportedProgram:
         if set(loaded) != set(saved):
             raise ArchiveError(state_path, f"its {kind} names {sorted(saved)}, the program "
                                            f"{sorted(loaded)}")
+        # The archive's stand-ins hold each tensor's shape and dtype as the graph uses it.
+        unlike = [f"{name} is {_layout(saved[name])}, the program's {_layout(loaded[name])}"
+                  for name in sorted(saved) if _layout(saved[name]) != _layout(loaded[name])]
+        if unlike:
+            raise ArchiveError(state_path, f"its {kind} is not the program's: "
+                                           f"{'; '.join(unlike)} (damaged, or from another file)")
         loaded.update(saved)
     _restore_meta(ep.graph_module, state, state_path)
     return ep
+
+
+def _layout(value: Any) -> str:
+    """A tensor's dtype and shape as text (what else it is, for a value that is none)."""
+    if not isinstance(value, torch.Tensor):
+        return f"a {type(value).__name__}"
+    return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
 
 
 def _restore_meta(gm: GraphModule, state: dict[str, Any], where: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import difflib
 import functools
 import gc
 import inspect
@@ -23,6 +24,7 @@ import torch
 from .errors import PipelineError
 
 __all__ = [
+    "did_you_mean",
     "format_pass",
     "format_pipeline",
     "format_value",
@@ -218,11 +220,18 @@ def _pass_class(name: str) -> type:
     if found:
         where = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in found)
         raise PipelineError(f"pass name {name!r} is ambiguous: {where}")
-    known = ", ".join(sorted({c.__name__ for c in registered_passes()}))
+    known = sorted({c.__name__ for c in registered_passes()})
     raise PipelineError(
-        f"no registered pass is named {name!r} (import the module that defines it); "
-        f"known: {known}"
+        f"no registered pass is named {name!r}{did_you_mean(name, known)} (import the module "
+        f"that defines it); known: {', '.join(known)}"
     )
+
+
+def did_you_mean(name: str, known: Sequence[str]) -> str:
+    """`` (did you mean 'X'?)`` for the one of ``known`` closest to a misspelt ``name``, or
+    "" when none is close."""
+    close = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _parse_pass(text: str) -> Any:
@@ -245,6 +254,13 @@ def _parse_pass(text: str) -> Any:
                 raise PipelineError(f"{name}: option {key!r} given twice")
             options[key] = _parse_value(value)
     cls = _pass_class(name)
+    if dataclasses.is_dataclass(cls):
+        fields = [f.name for f in dataclasses.fields(cls) if f.init]
+        unknown = sorted(options.keys() - set(fields))
+        if unknown:
+            raise PipelineError(
+                f"{name}: no option {unknown[0]!r}{did_you_mean(unknown[0], fields)}; "
+                + (f"its options: {', '.join(fields)}" if fields else "it takes no options"))
     for field in dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ():
         # An int/float/bool option given a str or the like fails here, not deep in the pass;
         # the annotation may be the type or its name (``from __future__ import annotations``).

@@ -110,7 +110,40 @@ def _read_manifest(folder: Path) -> dict:
         raise ArchiveError(manifest_file, (
             f"it lacks {', '.join(map(repr, missing))}: not a whole reproducer manifest "
             "(damaged, or not written by a Reproducer)"))
+    wrong = _wrong_values(manifest)
+    if wrong:
+        raise ArchiveError(manifest_file, (
+            f"its {'; '.join(wrong)}: not a manifest a Reproducer wrote (damaged, or edited)"))
     return manifest
+
+
+# What a Reproducer writes for each key a replay reads; "pipeline" is None in a manifest
+# saying the pass cannot be replayed.
+_MANIFEST_TYPES = {"pass": str, "index": int, "group": bool, "pipeline": str, "modules": list,
+                   "replayable": bool, "not_replayable_because": str, "strict": bool,
+                   "error_type": str, "error_message": str, "form": str, "validation": bool}
+_TYPE_NAMES = {str: "a string", int: "an int", bool: "true or false", list: "a list"}
+
+
+def _wrong_values(manifest: dict) -> list[str]:
+    """The manifest's values a replay would misread (an index given as text, a module list
+    as one string), each as "'key' is <what>, not <what a Reproducer writes>"."""
+    wrong = []
+    for key, kind in _MANIFEST_TYPES.items():
+        value = manifest[key]
+        if key == "pipeline" and value is None and manifest["replayable"] is False:
+            continue
+        if type(value) is not kind:  # exactly: a bool is no index
+            wrong.append(f"{key!r} is {value!r}, not {_TYPE_NAMES[kind]}")
+    if type(manifest["index"]) is int and manifest["index"] < 0:
+        wrong.append(f"'index' is {manifest['index']}, not a place in a pipeline (0 or more)")
+    if isinstance(manifest["modules"], list) and not all(
+            isinstance(m, str) for m in manifest["modules"]):
+        wrong.append(f"'modules' is {manifest['modules']!r}, not a list of module names")
+    if manifest["replayable"] is True and isinstance(manifest["pipeline"], str) \
+            and not manifest["pipeline"].strip():
+        wrong.append("'pipeline' is empty, not the failing pass as pipeline text")
+    return wrong
 
 
 def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproduction:
@@ -149,6 +182,11 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
     program_file = folder / "program.pt2"
     if not program_file.exists():
         program_file = folder / "program.pt"  # pickled
+    if not program_file.exists():
+        named = manifest.get("program_file")
+        raise ArchiveError(folder / (named if isinstance(named, str) else "program.pt2"),
+                           "it is missing: a reproducer folder holds the program the pass "
+                           "met (program.pt2, or program.pt when pickled)")
     program = load_program(program_file, trusted=trusted)
     instruments = default_instruments(manifest["strict"])
     if manifest["validation"]:

@@ -55,7 +55,7 @@ def _no_float_state(eager: Trace, program: Any) -> str:
         return (f"the model keeps its state in the inputs it writes ({', '.join(carried)}), "
                 "not in buffers: the outputs compared below are what measure it")
     if not integers:
-        return "the model has no buffers: nothing to compare"
+        return "the model writes no buffer: nothing to compare"  # it may read some
     return (f"the model's buffers are integers ({', '.join(integers)}): no quantization grid "
             "to compare them on; their values reach the outputs compared below")
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from pass_manager import PassManagerError, PrintIR, Reproducer, parse_pipeline
-from pass_manager.pipeline_text import registered_passes
+from pass_manager.pipeline_text import did_you_mean, registered_passes
 from pass_manager.validation import as_call
 
 from .. import __version__
@@ -112,6 +112,10 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
         raise ModelError(
             f"cannot import {module_name!r}: {e} (looked in the current folder {os.getcwd()} "
             "and PYTHONPATH; a file path works too: path/to/file.py:factory)") from e
+    except SystemExit as e:
+        raise ModelError(f"cannot import {module_name!r}: importing it {_exits(e)} (code run "
+                         "at import, such as a script's argparse: put it under "
+                         "if __name__ == '__main__':)") from e
     except Exception as e:
         raise ModelError(f"cannot import {module_name!r}: {type(e).__name__}: {e}") from e
     factory = getattr(module, attr, None)
@@ -119,6 +123,13 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
         raise ModelError(f"{module_name!r} has no attribute {attr!r}")
     if not callable(factory):
         raise ModelError(f"{spec} is {_a(type(factory).__name__)}, not a factory function")
+    module_class = factory if isinstance(factory, type) else type(factory)
+    if issubclass(module_class, torch.nn.Module):
+        what = "class" if factory is module_class else "instance"
+        raise ModelError(f"{spec} is an nn.Module {what} ({module_class.__name__}), not a "
+                         "factory: MODEL names a function returning the module and its "
+                         f"example inputs, e.g. def factory(): return "
+                         f"{module_class.__name__}(...), (example_input,)")
     required = _required_parameters(factory)
     if required:
         raise ModelError(f"{spec} takes {', '.join(required)}: a factory takes no arguments "
@@ -126,6 +137,8 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
                          f"{attr}(...))")
     try:
         made = factory()
+    except SystemExit as e:  # else the job would end with the factory's status, silently
+        raise ModelError(f"{spec}() {_exits(e)}: a factory returns the model") from e
     except Exception as e:
         raise ModelError(f"{spec}() failed: {type(e).__name__}: {e}") from e
     return model_spec(made, spec, steps)
@@ -133,6 +146,10 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
 
 def _a(noun: str) -> str:
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def _exits(e: SystemExit) -> str:
+    return f"called sys.exit({'' if e.code is None else repr(e.code)})"
 
 
 def _required_parameters(factory: Callable[..., Any]) -> list[str]:
@@ -523,13 +540,13 @@ def _pass_flags(args: argparse.Namespace, pass_options: dict[str, Any]
 
 def _unknown_pass_to_print(args: argparse.Namespace) -> str | None:
     """A --print-before / --print-after name no pass has (it would silently print nothing)."""
-    known = {cls.__name__ for cls in registered_passes()}
+    known = sorted({cls.__name__ for cls in registered_passes()})
     for option, names in (("--print-before", args.print_before),
                           ("--print-after", args.print_after)):
         for name in names or ():
             if name not in known:
-                return (f"{option}: no pass is named {name!r}; known: "
-                        f"{', '.join(sorted(known))}")
+                return (f"{option}: no pass is named {name!r}{did_you_mean(name, known)}; "
+                        f"known: {', '.join(known)}")
     return None
 
 

@@ -13,7 +13,8 @@ A factory (``python -m passes run package.module:factory``) returns either
   one state (below).
 
 Without steps the example call is repeated. The module may be an ``nn.Module``, the
-module of an exported program (``ep.module()``) or the exported program itself.
+module of an exported program (``ep.module()``) or the exported program itself; a factory
+may also return an exported program alone, decoded on the example it was exported with.
 
 Contract v3 is a model deployed as several methods over one state, as backends that need
 static shapes deploy a decoder (a prefill of N tokens and a one-token decode, two methods of
@@ -138,6 +139,8 @@ def model_spec(made: Any, name: str, steps: int) -> ModelSpec | MethodsSpec:
     """
     if is_methods_factory(made):
         return methods_spec(made, name, steps)
+    if isinstance(made, torch.export.ExportedProgram):
+        made = _from_exported(made, name)
     if isinstance(made, Mapping):
         spec = _from_mapping(made, name)
     elif isinstance(made, tuple) and len(made) in (2, 3):
@@ -160,6 +163,17 @@ def model_spec(made: Any, name: str, steps: int) -> ModelSpec | MethodsSpec:
                                *((f"steps[{i}]", call) for i, call in enumerate(spec.steps))],
                  name, positional_only=isinstance(made, tuple))
     return spec
+
+
+def _from_exported(program: torch.export.ExportedProgram, name: str) -> dict[str, Any]:
+    """A factory returning an exported program alone: its module, called as it was exported
+    (``example_inputs``, which torch keeps beside the program it exported)."""
+    example = program.example_inputs
+    if example is None:
+        raise ModelError(f"{name}() returned an ExportedProgram without its example inputs "
+                         "(a loaded one): return {'module': program, 'example_args': (...)}")
+    args, kwargs = example
+    return {"module": program, "example_args": tuple(args), "example_kwargs": dict(kwargs)}
 
 
 def _check_module(module: Any, name: str, where: str) -> None:

@@ -40,9 +40,12 @@ class Failure:
     node: str | None = None
     reproducer: str | None = None  # the folder a --reproducer-dir run wrote
     reproducer_error: str | None = None  # why --reproducer-dir could not write one
+    method: str | None = None  # of several methods, the one the pass failed on
 
     def lines(self) -> list[str]:
         lines = [f"stage:  {self.stage}"]
+        if self.method:
+            lines.append(f"method: {self.method}")
         if self.pass_name:
             lines.append(f"pass:   {self.pass_name}")
         if self.node:
@@ -229,8 +232,9 @@ def failure_of(stage: str, error: BaseException) -> Failure:
     reproducer = next((e.reproducer for e in chain if getattr(e, "reproducer", None)), None)
     unwritten = next((e.reproducer_error for e in chain if getattr(e, "reproducer_error", None)),
                      None)
+    method = next((e.method for e in chain if isinstance(getattr(e, "method", None), str)), None)
     return Failure(stage, reason, pass_name, node, str(reproducer) if reproducer else None,
-                   unwritten)
+                   unwritten, method)
 
 
 def restricted(trace: Trace, names: set[str]) -> Trace:

@@ -123,3 +123,54 @@ def test_a_manifest_without_a_format_is_the_first_format(written, tmp_path):
     """Reproducers written before the manifest named its format still replay."""
     folder = _edited(written, tmp_path, lambda manifest: manifest.pop("format", None))
     assert load_reproducer(folder).manifest["pipeline"] == "InplaceToFunctional"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "reason"),
+    [
+        ("index", "1", "its 'index' is '1', not an int"),
+        ("index", -1, "its 'index' is -1, not a place in a pipeline (0 or more)"),
+        ("modules", "passes", "its 'modules' is 'passes', not a list"),
+        ("strict", "yes", "its 'strict' is 'yes', not true or false"),
+        ("pipeline", "", "its 'pipeline' is empty, not the failing pass as pipeline text"),
+    ],
+)
+def test_a_manifest_with_a_value_of_another_kind_is_named_before_the_replay(
+        written, tmp_path, key, value, reason):
+    """A hand-edited or damaged manifest replayed: an index given as text ended in a
+    TypeError traceback from inside the runner; a module list given as one string was read
+    letter by letter; an empty pipeline 'no longer failed'."""
+    folder = _edited(written, tmp_path, lambda manifest: manifest.update({key: value}))
+    with pytest.raises(ArchiveError) as info:
+        load_reproducer(folder)
+    assert info.value.reason == (f"{reason}: not a manifest a Reproducer wrote (damaged, or "
+                                 "edited)")
+    if key == "index":
+        done = _replay(folder)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.strip() == f"error: cannot replay: {info.value}"
+
+
+def test_a_missing_program_file_is_named_as_the_folder_holds_it(written, tmp_path):
+    """The replay looked for the pickled program.pt next and said *that* was missing."""
+    folder = _edited(written, tmp_path, lambda manifest: None)
+    (folder / "program.pt2").unlink()
+    with pytest.raises(ArchiveError) as info:
+        load_reproducer(folder)
+    assert info.value.path == folder / "program.pt2"
+    assert info.value.reason.startswith("it is missing")
+
+
+def test_a_state_file_of_other_shapes_is_refused_not_loaded_into_the_program(written, tmp_path):
+    """program.state.pt whose tensors the graph cannot hold (another shape, another dtype)
+    was loaded into the program as it was, and the replay ran on it."""
+    folder = _edited(written, tmp_path, lambda manifest: None)
+    state = torch.load(folder / "program.state.pt", weights_only=True)
+    kind = "state_dict" if state["state_dict"] else "constants"
+    name = next(iter(state[kind]))
+    state[kind][name] = torch.zeros(7, 7, 7, dtype=torch.int64)
+    torch.save(state, folder / "program.state.pt")
+    with pytest.raises(ArchiveError) as info:
+        load_reproducer(folder)
+    assert info.value.path == folder / "program.state.pt"
+    assert f"{name} is int64[7, 7, 7], the program's float32[" in info.value.reason

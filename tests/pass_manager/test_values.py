@@ -131,7 +131,7 @@ def test_parse_pipeline_round_trips_and_runs(traced):
     [
         ("NoSuchPass", "no registered pass is named 'NoSuchPass'"),
         ("ScaleConstants{factor}", "not key=value"),
-        ("ScaleConstants{speed=2}", "unexpected keyword"),
+        ("ScaleConstants{speed=2}", "ScaleConstants: no option 'speed'; its options: factor, ops"),
         ("ScaleConstants{ops=(aten.no_such_op,)}", "names no operator"),
         ("ScaleConstants{factor=2", "unbalanced"),
         ("ScaleConstants{factor=open('x')}", "expected a Python literal"),
@@ -140,6 +140,23 @@ def test_parse_pipeline_round_trips_and_runs(traced):
 def test_bad_pipeline_text_is_a_pipeline_error(text, message):
     with pytest.raises(PipelineError, match=message):
         parse_pipeline(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("ScaleConstant", "no registered pass is named 'ScaleConstant' (did you mean "
+                          "'ScaleConstants'?)"),
+        ("ScaleConstants{factr=2}", "ScaleConstants: no option 'factr' (did you mean 'factor'?); "
+                                    "its options: factor, ops"),
+    ],
+)
+def test_a_misspelt_pass_or_option_name_suggests_the_close_one(text, message):
+    """A typo in an option was torch's TypeError about __init__, listing no option; a typo
+    in a pass name listed every pass, the intended one among them unmarked."""
+    with pytest.raises(PipelineError) as info:
+        parse_pipeline(text)
+    assert str(info.value).startswith(message)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -247,7 +247,8 @@ def test_a_misspelt_pass_name_to_print_is_a_usage_error(monkeypatch, capsys, opt
     status = cli.main(["run", "--runtime", "python", MODEL, option, "InplaceToFunctionl"])
     err = capsys.readouterr().err
     assert status == 2
-    assert err.startswith(f"error: {option}: no pass is named 'InplaceToFunctionl'; known: ")
+    assert err.startswith(f"error: {option}: no pass is named 'InplaceToFunctionl' (did you "
+                          "mean 'InplaceToFunctional'?); known: ")
     assert "InplaceToFunctional" in err and len(err.strip().splitlines()) == 1
 
 

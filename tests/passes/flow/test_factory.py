@@ -84,3 +84,34 @@ def test_a_buffer_forward_rebinds_is_exported_non_strict_and_kept():
         assert torch.equal(functional.total, eager.total)
     with pytest.raises(ExportError, match=r"strict: forward reassigns the buffer\(s\) total"):
         export_program(RebindsItsSum(), (torch.ones(3),), mode="strict")
+
+
+def test_an_exported_program_returned_alone_runs_on_the_example_it_was_exported_with():
+    """``return torch.export.export(model, example)`` was refused ("must return (module,
+    example_inputs) ... got ExportedProgram") although the program holds its example."""
+    import copy
+
+    from pass_manager import PassManager
+    from passes import InplaceToFunctional, MarkMutableBuffers
+    from passes.flow.factory import export_program
+
+    class Accumulates(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("total", torch.zeros(3))
+
+        def forward(self, x):
+            self.total.add_(x)
+            return self.total * 2
+
+    example = torch.tensor([1.0, -2.0, 0.5])
+    model = Accumulates()
+    eager = copy.deepcopy(model)
+    spec = model_spec(torch.export.export(model, (example,)), "job", 3)
+    assert len(spec.steps) == 3 and all(torch.equal(args[0], example) for args, _ in spec.steps)
+    program = export_program(spec.module, spec.example_args, spec.example_kwargs).program
+    functional = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+        program).program.module()
+    for args, kwargs in spec.steps:
+        assert torch.equal(functional(*args, **kwargs), eager(*args, **kwargs))
+        assert torch.equal(functional.total, eager.total)

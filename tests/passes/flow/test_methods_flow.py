@@ -166,3 +166,38 @@ def test_a_cache_the_calls_carry_in_an_input_is_decoded_from_its_given_value():
     assert max(result.step_errors[ONE_GRID]) < 0.05
     assert max(result.step_errors[PER_METHOD]) < 0.05
     assert not cache.any()  # the caller's tensor: no call of the flow wrote it
+
+
+class _DecodeWritesInsideACond(torch.nn.Module):
+    """Prefill (3 rows) adds to its sum; decode (1 row) adds inside torch.cond's branch,
+    which InplaceToFunctional refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(1, 4))
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            self.total.add_(x.sum(0, keepdim=True))
+            return self.total * 2
+
+        def add(x):
+            self.total.add_(x)
+            return x.clone()
+
+        return torch.cond(x.sum() > 0, add, lambda x: x.clone(), (x,)) + self.total
+
+
+def test_a_pass_failing_on_one_of_several_methods_names_the_method():
+    """The == failed section named the stage, the pass and the node, but not which of the
+    methods (here decode; prefill functionalizes) the pass failed on."""
+    from passes.flow.result import FlowError
+
+    spec = methods_spec(_two_methods(_DecodeWritesInsideACond()), "job", 8)
+    with pytest.raises(FlowError) as info:
+        run_methods_flow(spec, quantize=False, log=lambda line: None)
+    failure = info.value.failure
+    assert (failure.method, failure.pass_name, failure.node) == ("decode", "InplaceToFunctional",
+                                                                 "cond")
+    assert failure.lines()[:3] == ["stage:  functionalize the methods", "method: decode",
+                                   "pass:   InplaceToFunctional"]

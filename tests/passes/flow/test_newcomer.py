@@ -188,6 +188,17 @@ class _Linear(torch.nn.Module):
         return self.proj(x)
 
 
+class _ScalesByABuffer(_Linear):
+    """A buffer it reads and never writes: no state between calls either."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+
 class _WritesAParameter(torch.nn.Module):
     """State kept in a parameter: the flow keeps it, but compares buffers only."""
 
@@ -328,14 +339,16 @@ def test_a_pipeline_leaving_the_writes_in_place_is_not_told_the_model_writes_no_
     assert not any("writes no buffer" in note for note in result.notes), result.notes
 
 
-def test_a_model_without_state_is_told_so_not_shown_a_zero_state_error():
-    result = _flow(_Linear())
+@pytest.mark.parametrize("model", [_Linear, _ScalesByABuffer])
+def test_a_model_without_state_is_told_so_not_shown_a_zero_state_error(model):
+    """A model with a buffer it never writes was told "the model has no buffers"."""
+    result = _flow(model())
     assert result.ok
     assert ("the model writes no buffer: it keeps no state between calls, so the passes have "
             "nothing to keep and the comparisons measure quantization alone") in result.notes
     assert not any("state error" in line for line in result.bought)
     buffers_check = next(c for c in result.checks if c.name.startswith("quantized buffers"))
-    assert buffers_check.detail == "the model has no buffers: nothing to compare"
+    assert buffers_check.detail == "the model writes no buffer: nothing to compare"
 
 
 def test_a_model_writing_a_parameter_is_told_where_its_state_goes_unchecked():
@@ -384,6 +397,65 @@ def test_a_model_whose_own_import_fails_is_not_said_to_be_missing(monkeypatch, c
         f"error: cannot import {model.split(':')[0]!r}: it imports 'a_package_nobody_installed', "
         "which is not installed (ModuleNotFoundError: No module named "
         "'a_package_nobody_installed')")
+
+
+_NOT_A_FACTORY = """\
+import sys
+
+import torch
+
+if __name__ == "exits_at_import":  # a script parsing its command line at import
+    import argparse
+
+    argparse.ArgumentParser().parse_args(["--size"])
+
+
+class Counter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return x + self.count
+
+
+counter = Counter()
+
+
+def exits():
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    # argparse's usage error, then SystemExit(2) out of the job with its usage line.
+    ("exits_at_import:exits", "error: cannot import 'exits_at_import': importing it called "
+     "sys.exit(2) (code run at import, such as a script's argparse: put it under "
+     "if __name__ == '__main__':)"),
+    # Status 3 ("the flow failed") and nothing said.
+    ("not_a_factory:exits", "error: not_a_factory:exits() called sys.exit(3): a factory returns "
+     "the model"),
+    # "not_a_factory:Counter() must return (module, example_inputs) ..., got Counter".
+    ("not_a_factory:Counter", "error: not_a_factory:Counter is an nn.Module class (Counter), "
+     "not a factory: MODEL names a function returning the module and its example inputs, e.g. "
+     "def factory(): return Counter(...), (example_input,)"),
+    # "not_a_factory:counter() failed: TypeError: Counter.forward() missing 1 required ...".
+    ("not_a_factory:counter", "error: not_a_factory:counter is an nn.Module instance (Counter), "
+     "not a factory"),
+])
+def test_a_model_that_names_no_factory_is_one_line_and_status_two(monkeypatch, capsys, tmp_path,
+                                                                  model, message):
+    module = model.partition(":")[0]
+    (tmp_path / f"{module}.py").write_text(_NOT_A_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    status = cli.main(["run", "--runtime", "python", model])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.strip().splitlines()[-1].startswith(message), err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("made", [lambda: decoder_job(n_layers=1, steps=2),
