@@ -54,14 +54,23 @@ def _same_tensor(a: object, b: object) -> bool:
             and a.storage_offset() == b.storage_offset())
 
 
-def buffer_of_constant(program: Any, states: dict[Node, State], constant: str) -> str | None:
-    """The registered buffer whose very tensor the lifted constant ``constant`` is."""
-    tensor = buffer_tensor(program, constant)
-    if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() == 0:
-        return None  # an empty storage: every empty tensor would match it
-    return next((s.name for s in dict.fromkeys(states.values())
-                 if s.kind == BUFFER and _same_tensor(buffer_tensor(program, s.name), tensor)),
-                None)
+def _buffers_by_storage(program: Any, states: dict[Node, State]) -> dict[int, list[str]]:
+    found: dict[int, list[str]] = {}
+    for state in dict.fromkeys(states.values()):
+        tensor = buffer_tensor(program, state.name) if state.kind == BUFFER else None
+        pointer = _storage_pointer(tensor)
+        if pointer:  # 0: an empty storage, which every empty tensor would match
+            found.setdefault(pointer, []).append(state.name)
+    return found
+
+
+def _storage_pointer(tensor: object) -> int | None:
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        return None
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a subclass without one storage
+        return None
 
 
 def merge_buffer_constants(program: Any, gm: torch.fx.GraphModule, scan: Mutations) -> list[str]:
@@ -70,11 +79,13 @@ def merge_buffer_constants(program: Any, gm: torch.fx.GraphModule, scan: Mutatio
     ``MarkMutableBuffers`` marks one (it did not see it written). Returns a note per merge."""
     written = set(scan.writers)
     buffers = {s: n for n, s in scan.states.items() if s.kind == BUFFER}
+    constants = [(n, s) for n, s in scan.states.items() if s.kind == CONSTANT]
+    by_storage = _buffers_by_storage(program, scan.states) if constants else {}
     merges: list[tuple[Node, State]] = []
-    for node, state in scan.states.items():
-        if state.kind != CONSTANT:
-            continue
-        fqn = buffer_of_constant(program, scan.states, state.name)
+    for node, state in constants:
+        tensor = buffer_tensor(program, state.name)
+        fqn = next((b for b in by_storage.get(_storage_pointer(tensor), ())
+                    if _same_tensor(buffer_tensor(program, b), tensor)), None)
         if fqn is not None and (state in written or State(BUFFER, fqn) in written):
             merges.append((node, State(BUFFER, fqn)))
     notes = []
