@@ -29,7 +29,10 @@ class InplaceToFunctional(Pass):
     buffer or input (GraphModule). Each mutation output has a value of its own: a new
     value written into several pieces of state, or also returned, is copied
     (``aten.copy(state, value)``) for each further mutation output, since torch's
-    signature keys mutations by output name. A write to a lifted constant is refused. No
+    signature keys mutations by output name. A lifted constant that is a written buffer's
+    very tensor (non-strict export lifts one beside the buffer when the module reaches the
+    tensor through a plain object: transformers' ``StaticCache`` layers) is read and
+    written as that buffer; a write to any other lifted constant is refused. No
     re-tracing: one walk over the graph, fake tensors evaluated only for new nodes.
     Like every Pass, ``call`` leaves ``recompile()`` to the PassManager (or to the caller).
     A failure leaves the program as it was, by the manager's rollback record: the one the

@@ -277,11 +277,23 @@ def _attribute_taken(gm: torch.nn.Module, fqn: str) -> bool:
 
 def _same_value(written: Node, paired: Any, node: Node) -> bool:
     """Whether the value written into ``node`` in place is the paired output's: the same node,
-    or the functionalizer's own copy of it (``aten.copy(node, paired)``, which gives a
-    mutation output that is also a user output a value of its own)."""
-    return written is paired or (
-        written.target is torch.ops.aten.copy.default and written.args[0] is node
-        and written.args[1] is paired)
+    or a whole copy of the other (``aten.copy(dst, value)`` of ``value``'s shape and dtype,
+    whatever ``dst``: its result is ``value``'s elements). The functionalizer makes one to
+    give a mutation output that is also a user output a value of its own
+    (``aten.copy(node, paired)``); a program writing its state through an alias and
+    returning that alias's ``copy_`` (Qwen3-Next's recurrent state: ``state.to(float32)``,
+    updated, then ``copy_``) returns one (``aten.copy(alias, written)``)."""
+    return written is paired or _whole_copy_of(written, paired) or (
+        _whole_copy_of(paired, written))
+
+
+def _whole_copy_of(copy: Any, value: Any) -> bool:
+    if not (isinstance(copy, Node) and isinstance(value, Node)
+            and copy.target is torch.ops.aten.copy.default and copy.args[1] is value):
+        return False
+    have, new = copy.meta.get("val"), value.meta.get("val")
+    return (isinstance(have, torch.Tensor) and isinstance(new, torch.Tensor)
+            and have.dtype == new.dtype and tuple(have.shape) == tuple(new.shape))
 
 
 def _example_value(view: ProgramView, node: Node) -> torch.Tensor | None:

@@ -54,10 +54,11 @@ def _storage(tensor: object) -> StorageWeakRef | None:
 
 
 def _buffer_holding(program: object, states: dict[Node, State], constant: str) -> str | None:
-    """The buffer of ``program`` whose storage the constant ``constant`` is: non-strict
-    export lifts a tensor reached through a plain Python object (the layers of
-    transformers' ``StaticCache``) as a constant even when the module registers the very
-    same tensor as a buffer, as transformers' ExecuTorch recipes do."""
+    """The buffer of ``program`` whose storage the constant ``constant`` shares: non-strict
+    export lifts a tensor reached through a plain Python object as a constant even when the
+    module registers it, or the tensor it views, as a buffer. A constant that is exactly a
+    buffer's tensor (transformers' ``StaticCache`` layers) never gets here: it is read and
+    written as that buffer (``buffer_constants``)."""
     storage = _storage(buffer_tensor(program, constant))
     if storage is None:
         return None
@@ -71,11 +72,12 @@ def _constant_write_reason(program: object | None, states: dict[Node, State],
     buffer = None if program is None else _buffer_holding(program, states, constant)
     if buffer is None:
         return f"it writes the constant {constant!r}; register it as a buffer"
-    return (f"it writes the constant {constant!r}, which is the tensor of the registered "
-            f"buffer {buffer!r} reached through a plain Python object (non-strict export "
-            "lifts it as a constant beside the buffer, and writes the constant); export "
-            "strict (torch.export.export(..., strict=True), as transformers' ExecuTorch "
-            "recipes do), which reads and writes the buffer")
+    return (f"it writes the constant {constant!r}, which shares the storage of the "
+            f"registered buffer {buffer!r} without being that buffer's tensor (non-strict "
+            "export lifts a tensor reached through a plain Python object as a constant; one "
+            "that is exactly a buffer's tensor is read and written as the buffer); export "
+            "strict (torch.export.export(..., strict=True)), which reads and writes the "
+            "buffer, or register the tensor the program writes as the buffer")
 
 
 def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],

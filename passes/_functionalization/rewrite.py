@@ -66,6 +66,7 @@ from .._analysis.op_schema import (
 )
 from ..errors import UnsupportedMutationError
 from ..functional_variants import functional_variant
+from .buffer_constants import merge_buffer_constants
 from .element_overlap import overlaps_itself
 from .grad_regions import inline_grad_regions
 from .list_writes import split_order_dependent_list_writes
@@ -114,8 +115,10 @@ class Rewrite:
         # Values named by preserved module call signatures: their new node, per old name.
         self.call_graph_names = call_graph_names(program) if self.is_ep else set()
         self.boundary: dict[str, Node] = {}
-        self.notes: list[str] = []
+        self.notes: list[str] = list(self.merged_constants)
         self.statistics: Counter[str] = Counter()  # what the rewrite did, for the report
+        if self.merged_constants:
+            self.statistics["constants read as the buffer they are"] = len(self.merged_constants)
         self.statistics.update(f"metadata mutations as views or renames: {m.target}"
                                for m in metadata_dead)
 
@@ -129,6 +132,10 @@ class Rewrite:
         # write) are all the two steps below look at. It is taken again only after one of
         # them changed the graph.
         scan = find_mutations(program)
+        # A lifted constant that is a written buffer's very tensor is that buffer.
+        self.merged_constants = merge_buffer_constants(program, self.gm, scan)
+        if self.merged_constants:
+            scan = find_mutations(program)
         if scan.candidates:
             _check_one_fake_mode(self.graph)
         # no_grad regions that write state are inlined first.

@@ -49,10 +49,12 @@ Export happens the way model owners export (Hugging Face's and ExecuTorch's reci
 under ``torch.no_grad()`` and strict (TorchDynamo) unless told otherwise. Strict is tried
 first because it is the mode that sees a model's state as it is: non-strict tracing lifts
 tensors reached through plain Python objects (Hugging Face's ``StaticCache`` layers) as
-constants, so a KV cache becomes a constant the program writes, which no pass can make
-functional. When strict export fails (code TorchDynamo cannot trace), or would drop a
-buffer ``forward`` rebinds (``self.total = self.total + x``), the model is exported
-non-strict and the report says why; ``export="strict"`` / ``"non-strict"`` forces one mode.
+constants, so a KV cache becomes a constant the program writes (``InplaceToFunctional``
+reads and writes it as the buffer it is when the module registers that very tensor; a
+constant no buffer holds stays refused). When strict export fails (code TorchDynamo cannot
+trace), or would drop a buffer ``forward`` rebinds (``self.total = self.total + x``), the
+model is exported non-strict and the report says why; ``export="strict"`` /
+``"non-strict"`` forces one mode.
 """
 
 from __future__ import annotations

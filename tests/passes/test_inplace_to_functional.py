@@ -335,33 +335,73 @@ class _Holder:
 
 
 class _BufferWrittenThroughAnObject(torch.nn.Module):
-    """Registers the held tensor as a buffer (as transformers' ExecuTorch recipes register
-    each cache layer's tensors) and writes it through the plain object."""
+    """Registers the held tensors as buffers (as transformers' old ExecuTorch recipe
+    registers each cache layer's tensors) and reads and writes them through the plain
+    object, through the buffer, or both: non-strict export lifts the object's tensors as
+    constants beside the buffers. The counter is updated as ``StaticCache`` updates its
+    ``cumulative_length``: ``copy_`` of the position, then ``to`` (itself, the same dtype)
+    and ``add_`` on that."""
 
     def __init__(self):
         super().__init__()
         self.holder = _Holder(torch.zeros(4))
+        self.counter = _Holder(torch.zeros((), dtype=torch.int64))
         self.register_buffer("total", self.holder.tensor, persistent=False)
+        self.register_buffer("steps", self.counter.tensor)
+        self.register_buffer("seen", torch.zeros(4))
+        self.seen_through = _Holder(self.seen)
 
-    def forward(self, x):
-        self.holder.tensor.add_(x)
-        return self.holder.tensor * 2
+    def forward(self, x, position):
+        self.holder.tensor.add_(x)  # written through the object, read through the buffer
+        self.seen.mul_(0.5).add_(x)  # written through the buffer, read through the object
+        step = self.counter.tensor.copy_(position[0]).to(dtype=torch.int64, device=x.device)
+        step.add_(1)
+        return self.total * 2 + self.seen_through.tensor + self.counter.tensor
 
 
 @pytest.mark.parametrize("form", ["exported", "module"])
-def test_a_written_constant_that_is_a_buffers_tensor_names_the_buffer_and_strict_export(form):
-    """Non-strict export lifts the tensor reached through the object as a constant beside
-    the buffer and writes the constant (transformers' old recipe exported with
-    ``strict=False``); the refusal said "register it as a buffer" of a registered buffer."""
-    with torch.no_grad():
-        ep = torch.export.export(_BufferWrittenThroughAnObject(), (torch.ones(4),), strict=False)
-    error = _assert_rejected(ep if form == "exported" else ep.module(), "writes-constant", "add_")
-    assert "registered buffer 'total'" in str(error) and "strict=True" in str(error)
-    # The way out it names: strict export reads and writes the buffer, made functional.
+def test_a_constant_that_is_a_buffers_tensor_is_read_and_written_as_that_buffer(form):
+    """Non-strict export lifts a tensor reached through a plain object as a constant beside
+    the buffer holding the very same tensor (transformers' old recipe exported with
+    ``strict=False``: its cache layers' tensors), and writes the constant. It was refused
+    (``writes-constant`` / ``shared-storage``); each such constant is now read and written
+    as its buffer, exactly eager's state, and a counter updated through ``to`` of the
+    constant's ``copy_`` is written (non-strict export's fake values share no storage
+    there, so ``to`` read as a copy and its ``add_`` was lost: 2 where eager holds 3)."""
     model = _BufferWrittenThroughAnObject()
+    example = (torch.ones(4), torch.tensor([0]))
     with torch.no_grad():
-        strict = torch.export.export(copy.deepcopy(model), (torch.ones(4),), strict=True)
-    functional = functionalize(strict).program
-    assert "total" in functional.graph_signature.buffers_to_mutate.values()
-    calls = [(torch.full((4,), float(i)),) for i in range(3)]
+        ep = torch.export.export(copy.deepcopy(model), example, strict=False)
+    kinds = [spec.kind.name for spec in ep.graph_signature.input_specs]
+    assert kinds.count("CONSTANT_TENSOR") == 3  # total, steps and seen, lifted beside them
+    result = functionalize(ep if form == "exported" else ep.module())
+    functional = result.program
+    assert sorted(mutable_buffers(functional)) == ["seen", "steps", "total"]
+    if form == "exported":
+        specs = functional.graph_signature.input_specs
+        assert "CONSTANT_TENSOR" not in {spec.kind.name for spec in specs}
+        assert not functional.constants.keys() - {"total"}  # the non-persistent buffer
+    assert "is the tensor of buffer 'total'" in "\n".join(result.report.records[1].notes)
+    calls = [(torch.full((4,), float(i)), torch.tensor([i])) for i in range(1, 4)]
     assert_same_behaviour(model, functional, calls)
+
+
+class _PartOfABufferWrittenThroughAnObject(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("whole", torch.zeros(4))
+        self.holder = _Holder(self.whole[:2])  # a view of part of the buffer, not the buffer
+
+    def forward(self, x):
+        self.holder.tensor.add_(x)
+        return self.whole * 2
+
+
+def test_a_written_constant_sharing_part_of_a_buffers_storage_is_still_refused():
+    """Only a constant that is exactly the buffer's tensor is the buffer: one viewing part
+    of it stays a second input whose write the buffer's readers would not see."""
+    with torch.no_grad():
+        ep = torch.export.export(_PartOfABufferWrittenThroughAnObject(), (torch.ones(2),),
+                                 strict=False)
+    error = _assert_rejected(ep, "shared-storage", "c_lifted_tensor_0")
+    assert "shares its storage with buffer 'whole'" in str(error)

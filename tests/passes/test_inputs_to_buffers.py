@@ -142,6 +142,40 @@ def test_pairs_by_mapping_behave_like_eager(form, case):
         assert torch.equal(buffers(module, [state_name])[state_name], state)
 
 
+class _StateWrittenThroughAnAlias(torch.nn.Module):
+    """Writes its state through an alias and returns that alias's ``copy_``, as Qwen3-Next's
+    gated delta net updates its recurrent state (``state.to(float32)``, the same dtype: the
+    state itself; the new value ``copy_``-ed into it; the ``copy_`` returned as the cache)."""
+
+    def forward(self, x, state):
+        alias = state.to(torch.float32)
+        new = alias * 0.5 + x
+        returned = alias.copy_(new)
+        return new.sum(-1), returned
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_state_written_through_an_alias_and_returned_by_its_copy_pairs(form):
+    """Functionalized, the state's write is ``new`` and the returned value
+    ``aten.copy(alias, new)``: the same elements (a whole copy of ``new``'s shape and dtype).
+    The pair was refused ("writes it in place with add, but output '1' returns copy"), as
+    was HF's Qwen3-Next decode."""
+    state = torch.zeros(2, 4)
+    program = functional(_StateWrittenThroughAnAlias(), (torch.ones(2, 4), state.clone()),
+                         form=form)
+    result = resident(program, next_values={"state": "1"})
+    assert carried_buffers(result.program) == {"state": "state"}
+    module, eager = runnable(result.program), _StateWrittenThroughAnAlias()
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(CALLS):
+        x = torch.randn(2, 4, generator=generator)
+        expected, state = eager(x, state)
+        state = state.clone()
+        got = module(x)
+        assert torch.equal(got[0] if isinstance(got, tuple) else got, expected)
+        assert torch.equal(buffers(module, ["state"])["state"], state)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_keyword_inputs_pair_with_outputs_by_name(form):
     args, kwargs = models.named_state_inputs()
