@@ -104,18 +104,13 @@ def may_overlap(a: Node, b: Node) -> bool:
     va, vb = a.meta.get("val"), b.meta.get("val")
     if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
         return True
+    return not _identical(va, vb) and tensors_may_share(va, vb)
+
+
+def _identical(va: torch.Tensor, vb: torch.Tensor) -> bool:
+    """Whether two views of one storage are provably the same view (one layout)."""
     la, lb = _layout(va), _layout(vb)
-    if va.dim() == vb.dim() and all(_known(x == y) for x, y in zip(la, lb, strict=True)):
-        return False
-    if _known(va.numel() == 0) or _known(vb.numel() == 0):
-        return False
-    static = all(isinstance(x, int) for x in (*la, *lb))
-    if static and va.numel() + vb.numel() <= ENUMERATION_LIMIT:
-        return bool(torch.isin(_elements(va), _elements(vb)).any())
-    ea, eb = _extent(va), _extent(vb)
-    if ea is None or eb is None:
-        return True
-    return not (_known(ea[1] < eb[0]) or _known(eb[1] < ea[0]))
+    return va.dim() == vb.dim() and all(_known(x == y) for x, y in zip(la, lb, strict=True))
 
 
 def may_share(a: Node, b: Node) -> bool:
@@ -132,9 +127,9 @@ def tensors_may_share(va: torch.Tensor, vb: torch.Tensor) -> bool:
     """:func:`may_share` of two (real or fake) strided tensors of one storage."""
     if _known(va.numel() == 0) or _known(vb.numel() == 0):
         return False
-    la, lb = _layout(va), _layout(vb)
-    if va.dim() == vb.dim() and all(_known(x == y) for x, y in zip(la, lb, strict=True)):
+    if _identical(va, vb):
         return True
+    la, lb = _layout(va), _layout(vb)
     static = all(isinstance(x, int) for x in (*la, *lb))
     if static and va.numel() + vb.numel() <= ENUMERATION_LIMIT:
         return bool(torch.isin(_elements(va), _elements(vb)).any())
