@@ -417,6 +417,7 @@ def _finish(args: argparse.Namespace, pass_options: dict[str, Any],
     except FlowInterrupted as e:
         _print_report(e.result)
         _print_section("interrupted (Ctrl-C)", f"stage:  {e.stage}")
+        _write_outputs(args, e.result)  # what ran, and "interrupted" naming the stage
         print("interrupted (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED
     _print_report(result)

@@ -71,6 +71,8 @@ class FlowResult:
     buffer_errors: dict[str, dict[str, float]] = field(default_factory=dict)
     checks: list[Check] = field(default_factory=list)
     failure: Failure | None = None
+    # the stage (and call) Ctrl-C stopped, when it did: the result holds what ran before it
+    interrupted: str | None = None
     # quantize_program's report (passes.quantization.QuantizationReport), when quantized
     quantization: Any = None
     # --quantize-state: per buffer dtype and bytes before/after, totals, planned .pte bytes
@@ -84,7 +86,8 @@ class FlowResult:
 
     @property
     def ok(self) -> bool:
-        return self.failure is None and all(c.passed for c in self.checks)
+        return (self.failure is None and self.interrupted is None
+                and all(c.passed for c in self.checks))
 
     def pass_table(self) -> str:
         merged = Report()
@@ -146,6 +149,7 @@ class FlowResult:
             "what_the_passes_bought": self.bought,
             "checks": [c.__dict__ for c in self.checks],
             "failure": None if self.failure is None else self.failure.__dict__,
+            "interrupted": self.interrupted,
             "ok": self.ok,
         }
 
@@ -166,6 +170,7 @@ class FlowInterrupted(KeyboardInterrupt):
     def __init__(self, stage: str, result: FlowResult):
         self.stage = stage
         self.result = result
+        result.interrupted = stage
         super().__init__(stage)
 
 

@@ -3,6 +3,7 @@ default model in --help, --version, the report alone on stdout with progress on 
 --quiet, and a usage error (status 2) for a number of decode calls that is not positive."""
 
 import importlib.metadata
+import json
 import os
 import signal
 import subprocess
@@ -154,7 +155,8 @@ def test_ctrl_c_while_loading_is_one_line_and_status_130(tmp_path):
     assert err.strip() == "interrupted (Ctrl-C) while loading slow:factory"
 
 
-def test_ctrl_c_in_a_stage_prints_the_report_so_far_and_the_stage(monkeypatch, capsys):
+def test_ctrl_c_in_a_stage_prints_and_writes_the_report_so_far_and_the_stage(
+        monkeypatch, capsys, tmp_path):
     real_run_program = flow.run_program
 
     def interrupted_in_functional_decode(program, steps, **options):
@@ -165,7 +167,8 @@ def test_ctrl_c_in_a_stage_prints_the_report_so_far_and_the_stage(monkeypatch, c
 
     monkeypatch.setattr(flow, "run_program", interrupted_in_functional_decode)
     try:
-        status = cli.main(["run", "--runtime", "python", MODEL, *FAST, "--quiet"])
+        status = cli.main(["run", "--runtime", "python", MODEL, *FAST, "--quiet",
+                           "--json", str(tmp_path / "report.json")])
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C left the job as a KeyboardInterrupt (a traceback for the user)")
     captured = capsys.readouterr()
@@ -174,6 +177,13 @@ def test_ctrl_c_in_a_stage_prints_the_report_so_far_and_the_stage(monkeypatch, c
     assert captured.out.rstrip().endswith(
         "== interrupted (Ctrl-C)\nstage:  decode the functional program (call 1 of 2)")
     assert captured.err.strip() == "interrupted (Ctrl-C)"
+    # --json holds the same partial report, as a failed (status 3) run's does.
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert written["interrupted"] == "decode the functional program (call 1 of 2)"
+    assert written["ok"] is False and written["failure"] is None
+    assert [c["name"].startswith("exported program (strict) matches fp32 eager")
+            for c in written["checks"]] == [True]
+    assert "functional" not in written["step_errors"]
 
 
 def test_a_closed_stdout_ends_the_job_quietly(tmp_path):
