@@ -45,7 +45,8 @@ class Condition:
 
     def check(self, program: Any) -> list[str]:
         found = self._check(program)
-        if isinstance(found, (str, bool)):  # read as violations: a list of letters, or none
+        # read as violations: a list of letters, none, or (a check that forgot to return) none
+        if found is None or isinstance(found, (str, bool)):
             raise TypeError(f"check returned {found!r}, not the violations: a list of strings, "
                             "empty when the condition holds")
         return [str(v) for v in (found or ())]

@@ -262,9 +262,10 @@ def _parse_pass(text: str) -> Any:
                 f"{name}: no option {unknown[0]!r}{did_you_mean(unknown[0], fields)}; "
                 + (f"its options: {', '.join(fields)}" if fields else "it takes no options"))
     for field in dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ():
-        # An int/float/bool option given a str or the like fails here, not deep in the pass;
-        # the annotation may be the type or its name (``from __future__ import annotations``).
-        kind = next((t for t in (bool, int, float) if field.type in (t, t.__name__)), None)
+        # An int/float/bool/str option given a value of another type fails here, not deep in
+        # the pass; the annotation may be the type or its name (``from __future__ import
+        # annotations``).
+        kind = next((t for t in (bool, int, float, str) if field.type in (t, t.__name__)), None)
         value = options.get(field.name, field.default)
         if kind and value is not field.default and not (
                 isinstance(value, bool) == (kind is bool)

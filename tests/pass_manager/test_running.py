@@ -371,10 +371,11 @@ def test_a_condition_whose_check_raises_is_named_not_blamed_on_the_pass(traced, 
     assert [n.target for n in graph_of(traced).nodes] == before  # rolled back
 
 
-@pytest.mark.parametrize("answer", [False, True, "a relu is left"])
+@pytest.mark.parametrize("answer", [False, True, "a relu is left", None])
 def test_a_check_answering_yes_or_no_or_one_string_is_named_not_read_as_violations(
         traced, answer):
-    """False ("does not hold") passed as holding; a string was one violation per letter."""
+    """False ("does not hold") passed as holding; a string was one violation per letter;
+    None (a check that forgot its return) passed as holding."""
     answers = Condition("Answers", lambda program: answer)
     before = [n.target for n in graph_of(traced).nodes]
     with pytest.raises(PassFailedError) as info:

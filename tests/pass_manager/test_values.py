@@ -166,6 +166,7 @@ class Floored(Pass):
     floor: "int" = 0
     scale: "float" = 1.0
     exact: "bool" = False
+    label: "str" = ""
 
     def call(self, program):
         return PassResult(program, False)
@@ -176,6 +177,7 @@ class Floored(Pass):
     ("floor=true", "option floor=True: expected int, got bool"),
     ("scale='1'", "option scale='1': expected float, got str"),
     ("exact=1", "option exact=1: expected bool, got int"),
+    ("label=1", "option label=1: expected str, got int"),  # was taken: label=1 in the pass
     ("factor='2'", "option factor='2': expected float, got str"),  # annotated as the type
 ])
 def test_an_option_of_the_wrong_basic_type_is_a_pipeline_error(option, said):
