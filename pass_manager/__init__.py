@@ -12,6 +12,7 @@ from .effects import Effects
 from .errors import (
     ArchiveError,
     EffectsError,
+    InstrumentError,
     PassFailedError,
     PassManagerError,
     PipelineError,
@@ -49,6 +50,7 @@ __all__ = [
     "Condition",
     "Effects",
     "EffectsError",
+    "InstrumentError",
     "Instrumentation",
     "JointCondition",
     "MethodsRunResult",

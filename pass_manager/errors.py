@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 __all__ = [
     "ArchiveError",
     "EffectsError",
+    "InstrumentError",
     "PassFailedError",
     "PassManagerError",
     "PipelineError",
@@ -144,6 +145,19 @@ class PassFailedError(PassManagerError):
         self.reason = reason
         super().__init__(f"{_where(pass_name, index)} failed: {reason}", pass_name=pass_name,
                          index=index)
+
+
+class InstrumentError(PassManagerError):
+    """An instrument's hook raised (the instrument failed, not the pass): ``instrument``
+    (its class name), ``hook``, ``reason``; ``pass_name`` is the pass it was around (None for
+    ``before_run`` / ``after_run``). Around a pass, the pass is rolled back."""
+
+    def __init__(self, instrument: str, hook: str, pass_name: str | None, index: int | None,
+                 reason: str):
+        self.instrument, self.hook, self.reason = instrument, hook, reason
+        around = f" around {_where(pass_name, index)}" if pass_name else ""
+        super().__init__(f"instrument {instrument}.{hook}{around} raised {reason} (the "
+                         "instrument failed, not the pass)", pass_name=pass_name, index=index)
 
 
 class EffectsError(PassFailedError):

@@ -31,6 +31,7 @@ from .conditions import (
 )
 from .errors import (
     EffectsError,
+    InstrumentError,
     PassFailedError,
     PassManagerError,
     PostconditionError,
@@ -172,6 +173,20 @@ def _signature_fault(program: Any) -> str | None:
     return None
 
 
+def _notify(instruments: Iterable[Instrumentation], hook: str, around: tuple[Any, int | None],
+            *args: Any) -> None:
+    """Call ``hook`` on each instrument; what one raises but a PassManagerError (a verdict,
+    as ClaimCheck's) is a bug in it: an InstrumentError naming it, the hook and the pass."""
+    for instrument in instruments:
+        try:
+            getattr(instrument, hook)(*args)
+        except PassManagerError:
+            raise
+        except Exception as e:
+            raise InstrumentError(type(instrument).__name__, hook, around[0], around[1],
+                                  f"{type(e).__name__}: {e}") from e
+
+
 def _error_statistics(error: BaseException) -> dict[str, Any]:
     """Statistics an exception carries (``error.statistics``), or its cause's."""
     for e in (error, error.__cause__):
@@ -217,8 +232,7 @@ class Runner:
         report = Report(plan=self.plan, strict=self.strict)
         # Around each pass: the enclosing runs' hooks (a group's), then this run's own.
         self.hooks = [*self.enclosing, *(i for i in self.instruments if i not in self.enclosing)]
-        for instrument in self.instruments:
-            instrument.before_run(program, report)
+        _notify(self.instruments, "before_run", (None, None), program, report)
         for index, p in enumerate(self.passes, self.start):
             record = PassRecord(p.name, index)
             try:
@@ -230,16 +244,14 @@ class Runner:
                 e.report = report
                 raise
             report.records.append(record)
-        for instrument in reversed(self.instruments):
-            instrument.after_run(program, report)
+        _notify(reversed(self.instruments), "after_run", (None, None), program, report)
         return RunResult(program, any(r.modified for r in report.records), report)
 
     # -- one pass ----------------------------------------------------------------------
     def _run_pass(self, p: Any, index: int, program: Any, record: PassRecord) -> Any:
         rollback, current = None, program
         try:
-            for instrument in self.hooks:
-                instrument.before_pass(p, program, record)
+            _notify(self.hooks, "before_pass", (p.name, index), p, program, record)
             record.nodes_before = node_count(program)
             taken = RollbackRecord(program, p.effects, self.strict)
             # The checks share the node records the rollback record took; a pass that
@@ -255,8 +267,7 @@ class Runner:
                 self._measure(p, index, program, current, rollback, record)
                 with nullcontext() if through else _unchanged(rollback, current, True):
                     self._provide(p, index, current, record)
-            for instrument in reversed(self.hooks):
-                instrument.after_pass(p, current, record)
+            _notify(reversed(self.hooks), "after_pass", (p.name, index), p, current, record)
             return current
         except Exception as e:
             error = self._failed(p, index, program, current, rollback, record, e)
@@ -281,8 +292,12 @@ class Runner:
                                       | set(rollback.unrestorable_changes()))
             rollback.restore()
             error.rolled_back = True
-        for instrument in reversed(self.hooks):
-            instrument.after_pass_failed(p, program, record, error)
+        try:
+            _notify(reversed(self.hooks), "after_pass_failed", (p.name, index), p, program,
+                    record, error)
+        except InstrumentError as broken:  # raised with the pass's own error as its cause
+            broken.rolled_back, broken.diff = error.rolled_back, error.diff
+            raise broken from error
         return error
 
     def _call(self, p: Any, index: int, program: Any, record: PassRecord) -> Any:

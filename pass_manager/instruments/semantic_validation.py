@@ -133,6 +133,11 @@ class SemanticValidation(Instrumentation):
                     f"inputs, so the calls before it no longer fit the program after it "
                     f"({reason}); validate the passes before it and from it on in two "
                     "pipelines, each with the inputs its program takes", str(signature))
-        difference = first_difference(self._reference, self._trace(program), self.atol, self.rtol)
+        try:
+            traced = self._trace(program)
+        except Exception as e:  # the pass left a program that cannot run: the pass's fault
+            raise SemanticsError(record.name, record.index, "the program it left raised "
+                                 f"{type(e).__name__}: {e}") from e
+        difference = first_difference(self._reference, traced, self.atol, self.rtol)
         if difference:
             raise SemanticsError(record.name, record.index, difference)
