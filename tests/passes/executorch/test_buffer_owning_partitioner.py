@@ -486,3 +486,22 @@ def test_an_input_named_input_lowers_wrapped():
     with torch.no_grad():
         lowered = _lower(ReadsInput(), inputs, BufferOwningPartitioner(everything()))
     assert_same_behaviour(ReadsInput(), lowered, inputs, atol=ATOL, state=executorch_state)
+
+
+def test_second_wrapper_names_the_earlier_delegate():
+    """Two wrapped partitioners in one lowering: the first keeps ``acc`` at the top level
+    (two of its partitions mutate it), so its new value is a result of the first one's
+    delegate. The second wrapper sees that ``executorch_call_delegate`` untagged and said
+    the value "is computed outside any partition"; its note now names the earlier
+    delegate. The lowered program runs like eager over 4 calls, outputs and state."""
+    model, inputs = TwoWriters(), vector_inputs()
+    ep = torch.export.export(copy.deepcopy(model), inputs[0])
+    first = BufferOwningPartitioner(OpPartitioner({"add": "a", "mul": "b"}))
+    second = BufferOwningPartitioner(OpPartitioner({"sin": "c"}))
+    edge = to_edge_transform_and_lower(ep, partitioner=[first, second])
+    assert first.notes == ["kept 'acc' at the top level: it is mutated in 2 partitions (a, b)"]
+    [note] = second.notes
+    assert "outside any partition" not in note
+    assert "is an output of an earlier delegate (lowered_module_1 on " in note
+    assert "via executorch_call_delegate) that did not take the buffer" in note
+    assert_same_behaviour(model, edge.exported_program(), inputs, state=executorch_state)
