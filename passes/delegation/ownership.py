@@ -101,7 +101,7 @@ def _delegate_of(node: Node) -> Node | None:
 
 
 def _earlier_delegate(node: Node) -> str | None:
-    """``"<lowered module> on <backend>, via <call>"`` when ``node`` reads a result of a
+    """``"<lowered module> on <backend> via <call>"`` when ``node`` reads a result of a
     delegate call already in the graph (this package's ``call_delegate`` or ExecuTorch's
     ``executorch_call_delegate``: a call whose first argument is a lowered module); else
     ``None``.
@@ -122,7 +122,13 @@ def _earlier_delegate(node: Node) -> str | None:
     if backend is None:
         return None
     via = getattr(call.target, "__name__", call.target)
-    return f"{module_node.target} on {backend}, via {via}"
+    return f"{module_node.target} on {backend} via {via}"
+
+
+def _described(node: Node) -> str:
+    """A node's name, with the earlier delegate it reads a result of (if it does)."""
+    earlier = _earlier_delegate(node)
+    return node.name if earlier is None else f"{node.name} (an output of {earlier})"
 
 
 def _members(bits: int) -> list[int]:
@@ -290,7 +296,7 @@ def _decide(verdict: BufferOwnership, flow: _Partitioning, path: list[Node]) -> 
     reader_partitions = {p for p in map(flow.partition, readers) if p is not None}
     verdict.partitions = sorted(mutating | reader_partitions)
     verdict.mutated_by = sorted(mutating)
-    outside = sorted(n.name for n in path if flow.partition(n) is None)
+    outside = sorted(_described(n) for n in path if flow.partition(n) is None)
     word = flow.word
     earlier = _earlier_delegate(value) if producer is None else None
     if earlier is not None:
