@@ -23,6 +23,7 @@ partition then also returns the new value as an ordinary output.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -97,6 +98,37 @@ def _tag(call: Node) -> str:
 
 def _delegate_of(node: Node) -> Node | None:
     return node.args[0] if is_delegate_output(node) else None
+
+
+def _earlier_delegate(node: Node) -> str | None:
+    """``"<lowered module> on <backend> via <call>"`` when ``node`` reads a result of a
+    delegate call already in the graph (this package's ``call_delegate`` or ExecuTorch's
+    ``executorch_call_delegate``: a call whose first argument is a lowered module); else
+    ``None``.
+
+    On a tagged program such a call is untagged, so it looks like top-level computation: a
+    second partitioner of one lowering sees the first one's delegates that way.
+    """
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    call = node.args[0]
+    if not isinstance(call, Node) or call.op != "call_function" or not call.args:
+        return None
+    module_node = call.args[0]
+    if not isinstance(module_node, Node) or module_node.op != "get_attr":
+        return None
+    module = getattr(call.graph.owning_module, str(module_node.target), None)
+    backend = getattr(module, "backend_id", None)
+    if backend is None:
+        return None
+    via = getattr(call.target, "__name__", call.target)
+    return f"{module_node.target} on {backend} via {via}"
+
+
+def _described(node: Node) -> str:
+    """A node's name, with the earlier delegate it reads a result of (if it does)."""
+    earlier = _earlier_delegate(node)
+    return node.name if earlier is None else f"{node.name} (an output of {earlier})"
 
 
 def _members(bits: int) -> list[int]:
@@ -264,9 +296,15 @@ def _decide(verdict: BufferOwnership, flow: _Partitioning, path: list[Node]) -> 
     reader_partitions = {p for p in map(flow.partition, readers) if p is not None}
     verdict.partitions = sorted(mutating | reader_partitions)
     verdict.mutated_by = sorted(mutating)
-    outside = sorted(n.name for n in path if flow.partition(n) is None)
+    outside = sorted(_described(n) for n in path if flow.partition(n) is None)
     word = flow.word
-    if producer is None:
+    earlier = _earlier_delegate(value) if producer is None else None
+    if earlier is not None:
+        verdict.reason = (
+            f"its new value {value.name} is an output of an earlier delegate ({earlier}) "
+            f"that did not take the buffer; these {word}s cannot move it into that delegate"
+        )
+    elif producer is None:
         verdict.reason = f"its new value {value.name} is computed outside any {word}"
     elif len(mutating) > 1:
         names = ", ".join(verdict.mutated_by)

@@ -853,9 +853,15 @@ def _state_kept_off_device(program: ExportedProgram, fqn: str, backend: str | No
         return (f"keep_precision asks for it: {backend} keeps {held} state only, which "
                 f"would round this {dtype} buffer; the delegate receives it and returns its "
                 "new value instead")
+    # What the (float) state would make of the values: it rounds an integer past its
+    # mantissa, and turns a bool into 1.0 / 0.0 (no longer a mask).
+    if value.dtype == torch.bool:
+        lost = f"its True / False would be {held} 1.0 / 0.0"
+    else:
+        lost = f"an integer above {int(2 / torch.finfo(kept).eps)} is rounded"
     return (f"{backend} keeps {held} state only, which would not hold "
-            f"this {dtype} buffer as it is (an integer above 2048 is "
-            "rounded): the delegate receives it and returns its new value instead")
+            f"this {dtype} buffer as it is ({lost}): the delegate receives it and "
+            "returns its new value instead")
 
 
 def _computes_in_fp16(spec: Any) -> bool:

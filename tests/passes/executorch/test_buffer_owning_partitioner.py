@@ -486,3 +486,45 @@ def test_an_input_named_input_lowers_wrapped():
     with torch.no_grad():
         lowered = _lower(ReadsInput(), inputs, BufferOwningPartitioner(everything()))
     assert_same_behaviour(ReadsInput(), lowered, inputs, atol=ATOL, state=executorch_state)
+
+
+
+class WritesThrice(torch.nn.Module):
+    """``acc`` updated by three ops: add, mul (two partitions of a first partitioner), cos."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(4))
+
+    def forward(self, x):
+        self.acc.add_(x)
+        self.acc.mul_(2)
+        self.acc.cos_()
+        return self.acc.sin()
+
+
+@pytest.mark.parametrize(("model", "later_tags", "expected"), [
+    (TwoWriters, {"sin": "c"},
+     "its new value getitem_1 is an output of an earlier delegate (lowered_module_1 on "
+     "DemoBackend via executorch_call_delegate) that did not take the buffer"),
+    (WritesThrice, {"cos": "c"},
+     "part of its update is computed outside partitions (executorch_call_delegate, "
+     "executorch_call_delegate_1, getitem (an output of lowered_module_0 on DemoBackend via "
+     "executorch_call_delegate), getitem_1 (an output of lowered_module_1 on"),
+], ids=["value-from-earlier-delegate", "update-through-earlier-delegates"])
+def test_later_wrapper_names_the_earlier_delegate(model, later_tags, expected):
+    """Two wrapped partitioners in one lowering: the first keeps ``acc`` at the top level
+    (two of its partitions mutate it), so part or all of its update is a result of the
+    first one's delegates. The second wrapper sees those ``executorch_call_delegate`` calls
+    untagged and said the value "is computed outside any partition" (or listed bare
+    ``getitem`` nodes); its note now names the earlier delegates. The lowered program runs
+    like eager over 4 calls, outputs and state."""
+    inputs = vector_inputs()
+    ep = torch.export.export(model(), inputs[0])
+    first = BufferOwningPartitioner(OpPartitioner({"add": "a", "mul": "b"}))
+    second = BufferOwningPartitioner(OpPartitioner(later_tags))
+    edge = to_edge_transform_and_lower(ep, partitioner=[first, second])
+    [note] = second.notes
+    assert "outside any partition" not in note
+    assert expected in note, note
+    assert_same_behaviour(model(), edge.exported_program(), inputs, state=executorch_state)

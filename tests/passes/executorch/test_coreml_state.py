@@ -92,12 +92,14 @@ def test_coreml_alone_fails_in_its_converter_on_a_position_counter():
                                     partitioner=[coreml_partitioner()])
 
 
-@pytest.mark.parametrize("make, counter", [
-    (CountedCache, "position"),
-    (lambda: CountedCache(torch.bool), "position"),
-    (RunningMean, "count"),
+@pytest.mark.parametrize("make, counter, why", [
+    (CountedCache, "position", "(an integer above 2048 is rounded)"),
+    # The note said "an integer above 2048 is rounded" of a bool buffer too.
+    (lambda: CountedCache(torch.bool), "position", "(its True / False would be float16 "
+                                                   "1.0 / 0.0)"),
+    (RunningMean, "count", "(an integer above 2048 is rounded)"),
 ], ids=["int64 position", "bool position", "int64 count"])
-def test_wrapped_keeps_integer_and_bool_state_at_the_top_level(make, counter):
+def test_wrapped_keeps_integer_and_bool_state_at_the_top_level(make, counter, why):
     model = make()
     wrapper = BufferOwningPartitioner(coreml_partitioner())
     edge = to_edge_transform_and_lower(exported(model, cache_inputs()), partitioner=[wrapper])
@@ -108,6 +110,7 @@ def test_wrapped_keeps_integer_and_bool_state_at_the_top_level(make, counter):
     assert coreml_states(delegate) == dict.fromkeys(floats, "FLOAT16")
     (note,) = [n for n in wrapper.notes if f"'{counter}'" in n]
     assert note.startswith(f"kept '{counter}' at the top level: CoreMLBackend keeps float16")
+    assert why in note, note
     assert_same_behaviour(model, program, cache_inputs(), atol=1e-5, state=executorch_state)
     edge.to_executorch()
 
