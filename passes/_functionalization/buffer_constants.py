@@ -117,6 +117,8 @@ def _refresh_values(graph: torch.fx.Graph, merged: list[Node]) -> None:
     what eager aliases (``copy_``'s result, ``to`` of the same dtype): the alias analysis
     reads a maybe-view from storage sharing, and would take ``counter.copy_(p).to(...)
     .add_(1)`` (transformers' ``StaticCache`` counter update) for a write to a copy."""
+    if not merged:
+        return
     fake = FakeValues(graph)
     reached = set(merged)
     for node in graph.nodes:
