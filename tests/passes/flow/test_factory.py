@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from passes.flow.factory import ModelError, model_spec
-from tests.models.main_job import KeywordOnly
+from tests.models.main_job import KeywordOnly, ScaledSum
 
 
 @pytest.mark.parametrize(
@@ -95,17 +95,8 @@ def test_an_exported_program_returned_alone_runs_on_the_example_it_was_exported_
     from passes import InplaceToFunctional, MarkMutableBuffers
     from passes.flow.factory import export_program
 
-    class Accumulates(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("total", torch.zeros(3))
-
-        def forward(self, x):
-            self.total.add_(x)
-            return self.total * 2
-
     example = torch.tensor([1.0, -2.0, 0.5])
-    model = Accumulates()
+    model = ScaledSum()
     eager = copy.deepcopy(model)
     spec = model_spec(torch.export.export(model, (example,)), "job", 3)
     assert len(spec.steps) == 3 and all(torch.equal(args[0], example) for args, _ in spec.steps)
