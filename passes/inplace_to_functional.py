@@ -65,8 +65,9 @@ class InplaceToFunctional(Pass):
             write through a view with no write-back ("no-write-back"), a written tensor
             that may partially overlap another argument, or an operand sharing elements
             with (or being) the tensor an op writes where eager's result is not the
-            functional one (matrix products, ``masked_scatter_``) or eager raises (index
-            and scatter ops: ``b.index_copy_(0, i, b)``) ("overlap"), a write it cannot
+            functional one (matrix products, ``masked_scatter_``, custom ops) or eager
+            raises (index and scatter ops: ``b.index_copy_(0, i, b)``) ("overlap"), a
+            write it cannot
             see through, such as one inside a higher-order op ("opaque"), an op failing
             on its fake values ("fake-failure"), a metadata mutation (``unsqueeze_``,
             ``resize_``, ``set_``, ...) changing the shape of program state ("relayout";

@@ -175,7 +175,20 @@ _EAGER_REFUSES = _operand_table({
 refer to a single memory location"), the very same tensor included
 (``b.index_copy_(0, i, b)``, ``torch.take(b, i, out=b)``): fake tensors do not check it,
 so export keeps such a call, and its functional form would return a value where eager
-raises."""
+raises. (An operand eager cannot tell, an expanded one, is checked by nothing in eager.)"""
+
+
+def _custom_op_operands(op: Any) -> dict[Any, tuple[str, ...]]:
+    """A custom op writing an argument: each tensor argument it only reads, since nothing
+    says in which order its body reads them and writes (``mutates_args``'s op given
+    ``b`` to write and to read). Aten ops' kernels are known: the tables below."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or getattr(op, "namespace", "aten") in ("aten", "prims") or (
+            not schema.is_mutable):
+        return {}
+    read = tuple(a.name for a in schema.arguments
+                 if not (a.alias_info is not None and a.alias_info.is_write))
+    return {op: read} if read else {}
 
 
 def _check_operands_read_while_written(node: Node, written: list[Node],
@@ -184,15 +197,18 @@ def _check_operands_read_while_written(node: Node, written: list[Node],
     tensor included (views that partially overlap are refused for every op in
     :func:`check_write`), when that op's eager result is not its functional form's."""
     op = target_of(node)
-    for table, why in ((_PRODUCTS, "its kernel still reads it while it writes "
-                                   "{w}: eager's result depends on that order; compute "
-                                   "the product, then copy_ it"),
-                       (_ORDER_DEPENDENT, "eager reads it element after element while it "
-                                          "writes {w}, so its result depends on that order; "
-                                          "pass a clone"),
-                       (_EAGER_REFUSES, "eager refuses such a call (\"some elements of the "
-                                        "input tensor and the written-to tensor refer to a "
-                                        "single memory location\"); pass a clone")):
+    for table, why in (
+        (_custom_op_operands(op), "the op's body may read it after it wrote {w}, so eager's "
+                                  "result depends on its order; pass a clone"),
+        (_PRODUCTS, "its kernel still reads it while it writes {w}: eager's result depends "
+                    "on that order; compute the product, then copy_ it"),
+        (_ORDER_DEPENDENT, "eager reads it element after element while it writes {w}, so "
+                           "its result depends on that order; pass a clone"),
+        (_EAGER_REFUSES, "eager refuses such a call where it can tell (\"some elements "
+                         "of the input tensor and the written-to tensor refer to a single "
+                         "memory location\"), and its result otherwise depends on the "
+                         "kernel's order; pass a clone"),
+    ):
         operands = table.get(op)
         if operands is None:
             continue

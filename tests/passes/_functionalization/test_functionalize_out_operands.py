@@ -122,3 +122,31 @@ def test_those_ops_reading_a_disjoint_part_of_the_written_tensor_are_exact():
         b[:, :2].index_put_((torch.tensor([3, 3]),), b[0, 2:], accumulate=True)
 
     functionalize_both_forms(lambda: ReadsWhatItWrites(disjoint), _calls((4, 4)))
+
+
+@torch.library.custom_op("mbp_operands::reverse_into", mutates_args=("out",))
+def reverse_into(out: torch.Tensor, source: torch.Tensor) -> None:
+    """Row after row: given one tensor for both, later rows read rows it already wrote."""
+    for i in range(out.shape[0]):
+        out[i] = source[out.shape[0] - 1 - i]
+
+
+@reverse_into.register_fake
+def _(out, source):
+    return None
+
+
+def test_a_custom_op_reading_the_tensor_it_writes_is_refused():
+    # Eager's b is [b3, b2, b2, b3], the functional program's b reversed: off by 2.96.
+    error = refused_in_both_forms(
+        lambda: ReadsWhatItWrites(lambda b, x: torch.ops.mbp_operands.reverse_into(b, b)),
+        _calls((4, 4)), "overlap")
+    assert "its operand source=" in error.reason and "body" in error.reason
+
+
+def test_a_custom_op_reading_a_clone_or_disjoint_rows_is_exact():
+    def clone_and_disjoint(b, x):
+        torch.ops.mbp_operands.reverse_into(b, b.clone())
+        torch.ops.mbp_operands.reverse_into(b[:2], b[2:])
+
+    functionalize_both_forms(lambda: ReadsWhatItWrites(clone_and_disjoint), _calls((4, 4)))
