@@ -23,7 +23,12 @@ import time
 import warnings
 from typing import Any
 
-from tests.models.random_programs import RandomChooser, check_against_torch, generate_program
+from tests.models.random_programs import (
+    ALL_WRITES,
+    RandomChooser,
+    check_against_torch,
+    generate_program,
+)
 
 __all__ = ["Tally", "main", "summarize"]
 
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for i in range(args.programs):
         seed = args.seed + i
-        steps = generate_program(RandomChooser(seed), args.max_steps)
+        steps = generate_program(RandomChooser(seed), args.max_steps, ALL_WRITES)
         outcome, reference = check_against_torch(steps, seed, torch_too=args.torch)
         tally.add(seed, outcome, reference, steps)
         if args.log:

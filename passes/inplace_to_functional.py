@@ -63,8 +63,11 @@ class InplaceToFunctional(Pass):
             ("writes-constant"), an op with no known functional variant, such as an ``out=``
             reduction computing in an out tensor of another dtype ("no-variant"), a
             write through a view with no write-back ("no-write-back"), a written tensor
-            that may partially overlap another argument, or the out tensor of an ``out=``
-            matrix product sharing elements with an operand ("overlap"), a write it cannot
+            that may partially overlap another argument, or an operand sharing elements
+            with (or being) the tensor an op writes where eager's result is not the
+            functional one (matrix products, ``masked_scatter_``, custom ops) or eager
+            raises (index and scatter ops: ``b.index_copy_(0, i, b)``) ("overlap"), a
+            write it cannot
             see through, such as one inside a higher-order op ("opaque"), an op failing
             on its fake values ("fake-failure"), a metadata mutation (``unsqueeze_``,
             ``resize_``, ``set_``, ...) changing the shape of program state ("relayout";

@@ -74,23 +74,32 @@ def addresses_twice(val: torch.Tensor) -> bool:
     """Whether a strided tensor may address one storage element at two positions (an
     ``expand`` broadcasting a dim, an ``as_strided`` with overlapping strides). Proven not
     to when its strides, sorted, each step past everything the smaller ones reach (any
-    contiguous, permuted or sliced layout, however large); else its elements are
-    enumerated. True when it cannot be proven otherwise (symbolic layouts)."""
-    layout = _layout(val)
-    if not all(isinstance(x, int) for x in layout):
-        return True
-    reach = 0
-    for stride, size in sorted((stride, size) for size, stride in zip(
-            val.shape, val.stride(), strict=True) if size > 1):
-        if stride <= reach:
-            break
-        reach += (size - 1) * stride
-    else:
+    contiguous, permuted or sliced layout, however large, and static strides over symbolic
+    sizes the shape environment bounds); else its elements are enumerated. True when it
+    cannot be proven otherwise (symbolic strides, or symbolic sizes reaching too far)."""
+    if _steps_past_reach(val):
         return False
-    if val.numel() > ENUMERATION_LIMIT:
+    if not all(isinstance(x, int) for x in _layout(val)) or val.numel() > ENUMERATION_LIMIT:
         return True
     elements = _elements(val)
     return elements.unique().numel() < elements.numel()
+
+
+def _steps_past_reach(val: torch.Tensor) -> bool:
+    """Whether each stride, smallest first, is proven to step past everything the smaller
+    ones reach: then no element is addressed twice. Symbolic sizes are proven from the
+    shape environment's facts (``b.as_strided((n,), (2,), 1)``); strides must be static, to
+    be sorted."""
+    dims = [(stride, size) for size, stride in zip(val.shape, val.stride(), strict=True)
+            if not _known(size <= 1)]
+    if not all(isinstance(stride, int) for stride, _ in dims):
+        return False
+    reach = 0
+    for stride, size in sorted(dims, key=lambda dim: dim[0]):
+        if not _known(stride > reach):
+            return False
+        reach = reach + (size - 1) * stride
+    return True
 
 
 def may_overlap(a: Node, b: Node) -> bool:

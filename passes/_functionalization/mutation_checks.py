@@ -2,15 +2,19 @@
 
 Refused: a write to a lifted constant (torch refuses it too), a write through a view with
 no write-back, a written tensor that may partially overlap another argument of the same
-op, an opaque node (no schema, or a higher-order op writing inside its subgraph) that
-receives mutable state, and written state sharing its storage with other state or
-with itself (a buffer registered expanded). Each is
-an :class:`~passes.errors.UnsupportedMutationError` naming the node and the reason. A
-write through a view addressing an element twice is checked where it is written back
+op, an operand sharing elements with (or being) the tensor written by an op whose eager
+result then is not its functional form's (a matrix product, ``masked_scatter_``) or that
+eager refuses then (index and scatter ops), an opaque node (no schema, or a higher-order
+op writing inside its subgraph) that receives mutable state, and written state sharing its
+storage with other state or with itself (a buffer registered expanded). Each is an
+:class:`~passes.errors.UnsupportedMutationError` naming the node and the reason. A write
+through a view addressing an element twice is checked where it is written back
 (``overlapping_writes``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch.fx import Node
@@ -86,7 +90,7 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
     (``program``: to name the buffer a written constant is the tensor of)."""
     inputs = [a for a in node.all_input_nodes if a in aliases]
     _check_written_once(node, written, aliases)
-    _check_product_operands(node, written, aliases)
+    _check_operands_read_while_written(node, written, aliases)
     for w in written:
         alias = aliases[w]
         state = states.get(alias.root)
@@ -117,39 +121,110 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
                           "one storage that may partially overlap", "overlap")
 
 
-_PRODUCTS_INTO_OUT = {
-    aten.mm.out: ("self", "mat2"), aten.bmm.out: ("self", "mat2"),
-    aten.matmul.out: ("self", "other"), aten.mv.out: ("self", "vec"),
-    aten.addmm.out: ("mat1", "mat2"), aten._addmm_activation.out: ("mat1", "mat2"),
-    aten.baddbmm.out: ("batch1", "batch2"), aten.addbmm.out: ("batch1", "batch2"),
-    aten.addmv.out: ("mat", "vec"), aten.kron.out: ("self", "other"),
-    aten.linalg_matrix_power.out: ("self",),
-}
-"""``out=`` matrix products whose CPU kernels (BLAS gemm / gemv) write their out tensor
-while still reading these operands: given an out tensor sharing an element with one of
-them, eager's result is whatever the kernel's order leaves (``torch.mm(a, b, out=a)`` is
-off the product by 5.7 on a 4x4 probe), while a functional form computes the product.
-(``addmm``'s own ``self`` is read first, as BLAS's ``C``: an out tensor that is ``self``
-is exact. Other ``out=`` ops either compute into a temporary or refuse the overlap.)"""
+def _operand_table(names: dict[str, tuple[str, ...]]) -> dict[Any, tuple[str, ...]]:
+    """Every writing overload (in place or ``out=``) of each named op, with the operands
+    among its arguments (``scatter_.value`` has no ``src``)."""
+    table = {}
+    for name, operands in names.items():
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            arguments = [a.name for a in op._schema.arguments]
+            present = tuple(o for o in operands if o in arguments)
+            if op._schema.is_mutable and present:
+                table[op] = present
+    return table
 
 
-def _check_product_operands(node: Node, written: list[Node], aliases: dict[Node, Alias]) -> None:
-    operands = _PRODUCTS_INTO_OUT.get(target_of(node))
-    if operands is None:
-        return
-    schema = target_of(node)._schema
-    names = [a.name for a in schema.arguments]
-    for name in operands:
-        operand = argument_value(node, schema, names.index(name))
-        for w in written:
-            if isinstance(operand, Node) and operand in aliases and w in aliases and (
-                aliases[operand].root is aliases[w].root and may_share(w, operand)
-            ):
-                raise UnsupportedMutationError(
-                    node, f"its out tensor {w.name} shares elements with its operand "
-                          f"{name}={operand.name}, which its kernel still reads while it "
-                          "writes the out tensor: eager's result depends on that order; "
-                          "compute the product, then copy_ it", "overlap")
+_PRODUCTS = _operand_table({
+    "mm": ("self", "mat2"), "bmm": ("self", "mat2"), "matmul": ("self", "other"),
+    "mv": ("self", "vec"), "addmm": ("mat1", "mat2"), "addmm_": ("mat1", "mat2"),
+    "_addmm_activation": ("mat1", "mat2"), "baddbmm": ("batch1", "batch2"),
+    "baddbmm_": ("batch1", "batch2"), "addbmm": ("batch1", "batch2"),
+    "addbmm_": ("batch1", "batch2"), "addmv": ("mat", "vec"), "addmv_": ("mat", "vec"),
+    "kron": ("self", "other"), "linalg_matrix_power": ("self",),
+})
+"""Matrix products, ``out=`` and in place, whose CPU kernels (BLAS gemm / gemv) write the
+tensor they write while still reading these operands: given one sharing an element with
+it, eager's result is whatever the kernel's order leaves (``torch.mm(a, b, out=a)`` is off
+the product by 5.7 on a 4x4 probe, ``b.addmm_(b, x)`` by 1.2 on a 3x3 one), while a
+functional form computes the product. (``addmm``'s own ``self`` is read first, as BLAS's
+``C``: an out tensor that is ``self`` is exact.)"""
+
+_ORDER_DEPENDENT = _operand_table({"masked_scatter_": ("source",),
+                                   "masked_scatter": ("source",)})
+"""Ops eager runs element after element with no overlap check, reading an operand that
+earlier elements may have written: ``b.masked_scatter_(mask, b)`` takes the k-th source
+element after the first k-1 positions were written (off the functional form by 2.0 on a
+3x3 probe)."""
+
+_EAGER_REFUSES = _operand_table({
+    name: operands for names, operands in (
+        (("index_copy_", "index_copy", "index_add_", "index_add", "index_reduce_",
+          "index_reduce", "put_", "put"), ("index", "source")),
+        (("scatter_", "scatter", "scatter_add_", "scatter_add", "scatter_reduce_",
+          "scatter_reduce"), ("index", "src")),
+        (("index_put_", "index_put", "_index_put_impl_", "_index_put_impl"),
+         ("indices", "values")),
+        (("index_select", "gather", "take"), ("self", "index")),
+        (("linalg_cross",), ("self", "other")),
+    ) for name in names
+})
+"""Ops whose eager kernels refuse an operand sharing an element with the tensor they write
+(``at::assert_no_overlap``: "some elements of the input tensor and the written-to tensor
+refer to a single memory location"), the very same tensor included
+(``b.index_copy_(0, i, b)``, ``torch.take(b, i, out=b)``): fake tensors do not check it,
+so export keeps such a call, and its functional form would return a value where eager
+raises. (An operand eager cannot tell, an expanded one, is checked by nothing in eager.)"""
+
+
+def _custom_op_operands(op: Any) -> dict[Any, tuple[str, ...]]:
+    """A custom op writing an argument: each tensor argument it only reads, since nothing
+    says in which order its body reads them and writes (``mutates_args``'s op given
+    ``b`` to write and to read). Aten ops' kernels are known: the tables below."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or getattr(op, "namespace", "aten") in ("aten", "prims") or (
+            not schema.is_mutable):
+        return {}
+    read = tuple(a.name for a in schema.arguments
+                 if not (a.alias_info is not None and a.alias_info.is_write))
+    return {op: read} if read else {}
+
+
+def _check_operands_read_while_written(node: Node, written: list[Node],
+                                       aliases: dict[Node, Alias]) -> None:
+    """Refuse an op whose operand shares an element with the tensor it writes, the same
+    tensor included (views that partially overlap are refused for every op in
+    :func:`check_write`), when that op's eager result is not its functional form's."""
+    op = target_of(node)
+    for table, why in (
+        (_custom_op_operands(op), "the op's body may read it after it wrote {w}, so eager's "
+                                  "result depends on its order; pass a clone"),
+        (_PRODUCTS, "its kernel still reads it while it writes {w}: eager's result depends "
+                    "on that order; compute the product, then copy_ it"),
+        (_ORDER_DEPENDENT, "eager reads it element after element while it writes {w}, so "
+                           "its result depends on that order; pass a clone"),
+        (_EAGER_REFUSES, "eager refuses such a call where it can tell (\"some elements "
+                         "of the input tensor and the written-to tensor refer to a single "
+                         "memory location\"), and its result otherwise depends on the "
+                         "kernel's order; pass a clone"),
+    ):
+        operands = table.get(op)
+        if operands is None:
+            continue
+        schema = op._schema
+        names = [a.name for a in schema.arguments]
+        for name in operands:
+            value = argument_value(node, schema, names.index(name))
+            for operand in value if isinstance(value, (list, tuple)) else (value,):
+                for w in written:
+                    if isinstance(operand, Node) and operand in aliases and w in aliases and (
+                        aliases[operand].root is aliases[w].root and may_share(w, operand)
+                    ):
+                        raise UnsupportedMutationError(
+                            node, f"the tensor it writes, {w.name}, shares elements with "
+                                  f"its operand {name}={operand.name}: "
+                                  + why.format(w=w.name), "overlap")
 
 
 def _laid_out_overlapping(root: Node) -> bool:

@@ -12,7 +12,12 @@ from torch.export import Dim
 from pass_manager import assert_same_behaviour
 from passes import InplaceToFunctional, UnsupportedMutationError
 
-from .functionalize_checks import _calls, functionalize_both_forms, refused_in_both_forms
+from .functionalize_checks import (
+    _calls,
+    functionalize_both_forms,
+    refused_in_both_forms,
+    refused_in_both_forms_of,
+)
 
 
 class UnfoldWrites(nn.Module):
@@ -97,6 +102,44 @@ def test_writes_through_symbolic_unfold_windows_are_refused():
     assert info.value.kind == "no-write-back"
     assert "unfold" in info.value.reason and "add_" in str(info.value)
     assert ep.graph_module.code == before
+
+
+class SymbolicStridedWrites(nn.Module):
+    """Writes through ``as_strided`` views of symbolic size whose static strides address
+    each element once for every size: proven from the shape environment, written back."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(32.0))
+
+    def forward(self, x):
+        n = x.shape[0]
+        self.b.as_strided((n,), (2,), 1).add_(x)
+        self.b.as_strided((2, n), (1, 2), 16).mul_(x)  # interleaved rows
+        return self.b * 1
+
+
+def test_writes_through_symbolic_strided_views_addressing_each_element_once_are_exact():
+    calls = [(torch.randn(k),) for k in (3, 6, 2, 5)]
+    functionalize_both_forms(SymbolicStridedWrites, calls,
+                             dynamic_shapes=({0: Dim("n", min=2, max=6)},))
+
+
+class SymbolicOverlappingStridedWrite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(16.0))
+
+    def forward(self, x):
+        self.b.as_strided((x.shape[0], 2), (1, 1)).add_(x.unsqueeze(1))
+        return self.b * 1
+
+
+def test_writes_through_a_symbolic_strided_view_addressing_elements_twice_are_refused():
+    ep = torch.export.export(SymbolicOverlappingStridedWrite(), (torch.randn(4),),
+                             dynamic_shapes=({0: Dim("n", min=2, max=6)},))
+    error = refused_in_both_forms_of(ep, "overlap")
+    assert "more than once" in error.reason
 
 
 class OverlappingExpandWrite(nn.Module):
