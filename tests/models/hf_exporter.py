@@ -351,7 +351,8 @@ def tiny_sweep_model(architecture: str, layers: int = 2) -> torch.nn.Module:
             "layer_types": ["sliding_attention", "full_attention"][:layers]}),
         "gpt_neo": (t.GPTNeoConfig, t.GPTNeoForCausalLM, {
             "num_layers": layers, "num_heads": 2, "window_size": 8,
-            "attention_types": [[["global", "local"], 1]] if layers == 2 else [[["global"], layers]]}),
+            "attention_types": ([[["global", "local"], 1]] if layers == 2
+                                else [[["global"], layers]])}),
     }[architecture]
     options = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
                "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
