@@ -276,24 +276,42 @@ def _attribute_taken(gm: torch.nn.Module, fqn: str) -> bool:
 
 
 def _same_value(written: Node, paired: Any, node: Node) -> bool:
-    """Whether the value written into ``node`` in place is the paired output's: the same node,
-    or a whole copy of the other (``aten.copy(dst, value)`` of ``value``'s shape and dtype,
-    whatever ``dst``: its result is ``value``'s elements). The functionalizer makes one to
-    give a mutation output that is also a user output a value of its own
-    (``aten.copy(node, paired)``); a program writing its state through an alias and
-    returning that alias's ``copy_`` (Qwen3-Next's recurrent state: ``state.to(float32)``,
-    updated, then ``copy_``) returns one (``aten.copy(alias, written)``)."""
-    return written is paired or _whole_copy_of(written, paired) or (
-        _whole_copy_of(paired, written))
+    """Whether the value written into ``node`` in place is the paired output's: the same node
+    once ops that keep every element are looked through (:func:`_kept_source`). The
+    functionalizer makes a whole copy to give a mutation output that is also a user output a
+    value of its own (``aten.copy(node, paired)``); a program writing its state through an
+    alias and returning that alias's ``copy_`` (Qwen3-Next's recurrent state:
+    ``state.to(float32)``, updated, then ``copy_``) returns one (``aten.copy(alias,
+    written)``); a program reading its updated cache through a cast to the dtype it already
+    has (GPT-Neo's ``key.to(torch.float32)`` in fp32: eager returns the cache itself) returns
+    that cast, which export records as the output."""
+    return isinstance(paired, Node) and _kept_source(written) is _kept_source(paired)
 
 
-def _whole_copy_of(copy: Any, value: Any) -> bool:
-    if not (isinstance(copy, Node) and isinstance(value, Node)
-            and copy.target is torch.ops.aten.copy.default and copy.args[1] is value):
-        return False
-    have, new = copy.meta.get("val"), value.meta.get("val")
-    return (isinstance(have, torch.Tensor) and isinstance(new, torch.Tensor)
-            and have.dtype == new.dtype and tuple(have.shape) == tuple(new.shape))
+# Ops whose result holds exactly their tensor argument's elements when it keeps that
+# argument's shape and dtype: casts to the dtype it has, aliases, copies, reshapes to its
+# own shape. ``aten.copy(dst, value)`` holds ``value``'s (its second argument).
+_KEEPING = frozenset({
+    torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
+    torch.ops.aten.to.other, torch.ops.aten._to_copy.default, torch.ops.aten.alias.default,
+    torch.ops.aten.detach.default, torch.ops.aten.clone.default,
+    torch.ops.aten.contiguous.default, torch.ops.aten.lift_fresh_copy.default,
+    torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default, torch.ops.aten.copy.default,
+})
+
+
+def _kept_source(node: Node) -> Node:
+    """The node whose elements ``node`` holds unchanged, through ops of :data:`_KEEPING`."""
+    while node.op == "call_function" and node.target in _KEEPING:
+        source = node.args[1] if node.target is torch.ops.aten.copy.default else node.args[0]
+        have = node.meta.get("val")
+        new = source.meta.get("val") if isinstance(source, Node) else None
+        if not (isinstance(have, torch.Tensor) and isinstance(new, torch.Tensor)
+                and have.dtype == new.dtype and tuple(have.shape) == tuple(new.shape)):
+            break
+        node = source
+    return node
 
 
 def _example_value(view: ProgramView, node: Node) -> torch.Tensor | None:

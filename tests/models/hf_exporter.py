@@ -21,7 +21,7 @@ returned cache into the next decode (:func:`thread_calls`).
 
 Models are seeded and built from tiny configs: no download. Other architectures
 (:data:`SWEEP_ARCHITECTURES`: Mistral, Phi3, Gemma 1-3, GPT-NeoX, OLMo2, Phi, Qwen2, Falcon,
-Cohere2) export the
+Cohere2, GPT-Neo) export the
 same way; :func:`cache_options` reads the cache mapping from the programs' call specs for any of
 them, sliding-window layers included.
 """
@@ -287,12 +287,14 @@ def resident_cache_options(hf: HfExport) -> dict[str, dict[str, Any]]:
 # -- other architectures, and the cache mapping read from the programs' call specs -----------
 
 SWEEP_ARCHITECTURES = ("mistral", "phi3", "gemma", "gemma2", "gemma3", "gpt_neox", "olmo2",
-                       "phi", "qwen2", "falcon", "cohere2")
+                       "phi", "qwen2", "falcon", "cohere2", "gpt_neo")
 """Tiny random decoders HF's exporter takes, with the cache layout each gives: every one a
 ``StaticCache`` of per-layer ``keys, values, cumulative_length``; ``mistral`` all sliding-window
 layers (``StaticSlidingWindowLayer``, window 8 < the cache's 16), ``gemma2`` / ``gemma3`` /
 ``cohere2`` one sliding and one global layer; ``falcon`` its new decoder (one fused
-query-key-value projection, grouped keys and values)."""
+query-key-value projection, grouped keys and values); ``gpt_neo`` one global and one local
+layer, whose attention reads the updated keys back through ``to(float32)`` and HF's decode
+returns that cast as the cache."""
 
 
 STATE_LAYOUTS = ("t5", "mamba", "lfm2")
@@ -347,12 +349,19 @@ def tiny_sweep_model(architecture: str, layers: int = 2) -> torch.nn.Module:
         "cohere2": (t.Cohere2Config, t.Cohere2ForCausalLM, {
             "sliding_window": 8,
             "layer_types": ["sliding_attention", "full_attention"][:layers]}),
+        "gpt_neo": (t.GPTNeoConfig, t.GPTNeoForCausalLM, {
+            "num_layers": layers, "num_heads": 2, "window_size": 8,
+            "attention_types": ([[["global", "local"], 1]] if layers == 2
+                                else [[["global"], layers]])}),
     }[architecture]
     options = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
                "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
                "max_position_embeddings": 64, "use_cache": True, **extra}
     if architecture in ("gpt_neox", "falcon"):
         del options["num_key_value_heads"]
+    if architecture == "gpt_neo":  # its own names for layers and heads, no grouped heads
+        for name in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+            del options[name]
     state = torch.random.get_rng_state()
     torch.manual_seed(0)
     try:

@@ -1,6 +1,8 @@
 """Other Hugging Face architectures through transformers' own exporter (a tiny random Mistral,
 all sliding-window layers; a Gemma3 and a Cohere2, one sliding and one global layer; a
-GPT-NeoX and a Falcon (fused query-key-value projection), other module layouts):
+GPT-NeoX and a Falcon (fused query-key-value projection), other module layouts; a GPT-Neo,
+whose decode returns each layer's keys as the cast its attention reads them through,
+``to(float32)`` of the written cache):
 MarkMutableBuffers + InplaceToFunctional, then InputsToBuffers with the cache
 mapping read from the programs' call specs makes the prefill's and the decode's cache one
 resident state; called in turn, the two methods give HF's own programs' logits and cache bit
@@ -30,7 +32,8 @@ FORMS = ["exported", "module"]
 DECODES = 4  # the prompt is 4 tokens, the sliding window 8
 
 
-@pytest.fixture(scope="module", params=["mistral", "gemma3", "gpt_neox", "falcon", "cohere2"])
+@pytest.fixture(scope="module", params=["mistral", "gemma3", "gpt_neox", "falcon", "cohere2",
+                                                "gpt_neo"])
 def hf(request):
     return hf_exporter.export(request.param)
 

@@ -176,6 +176,55 @@ def test_state_written_through_an_alias_and_returned_by_its_copy_pairs(form):
         assert torch.equal(buffers(module, ["state"])["state"], state)
 
 
+class _CacheReadBackThroughACast(torch.nn.Module):
+    """Writes its cache in place, then reads it back through an op that keeps every element
+    and returns what it read as the cache, as GPT-Neo's attention does (``key =
+    key.to(torch.float32)`` after ``layer_past.update``: in fp32 eager returns the cache
+    itself, and export records the cast as the returned cache)."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+
+    def forward(self, x, position, cache):
+        cache.index_copy_(0, position, x)
+        keys = self.read(cache)
+        return (keys * 2).sum(0), keys
+
+
+READS_KEEPING_EVERY_ELEMENT = {
+    "same-dtype cast": lambda cache: cache.to(torch.float32),
+    "contiguous": lambda cache: cache.contiguous(),
+    "view of its own shape": lambda cache: cache.view(cache.shape),
+    "clone": lambda cache: cache.clone(),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("read", list(READS_KEEPING_EVERY_ELEMENT))
+def test_a_cache_written_in_place_and_returned_through_a_cast_pairs(read, form):
+    """The in-place write is ``index_copy``, the returned cache ``to(index_copy)`` (or a
+    ``contiguous``, a same-shape ``view``, a ``clone`` of it): the same elements. The pair
+    was refused ("writes it in place with index_copy_default, but output '1' returns to"),
+    as was HF's GPT-Neo decode."""
+    eager = _CacheReadBackThroughACast(READS_KEEPING_EVERY_ELEMENT[read])
+    cache = torch.zeros(6, 4)
+    program = functional(eager, (torch.ones(1, 4), torch.tensor([0]), cache.clone()),
+                         form=form)
+    result = resident(program, next_values={"cache": "1"},
+                      initial_values={"cache": cache.clone()})
+    assert carried_buffers(result.program) == {"cache": "cache"}
+    module = runnable(result.program)
+    generator = torch.Generator().manual_seed(5)
+    for step in range(CALLS):
+        x, position = torch.randn(1, 4, generator=generator), torch.tensor([step])
+        expected, cache = eager(x, position, cache)
+        cache = cache.clone()
+        got = module(x, position)
+        assert torch.equal(got[0] if isinstance(got, tuple) else got, expected)
+        assert torch.equal(buffers(module, ["cache"])["cache"], cache)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_keyword_inputs_pair_with_outputs_by_name(form):
     args, kwargs = models.named_state_inputs()
