@@ -29,6 +29,7 @@ __all__ = [
     "ExecuTorchInputError",
     "ExecuTorchMissingError",
     "ParameterMutationOnExecuTorchError",
+    "PortableKernelAbortError",
     "SharedBufferDelegationError",
     "UnfoldedQuantizeError",
     "available",
@@ -156,6 +157,34 @@ class UnfoldedQuantizeError(PassManagerError):
             "that computes wrong values on the runtime; convert with fold_quantize=True "
             "(quantize_program's default fold=True), which stores it quantized",
             pass_name="BufferOwningPartitioner")
+
+
+class PortableKernelAbortError(PassManagerError):
+    """A node left at the top level of a lowered program would run on an ExecuTorch 1.5.1
+    portable kernel that aborts the process on its dtype (a quantize of a bfloat16 value,
+    a dequantize to bfloat16).
+
+    Attributes:
+        helper: the function that lowered the program, e.g. ``"decode_on_runtime"``.
+        node: the node's name.
+        dtype: the float dtype the kernel does not take.
+        method: the method holding the node (``"forward"`` for one program).
+    """
+
+    def __init__(self, helper: str, node: str, op: str, side: str, dtype: Any,
+                 method: str):
+        self.helper = helper
+        self.node = node
+        self.dtype = dtype
+        self.method = method
+        name = str(dtype).split(".")[-1]
+        super().__init__(
+            f"{helper}: method {method!r}: {node} ({op}) runs at the top level on ExecuTorch's "
+            f"portable quantized kernel, whose {side} is {name}: that kernel takes float32 "
+            f"and float16 only and aborts the process on {name} (Unhandled {side} dtype), "
+            f"when the .pte runs; quantize a float32 model, or keep the state it writes "
+            f"float32 (or float16), so that no {name} value is quantized or dequantized",
+            pass_name=helper)
 
 
 class DelegateStateWarning(UserWarning):
