@@ -30,6 +30,7 @@ __all__ = [
     "ExecuTorchMissingError",
     "ParameterMutationOnExecuTorchError",
     "PortableKernelAbortError",
+    "PortableKernelAbortWarning",
     "SharedBufferDelegationError",
     "UnfoldedQuantizeError",
     "available",
@@ -211,6 +212,29 @@ class DelegateStateWarning(UserWarning):
         self.issue = issue
         self.message = message
         super().__init__(buffer, backend, issue, message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class PortableKernelAbortWarning(UserWarning):
+    """``BufferOwningPartitioner``: a node it leaves at the top level (no partition took it)
+    would run on an ExecuTorch 1.5.1 portable kernel that aborts the process on its dtype
+    (a quantize of a bfloat16 value, a dequantize to bfloat16). A warning, since a later
+    partitioner in the list may still take it; the runtime helpers refuse the lowered
+    program (:class:`PortableKernelAbortError`).
+
+    Attributes:
+        node: the node's name.
+        dtype: the float dtype the kernel does not take.
+    """
+
+    # Rebuilt as ``cls(*args)`` (``warnings``, ``copy``, pytest-xdist).
+    def __init__(self, node: str, dtype: Any, message: str):
+        self.node = node
+        self.dtype = dtype
+        self.message = message
+        super().__init__(node, dtype, message)
 
     def __str__(self) -> str:
         return self.message

@@ -11,12 +11,13 @@ with float32 or float16 state runs on the runtime as the Python program does.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 
 from pass_manager import run_program
-from passes.executorch import PortableKernelAbortError
+from passes.executorch import PortableKernelAbortError, PortableKernelAbortWarning
 from passes.executorch.methods import run_methods_on_runtime
 from passes.executorch.runtime import decode_on_runtime
 from passes.quantization import quantize_program
@@ -96,3 +97,29 @@ def test_float32_and_float16_state_runs_on_the_runtime_like_python(dtype):
     # call by its moving average, then saturates): the state is carried between calls.
     totals = [out[1] for out in run.outputs]
     assert bool((totals[1] > totals[0]).any()) and bool(totals[0].any())
+
+
+@pytest.mark.parametrize(("dtype", "warned"), [(torch.bfloat16, True), (torch.float32, False)])
+def test_the_wrapper_warns_of_a_kernel_that_would_abort_in_a_users_script(dtype, warned):
+    """A script of one's own (``to_edge_transform_and_lower`` with the wrapper, then
+    ``to_executorch()``) gets no runtime helper's check: on 1e863ae it lowered silently and
+    the ``.pte`` aborted the process in its first call. The wrapper now warns, naming each
+    bfloat16 quantize or dequantize left at the top level (none for float32 state)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    from passes.executorch import BufferOwningPartitioner
+    from passes.executorch.portable_kernels import aborting_kernels
+
+    program = _quantized(dtype)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        edge = to_edge_transform_and_lower(
+            copy.deepcopy(program), partitioner=[BufferOwningPartitioner(XnnpackPartitioner())])
+    named = sorted(w.message.node for w in caught
+                   if isinstance(w.message, PortableKernelAbortWarning))
+    left = sorted(node.name for node, *_ in aborting_kernels(edge.exported_program()))
+    assert named == left
+    assert bool(named) == warned
+    if warned:
+        assert any("quantize_per_tensor" in name for name in named), named
