@@ -50,21 +50,24 @@ def _quantized(dtype: torch.dtype) -> torch.export.ExportedProgram:
                                 steps)
 
 
-@pytest.mark.parametrize("form", ["exported", "edge"])
+@pytest.mark.parametrize("form", ["exported", "edge", "executorch"])
 def test_a_bfloat16_quantize_at_the_top_level_is_refused_before_it_aborts(form):
     """On 1e863ae ``decode_on_runtime`` serialized the program and ran it, and ExecuTorch's
     quantize kernel aborted the Python process (``op_quantize.cpp: Unhandled input dtype
     15``, exit status 134) in its first call. Now a typed error names the node and the
     dtype before serializing, whether the helper lowers it (XNNPACK, which leaves the node
-    at the top level) or is given the portable lowering (``to_edge``, no partitioner)."""
+    at the top level) or is given the portable lowering (``to_edge``, no partitioner), as an
+    Edge program or already serialized (``to_executorch()``, whose graph it still reads)."""
     program = _quantized(torch.bfloat16)
     # The Python program runs: the refusal is about ExecuTorch's kernel only.
     run_program(copy.deepcopy(program), _steps())
-    if form == "edge":
+    if form != "exported":
         from executorch.exir import to_edge
 
         with torch.no_grad():
             program = to_edge(copy.deepcopy(program))
+            if form == "executorch":
+                program = program.to_executorch()
     with pytest.raises(PortableKernelAbortError) as caught:
         decode_on_runtime(program, None, _steps())
     error = caught.value
