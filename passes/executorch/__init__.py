@@ -29,6 +29,8 @@ __all__ = [
     "ExecuTorchInputError",
     "ExecuTorchMissingError",
     "ParameterMutationOnExecuTorchError",
+    "PortableKernelAbortError",
+    "PortableKernelAbortWarning",
     "SharedBufferDelegationError",
     "UnfoldedQuantizeError",
     "available",
@@ -158,6 +160,34 @@ class UnfoldedQuantizeError(PassManagerError):
             pass_name="BufferOwningPartitioner")
 
 
+class PortableKernelAbortError(PassManagerError):
+    """A node left at the top level of a lowered program would run on an ExecuTorch 1.5.1
+    portable kernel that aborts the process on its dtype (a quantize of a bfloat16 value,
+    a dequantize to bfloat16).
+
+    Attributes:
+        helper: the function that lowered the program, e.g. ``"decode_on_runtime"``.
+        node: the node's name.
+        dtype: the float dtype the kernel does not take.
+        method: the method holding the node (``"forward"`` for one program).
+    """
+
+    def __init__(self, helper: str, node: str, op: str, side: str, dtype: Any,
+                 method: str):
+        self.helper = helper
+        self.node = node
+        self.dtype = dtype
+        self.method = method
+        name = str(dtype).split(".")[-1]
+        super().__init__(
+            f"{helper}: method {method!r}: {node} ({op}) runs at the top level on ExecuTorch's "
+            f"portable quantized kernel, whose {side} is {name}: that kernel takes float32 "
+            f"and float16 only and aborts the process on {name} (Unhandled {side} dtype), "
+            f"when the .pte runs; quantize a float32 model, or keep the state it writes "
+            f"float32 (or float16), so that no {name} value is quantized or dequantized",
+            pass_name=helper)
+
+
 class DelegateStateWarning(UserWarning):
     """``BufferOwningPartitioner``: a delegate will own a buffer whose value on the device
     is not the program's: Core ML keeps fp32 state as fp16 (``keep_precision`` keeps it
@@ -182,6 +212,29 @@ class DelegateStateWarning(UserWarning):
         self.issue = issue
         self.message = message
         super().__init__(buffer, backend, issue, message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class PortableKernelAbortWarning(UserWarning):
+    """``BufferOwningPartitioner``: a node it leaves at the top level (no partition took it)
+    would run on an ExecuTorch 1.5.1 portable kernel that aborts the process on its dtype
+    (a quantize of a bfloat16 value, a dequantize to bfloat16). A warning, since a later
+    partitioner in the list may still take it; the runtime helpers refuse the lowered
+    program (:class:`PortableKernelAbortError`).
+
+    Attributes:
+        node: the node's name.
+        dtype: the float dtype the kernel does not take.
+    """
+
+    # Rebuilt as ``cls(*args)`` (``warnings``, ``copy``, pytest-xdist).
+    def __init__(self, node: str, dtype: Any, message: str):
+        self.node = node
+        self.dtype = dtype
+        self.message = message
+        super().__init__(node, dtype, message)
 
     def __str__(self) -> str:
         return self.message

@@ -40,6 +40,7 @@ from .initial_state import repair_initial_state
 from .method_state import checked_methods
 from .partitioner import BufferOwningPartitioner
 from .plan import StatePlan, planned_state
+from .portable_kernels import refuse_aborting_kernels
 from .runtime import runtime_pairs
 from .runtime_inputs import CarriedState, carried_outputs, flat_inputs, user_input_names
 from .tied_buffers import drop_unused_aliases
@@ -156,6 +157,8 @@ def lower_methods_to_pte(
         ExecuTorchInputError: ``programs`` is not a mapping of ExportedPrograms, their
             shared buffers differ, or ``partitioner`` is not an ExecuTorch Partitioner.
         ParameterMutationOnExecuTorchError: a method writes a parameter.
+        PortableKernelAbortError: a method keeps at the top level a quantize or dequantize
+            whose ExecuTorch kernel would abort the process (a bfloat16 float side).
     """
     lowered = _lower_methods(programs, partitioner, share_mutable_buffers)
     return lowered.pte, lowered.wrapper, lowered.delegates
@@ -176,7 +179,8 @@ class _LoweredMethods:
 
 
 def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
-                   share_mutable_buffers: bool = True) -> _LoweredMethods:
+                   share_mutable_buffers: bool = True,
+                   helper: str = "lower_methods_to_pte") -> _LoweredMethods:
     programs = _checked_programs(programs)
     _check_shared_state(programs)
     # Private copies: lowering must not touch the caller's programs or their state.
@@ -193,6 +197,7 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
             if sig.parameters_to_mutate:
                 raise ParameterMutationOnExecuTorchError(
                     sorted(sig.parameters_to_mutate.values()))
+            refuse_aborting_kernels(ep, helper, method)
             mutated = set(sig.buffers_to_mutate.values())
             names.update(n for n, fqn in sig.inputs_to_buffers.items() if fqn in mutated)
             delegates[method] = sum(1 for n in ep.graph.nodes if n.op == "get_attr"
@@ -248,6 +253,8 @@ def run_methods_on_runtime(
             ExportedPrograms (or sharing a buffer they disagree on), a call naming an
             unknown method or whose inputs do not fit it, a ``partitioner`` that is not one.
         ParameterMutationOnExecuTorchError: a method writes a parameter.
+        PortableKernelAbortError: a method keeps at the top level a quantize or dequantize
+            whose ExecuTorch kernel would abort the process (a bfloat16 float side).
         StatePastEndError: a call writes a buffer past its end (more decode calls than the
             cache holds), found before lowering, where the runtime would fail with 0x12.
         UnpairedStateError: a method's output looks like one of its inputs' next value,
@@ -263,7 +270,7 @@ def run_methods_on_runtime(
     check_writes_within_state(HELPER, programs, flat_calls,
                               lambda step, method: f"calls[{step}] ({method!r})", pairs)
     start = time.perf_counter()
-    lowered = _lower_methods(programs, partitioner)
+    lowered = _lower_methods(programs, partitioner, helper=HELPER)
     seconds = time.perf_counter() - start
     pte = lowered.pte
     loaded = Runtime.get().load_program(pte)

@@ -53,6 +53,7 @@ from . import (
     DelegateStateDtypeError,
     DelegateStateWarning,
     ExecuTorchInputError,
+    PortableKernelAbortWarning,
     SharedBufferDelegationError,
     UnfoldedQuantizeError,
 )
@@ -64,6 +65,7 @@ from .new_value_copies import (
     plan_new_value_copies,
     separate_new_buffer_values,
 )
+from .portable_kernels import aborting_kernels
 
 __all__ = ["BufferOwningPartitioner", "executorch_state", "separate_new_buffer_values"]
 
@@ -308,6 +310,7 @@ class BufferOwningPartitioner(Partitioner):
             if not verdict.consumable:
                 self._warn_of_compute_precision(program, verdict, result.partition_tags,
                                                 label, shared)
+        _warn_of_aborting_kernels(program, result.partition_tags)
         notes = list(scalar_notes)
         if copy_plan is not None and copy_plan.failure is not None:
             notes.append(
@@ -816,6 +819,22 @@ def _unfolded_quantize(
             if value.op == "placeholder" and value.name in constants and not _is_scalar(value):
                 return UnfoldedQuantizeError(node.name, constants[value.name], tag)
     return None
+
+
+def _warn_of_aborting_kernels(program: ExportedProgram, partition_tags: dict[str, Any]) -> None:
+    """Warn of each node left at the top level whose portable kernel aborts the process
+    on its dtype (see :mod:`passes.executorch.portable_kernels`)."""
+    for node, op, side, dtype in aborting_kernels(program):
+        if node.meta.get(DELEGATION_TAG) in partition_tags:
+            continue
+        name = str(dtype).split(".")[-1]
+        warnings.warn(PortableKernelAbortWarning(
+            node.name, dtype,
+            f"{PASS_NAME}: {node.name} ({op}) stays at the top level, where ExecuTorch "
+            f"1.5.1's portable quantized kernel runs it; its {side} is {name}, on which that "
+            "kernel aborts the process when the .pte runs (it takes float32 and float16 "
+            f"only): quantize a float32 model, or keep the state float32 or float16"),
+            stacklevel=3)
 
 
 def _is_scalar(node: Node) -> bool:

@@ -47,6 +47,7 @@ from .._carried.pairs import pairs_of
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
 from .initial_state import repair_initial_state
 from .partitioner import BufferOwningPartitioner
+from .portable_kernels import refuse_aborting_kernels
 from .runtime_inputs import (
     CarriedState,
     aliased_outputs,
@@ -176,10 +177,11 @@ def _refuse_written_parameters(ep: ExportedProgram) -> None:
         raise ParameterMutationOnExecuTorchError(sorted(written.values()))
 
 
-def _serialize(edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None,
+def _serialize(helper: str, edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None,
                notes: Sequence[str] = ()) -> LoweredProgram:
     ep = edge.exported_program()
     _refuse_written_parameters(ep)
+    refuse_aborting_kernels(ep, helper)  # a typed error now, not an abort when it runs
     sig = ep.graph_signature
     # ExecuTorch serializes only the shape of a mutated buffer unless asked: the runtime
     # must start from the program's state (e.g. a reset cache, a non-zero counter).
@@ -271,13 +273,15 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
         _no_partitioner(helper, partitioner, program)
         ep = program.exported_program()
         _refuse_written_parameters(ep)
+        refuse_aborting_kernels(ep, helper)
         return _lowered(program, None, _delegate_count(ep), _state_notes(program))
     # ExecuTorch's emitter writes buffers back in place; with autograd on, parameters that
     # require grad make those writes illegal.
     with torch.no_grad():
         if isinstance(program, EdgeProgramManager):
             _no_partitioner(helper, partitioner, program)
-            return _serialize(copy.deepcopy(program), None)  # to_executorch edits its graph
+            # to_executorch edits its graph
+            return _serialize(helper, copy.deepcopy(program), None)
         if isinstance(program, (ExportedProgram, torch.nn.Module)):
             # XNNPACK's partitioner gives its delegates no buffers: saying so spares the wrapper
             # the trial partition that decides which new buffer values an owner needs copied.
@@ -292,8 +296,8 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
             ep = _exported(helper, program, example_inputs)
             _refuse_written_parameters(ep)  # before a partitioner reports it as something else
             dropped = drop_unused_aliases(ep)
-            return _serialize(to_edge_transform_and_lower(ep, partitioner=[wrapper]), wrapper,
-                              dropped)
+            return _serialize(helper, to_edge_transform_and_lower(ep, partitioner=[wrapper]),
+                              wrapper, dropped)
     _refuse_form(helper, program)
     raise ExecuTorchInputError(helper, "program", f"got {_kind(program)}; pass {PROGRAM_FORMS}")
 
@@ -404,6 +408,9 @@ def lower_to_pte(
             ``partitioner`` given with a lowered program.
         ParameterMutationOnExecuTorchError: ``program`` writes a parameter, which the
             runtime would not keep between calls.
+        PortableKernelAbortError: the lowered program keeps at the top level a quantize
+            or dequantize whose ExecuTorch kernel aborts the process on its dtype (a
+            bfloat16 float side), found before serializing.
     """
     lowered = _lower("lower_to_pte", program, example_inputs, partitioner)
     return lowered.pte, lowered.wrapper, lowered.delegates
@@ -486,6 +493,9 @@ def decode_on_runtime(
             number, keyword names, a dtype, a static size or a dynamic size out of range),
             or inputs the runtime refuses.
         ParameterMutationOnExecuTorchError: ``program`` writes a parameter.
+        PortableKernelAbortError: the lowered program keeps at the top level a quantize
+            or dequantize whose ExecuTorch kernel aborts the process on its dtype (a
+            bfloat16 float side), found before serializing.
         StatePastEndError: a step writes a buffer past its end (more decode steps than the
             cache holds), found before lowering an ExportedProgram or module, where the
             runtime would fail with an untyped error 0x12.

@@ -1,0 +1,73 @@
+"""Top-level ops ExecuTorch's portable kernels abort the process on, found before serializing.
+
+ExecuTorch 1.5.1's portable quantized kernels (``executorch.kernels.quantized``) run the
+quantize and dequantize nodes a program keeps at the top level (every node a partitioner
+leaves out, and the portable lowering with no partitioner). They take float32, float64
+and float16 as the float side, and check it with ``ET_CHECK_MSG``, which aborts the whole
+process: a ``quantize_per_tensor`` of a bfloat16 value (``Unhandled input dtype 15``) or a
+``dequantize_per_tensor(..., out_dtype=torch.bfloat16)`` (``Unhandled output dtype 15``)
+kills the Python interpreter that runs the ``.pte``, and the device's app. Python runs
+them (torch's reference converts a bfloat16 input to float32), so the program looks fine
+until it runs. QnnQuantizer annotates a cast such as ``x.to(torch.bfloat16)`` written into
+bfloat16 state, which puts both forms in the program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import Node
+
+from . import PortableKernelAbortError
+
+__all__ = ["aborting_kernels", "refuse_aborting_kernels"]
+
+# The float dtypes the portable quantized kernels take (ET_FORALL_FLOAT_TYPES, with Half).
+_KERNEL_FLOATS = frozenset({torch.float32, torch.float64, torch.float16})
+# op name -> which side is float: the quantize's input, the dequantize's output.
+_QUANTIZE = ("quantize_per_tensor", "quantize_per_channel", "quantize_per_token")
+_DEQUANTIZE = ("dequantize_per_tensor", "dequantize_per_channel", "dequantize_per_token")
+
+
+def _op_name(target: object) -> str:
+    """``"quantized_decomposed.quantize_per_tensor"`` for that op in any dialect (ATen,
+    Edge, out variant)."""
+    text = str(getattr(target, "__name__", "")) or str(target)
+    if "quantized_decomposed" not in text:
+        text = str(target)
+    parts = text.split(".")
+    return ".".join(parts[:2]) if len(parts) >= 2 else text
+
+
+def _dtype(value: object) -> torch.dtype | None:
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def aborting_kernels(program: ExportedProgram) -> Iterator[tuple[Node, str, str, torch.dtype]]:
+    """The top-level nodes of ``program`` (delegates' bodies are their backends' own) whose
+    portable kernel aborts on their dtype: ``(node, op, "input" | "output", dtype)``."""
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = _op_name(node.target)
+        namespace, _, op = name.partition(".")
+        if namespace != "quantized_decomposed":
+            continue
+        if op in _QUANTIZE and node.args and isinstance(node.args[0], Node):
+            side, dtype = "input", _dtype(node.args[0].meta.get("val"))
+        elif op in _DEQUANTIZE:
+            side, dtype = "output", _dtype(node.meta.get("val"))
+        else:
+            continue
+        if dtype is not None and dtype.is_floating_point and dtype not in _KERNEL_FLOATS:
+            yield node, name, side, dtype
+
+
+def refuse_aborting_kernels(program: ExportedProgram, helper: str,
+                            method: str = "forward") -> None:
+    """Raise :class:`PortableKernelAbortError` for the first node of ``program`` (lowered,
+    before ``to_executorch()``) whose portable kernel would abort the process."""
+    for node, op, side, dtype in aborting_kernels(program):
+        raise PortableKernelAbortError(helper, node.name, op, side, dtype, method)
