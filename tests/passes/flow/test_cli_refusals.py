@@ -1,0 +1,81 @@
+"""What the main job leaves behind when it refuses a model or stops before its flow: the
+``--json`` report says so (``ok`` false, the stage and why) instead of a previous run's
+report staying in the file, and the commands it prints can be pasted into a shell."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from passes.flow import cli
+
+from .main_job_cli import ROOT
+
+MODEL = "tests.models.main_job:one_layer_decoder"
+FAST = ("--steps", "2", "--skip-quantization", "--skip-delegation", "--runtime", "python",
+        "--quiet")
+
+
+def _report(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize(("model", "stage", "said"), [
+    ("tests.models.main_job:one_layer_decodr", "loading", "has no attribute"),
+    ("tests.models.main_job:not_exportable", "exporting", "is not exportable"),
+    ("tests.models.main_job:wrong_return", "loading", "must return"),
+])
+def test_a_refused_model_overwrites_the_previous_runs_json(tmp_path, capsys, model, stage,
+                                                           said):
+    """A CI job reading report.json after a run that refused its model read the previous
+    run's report, "ok": true: the file was left as it was."""
+    report = tmp_path / "report.json"
+    assert cli.main(["run", MODEL, *FAST, "--json", str(report)]) == 0
+    assert _report(report)["ok"] is True
+
+    assert cli.main(["run", model, *FAST, "--json", str(report)]) == cli.LOAD_FAILED
+    err = capsys.readouterr().err
+    data = _report(report)
+    assert data["ok"] is False and data["checks"] == []
+    assert data["failure"]["stage"] == stage
+    assert said in data["failure"]["reason"] and said in err
+
+
+def test_steps_past_the_cache_end_are_a_refusal_in_the_json(tmp_path, capsys):
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"ok": True}))
+    status = cli.main(["run", "tests.models.static_cache:past_the_cache", "--steps", "20",
+                       *FAST[2:], "--json", str(report)])
+    assert status == cli.LOAD_FAILED, capsys.readouterr()
+    failure = _report(report)["failure"]
+    assert failure["stage"] == "checking the steps"
+    assert failure["reason"].startswith("StatePastEndError: ")
+
+
+def test_ctrl_c_while_loading_is_said_in_the_json(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"ok": True}))
+    monkeypatch.setattr(cli, "load_model", interrupted)
+    assert cli.main(["run", MODEL, *FAST, "--json", str(report)]) == cli.INTERRUPTED
+    data = _report(report)
+    assert data["ok"] is False and data["interrupted"] == f"loading {MODEL}"
+
+
+def test_executorch_missing_is_said_in_the_json(tmp_path, monkeypatch, capsys):
+    import passes.executorch
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"ok": True}))
+    monkeypatch.setattr(passes.executorch, "available", lambda: False)
+    status = cli.main(["run", MODEL, "--runtime", "executorch", "--json", str(report)])
+    assert status == cli.FLOW_FAILED
+    failure = _report(report)["failure"]
+    assert failure["stage"] == "runtime" and "needs the executorch extra" in failure["reason"]
