@@ -79,3 +79,21 @@ def test_executorch_missing_is_said_in_the_json(tmp_path, monkeypatch, capsys):
     assert status == cli.FLOW_FAILED
     failure = _report(report)["failure"]
     assert failure["stage"] == "runtime" and "needs the executorch extra" in failure["reason"]
+
+
+def test_the_printed_replay_command_runs_as_pasted_from_a_folder_with_a_space(tmp_path):
+    """`--reproducer-dir "my repros"` printed `replay my repros/1-... --trust`: pasted into a
+    shell, that is two arguments and the replay stops with a usage error."""
+    done = subprocess.run(
+        [sys.executable, "-m", "passes", "run", "tests.models.failing:writes_constant",
+         *FAST, "--reproducer-dir", str(tmp_path / "my repros")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == cli.FLOW_FAILED, done.stdout + done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("reproducer: "))
+    command = line.split("(rerun it: ", 1)[1].removesuffix(")")
+    assert shlex.split(command)[:4] == ["python", "-m", "pass_manager", "replay"]
+    replayed = subprocess.run(command.replace("python", shlex.quote(sys.executable), 1),
+                              shell=True, cwd=ROOT, capture_output=True, text=True,
+                              timeout=600)
+    assert replayed.returncode == 1, replayed.stdout + replayed.stderr  # the pass fails again
+    assert "reproduced: the recorded error" in replayed.stdout
