@@ -121,7 +121,8 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
         raise ModelError(f"cannot import {module_name!r}: {type(e).__name__}: {e}") from e
     factory = getattr(module, attr, None)
     if factory is None:
-        raise ModelError(f"{module_name!r} has no attribute {attr!r}")
+        raise ModelError(f"{module_name!r} has no attribute {attr!r}"
+                         f"{did_you_mean(attr, _callables(module))}")
     if not callable(factory):
         raise ModelError(f"{spec} is {_a(type(factory).__name__)}, not a factory function")
     module_class = factory if isinstance(factory, type) else type(factory)
@@ -143,6 +144,13 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     except Exception as e:
         raise ModelError(f"{spec}() failed: {type(e).__name__}: {e}") from e
     return model_spec(made, spec, steps)
+
+
+def _callables(module: Any) -> list[str]:
+    """The names a misspelt factory name is matched against: what the module holds that can
+    be called (its functions, and the classes and modules a wrong name may also be)."""
+    return [name for name, value in vars(module).items()
+            if callable(value) and not name.startswith("__")]
 
 
 def _a(noun: str) -> str:

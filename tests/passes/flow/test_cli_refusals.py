@@ -97,3 +97,35 @@ def test_the_printed_replay_command_runs_as_pasted_from_a_folder_with_a_space(tm
                               timeout=600)
     assert replayed.returncode == 1, replayed.stdout + replayed.stderr  # the pass fails again
     assert "reproduced: the recorded error" in replayed.stdout
+
+
+_FACTORIES = '''
+import torch
+
+
+def make_decoder():
+    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)
+
+
+def four_things():
+    return torch.nn.Linear(4, 4), (torch.randn(2, 4),), [], 5
+
+
+def inputs_bare():
+    return torch.nn.Linear(4, 4), torch.randn(2, 4)
+'''
+
+
+@pytest.mark.parametrize(("factory", "said"), [
+    ("make_decodr", "has no attribute 'make_decodr' (did you mean 'make_decoder'?)"),
+    ("four_things", "got a tuple of 4: (Linear, tuple, list, int)"),
+    ("inputs_bare", "a tuple of example inputs, got a tuple of 2: (Linear, Tensor)"),
+])
+def test_a_wrong_factory_is_named_with_what_it_gave(tmp_path, capsys, factory, said):
+    """'has no attribute' without the close name, and 'got tuple' without saying which
+    tuple: the user could not see what to change."""
+    (tmp_path / "factories.py").write_text(_FACTORIES)
+    model = f"{tmp_path / 'factories.py'}:{factory}"
+    assert cli.main(["run", model, *FAST]) == cli.LOAD_FAILED
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and line.endswith(said), line
