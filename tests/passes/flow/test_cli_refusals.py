@@ -5,6 +5,7 @@ report staying in the file, and the commands it prints can be pasted into a shel
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from passes.flow import cli
+from passes.flow.result import Failure, FlowResult
 
 from .main_job_cli import ROOT
 
@@ -129,3 +131,38 @@ def test_a_wrong_factory_is_named_with_what_it_gave(tmp_path, capsys, factory, s
     assert cli.main(["run", model, *FAST]) == cli.LOAD_FAILED
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: ") and line.endswith(said), line
+
+
+_DOCS = (ROOT / "docs" / "main-job.md").read_text()
+
+
+def _options(capsys, *argv: str) -> set[str]:
+    """The options --help lists (its option column, not the prose)."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*argv, "--help"], prog="python -m passes")
+    assert exited.value.code == 0
+    columns = [re.split(r"\s{2,}", line.strip())[0]
+               for line in capsys.readouterr().out.splitlines() if re.match(r"  -", line)]
+    return set(re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", "\n".join(columns)))
+
+
+def test_every_option_in_help_is_in_the_docs_and_back(capsys):
+    """--print-after-change and --print-after-failure were in --help, not in the main job's
+    page; an option the page names that --help does not have would be a usage error."""
+    run_help = _options(capsys, "run")
+    top_help = _options(capsys)
+    documented = set(re.findall(r"`(--?[a-z][a-z-]*)", _DOCS))
+    replay_only = {"--trust", "--pdb"}  # python -m pass_manager replay's, named in passing
+    assert run_help - {"-h", "--help"} <= documented
+    assert documented - replay_only <= run_help | top_help
+
+
+def test_the_json_keys_are_documented(tmp_path, capsys):
+    report = tmp_path / "report.json"
+    assert cli.main(["run", MODEL, *FAST, "--json", str(report)]) == 0
+    section = _DOCS.split("**The `--json` report**")[1].split("\n\n")[0]
+    documented = set(re.findall(r"`(\w+)`", section))
+    data = _report(report)
+    assert set(data) <= documented, set(data) - documented
+    failure = dict.fromkeys(FlowResult().to_dict()) | {"failure": Failure("s", "r").__dict__}
+    assert set(failure["failure"]) <= set(re.findall(r"\b(\w+)\b", section))
