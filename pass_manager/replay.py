@@ -239,12 +239,21 @@ def replay(
     return 0
 
 
+REPLAY_STATUSES = """exit status:
+  0  the pass no longer fails
+  1  the pass failed again (the last line says whether with the recorded error)
+  2  the folder cannot be replayed (one line says why: no reproducer, damaged, not trusted)"""
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m pass_manager replay FOLDER [--trust] [--pdb] [--print-before]
     [--print-after-failure]``."""
     parser = argparse.ArgumentParser(prog="python -m pass_manager")
     commands = parser.add_subparsers(dest="command", required=True)
-    command = commands.add_parser("replay", help="rerun the failing pass of a reproducer")
+    command = commands.add_parser(
+        "replay", help="rerun the failing pass of a reproducer",
+        description="Rerun the failing pass of a reproducer folder on the program it met.",
+        epilog=REPLAY_STATUSES, formatter_class=argparse.RawDescriptionHelpFormatter)
     command.add_argument("folder", help="a folder written by a Reproducer")
     command.add_argument("--trust", action="store_true",
                          help="read pickled files and import the modules the folder names "

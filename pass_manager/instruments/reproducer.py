@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import platform
+import shlex
 import sys
 import tempfile
 import traceback
@@ -173,7 +174,10 @@ class Reproducer(Instrumentation):
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "torchao": _version("torchao"),
                          "mutable-buffer-passes": _version("mutable-buffer-passes")},
-            "replay": f"python -m pass_manager replay {folder}" + (" --trust" if trust else ""),
+            # Quoted for a shell: pasted as printed, a folder with a space in its path
+            # was two arguments.
+            "replay": shlex.join(["python", "-m", "pass_manager", "replay", str(folder),
+                                  *(["--trust"] if trust else [])]),
         }
         (folder / "manifest.json").write_text(json.dumps(manifest, indent=2))
         return folder

@@ -49,6 +49,7 @@ from .factory import (
     model_spec,
 )
 from .noise import held, hold_known_noise
+from .result import Failure, FlowResult
 
 DEFAULT_MODEL = "passes.examples:stateful_decoder_job"
 DEFAULT_STEPS = 8
@@ -120,7 +121,8 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
         raise ModelError(f"cannot import {module_name!r}: {type(e).__name__}: {e}") from e
     factory = getattr(module, attr, None)
     if factory is None:
-        raise ModelError(f"{module_name!r} has no attribute {attr!r}")
+        raise ModelError(f"{module_name!r} has no attribute {attr!r}"
+                         f"{did_you_mean(attr, _callables(module))}")
     if not callable(factory):
         raise ModelError(f"{spec} is {_a(type(factory).__name__)}, not a factory function")
     module_class = factory if isinstance(factory, type) else type(factory)
@@ -142,6 +144,13 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     except Exception as e:
         raise ModelError(f"{spec}() failed: {type(e).__name__}: {e}") from e
     return model_spec(made, spec, steps)
+
+
+def _callables(module: Any) -> list[str]:
+    """The names a misspelt factory name is matched against: what the module holds that can
+    be called (its functions, and the classes and modules a wrong name may also be)."""
+    return [name for name, value in vars(module).items()
+            if callable(value) and not name.startswith("__")]
 
 
 def _a(noun: str) -> str:
@@ -312,8 +321,10 @@ def run(args: argparse.Namespace) -> int:
                           + ")")
     elif args.runtime == "executorch":
         if not available():
-            print("error: --runtime executorch needs the executorch extra; install it with: "
-                  + INSTALL_HINT, file=sys.stderr)
+            why = "--runtime executorch needs the executorch extra; install it with: " \
+                + INSTALL_HINT
+            print(f"error: {why}", file=sys.stderr)
+            _write_refusal(args, Failure("runtime", why))
             return FLOW_FAILED
     doing = "loading"
     try:
@@ -323,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
         pipeline, problem = _pass_flags(args, pass_options)
         if problem:
             print(f"error: {problem}", file=sys.stderr)
+            _write_refusal(args, Failure(doing, problem))
             return LOAD_FAILED
         if args.steps and len(model.steps) < args.steps:
             _notice(args)(f"--steps {args.steps}: {spec} gives {len(model.steps)} step(s); "
@@ -333,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
             return _run_methods(args, spec, model, pipeline, pass_options)
         _warn_if_state_will_not_fit(model, spec)
         exported = _export(model, spec, args.export)
+        doing = "checking the steps"
         check_calls_fit(exported.program,
                         [(f"steps[{i}]", call) for i, call in enumerate(model.steps)], spec)
         check_steps_within_state({"forward": exported.program},
@@ -343,9 +356,11 @@ def run(args: argparse.Namespace) -> int:
         hint = (f" (--steps {e.step} stops before it)"
                 if isinstance(e, StatePastEndError) and e.step else "")
         print(f"error: {e}{hint}", file=sys.stderr)
+        _write_refusal(args, Failure(doing, f"{type(e).__name__}: {e}{hint}"))
         return LOAD_FAILED
     except KeyboardInterrupt:  # the flow's own stages report theirs in _finish
         print(f"interrupted (Ctrl-C) while {doing} {spec}", file=sys.stderr)
+        _write_refusal(args, interrupted=f"{doing} {spec}")
         return INTERRUPTED
     from .run import run_model
 
@@ -489,6 +504,14 @@ def _write_outputs(args: argparse.Namespace, result: Any) -> bool:
         else:
             notice(f"wrote {what} to {file}")
     return written
+
+
+def _write_refusal(args: argparse.Namespace, failure: Failure | None = None,
+                   interrupted: str | None = None) -> None:
+    """--json for a job that stopped before its flow ran (the model not loaded, exported or
+    fitting its steps; Ctrl-C then): ``ok`` false with why, so a file a previous run left
+    there (``"ok": true``) is not read as this run's report."""
+    _write_outputs(args, FlowResult(failure=failure, interrupted=interrupted))
 
 
 def _unusable_output(args: argparse.Namespace) -> str | None:

@@ -147,12 +147,13 @@ def model_spec(made: Any, name: str, steps: int) -> ModelSpec | MethodsSpec:
         spec = _from_mapping(made, name)
     elif isinstance(made, tuple) and len(made) in (2, 3):
         if not isinstance(made[1], tuple):
-            raise ModelError(f"{name}() must return an nn.Module and a tuple of example inputs")
+            raise ModelError(f"{name}() must return an nn.Module and a tuple of example inputs, "
+                             f"got {_described(made)}")
         spec = ModelSpec(made[0], made[1], steps=_calls(made[2], name) if len(made) == 3 else [])
     else:
         raise ModelError(
             f"{name}() must return (module, example_inputs), (module, example_inputs, steps) "
-            f"or a mapping with 'module' and 'example_args', got {type(made).__name__}"
+            f"or a mapping with 'module' and 'example_args', got {_described(made)}"
         )
     if isinstance(spec.module, torch.export.ExportedProgram):
         spec.module = spec.module.module()
@@ -165,6 +166,16 @@ def model_spec(made: Any, name: str, steps: int) -> ModelSpec | MethodsSpec:
                                *((f"steps[{i}]", call) for i, call in enumerate(spec.steps))],
                  name, positional_only=isinstance(made, tuple))
     return spec
+
+
+def _described(made: Any) -> str:
+    """A factory's result as the user would recognize it: a tuple or list by the types it
+    holds ("a tuple of 4: (Linear, tuple, list, int)"), anything else by its type."""
+    if isinstance(made, (tuple, list)):
+        kinds = ", ".join(type(item).__name__ for item in made[:6])
+        more = ", ..." if len(made) > 6 else ""
+        return f"a {type(made).__name__} of {len(made)}: ({kinds}{more})"
+    return type(made).__name__
 
 
 def _from_exported(program: torch.export.ExportedProgram, name: str) -> dict[str, Any]:

@@ -72,6 +72,18 @@ def test_a_folder_that_is_not_a_reproducer_is_one_line_and_status_2(tmp_path, ma
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+def test_replay_help_lists_the_statuses_it_gives(written, tmp_path):
+    """--help said nothing of 0 / 1 / 2, which a script calling replay branches on."""
+    done = subprocess.run([sys.executable, "-m", "pass_manager", "replay", "--help"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0
+    rows = done.stdout.split("exit status:")[1].strip().splitlines()
+    listed = {int(row.split()[0]): row for row in rows}
+    assert sorted(listed) == [0, 1, 2]
+    assert "failed again" in listed[1] and "cannot be replayed" in listed[2]
+    assert _replay(written).returncode == 1 and _replay(tmp_path / "none").returncode == 2
+
+
 def test_the_folder_reproducers_are_written_in_names_them(written):
     """Given the Reproducer's (or --reproducer-dir's) folder, the replay said only that it is
     no reproducer; the main job's help says 'write a reproducer folder under DIR'."""

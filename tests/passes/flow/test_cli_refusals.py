@@ -1,0 +1,168 @@
+"""What the main job leaves behind when it refuses a model or stops before its flow: the
+``--json`` report says so (``ok`` false, the stage and why) instead of a previous run's
+report staying in the file, and the commands it prints can be pasted into a shell."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from passes.flow import cli
+from passes.flow.result import Failure, FlowResult
+
+from .main_job_cli import ROOT
+
+MODEL = "tests.models.main_job:one_layer_decoder"
+FAST = ("--steps", "2", "--skip-quantization", "--skip-delegation", "--runtime", "python",
+        "--quiet")
+
+
+def _report(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize(("model", "stage", "said"), [
+    ("tests.models.main_job:one_layer_decodr", "loading", "has no attribute"),
+    ("tests.models.main_job:not_exportable", "exporting", "is not exportable"),
+    ("tests.models.main_job:wrong_return", "loading", "must return"),
+])
+def test_a_refused_model_overwrites_the_previous_runs_json(tmp_path, capsys, model, stage,
+                                                           said):
+    """A CI job reading report.json after a run that refused its model read the previous
+    run's report, "ok": true: the file was left as it was."""
+    report = tmp_path / "report.json"
+    assert cli.main(["run", MODEL, *FAST, "--json", str(report)]) == 0
+    assert _report(report)["ok"] is True
+
+    assert cli.main(["run", model, *FAST, "--json", str(report)]) == cli.LOAD_FAILED
+    err = capsys.readouterr().err
+    data = _report(report)
+    assert data["ok"] is False and data["checks"] == []
+    assert data["failure"]["stage"] == stage
+    assert said in data["failure"]["reason"] and said in err
+
+
+def test_steps_past_the_cache_end_are_a_refusal_in_the_json(tmp_path, capsys):
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"ok": True}))
+    status = cli.main(["run", "tests.models.static_cache:past_the_cache", "--steps", "20",
+                       *FAST[2:], "--json", str(report)])
+    assert status == cli.LOAD_FAILED, capsys.readouterr()
+    failure = _report(report)["failure"]
+    assert failure["stage"] == "checking the steps"
+    assert failure["reason"].startswith("StatePastEndError: ")
+
+
+def test_ctrl_c_while_loading_is_said_in_the_json(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"ok": True}))
+    monkeypatch.setattr(cli, "load_model", interrupted)
+    assert cli.main(["run", MODEL, *FAST, "--json", str(report)]) == cli.INTERRUPTED
+    data = _report(report)
+    assert data["ok"] is False and data["interrupted"] == f"loading {MODEL}"
+
+
+def test_executorch_missing_is_said_in_the_json(tmp_path, monkeypatch, capsys):
+    import passes.executorch
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"ok": True}))
+    monkeypatch.setattr(passes.executorch, "available", lambda: False)
+    status = cli.main(["run", MODEL, "--runtime", "executorch", "--json", str(report)])
+    assert status == cli.FLOW_FAILED
+    failure = _report(report)["failure"]
+    assert failure["stage"] == "runtime" and "needs the executorch extra" in failure["reason"]
+
+
+def test_the_printed_replay_command_runs_as_pasted_from_a_folder_with_a_space(tmp_path):
+    """`--reproducer-dir "my repros"` printed `replay my repros/1-... --trust`: pasted into a
+    shell, that is two arguments and the replay stops with a usage error."""
+    done = subprocess.run(
+        [sys.executable, "-m", "passes", "run", "tests.models.failing:writes_constant",
+         *FAST, "--reproducer-dir", str(tmp_path / "my repros")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == cli.FLOW_FAILED, done.stdout + done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("reproducer: "))
+    command = line.split("(rerun it: ", 1)[1].removesuffix(")")
+    assert shlex.split(command)[:4] == ["python", "-m", "pass_manager", "replay"]
+    replayed = subprocess.run(command.replace("python", shlex.quote(sys.executable), 1),
+                              shell=True, cwd=ROOT, capture_output=True, text=True,
+                              timeout=600)
+    assert replayed.returncode == 1, replayed.stdout + replayed.stderr  # the pass fails again
+    assert "reproduced: the recorded error" in replayed.stdout
+
+
+_FACTORIES = '''
+import torch
+
+
+def make_decoder():
+    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)
+
+
+def four_things():
+    return torch.nn.Linear(4, 4), (torch.randn(2, 4),), [], 5
+
+
+def inputs_bare():
+    return torch.nn.Linear(4, 4), torch.randn(2, 4)
+'''
+
+
+@pytest.mark.parametrize(("factory", "said"), [
+    ("make_decodr", "has no attribute 'make_decodr' (did you mean 'make_decoder'?)"),
+    ("four_things", "got a tuple of 4: (Linear, tuple, list, int)"),
+    ("inputs_bare", "a tuple of example inputs, got a tuple of 2: (Linear, Tensor)"),
+])
+def test_a_wrong_factory_is_named_with_what_it_gave(tmp_path, capsys, factory, said):
+    """'has no attribute' without the close name, and 'got tuple' without saying which
+    tuple: the user could not see what to change."""
+    (tmp_path / "factories.py").write_text(_FACTORIES)
+    model = f"{tmp_path / 'factories.py'}:{factory}"
+    assert cli.main(["run", model, *FAST]) == cli.LOAD_FAILED
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and line.endswith(said), line
+
+
+_DOCS = (ROOT / "docs" / "main-job.md").read_text()
+
+
+def _options(capsys, *argv: str) -> set[str]:
+    """The options --help lists (its option column, not the prose)."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*argv, "--help"], prog="python -m passes")
+    assert exited.value.code == 0
+    columns = [re.split(r"\s{2,}", line.strip())[0]
+               for line in capsys.readouterr().out.splitlines() if re.match(r"  -", line)]
+    return set(re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", "\n".join(columns)))
+
+
+def test_every_option_in_help_is_in_the_docs_and_back(capsys):
+    """--print-after-change and --print-after-failure were in --help, not in the main job's
+    page; an option the page names that --help does not have would be a usage error."""
+    run_help = _options(capsys, "run")
+    top_help = _options(capsys)
+    documented = set(re.findall(r"`(--?[a-z][a-z-]*)", _DOCS))
+    replay_only = {"--trust", "--pdb"}  # python -m pass_manager replay's, named in passing
+    assert run_help - {"-h", "--help"} <= documented
+    assert documented - replay_only <= run_help | top_help
+
+
+def test_the_json_keys_are_documented(tmp_path, capsys):
+    report = tmp_path / "report.json"
+    assert cli.main(["run", MODEL, *FAST, "--json", str(report)]) == 0
+    section = _DOCS.split("**The `--json` report**")[1].split("\n\n")[0]
+    documented = set(re.findall(r"`(\w+)`", section))
+    data = _report(report)
+    assert set(data) <= documented, set(data) - documented
+    failure = dict.fromkeys(FlowResult().to_dict()) | {"failure": Failure("s", "r").__dict__}
+    assert set(failure["failure"]) <= set(re.findall(r"\b(\w+)\b", section))
