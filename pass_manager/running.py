@@ -8,7 +8,7 @@ is an instrument. This module does not know the Pass class (``pass_base`` uses i
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from contextvars import ContextVar
 from dataclasses import KW_ONLY, dataclass
@@ -108,6 +108,9 @@ def _unpack(out: Any, program: Any, exported: bool
             ) -> tuple[Any, bool | None, list[str], dict[str, Any]]:
     """A pass's return value -> (program, claimed modified, notes, statistics)."""
     if isinstance(out, TorchPassResult):
+        if not isinstance(out.graph_module, torch.fx.GraphModule):
+            raise TypeError(f"a pass returned a torch PassResult holding a "
+                            f"{type(out.graph_module).__name__}, not a GraphModule")
         if exported and out.graph_module is not program.graph_module:
             return program._update(out.graph_module, program.graph_signature), out.modified, [], {}
         out = PassResult(out.graph_module, out.modified)
@@ -115,14 +118,19 @@ def _unpack(out: Any, program: Any, exported: bool
         out = PassResult(program if out is None else out)
     if not isinstance(out, PassResult):
         raise TypeError(f"a pass returned {type(out).__name__}, not a PassResult, program or None")
-    statistics = dict(out.statistics)  # read later: a note per letter, a count no number
-    if isinstance(out.notes, str) or not all(isinstance(v, (int, float))
-                                             for v in statistics.values()):
-        raise TypeError(f"a pass returned notes={out.notes!r}, statistics={statistics!r}: "
-                        "notes are a list of strings, statistics {description: number}")
+    # Read later: a note per letter, a count no number, "no" as a claim of a change, and a
+    # count of 0 as no claim of "unmodified" (``0 is not False``): named here instead.
+    notes, statistics, claim = out.notes, out.statistics, out.modified
+    if (isinstance(notes, str) or not isinstance(notes, (list, tuple))
+            or not isinstance(statistics, Mapping)
+            or not all(isinstance(v, (int, float)) for v in statistics.values())
+            or not isinstance(claim, (int, type(None)))):
+        raise TypeError(f"a pass returned modified={claim!r}, notes={notes!r}, "
+                        f"statistics={statistics!r}: modified is a bool or None; notes are a "
+                        "list of strings, statistics {description: number}")
     # An ExportedProgram's own graph module stands for it (a plain function gets only that).
     new = program if out.program is graph_module_of(program) else out.program
-    return new, out.modified, list(out.notes), statistics
+    return new, None if claim is None else bool(claim), list(notes), dict(statistics)
 
 
 def _unchanged(record: Any, program: Any, after: bool) -> Any:
@@ -226,6 +234,7 @@ class Runner:
                 self.name, None, type(program).__name__, [GRAPH_MODULE, EXPORTED_PROGRAM], advice
             ) from e
         self.exported = self.form == EXPORTED_PROGRAM
+        self._form_type = torch.export.ExportedProgram if self.exported else torch.fx.GraphModule
         self.holds: set[Condition] = set()  # the conditions known to hold
         # A condition that held until a changing pass did not preserve it: that pass.
         self.dropped_by: dict[Condition, str] = {}
@@ -285,9 +294,9 @@ class Runner:
         record.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
         record.statistics = dict(_error_statistics(e) or record.statistics)
         if rollback is not None:
-            if not error.diff:  # of the program given, if the pass returned another form
-                same_form = isinstance(current, torch.export.ExportedProgram) == self.exported
-                error.diff = pass_diff(rollback.text, current if same_form else program, p.name)
+            if not error.diff:  # of the program given, if the pass returned no program of its form
+                shown = current if isinstance(current, self._form_type) else program
+                error.diff = pass_diff(rollback.text, shown, p.name)
             error.unrestored = sorted(set(error.unrestored)
                                       | set(rollback.unrestorable_changes()))
             rollback.restore()
@@ -332,8 +341,7 @@ class Runner:
 
     def _measure(self, p: Any, index: int, program: Any, new_program: Any, rollback: Any,
                  record: PassRecord) -> None:
-        form = torch.export.ExportedProgram if self.exported else torch.fx.GraphModule
-        if new_program is not program and not isinstance(new_program, form):
+        if new_program is not program and not isinstance(new_program, self._form_type):
             raise PassFailedError(p.name, index, f"returned a {type(new_program).__name__} "
                                   f"for the {self.form} it was given: a pass returns its form")
         in_place = p.effects.in_place

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
+from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from pass_manager import (
     ALL_CONDITIONS,
@@ -536,3 +537,68 @@ def test_a_pass_adding_an_output_with_its_call_spec_runs(exported):
         out, doubled = program(x)
         assert torch.equal(out, eager(x)) and torch.equal(doubled, x * 2)
         assert torch.equal(program.acc, eager.acc)
+
+
+@pytest.mark.parametrize("returned", [
+    lambda program: PassResult(None, True),
+    lambda program: TorchPassResult(None, True),
+    lambda program: (torch.export.export(Accumulate(), (torch.ones(4),))
+                     if isinstance(program, torch.fx.GraphModule) else program.module()),
+], ids=["PassResult(None)", "torch PassResult(None)", "the other form"])
+@pytest.mark.parametrize("form", ["GraphModule", "ExportedProgram"])
+def test_a_pass_rewriting_then_returning_no_program_of_its_form_is_named_and_rolled_back(
+        form, returned):
+    """A GraphModule pass that rewrote relu into abs and returned PassResult(None): the
+    failure's diff rendered None as a program, so an AttributeError ('NoneType' object has no
+    attribute '_modules') escaped before the rollback and the rewrite stayed (the program's
+    outputs off the original's from the first call). An ExportedProgram's torch PassResult
+    holding None was an AttributeError from torch."""
+    def rewrite_then_return(program):
+        relu_to_abs(program)
+        return returned(program)
+
+    def made():
+        ep = torch.export.export(Accumulate(), (torch.ones(4),))
+        return ep.module() if form == "GraphModule" else ep
+
+    program, original = made(), made()
+    broken = function_pass(rewrite_then_return, name="rewrite_then_return")
+    for _ in range(3):  # each failure leaves the program exactly as it was
+        with pytest.raises(PassFailedError) as info:
+            PassManager([broken]).run(program)
+        assert info.value.pass_name == "rewrite_then_return" and info.value.rolled_back
+        assert "relu" in info.value.diff and "abs" in info.value.diff
+        assert targets(program, "relu") and not targets(program, "abs")
+    assert str(graph_of(program)) == str(graph_of(original))
+    inputs = [(torch.full((4,), float(i)),) for i in range(1, 4)]
+    assert_same_behaviour(original, program, inputs)  # outputs and buffers, bit for bit
+
+
+@pytest.mark.parametrize("claim", [0, False])
+def test_a_claim_of_unmodified_written_as_a_count_of_zero_is_checked(traced, claim):
+    """``PassResult(program, changed_count)`` with a count of 0 after a change: the claim
+    check read only ``False`` as "unmodified" (``0 is not False``), so the lie was neither
+    warned about nor, under strict=True, refused."""
+    lying = function_pass(lambda program: (relu_to_abs(program), PassResult(program, claim))[1],
+                          name="lying")
+    result = PassManager([lying]).run(traced)
+    assert result.report.records[0].claimed_modified is False
+    assert result.report.warnings == ["pass #0 lying reported 'unmodified' but changed the "
+                                      "program"]
+
+
+@pytest.mark.parametrize("returned", [{"modified": "no"}, {"modified": torch.tensor(True)},
+                                      {"notes": None}, {"statistics": None}],
+                         ids=["a string claim", "a tensor claim", "notes None", "statistics None"])
+def test_a_claim_notes_or_statistics_of_the_wrong_type_are_named_at_the_pass(traced, returned):
+    """``modified="no"`` was taken as a claim of a change (the report's claim a string);
+    ``notes=None`` was "TypeError: 'NoneType' object is not iterable", naming nothing."""
+    def remarks(program):
+        relu_to_abs(program)
+        return PassResult(program, **{"modified": True, **returned})
+
+    before = [n.target for n in graph_of(traced).nodes]
+    with pytest.raises(PassFailedError, match=r"modified is a bool or None; notes are a list "
+                                              r"of strings, statistics \{description: number\}"):
+        PassManager([function_pass(remarks)]).run(traced)
+    assert [n.target for n in graph_of(traced).nodes] == before
