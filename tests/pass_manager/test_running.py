@@ -2,6 +2,8 @@
 
 import copy
 import gc
+import pickle
+import threading
 import time
 
 import pytest
@@ -602,3 +604,58 @@ def test_a_claim_notes_or_statistics_of_the_wrong_type_are_named_at_the_pass(tra
                                               r"of strings, statistics \{description: number\}"):
         PassManager([function_pass(remarks)]).run(traced)
     assert [n.target for n in graph_of(traced).nodes] == before
+
+
+def _slow_mark_claiming_unmodified(program):
+    """Tags a node's meta (a change SemanticValidation runs the program for), sleeps so that
+    a second thread's run overlaps this one, and claims "unmodified"."""
+    next(iter(graph_of(program).nodes)).meta["seen"] = True
+    time.sleep(0.5)
+    return PassResult(program, False)
+
+
+def test_one_manager_run_from_two_threads_keeps_each_run_to_its_program():
+    """Two threads ran one manager on two models: SemanticValidation compared the first
+    program with the second's reference (a SemanticsError, "max abs diff 8", blamed on a pass
+    that changed no value), and ClaimCheck put the first run's warning in the second's
+    report (two warnings there, none in the first)."""
+    models = [Accumulate(), Accumulate()]
+    with torch.no_grad():
+        models[1].linear.weight.add_(1.0)
+    programs = [torch.export.export(m, (torch.ones(4),)) for m in models]
+    x = torch.ones(4)
+    manager = PassManager([function_pass(_slow_mark_claiming_unmodified, name="mark")],
+                          instruments=[SemanticValidation((x,))])
+    results, errors = {}, {}
+
+    def run(i):
+        try:
+            results[i] = manager.run(programs[i])
+        except Exception as e:  # noqa: BLE001 - compared below
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == {}
+    for i, model in enumerate(models):
+        assert results[i].program is programs[i]
+        assert results[i].report.warnings == ["pass #0 mark reported 'unmodified' but "
+                                              "changed the program"]
+        assert_same_behaviour(copy.deepcopy(model), programs[i], (x,), calls=3)
+
+
+@pytest.mark.parametrize("duplicate", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))],
+                         ids=["deepcopy", "pickle"])
+def test_a_copied_or_unpickled_manager_runs_on_its_own(exported, duplicate):
+    """A process pool pickles the manager: it runs as the original does, with its own lock."""
+    manager = PassManager([ReluToAbs()], instruments=[SemanticValidation((torch.ones(4),))])
+    copied = duplicate(manager)
+    assert copied.pipeline_text() == manager.pipeline_text()
+    with pytest.raises(SemanticsError) as info:  # abs is not relu: its validation still runs
+        copied.run(exported)
+    assert info.value.pass_name == "ReluToAbs" and info.value.rolled_back
+    assert targets(exported, "relu") and not targets(exported, "abs")
+    assert_same_behaviour(Accumulate(), exported, (torch.ones(4),), calls=3)
