@@ -20,7 +20,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from ._rollback import RollbackRecord, recorded
-from .analysis import unchanged
+from .analysis import Stamp, unchanged
 from .conditions import (
     Condition,
     as_condition_set,
@@ -184,8 +184,14 @@ def _signature_fault(program: Any) -> str | None:
 def _notify(instruments: Iterable[Instrumentation], hook: str, around: tuple[Any, int | None],
             *args: Any) -> None:
     """Call ``hook`` on each instrument; what one raises but a PassManagerError (a verdict,
-    as ClaimCheck's) is a bug in it: an InstrumentError naming it, the hook and the pass."""
+    as ClaimCheck's) is a bug in it: an InstrumentError naming it, the hook and the pass. So
+    is a change to the program's nodes or signature (an instrument observes: a change the
+    pass's record does not cover would be reported as the pass's, or as none)."""
+    program = args[0] if hook.endswith("_run") else args[1]
+    stamp = None
     for instrument in instruments:
+        if stamp is None and type(instrument) not in (Timing, ClaimCheck):
+            stamp = Stamp(program)
         try:
             getattr(instrument, hook)(*args)
         except PassManagerError:
@@ -193,6 +199,10 @@ def _notify(instruments: Iterable[Instrumentation], hook: str, around: tuple[Any
         except Exception as e:
             raise InstrumentError(type(instrument).__name__, hook, around[0], around[1],
                                   f"{type(e).__name__}: {e}") from e
+        if stamp is not None and not stamp.matches(program):
+            raise InstrumentError(type(instrument).__name__, hook, around[0], around[1], (
+                "nothing, but changed the program's nodes or signature; an instrument "
+                "observes (a change around a pass is undone only with the pass, after it)"))
 
 
 def _error_statistics(error: BaseException) -> dict[str, Any]:
@@ -305,6 +315,8 @@ class Runner:
             _notify(reversed(self.hooks), "after_pass_failed", (p.name, index), p, program,
                     record, error)
         except InstrumentError as broken:  # raised with the pass's own error as its cause
+            if rollback is not None:  # again: the instrument may have changed the program
+                rollback.restore()
             broken.rolled_back, broken.diff = error.rolled_back, error.diff
             raise broken from error
         return error
