@@ -659,3 +659,45 @@ def test_a_copied_or_unpickled_manager_runs_on_its_own(exported, duplicate):
     assert info.value.pass_name == "ReluToAbs" and info.value.rolled_back
     assert targets(exported, "relu") and not targets(exported, "abs")
     assert_same_behaviour(Accumulate(), exported, (torch.ones(4),), calls=3)
+
+
+def _use_before_definition(program):
+    nodes = [n for n in graph_of(program).nodes if n.op == "call_function"]
+    nodes[0].args = (nodes[-1], *nodes[0].args[1:])
+
+
+def _argument_of_another_graph(program):
+    stranger = torch.fx.Graph().placeholder("stranger")
+    relu = targets(program, "relu")[0]
+    relu.args = (stranger,)
+
+
+def _missing_attribute(program):
+    graph = graph_of(program)
+    with graph.inserting_before(targets(program, "relu")[0]):
+        missing = graph.get_attr("missing")
+    targets(program, "relu")[0].args = (missing,)
+
+
+@pytest.mark.parametrize("form", ["GraphModule", "ExportedProgram"])
+@pytest.mark.parametrize(("edit", "reason"), [
+    (_use_before_definition, "was used before it has been defined"),
+    (_argument_of_another_graph, "does not belong to this Graph"),
+    (_missing_attribute, "references nonexistent attribute missing"),
+], ids=["used before defined", "of another graph", "missing attribute"])
+def test_a_pass_leaving_an_ill_formed_graph_is_named_and_rolled_back(form, edit, reason):
+    """A node used before it is defined, an argument from another graph, a get_attr of no
+    attribute: the run succeeded and the program's first call failed (UnboundLocalError,
+    KeyError or AttributeError from generated code), naming no pass."""
+    def made():
+        ep = torch.export.export(Accumulate(), (torch.ones(4),))
+        return ep.module() if form == "GraphModule" else ep
+
+    program, original = made(), made()
+    for _ in range(2):
+        with pytest.raises(PassFailedError, match=f"left an ill-formed graph: .*{reason}") as info:
+            PassManager([function_pass(edit, name="breaks")]).run(program)
+        assert info.value.pass_name == "breaks" and info.value.rolled_back
+    assert str(graph_of(program)) == str(graph_of(original))
+    inputs = [(torch.full((4,), float(i)),) for i in range(1, 4)]
+    assert_same_behaviour(original, program, inputs)
