@@ -15,6 +15,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._export.verifier import SpecViolationError, _verify_exported_program_signature
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
@@ -158,6 +159,22 @@ def _call_spec_fault(program: Any) -> str | None:
                     f"({name}, module_call_graph[0].signature) has {spec.num_leaves}: update "
                     f"both, or ep.module() cannot be called")
     return None
+
+
+def _check_pytree_codegen(graph: torch.fx.Graph) -> None:
+    """Raise if the pytree specs of ``graph``'s code (``ep.module()``'s) no longer fit it:
+    its call is flattened into exactly its placeholders and its result built from exactly
+    its output's values (else its first call fails, a pytree length error)."""
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is None:
+        return
+    for what, count, name, spec in (
+            ("placeholders", len(graph.find_nodes(op="placeholder")), "in_spec", info.in_spec),
+            ("output values", len(pytree.tree_leaves(graph.output_node().args[0])), "out_spec",
+             info.out_spec)):
+        if spec is not None and spec.num_leaves != count:
+            raise RuntimeError(f"it has {count} {what} but its code's {name} "
+                               f"(graph._codegen.pytree_info) has {spec.num_leaves}: update both")
 
 
 def _signature_fault(program: Any) -> str | None:
@@ -371,6 +388,7 @@ class Runner:
         for stale in change.structure:
             try:  # a node used before it is defined, one of another graph, a missing attribute
                 stale.graph.lint()
+                _check_pytree_codegen(stale.graph)
             except RuntimeError as e:  # else the program's first call fails, naming no pass
                 raise PassFailedError(p.name, index, f"left an ill-formed graph: {e}") from e
             stale.recompile()

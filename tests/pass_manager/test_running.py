@@ -701,3 +701,31 @@ def test_a_pass_leaving_an_ill_formed_graph_is_named_and_rolled_back(form, edit,
     assert str(graph_of(program)) == str(graph_of(original))
     inputs = [(torch.full((4,), float(i)),) for i in range(1, 4)]
     assert_same_behaviour(original, program, inputs)
+
+
+def _output_added_alone(program):
+    output = graph_of(program).output_node()
+    output.args = ((*output.args[0], output.args[0][0]),)
+
+
+def _input_added_alone(program):
+    graph = graph_of(program)
+    with graph.inserting_after(graph.find_nodes(op="placeholder")[-1]):
+        graph.placeholder("extra")
+
+
+@pytest.mark.parametrize(("edit", "what"), [(_output_added_alone, "2 output values"),
+                                            (_input_added_alone, "2 placeholders")],
+                         ids=["an output", "an input"])
+def test_a_pass_adding_to_a_graph_module_what_its_code_specs_do_not_list_fails(edit, what):
+    """``ep.module()``'s code flattens a call into its placeholders and builds the result by
+    pytree specs: an output or input added to the graph alone passed, and the first call
+    failed ("treespec.unflatten(leaves): `leaves` has length 2", "not enough values to
+    unpack")."""
+    original = torch.export.export(Accumulate(), (torch.ones(4),)).module()
+    program = copy.deepcopy(original)
+    with pytest.raises(PassFailedError, match=f"left an ill-formed graph: it has {what}") as e:
+        PassManager([function_pass(edit, name="adds")]).run(program)
+    assert e.value.pass_name == "adds" and e.value.rolled_back
+    inputs = [(torch.full((4,), float(i)),) for i in range(1, 4)]
+    assert_same_behaviour(original, program, inputs)
