@@ -16,7 +16,7 @@ from .conditions import (
     provides_of,
 )
 from .effects import Effects
-from .instruments import Instrumentation, Timing
+from .instruments import ClaimCheck, Instrumentation, Timing
 from .pass_base import Pass, PassResult, as_pass
 from .pipeline_text import format_pipeline, parse_passes
 from .planning import Plan, build_plan
@@ -158,8 +158,11 @@ class PassManager(Pass):
         One run at a time: the instruments hold the state of the run they are in (the
         report ClaimCheck warns in, SemanticValidation's reference), so a second thread
         running this manager waits instead of mixing two programs' runs."""
+        # A group in a strict pipeline is strict too: its passes' effects are checked (and
+        # named) in its run, not blamed on the group by the outer one.
+        strict = self.strict or any(isinstance(i, ClaimCheck) and i.strict for i in enclosing)
         with self._lock:
-            return Runner(self.plan(), self.instruments, name=self.name, strict=self.strict,
+            return Runner(self.plan(), self.instruments, name=self.name, strict=strict,
                           plan=self.explain(), enclosing=enclosing).run(program)
 
     # A lock is neither copied nor pickled: a copy (a process's) gets its own.

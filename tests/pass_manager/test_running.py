@@ -15,6 +15,8 @@ from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 from pass_manager import (
     ALL_CONDITIONS,
     Condition,
+    Effects,
+    EffectsError,
     Instrumentation,
     Pass,
     PassFailedError,
@@ -729,3 +731,26 @@ def test_a_pass_adding_to_a_graph_module_what_its_code_specs_do_not_list_fails(e
     assert e.value.pass_name == "adds" and e.value.rolled_back
     inputs = [(torch.full((4,), float(i)),) for i in range(1, 4)]
     assert_same_behaviour(original, program, inputs)
+
+
+class _TagsB(Pass):
+    """Declares it sets node meta "a"; sets "b"."""
+
+    effects = Effects.only_meta("a")
+
+    def call(self, program):
+        for node in graph_of(program).nodes:
+            node.meta["b"] = True
+
+
+def test_a_group_in_a_strict_pipeline_names_its_pass_that_broke_its_effects(exported):
+    """Under the outer strict=True, a pass in a group setting a meta key it does not declare
+    passed: the outer run checked the group's effects, the union of its passes', which
+    allow every key (ReluToAbs declares no keys); with only such passes, it was an
+    EffectsError naming the group, not the pass."""
+    group = PassManager([ReluToAbs(), _TagsB()], name="group")
+    with pytest.raises(EffectsError) as info:
+        PassManager([group], strict=True).run(exported)
+    assert (info.value.pass_name, info.value.index, info.value.kind) == ("_TagsB", 1,
+                                                                         "meta_keys")
+    assert info.value.rolled_back and not any("b" in n.meta for n in graph_of(exported).nodes)
