@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -15,7 +16,7 @@ from .conditions import (
     provides_of,
 )
 from .effects import Effects
-from .instruments import Instrumentation, Timing
+from .instruments import ClaimCheck, Instrumentation, Timing
 from .pass_base import Pass, PassResult, as_pass
 from .pipeline_text import format_pipeline, parse_passes
 from .planning import Plan, build_plan
@@ -74,6 +75,7 @@ class PassManager(Pass):
                     if not (timed and isinstance(i, Timing))]
         self.instruments: list[Instrumentation] = [*defaults, *instruments]
         self._name = name
+        self._lock = threading.RLock()
 
     # -- a PassManager is itself a pass, so pipelines nest as groups -------------------
     @property
@@ -106,7 +108,7 @@ class PassManager(Pass):
             rewrites=False, meta_keys=(), edits_meta_in_place=False))
 
     def call(self, program: Any) -> PassResult:
-        result = self._runner(enclosing=ENCLOSING.get()).run(program)
+        result = self._run(program, enclosing=ENCLOSING.get())
         notes = [f"{r.name}: {n}" for r in result.report.records for n in r.notes]
         statistics: dict[str, Any] = {}
         for r in result.report.records:  # a group counts what its passes counted, summed
@@ -148,12 +150,27 @@ class PassManager(Pass):
         """
         if isinstance(program, Mapping):
             return run_each(self.run, program, self.name)
-        return self._runner().run(program)
+        return self._run(program)
 
-    def _runner(self, enclosing: Sequence[Instrumentation] = ()) -> Runner:
-        """A run of the plan; ``enclosing``: the hooks of the pipelines a group runs in."""
-        return Runner(self.plan(), self.instruments, name=self.name, strict=self.strict,
-                      plan=self.explain(), enclosing=enclosing)
+    def _run(self, program: Any, enclosing: Sequence[Instrumentation] = ()) -> RunResult:
+        """A run of the plan; ``enclosing``: the hooks of the pipelines a group runs in.
+
+        One run at a time: the instruments hold the state of the run they are in (the
+        report ClaimCheck warns in, SemanticValidation's reference), so a second thread
+        running this manager waits instead of mixing two programs' runs."""
+        # A group in a strict pipeline is strict too: its passes' effects are checked (and
+        # named) in its run, not blamed on the group by the outer one.
+        strict = self.strict or any(isinstance(i, ClaimCheck) and i.strict for i in enclosing)
+        with self._lock:
+            return Runner(self.plan(), self.instruments, name=self.name, strict=strict,
+                          plan=self.explain(), enclosing=enclosing).run(program)
+
+    # A lock is neither copied nor pickled: a copy (a process's) gets its own.
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.RLock())
 
 
 def parse_pipeline(text: str, **options: Any) -> PassManager:

@@ -8,19 +8,20 @@ is an instrument. This module does not know the Pass class (``pass_base`` uses i
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from contextvars import ContextVar
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._export.verifier import SpecViolationError, _verify_exported_program_signature
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from ._rollback import RollbackRecord, recorded
-from .analysis import unchanged
+from .analysis import Stamp, unchanged
 from .conditions import (
     Condition,
     as_condition_set,
@@ -108,6 +109,9 @@ def _unpack(out: Any, program: Any, exported: bool
             ) -> tuple[Any, bool | None, list[str], dict[str, Any]]:
     """A pass's return value -> (program, claimed modified, notes, statistics)."""
     if isinstance(out, TorchPassResult):
+        if not isinstance(out.graph_module, torch.fx.GraphModule):
+            raise TypeError(f"a pass returned a torch PassResult holding a "
+                            f"{type(out.graph_module).__name__}, not a GraphModule")
         if exported and out.graph_module is not program.graph_module:
             return program._update(out.graph_module, program.graph_signature), out.modified, [], {}
         out = PassResult(out.graph_module, out.modified)
@@ -115,14 +119,19 @@ def _unpack(out: Any, program: Any, exported: bool
         out = PassResult(program if out is None else out)
     if not isinstance(out, PassResult):
         raise TypeError(f"a pass returned {type(out).__name__}, not a PassResult, program or None")
-    statistics = dict(out.statistics)  # read later: a note per letter, a count no number
-    if isinstance(out.notes, str) or not all(isinstance(v, (int, float))
-                                             for v in statistics.values()):
-        raise TypeError(f"a pass returned notes={out.notes!r}, statistics={statistics!r}: "
-                        "notes are a list of strings, statistics {description: number}")
+    # Read later: a note per letter, a count no number, "no" as a claim of a change, and a
+    # count of 0 as no claim of "unmodified" (``0 is not False``): named here instead.
+    notes, statistics, claim = out.notes, out.statistics, out.modified
+    if (isinstance(notes, str) or not isinstance(notes, (list, tuple))
+            or not isinstance(statistics, Mapping)
+            or not all(isinstance(v, (int, float)) for v in statistics.values())
+            or not isinstance(claim, (int, type(None)))):
+        raise TypeError(f"a pass returned modified={claim!r}, notes={notes!r}, "
+                        f"statistics={statistics!r}: modified is a bool or None; notes are a "
+                        "list of strings, statistics {description: number}")
     # An ExportedProgram's own graph module stands for it (a plain function gets only that).
     new = program if out.program is graph_module_of(program) else out.program
-    return new, out.modified, list(out.notes), statistics
+    return new, None if claim is None else bool(claim), list(notes), dict(statistics)
 
 
 def _unchanged(record: Any, program: Any, after: bool) -> Any:
@@ -152,6 +161,22 @@ def _call_spec_fault(program: Any) -> str | None:
     return None
 
 
+def _check_pytree_codegen(graph: torch.fx.Graph) -> None:
+    """Raise if the pytree specs of ``graph``'s code (``ep.module()``'s) no longer fit it:
+    its call is flattened into exactly its placeholders and its result built from exactly
+    its output's values (else its first call fails, a pytree length error)."""
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is None:
+        return
+    for what, count, name, spec in (
+            ("placeholders", len(graph.find_nodes(op="placeholder")), "in_spec", info.in_spec),
+            ("output values", len(pytree.tree_leaves(graph.output_node().args[0])), "out_spec",
+             info.out_spec)):
+        if spec is not None and spec.num_leaves != count:
+            raise RuntimeError(f"it has {count} {what} but its code's {name} "
+                               f"(graph._codegen.pytree_info) has {spec.num_leaves}: update both")
+
+
 def _signature_fault(program: Any) -> str | None:
     """What torch's check of an ExportedProgram's signature finds wrong with it, or None;
     asked only if the counts of inputs and outputs or the state's names disagree (it is
@@ -176,8 +201,14 @@ def _signature_fault(program: Any) -> str | None:
 def _notify(instruments: Iterable[Instrumentation], hook: str, around: tuple[Any, int | None],
             *args: Any) -> None:
     """Call ``hook`` on each instrument; what one raises but a PassManagerError (a verdict,
-    as ClaimCheck's) is a bug in it: an InstrumentError naming it, the hook and the pass."""
+    as ClaimCheck's) is a bug in it: an InstrumentError naming it, the hook and the pass. So
+    is a change to the program's nodes or signature (an instrument observes: a change the
+    pass's record does not cover would be reported as the pass's, or as none)."""
+    program = args[0] if hook.endswith("_run") else args[1]
+    stamp = None
     for instrument in instruments:
+        if stamp is None and type(instrument) not in (Timing, ClaimCheck):
+            stamp = Stamp(program)
         try:
             getattr(instrument, hook)(*args)
         except PassManagerError:
@@ -185,6 +216,10 @@ def _notify(instruments: Iterable[Instrumentation], hook: str, around: tuple[Any
         except Exception as e:
             raise InstrumentError(type(instrument).__name__, hook, around[0], around[1],
                                   f"{type(e).__name__}: {e}") from e
+        if stamp is not None and not stamp.matches(program):
+            raise InstrumentError(type(instrument).__name__, hook, around[0], around[1], (
+                "nothing, but changed the program's nodes or signature; an instrument "
+                "observes (a change around a pass is undone only with the pass, after it)"))
 
 
 def _error_statistics(error: BaseException) -> dict[str, Any]:
@@ -226,6 +261,7 @@ class Runner:
                 self.name, None, type(program).__name__, [GRAPH_MODULE, EXPORTED_PROGRAM], advice
             ) from e
         self.exported = self.form == EXPORTED_PROGRAM
+        self._form_type = torch.export.ExportedProgram if self.exported else torch.fx.GraphModule
         self.holds: set[Condition] = set()  # the conditions known to hold
         # A condition that held until a changing pass did not preserve it: that pass.
         self.dropped_by: dict[Condition, str] = {}
@@ -285,9 +321,9 @@ class Runner:
         record.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
         record.statistics = dict(_error_statistics(e) or record.statistics)
         if rollback is not None:
-            if not error.diff:  # of the program given, if the pass returned another form
-                same_form = isinstance(current, torch.export.ExportedProgram) == self.exported
-                error.diff = pass_diff(rollback.text, current if same_form else program, p.name)
+            if not error.diff:  # of the program given, if the pass returned no program of its form
+                shown = current if isinstance(current, self._form_type) else program
+                error.diff = pass_diff(rollback.text, shown, p.name)
             error.unrestored = sorted(set(error.unrestored)
                                       | set(rollback.unrestorable_changes()))
             rollback.restore()
@@ -296,6 +332,8 @@ class Runner:
             _notify(reversed(self.hooks), "after_pass_failed", (p.name, index), p, program,
                     record, error)
         except InstrumentError as broken:  # raised with the pass's own error as its cause
+            if rollback is not None:  # again: the instrument may have changed the program
+                rollback.restore()
             broken.rolled_back, broken.diff = error.rolled_back, error.diff
             raise broken from error
         return error
@@ -332,8 +370,7 @@ class Runner:
 
     def _measure(self, p: Any, index: int, program: Any, new_program: Any, rollback: Any,
                  record: PassRecord) -> None:
-        form = torch.export.ExportedProgram if self.exported else torch.fx.GraphModule
-        if new_program is not program and not isinstance(new_program, form):
+        if new_program is not program and not isinstance(new_program, self._form_type):
             raise PassFailedError(p.name, index, f"returned a {type(new_program).__name__} "
                                   f"for the {self.form} it was given: a pass returns its form")
         in_place = p.effects.in_place
@@ -349,6 +386,11 @@ class Runner:
                 "declares in_place = False (returns a new program) but changed the program "
                 "it was given"))
         for stale in change.structure:
+            try:  # a node used before it is defined, one of another graph, a missing attribute
+                stale.graph.lint()
+                _check_pytree_codegen(stale.graph)
+            except RuntimeError as e:  # else the program's first call fails, naming no pass
+                raise PassFailedError(p.name, index, f"left an ill-formed graph: {e}") from e
             stale.recompile()
         fault = _signature_fault(new_program) if self.exported and change.anything else None
         if fault:  # e.g. a buffer deleted from the state, an input added to the graph alone

@@ -252,9 +252,10 @@ class GraphRecord:
         return graph
 
     def restore(self, rebuild: bool) -> None:
-        """Put the metas back; rebuild the graph if asked or if its nodes changed."""
+        """Put the metas back; rebuild the graph if asked or if its nodes or their fields
+        changed."""
         gm = self.gm
-        rebuild = rebuild or self.nodes_changed(gm.graph)
+        rebuild = rebuild or self.structure_changed(gm.graph)  # fields: an instrument's edit
         if self.entries is not None:  # the live dicts: each back on its node, as recorded
             for node, meta in zip(self.nodes, self.metas, strict=True):
                 if node.meta is not meta:

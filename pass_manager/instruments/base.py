@@ -13,9 +13,10 @@ __all__ = ["ClaimCheck", "Instrumentation", "Timing"]
 
 
 class Instrumentation:
-    """Base class: override the hooks you need. An instrument observes; it must not change
-    the program. Before-hooks run in registration order, after-hooks in reverse, so
-    instruments nest. ``record.index`` is the pass's place in the plan.
+    """Base class: override the hooks you need. An instrument observes; one that changes the
+    program's nodes or signature is an InstrumentError. Before-hooks run in registration
+    order, after-hooks in reverse, so instruments nest. ``record.index`` is the pass's place
+    in the plan.
 
     * ``before_run`` / ``after_run``: once per run (``after_run`` only when it succeeds).
     * ``before_pass``: before the pass's requirements are checked.

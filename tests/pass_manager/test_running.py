@@ -2,16 +2,21 @@
 
 import copy
 import gc
+import pickle
+import threading
 import time
 
 import pytest
 import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
+from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from pass_manager import (
     ALL_CONDITIONS,
     Condition,
+    Effects,
+    EffectsError,
     Instrumentation,
     Pass,
     PassFailedError,
@@ -536,3 +541,216 @@ def test_a_pass_adding_an_output_with_its_call_spec_runs(exported):
         out, doubled = program(x)
         assert torch.equal(out, eager(x)) and torch.equal(doubled, x * 2)
         assert torch.equal(program.acc, eager.acc)
+
+
+@pytest.mark.parametrize("returned", [
+    lambda program: PassResult(None, True),
+    lambda program: TorchPassResult(None, True),
+    lambda program: (torch.export.export(Accumulate(), (torch.ones(4),))
+                     if isinstance(program, torch.fx.GraphModule) else program.module()),
+], ids=["PassResult(None)", "torch PassResult(None)", "the other form"])
+@pytest.mark.parametrize("form", ["GraphModule", "ExportedProgram"])
+def test_a_pass_rewriting_then_returning_no_program_of_its_form_is_named_and_rolled_back(
+        form, returned):
+    """A GraphModule pass that rewrote relu into abs and returned PassResult(None): the
+    failure's diff rendered None as a program, so an AttributeError ('NoneType' object has no
+    attribute '_modules') escaped before the rollback and the rewrite stayed (the program's
+    outputs off the original's from the first call). An ExportedProgram's torch PassResult
+    holding None was an AttributeError from torch."""
+    def rewrite_then_return(program):
+        relu_to_abs(program)
+        return returned(program)
+
+    def made():
+        ep = torch.export.export(Accumulate(), (torch.ones(4),))
+        return ep.module() if form == "GraphModule" else ep
+
+    program, original = made(), made()
+    broken = function_pass(rewrite_then_return, name="rewrite_then_return")
+    for _ in range(3):  # each failure leaves the program exactly as it was
+        with pytest.raises(PassFailedError) as info:
+            PassManager([broken]).run(program)
+        assert info.value.pass_name == "rewrite_then_return" and info.value.rolled_back
+        assert "relu" in info.value.diff and "abs" in info.value.diff
+        assert targets(program, "relu") and not targets(program, "abs")
+    assert str(graph_of(program)) == str(graph_of(original))
+    inputs = [(torch.full((4,), float(i)),) for i in range(1, 4)]
+    assert_same_behaviour(original, program, inputs)  # outputs and buffers, bit for bit
+
+
+@pytest.mark.parametrize("claim", [0, False])
+def test_a_claim_of_unmodified_written_as_a_count_of_zero_is_checked(traced, claim):
+    """``PassResult(program, changed_count)`` with a count of 0 after a change: the claim
+    check read only ``False`` as "unmodified" (``0 is not False``), so the lie was neither
+    warned about nor, under strict=True, refused."""
+    lying = function_pass(lambda program: (relu_to_abs(program), PassResult(program, claim))[1],
+                          name="lying")
+    result = PassManager([lying]).run(traced)
+    assert result.report.records[0].claimed_modified is False
+    assert result.report.warnings == ["pass #0 lying reported 'unmodified' but changed the "
+                                      "program"]
+
+
+@pytest.mark.parametrize("returned", [{"modified": "no"}, {"modified": torch.tensor(True)},
+                                      {"notes": None}, {"statistics": None}],
+                         ids=["a string claim", "a tensor claim", "notes None", "statistics None"])
+def test_a_claim_notes_or_statistics_of_the_wrong_type_are_named_at_the_pass(traced, returned):
+    """``modified="no"`` was taken as a claim of a change (the report's claim a string);
+    ``notes=None`` was "TypeError: 'NoneType' object is not iterable", naming nothing."""
+    def remarks(program):
+        relu_to_abs(program)
+        return PassResult(program, **{"modified": True, **returned})
+
+    before = [n.target for n in graph_of(traced).nodes]
+    with pytest.raises(PassFailedError, match=r"modified is a bool or None; notes are a list "
+                                              r"of strings, statistics \{description: number\}"):
+        PassManager([function_pass(remarks)]).run(traced)
+    assert [n.target for n in graph_of(traced).nodes] == before
+
+
+def _slow_mark_claiming_unmodified(program):
+    """Tags a node's meta (a change SemanticValidation runs the program for), sleeps so that
+    a second thread's run overlaps this one, and claims "unmodified"."""
+    next(iter(graph_of(program).nodes)).meta["seen"] = True
+    time.sleep(0.5)
+    return PassResult(program, False)
+
+
+def test_one_manager_run_from_two_threads_keeps_each_run_to_its_program():
+    """Two threads ran one manager on two models: SemanticValidation compared the first
+    program with the second's reference (a SemanticsError, "max abs diff 8", blamed on a pass
+    that changed no value), and ClaimCheck put the first run's warning in the second's
+    report (two warnings there, none in the first)."""
+    models = [Accumulate(), Accumulate()]
+    with torch.no_grad():
+        models[1].linear.weight.add_(1.0)
+    programs = [torch.export.export(m, (torch.ones(4),)) for m in models]
+    x = torch.ones(4)
+    manager = PassManager([function_pass(_slow_mark_claiming_unmodified, name="mark")],
+                          instruments=[SemanticValidation((x,))])
+    results, errors = {}, {}
+
+    def run(i):
+        try:
+            results[i] = manager.run(programs[i])
+        except Exception as e:  # noqa: BLE001 - compared below
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == {}
+    for i, model in enumerate(models):
+        assert results[i].program is programs[i]
+        assert results[i].report.warnings == ["pass #0 mark reported 'unmodified' but "
+                                              "changed the program"]
+        assert_same_behaviour(copy.deepcopy(model), programs[i], (x,), calls=3)
+
+
+@pytest.mark.parametrize("duplicate", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))],
+                         ids=["deepcopy", "pickle"])
+def test_a_copied_or_unpickled_manager_runs_on_its_own(exported, duplicate):
+    """A process pool pickles the manager: it runs as the original does, with its own lock."""
+    manager = PassManager([ReluToAbs()], instruments=[SemanticValidation((torch.ones(4),))])
+    copied = duplicate(manager)
+    assert copied.pipeline_text() == manager.pipeline_text()
+    with pytest.raises(SemanticsError) as info:  # abs is not relu: its validation still runs
+        copied.run(exported)
+    assert info.value.pass_name == "ReluToAbs" and info.value.rolled_back
+    assert targets(exported, "relu") and not targets(exported, "abs")
+    assert_same_behaviour(Accumulate(), exported, (torch.ones(4),), calls=3)
+
+
+def _use_before_definition(program):
+    nodes = [n for n in graph_of(program).nodes if n.op == "call_function"]
+    nodes[0].args = (nodes[-1], *nodes[0].args[1:])
+
+
+def _argument_of_another_graph(program):
+    stranger = torch.fx.Graph().placeholder("stranger")
+    relu = targets(program, "relu")[0]
+    relu.args = (stranger,)
+
+
+def _missing_attribute(program):
+    graph = graph_of(program)
+    with graph.inserting_before(targets(program, "relu")[0]):
+        missing = graph.get_attr("missing")
+    targets(program, "relu")[0].args = (missing,)
+
+
+@pytest.mark.parametrize("form", ["GraphModule", "ExportedProgram"])
+@pytest.mark.parametrize(("edit", "reason"), [
+    (_use_before_definition, "was used before it has been defined"),
+    (_argument_of_another_graph, "does not belong to this Graph"),
+    (_missing_attribute, "references nonexistent attribute missing"),
+], ids=["used before defined", "of another graph", "missing attribute"])
+def test_a_pass_leaving_an_ill_formed_graph_is_named_and_rolled_back(form, edit, reason):
+    """A node used before it is defined, an argument from another graph, a get_attr of no
+    attribute: the run succeeded and the program's first call failed (UnboundLocalError,
+    KeyError or AttributeError from generated code), naming no pass."""
+    def made():
+        ep = torch.export.export(Accumulate(), (torch.ones(4),))
+        return ep.module() if form == "GraphModule" else ep
+
+    program, original = made(), made()
+    for _ in range(2):
+        with pytest.raises(PassFailedError, match=f"left an ill-formed graph: .*{reason}") as info:
+            PassManager([function_pass(edit, name="breaks")]).run(program)
+        assert info.value.pass_name == "breaks" and info.value.rolled_back
+    assert str(graph_of(program)) == str(graph_of(original))
+    inputs = [(torch.full((4,), float(i)),) for i in range(1, 4)]
+    assert_same_behaviour(original, program, inputs)
+
+
+def _output_added_alone(program):
+    output = graph_of(program).output_node()
+    output.args = ((*output.args[0], output.args[0][0]),)
+
+
+def _input_added_alone(program):
+    graph = graph_of(program)
+    with graph.inserting_after(graph.find_nodes(op="placeholder")[-1]):
+        graph.placeholder("extra")
+
+
+@pytest.mark.parametrize(("edit", "what"), [(_output_added_alone, "2 output values"),
+                                            (_input_added_alone, "2 placeholders")],
+                         ids=["an output", "an input"])
+def test_a_pass_adding_to_a_graph_module_what_its_code_specs_do_not_list_fails(edit, what):
+    """``ep.module()``'s code flattens a call into its placeholders and builds the result by
+    pytree specs: an output or input added to the graph alone passed, and the first call
+    failed ("treespec.unflatten(leaves): `leaves` has length 2", "not enough values to
+    unpack")."""
+    original = torch.export.export(Accumulate(), (torch.ones(4),)).module()
+    program = copy.deepcopy(original)
+    with pytest.raises(PassFailedError, match=f"left an ill-formed graph: it has {what}") as e:
+        PassManager([function_pass(edit, name="adds")]).run(program)
+    assert e.value.pass_name == "adds" and e.value.rolled_back
+    inputs = [(torch.full((4,), float(i)),) for i in range(1, 4)]
+    assert_same_behaviour(original, program, inputs)
+
+
+class _TagsB(Pass):
+    """Declares it sets node meta "a"; sets "b"."""
+
+    effects = Effects.only_meta("a")
+
+    def call(self, program):
+        for node in graph_of(program).nodes:
+            node.meta["b"] = True
+
+
+def test_a_group_in_a_strict_pipeline_names_its_pass_that_broke_its_effects(exported):
+    """Under the outer strict=True, a pass in a group setting a meta key it does not declare
+    passed: the outer run checked the group's effects, the union of its passes', which
+    allow every key (ReluToAbs declares no keys); with only such passes, it was an
+    EffectsError naming the group, not the pass."""
+    group = PassManager([ReluToAbs(), _TagsB()], name="group")
+    with pytest.raises(EffectsError) as info:
+        PassManager([group], strict=True).run(exported)
+    assert (info.value.pass_name, info.value.index, info.value.kind) == ("_TagsB", 1,
+                                                                         "meta_keys")
+    assert info.value.rolled_back and not any("b" in n.meta for n in graph_of(exported).nodes)

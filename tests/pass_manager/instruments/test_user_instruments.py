@@ -6,7 +6,15 @@ program is rolled back: it computes what eager does, call after call."""
 import pytest
 import torch
 
-from pass_manager import Instrumentation, InstrumentError, PassFailedError, PassManager
+from pass_manager import (
+    Effects,
+    Instrumentation,
+    InstrumentError,
+    Pass,
+    PassFailedError,
+    PassManager,
+    graph_of,
+)
 from tests.models.accumulators import Accumulate
 
 from ..conftest import ReluToAbs
@@ -47,5 +55,55 @@ def test_an_instrument_raising_is_named_and_the_pass_rolled_back(hook):
     assert error.rolled_back == (hook != "before_run" and hook != "before_pass")
     module = program.module()
     for _ in range(3):  # the program as exported: relu (not abs) and the running sum
+        torch.testing.assert_close(module(x), model(x), rtol=0, atol=0)
+        torch.testing.assert_close(module.acc, model.acc, rtol=0, atol=0)
+
+
+class Tags(Pass):
+    """Marks every node (declares only that meta key)."""
+
+    effects = Effects.only_meta("tagged")
+
+    def call(self, program):
+        for node in graph_of(program).nodes:
+            node.meta["tagged"] = True
+
+
+def _rewriting_in(hook):
+    """An instrument that, in ``hook``, turns ``* 2`` into ``* 3`` (a change of what is
+    computed)."""
+    def rewrites(self, *args):
+        program = args[0] if hook.endswith("_run") else args[1]
+        for node in graph_of(program).nodes:
+            if node.target == torch.ops.aten.mul.Tensor:
+                node.args = (node.args[0], 3)
+    return type("Rewrites", (Instrumentation,), {hook: rewrites})()
+
+
+@pytest.mark.parametrize(("hook", "passes"), [
+    (hook, passes) for hook in ("before_run", "before_pass", "after_pass", "after_run")
+    for passes in ([Tags()], [ReluToAbs()])] + [("after_pass_failed", [Refuses()])],
+    ids=lambda v: v if isinstance(v, str) else v[0].name)
+def test_an_instrument_changing_the_program_is_named(hook, passes):
+    """An instrument rewrote ``* 2`` into ``* 3``: the run succeeded (the report said a
+    pass changed what it did, or nothing), or the pass's failure said the program was
+    rolled back while the ``* 3`` stayed (outputs off eager from the first call); around a
+    meta-only pass, the rollback kept the instrument's new arguments (it rebuilt only a
+    graph whose node list changed)."""
+    model = Accumulate()
+    x = torch.tensor([-1.0, 2.0, -3.0, 4.0])
+    program = torch.export.export(Accumulate(), (x,))
+    program.state_dict["acc"].copy_(model.acc)
+    with pytest.raises(InstrumentError) as info:
+        PassManager(passes, instruments=[_rewriting_in(hook)]).run(program)
+    error = info.value
+    assert (error.instrument, error.hook) == ("Rewrites", hook)
+    assert "changed the program's nodes or signature" in str(error)
+    undone = hook in ("after_pass", "after_pass_failed")  # with the pass, from its record
+    assert error.rolled_back == undone
+    if not undone:  # outside a pass's record: named, not undone
+        return
+    module = program.module()
+    for _ in range(3):  # the program as exported: relu, * 2 and the running sum
         torch.testing.assert_close(module(x), model(x), rtol=0, atol=0)
         torch.testing.assert_close(module.acc, model.acc, rtol=0, atol=0)
