@@ -25,7 +25,8 @@ class JointCondition:
     """A condition over several programs run by one pipeline.
 
     ``check`` raises a :class:`~pass_manager.PassManagerError` when the programs do not meet
-    it (called before the first pass and after the last). What held *between* the programs
+    it (called before the first pass and after the last). ``join`` runs before that last
+    check, for what one program's pass decides for the others. What held *between* the programs
     and a pass may break (one object they held, now a copy each) ``remember`` notes before
     the pipeline and ``settle`` restores after the check, returning notes for the result.
     """
@@ -37,6 +38,12 @@ class JointCondition:
 
     def remember(self, programs: Mapping[str, Any]) -> Any:
         return None
+
+    def join(self, programs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """After the pipeline ran on each program alone, before the check: carry over to
+        the others what a pass decided in one program that they must follow (and could not
+        decide alone); returns notes for the result."""
+        return {}
 
     def settle(self, programs: Mapping[str, Any], remembered: Any) -> Mapping[str, Any]:
         return {}
@@ -104,9 +111,11 @@ def run_each(run: Callable[[Any], Any], programs: Mapping[str, Any],
             e.args = (f"method {name!r}{done}: {e.args[0] if e.args else ''}", *e.args[1:])
             raise
     after = {name: result.program for name, result in results.items()}
+    notes: dict[str, Any] = {}
+    for condition in conditions:
+        notes.update(condition.join(after))
     for condition in conditions:
         condition.check(after, f"after {pipeline}")
-    notes: dict[str, Any] = {}
     for condition, memory in zip(conditions, remembered, strict=True):
         notes.update(condition.settle(after, memory))
     return MethodsRunResult(results, notes)

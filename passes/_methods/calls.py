@@ -30,6 +30,7 @@ from .._analysis.buffers import (
 from .._analysis.marked_state import initial_copy, mutable_buffers
 from .._analysis.op_schema import written_nodes
 from ..errors import InputStateError, QuantizationInputError
+from .shared_buffers import held_buffers, written_by_any_method
 
 __all__ = ["MethodCall", "PairedState", "QuantizedMethods", "carried_inputs",
            "check_write_backs", "mark_state_of_other_methods", "method_calls",
@@ -260,13 +261,16 @@ def share_buffer_tensors(programs: Mapping[str, Any]) -> dict[str, list[str]]:
     """Make each mutable buffer one tensor object in every method holding it (the first
     method's), so that running the methods in turn runs them on one state; returns, per
     buffer, the methods sharing it. The methods must already agree on its shape, dtype and
-    value (``passes.check_shared_buffers``)."""
+    value (``passes.check_shared_buffers``).
+
+    A method that only reads a buffer another method writes holds it too: its own copy
+    would stay at the initial value, so each of its calls would read stale state."""
+    written = written_by_any_method(programs)
     shared: dict[str, list[str]] = {}
     first: dict[str, torch.Tensor] = {}
     for name, program in programs.items():
-        for fqn, info in mutable_buffers(program).items():
-            if info.kind != BUFFER:
-                continue
+        mutable = {fqn for fqn, info in mutable_buffers(program).items() if info.kind == BUFFER}
+        for fqn in [*mutable, *(written.intersection(held_buffers(program)) - mutable)]:
             shared.setdefault(fqn, []).append(name)
             tensor = buffer_tensor(program, fqn)
             if fqn not in first:

@@ -13,7 +13,9 @@ by ``passes``: ``PassManager.run({name: program})`` checks it before the first p
 after the last. Buffer tensors the methods held as one object before the run are one
 object again after it (a pass may give each method a new tensor, e.g. integer storage),
 so calling the methods in sequence in Python shares their state as the deployed program
-does; ``result.notes["reshared"]`` lists those buffers.
+does; ``result.notes["reshared"]`` lists those buffers. A method that only reads a buffer
+the pipeline stored as integers in the methods writing it (``QuantizeMutableBuffers``) is
+made to read those integers before the check (``result.notes["integer reads"]``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "SharedBuffers",
     "buffer_facets",
     "check_shared_buffers",
+    "held_buffers",
     "register_buffer_facet",
     "share_again",
     "shared_buffer_differences",
@@ -93,7 +96,7 @@ class BufferDifference:
                 f"{self.aspect}: {self.difference}")
 
 
-def _buffer_tensors(program: Any) -> dict[str, torch.Tensor]:
+def held_buffers(program: Any) -> dict[str, torch.Tensor]:
     """Every buffer of ``program`` by fully-qualified name."""
     if isinstance(program, ExportedProgram):
         found = {}
@@ -190,7 +193,7 @@ def shared_buffer_differences(programs: Mapping[str, Any]) -> list[BufferDiffere
     value it holds now (a freshly exported or reset program's initial value, bit for bit),
     then each registered facet.
     """
-    tensors = {name: _buffer_tensors(program) for name, program in programs.items()}
+    tensors = {name: held_buffers(program) for name, program in programs.items()}
     holders: dict[str, list[str]] = {}
     for name, held in tensors.items():
         for fqn in held:
@@ -239,7 +242,7 @@ def check_shared_buffers(programs: Mapping[str, Any], when: str = "") -> None:
 
 def shared_objects(programs: Mapping[str, Any]) -> dict[str, list[str]]:
     """For each buffer held as one tensor object by several methods, those methods."""
-    tensors = {name: _buffer_tensors(program) for name, program in programs.items()}
+    tensors = {name: held_buffers(program) for name, program in programs.items()}
     groups: dict[str, list[str]] = {}
     for fqn in {fqn for held in tensors.values() for fqn in held}:
         holders = [name for name in programs if fqn in tensors[name]]
@@ -256,7 +259,7 @@ def share_again(programs: Mapping[str, Any], groups: Mapping[str, list[str]]) ->
     Only call it once the methods agree on the buffers' values."""
     reshared = []
     for fqn, names in groups.items():
-        tensors = [_buffer_tensors(programs[name]).get(fqn) for name in names]
+        tensors = [held_buffers(programs[name]).get(fqn) for name in names]
         if any(t is None for t in tensors) or all(t is tensors[0] for t in tensors):
             continue
         for name, tensor in zip(names[1:], tensors[1:], strict=True):
@@ -277,6 +280,17 @@ class SharedBuffers(JointCondition):
 
     def remember(self, programs: Mapping[str, Any]) -> dict[str, list[str]]:
         return shared_objects(programs)
+
+    def join(self, programs: Mapping[str, Any]) -> dict[str, dict[str, list[str]]]:
+        """A method that only reads a buffer the pipeline stored as integers in the methods
+        writing it (QuantizeMutableBuffers decides each method from its own writes) reads
+        those integers too: ``notes["integer reads"]``, per method, those buffers."""
+        if not all(isinstance(p, ExportedProgram) for p in programs.values()):
+            return {}
+        # Imported here: integer_reads builds on this module's written_by_any_method.
+        from .integer_reads import read_integer_state
+        read = read_integer_state(programs)
+        return {"integer reads": read} if read else {}
 
     def settle(self, programs: Mapping[str, Any],
                remembered: dict[str, list[str]]) -> dict[str, list[str]]:

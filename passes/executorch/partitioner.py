@@ -46,6 +46,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from .._analysis.buffers import buffer_tensor
+from .._methods.shared_buffers import check_shared_buffers
 from ..delegation.errors import BufferConsumptionError
 from ..delegation.ownership import BufferOwnership, tagged_buffer_ownership
 from ..delegation.partitioners import DELEGATION_TAG, getitems_follow_their_source
@@ -134,6 +135,10 @@ class BufferOwningPartitioner(Partitioner):
     Raises:
         ExecuTorchInputError: ``partitioner`` is not a ``Partitioner`` instance (the class
             itself, ``XnnpackPartitioner`` for ``XnnpackPartitioner()``, names the fix).
+        SharedBufferError: ``methods`` disagree about a buffer some method writes and
+            several hold (shape, dtype, initial value or quantization grid): memory planning
+            would give it one place and one initial value for all, silently wrong in the
+            others.
         ExecuTorchInputError: ``keep_precision`` is not a bool or a collection of FQNs, or
             (from ``partition``) names a buffer the program does not have.
         DelegateStateDtypeError: from ``partition``, a Core ML delegate would own a buffer
@@ -966,7 +971,15 @@ def _checked_keep_precision(keep: Any) -> bool | frozenset[str]:
 
 
 def _checked_methods(methods: Any) -> dict[str, ExportedProgram] | None:
-    return None if methods is None else checked_methods(PASS_NAME, "methods", methods)
+    if methods is None:
+        return None
+    methods = checked_methods(PASS_NAME, "methods", methods)
+    # Memory planning (share_mutable_buffers=True) gives a buffer of one name one place for
+    # every method, sized and initialized from one of them: methods disagreeing about it
+    # would read each other's bytes as their own dtype or shape, or start from another's
+    # initial value, and the .pte would be silently wrong.
+    check_shared_buffers(methods, f"{PASS_NAME}(methods=...)")
+    return methods
 
 
 def executorch_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

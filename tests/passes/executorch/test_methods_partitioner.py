@@ -23,6 +23,7 @@ from passes.executorch import (
     ExecuTorchInputError,
     SharedBufferDelegationError,
 )
+from passes.errors import SharedBufferError
 from passes.executorch.method_state import method_state
 from tests.models.executorch_cases import everything
 from tests.models.methods_on_runtime import (
@@ -165,3 +166,36 @@ def test_methods_that_are_not_a_mapping_of_programs(methods, argument):
     with pytest.raises(ExecuTorchInputError) as info:
         BufferOwningPartitioner(everything(), methods=methods)
     assert info.value.argument == argument
+
+
+class _Total(torch.nn.Module):
+    """A running total of the inputs, of any shape, dtype and initial value."""
+
+    def __init__(self, shape=(1,), dtype=torch.float32, initial=0.0) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.full(shape, initial, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x.sum().to(self.total.dtype))
+        return x * self.total.float().sum()
+
+
+@pytest.mark.parametrize("other, aspect", [
+    (_Total(dtype=torch.float64), "dtype"),
+    (_Total(dtype=torch.int64), "dtype"),
+    (_Total(shape=(2,)), "shape"),
+    (_Total(initial=1.0), "initial value"),
+])
+def test_methods_disagreeing_about_a_shared_buffer_are_refused(other, aspect):
+    """Lowered anyway, memory planning gives ``total`` one place and one initial value: the
+    narrow method started from the wide one's 1.0 (3.0 for 2.0 on its first call) or read
+    a float64 / (2,) total as its own fp32 (1,) one."""
+    narrow, wide = (torch.ones(1, 2),), (torch.ones(1, 4),)
+    with torch.no_grad():
+        methods = {"narrow": torch.export.export(_Total(), narrow),
+                   "wide": torch.export.export(other, wide)}
+    with pytest.raises(SharedBufferError) as info:
+        BufferOwningPartitioner(everything(), methods=methods)
+    assert (info.value.buffer, info.value.methods, info.value.aspect) == (
+        "total", ["narrow", "wide"], aspect)
+    assert "BufferOwningPartitioner(methods=...)" in str(info.value)

@@ -1,0 +1,69 @@
+"""A method that only reads state another method writes, run in turn and stored as integers.
+
+``ReadOnlyState`` as a ``read`` method (one row: it reads the total, count and seen mask) and a
+``write`` one (three rows: it updates them), called alternately. The reader must see what
+the writer wrote, in Python as on the device, and with the state stored as integers by the
+pass manager on the mapping it must read the writer's integers.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from pass_manager import PassManager
+from pass_manager.validation import copy_program, first_difference
+from passes import QuantizeMutableBuffers, mutable_buffers
+from passes._methods.calls import share_buffer_tensors
+from passes._methods.in_turn import run_methods
+from passes.flow.examples import xnnpack_quantizer
+from passes.flow.integer_state import dequantized_state
+from passes.quantization import quantize_methods
+from tests.models.methods import calls_in_sequence
+from tests.models.methods_on_runtime import read_only_state_methods
+
+STATE = ("total", "count", "seen")
+
+
+def test_a_reader_shares_the_tensor_of_state_another_method_writes():
+    """Before, only the buffers a method writes were shared: the reader kept its own total
+    at the initial value, so every read after a write was off (the main job's fp32 check
+    failed on the three-method decoder: its state method returned a zero cache)."""
+    case = read_only_state_methods()
+    programs = copy_program(dict(case.programs))
+    shared = share_buffer_tensors(programs)
+    assert {fqn: sorted(names) for fqn, names in shared.items()} == {
+        fqn: ["read", "write"] for fqn in STATE}
+    eager = copy.deepcopy(case.model)
+    trace = run_methods(programs, case.calls)
+    for index, (method, args, kwargs) in enumerate(case.calls):
+        with torch.no_grad():
+            want = eager(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+        (got,) = trace.outputs[index]  # the one output, as a trace holds it
+        assert torch.equal(got, want), (index, method)
+        for fqn in STATE:  # bit for bit, after every call
+            assert torch.equal(trace.buffers[index][fqn], getattr(eager, fqn)), (index, fqn)
+
+
+def test_the_pass_manager_makes_a_reader_read_the_integers_the_writer_stores():
+    """QuantizeMutableBuffers run on the mapping decides each method from its own writes;
+    before, the reader kept a float total beside the writer's int8 one and the run failed
+    with SharedBufferError after the pipeline (the main job's integer-state stage too)."""
+    case = read_only_state_methods()
+    floats = quantize_methods(copy_program(dict(case.programs)), xnnpack_quantizer(), case.calls)
+    stored = PassManager([QuantizeMutableBuffers()]).run(copy_program(dict(floats)))
+    integers = stored.programs
+    assert integers["read"].state_dict["total"].dtype == torch.int8
+    assert integers["read"].state_dict["total"] is integers["write"].state_dict["total"]
+    assert stored.notes["integer reads"] == {"read": ["total"]}
+    for got, want in zip(calls_in_sequence(integers, case.calls),
+                         calls_in_sequence(floats, case.calls), strict=True):
+        assert torch.equal(got, want)  # bit for bit the float-stored methods, call after call
+    # and the state the calls leave, dequantized, is the float-stored methods' state
+    grids = {fqn: info.grid for program in integers.values()
+             for fqn, info in mutable_buffers(program).items() if info.grid is not None}
+    assert set(grids) == {"total"}
+    want = run_methods(floats, case.calls)
+    got = run_methods(integers, case.calls, state=dequantized_state(grids))
+    assert first_difference(want, got) is None  # atol 0: outputs and every buffer
