@@ -18,12 +18,12 @@ import torch
 from executorch.exir import to_edge, to_edge_transform_and_lower
 
 from pass_manager import PassManagerError
+from passes.errors import SharedBufferError
 from passes.executorch import (
     BufferOwningPartitioner,
     ExecuTorchInputError,
     SharedBufferDelegationError,
 )
-from passes.errors import SharedBufferError
 from passes.executorch.method_state import method_state
 from tests.models.executorch_cases import everything
 from tests.models.methods_on_runtime import (
