@@ -14,6 +14,7 @@ through a view addressing an element twice is checked where it is written back
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -191,40 +192,49 @@ def _custom_op_operands(op: Any) -> dict[Any, tuple[str, ...]]:
     return {op: read} if read else {}
 
 
+_WHY = {
+    "custom": "the op's body may read it after it wrote {w}, so eager's result depends on "
+              "its order; pass a clone",
+    "product": "its kernel still reads it while it writes {w}: eager's result depends on "
+               "that order; compute the product, then copy_ it",
+    "order": "eager reads it element after element while it writes {w}, so its result "
+             "depends on that order; pass a clone",
+    "refused": "eager refuses such a call where it can tell (\"some elements of the input "
+               "tensor and the written-to tensor refer to a single memory location\"), and "
+               "its result otherwise depends on the kernel's order; pass a clone",
+}
+
+
+@functools.cache
+def _operands_read_while_written(op: Any) -> tuple[tuple[str, int, str], ...]:
+    """``op``'s operands that must share no element with the tensor it writes, as
+    ``(argument name, position, why)``; once per op (every write asks)."""
+    found = []
+    for table, why in ((_custom_op_operands(op), "custom"), (_PRODUCTS, "product"),
+                       (_ORDER_DEPENDENT, "order"), (_EAGER_REFUSES, "refused")):
+        names = [a.name for a in op._schema.arguments] if op in table else []
+        found += [(name, names.index(name), _WHY[why]) for name in table.get(op, ())]
+    return tuple(found)
+
+
 def _check_operands_read_while_written(node: Node, written: list[Node],
                                        aliases: dict[Node, Alias]) -> None:
     """Refuse an op whose operand shares an element with the tensor it writes, the same
     tensor included (views that partially overlap are refused for every op in
     :func:`check_write`), when that op's eager result is not its functional form's."""
     op = target_of(node)
-    for table, why in (
-        (_custom_op_operands(op), "the op's body may read it after it wrote {w}, so eager's "
-                                  "result depends on its order; pass a clone"),
-        (_PRODUCTS, "its kernel still reads it while it writes {w}: eager's result depends "
-                    "on that order; compute the product, then copy_ it"),
-        (_ORDER_DEPENDENT, "eager reads it element after element while it writes {w}, so "
-                           "its result depends on that order; pass a clone"),
-        (_EAGER_REFUSES, "eager refuses such a call where it can tell (\"some elements "
-                         "of the input tensor and the written-to tensor refer to a single "
-                         "memory location\"), and its result otherwise depends on the "
-                         "kernel's order; pass a clone"),
-    ):
-        operands = table.get(op)
-        if operands is None:
-            continue
-        schema = op._schema
-        names = [a.name for a in schema.arguments]
-        for name in operands:
-            value = argument_value(node, schema, names.index(name))
-            for operand in value if isinstance(value, (list, tuple)) else (value,):
-                for w in written:
-                    if isinstance(operand, Node) and operand in aliases and w in aliases and (
-                        aliases[operand].root is aliases[w].root and may_share(w, operand)
-                    ):
-                        raise UnsupportedMutationError(
-                            node, f"the tensor it writes, {w.name}, shares elements with "
-                                  f"its operand {name}={operand.name}: "
-                                  + why.format(w=w.name), "overlap")
+    checks = _operands_read_while_written(op) if isinstance(op, torch._ops.OpOverload) else ()
+    for name, position, why in checks:
+        value = argument_value(node, op._schema, position)
+        for operand in value if isinstance(value, (list, tuple)) else (value,):
+            for w in written:
+                if isinstance(operand, Node) and operand in aliases and w in aliases and (
+                    aliases[operand].root is aliases[w].root and may_share(w, operand)
+                ):
+                    raise UnsupportedMutationError(
+                        node, f"the tensor it writes, {w.name}, shares elements with its "
+                              f"operand {name}={operand.name}: " + why.format(w=w.name),
+                        "overlap")
 
 
 def _laid_out_overlapping(root: Node) -> bool:
