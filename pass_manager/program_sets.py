@@ -62,7 +62,7 @@ def register_joint_condition(condition: JointCondition) -> None:
 
 class MethodsRunResult(dict):
     """A ``RunResult`` per program, by name (``result["decode"].program``), in the mapping's
-    order; ``notes``: what the joint conditions' ``settle`` reported, merged."""
+    order; ``notes``: what the joint conditions' ``join`` and ``settle`` reported, merged."""
 
     def __init__(self, results: Mapping[str, Any], notes: dict[str, Any] | None = None):
         super().__init__(results)

@@ -70,12 +70,9 @@ from ._methods.calls import (
     reads_kept_live,
     share_buffer_tensors,
 )
-from ._methods.integer_reads import read_integer_state
 from ._methods.observers import buffer_observers, share_observers
 from ._methods.shared_buffers import (
     check_shared_buffers,
-    share_again,
-    shared_objects,
     written_by_any_method,
 )
 from .errors import (
@@ -746,15 +743,12 @@ def quantize_methods(
         stages = dict(zip(("transform", "after_annotate"), wrapped[name].reports, strict=True))
         reports[name] = {**stages, "unfreeze": unfreeze}
     if quantize_state:
-        pipeline = PassManager([QuantizeMutableBuffers()])
-        groups = shared_objects(quantized)
-        for name, program in quantized.items():  # each method decides from its own writes,
-            stored = pipeline.run(program)
-            quantized[name] = stored.program
-            reports[name]["quantize_state"] = stored.report
-        read_integer_state(quantized)  # then a method only reading a buffer reads them
-        check_shared_buffers(quantized, f"after {pipeline}")
-        share_again(quantized, groups)
+        # Run on the mapping: each method decides from its own writes, then a method only
+        # reading a buffer reads the writers' integers, checked and shared again.
+        stored = PassManager([QuantizeMutableBuffers()]).run(quantized)
+        for name, result in stored.items():
+            quantized[name] = result.program
+            reports[name]["quantize_state"] = result.report
     else:
         check_shared_buffers(quantized, "after quantize_methods")
     shared_inputs: dict[str, dict[str, str]] = {}

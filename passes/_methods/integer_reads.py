@@ -21,7 +21,6 @@ from torch.export import ExportedProgram
 from .._analysis.buffers import GRID_META, INITIAL_META, buffer_tensor, replace_buffer_tensor
 from .._analysis.grids import Grid
 from .._analysis.marked_state import initial_copy
-from .shared_buffers import written_by_any_method
 
 __all__ = ["read_integer_state"]
 
@@ -38,13 +37,14 @@ def _stored_grids(programs: Mapping[str, ExportedProgram]) -> dict[str, tuple[Gr
     return found
 
 
-def read_integer_state(programs: Mapping[str, ExportedProgram]) -> dict[str, list[str]]:
+def read_integer_state(programs: Mapping[str, ExportedProgram],
+                       written: set[str]) -> dict[str, list[str]]:
     """Make every method that holds, float and unwritten, a buffer other methods store on a
     per-tensor grid read those integers (the same tensor); returns, per method, the
-    buffers it now reads so. Per-channel grids are left as they are (the methods then
-    disagree, and the shared-buffer check says so)."""
+    buffers it now reads so (``written``: the buffers some method writes). Per-channel
+    grids are left as they are (the methods then disagree, and the shared-buffer check
+    says so)."""
     stored = _stored_grids(programs)
-    written = written_by_any_method(programs)
     changed: dict[str, list[str]] = {}
     for name, program in programs.items():
         names = program.graph_signature.inputs_to_buffers

@@ -32,6 +32,7 @@ from pass_manager.program_sets import JointCondition
 
 from ..errors import SharedBufferError
 from .grid_facet import GRID_FACET, buffer_grids
+from .integer_reads import read_integer_state
 
 __all__ = [
     "SHARED_BUFFERS",
@@ -287,9 +288,7 @@ class SharedBuffers(JointCondition):
         those integers too: ``notes["integer reads"]``, per method, those buffers."""
         if not all(isinstance(p, ExportedProgram) for p in programs.values()):
             return {}
-        # Imported here: integer_reads builds on this module's written_by_any_method.
-        from .integer_reads import read_integer_state
-        read = read_integer_state(programs)
+        read = read_integer_state(programs, written_by_any_method(programs))
         return {"integer reads": read} if read else {}
 
     def settle(self, programs: Mapping[str, Any],
