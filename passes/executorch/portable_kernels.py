@@ -33,12 +33,9 @@ _DEQUANTIZE = ("dequantize_per_tensor", "dequantize_per_channel", "dequantize_pe
 
 def _op_name(target: object) -> str:
     """``"quantized_decomposed.quantize_per_tensor"`` for that op in any dialect (ATen,
-    Edge, out variant)."""
-    text = str(getattr(target, "__name__", "")) or str(target)
-    if "quantized_decomposed" not in text:
-        text = str(target)
-    parts = text.split(".")
-    return ".".join(parts[:2]) if len(parts) >= 2 else text
+    Edge, out variant): its schema's name, which they share."""
+    schema = getattr(target, "_schema", None)
+    return schema.name.replace("::", ".") if schema is not None else ""
 
 
 def _dtype(value: object) -> torch.dtype | None:
