@@ -61,7 +61,9 @@ class InplaceToFunctional(Pass):
         UnsupportedMutationError: raised by ``call`` for a mutation it cannot rewrite
             correctly, its ``kind`` saying which: a write to a lifted constant
             ("writes-constant"), an op with no known functional variant, such as an ``out=``
-            reduction computing in an out tensor of another dtype ("no-variant"), a
+            reduction computing in an out tensor of another dtype, or a random op drawing into
+            a tensor laid out so that eager draws other numbers than any functional form
+            ("no-variant"), a
             write through a view with no write-back ("no-write-back"), a written tensor
             that may partially overlap another argument, or an operand sharing elements
             with (or being) the tensor an op writes where eager's result is not the

@@ -6,7 +6,9 @@ op, an operand sharing elements with (or being) the tensor written by an op whos
 result then is not its functional form's (a matrix product, ``masked_scatter_``) or that
 eager refuses then (index and scatter ops), an opaque node (no schema, or a higher-order
 op writing inside its subgraph) that receives mutable state, and written state sharing its
-storage with other state or with itself (a buffer registered expanded). Each is an
+storage with other state or with itself (a buffer registered expanded), and a random
+write laid out so that eager draws other numbers than its functional form
+(``random_writes``). Each is an
 :class:`~passes.errors.UnsupportedMutationError` naming the node and the reason. A write
 through a view addressing an element twice is checked where it is written back
 (``overlapping_writes``).
@@ -27,6 +29,7 @@ from .._analysis.op_schema import argument_value, target_of
 from ..errors import UnsupportedMutationError
 from .element_overlap import addresses_twice, may_overlap, may_share, tensors_may_share
 from .overlapping_writes import stores_aliased_positions
+from .random_writes import check_random_layout
 from .view_inverse import write_back_reason
 
 __all__ = ["check_opaque", "check_shared_storage", "check_write"]
@@ -92,6 +95,7 @@ def check_write(node: Node, written: list[Node], aliases: dict[Node, Alias],
     inputs = [a for a in node.all_input_nodes if a in aliases]
     _check_written_once(node, written, aliases)
     _check_operands_read_while_written(node, written, aliases)
+    check_random_layout(node, written)
     for w in written:
         alias = aliases[w]
         state = states.get(alias.root)
