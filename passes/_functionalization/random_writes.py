@@ -21,10 +21,12 @@ Such a write is refused (``no-variant``): no functional form draws eager's numbe
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._analysis.op_schema import target_of
 from ..errors import UnsupportedMutationError
@@ -37,7 +39,7 @@ _CONTIGUOUS_ALLOCATION = frozenset({aten.bernoulli_.float})
 """In-place random ops whose functional variant allocates a contiguous result
 (``bernoulli.p``: ``empty_like(self, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``)."""
 
-_NORMAL_DRAWS = frozenset({"normal_", "normal", "randn", "normal_functional"})
+_NORMAL_DRAWS = frozenset({"normal_", "normal", "randn"})
 """Ops drawing normals, whose CPU kernel fills a contiguous tensor of 16 or more elements
 by a vectorized algorithm and any other tensor one element at a time."""
 
@@ -52,47 +54,61 @@ def _writes_out(op: Any) -> bool:
                                    and a.alias_info.is_write) for a in op._schema.arguments)
 
 
-def _memory_order(sizes: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
-    """The dims of more than one element, outermost in storage first."""
-    dims = [d for d, size in enumerate(sizes) if size > 1]
-    return tuple(sorted(dims, key=lambda d: (-strides[d], d)))
+def _known(condition: Any) -> bool:
+    """True only when ``condition`` holds for every size (never adds a guard)."""
+    return statically_known_true(condition)
 
 
-def _static(values: Any) -> tuple[int, ...] | None:
-    try:
-        return tuple(int(v) for v in values)
-    except (TypeError, ValueError, RuntimeError):  # symbolic (unbacked or not guarded)
-        return None
+def _spread(val: torch.Tensor) -> list[int]:
+    """The dims that may hold more than one element (only those order the storage)."""
+    return [d for d, size in enumerate(val.shape) if not _known(size == 1)]
 
 
-def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(sizes):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+def _storage_order_is_logical(val: torch.Tensor) -> bool:
+    """Whether the storage holds ``val``'s elements in their logical order (strides of its
+    spread dims decreasing): a column, a strided slice, not a transpose."""
+    strides, dims = val.stride(), _spread(val)
+    return all(_known(strides[a] >= strides[b]) for a, b in itertools.pairwise(dims))
 
 
-def _layouts_draw_alike(op: Any, val: torch.Tensor) -> bool:
-    sizes, strides = _static(val.shape), _static(val.stride())
-    if sizes is None or strides is None:
-        return False
-    if val.numel() <= 1:
-        return True
-    if _writes_out(op) or op in _CONTIGUOUS_ALLOCATION:
-        allocated = _contiguous_strides(sizes)
-    else:
-        allocated = _static(torch.empty_like(val).stride())
-        if allocated is None:
+def _contiguous(val: torch.Tensor) -> bool:
+    step: Any = 1
+    spread = _spread(val)
+    for d in reversed(range(val.dim())):
+        if d in spread and not _known(val.stride()[d] == step):
             return False
-    if _memory_order(sizes, strides) != _memory_order(sizes, allocated):
-        return False
-    if op._schema.name.split("::")[-1] in _NORMAL_DRAWS:
-        contiguous = _contiguous_strides(sizes)
-        keep = [d for d, size in enumerate(sizes) if size > 1]
-        return ([strides[d] for d in keep] == [contiguous[d] for d in keep]) == (
-            [allocated[d] for d in keep] == [contiguous[d] for d in keep])
+        step = step * val.shape[d]
     return True
+
+
+def _dense(val: torch.Tensor) -> bool:
+    """Whether ``val`` fills its storage without gaps (``empty_like`` keeps its strides);
+    of symbolic layouts, only contiguous ones are known to."""
+    if _contiguous(val):
+        return True
+    sizes, strides = tuple(val.shape), val.stride()
+    if not all(type(v) is int for v in (*sizes, *strides)):
+        return False
+    step = 1
+    for d in sorted(_spread(val), key=lambda d: strides[d]):  # innermost first
+        if strides[d] != step:
+            return False
+        step *= sizes[d]
+    return True
+
+
+def _draws_alike(op: Any, val: torch.Tensor) -> bool:
+    """Whether eager draws into ``val`` the numbers ``op``'s functional form draws into the
+    tensor it allocates (the module docstring)."""
+    if not _spread(val):
+        return True
+    # The vectorized normal fill takes a contiguous tensor of 16 or more elements.
+    normal = op._schema.name.split("::")[-1] in _NORMAL_DRAWS and not _known(val.numel() < 16)
+    if _writes_out(op) or op in _CONTIGUOUS_ALLOCATION:  # draws into a contiguous tensor
+        return _contiguous(val) if normal else _storage_order_is_logical(val)
+    # Draws into empty_like(val): val's strides when it is dense, otherwise compact
+    # strides in val's storage order, which are contiguous when that order is logical.
+    return not normal or _dense(val) or not _storage_order_is_logical(val)
 
 
 def check_random_layout(node: Node, written: list[Node]) -> None:
@@ -105,7 +121,7 @@ def check_random_layout(node: Node, written: list[Node]) -> None:
         val = w.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.layout != torch.strided:
             continue
-        if not _layouts_draw_alike(op, val):
+        if not _draws_alike(op, val):
             raise UnsupportedMutationError(
                 node, f"it draws random numbers into {w.name} (size {tuple(val.shape)}, "
                       f"stride {tuple(val.stride())}), whose layout makes eager's kernel "

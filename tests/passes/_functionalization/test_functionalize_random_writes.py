@@ -47,6 +47,10 @@ def _uniform(t):
     return t.uniform_(-1, 1)
 
 
+def _short_column(b):
+    return b[:8, 0]  # normal_ fills fewer than 16 elements one at a time, contiguous or not
+
+
 @pytest.mark.parametrize("draw, view", [
     (_normal, _column),  # eager draws one at a time, normal_functional by the vectorized fill
     (_bernoulli, _transpose),  # bernoulli.p draws into a contiguous tensor: another order
@@ -59,8 +63,10 @@ def test_random_write_drawing_other_numbers_is_refused(draw, view):
 
 
 @pytest.mark.parametrize("draw, view", [
-    (_normal, _transpose), (_uniform, _column), (_bernoulli, _column), (_rand_out, _column),
-], ids=["normal_-transpose", "uniform_-column", "bernoulli_-column", "rand-out-column"])
+    (_normal, _transpose), (_normal, _short_column), (_uniform, _column),
+    (_bernoulli, _column), (_rand_out, _column),
+], ids=["normal_-transpose", "normal_-short-column", "uniform_-column", "bernoulli_-column",
+        "rand-out-column"])
 def test_random_write_is_exact_under_one_seed(draw, view):
     x = torch.randn(16, 16)
     ep = torch.export.export(RandomWrite(draw, view), (x,))
@@ -75,3 +81,28 @@ def test_random_write_is_exact_under_one_seed(draw, view):
             torch.manual_seed(seed)
             assert torch.equal(functional(x), expected)
             assert torch.equal(dict(functional.named_buffers())["b"], eager.b)
+
+
+class SymbolicRows(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(32, 32))
+
+    def forward(self, x):
+        self.b[:x.shape[0]].normal_()
+        return self.b[:x.shape[0]] + x
+
+
+def test_random_write_of_symbolic_size_is_exact():
+    """Contiguous rows of symbolic count: proven contiguous for every count, not refused."""
+    n = torch.export.Dim("n", min=2, max=30)
+    ep = torch.export.export(SymbolicRows(), (torch.randn(20, 32),), dynamic_shapes=({0: n},))
+    functional = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(ep).program
+    functional, eager = functional.module(), SymbolicRows()
+    for seed, rows in enumerate((20, 5, 17)):
+        x = torch.randn(rows, 32)
+        torch.manual_seed(seed)
+        expected = eager(x)
+        torch.manual_seed(seed)
+        assert torch.equal(functional(x), expected)
+        assert torch.equal(dict(functional.named_buffers())["b"], eager.b)
