@@ -49,6 +49,8 @@ class InlinedRegions:
 
     dead: list[Node] = field(default_factory=list)
     functionalized: list[Node] = field(default_factory=list)
+    # Regions whose body's rewrite was refused: the refusal, to say why the region is.
+    refused: dict[Node, UnsupportedMutationError] = field(default_factory=dict)
 
 
 def _inlinable(node: Node, gm: GraphModule) -> GraphModule | None:
@@ -86,12 +88,13 @@ def _written_results(sub: GraphModule) -> dict[int, Node] | None:
     return found
 
 
-def _functional_body(node: Node, gm: GraphModule, rewrite_of: Callable[[GraphModule], Any]
-                     ) -> tuple[GraphModule, list[int], dict[int, int]] | None:
+def _functional_body(node: Node, gm: GraphModule, rewrite_of: Callable[[GraphModule], Any],
+                     log: InlinedRegions) -> tuple[GraphModule, list[int], dict[int, int]] | None:
     """A copy of a state-writing region's body, functionalized, returning after its own
     results the new value of each operand it writes; those operands' positions; and which
     results were written operands themselves (result index -> operand position). None when
-    the body's writes cannot be functionalized (the region stays, and is refused)."""
+    the body's writes cannot be functionalized (the region stays, and is refused: the
+    body's refusal is kept in ``log.refused``)."""
     body = node.args[_BODY_INDEX[node.target]]
     sub = getattr(gm, str(body.target), None) if isinstance(body, Node) else None
     if not isinstance(sub, GraphModule) or hop_writes(node, gm) is None or len(body.users) != 1:
@@ -106,7 +109,8 @@ def _functional_body(node: Node, gm: GraphModule, rewrite_of: Callable[[GraphMod
     try:
         rewrite = rewrite_of(new)
         rewrite.run()
-    except UnsupportedMutationError:
+    except UnsupportedMutationError as error:
+        log.refused[node] = error
         return None
     rewrite.commit()
     backs = trailing_write_backs(new)
@@ -130,7 +134,7 @@ def _functional_body(node: Node, gm: GraphModule, rewrite_of: Callable[[GraphMod
 def _functionalize_region(node: Node, gm: GraphModule, log: InlinedRegions,
                           rewrite_of: Callable[[GraphModule], Any]) -> None:
     """Give a state-writing region a functional body; write its new values back after it."""
-    made = _functional_body(node, gm, rewrite_of)
+    made = _functional_body(node, gm, rewrite_of, log)
     val = node.meta.get("val")
     if made is None or not isinstance(val, (tuple, list)):
         return

@@ -159,6 +159,10 @@ class Rewrite:
             self.state_root.setdefault(state, node)
         self.aliases = scan.aliases
         self.opaque = {o.node: o.reason for o in scan.opaque}
+        for region, error in inlined.refused.items():
+            if region in self.opaque:  # why its body was not functionalized
+                self.opaque[region] += (f"; its body cannot be functionalized: node "
+                                        f"{error.node} ({error.kind}): {error.reason}")
         self.writing_nodes = scan.writing_nodes
         self.output = self.graph.output_node()
         self.mutation_outputs: list[tuple[State, Any]] = []

@@ -297,6 +297,8 @@ def test_autocast_region_whose_body_cannot_be_functionalized_is_refused_unchange
     ep = torch.export.export(AutocastShapeChangeOfState(), copy.deepcopy(calls[0]))
     error = refused_in_both_forms_of(ep, "opaque")
     assert "inside its subgraph" in str(error)
+    # The body's own refusal says why (before, only that the region writes b).
+    assert "its body cannot be functionalized: node unsqueeze_ (relayout)" in str(error)
 
 
 class AutocastThenFailingWrite(nn.Module):
