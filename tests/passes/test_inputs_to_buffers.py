@@ -197,6 +197,12 @@ READS_KEEPING_EVERY_ELEMENT = {
     "contiguous": lambda cache: cache.contiguous(),
     "view of its own shape": lambda cache: cache.view(cache.shape),
     "clone": lambda cache: cache.clone(),
+    # through other shapes and permutations back to its own: the same elements at the
+    # same indices (refused as "output '1' returns slice" ... until followed)
+    "full slice": lambda cache: cache[:],
+    "flatten and view back": lambda cache: cache.flatten().view(6, 4),
+    "unsqueeze and squeeze": lambda cache: cache.unsqueeze(0).squeeze(0),
+    "transposed twice": lambda cache: cache.t().t(),
 }
 
 
@@ -223,6 +229,24 @@ def test_a_cache_written_in_place_and_returned_through_a_cast_pairs(read, form):
         got = module(x, position)
         assert torch.equal(got[0] if isinstance(got, tuple) else got, expected)
         assert torch.equal(buffers(module, ["cache"])["cache"], cache)
+
+
+# Reads of the written cache that move its elements (a square cache, so shapes agree):
+# still another value than the one written in place.
+READS_MOVING_ELEMENTS = {
+    "transposed": lambda cache: cache.t(),
+    "transposed then reshaped": lambda cache: cache.t().reshape(4, 4),
+    "reshaped, transposed, reshaped back": lambda cache: cache.view(2, 8).t().reshape(4, 4),
+}
+
+
+@pytest.mark.parametrize("read", list(READS_MOVING_ELEMENTS))
+def test_a_cache_returned_with_its_elements_moved_is_refused(read):
+    eager = _CacheReadBackThroughACast(READS_MOVING_ELEMENTS[read])
+    program = functional(eager, (torch.ones(1, 4), torch.tensor([0]), torch.zeros(4, 4)),
+                         form="module")
+    error = _refused(program, StatePairingError, next_values={"cache": "1"})
+    assert error.name == "cache" and "writes it in place" in error.reason
 
 
 @pytest.mark.parametrize("form", FORMS)
