@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keyword
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -64,8 +65,10 @@ class InputsToBuffers(Pass):
     (``logits``, ``cache.0``; ``0``, ``1`` for a returned tuple). ``buffers`` chooses the
     inputs and names their buffers (a sequence: named after the input); by default every
     input mutated in place or paired becomes a buffer named after its dotted path (else its
-    placeholder). The inputs and the outputs that carried the state leave the call signature
-    (pytree specs, graph signature, module call graph and example inputs agree). A buffer
+    placeholder; a part that is a Python keyword gets an underscore, ``state.def_``, as
+    torch.fx cannot write ``self.state.def``). The inputs and the outputs that carried the
+    state leave the call signature (pytree specs, graph signature, module call graph and
+    example inputs agree). A buffer
     starts as ``initial_values[buffer]``, else the example input's value (an ExportedProgram's
     example inputs; a GraphModule's input that BuffersToInputs made: the value its buffer
     held), else zeros (a note says so). Each write keeps a value of its own, as InplaceToFunctional
@@ -96,7 +99,8 @@ class InputsToBuffers(Pass):
             (neither mutated in place nor paired), or a buffer no state gets.
         StatePairingError: an input and its next value differ in shape or dtype, or the
             program writes the input in place with another value than the paired output.
-        CarriedStateError: otherwise impossible: a buffer name already taken, an input that
+        CarriedStateError: otherwise impossible: a buffer name already taken or with a
+            Python keyword as a part (``buffers={"x": "state.def"}``), an input that
             is one leaf of a container (a ``StaticCache``) whose other leaves stay inputs, a
             dynamic shape, an initial value of another shape or dtype.
     """
@@ -161,12 +165,12 @@ class InputsToBuffers(Pass):
         pairs = resolve_pairs(names, outputs, self.next_values, self.pair_by_name, _NAME)
         written = {view.inputs.index(p) for p in view.writes if p in view.inputs}
         if self.buffers is None:
-            chosen = {i: names[i][-1] for i in sorted(written | set(pairs))}
+            chosen = {i: _buffer_name(names[i][-1]) for i in sorted(written | set(pairs))}
         elif isinstance(self.buffers, Mapping):
             chosen = {input_index(n, "buffers"): b for n, b in self.buffers.items()}
         else:
-            chosen = {input_index(n, "buffers"): names[input_index(n, "buffers")][-1]
-                      for n in self.buffers}
+            chosen = {input_index(n, "buffers"):
+                      _buffer_name(names[input_index(n, "buffers")][-1]) for n in self.buffers}
         carried = []
         for i, buffer in chosen.items():
             node = view.inputs[i]
@@ -248,12 +252,25 @@ class InputsToBuffers(Pass):
                                         "the program has, another input, or an attribute), "
                                         "is the path of a module holding state, or lies "
                                         "under a tensor: give another name in buffers")
+            if any(keyword.iskeyword(part) for part in c.buffer.split(".")):
+                raise CarriedStateError(_NAME, c.buffer, "a part of the buffer name is a Python "
+                                        "keyword: torch.fx writes the buffer's read as "
+                                        f"self.{c.buffer}, which is no Python; give another "
+                                        "name in buffers")
             seen.add(c.buffer)
         unknown = set(self.initial_values or {}) - seen
         if unknown:
             name = sorted(unknown)[0]
             raise StateNameError(_NAME, name, "initial_values names a buffer no state becomes "
                                  f"(buffers: {', '.join(sorted(seen))})")
+
+
+def _buffer_name(path: str) -> str:
+    """The buffer an input at dotted ``path`` becomes by default: ``path``, each part that is
+    a Python keyword with an underscore appended (``state.def`` -> ``state.def_``): torch.fx
+    writes a buffer's read as ``self.state.def``, which does not compile."""
+    return ".".join(part + "_" if keyword.iskeyword(part) else part
+                    for part in path.split("."))
 
 
 def _clashes(fqn: str, taken: set[str]) -> bool:
