@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keyword
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -64,8 +65,10 @@ class InputsToBuffers(Pass):
     (``logits``, ``cache.0``; ``0``, ``1`` for a returned tuple). ``buffers`` chooses the
     inputs and names their buffers (a sequence: named after the input); by default every
     input mutated in place or paired becomes a buffer named after its dotted path (else its
-    placeholder). The inputs and the outputs that carried the state leave the call signature
-    (pytree specs, graph signature, module call graph and example inputs agree). A buffer
+    placeholder; a part that is a Python keyword gets an underscore, ``state.def_``, as
+    torch.fx cannot write ``self.state.def``). The inputs and the outputs that carried the
+    state leave the call signature (pytree specs, graph signature, module call graph and
+    example inputs agree). A buffer
     starts as ``initial_values[buffer]``, else the example input's value (an ExportedProgram's
     example inputs; a GraphModule's input that BuffersToInputs made: the value its buffer
     held), else zeros (a note says so). Each write keeps a value of its own, as InplaceToFunctional
@@ -96,7 +99,8 @@ class InputsToBuffers(Pass):
             (neither mutated in place nor paired), or a buffer no state gets.
         StatePairingError: an input and its next value differ in shape or dtype, or the
             program writes the input in place with another value than the paired output.
-        CarriedStateError: otherwise impossible: a buffer name already taken, an input that
+        CarriedStateError: otherwise impossible: a buffer name already taken or with a
+            Python keyword as a part (``buffers={"x": "state.def"}``), an input that
             is one leaf of a container (a ``StaticCache``) whose other leaves stay inputs, a
             dynamic shape, an initial value of another shape or dtype.
     """
@@ -161,12 +165,12 @@ class InputsToBuffers(Pass):
         pairs = resolve_pairs(names, outputs, self.next_values, self.pair_by_name, _NAME)
         written = {view.inputs.index(p) for p in view.writes if p in view.inputs}
         if self.buffers is None:
-            chosen = {i: names[i][-1] for i in sorted(written | set(pairs))}
+            chosen = {i: _buffer_name(names[i][-1]) for i in sorted(written | set(pairs))}
         elif isinstance(self.buffers, Mapping):
             chosen = {input_index(n, "buffers"): b for n, b in self.buffers.items()}
         else:
-            chosen = {input_index(n, "buffers"): names[input_index(n, "buffers")][-1]
-                      for n in self.buffers}
+            chosen = {input_index(n, "buffers"):
+                      _buffer_name(names[input_index(n, "buffers")][-1]) for n in self.buffers}
         carried = []
         for i, buffer in chosen.items():
             node = view.inputs[i]
@@ -248,12 +252,25 @@ class InputsToBuffers(Pass):
                                         "the program has, another input, or an attribute), "
                                         "is the path of a module holding state, or lies "
                                         "under a tensor: give another name in buffers")
+            if any(keyword.iskeyword(part) for part in c.buffer.split(".")):
+                raise CarriedStateError(_NAME, c.buffer, "a part of the buffer name is a Python "
+                                        "keyword: torch.fx writes the buffer's read as "
+                                        f"self.{c.buffer}, which is no Python; give another "
+                                        "name in buffers")
             seen.add(c.buffer)
         unknown = set(self.initial_values or {}) - seen
         if unknown:
             name = sorted(unknown)[0]
             raise StateNameError(_NAME, name, "initial_values names a buffer no state becomes "
                                  f"(buffers: {', '.join(sorted(seen))})")
+
+
+def _buffer_name(path: str) -> str:
+    """The buffer an input at dotted ``path`` becomes by default: ``path``, each part that is
+    a Python keyword with an underscore appended (``state.def`` -> ``state.def_``): torch.fx
+    writes a buffer's read as ``self.state.def``, which does not compile."""
+    return ".".join(part + "_" if keyword.iskeyword(part) else part
+                    for part in path.split("."))
 
 
 def _clashes(fqn: str, taken: set[str]) -> bool:
@@ -277,41 +294,105 @@ def _attribute_taken(gm: torch.nn.Module, fqn: str) -> bool:
 
 def _same_value(written: Node, paired: Any, node: Node) -> bool:
     """Whether the value written into ``node`` in place is the paired output's: the same node
-    once ops that keep every element are looked through (:func:`_kept_source`). The
-    functionalizer makes a whole copy to give a mutation output that is also a user output a
-    value of its own (``aten.copy(node, paired)``); a program writing its state through an
+    once ops that keep every element at its index are looked through (:func:`_kept_source`).
+    The functionalizer makes a whole copy to give a mutation output that is also a user output
+    a value of its own (``aten.copy(node, paired)``); a program writing its state through an
     alias and returning that alias's ``copy_`` (Qwen3-Next's recurrent state:
     ``state.to(float32)``, updated, then ``copy_``) returns one (``aten.copy(alias,
     written)``); a program reading its updated cache through a cast to the dtype it already
     has (GPT-Neo's ``key.to(torch.float32)`` in fp32: eager returns the cache itself) returns
-    that cast, which export records as the output."""
+    that cast, which export records as the output; ``cache[:]``, ``cache.view_as(cache)``,
+    ``cache.unsqueeze(0).squeeze(0)`` or ``cache.t().t()`` return the cache too."""
     return isinstance(paired, Node) and _kept_source(written) is _kept_source(paired)
 
 
-# Ops whose result holds exactly their tensor argument's elements when it keeps that
-# argument's shape and dtype: casts to the dtype it has, aliases, copies, reshapes to its
-# own shape. ``aten.copy(dst, value)`` holds ``value``'s (its second argument).
-_KEEPING = frozenset({
-    torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
-    torch.ops.aten.to.other, torch.ops.aten._to_copy.default, torch.ops.aten.alias.default,
-    torch.ops.aten.detach.default, torch.ops.aten.clone.default,
-    torch.ops.aten.contiguous.default, torch.ops.aten.lift_fresh_copy.default,
-    torch.ops.aten.view.default, torch.ops.aten.reshape.default,
-    torch.ops.aten._unsafe_view.default, torch.ops.aten.copy.default,
+_aten = torch.ops.aten
+
+# Ops whose result lists their tensor argument's elements in the same (row-major) order
+# whenever it has as many elements and the same dtype: reshapes and squeezes, a slice,
+# narrow or select that takes every element, an expand that adds only dimensions of one,
+# casts to the dtype it has, aliases and copies. ``aten.copy(dst, value)`` holds ``value``'s
+# (its second argument). (``view.dtype`` reinterprets the bytes: not listed.)
+_IN_ORDER = frozenset({
+    _aten.to.dtype, _aten.to.dtype_layout, _aten.to.device, _aten.to.other,
+    _aten._to_copy.default, _aten.type_as.default, _aten.alias.default, _aten.alias_copy.default,
+    _aten.detach.default, _aten.clone.default, _aten.contiguous.default,
+    _aten.lift_fresh_copy.default, _aten.copy.default,
+    _aten.view.default, _aten.view_copy.default, _aten.reshape.default,
+    _aten._unsafe_view.default, _aten.view_as.default, _aten.reshape_as.default,
+    _aten.flatten.using_ints, _aten.unflatten.int,
+    _aten.squeeze.default, _aten.squeeze.dim, _aten.squeeze.dims, _aten.squeeze_copy.dim,
+    _aten.squeeze_copy.dims, _aten.unsqueeze.default, _aten.unsqueeze_copy.default,
+    _aten.expand.default, _aten.expand_copy.default, _aten.expand_as.default,
+    _aten.slice.Tensor, _aten.slice_copy.Tensor, _aten.narrow.default, _aten.select.int,
+    _aten.select_copy.int,
+})
+
+# Ops that reorder their argument's dimensions, followed as a permutation: a chain of them
+# composing to none (``t().t()``, ``permute(0, 1)``) keeps every element at its index.
+_PERMUTING = frozenset({
+    _aten.permute.default, _aten.permute_copy.default, _aten.transpose.int,
+    _aten.transpose_copy.int, _aten.t.default, _aten.t_copy.default,
 })
 
 
 def _kept_source(node: Node) -> Node:
-    """The node whose elements ``node`` holds unchanged, through ops of :data:`_KEEPING`."""
-    while node.op == "call_function" and node.target in _KEEPING:
-        source = node.args[1] if node.target is torch.ops.aten.copy.default else node.args[0]
-        have = node.meta.get("val")
+    """The furthest node whose elements ``node`` holds unchanged, each at the same index,
+    through ops of :data:`_IN_ORDER` and :data:`_PERMUTING` (every one keeping the dtype and
+    the number of elements). The chain may pass through other shapes (``flatten`` then a
+    ``view`` back) and through permutations that compose to none; it stops at an op that
+    reorders a permuted value's elements in memory order (a reshape of a transpose)."""
+    have = node.meta.get("val")
+    if not isinstance(have, torch.Tensor):
+        return node
+    shape, found, current = tuple(have.shape), node, node
+    # order[k]: which dimension of ``current`` the k-th dimension of the value at the last
+    # in-order step reads (None: the identity, elements in row-major order)
+    order: tuple[int, ...] | None = None
+    while current.op == "call_function" and (current.target in _IN_ORDER
+                                             or current.target in _PERMUTING):
+        source = current.args[1] if current.target is _aten.copy.default else current.args[0]
+        value = current.meta.get("val")
         new = source.meta.get("val") if isinstance(source, Node) else None
-        if not (isinstance(have, torch.Tensor) and isinstance(new, torch.Tensor)
-                and have.dtype == new.dtype and tuple(have.shape) == tuple(new.shape)):
+        if not (isinstance(value, torch.Tensor) and isinstance(new, torch.Tensor)
+                and value.dtype == new.dtype and _numel(value) is not None
+                and _numel(value) == _numel(new)):
             break
-        node = source
-    return node
+        if current.target in _PERMUTING:
+            dims = _permutation(current, new.dim())
+            order = tuple(dims[k] for k in (order or range(len(dims))))
+        elif order is not None and order != tuple(range(len(order))):
+            break  # a reshape, a slice ... of a permuted value: another element order
+        else:
+            order = None
+        current = source
+        if (order is None or order == tuple(range(len(order)))) and tuple(new.shape) == shape:
+            found = current
+    return found
+
+
+def _numel(value: torch.Tensor) -> int | None:
+    """The number of elements of ``value``; None when a dimension is symbolic."""
+    count = 1
+    for size in value.shape:
+        if not isinstance(size, int):
+            return None
+        count *= size
+    return count
+
+
+def _permutation(node: Node, ndim: int) -> tuple[int, ...]:
+    """``dims`` of ``permute(x, dims)`` for a permuting ``node`` over ``ndim`` dimensions: the
+    result's dimension k is ``x``'s ``dims[k]``."""
+    dims = list(range(ndim))
+    if node.target in (_aten.permute.default, _aten.permute_copy.default):
+        return tuple(d % ndim for d in node.args[1])
+    if node.target in (_aten.transpose.int, _aten.transpose_copy.int):
+        a, b = (d % ndim for d in node.args[1:3])
+    else:  # t(): 0-d and 1-d unchanged
+        a, b = (0, 1) if ndim == 2 else (0, 0)
+    dims[a], dims[b] = dims[b], dims[a]
+    return tuple(dims)
 
 
 def _example_value(view: ProgramView, node: Node) -> torch.Tensor | None:

@@ -100,6 +100,38 @@ def test_an_input_named_as_a_python_builtin_is_named_as_the_program_names_it():
         assert torch.equal(buffers(module, ["state"])["state"], state)
 
 
+class _KeywordKeyedState(torch.nn.Module):
+    """State in a dict keyed by Python keywords (``state["def"]``): a buffer ``state.def``
+    is read as ``self.state.def``, which torch.fx's code does not compile."""
+
+    def forward(self, x, state):
+        state["def"].add_(x)
+        state["class"].add_(state["def"] * 0.5)
+        return state["def"] * state["class"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_state_keyed_by_a_python_keyword_gets_a_name_fx_can_write(form):
+    """On base: the ExportedProgram's ``module()`` and the GraphModule's recompile raised
+    ``SyntaxError`` (``state_def_1 = self.state.def``)."""
+    state = {"def": torch.zeros(3), "class": torch.zeros(3)}  # a GraphModule's start too
+    program = functional(_KeywordKeyedState(), (torch.ones(3),),
+                         {"state": copy.deepcopy(state)}, form=form)
+    result = resident(program)
+    module = runnable(result.program)
+    assert carried_buffers(result.program) == {"state_def": "state.def_",
+                                               "state_class": "state.class_"}
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(3, generator=generator)
+        assert torch.equal(module(x), _KeywordKeyedState()(x, state))
+        assert torch.equal(buffers(module, ["state.def_"])["state.def_"], state["def"])
+        assert torch.equal(buffers(module, ["state.class_"])["state.class_"], state["class"])
+    error = _refused(program, CarriedStateError, buffers={"state.def": "state.def",
+                                                          "state.class": "class_state"})
+    assert error.name == "state.def" and "keyword" in error.reason
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_the_exported_program_keeps_no_trace_of_the_inputs(form):
     program = functional(models.InPlaceCache(), models.cache_inputs(), form=form)
@@ -197,6 +229,12 @@ READS_KEEPING_EVERY_ELEMENT = {
     "contiguous": lambda cache: cache.contiguous(),
     "view of its own shape": lambda cache: cache.view(cache.shape),
     "clone": lambda cache: cache.clone(),
+    # through other shapes and permutations back to its own: the same elements at the
+    # same indices (refused as "output '1' returns slice" ... until followed)
+    "full slice": lambda cache: cache[:],
+    "flatten and view back": lambda cache: cache.flatten().view(6, 4),
+    "unsqueeze and squeeze": lambda cache: cache.unsqueeze(0).squeeze(0),
+    "transposed twice": lambda cache: cache.t().t(),
 }
 
 
@@ -223,6 +261,24 @@ def test_a_cache_written_in_place_and_returned_through_a_cast_pairs(read, form):
         got = module(x, position)
         assert torch.equal(got[0] if isinstance(got, tuple) else got, expected)
         assert torch.equal(buffers(module, ["cache"])["cache"], cache)
+
+
+# Reads of the written cache that move its elements (a square cache, so shapes agree):
+# still another value than the one written in place.
+READS_MOVING_ELEMENTS = {
+    "transposed": lambda cache: cache.t(),
+    "transposed then reshaped": lambda cache: cache.t().reshape(4, 4),
+    "reshaped, transposed, reshaped back": lambda cache: cache.view(2, 8).t().reshape(4, 4),
+}
+
+
+@pytest.mark.parametrize("read", list(READS_MOVING_ELEMENTS))
+def test_a_cache_returned_with_its_elements_moved_is_refused(read):
+    eager = _CacheReadBackThroughACast(READS_MOVING_ELEMENTS[read])
+    program = functional(eager, (torch.ones(1, 4), torch.tensor([0]), torch.zeros(4, 4)),
+                         form="module")
+    error = _refused(program, StatePairingError, next_values={"cache": "1"})
+    assert error.name == "cache" and "writes it in place" in error.reason
 
 
 @pytest.mark.parametrize("form", FORMS)
