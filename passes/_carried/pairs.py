@@ -22,7 +22,8 @@ value of, by rules that do not fire on a program without state:
 * **OpenVINO's names**: input ``past_key_values.<p>``, output ``present.<p>``;
 * **an update of the input**: the output is the input with some of its elements written
   (``index_copy``, ``index_put``, ``slice_scatter``, ``select_scatter`` ... on the input or a
-  copy of it, through quantize/dequantize pairs) or shifted (``cat`` of a slice of the input
+  copy of it, through quantize, dequantize and fake-quantize ops of any spelling:
+  :mod:`passes._analysis.quantize_ops`) or shifted (``cat`` of a slice of the input
   with new values, as large as the input: a sliding window), of the input's shape and dtype.
 
 An output computed arithmetically from its input (``h = a * h + b``, a counter ``n + 1``) is
@@ -44,6 +45,7 @@ from torch.utils import _pytree as pytree
 
 from .._analysis.buffers import USER_INPUT, find_mutations, trailing_write_backs
 from .._analysis.data_movement import DATA_MOVEMENT_OPS
+from .._analysis.quantize_ops import is_fake_quantize, is_quantize_or_dequantize
 from ..errors import StateNameError, StatePairingError, UnpairedStateError
 from .specs import input_names, output_names
 from .view import graph_module_io
@@ -189,11 +191,6 @@ _PASS_THROUGH = {torch.ops.aten.clone, torch.ops.aten.contiguous, torch.ops.aten
                  torch.ops.aten._to_copy}
 
 
-def _is_quantize_op(node: Node) -> bool:
-    name = str(node.target)
-    return node.op == "call_function" and ("quantize_per_" in name)
-
-
 def _slice_of(value: Any, node: Node) -> bool:
     return (isinstance(value, Node) and value.op == "call_function"
             and getattr(value.target, "overloadpacket", None) is torch.ops.aten.slice
@@ -212,7 +209,8 @@ def _updates(value: Any, node: Node) -> bool:
         elif packet is torch.ops.aten.cat and value.args and any(
                 _slice_of(part, node) for part in value.args[0]):
             return True
-        elif packet not in _PASS_THROUGH and not _is_quantize_op(value):
+        elif packet not in _PASS_THROUGH and not (is_quantize_or_dequantize(value)
+                                                   or is_fake_quantize(value)):
             return False
         value = value.args[0] if value.args else None
     return wrote and value is node

@@ -11,20 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from pass_manager import graph_of
 
 from .._analysis.buffers import GRID_META
 from .._analysis.grids import Grid
+from .._analysis.quantize_ops import is_dequantize
 from .._analysis.quantized_state import plan_quantized_state
 
 __all__ = ["GRID_FACET", "BufferGrid", "buffer_grids"]
 
 GRID_FACET = "quantization grid"
-
-_DEQUANTIZE = ("quantized_decomposed.dequantize_per_tensor",
-               "quantized_decomposed.dequantize_per_channel")
 
 
 class BufferGrid:
@@ -57,8 +53,7 @@ class BufferGrid:
 
 def buffer_grids(program: Any) -> dict[str, BufferGrid]:
     """The grid of each mutable buffer of ``program`` that has one."""
-    if not any(isinstance(getattr(n, "target", None), torch._ops.OpOverload)
-               and str(n.target).startswith(_DEQUANTIZE) for n in graph_of(program).nodes):
+    if not any(map(is_dequantize, graph_of(program).nodes)):
         return {}  # not quantized: nothing to plan
     plans, _ = plan_quantized_state(program)
     found = {}

@@ -114,7 +114,8 @@ class SharedBufferDelegationError(BufferConsumptionError):
 class DelegateStateDtypeError(BufferConsumptionError):
     """``BufferOwningPartitioner``: a delegate would own a buffer stored in a dtype its
     backend cannot keep as state (Core ML keeps float state only, as fp16: an int8 cache
-    from ``QuantizeMutableBuffers`` fails inside Core ML's converter otherwise).
+    from ``QuantizeMutableBuffers`` fails inside Core ML's converter otherwise, and so does
+    a bfloat16 buffer: ``KeyError: torch.bfloat16``).
 
     Attributes:
         buffer: the buffer's FQN.
@@ -126,12 +127,17 @@ class DelegateStateDtypeError(BufferConsumptionError):
     def __init__(self, buffer: str, partition: str, backend: str, dtype: Any, accepted: str):
         self.backend = backend
         self.dtype = dtype
+        if dtype.is_floating_point:  # a float its converter has no number for (bfloat16)
+            advice = (f"store it as float32 or float16 for this backend ({backend}'s "
+                      f"converter takes no {dtype} value: KeyError inside it)")
+        else:
+            advice = ("keep it float for this backend (QuantizeMutableBuffers.for_partitioner("
+                      "partitioner), or QuantizeMutableBuffers(state_owner='coreml'), stores "
+                      "the rest as integers)")
         super().__init__(
             buffer, [partition],
-            f"{backend} keeps {accepted} state only and it is stored as {dtype}; keep it "
-            "float for this backend (QuantizeMutableBuffers.for_partitioner(partitioner), or "
-            "QuantizeMutableBuffers(state_owner='coreml'), stores the rest as integers) or "
-            "lower it with a backend that leaves state at the top level (XNNPACK)",
+            f"{backend} keeps {accepted} state only and it is stored as {dtype}; {advice} "
+            "or lower it with a backend that leaves state at the top level (XNNPACK)",
             "BufferOwningPartitioner")
 
 

@@ -89,8 +89,10 @@ XNNPACK_BACKEND = "XnnpackBackend"
 _STATE_DTYPE = {COREML_BACKEND: torch.float16}
 _ZERO_FILLED = {COREML_BACKEND}
 # Dtypes the backend cannot take as a delegate's input either (coremltools 9: ``KeyError:
-# torch.int8``), so state stored so cannot stay at the top level beside the delegate.
-_NO_INPUT_DTYPES = {COREML_BACKEND: frozenset({torch.int8, torch.uint8})}
+# torch.int8``; its torch frontend has no number for bfloat16: ``KeyError: torch.bfloat16``
+# on the cast computing the new value), so state stored so can neither be owned nor stay at
+# the top level beside the delegate.
+_NO_INPUT_DTYPES = {COREML_BACKEND: frozenset({torch.int8, torch.uint8, torch.bfloat16})}
 
 
 def _is_value_copy(node: Node) -> bool:
@@ -912,7 +914,7 @@ def _state_on_device(
         return None
     value = buffer_tensor(program, verdict.fqn)
     if kept is not None and value.dtype != kept:
-        if not value.is_floating_point():
+        if not value.is_floating_point() or value.dtype in _NO_INPUT_DTYPES.get(backend, ()):
             return DelegateStateDtypeError(
                 verdict.fqn, verdict.owner_tag, backend, value.dtype, str(kept).split(".")[-1])
         warnings.warn(DelegateStateWarning(

@@ -20,22 +20,16 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
+from .._analysis.quantize_ops import quantize_op
 from . import PortableKernelAbortError
 
 __all__ = ["aborting_kernels", "refuse_aborting_kernels"]
 
 # The float dtypes the portable quantized kernels take (ET_FORALL_FLOAT_TYPES, with Half).
 _KERNEL_FLOATS = frozenset({torch.float32, torch.float64, torch.float16})
-# op name -> which side is float: the quantize's input, the dequantize's output.
-_QUANTIZE = ("quantize_per_tensor", "quantize_per_channel", "quantize_per_token")
-_DEQUANTIZE = ("dequantize_per_tensor", "dequantize_per_channel", "dequantize_per_token")
-
-
-def _op_name(target: object) -> str:
-    """``"quantized_decomposed.quantize_per_tensor"`` for that op in any dialect (ATen,
-    Edge, out variant): its schema's name, which they share."""
-    schema = getattr(target, "_schema", None)
-    return schema.name.replace("::", ".") if schema is not None else ""
+# The quantize/dequantize ops ExecuTorch's quantized kernel library runs (quantized.yaml):
+# pt2e's, per tensor, channel or token, not per channel group.
+_PORTABLE_GRANULARITIES = frozenset({"tensor", "channel", "token"})
 
 
 def _dtype(value: object) -> torch.dtype | None:
@@ -48,18 +42,18 @@ def aborting_kernels(program: ExportedProgram) -> Iterator[tuple[Node, str, str,
     for node in program.graph.nodes:
         if node.op != "call_function":
             continue
-        name = _op_name(node.target)
-        namespace, _, op = name.partition(".")
-        if namespace != "quantized_decomposed":
+        op = quantize_op(node)  # any dialect: ATen, Edge, out variant
+        if (op is None or op.namespace != "quantized_decomposed"
+                or op.granularity not in _PORTABLE_GRANULARITIES):
             continue
-        if op in _QUANTIZE and node.args and isinstance(node.args[0], Node):
-            side, dtype = "input", _dtype(node.args[0].meta.get("val"))
-        elif op in _DEQUANTIZE:
+        if op.dequantizes:
             side, dtype = "output", _dtype(node.meta.get("val"))
+        elif node.args and isinstance(node.args[0], Node):
+            side, dtype = "input", _dtype(node.args[0].meta.get("val"))
         else:
             continue
         if dtype is not None and dtype.is_floating_point and dtype not in _KERNEL_FLOATS:
-            yield node, name, side, dtype
+            yield node, op.qualified_name, side, dtype
 
 
 def refuse_aborting_kernels(program: ExportedProgram, helper: str,

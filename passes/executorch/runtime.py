@@ -42,6 +42,7 @@ from pass_manager.validation import Trace
 
 from .._analysis.buffers import user_outputs
 from .._analysis.data_movement import moved_from
+from .._analysis.quantize_ops import is_dequantize, scale_of
 from .._analysis.write_bounds import check_writes_within_state
 from .._carried.pairs import pairs_of
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
@@ -580,8 +581,8 @@ def output_grid(program: Any) -> float | None:
     scales = []
     # The caller's outputs only: a mutation output dequantizes a cache on the cache's grid.
     for node in map(moved_from, user_outputs(program)):  # a view of a dequantize is on its grid
-        if node.op == "call_function" and "dequantize" in str(node.target):
-            scale = node.args[1]
+        if is_dequantize(node):
+            scale = scale_of(node)
             if isinstance(scale, (float, int)):
                 scales.append(float(scale))
     return max(scales, default=None)

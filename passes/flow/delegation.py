@@ -25,6 +25,7 @@ from torch.fx import Node
 from pass_manager import PassManager, Report
 from pass_manager.validation import Trace
 
+from .._analysis.quantize_ops import is_dequantize, is_quantize
 from ..consume_buffer_mutations_in_delegate import ConsumeBufferMutationsInDelegate
 from ..delegation import AllNodePartitioner, delegates, to_delegate
 from ..delegation.ownership import program_state
@@ -38,20 +39,12 @@ aten = torch.ops.aten
 # The functional cache updates a decoder's index_put_ / index_copy_ (or cache[..., pos] = v)
 # become after functionalization.
 CACHE_UPDATE_OPS = (aten.index_put.default, aten.index_copy.default)
-_QDQ = ("quantize_per_tensor", "dequantize_per_tensor")
-
-
-def _is_qdq_of(user: Node, node: Node) -> bool:
-    target = user.target
-    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "quantized_decomposed"
-            and target._opname in _QDQ and user.args[0] is node)
-
-
 def _quantized_result(node: Node) -> list[Node]:
     """The quantize nodes reading ``node``'s result and the dequantize nodes reading those."""
     found: list[Node] = []
-    for quantize in (u for u in node.users if _is_qdq_of(u, node)):
-        found += [quantize, *(u for u in quantize.users if _is_qdq_of(u, quantize))]
+    for quantize in (u for u in node.users if is_quantize(u) and u.args[0] is node):
+        found += [quantize, *(u for u in quantize.users
+                              if is_dequantize(u) and u.args[0] is quantize)]
     return found
 
 

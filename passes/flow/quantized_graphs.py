@@ -17,6 +17,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
 from .._analysis.buffers import user_outputs
+from .._analysis.quantize_ops import is_dequantize, is_quantize_or_dequantize, scale_of
 
 __all__ = ["buffer_grid", "describe_op_difference", "output_grid", "quantized_ops"]
 
@@ -26,17 +27,8 @@ __all__ = ["buffer_grid", "describe_op_difference", "output_grid", "quantized_op
 _HOPS = 4
 
 
-def _is_qdq(node: Node) -> bool:
-    return (
-        node.op == "call_function"
-        and isinstance(node.target, torch._ops.OpOverload)
-        and node.target.namespace == "quantized_decomposed"
-        and node.target.__name__.split(".")[0] in ("quantize_per_tensor", "dequantize_per_tensor")
-    )
-
-
 def _scale(gm: GraphModule, node: Node) -> float:
-    scale: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("scale")
+    scale: Any = scale_of(node)
     if isinstance(scale, Node) and scale.op == "get_attr":
         scale = getattr(gm, str(scale.target))
     if isinstance(scale, torch.Tensor):
@@ -50,7 +42,7 @@ def _grid_near(gm: GraphModule, start: list[Node]) -> float:
     for _ in range(_HOPS):
         following = []
         for node in frontier:
-            if _is_qdq(node):
+            if is_quantize_or_dequantize(node):
                 best = max(best, _scale(gm, node))
             for arg in node.all_input_nodes:
                 if arg not in seen:
@@ -67,7 +59,9 @@ def buffer_grid(gm: GraphModule) -> dict[str, float]:
         if node.op != "get_attr":
             continue
         name = str(node.target)
-        near = [user for user in node.users if _is_qdq(user)]
+        # The buffer's values quantized, not a buffer holding qparams (per-channel scales).
+        near = [user for user in node.users
+                if is_quantize_or_dequantize(user) and user.args[0] is node]
         writes = [
             user
             for user in node.users
@@ -104,10 +98,10 @@ def quantized_ops(gm: GraphModule) -> Counter[str]:
     """How many times each op runs on a dequantized input (what the quantizer annotated)."""
     ops: Counter[str] = Counter()
     for node in gm.graph.nodes:
-        if not _is_qdq(node) or "dequantize" not in str(node.target):
+        if not is_dequantize(node):
             continue
         for user in node.users:
-            if user.op == "call_function" and not _is_qdq(user):
+            if user.op == "call_function" and not is_quantize_or_dequantize(user):
                 ops[_op_name(user.target)] += 1
     return ops
 

@@ -76,6 +76,29 @@ def test_wrapped_refuses_integer_state_naming_buffer_and_backend(int8_cache):
     assert "'cache'" in str(error) and "CoreMLBackend" in str(error)
 
 
+class _Bfloat16Accumulator(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(1, 4, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.acc.add_(x.to(torch.bfloat16))
+        return self.acc.float() * 2
+
+
+def test_wrapped_refuses_bfloat16_state_naming_buffer_and_backend():
+    """Core ML's converter has no number for bfloat16: ExecuTorch alone, and the wrapper on
+    7c422be (after warning that Core ML keeps the buffer as fp16 state), failed inside
+    coremltools with a bare ``KeyError: torch.bfloat16``."""
+    program = torch.export.export(_Bfloat16Accumulator(), (torch.randn(1, 4),))
+    with pytest.raises(DelegateStateDtypeError) as info:
+        to_edge_transform_and_lower(program,
+                                    partitioner=[BufferOwningPartitioner(coreml_partitioner())])
+    error = info.value
+    assert (error.buffer, error.backend, error.dtype) == ("acc", "CoreMLBackend", torch.bfloat16)
+    assert "store it as float32 or float16" in str(error)
+
+
 def test_coreml_alone_holds_an_integer_count_as_fp16_state():
     """ExecuTorch alone hands the count to Core ML, which keeps it as fp16 state without a
     word: on the device it stops counting at 2048 (2048 + 1 rounds to 2048 in fp16)."""
