@@ -32,11 +32,13 @@ from torch.export import ExportedProgram
 from pass_manager import graph_module_of
 from pass_manager.program_sets import JointCondition
 
+from .._analysis.quantized_state import plan_quantized_state
 from ..errors import SharedBufferError
 from .grid_facet import GRID_FACET, buffer_grids
-from .integer_reads import read_integer_state
+from .integer_reads import FloatWriter, read_integer_state
 
 __all__ = [
+    "INTEGER_STORAGE",
     "SHARED_BUFFERS",
     "BufferDifference",
     "SharedBuffers",
@@ -50,6 +52,10 @@ __all__ = [
     "shared_objects",
     "written_by_any_method",
 ]
+
+INTEGER_STORAGE = "integer storage"
+"""The aspect of a :class:`BufferDifference` for a buffer one method stores as integers and
+another writes as float."""
 
 Describer = Callable[[Any], Mapping[str, Any]]
 """``describe(program) -> {fqn: description}``: a facet of each buffer the describer has
@@ -289,6 +295,18 @@ def share_again(programs: Mapping[str, Any], groups: Mapping[str, list[str]]) ->
     return reshared
 
 
+def _float_write(programs: Mapping[str, Any], found: FloatWriter) -> BufferDifference:
+    """The difference a method writing a buffer as float that another stores as integers
+    makes, with why its own QuantizeMutableBuffers kept the buffer float."""
+    reason = next((plan.reason for plan in plan_quantized_state(programs[found.method])[0]
+                   if plan.fqn == found.buffer and plan.reason), "its writes are off the grid")
+    return BufferDifference(
+        found.buffer, (found.storing, found.method), INTEGER_STORAGE,
+        f"{found.storing!r} stores it as integers on {found.grid.describe()}, "
+        f"{found.method!r} writes it and keeps it float ({reason}), so its writes cannot go "
+        "into the integers")
+
+
 class SharedBuffers(JointCondition):
     """The methods agree on every buffer they share (:func:`check_shared_buffers`), and
     the buffers they held as one tensor stay one tensor (:func:`share_again`)."""
@@ -308,10 +326,18 @@ class SharedBuffers(JointCondition):
     def join(self, programs: Mapping[str, Any]) -> dict[str, dict[str, list[str]]]:
         """A method that only reads a buffer the pipeline stored as integers in the methods
         writing it (QuantizeMutableBuffers decides each method from its own writes) reads
-        those integers too: ``notes["integer reads"]``, per method, those buffers."""
+        those integers too: ``notes["integer reads"]``, per method, those buffers. A method
+        that writes such a buffer and kept it float (a reset writing a value off the grid)
+        is a :class:`SharedBufferError` naming the buffer, both methods and the reason:
+        before, it was made to read the integers, and its float writes were stored as
+        integers, wrong."""
         if not all(isinstance(p, ExportedProgram) for p in programs.values()):
             return {}
-        read = read_integer_state(programs, written_by_any_method(programs))
+        written = {name: _written_buffers(program) for name, program in programs.items()}
+        read, float_writers = read_integer_state(programs, written)
+        if float_writers:
+            raise SharedBufferError([_float_write(programs, found) for found in float_writers],
+                                    "after the pipeline")
         return {"integer reads": read} if read else {}
 
     def settle(self, programs: Mapping[str, Any],
