@@ -332,9 +332,14 @@ class SharedBufferError(PassManagerError):
         # Methods quantized one at a time (each on its own calibration: transformers'
         # PT2EQuantizer quantizes each method it exports alone) come from one model and
         # still differ in grid; exporting them again would not help.
-        message += ("quantize them together (passes.quantization.quantize_methods gives each "
-                    "shared buffer one grid), not each on its own."
-                    if first.aspect == "quantization grid" else "export them from one model.")
+        if first.aspect == "quantization grid":
+            message += ("quantize them together (passes.quantization.quantize_methods gives "
+                        "each shared buffer one grid), not each on its own.")
+        elif first.aspect == "integer storage":
+            message += ("leave the buffer float in every method (do not store state as "
+                        "integers), or make every write of it a value of that grid.")
+        else:
+            message += "export them from one model."
         if len(differences) > 1:
             message += "\nAll differences:\n" + "\n".join(f"  - {d}" for d in differences)
         super().__init__(message)

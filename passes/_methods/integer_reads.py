@@ -8,12 +8,15 @@ writer's integers, which one ``.pte`` cannot share. Once the writers have stored
 on a grid, :func:`read_integer_state` makes each such reader hold the writers' integer
 tensor and dequantize it at the top of its graph. The values it computes with are the ones
 the float buffer held (the writers store values of the grid, and the initial value lies on
-it), so the method computes exactly what it did.
+it), so the method computes exactly what it did. A method that writes the buffer itself
+and kept it float (its writes are off the grid) cannot: it is returned as a
+:class:`FloatWriter` for the caller to refuse.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch.export import ExportedProgram
@@ -22,7 +25,7 @@ from .._analysis.buffers import GRID_META, INITIAL_META, buffer_tensor, replace_
 from .._analysis.grids import Grid
 from .._analysis.marked_state import initial_copy
 
-__all__ = ["read_integer_state"]
+__all__ = ["FloatWriter", "read_integer_state"]
 
 
 def _stored_grids(programs: Mapping[str, ExportedProgram]) -> dict[str, tuple[Grid, str]]:
@@ -37,29 +40,48 @@ def _stored_grids(programs: Mapping[str, ExportedProgram]) -> dict[str, tuple[Gr
     return found
 
 
+@dataclass(frozen=True)
+class FloatWriter:
+    """A method writing, as float, a buffer another method stores as integers: its own
+    ``QuantizeMutableBuffers`` kept the buffer float (a write off the grid, e.g. a reset
+    ``fill_``), so its writes cannot go into the integers."""
+
+    buffer: str
+    method: str
+    storing: str
+    grid: Grid
+
+
 def read_integer_state(programs: Mapping[str, ExportedProgram],
-                       written: set[str]) -> dict[str, list[str]]:
-    """Make every method that holds, float and unwritten, a buffer other methods store on a
-    per-tensor grid read those integers (the same tensor); returns, per method, the
-    buffers it now reads so (``written``: the buffers some method writes). Per-channel
-    grids are left as they are (the methods then disagree, and the shared-buffer check
-    says so)."""
+                       written: Mapping[str, set[str]],
+                       ) -> tuple[dict[str, list[str]], list[FloatWriter]]:
+    """Make every method that holds, float and unwritten by itself, a buffer other methods
+    store on a per-tensor grid read those integers (the same tensor); returns, per method,
+    the buffers it now reads so (``written``: per method, the buffers it writes), and each
+    method that writes such a buffer as float (left as it is: the caller refuses it).
+    Per-channel grids are left as they are (the methods then disagree, and the
+    shared-buffer check says so)."""
     stored = _stored_grids(programs)
+    writes_by_any = set().union(*written.values())
     changed: dict[str, list[str]] = {}
+    float_writers: list[FloatWriter] = []
     for name, program in programs.items():
         names = program.graph_signature.inputs_to_buffers
         for node in list(program.graph.find_nodes(op="placeholder")):
             fqn = names.get(node.name)
-            if fqn not in stored or fqn not in written or GRID_META in node.meta:
+            if fqn not in stored or fqn not in writes_by_any or GRID_META in node.meta:
                 continue
             grid, writer = stored[fqn]
             tensor = buffer_tensor(program, fqn)
             if grid.per_channel or not tensor.is_floating_point():
                 continue
+            if fqn in written.get(name, ()):
+                float_writers.append(FloatWriter(fqn, name, writer, grid))
+                continue
             _dequantized_at_the_top(program, node, grid)
             replace_buffer_tensor(program, fqn, buffer_tensor(programs[writer], fqn))
             changed.setdefault(name, []).append(fqn)
-    return changed
+    return changed, float_writers
 
 
 def _dequantized_at_the_top(program: ExportedProgram, node: torch.fx.Node, grid: Grid) -> None:

@@ -13,7 +13,9 @@ by ``passes``: ``PassManager.run({name: program})`` checks it before the first p
 after the last. Buffer tensors the methods held as one object before the run are one
 object again after it (a pass may give each method a new tensor, e.g. integer storage),
 so calling the methods in sequence in Python shares their state as the deployed program
-does; ``result.notes["reshared"]`` lists those buffers. A method that only reads a buffer
+does; so is a written buffer a pass made in several methods under one name (state
+``InputsToBuffers`` makes resident in a prefill and a decode), as the device shares it by
+name; ``result.notes["reshared"]`` lists those buffers. A method that only reads a buffer
 the pipeline stored as integers in the methods writing it (``QuantizeMutableBuffers``) is
 made to read those integers before the check (``result.notes["integer reads"]``).
 """
@@ -30,23 +32,30 @@ from torch.export import ExportedProgram
 from pass_manager import graph_module_of
 from pass_manager.program_sets import JointCondition
 
+from .._analysis.quantized_state import plan_quantized_state
 from ..errors import SharedBufferError
 from .grid_facet import GRID_FACET, buffer_grids
-from .integer_reads import read_integer_state
+from .integer_reads import FloatWriter, read_integer_state
 
 __all__ = [
+    "INTEGER_STORAGE",
     "SHARED_BUFFERS",
     "BufferDifference",
     "SharedBuffers",
     "buffer_facets",
     "check_shared_buffers",
     "held_buffers",
+    "new_state_groups",
     "register_buffer_facet",
     "share_again",
     "shared_buffer_differences",
     "shared_objects",
     "written_by_any_method",
 ]
+
+INTEGER_STORAGE = "integer storage"
+"""The aspect of a :class:`BufferDifference` for a buffer one method stores as integers and
+another writes as float."""
 
 Describer = Callable[[Any], Mapping[str, Any]]
 """``describe(program) -> {fqn: description}``: a facet of each buffer the describer has
@@ -254,6 +263,22 @@ def shared_objects(programs: Mapping[str, Any]) -> dict[str, list[str]]:
     return groups
 
 
+def new_state_groups(programs: Mapping[str, Any], held_before: Mapping[str, set[str]],
+                     ) -> dict[str, list[str]]:
+    """For each buffer some method writes that several methods hold now and some of them
+    did not hold before the pipeline (``held_before``: per method, the buffers it held),
+    those methods: state a pass made resident (``InputsToBuffers`` run on the mapping gives
+    each method a ``cache`` of its own), which the device shares by name."""
+    written = written_by_any_method(programs)
+    holders: dict[str, list[str]] = {}
+    for name, program in programs.items():
+        for fqn in held_buffers(program):
+            holders.setdefault(fqn, []).append(name)
+    return {fqn: names for fqn, names in holders.items()
+            if len(names) > 1 and fqn in written
+            and any(fqn not in held_before.get(name, ()) for name in names)}
+
+
 def share_again(programs: Mapping[str, Any], groups: Mapping[str, list[str]]) -> list[str]:
     """Make each buffer of ``groups`` one tensor object again across its methods (the
     first method's), where a pass gave the methods their own; returns those buffers.
@@ -270,6 +295,18 @@ def share_again(programs: Mapping[str, Any], groups: Mapping[str, list[str]]) ->
     return reshared
 
 
+def _float_write(programs: Mapping[str, Any], found: FloatWriter) -> BufferDifference:
+    """The difference a method writing a buffer as float that another stores as integers
+    makes, with why its own QuantizeMutableBuffers kept the buffer float."""
+    reason = next((plan.reason for plan in plan_quantized_state(programs[found.method])[0]
+                   if plan.fqn == found.buffer and plan.reason), "its writes are off the grid")
+    return BufferDifference(
+        found.buffer, (found.storing, found.method), INTEGER_STORAGE,
+        f"{found.storing!r} stores it as integers on {found.grid.describe()}, "
+        f"{found.method!r} writes it and keeps it float ({reason}), so its writes cannot go "
+        "into the integers")
+
+
 class SharedBuffers(JointCondition):
     """The methods agree on every buffer they share (:func:`check_shared_buffers`), and
     the buffers they held as one tensor stay one tensor (:func:`share_again`)."""
@@ -279,21 +316,41 @@ class SharedBuffers(JointCondition):
     def check(self, programs: Mapping[str, Any], when: str) -> None:
         check_shared_buffers(programs, when)
 
-    def remember(self, programs: Mapping[str, Any]) -> dict[str, list[str]]:
-        return shared_objects(programs)
+    def remember(self, programs: Mapping[str, Any]
+                 ) -> tuple[dict[str, list[str]], dict[str, set[str]]]:
+        """The buffers held as one tensor, and each method's buffers (to tell the state a
+        pass makes from what the methods held apart before)."""
+        return (shared_objects(programs),
+                {name: set(held_buffers(program)) for name, program in programs.items()})
 
     def join(self, programs: Mapping[str, Any]) -> dict[str, dict[str, list[str]]]:
         """A method that only reads a buffer the pipeline stored as integers in the methods
         writing it (QuantizeMutableBuffers decides each method from its own writes) reads
-        those integers too: ``notes["integer reads"]``, per method, those buffers."""
+        those integers too: ``notes["integer reads"]``, per method, those buffers. A method
+        that writes such a buffer and kept it float (a reset writing a value off the grid)
+        is a :class:`SharedBufferError` naming the buffer, both methods and the reason:
+        before, it was made to read the integers, and its float writes were stored as
+        integers, wrong."""
         if not all(isinstance(p, ExportedProgram) for p in programs.values()):
             return {}
-        read = read_integer_state(programs, written_by_any_method(programs))
+        written = {name: _written_buffers(program) for name, program in programs.items()}
+        read, float_writers = read_integer_state(programs, written)
+        if float_writers:
+            raise SharedBufferError([_float_write(programs, found) for found in float_writers],
+                                    "after the pipeline")
         return {"integer reads": read} if read else {}
 
     def settle(self, programs: Mapping[str, Any],
-               remembered: dict[str, list[str]]) -> dict[str, list[str]]:
-        return {"reshared": share_again(programs, remembered)}
+               remembered: tuple[dict[str, list[str]], dict[str, set[str]]],
+               ) -> dict[str, list[str]]:
+        """One tensor again for what was one, and one tensor for the state a pass made in
+        several methods under one name (the check just found they agree on it)."""
+        groups, held_before = remembered
+        made = {fqn: names for fqn, names in new_state_groups(programs, held_before).items()
+                if fqn not in groups}
+        reshared = share_again(programs, groups)
+        return {"reshared": reshared + [fqn for fqn in share_again(programs, made)
+                                        if fqn not in reshared]}
 
 
 SHARED_BUFFERS = SharedBuffers()

@@ -10,6 +10,7 @@
 * :class:`ReadOnlyState`: a float total, an int64 count and a bool mask one method writes
   and another only reads (the total through a quantized ``mul``, the mask through
   ``.float()``).
+* :class:`ResetTotal`: a total one method accumulates and another resets with ``fill_``.
 * :func:`hf_llama_prefill_decode`: a tiny random Hugging Face Llama (static cache) exported
   strict as prefill (4 tokens) and decode.
 * :func:`quantized_prefill_decode`: the methods quantized together (``quantize_methods``,
@@ -153,6 +154,43 @@ def read_only_state_methods() -> MethodsCase:
     programs = _export_methods(model, {"read": read, "write": write})
     calls = [("read", read, {}), ("write", write, {}), ("read", read, {}),
              ("write", (write[0] * 0.5,), {}), ("read", read, {})]
+    return MethodsCase(model, programs, calls)
+
+
+class ResetTotal(nn.Module):
+    """A running total of a linear layer's outputs: a call of several rows adds to it, a
+    one-row call resets it to ``fill`` (``fill_``) and reads it: a method writing state
+    another method accumulates, with a value that is no quantized output."""
+
+    def __init__(self, fill: float = 0.3) -> None:
+        super().__init__()
+        self.fill = fill
+        self.linear = nn.Linear(4, 4)
+        with torch.no_grad():
+            generator = torch.Generator().manual_seed(0)
+            self.linear.weight.copy_(torch.randn(4, 4, generator=generator))
+            self.linear.bias.copy_(torch.randn(4, generator=generator))
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        if x.shape[0] == 1:
+            self.total.fill_(self.fill)
+            return y + self.total
+        self.total.copy_(self.total + y.sum(0))
+        return y * self.total
+
+
+def reset_total_methods() -> MethodsCase:
+    """:class:`ResetTotal` as an ``add`` method (three rows) and a ``reset`` one (one row),
+    called add, reset, add, add, reset, add."""
+    model = ResetTotal()
+    generator = torch.Generator().manual_seed(0)
+    reset = (torch.randn(1, 4, generator=generator),)
+    add = (torch.randn(3, 4, generator=generator),)
+    programs = _export_methods(model, {"reset": reset, "add": add})
+    calls = [("add", add, {}), ("reset", reset, {}), ("add", add, {}), ("add", add, {}),
+             ("reset", reset, {}), ("add", add, {})]
     return MethodsCase(model, programs, calls)
 
 
