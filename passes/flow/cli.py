@@ -77,6 +77,9 @@ def _import_model_module(module_name: str) -> Any:
     (as ``python -m`` and ``make run`` see it) or from PYTHONPATH."""
     if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
         path = Path(module_name)
+        if path.is_dir():
+            raise ModelError(f"{module_name!r} is a folder: MODEL names a file in it and its "
+                             f"factory, path/to/file.py:factory, or is {MODEL_FORMS}")
         if not path.is_file():
             raise ModelError(f"no such file {module_name!r}; MODEL is {MODEL_FORMS}")
         sys.path.insert(0, str(path.resolve().parent))  # the file's own sibling imports

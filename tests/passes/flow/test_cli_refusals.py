@@ -53,6 +53,12 @@ def test_a_refused_model_overwrites_the_previous_runs_json(tmp_path, capsys, mod
     assert "MarkMutableBuffers" not in dag.read_text() and said in dag.read_text()
 
 
+def test_a_folder_given_as_the_model_file_is_named_a_folder(tmp_path):
+    """It read "no such file '/the/folder'", which is there."""
+    with pytest.raises(cli.ModelError, match="is a folder: MODEL names a file in it"):
+        cli.load_model(f"{tmp_path}:factory", 2)
+
+
 def methods_past_the_cache() -> dict:
     """Prefill 4 and 12 decodes fill the 16 positions of the caches; one more decode writes
     position 16."""
