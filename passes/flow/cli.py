@@ -568,7 +568,7 @@ def _unusable_output(args: argparse.Namespace) -> tuple[str | None, str | None]:
                              if value == "-" else _unwritable(Path(value), kind))
         if problem:
             return option, f"{option} {value}: {problem}"
-    if args.json and args.dot and Path(args.json).resolve() == Path(args.dot).resolve():
+    if args.json and args.dot and os.path.realpath(args.json) == os.path.realpath(args.dot):
         # Else the report overwrites the DAG, each said written there.
         return "--dot", f"--json and --dot both name {args.dot}: give each its own file"
     return None, None
