@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
@@ -18,7 +19,16 @@ from .quantization import RESET, WITH_PASSES
 from .quantized_graphs import buffer_grid, describe_op_difference, output_grid, quantized_ops
 from .result import Check, FlowResult
 
-__all__ = ["quantization_checks", "relative_buffer_errors"]
+__all__ = ["NO_OUTPUT", "quantization_checks", "relative_buffer_errors", "returns_no_tensor"]
+
+NO_OUTPUT = "the model returns no tensor: no output compared"
+
+
+def returns_no_tensor(trace: Trace) -> bool:
+    """Whether no call of ``trace`` returned a tensor with an element: a check on the
+    outputs then compares nothing, and says so instead of an error of 0."""
+    return not any(isinstance(value, torch.Tensor) and value.numel()
+                   for outputs in trace.outputs for value in outputs)
 
 
 def relative_buffer_errors(reference: Trace, trace: Trace) -> dict[str, float]:
@@ -105,7 +115,7 @@ def quantization_checks(
     detail = (
         f"worst step error {worst:.6f} with the passes, {theirs:.6f} without "
         f"(caches reset by hand in both; output grid step {grid:.3g})"
-    )
+    ) if not returns_no_tensor(eager) else f"{NO_OUTPUT} (the buffers are, above)"
     differences = describe_op_difference(
         quantized_ops(mine), quantized_ops(_graph_module(converted[RESET]))
     )

@@ -77,6 +77,9 @@ def _import_model_module(module_name: str) -> Any:
     (as ``python -m`` and ``make run`` see it) or from PYTHONPATH."""
     if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
         path = Path(module_name)
+        if path.is_dir():
+            raise ModelError(f"{module_name!r} is a folder: MODEL names a file in it and its "
+                             f"factory, path/to/file.py:factory, or is {MODEL_FORMS}")
         if not path.is_file():
             raise ModelError(f"no such file {module_name!r}; MODEL is {MODEL_FORMS}")
         sys.path.insert(0, str(path.resolve().parent))  # the file's own sibling imports
@@ -300,32 +303,27 @@ def run(args: argparse.Namespace) -> int:
     spec = args.model or DEFAULT_MODEL
     hold_known_noise()
     pass_options = _pass_options(args)
-    if args.quantize_state and args.skip_quantization:
-        print("error: --quantize-state stores quantized state: it cannot go with "
-              "--skip-quantization", file=sys.stderr)
-        return LOAD_FAILED
     # Found now, not after minutes of quantization (or, for the debugging flags, never:
     # an unusable folder loses the dump).
-    problem = _unusable_output(args)
+    unusable, problem = _unusable_output(args)
+    if not problem and args.quantize_state and args.skip_quantization:
+        problem = ("--quantize-state stores quantized state: it cannot go with "
+                   "--skip-quantization")
     if problem:
         print(f"error: {problem}", file=sys.stderr)
+        # The usable ones say so: a report a previous run left there would read as this one's.
+        _write_refusal(args, Failure("options", problem), skip=unusable)
         return LOAD_FAILED
-    from ..executorch import INSTALL_HINT, available
-
     runtime_asked = args.runtime
-    if args.runtime == "auto":
-        args.runtime = "executorch" if available() else "python"
-        if args.runtime == "python":
-            _notice(args)("ExecuTorch is not installed: decoding in Python only (install the "
-                          "executorch extra to also run ExecuTorch's runtime: " + INSTALL_HINT
-                          + ")")
-    elif args.runtime == "executorch":
-        if not available():
-            why = "--runtime executorch needs the executorch extra; install it with: " \
-                + INSTALL_HINT
-            print(f"error: {why}", file=sys.stderr)
-            _write_refusal(args, Failure("runtime", why))
-            return FLOW_FAILED
+    try:
+        # Importing ExecuTorch to see whether it is there takes seconds.
+        refused = _resolve_runtime(args)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C) while looking for ExecuTorch", file=sys.stderr)
+        _write_refusal(args, interrupted="looking for ExecuTorch")
+        return INTERRUPTED
+    if refused:
+        return refused
     doing = "loading"
     try:
         model = load_model(spec, args.steps or DEFAULT_STEPS)
@@ -342,14 +340,18 @@ def run(args: argparse.Namespace) -> int:
         _runtime_for_precision(args, spec, model.module, runtime_asked)
         doing = "exporting"
         if isinstance(model, MethodsSpec):
-            return _run_methods(args, spec, model, pipeline, pass_options)
-        _warn_if_state_will_not_fit(model, spec)
-        exported = _export(model, spec, args.export)
-        doing = "checking the steps"
-        check_calls_fit(exported.program,
-                        [(f"steps[{i}]", call) for i, call in enumerate(model.steps)], spec)
-        check_steps_within_state({"forward": exported.program},
-                                 [("forward", *as_call(call)) for call in model.steps], spec)
+            methods = _export_methods(model, spec, args.export)
+            doing = "checking the steps"
+            _check_method_calls(model, methods, spec)
+        else:
+            _warn_if_state_will_not_fit(model, spec)
+            exported = _export(model, spec, args.export)
+            doing = "checking the steps"
+            check_calls_fit(exported.program,
+                            [(f"steps[{i}]", call) for i, call in enumerate(model.steps)], spec)
+            check_steps_within_state({"forward": exported.program},
+                                     [("forward", *as_call(call)) for call in model.steps],
+                                     spec)
     except (ModelError, StatePastEndError) as e:
         if args.traceback:
             traceback.print_exc()
@@ -362,6 +364,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"interrupted (Ctrl-C) while {doing} {spec}", file=sys.stderr)
         _write_refusal(args, interrupted=f"{doing} {spec}")
         return INTERRUPTED
+    if isinstance(model, MethodsSpec):
+        return _run_methods(args, spec, model, methods, pipeline, pass_options)
     from .run import run_model
 
     print(
@@ -374,13 +378,35 @@ def run(args: argparse.Namespace) -> int:
         **_flow_options(args, pipeline, pass_options)))
 
 
-def _run_methods(args: argparse.Namespace, spec: str, model: MethodsSpec, pipeline: Any,
-                 pass_options: dict[str, Any]) -> int:
-    """A v3 factory: the methods exported, then the several-method flow."""
+def _resolve_runtime(args: argparse.Namespace) -> int | None:
+    """``--runtime auto`` made ``executorch`` or ``python`` by whether ExecuTorch is
+    installed; the exit status when ``--runtime executorch`` cannot be honoured, else None."""
+    from ..executorch import INSTALL_HINT, available
+
+    if args.runtime == "auto":
+        args.runtime = "executorch" if available() else "python"
+        if args.runtime == "python":
+            _notice(args)("ExecuTorch is not installed: decoding in Python only (install the "
+                          "executorch extra to also run ExecuTorch's runtime: " + INSTALL_HINT
+                          + ")")
+    elif args.runtime == "executorch" and not available():
+        why = "--runtime executorch needs the executorch extra; install it with: " + INSTALL_HINT
+        print(f"error: {why}", file=sys.stderr)
+        _write_refusal(args, Failure("runtime", why))
+        return FLOW_FAILED
+    return None
+
+
+def _export_methods(model: MethodsSpec, spec: str, mode: str | None) -> dict[str, Exported]:
     try:
-        exported = export_methods(model, args.export)
+        return export_methods(model, mode)
     except ModelError as e:
         raise ModelError(f"{spec}: {e}") from e
+
+
+def _check_method_calls(model: MethodsSpec, exported: dict[str, Exported], spec: str) -> None:
+    """A v3 factory's calls against its exported methods: their inputs, and the state they
+    write by position (as for one method)."""
     for index, (method, step_args, kwargs) in enumerate(model.steps):
         if method not in model.carried:  # a carried method's calls fit it once resident
             check_calls_fit(exported[method].program,
@@ -388,6 +414,12 @@ def _run_methods(args: argparse.Namespace, spec: str, model: MethodsSpec, pipeli
     if not model.carried:  # else the flow checks, once the state is resident
         check_steps_within_state({m: e.program for m, e in exported.items()}, model.steps,
                                  spec)
+
+
+def _run_methods(args: argparse.Namespace, spec: str, model: MethodsSpec,
+                 exported: dict[str, Exported], pipeline: Any,
+                 pass_options: dict[str, Any]) -> int:
+    """A v3 factory, its methods exported and its calls checked: the several-method flow."""
     from .run_methods import run_methods_flow
 
     modes = ", ".join(f"{m} exported {e.mode}" for m, e in exported.items())
@@ -486,14 +518,16 @@ def _pass_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"instruments": instruments} if instruments else {}
 
 
-def _write_outputs(args: argparse.Namespace, result: Any) -> bool:
-    """Write --dot and --json; False when one could not be written (one line says why)."""
+def _write_outputs(args: argparse.Namespace, result: Any, skip: str | None = None) -> bool:
+    """Write --dot and --json (but the ``skip`` one); False when one could not be written
+    (one line says why)."""
     notice = _notice(args)
     written = True
     for option, file, what, text in (
-            ("--dot", args.dot, "the pass DAG", lambda: result.dot),
+            ("--dot", args.dot, "the pass DAG" if result.dot else "an empty pass DAG (no "
+             "pass ran)", lambda: result.dot or _no_passes_dot(result)),
             ("--json", args.json, "the report", lambda: json.dumps(result.to_dict(), indent=2))):
-        if not file or (option == "--dot" and not result.dot):
+        if not file or option == skip:
             continue
         try:
             Path(file).write_text(text())
@@ -506,24 +540,38 @@ def _write_outputs(args: argparse.Namespace, result: Any) -> bool:
     return written
 
 
+def _no_passes_dot(result: Any) -> str:
+    """--dot for a job that stopped before any pass ran: an empty graph saying why, so a
+    DAG a previous run left in the file is not read as this run's."""
+    why = (f"{result.failure.stage}: {result.failure.reason}" if result.failure
+           else f"interrupted (Ctrl-C) while {result.interrupted}" if result.interrupted
+           else "nothing ran")
+    return "digraph passes {\n  // no pass ran: " + " ".join(why.split()) + "\n}\n"
+
+
 def _write_refusal(args: argparse.Namespace, failure: Failure | None = None,
-                   interrupted: str | None = None) -> None:
-    """--json for a job that stopped before its flow ran (the model not loaded, exported or
-    fitting its steps; Ctrl-C then): ``ok`` false with why, so a file a previous run left
-    there (``"ok": true``) is not read as this run's report."""
-    _write_outputs(args, FlowResult(failure=failure, interrupted=interrupted))
+                   interrupted: str | None = None, skip: str | None = None) -> None:
+    """--json and --dot (but the ``skip`` one) for a job that stopped before its flow ran
+    (its options refused, the model not loaded, exported or fitting its steps; Ctrl-C then):
+    ``ok`` false with why, and an empty DAG saying why, so a file a previous run left there
+    (``"ok": true``, its DAG) is not read as this run's."""
+    _write_outputs(args, FlowResult(failure=failure, interrupted=interrupted), skip)
 
 
-def _unusable_output(args: argparse.Namespace) -> str | None:
-    """What makes an output option's path unusable, before the run; None when all are."""
+def _unusable_output(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The output option whose path is unusable before the run, and why; (None, None) when
+    all are usable."""
     for option, value, kind in (("--json", args.json, "file"), ("--dot", args.dot, "file"),
                                 ("--print-to", args.print_to, "folder"),
                                 ("--reproducer-dir", args.reproducer_dir, "folder")):
         problem = value and ("not stdout: the report goes there; give a file name"
                              if value == "-" else _unwritable(Path(value), kind))
         if problem:
-            return f"{option} {value}: {problem}"
-    return None
+            return option, f"{option} {value}: {problem}"
+    if args.json and args.dot and os.path.realpath(args.json) == os.path.realpath(args.dot):
+        # Else the report overwrites the DAG, each said written there.
+        return "--dot", f"--json and --dot both name {args.dot}: give each its own file"
+    return None, None
 
 
 def _unwritable(path: Path, kind: str) -> str | None:
@@ -707,6 +755,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         # own flush of stdout at exit would fail again, so stdout goes nowhere from now on.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return OUTPUT_CLOSED
+    except KeyboardInterrupt:  # between what run() reports itself (e.g. printing the report)
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ A factory (``python -m passes run package.module:factory``) returns either
 * v3: a mapping with ``module`` and ``methods``, the model deployed as several methods over
   one state (below).
 
-Without steps the example call is repeated. The module may be an ``nn.Module``, the
+Without steps (absent or None; an empty list is refused) the example call is
+repeated. The module may be an ``nn.Module``, the
 module of an exported program (``ep.module()``) or the exported program itself; a factory
 may also return an exported program alone, decoded on the example it was exported with.
 
@@ -96,6 +97,8 @@ __all__ = [
 ]
 
 EXPORT_MODES = ("strict", "non-strict")
+_NO_STEPS = ("{name}(): steps is empty: give one call per decode step, or leave steps out "
+             "(or None) to repeat the example")
 _V2_KEYS = {"module", "example_args", "example_kwargs", "steps", "dynamic_shapes", "export"}
 
 
@@ -241,7 +244,7 @@ def _from_mapping(made: Mapping, name: str) -> ModelSpec:
         made["module"],
         args,
         dict(kwargs),
-        steps=_calls(_given(made, "steps", []), name),
+        steps=_calls(made["steps"], name) if made.get("steps") is not None else [],
         dynamic_shapes=made.get("dynamic_shapes"),
         export=mode,
     )
@@ -257,6 +260,8 @@ def _given(made: Mapping, key: str, default: Any) -> Any:
 def _calls(steps: Any, name: str) -> list[Call]:
     if not isinstance(steps, Sequence) or isinstance(steps, (str, bytes)):
         raise ModelError(f"{name}(): steps must be a list of calls, got {type(steps).__name__}")
+    if not steps:  # else the example, repeated, is decoded in place of the calls it meant
+        raise ModelError(_NO_STEPS.format(name=name))
     return [as_call(step) for step in steps]
 
 
@@ -512,6 +517,8 @@ def methods_spec(made: Mapping, name: str, steps: int) -> MethodsSpec:
     given = made.get("steps")
     if given is not None and (not isinstance(given, Sequence) or isinstance(given, str)):
         raise ModelError(f"{name}(): 'steps' must be a list of (method, args[, kwargs]) calls")
+    if given is not None and not given:
+        raise ModelError(_NO_STEPS.format(name=name))
     calls = ([_step(step, index, specs, name) for index, step in enumerate(given)]
              if given else [(m, s.example_args, dict(s.example_kwargs))
                             for m, s in specs.items()])[:steps]

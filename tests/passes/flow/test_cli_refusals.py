@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from passes.flow import cli
+from passes.flow.examples import prefill_decode_job
 from passes.flow.result import Failure, FlowResult
 
 from .main_job_cli import ROOT
@@ -36,23 +38,45 @@ def test_a_refused_model_overwrites_the_previous_runs_json(tmp_path, capsys, mod
                                                            said):
     """A CI job reading report.json after a run that refused its model read the previous
     run's report, "ok": true: the file was left as it was."""
-    report = tmp_path / "report.json"
-    assert cli.main(["run", MODEL, *FAST, "--json", str(report)]) == 0
-    assert _report(report)["ok"] is True
+    report, dag = tmp_path / "report.json", tmp_path / "plan.dot"
+    outputs = ("--json", str(report), "--dot", str(dag))
+    assert cli.main(["run", MODEL, *FAST, *outputs]) == 0
+    assert _report(report)["ok"] is True and "MarkMutableBuffers" in dag.read_text()
 
-    assert cli.main(["run", model, *FAST, "--json", str(report)]) == cli.LOAD_FAILED
+    assert cli.main(["run", model, *FAST, *outputs]) == cli.LOAD_FAILED
     err = capsys.readouterr().err
     data = _report(report)
     assert data["ok"] is False and data["checks"] == []
     assert data["failure"]["stage"] == stage
     assert said in data["failure"]["reason"] and said in err
+    # Not the previous run's DAG either: an empty one saying why.
+    assert "MarkMutableBuffers" not in dag.read_text() and said in dag.read_text()
 
 
-def test_steps_past_the_cache_end_are_a_refusal_in_the_json(tmp_path, capsys):
+def test_a_folder_given_as_the_model_file_is_named_a_folder(tmp_path):
+    """It read "no such file '/the/folder'", which is there."""
+    with pytest.raises(cli.ModelError, match="is a folder: MODEL names a file in it"):
+        cli.load_model(f"{tmp_path}:factory", 2)
+
+
+def methods_past_the_cache() -> dict:
+    """Prefill 4 and 12 decodes fill the 16 positions of the caches; one more decode writes
+    position 16."""
+    made = prefill_decode_job(n_layers=1, decode_steps=12)
+    x, _ = made["steps"][-1][1]
+    made["steps"].append(("decode", (x, torch.tensor([16]))))
+    return made
+
+
+@pytest.mark.parametrize("model", [
+    "tests.models.static_cache:past_the_cache",
+    # Several methods: the stage read "exporting" (their checks ran under it).
+    "tests.passes.flow.test_cli_refusals:methods_past_the_cache",
+])
+def test_steps_past_the_cache_end_are_a_refusal_in_the_json(tmp_path, capsys, model):
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"ok": True}))
-    status = cli.main(["run", "tests.models.static_cache:past_the_cache", "--steps", "20",
-                       *FAST[2:], "--json", str(report)])
+    status = cli.main(["run", model, "--steps", "20", *FAST[2:], "--json", str(report)])
     assert status == cli.LOAD_FAILED, capsys.readouterr()
     failure = _report(report)["failure"]
     assert failure["stage"] == "checking the steps"
@@ -81,6 +105,58 @@ def test_executorch_missing_is_said_in_the_json(tmp_path, monkeypatch, capsys):
     assert status == cli.FLOW_FAILED
     failure = _report(report)["failure"]
     assert failure["stage"] == "runtime" and "needs the executorch extra" in failure["reason"]
+
+
+def test_ctrl_c_while_looking_for_executorch_is_one_line_and_said_in_the_json(
+        tmp_path, monkeypatch, capsys):
+    """Importing ExecuTorch to see whether it is installed takes seconds: Ctrl-C then was a
+    traceback, status 1, and the previous run's report left in --json."""
+    import passes.executorch
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"ok": True}))
+    monkeypatch.setattr(passes.executorch, "available", interrupted)
+    try:
+        status = cli.main(["run", MODEL, "--quiet", "--json", str(report)])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C while looking for ExecuTorch escaped the job (a traceback)")
+    assert status == cli.INTERRUPTED
+    assert capsys.readouterr().err == "interrupted (Ctrl-C) while looking for ExecuTorch\n"
+    data = _report(report)
+    assert data["ok"] is False and data["interrupted"] == "looking for ExecuTorch"
+
+
+@pytest.mark.parametrize(("options", "refused", "said"), [
+    (("--quantize-state", "--skip-quantization"), None, "cannot go with --skip-quantization"),
+    (("--dot", "{tmp}/no/folder.dot"), "--dot", "no folder"),
+    (("--json", "{tmp}/no/folder.json"), "--json", "no folder"),
+    (("--dot", "{tmp}/report.json"), "--dot", "--json and --dot both name"),
+])
+def test_refused_options_leave_no_previous_runs_report_or_dag(tmp_path, capsys, options,
+                                                              refused, said):
+    """A status-2 refusal of the options themselves left a previous run's "ok": true report
+    (and its DAG) in the files, read as this run's; --json and --dot naming one file wrote
+    the report over the DAG, each said written."""
+    report, dag = tmp_path / "report.json", tmp_path / "plan.dot"
+    previous = {report: json.dumps({"ok": True}), dag: "digraph passes { a -> b }"}
+    for path, text in previous.items():
+        path.write_text(text)
+    argv = [option.format(tmp=tmp_path) for option in options]
+    given = {"--json": str(report), "--dot": str(dag)}
+    for option, path in given.items():
+        if option not in argv:
+            argv += [option, path]
+    assert cli.main(["run", MODEL, *FAST, *argv]) == cli.LOAD_FAILED
+    assert said in capsys.readouterr().err
+    if refused != "--json":
+        data = _report(report)
+        assert data["ok"] is False and data["failure"]["stage"] == "options"
+        assert said in data["failure"]["reason"]
+    if refused != "--dot":
+        assert dag.read_text().startswith("digraph") and said in dag.read_text()
 
 
 def test_the_printed_replay_command_runs_as_pasted_from_a_folder_with_a_space(tmp_path):

@@ -123,3 +123,31 @@ def test_an_empty_output_is_no_difference_not_a_crash_of_the_comparison():
     runtime = Trace(outputs=[[torch.ones(4), torch.zeros(0, 4)], [torch.full((4,), 2.5),
                                                                   torch.zeros(0, 4)]])
     assert _worst_per_step(python, runtime) == [0.0, 0.5]
+
+
+class SumsIntoItsState(torch.nn.Module):
+    """All it computes goes to a buffer: forward returns nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(2, 4))
+
+    def forward(self, x):
+        self.total.add_(self.linear(x))
+
+
+def test_a_model_returning_nothing_is_said_to_have_no_output_compared():
+    """Its output checks read "worst step difference 0" (the runtime's, whose buffers are not
+    read back, compared nothing at all) and "output grid step 0"."""
+    torch.manual_seed(0)
+    example = (torch.randn(2, 4),)
+    quantized = run_flow(SumsIntoItsState(), example, [example] * 2, delegate=False,
+                         runtime="python", log=lambda line: None)
+    on_runtime = run_flow(SumsIntoItsState(), example, [example] * 2, delegate=False,
+                          quantize=False, runtime="executorch", log=lambda line: None)
+    on_outputs = [c for result in (quantized, on_runtime) for c in result.checks
+                  if "quantized decode worse" in c.name or "ExecuTorch runtime" in c.name]
+    assert len(on_outputs) == 2 and quantized.ok and on_runtime.ok
+    assert all("the model returns no tensor: no output compared" in c.detail
+               for c in on_outputs), on_outputs

@@ -24,6 +24,21 @@ def test_a_tensor_where_calls_belong_is_a_model_error(made, message):
         model_spec(made, "job", 2)
 
 
+@pytest.mark.parametrize("made", [
+    (ScaledSum(), (torch.ones(3),), []),
+    {"module": KeywordOnly(), "example_kwargs": {"x": torch.ones(3)}, "steps": []},
+    {"module": KeywordOnly(), "methods": {"forward": {"example_kwargs": {"x": torch.ones(3)}}},
+     "steps": []},
+], ids=["v1", "v2", "v3"])
+def test_empty_steps_are_a_model_error_not_the_example_repeated(made):
+    """steps=[] (a list of calls built from nothing) decoded the example --steps times."""
+    from passes.flow.factory import is_methods_factory, methods_spec
+
+    read = methods_spec if is_methods_factory(made) else model_spec
+    with pytest.raises(ModelError, match=r"job\(\): steps is empty"):
+        read(made, "job", 2)
+
+
 def test_absent_or_none_steps_repeat_the_example():
     made = {"module": KeywordOnly(), "example_kwargs": {"x": torch.ones(3)}, "steps": None}
     steps = model_spec(made, "job", 2).steps
