@@ -178,7 +178,7 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
             if not trusted:
                 _check_modules([state.partition(":")[0]], validation_file, "state reader name")
             state = pkgutil.resolve_name(state)
-        instruments.append(SemanticValidation.from_record(saved, state))
+        instruments.append(SemanticValidation.from_saved(saved, state))
     return Reproduction(folder, manifest, program, passes, instruments)
 
 

@@ -129,7 +129,7 @@ class Reproducer(Instrumentation):
         (folder / "error.txt").write_text(f"{type(error).__name__}: {error}\n\n{trace}")
         validation_format = None
         if self.validation is not None:
-            validation_format = save_data(self.validation.record(), folder / "validation.pt")
+            validation_format = save_data(self.validation.saved(), folder / "validation.pt")
         trust = [f"program.pt is pickled: {saved.pickled_because}"] if saved.needs_trust else []
         if validation_format == PICKLED:
             trust.append("validation.pt is pickled: its inputs or reference are not plain data")

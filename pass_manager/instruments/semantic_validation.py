@@ -94,12 +94,12 @@ class SemanticValidation(Instrumentation):
                        else [f"inputs[{i}]" for i in range(len(self.inputs))])
         self.atol, self.rtol, self.state = atol, rtol, state
         self._reference: Trace | None = None
-        self._replayed = False  # rebuilt by from_record: its reference is the saved one
+        self._replayed = False  # rebuilt by from_saved: its reference is the saved one
 
-    def record(self) -> dict[str, Any]:
+    def saved(self) -> dict[str, Any]:
         """What a reproducer saves of this check, as plain data where it can be: the inputs,
         tolerances, reference trace (its fields) and state reader (by ``module:qualname``
-        when it has an importable name). :meth:`from_record` rebuilds the check."""
+        when it has an importable name). :meth:`from_saved` rebuilds the check."""
         state, name = self.state, getattr(self.state, "__qualname__", "<")
         module = getattr(state, "__module__", None)
         if state is not None and module not in (None, "__main__") and "<" not in name:
@@ -109,8 +109,8 @@ class SemanticValidation(Instrumentation):
                 "reference": None if trace is None else vars(trace)}
 
     @classmethod
-    def from_record(cls, saved: dict, state: StateReader | None) -> SemanticValidation:
-        """The check :meth:`record` saved (``state``: its reader, resolved from its name by
+    def from_saved(cls, saved: dict, state: StateReader | None) -> SemanticValidation:
+        """The check :meth:`saved` gave (``state``: its reader, resolved from its name by
         the caller), comparing against the saved reference instead of tracing the program
         it is given again."""
         validation = cls(saved["inputs"], atol=saved["atol"], rtol=saved["rtol"], state=state)
