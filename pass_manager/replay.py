@@ -25,23 +25,9 @@ from .instruments.print_ir import PrintIR
 from .instruments.reproducer import REPRODUCER_FORMAT
 from .instruments.semantic_validation import SemanticValidation
 from .pipeline_text import parse_passes
-from .report import Report
 from .running import Runner, default_instruments
-from .validation import Trace
 
 __all__ = ["Reproduction", "load_reproducer", "main", "replay"]
-
-
-class _StoredValidation(SemanticValidation):
-    """Semantic validation against the reference trace saved with the reproducer."""
-
-    def __init__(self, saved: dict, state: Any):
-        super().__init__(saved["inputs"], atol=saved["atol"], rtol=saved["rtol"], state=state)
-        reference = saved["reference"]
-        self._stored = Trace(**reference) if isinstance(reference, dict) else reference
-
-    def before_run(self, program: Any, report: Report) -> None:
-        self._reference = self._stored
 
 
 @dataclass
@@ -73,10 +59,13 @@ def _check_modules(modules: list[Any], where: Path, what: str) -> None:
         )
 
 
-# What a replay reads from every manifest (the rest is for the reader, or optional).
-_MANIFEST_KEYS = ("pass", "index", "group", "pipeline", "modules", "replayable",
-                  "not_replayable_because", "strict", "error_type", "error_message", "form",
-                  "validation")
+# The keys a replay reads from every manifest (the rest is for the reader, or optional),
+# each with the type a Reproducer writes; "pipeline" is None in a manifest saying the pass
+# cannot be replayed.
+_MANIFEST_TYPES = {"pass": str, "index": int, "group": bool, "pipeline": str, "modules": list,
+                   "replayable": bool, "not_replayable_because": str, "strict": bool,
+                   "error_type": str, "error_message": str, "form": str, "validation": bool}
+_TYPE_NAMES = {str: "a string", int: "an int", bool: "true or false", list: "a list"}
 
 
 def _read_manifest(folder: Path) -> dict:
@@ -105,7 +94,7 @@ def _read_manifest(folder: Path) -> dict:
             f"it is reproducer format {found}, written by mutable-buffer-passes "
             f"{wrote or '(version unknown)'}; this version reads formats up to "
             f"{REPRODUCER_FORMAT}: replay it with the version that wrote it, or a newer one"))
-    missing = [key for key in _MANIFEST_KEYS if key not in manifest]
+    missing = [key for key in _MANIFEST_TYPES if key not in manifest]
     if missing:
         raise ArchiveError(manifest_file, (
             f"it lacks {', '.join(map(repr, missing))}: not a whole reproducer manifest "
@@ -115,14 +104,6 @@ def _read_manifest(folder: Path) -> dict:
         raise ArchiveError(manifest_file, (
             f"its {'; '.join(wrong)}: not a manifest a Reproducer wrote (damaged, or edited)"))
     return manifest
-
-
-# What a Reproducer writes for each key a replay reads; "pipeline" is None in a manifest
-# saying the pass cannot be replayed.
-_MANIFEST_TYPES = {"pass": str, "index": int, "group": bool, "pipeline": str, "modules": list,
-                   "replayable": bool, "not_replayable_because": str, "strict": bool,
-                   "error_type": str, "error_message": str, "form": str, "validation": bool}
-_TYPE_NAMES = {str: "a string", int: "an int", bool: "true or false", list: "a list"}
 
 
 def _wrong_values(manifest: dict) -> list[str]:
@@ -197,7 +178,7 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
             if not trusted:
                 _check_modules([state.partition(":")[0]], validation_file, "state reader name")
             state = pkgutil.resolve_name(state)
-        instruments.append(_StoredValidation(saved, state))
+        instruments.append(SemanticValidation.from_saved(saved, state))
     return Reproduction(folder, manifest, program, passes, instruments)
 
 

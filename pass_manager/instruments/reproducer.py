@@ -66,18 +66,6 @@ def _operator_modules(program: Any) -> set[str]:
             if d is not None and not d._init_fn.__module__.startswith("torch.")}
 
 
-def _validation_record(v: SemanticValidation) -> dict[str, Any]:
-    """Inputs, tolerances, reference trace and state reader (by ``module:qualname`` when it
-    has an importable name, so that the record stays plain data)."""
-    state, name = v.state, getattr(v.state, "__qualname__", "<")
-    module = getattr(state, "__module__", None)
-    if state is not None and module not in (None, "__main__") and "<" not in name:
-        state = f"{module}:{name}"
-    trace = v._reference  # its fields as a dict: the replay rebuilds it as Trace(**reference)
-    return {"inputs": v.inputs, "atol": v.atol, "rtol": v.rtol, "state": state,
-            "reference": None if trace is None else vars(trace)}
-
-
 class Reproducer(Instrumentation):
     """Writes a reproducer folder under ``directory`` for every failing pass.
 
@@ -141,8 +129,7 @@ class Reproducer(Instrumentation):
         (folder / "error.txt").write_text(f"{type(error).__name__}: {error}\n\n{trace}")
         validation_format = None
         if self.validation is not None:
-            validation_format = save_data(_validation_record(self.validation),
-                                          folder / "validation.pt")
+            validation_format = save_data(self.validation.saved(), folder / "validation.pt")
         trust = [f"program.pt is pickled: {saved.pickled_because}"] if saved.needs_trust else []
         if validation_format == PICKLED:
             trust.append("validation.pt is pickled: its inputs or reference are not plain data")

@@ -94,6 +94,30 @@ class SemanticValidation(Instrumentation):
                        else [f"inputs[{i}]" for i in range(len(self.inputs))])
         self.atol, self.rtol, self.state = atol, rtol, state
         self._reference: Trace | None = None
+        self._replayed = False  # rebuilt by from_saved: its reference is the saved one
+
+    def saved(self) -> dict[str, Any]:
+        """What a reproducer saves of this check, as plain data where it can be: the inputs,
+        tolerances, reference trace (its fields) and state reader (by ``module:qualname``
+        when it has an importable name). :meth:`from_saved` rebuilds the check."""
+        state, name = self.state, getattr(self.state, "__qualname__", "<")
+        module = getattr(state, "__module__", None)
+        if state is not None and module not in (None, "__main__") and "<" not in name:
+            state = f"{module}:{name}"
+        trace = self._reference
+        return {"inputs": self.inputs, "atol": self.atol, "rtol": self.rtol, "state": state,
+                "reference": None if trace is None else vars(trace)}
+
+    @classmethod
+    def from_saved(cls, saved: dict, state: StateReader | None) -> SemanticValidation:
+        """The check :meth:`saved` gave (``state``: its reader, resolved from its name by
+        the caller), comparing against the saved reference instead of tracing the program
+        it is given again."""
+        validation = cls(saved["inputs"], atol=saved["atol"], rtol=saved["rtol"], state=state)
+        reference = saved["reference"]
+        validation._reference = Trace(**reference) if isinstance(reference, dict) else reference
+        validation._replayed = True
+        return validation
 
     def _trace(self, program: Any, on_call: Any = None) -> Trace:
         return run_program(program, self.inputs, state=self.state or default_state,
@@ -107,6 +131,8 @@ class SemanticValidation(Instrumentation):
         )
 
     def before_run(self, program: Any, report: Report) -> None:
+        if self._replayed:  # compared against the failed run's reference, as it was saved
+            return
         signature = signature_of(program)
         for index, (args, kwargs) in enumerate(self.inputs):
             reason = signature.mismatch(args, kwargs)
