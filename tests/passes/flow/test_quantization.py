@@ -155,3 +155,42 @@ def test_calibration_state_is_left_without_reset(monkeypatch):
     with_reset = decode(model, reset, inputs)
     assert with_left.output_errors[0] > 10 * with_reset.output_errors[0]
     assert_tracks_fp32(with_reset)
+
+
+# -- the recipe's two converts ----------------------------------------------------------------
+def test_the_recipes_two_converts_find_each_observers_parameters_once(monkeypatch):
+    """torchao's HistogramObserver searches for its parameters at every convert; the recipe
+    converts one calibration twice, so it asks each observer once, and both programs are
+    what torchao's own prepare, calibrate and convert give, bit for bit."""
+    from torchao.quantization.pt2e.observer import HistogramObserver
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    model, example, inputs = kv_case("index_copy")
+    asked: dict[int, int] = {}
+    search = HistogramObserver.calculate_qparams
+
+    def counted(observer):
+        asked[id(observer)] = asked.get(id(observer), 0) + 1
+        return search(observer)
+
+    monkeypatch.setattr(HistogramObserver, "calculate_qparams", counted)
+    recipe = torchao_recipe(exported(model, example), xnnpack_quantizer(), [inputs])
+    assert asked and set(asked.values()) == {1}, asked
+
+    monkeypatch.setattr(HistogramObserver, "calculate_qparams", search)
+    for left in (True, False):
+        module = exported(model, example).run_decompositions({}).module()
+        initial = {n: b.clone() for n, b in module.named_buffers()}  # not the observers'
+        prepared = prepare_pt2e(module, xnnpack_quantizer())
+        with torch.no_grad():
+            for call in inputs:
+                prepared(*call)
+            if not left:
+                for name, value in initial.items():
+                    prepared.get_buffer(name).copy_(value)
+        ours = recipe.left if left else recipe.reset
+        theirs = convert_pt2e(prepared)
+        for call in inputs[:4]:
+            assert torch.equal(ours(*call), theirs(*call))
+        for name, buffer in theirs.named_buffers():
+            assert torch.equal(ours.get_buffer(name), buffer), name
