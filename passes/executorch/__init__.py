@@ -127,7 +127,7 @@ class DelegateStateDtypeError(BufferConsumptionError):
     def __init__(self, buffer: str, partition: str, backend: str, dtype: Any, accepted: str):
         self.backend = backend
         self.dtype = dtype
-        if dtype.is_floating_point:  # a float its converter has no number for (bfloat16)
+        if getattr(dtype, "is_floating_point", False):  # a float its converter cannot take (bf16)
             advice = (f"store it as float32 or float16 for this backend ({backend}'s "
                       f"converter takes no {dtype} value: KeyError inside it)")
         else:
