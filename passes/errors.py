@@ -336,8 +336,11 @@ class SharedBufferError(PassManagerError):
             message += ("quantize them together (passes.quantization.quantize_methods gives "
                         "each shared buffer one grid), not each on its own.")
         elif first.aspect == "integer storage":
-            message += ("leave the buffer float in every method (do not store state as "
-                        "integers), or make every write of it a value of that grid.")
+            message += (f"leave the buffer float in every method "
+                        f"(passes.quantization.quantize_methods(..., quantize_state=True) "
+                        f"decides so for all methods at once; or run "
+                        f"QuantizeMutableBuffers(keep_float={{{first.buffer!r}: why}}) on "
+                        f"the mapping), or make every write of it a value of that grid.")
         else:
             message += "export them from one model."
         if len(differences) > 1:

@@ -70,6 +70,7 @@ from ._methods.calls import (
     reads_kept_live,
     share_buffer_tensors,
 )
+from ._methods.joint_storage import kept_float
 from ._methods.observers import buffer_observers, share_observers
 from ._methods.shared_buffers import (
     check_shared_buffers,
@@ -743,9 +744,12 @@ def quantize_methods(
         stages = dict(zip(("transform", "after_annotate"), wrapped[name].reports, strict=True))
         reports[name] = {**stages, "unfreeze": unfreeze}
     if quantize_state:
-        # Run on the mapping: each method decides from its own writes, then a method only
-        # reading a buffer reads the writers' integers, checked and shared again.
-        stored = PassManager([QuantizeMutableBuffers()]).run(quantized)
+        # Run on the mapping: each method decides from its own writes, but a buffer some
+        # method writes off the grid stays float in all (one buffer for every method);
+        # then a method only reading a buffer reads the writers' integers, checked and
+        # shared again.
+        stored = PassManager([QuantizeMutableBuffers(keep_float=kept_float(quantized))]
+                             ).run(quantized)
         for name, result in stored.items():
             quantized[name] = result.program
             reports[name]["quantize_state"] = result.report

@@ -132,6 +132,9 @@ class QuantizeMutableBuffers(Pass):
         next_values: ``{input name: output name}``: state carried as input/output pairs
             (``{}``: none); stored as integers with ``carried_state``.
         pair_by_name: ``(input prefix, output prefix)`` pairing inputs and outputs by name.
+        keep_float: ``{buffer FQN: why}``: buffers that stay float whatever their writes
+            here, the note giving the reason (``quantize_methods`` keeps float, in every
+            method, a buffer another method of the model writes off the grid).
 
     Raises:
         QuantizedStateError: a malformed quantize/dequantize node on the way to a buffer
@@ -154,6 +157,7 @@ class QuantizeMutableBuffers(Pass):
     owned_buffers: tuple[str, ...] | None = None
     next_values: Mapping[str, str] | None = None
     pair_by_name: tuple[str, str] | None = None
+    keep_float: Mapping[str, str] | None = None
 
     @property
     def effects(self) -> Effects:  # type: ignore[override]
@@ -169,7 +173,8 @@ class QuantizeMutableBuffers(Pass):
         with collector_paused():  # nothing it allocates is garbage before it returns
             pairs, notes, statistics = self._pairs(program)
             target = _resident(program, pairs) if pairs else program
-            plans, flow = plan_quantized_state(target, self.carried_state, owners)
+            plans, flow = plan_quantized_state(target, self.carried_state, owners,
+                                               self.keep_float)
             by_buffer = {_paired_buffer(pair): pair for pair in pairs}
             more_notes, more_statistics = _report(
                 [p for p in plans if p.fqn not in by_buffer])

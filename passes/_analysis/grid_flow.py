@@ -348,19 +348,28 @@ def _into_destination(node: Node, src: Grid) -> Any:
 
 
 _ZERO_FILLS = {aten.zeros.default: None, aten.zeros_like.default: None,
-               aten.new_zeros.default: None, aten.full.default: 1, aten.full_like.default: 1,
-               aten.new_full.default: 2}
+               aten.new_zeros.default: None, aten.zero.default: None,
+               aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2,
+               aten.fill.Scalar: 1}
+"""Ops making a tensor of one value: op -> the index of that value (None: zeros). ``zero`` and
+``fill`` are what a buffer's ``zero_()`` / ``fill_(0)`` become once functional."""
 
 
 def is_zero_fill(node: Node) -> bool:
-    """``node`` makes a float tensor of zeros (``zeros``, ``full(..., 0)``, ...)."""
+    """``node`` makes a float tensor of (positive) zeros (``zeros``, ``full(..., 0)``, the
+    functional ``zero_()`` / ``fill_(0)``, ...). ``-0.0`` is not one: the grid's zero point
+    dequantizes to ``+0.0``, and the sign of a zero shows in what is computed from it."""
     if node.op != "call_function" or node.target not in _ZERO_FILLS:
         return False
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         return False
     index = _ZERO_FILLS[node.target]
-    return index is None or (len(node.args) > index and node.args[index] == 0)
+    if index is None:
+        return True
+    fill = argument_value(node, node.target._schema, index)
+    return (isinstance(fill, (bool, int, float)) and fill == 0
+            and math.copysign(1.0, fill) > 0)
 
 
 def _unify(node: Node, a: Result, b: Result) -> Result:

@@ -16,6 +16,7 @@ integers. A buffer a stateful delegate will own stays in a dtype that delegate t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ from .op_schema import argument_value
 
 __all__ = [
     "FLOAT_STATE_OWNERS",
+    "NO_GRID",
     "BufferPlan",
     "StateStorage",
     "Write",
@@ -58,6 +60,10 @@ FLOAT_STATE_OWNERS = {
 owner name :class:`~passes.QuantizeMutableBuffers` takes (``state_owner``): what they take.
 ExecuTorch's ``CoreMLPartitioner(take_over_mutable_buffer=True)`` fails on integer state
 (``slice_update ... update has dtype int8 whereas x has dtype fp32``)."""
+
+
+NO_GRID = "no write stores a dequantized value"
+"""Why a buffer whose writes lie on any grid (zeros, its own contents) stays float alone."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,7 @@ def _candidates(flow: GridFlow, plan: BufferPlan) -> None:
                                f"{result.describe()} (by {write})")
         proposed = proposed if proposed is not WILD else result
     if proposed is WILD:
-        return plan.refuse("no write stores a dequantized value")
+        return plan.refuse(NO_GRID)
     tensor = plan.tensor
     if tensor.dtype != proposed.out_dtype:
         return plan.refuse(f"its dtype {tensor.dtype} is not the grid's {proposed.out_dtype}")
@@ -227,6 +233,7 @@ def _verify(flow: GridFlow, plan: BufferPlan, views: list[Node]) -> str | None:
 
 def plan_quantized_state(program: Any, carried_state: bool = False,
                          owners: dict[str, str] | None = None,
+                         keep_float: Mapping[str, str] | None = None,
                          ) -> tuple[list[BufferPlan], GridFlow]:
     """A plan for every mutable buffer and mutated user input, and the grid flow the
     accepted grids verified.
@@ -234,6 +241,9 @@ def plan_quantized_state(program: Any, carried_state: bool = False,
     ``carried_state``: a user input the program mutates in place may be stored as integers
     (otherwise it stays float, the plan saying why). ``owners``: buffer FQN -> the stateful
     delegate (a key of :data:`FLOAT_STATE_OWNERS`) that will own it: it stays float.
+    ``keep_float``: buffer FQN -> why it stays float whatever its writes here (another
+    method of the model writes it off every grid); a buffer whose writes read it then
+    stays float too.
 
     Raises:
         QuantizedStateError: a buffer recorded as quantized whose tensor is float, or a
@@ -270,6 +280,8 @@ def plan_quantized_state(program: Any, carried_state: bool = False,
                            else f"{plan.tensor.dtype} state, not floating point")
             continue
         _writes(program, scan, state, plan)
+        if plan.reason is None and state.name in (keep_float or {}):
+            plan.refuse(keep_float[state.name])
     _refuse_shared_storage(program, [p for p in plans if p.reason is None and not p.carried])
     _refuse_reinterpreted(scan, [p for p in plans if p.reason is None])
     resolve = resolver(program, scan)

@@ -10,7 +10,10 @@ tensor and dequantize it at the top of its graph. The values it computes with ar
 the float buffer held (the writers store values of the grid, and the initial value lies on
 it), so the method computes exactly what it did. A method that writes the buffer itself
 and kept it float (its writes are off the grid) cannot: it is returned as a
-:class:`FloatWriter` for the caller to refuse.
+:class:`FloatWriter` for the caller to refuse. A method whose every write of it is the
+constant zero (a reset ``zero_()`` or ``fill_(0)``, which alone takes no grid) stores the
+writers' integers too: each write stores the grid's zero point, which dequantizes to the
+``0.0`` it wrote.
 """
 
 from __future__ import annotations
@@ -22,10 +25,20 @@ import torch
 from torch.export import ExportedProgram
 
 from .._analysis.buffers import GRID_META, INITIAL_META, buffer_tensor, replace_buffer_tensor
+from .._analysis.grid_flow import is_zero_fill
 from .._analysis.grids import Grid
 from .._analysis.marked_state import initial_copy
+from .._analysis.quantized_state import NO_GRID, BufferPlan, plan_quantized_state
 
-__all__ = ["FloatWriter", "read_integer_state"]
+__all__ = ["FloatWriter", "read_integer_state", "writes_only_zeros"]
+
+
+def writes_only_zeros(plan: BufferPlan) -> bool:
+    """The method stays float only for want of a grid, and every write of ``plan``'s buffer
+    stores a tensor of (positive) zeros: it can store any per-tensor grid's zero point."""
+    return plan.reason == NO_GRID and bool(plan.writes) and all(
+        isinstance(write.value, torch.fx.Node) and is_zero_fill(write.value)
+        for write in plan.writes)
 
 
 def _stored_grids(programs: Mapping[str, ExportedProgram]) -> dict[str, tuple[Grid, str]]:
@@ -57,8 +70,10 @@ def read_integer_state(programs: Mapping[str, ExportedProgram],
                        ) -> tuple[dict[str, list[str]], list[FloatWriter]]:
     """Make every method that holds, float and unwritten by itself, a buffer other methods
     store on a per-tensor grid read those integers (the same tensor); returns, per method,
-    the buffers it now reads so (``written``: per method, the buffers it writes), and each
-    method that writes such a buffer as float (left as it is: the caller refuses it).
+    the buffers it now reads so (``written``: per method, the buffers it writes; a method
+    writing it only as zeros stores the grid's zero point and reads the integers too), and
+    each method that writes such a buffer otherwise as float (left as it is: the caller
+    refuses it).
     Per-channel grids are left as they are (the methods then disagree, and the
     shared-buffer check says so)."""
     stored = _stored_grids(programs)
@@ -76,12 +91,41 @@ def read_integer_state(programs: Mapping[str, ExportedProgram],
             if grid.per_channel or not tensor.is_floating_point():
                 continue
             if fqn in written.get(name, ()):
-                float_writers.append(FloatWriter(fqn, name, writer, grid))
-                continue
-            _dequantized_at_the_top(program, node, grid)
+                if not _zeros_stored_as_integers(program, node, fqn, grid):
+                    float_writers.append(FloatWriter(fqn, name, writer, grid))
+                    continue
+            else:
+                _dequantized_at_the_top(program, node, grid)
             replace_buffer_tensor(program, fqn, buffer_tensor(programs[writer], fqn))
             changed.setdefault(name, []).append(fqn)
     return changed, float_writers
+
+
+def _zeros_stored_as_integers(program: ExportedProgram, node: torch.fx.Node, fqn: str,
+                              grid: Grid) -> bool:
+    """If ``program`` writes buffer ``fqn`` (its placeholder ``node``) only as zeros, all
+    of them ``BUFFER_MUTATION`` outputs: make each write store ``grid``'s zero point and
+    each read dequantize the integers; returns whether it did."""
+    plan = next((p for p in plan_quantized_state(program)[0] if p.fqn == fqn), None)
+    if plan is None or not writes_only_zeros(plan) or any(
+            write.output is None for write in plan.writes):
+        return False
+    graph = program.graph
+    output = graph.output_node()
+    values = list(output.args[0])
+    for write in plan.writes:
+        zeros = write.value.meta["val"]
+        with graph.inserting_before(output):
+            fill = graph.call_function(torch.ops.aten.full.default,
+                                       (list(zeros.shape), int(grid.zero_point)),
+                                       {"dtype": grid.dtype, "device": zeros.device})
+        with zeros.fake_mode:
+            fill.meta["val"] = torch.full(zeros.shape, int(grid.zero_point), dtype=grid.dtype,
+                                          device=zeros.device)
+        values[write.output] = fill
+    output.args = (tuple(values), *output.args[1:])
+    _dequantized_at_the_top(program, node, grid)
+    return True
 
 
 def _dequantized_at_the_top(program: ExportedProgram, node: torch.fx.Node, grid: Grid) -> None:

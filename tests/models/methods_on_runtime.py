@@ -10,7 +10,8 @@
 * :class:`ReadOnlyState`: a float total, an int64 count and a bool mask one method writes
   and another only reads (the total through a quantized ``mul``, the mask through
   ``.float()``).
-* :class:`ResetTotal`: a total one method accumulates and another resets with ``fill_``.
+* :class:`ResetTotal`: a total one method accumulates and another resets with ``fill_``
+  (off the grid, or to zero).
 * :func:`hf_llama_prefill_decode`: a tiny random Hugging Face Llama (static cache) exported
   strict as prefill (4 tokens) and decode.
 * :func:`quantized_prefill_decode`: the methods quantized together (``quantize_methods``,
@@ -181,10 +182,10 @@ class ResetTotal(nn.Module):
         return y * self.total
 
 
-def reset_total_methods() -> MethodsCase:
-    """:class:`ResetTotal` as an ``add`` method (three rows) and a ``reset`` one (one row),
-    called add, reset, add, add, reset, add."""
-    model = ResetTotal()
+def reset_total_methods(fill: float = 0.3) -> MethodsCase:
+    """:class:`ResetTotal` as an ``add`` method (three rows) and a ``reset`` one (one row,
+    resetting to ``fill``), called add, reset, add, add, reset, add."""
+    model = ResetTotal(fill)
     generator = torch.Generator().manual_seed(0)
     reset = (torch.randn(1, 4, generator=generator),)
     add = (torch.randn(3, 4, generator=generator),)

@@ -70,16 +70,64 @@ def test_the_pass_manager_makes_a_reader_read_the_integers_the_writer_stores():
     assert first_difference(want, got) is None  # atol 0: outputs and every buffer
 
 
-def test_a_method_writing_as_float_what_another_stores_as_integers_is_refused():
+@pytest.fixture(scope="module")
+def reset_total():
+    """``reset_total(fill)``: ``reset_total_methods(fill)`` and its methods quantized with
+    float state, made once per fill (a reset off the grid, 0.3, or to zero)."""
+    found = {}
+
+    def made(fill: float):
+        if fill not in found:
+            case = reset_total_methods(fill)
+            found[fill] = case, quantize_methods(copy_program(dict(case.programs)),
+                                                 xnnpack_quantizer(), case.calls)
+        return found[fill]
+    return made
+
+
+def _same_as_float_state(integers, floats, calls) -> dict:
+    """The grids ``integers`` stores its state on; its calls compute, outputs and state
+    dequantized, bit for bit what ``floats`` computes."""
+    grids = {fqn: info.grid for program in integers.values()
+             for fqn, info in mutable_buffers(program).items() if info.grid is not None}
+    want = run_methods(floats, calls)
+    got = run_methods(integers, calls, state=dequantized_state(grids))
+    assert first_difference(want, got) is None  # atol 0: outputs and every buffer
+    return grids
+
+
+@pytest.mark.parametrize("fill, stored", [(0.3, None), (0.0, torch.int8)])
+def test_a_buffer_one_method_resets_is_stored_alike_in_every_method(reset_total, fill, stored):
     """``add`` stores the total as int8 (its writes lie on one grid); ``reset`` writes it
-    with ``fill_(0.3)``, which its own QuantizeMutableBuffers keeps float. Before, the join
-    made ``reset`` hold the int8 tensor and its float write was cast into it: the calls
-    after a reset were off the float-stored methods by up to 18.7 (Python and the runtime)."""
-    case = reset_total_methods()
+    with ``fill_``. Off the grid (0.3), the total now stays float in every method (one
+    buffer for all of them); to zero, ``reset`` stores the grid's zero point. Before, both
+    raised SharedBufferError (aspect "integer storage"); and before that, the join made
+    ``reset`` hold the int8 tensor and cast its float write into it: the calls after a
+    reset were off the float-stored methods by up to 18.7."""
+    case, floats = reset_total(fill)
+    integers = quantize_methods(copy_program(dict(case.programs)), xnnpack_quantizer(),
+                                case.calls, quantize_state=True)
+    dtypes = {integers[name].state_dict["total"].dtype for name in integers}
+    assert dtypes == {stored or torch.float32}
+    assert integers["reset"].state_dict["total"] is integers["add"].state_dict["total"]
+    grids = _same_as_float_state(integers, floats, case.calls)
+    assert set(grids) == ({"total"} if stored else set())
+    if stored is None:
+        assert integers.reports["add"]["quantize_state"].records[-1].notes == [
+            "total: stays float32: method 'reset' writes it off the grid (written by its "
+            "mutation output: fill_scalar: computed by fill.Scalar, not data movement of a "
+            "dequantized value), and all methods hold one buffer"]
+
+
+def test_the_pass_manager_alone_refuses_a_float_write_of_integer_state(reset_total):
+    """Run on the mapping, QuantizeMutableBuffers decides each method alone: ``add`` has
+    stored the total as int8 before ``reset`` keeps it float, and no pass can take that
+    back, so the join refuses it and says how to decide for all methods at once."""
+    _, floats = reset_total(0.3)
     with pytest.raises(SharedBufferError, match=r"'reset' writes it and keeps it float "
                        r"\(written by its mutation output: fill_scalar: computed by "
                        r"fill.Scalar") as error:
-        quantize_methods(case.programs, xnnpack_quantizer(), case.calls, quantize_state=True)
+        PassManager([QuantizeMutableBuffers()]).run(copy_program(dict(floats)))
     assert (error.value.buffer, error.value.methods, error.value.aspect) == (
         "total", ["add", "reset"], "integer storage")
-    assert "leave the buffer float in every method" in str(error.value)
+    assert "keep_float={'total': why}" in str(error.value)
