@@ -68,11 +68,13 @@ def test_a_cache_started_from_zeros_is_stored_as_integers_and_computes_the_same(
 
 @pytest.mark.parametrize("value, zero", [(0, True), (0.0, True), (False, True), (-0.0, False),
                                          (0.3, False)])
-def test_only_a_fill_of_positive_zero_lies_on_every_grid(value, zero):
+@pytest.mark.parametrize("op", ["fill", "full"])
+def test_only_a_fill_of_positive_zero_lies_on_every_grid(op, value, zero):
     """``fill_(-0.0)`` is not the zero point's ``+0.0`` (its sign shows in what is computed
     from it), and ``fill_(0.3)`` lies on no grid chosen for the buffer: both stay float."""
     graph = torch.fx.Graph()
     cache = graph.placeholder("cache")
-    fill = graph.call_function(torch.ops.aten.fill.Scalar, (cache, value))
+    fill = (graph.call_function(torch.ops.aten.fill.Scalar, (cache, value)) if op == "fill"
+            else graph.call_function(torch.ops.aten.full.default, ([2], value)))
     fill.meta["val"] = torch.full((2,), float(value))
     assert is_zero_fill(fill) is zero
