@@ -655,7 +655,10 @@ def quantize_methods(
         fold: torchao's ``fold_quantize``, as in :func:`quantize_program`.
         quantize_state: also store each buffer whose writes lie on one grid as its
             integers (:class:`~passes.QuantizeMutableBuffers`, run on the mapping: one
-            integer grid per buffer in every method).
+            integer grid per buffer in every method). A shared buffer is stored so only
+            if every method writing it can store it so; one that some method writes off
+            the grid (a reset ``fill_(0.3)``) stays float in every method, the notes
+            saying why (:func:`passes._methods.joint_storage.kept_float`).
         next_values: state carried as input/output pairs: one ``{input name: output
             name}`` for every method, or ``{method: {input: output}}``; ``{}``: none.
         pair_by_name: ``(input prefix, output prefix)`` pairing inputs and outputs by name

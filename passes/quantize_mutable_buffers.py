@@ -72,7 +72,9 @@ class QuantizeMutableBuffers(Pass):
     dtype)`` of one grid, or data movement of such values (views, ``cat``, ``index_copy``,
     ``index_put``, ``slice_scatter``, ``copy_``, ``where(mask, new, buffer)``, the buffer's
     own contents included; one
-    channel axis per channel for ``dequantize_per_channel``), and its contents and the
+    channel axis per channel for ``dequantize_per_channel``), or zeros (``zero_()``,
+    ``fill_(0)``, ``zeros_like``, ...: the grid's zero point dequantizes to ``+0.0``), and
+    its contents and the
     initial value ``MarkMutableBuffers`` kept lie on that grid bit for bit. Such a buffer
     then holds the integers: each write stores the same data movement applied to ``q``,
     each read dequantizes it right where the float buffer was read, and a read that is

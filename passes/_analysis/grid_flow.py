@@ -6,7 +6,8 @@ views and copies (``view``, ``reshape``, ``transpose``, ``permute``, ``expand``,
 (``index_copy``, ``index_put``, ``slice_scatter``, ``select_scatter``, ``copy``) of values on
 it into a value on it, and ``where(mask, a, b)`` choosing each element from two values on it
 (a cache written as ``torch.where(mask, new, cache)``). A mutable buffer's own contents lie on
-the grid assumed for it.
+the grid assumed for it, and a tensor of zeros (``zeros``, ``full(..., 0)``, a buffer's
+functional ``zero_()`` / ``fill_(0)``) on any per-tensor grid: its zero point.
 Data movement applied to the integers of the grid gives the integers of the moved values,
 which is what :class:`GridFlow` answers for each node, with the reason when it cannot.
 

@@ -286,12 +286,14 @@ def test_pipeline_text():
     assert manager.pipeline_text() == "QuantizeMutableBuffers{strict=true}"
     assert repr(QuantizeMutableBuffers()) == (
         "QuantizeMutableBuffers(strict=False, carried_state=False, state_owner=None, "
-        "owned_buffers=None, next_values=None, pair_by_name=None)")
+        "owned_buffers=None, next_values=None, pair_by_name=None, keep_float=None)")
     text = ("QuantizeMutableBuffers{carried_state=true,state_owner='coreml',"
             "owned_buffers=('k_cache',)}")
     (pass_,) = parse_pipeline(text).plan()
     assert (pass_.carried_state, pass_.state_owner, pass_.owned_buffers) == (
         True, "coreml", ("k_cache",))
+    assert parse_pipeline(text).pipeline_text() == text
+    text = "QuantizeMutableBuffers{keep_float={'total': 'another method resets it to 0.3'}}"
     assert parse_pipeline(text).pipeline_text() == text
 
 
