@@ -193,12 +193,15 @@ class QuantizationInputError(PassManagerError, ValueError, TypeError):
         helper: the function called.
         argument: the argument at fault, e.g. ``"calls[2]"``.
         reason: what is wrong and what to pass instead.
+        node: the node of the value at fault (the observed value of an unquantizable
+            dtype), or None.
     """
 
-    def __init__(self, helper: str, argument: str, reason: str):
+    def __init__(self, helper: str, argument: str, reason: str, *, node: str | None = None):
         self.helper = helper
         self.argument = argument
         self.reason = reason
+        self.node = node
         super().__init__(f"{helper}: {argument}: {reason}")
 
 

@@ -520,7 +520,8 @@ def _prepare(program: ExportedProgram, wrapped: PassQuantizer, helper: str) -> G
                 "pt2e's quantize ops cannot take (float32, float16 or bfloat16)")
         if dtype.is_floating_point:
             raise QuantizationInputError(
-                helper, "program", f"{said}: convert the model with .float() before export")
+                helper, "program", f"{said}: convert the model with .float() before export",
+                node=node.args[0].name)
         # An integer (or bool) value: a quantizer annotating an op whatever its dtype
         # (CoreMLQuantizer's add, on a position counter) fails inside the first calibration
         # call with a fake-quantize, or inside convert with an observer.
@@ -529,7 +530,7 @@ def _prepare(program: ExportedProgram, wrapped: PassQuantizer, helper: str) -> G
             helper, "program", f"{said}, as an input of {readers}: pt2e does not quantize "
             "integer values (a position counter, index arithmetic), and this quantizer "
             "annotated that op whatever its dtypes; use one that annotates floating-point "
-            "values only, or leave that op out of its configuration")
+            "values only, or leave that op out of its configuration", node=node.args[0].name)
     return prepared
 
 

@@ -43,6 +43,9 @@ FROZEN_PREFIX = "_frozen_param"
 """Name prefix of the attributes torchao's constant folding creates."""
 
 _QUANTIZE = qd.quantize_per_tensor.default
+# What that op takes (float16 and bfloat16 it converts first); it refuses any other dtype, so
+# no constant it folded is the quantized value of a read of another (a float64 cache).
+_QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
 _DEQUANTIZE_OPS = (qd.dequantize_per_tensor.default, qd.dequantize_per_tensor.tensor)
 
 
@@ -286,7 +289,7 @@ def _matching_reads(
     scale, zero_point, qmin, qmax, dtype = qparams
     matches = []
     for read, value in values.unrecorded_of_shape(constant.shape):
-        if not value.is_floating_point() or not _observer_agrees(read.observer, qparams):
+        if value.dtype not in _QUANTIZABLE or not _observer_agrees(read.observer, qparams):
             continue
         with torch.no_grad():
             quantized = _QUANTIZE(value, scale, zero_point, qmin, qmax, dtype)

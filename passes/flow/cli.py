@@ -8,7 +8,8 @@ a factory the built-in seeded
 KV-cache decoder is used. The report goes to stdout alone, so it can be piped or redirected;
 progress lines, notices and errors go to stderr (``--quiet`` drops the progress and notices).
 Exit status: 0 every check passed, 1 a check failed, 2 bad usage or the model could not be
-loaded (or exported, or its steps do not fit it), 3 the flow failed (a short report says
+loaded (or exported, or its steps do not fit it, or it holds float64 values the quantizer
+would observe), 3 the flow failed (a short report says
 where), 130 interrupted (Ctrl-C), 141 stdout was closed before the report ended (``| head``).
 """
 
@@ -35,7 +36,7 @@ from pass_manager.pipeline_text import did_you_mean, registered_passes
 from pass_manager.validation import as_call
 
 from .. import __version__
-from ..errors import StatePastEndError
+from ..errors import QuantizationInputError, StatePastEndError
 from .factory import (
     EXPORT_MODES,
     Exported,
@@ -62,7 +63,7 @@ INTERRUPTED, OUTPUT_CLOSED = 130, 141
 EXIT_STATUSES = """exit status:
   0    every check passed
   1    a check failed
-  2    bad usage, or the model could not be loaded or exported or its steps do not fit it
+  2    bad usage, or the model could not be loaded, exported, fit its steps or be quantized
   3    the flow failed after loading (the report so far, then where it failed)
   130  interrupted (Ctrl-C): the report so far, then the stage it stopped
   141  stdout was closed before the report ended (e.g. piped into head)"""
@@ -352,6 +353,19 @@ def run(args: argparse.Namespace) -> int:
             check_steps_within_state({"forward": exported.program},
                                      [("forward", *as_call(call)) for call in model.steps],
                                      spec)
+        if not args.skip_quantization:
+            doing = "checking the model"
+            _check_quantizable(args, model, methods if isinstance(model, MethodsSpec)
+                               else {"forward": exported})
+    except QuantizationInputError as e:
+        # Else found after export, the fp32 stages and the functional stage, as the flow's
+        # quantize stage fails.
+        if args.traceback:
+            traceback.print_exc()
+        why = f"{spec} cannot be quantized: {e.reason}; or run with --skip-quantization"
+        print(f"error: {why}", file=sys.stderr)
+        _write_refusal(args, Failure(doing, f"{type(e).__name__}: {why}", node=e.node))
+        return LOAD_FAILED
     except (ModelError, StatePastEndError) as e:
         if args.traceback:
             traceback.print_exc()
@@ -376,6 +390,17 @@ def run(args: argparse.Namespace) -> int:
     return _finish(args, pass_options, lambda: run_model(
         model, exported=exported, delegate=not args.skip_delegation,
         **_flow_options(args, pipeline, pass_options)))
+
+
+def _check_quantizable(args: argparse.Namespace, model: ModelSpec | MethodsSpec,
+                       exported: dict[str, Exported]) -> None:
+    """A value the quantizer would observe in float64, which pt2e cannot quantize, as a
+    QuantizationInputError naming its node; looked for only in a model holding float64."""
+    from .quantization import check_quantizable, holds_float64
+
+    if holds_float64(model.module, model.steps):
+        for method in exported.values():
+            check_quantizable(method.program, _quantizer_factory(args.quantizer)())
 
 
 def _resolve_runtime(args: argparse.Namespace) -> int | None:
@@ -747,7 +772,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     A usage error (an unknown flag, ``--steps 0``) exits with status 2 through argparse.
     """
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    argv = sys.argv[1:] if argv is None else argv
+    if next((word for word in argv if not word.startswith("-")), None) == "replay":
+        # A --reproducer-dir folder is replayed by pass_manager's own command; argparse
+        # alone says only "invalid choice: 'replay' (choose from 'run')".
+        parser.error("replay is the pass manager's command: python -m pass_manager replay "
+                     "FOLDER [--trust] [--pdb]")
+    args = parser.parse_args(argv)
     try:
         return run(args)
     except BrokenPipeError:

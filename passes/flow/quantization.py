@@ -26,7 +26,8 @@ from torch.fx import GraphModule
 
 from pass_manager.validation import as_call, copy_program
 
-__all__ = ["COLUMN_NOTES", "NO_PASSES", "RESET", "WITH_PASSES", "TorchaoRecipe", "torchao_recipe"]
+__all__ = ["COLUMN_NOTES", "NO_PASSES", "RESET", "WITH_PASSES", "TorchaoRecipe",
+           "check_quantizable", "holds_float64", "torchao_recipe"]
 
 NO_PASSES, RESET, WITH_PASSES = (
     "quantized, no passes",
@@ -122,3 +123,21 @@ class _FoundOnce:
 
     def __deepcopy__(self, memo: dict) -> _FoundOnce:
         return self
+
+
+def holds_float64(module: torch.nn.Module, calls: Any) -> bool:
+    """Whether ``module``'s parameters or buffers, or a tensor in ``calls``, are float64:
+    the one floating-point dtype pt2e's quantize ops refuse (float16 and bfloat16 they
+    convert)."""
+    tensors = [*module.parameters(), *module.buffers(), *pytree.tree_leaves(calls)]
+    return any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in tensors)
+
+
+def check_quantizable(program: ExportedProgram, quantizer: Any) -> None:
+    """Prepare ``program`` as :func:`~passes.quantization.quantize_program` does, without
+    calibrating: a value the quantizer observes in a dtype pt2e's quantize ops cannot take
+    (float64) is its :class:`~passes.errors.QuantizationInputError`, naming the node, found
+    here in a fraction of a second instead of after the flow's fp32 stages."""
+    from ..quantization import PassQuantizer, _flow_quantizer, _prepare
+
+    _prepare(program, _flow_quantizer(quantizer, PassQuantizer), "quantize_program")

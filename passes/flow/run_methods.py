@@ -183,6 +183,24 @@ def _grids(programs: Mapping[str, Any]) -> list[str]:
             if d.aspect not in ("shape", "dtype", "initial value")]
 
 
+def _shared_buffers(count: int) -> str:
+    return f"{count} shared buffer{'' if count == 1 else 's'}"
+
+
+def _one_grid(count: int) -> str:
+    return "on one grid" if count == 1 else "on one grid each"
+
+
+def _one_grid_each(shared: int, split: int) -> str:
+    """quantize_methods' grids in words, against quantizing each method on its own, which
+    put ``split`` of the ``shared`` buffers on a grid per method."""
+    if shared == 1:
+        alone = "it is on different grids" if split else "it is on one grid too"
+    else:
+        alone = f"{split} of them {'is' if split == 1 else 'are'} on different grids"
+    return f"{_shared_buffers(shared)} {_one_grid(shared)}; quantized per method, {alone}"
+
+
 def _quantized_stages(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
                       spec: MethodsSpec, calls: list, eager: Trace,
                       quantizer_factory: Callable[[], Any], options: dict[str, Any],
@@ -216,8 +234,7 @@ def _quantized_stages(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
     result.checks.append(Check(
         "quantize_methods gives every shared buffer one grid in every method",
         not merged,
-        merged[0] if merged else f"{len(together.shared_buffers)} shared buffers on one grid "
-        f"each; quantized per method, {len(split)} of them are on different grids"
+        merged[0] if merged else _one_grid_each(len(together.shared_buffers), len(split))
         + (f" (e.g. {split[0]})" if split else "")))
     grid = max(output_grid(p) for p in together.values())
     mine, theirs = result.step_errors[ONE_GRID], result.step_errors[PER_METHOD]
@@ -251,7 +268,7 @@ def _integer_stage(stage: _Stages, result: FlowResult, quantized: dict[str, Any]
         "integer-stored methods compute exactly what the fp32-stored ones do",
         difference is None,
         difference or f"outputs and dequantized state equal (atol 0) over {len(calls)} calls; "
-        f"{len(grids)} shared buffers stored as integers, one grid each"))
+        f"{_shared_buffers(len(grids))} stored as integers, {_one_grid(len(grids))}"))
     result.step_errors[INTEGER_METHODS] = output_errors(eager, trace)
     result.state_storage = _storage(quantized, programs, stored)
     return programs, trace

@@ -135,3 +135,54 @@ class RebindsItsSum(torch.nn.Module):
 
 def rebinds_its_sum():
     return RebindsItsSum(), (torch.ones(3),)
+
+
+class OneCache(torch.nn.Module):
+    """One cache written with a projection's values: prefill and decode share it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(1, 8, 4))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(1, pos, self.proj(x))
+        return torch.matmul(x, self.cache.transpose(1, 2))
+
+
+def one_shared_cache():
+    """Two methods over one cache (contract v3): the smallest several-method job."""
+    torch.manual_seed(0)
+    prompt = (torch.randn(1, 2, 4), torch.arange(2))
+    decodes = [(torch.randn(1, 1, 4), torch.tensor([i])) for i in range(2, 4)]
+    return {"module": OneCache(),
+            "methods": {"prefill": {"example_args": prompt},
+                        "decode": {"example_args": decodes[0]}},
+            "steps": [("prefill", prompt), *(("decode", call) for call in decodes)]}
+
+
+class Float64Cache(torch.nn.Module):
+    """A float32 model keeping its cache in float64, written with a quantized projection's
+    values: its reads are state the quantizer does not observe."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(4, 4, dtype=torch.float64))
+
+    def forward(self, x, pos):
+        y = self.proj(x)
+        self.cache.index_copy_(0, pos, y.double())
+        return y + self.cache.sum().float()
+
+
+def float64_cache():
+    torch.manual_seed(0)
+    steps = [(torch.randn(1, 4), torch.tensor([i])) for i in range(3)]
+    return Float64Cache(), steps[0], steps
+
+
+def float64_running_sum():
+    """A whole model in float64: the quantizer would observe its weights."""
+    torch.manual_seed(0)
+    return RunningSum(torch.float64), (torch.randn(2, 4, dtype=torch.float64),)

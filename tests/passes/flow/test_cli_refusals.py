@@ -242,3 +242,26 @@ def test_the_json_keys_are_documented(tmp_path, capsys):
     assert set(data) <= documented, set(data) - documented
     failure = dict.fromkeys(FlowResult().to_dict()) | {"failure": Failure("s", "r").__dict__}
     assert set(failure["failure"]) <= set(re.findall(r"\b(\w+)\b", section))
+
+
+def test_a_float64_model_is_refused_before_export_with_the_node_it_would_quantize(tmp_path,
+                                                                                    capsys):
+    """It exported, ran the fp32 and functional stages, then failed at "quantize with the
+    passes" (status 3, no node field); a float64 cache failed there as an AssertionError."""
+    report = tmp_path / "report.json"
+    model = "tests.models.main_job:float64_running_sum"
+    assert cli.main(["run", model, "--steps", "2", "--runtime", "python", "--quiet",
+                     "--json", str(report)]) == cli.LOAD_FAILED
+    err = capsys.readouterr().err
+    assert "float64" in err and "--skip-quantization" in err and "'linear_weight'" in err
+    failure = _report(report)["failure"]
+    assert (failure["stage"], failure["node"]) == ("checking the model", "linear_weight")
+    assert cli.main(["run", model, *FAST]) == 0  # fp32 flow: float64 is no problem there
+
+
+def test_replay_asked_of_this_command_says_where_replay_lives(capsys):
+    """It read "invalid choice: 'replay' (choose from 'run')"."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["replay", "some/folder"], prog="python -m passes")
+    assert exited.value.code == 2
+    assert "python -m pass_manager replay FOLDER" in capsys.readouterr().err

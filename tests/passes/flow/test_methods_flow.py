@@ -16,7 +16,7 @@ from passes.flow.run_methods import (
     PER_METHOD,
     run_methods_flow,
 )
-from tests.models import hf
+from tests.models import hf, main_job
 from tests.models.accumulators import DividesByItsState
 
 
@@ -246,3 +246,15 @@ def test_a_method_reading_back_the_state_sees_every_write_and_its_integers():
                               log=lambda line: None)
     assert [check.name for check in result.checks if not check.passed] == []
     assert any("integer-stored" in check.name for check in result.checks)
+
+
+def test_one_shared_buffer_is_counted_as_one():
+    """The checks read "1 shared buffers on one grid each; quantized per method, 1 of them
+    are on different grids" and "1 shared buffers stored as integers"."""
+    spec = methods_spec(main_job.one_shared_cache(), "job", 8)
+    result = run_methods_flow(spec, quantize_state=True, log=lambda line: None)
+    details = " ".join(check.detail for check in result.checks)
+    assert "1 shared buffer on one grid; quantized per method, it is on different grids" \
+        in details
+    assert "1 shared buffer stored as integers, on one grid" in details
+    assert "1 shared buffers" not in details
