@@ -73,8 +73,11 @@ def test_state_made_resident_from_a_transposed_example_decodes_as_in_python(init
     steps = _steps(TRANSPOSED.shape)
     program = torch.export.export(CarriedCache(), (*steps[0], TRANSPOSED.clone()))
     functional = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program).program
-    resident = PassManager([InputsToBuffers(initial_values=initial_values)]).run(
-        functional).program
+    result = PassManager([InputsToBuffers(initial_values=initial_values)]).run(functional)
+    resident = result.program
+    # Lowered by hand, it fails in to_edge: the pass says so and what to do.
+    assert any("keeps the strides (1, 4)" in note and "contiguous example" in note
+               for note in result.report.records[0].notes)
     cache = TRANSPOSED.clone()
     expected = [CarriedCache()(*step, cache) for step in steps]
     _assert_decodes_as_eager(resident, expected, steps)
