@@ -74,6 +74,9 @@ class InputsToBuffers(Pass):
     held), else zeros (a note says so). Each write keeps a value of its own, as InplaceToFunctional
     leaves them: state paired with another state's old value reads a ``clone`` of it, one
     output paired with two inputs is written into the second through ``aten.copy``.
+    A buffer keeps the strides the program was traced with (exact in Python; a note says
+    so when they are not contiguous, which ExecuTorch's ``to_edge`` cannot lower and
+    ``passes.executorch``'s helpers lower contiguous).
 
     Which input became which buffer: ``passes.inputs_to_buffers.carried_buffers(result)``
     (input name, or ``"output:<name>"`` for created state -> buffer), the notes (one line
@@ -211,6 +214,13 @@ class InputsToBuffers(Pass):
             value = written if written is not None else paired  # the copy, when written
         example = _example_value(view, node)
         initial = self._initial(buffer, value, example, notes)
+        traced = node.meta.get("val")  # the buffer's read keeps the input's traced layout
+        if isinstance(traced, torch.Tensor) and not traced.is_contiguous():
+            notes.append(f"buffer {buffer!r} keeps the strides {tuple(traced.stride())} the "
+                         "program was traced with: ExecuTorch 1.5.1 does not lower a "
+                         "non-contiguous non-persistent buffer (to_edge: 'Missing input spec "
+                         "for lifted tensor'); passes.executorch's decode_on_runtime and "
+                         "lower_to_pte lower it contiguous, or export with a contiguous example")
         return Carried(buffer, node, value, (output,) if output is not None else (),
                        written is not None, initial)
 

@@ -28,6 +28,7 @@ __all__ = [
     "DelegateStateWarning",
     "ExecuTorchInputError",
     "ExecuTorchMissingError",
+    "NonContiguousStateError",
     "ParameterMutationOnExecuTorchError",
     "PortableKernelAbortError",
     "PortableKernelAbortWarning",
@@ -268,6 +269,37 @@ class ParameterMutationOnExecuTorchError(PassManagerError):
             "(module.register_buffer) to keep them as state on the device",
             pass_name="lower_to_pte",
         )
+
+
+class NonContiguousStateError(PassManagerError):
+    """A buffer is not contiguous and an op reading memory by strides (``as_strided``)
+    reads it: lowered, the buffer is contiguous (ExecuTorch keeps state so, and fails on a
+    non-persistent buffer of another layout), and that op would compute another value.
+
+    Attributes:
+        helper: the function lowering the program, e.g. ``"decode_on_runtime"``.
+        method: the method reading the buffer (``"forward"`` for one program).
+        buffer: the buffer's FQN.
+        size: its size.
+        stride: its strides.
+        node: the node reading it by strides.
+    """
+
+    def __init__(self, helper: str, method: str, buffer: str, size: tuple, stride: tuple,
+                 node: str, op: str):
+        self.helper = helper
+        self.method = method
+        self.buffer = buffer
+        self.size = size
+        self.stride = stride
+        self.node = node
+        super().__init__(
+            f"{helper}: method {method!r}: buffer {buffer!r} (size {size}, stride {stride}) "
+            f"is not contiguous and {node} ({op}) reads its memory by strides; ExecuTorch "
+            "lowers a buffer contiguous (and fails on a non-persistent one of another "
+            "layout: 'Missing input spec for lifted tensor'), so that op would compute "
+            "another value on the device: register it contiguous: .contiguous()",
+            pass_name=helper)
 
 
 def import_executorch(wanted: str) -> None:

@@ -36,6 +36,7 @@ from .._analysis.write_bounds import check_writes_within_state
 from .._carried.pairs import method_pairing
 from .._methods.shared_buffers import shared_buffer_differences
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
+from .buffer_layout import contiguous_buffers
 from .initial_state import repair_initial_state
 from .method_state import checked_methods
 from .partitioner import BufferOwningPartitioner
@@ -159,6 +160,8 @@ def lower_methods_to_pte(
         ParameterMutationOnExecuTorchError: a method writes a parameter.
         PortableKernelAbortError: a method keeps at the top level a quantize or dequantize
             whose ExecuTorch kernel would abort the process (a bfloat16 float side).
+        NonContiguousStateError: a buffer that is not contiguous (lowered contiguous, a
+            note says so) is read by an op computing by strides (``as_strided``).
     """
     lowered = _lower_methods(programs, partitioner, share_mutable_buffers)
     return lowered.pte, lowered.wrapper, lowered.delegates
@@ -175,7 +178,8 @@ class _LoweredMethods:
     repaired: list[str] = field(default_factory=list)
     """Buffers whose initial value the emitter pointed at another's bytes, now their own."""
     dropped: list[str] = field(default_factory=list)
-    """Unused second names of written buffers, dropped before lowering (see tied_buffers)."""
+    """Unused second names of written buffers, dropped before lowering (see tied_buffers),
+    and buffers lowered contiguous (see buffer_layout)."""
 
 
 def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
@@ -186,7 +190,7 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
     # Private copies: lowering must not touch the caller's programs or their state.
     copies = {name: copy.deepcopy(ep) for name, ep in programs.items()}
     dropped = [f"[{name}] {note}" for name, ep in copies.items()
-               for note in drop_unused_aliases(ep)]
+               for note in drop_unused_aliases(ep) + contiguous_buffers(ep, helper, name)]
     wrapper = _wrapper(partitioner, copies)
     with torch.no_grad():  # the emitter writes buffers back in place
         edge = to_edge_transform_and_lower(copies, partitioner=[wrapper])
@@ -255,6 +259,8 @@ def run_methods_on_runtime(
         ParameterMutationOnExecuTorchError: a method writes a parameter.
         PortableKernelAbortError: a method keeps at the top level a quantize or dequantize
             whose ExecuTorch kernel would abort the process (a bfloat16 float side).
+        NonContiguousStateError: a buffer that is not contiguous (lowered contiguous, a
+            note says so) is read by an op computing by strides (``as_strided``).
         StatePastEndError: a call writes a buffer past its end (more decode calls than the
             cache holds), found before lowering, where the runtime would fail with 0x12.
         UnpairedStateError: a method's output looks like one of its inputs' next value,

@@ -46,6 +46,7 @@ from .._analysis.quantize_ops import is_dequantize, scale_of
 from .._analysis.write_bounds import check_writes_within_state
 from .._carried.pairs import pairs_of
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
+from .buffer_layout import contiguous_buffers
 from .initial_state import repair_initial_state
 from .partitioner import BufferOwningPartitioner
 from .portable_kernels import refuse_aborting_kernels
@@ -296,9 +297,9 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
                 wrapper = BufferOwningPartitioner(partitioner)
             ep = _exported(helper, program, example_inputs)
             _refuse_written_parameters(ep)  # before a partitioner reports it as something else
-            dropped = drop_unused_aliases(ep)
+            notes = drop_unused_aliases(ep) + contiguous_buffers(ep, helper)
             return _serialize(helper, to_edge_transform_and_lower(ep, partitioner=[wrapper]),
-                              wrapper, dropped)
+                              wrapper, notes)
     _refuse_form(helper, program)
     raise ExecuTorchInputError(helper, "program", f"got {_kind(program)}; pass {PROGRAM_FORMS}")
 
@@ -412,6 +413,8 @@ def lower_to_pte(
         PortableKernelAbortError: the lowered program keeps at the top level a quantize
             or dequantize whose ExecuTorch kernel aborts the process on its dtype (a
             bfloat16 float side), found before serializing.
+        NonContiguousStateError: a buffer that is not contiguous (lowered contiguous, a
+            note says so) is read by an op computing by strides (``as_strided``).
     """
     lowered = _lower("lower_to_pte", program, example_inputs, partitioner)
     return lowered.pte, lowered.wrapper, lowered.delegates
@@ -497,6 +500,8 @@ def decode_on_runtime(
         PortableKernelAbortError: the lowered program keeps at the top level a quantize
             or dequantize whose ExecuTorch kernel aborts the process on its dtype (a
             bfloat16 float side), found before serializing.
+        NonContiguousStateError: a buffer that is not contiguous (lowered contiguous, a
+            note says so) is read by an op computing by strides (``as_strided``).
         StatePastEndError: a step writes a buffer past its end (more decode steps than the
             cache holds), found before lowering an ExportedProgram or module, where the
             runtime would fail with an untyped error 0x12.

@@ -1,0 +1,82 @@
+"""Buffers lowered contiguous: the layout ExecuTorch's runtime runs state in.
+
+A buffer whose tensor is not contiguous (a transposed or permuted registered buffer; state
+:class:`passes.InputsToBuffers` made resident from a non-contiguous example input, whose
+strides it keeps) fails ExecuTorch 1.5.1's lowering or its runtime:
+
+* not persistent (every buffer InputsToBuffers makes): ``to_edge`` makes the constants it
+  finds contiguous, takes the buffer for one, and fails looking for its constant's input
+  spec (``RuntimeError: Missing input spec for lifted tensor cache.``);
+* channels_last (4-d): kept in that dim order, and the portable kernels that write state
+  (``index_put``) take the default order only: the call fails (error ``0x12``).
+
+A persistent buffer of another layout ExecuTorch makes contiguous itself. The values a
+program computes do not depend on its buffers' layout, except through an op reading memory
+by strides (``as_strided``): so :func:`contiguous_buffers` gives each non-contiguous buffer
+of the lowering's private copy contiguous memory (its placeholder's fake value too, from
+which ``to_edge`` traces the rest again), and refuses, typed, a buffer such an op reads,
+whose layout the device would change (ExecuTorch alone computes it wrong when persistent).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import Node
+
+from . import NonContiguousStateError
+
+__all__ = ["contiguous_buffers"]
+
+_aten = torch.ops.aten
+# Ops whose result depends on the strides of their input, not on its values alone.
+_BY_STRIDES = {_aten.as_strided.default, _aten.as_strided_.default,
+               _aten.as_strided_copy.default, _aten.as_strided_scatter.default}
+
+
+def contiguous_buffers(ep: ExportedProgram, helper: str, method: str = "forward") -> list[str]:
+    """Give each non-contiguous buffer of ``ep`` (in place: a private copy) contiguous
+    memory; returns a note for each.
+
+    Raises:
+        NonContiguousStateError: an op reading memory by strides (``as_strided``) reads
+            the buffer, directly or through values computed from it.
+    """
+    sig = ep.graph_signature
+    placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
+    notes = []
+    for name, fqn in sig.inputs_to_buffers.items():
+        held = ep.state_dict if fqn in ep.state_dict else ep.constants
+        tensor = held.get(fqn)
+        node = placeholders[name]
+        value = node.meta.get("val")
+        if not isinstance(tensor, torch.Tensor) or (tensor.is_contiguous() and (
+                not isinstance(value, torch.Tensor) or value.is_contiguous())):
+            continue
+        # The tensor's strides, or those the program was traced with (InputsToBuffers'
+        # initial_values may hold another layout than the example the program saw).
+        stride = tuple(tensor.stride() if not tensor.is_contiguous() else value.stride())
+        reader = _reader_by_strides(node)
+        if reader is not None:
+            raise NonContiguousStateError(helper, method, fqn, tuple(tensor.shape), stride,
+                                          reader.name, str(reader.target))
+        held[fqn] = tensor.contiguous()
+        if isinstance(value, torch.Tensor):
+            node.meta["val"] = value.contiguous()
+        notes.append(f"buffer {fqn!r} (size {tuple(tensor.shape)}, stride {stride}) "
+                     "lowered contiguous, as ExecuTorch's runtime "
+                     "keeps state; the program computes the same values")
+    return notes
+
+
+def _reader_by_strides(buffer: Node) -> Node | None:
+    """A node computing by strides from ``buffer`` or any value computed from it."""
+    seen, todo = {buffer}, [buffer]
+    while todo:
+        for user in todo.pop().users:
+            if user.target in _BY_STRIDES:
+                return user
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return None
