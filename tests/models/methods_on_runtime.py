@@ -119,6 +119,16 @@ def accumulator_methods() -> MethodsCase:
     return MethodsCase(model, programs, calls)
 
 
+def _seeded_linear() -> nn.Linear:
+    """A 4 -> 4 linear layer with weights drawn from seed 0 (the same in every instance)."""
+    linear = nn.Linear(4, 4)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        linear.weight.copy_(torch.randn(4, 4, generator=generator))
+        linear.bias.copy_(torch.randn(4, generator=generator))
+    return linear
+
+
 class ReadOnlyState(nn.Module):
     """Calls of several rows update a running total (``add_`` of a linear layer's output,
     quantized), count the rows (int64) and mark the features ever positive (bool); a
@@ -126,11 +136,7 @@ class ReadOnlyState(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.linear = nn.Linear(4, 4)
-        with torch.no_grad():
-            generator = torch.Generator().manual_seed(0)
-            self.linear.weight.copy_(torch.randn(4, 4, generator=generator))
-            self.linear.bias.copy_(torch.randn(4, generator=generator))
+        self.linear = _seeded_linear()
         self.register_buffer("total", torch.zeros(4))
         self.register_buffer("count", torch.zeros((), dtype=torch.int64))
         self.register_buffer("seen", torch.zeros(4, dtype=torch.bool))
@@ -166,11 +172,7 @@ class ResetTotal(nn.Module):
     def __init__(self, fill: float = 0.3) -> None:
         super().__init__()
         self.fill = fill
-        self.linear = nn.Linear(4, 4)
-        with torch.no_grad():
-            generator = torch.Generator().manual_seed(0)
-            self.linear.weight.copy_(torch.randn(4, 4, generator=generator))
-            self.linear.bias.copy_(torch.randn(4, generator=generator))
+        self.linear = _seeded_linear()
         self.register_buffer("total", torch.zeros(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
