@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._analysis.fake_values import same_metadata
 from .._analysis.op_schema import (
@@ -145,6 +146,15 @@ def write_back_reason(view: Node) -> str | None:
             return (f"writes through {view.name}, a result of {source.name} = "
                     f"{target_of(source)} that broadcasts its input or has symbolic sizes")
         return f"writes through {source} (getitem of a non-view)"
+    if target is aten.narrow.default:
+        dim, start, _ = _args(view)
+        shape = _shape(view.args[0])
+        if _is_negative(start) is None and not (
+                shape is not None and statically_known_true(shape[dim] >= 1)):
+            return (f"writes through {view.name} = narrow from a symbolic start whose sign is "
+                    "not known, of a dim that may be empty (narrow counts a negative start "
+                    "from the end)")
+        return None
     if target is aten.unfold.default:
         _, size, step = _args(view)
         shape = _shape(view.args[0])
@@ -216,6 +226,20 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
         return _write_back_windows(emit, view, base, value)
     if target is aten.narrow.default:
         dim, start, length = _args(view)
+        negative = _is_negative(start)
+        if negative is not False:
+            # narrow counts a negative start from the end; slice_scatter would take the end
+            # ``start + length`` (0 for the last rows) as an absolute bound. A start of
+            # unknown sign lies in [-size, size] (narrow checks it): (start + size) % size.
+            size = _shape(view.args[0])[dim]
+            if not isinstance(size, int):
+                size = emit(aten.sym_size.int, base, dim)
+            if isinstance(start, int) and isinstance(size, int):
+                start = start + size
+            else:
+                start = emit(operator.add, start, size)
+                if negative is None:
+                    start = emit(operator.mod, start, size)
         end = start + length if isinstance(start, int) and isinstance(length, int) else emit(
             operator.add, start, length)
         return emit(aten.slice_scatter.default, base, value, dim, start, end)
@@ -258,6 +282,21 @@ def write_back(emit: Emit, view: Node, base: Node, value: Node) -> Node:
     if shape is not None and all(isinstance(s, int) for s in shape):
         return emit(aten.reshape.default, value, list(shape))
     return emit(aten.reshape_as.default, value, base)
+
+
+def _is_negative(start: object) -> bool | None:
+    """Whether a view's start index (an int or a SymInt node) is negative; None when a
+    symbolic start's sign is not known for every size."""
+    if isinstance(start, Node):
+        start = start.meta.get("val")
+    if isinstance(start, int):
+        return start < 0
+    if isinstance(start, torch.SymInt):
+        if statically_known_true(start >= 0):
+            return False
+        if statically_known_true(start < 0):
+            return True
+    return None
 
 
 def _placed_in(view: Node, source: Node) -> tuple[list[int], list[int], int] | None:

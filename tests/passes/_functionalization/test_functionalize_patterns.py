@@ -266,6 +266,35 @@ def test_symbolic_ranges_equal_or_disjoint():
     functionalize_both_forms(SymbolicRanges, calls, dynamic_shapes=dims)
 
 
+class NarrowFromTheEnd(nn.Module):
+    """narrow counts a negative start from the end: static, symbolic and unbacked starts
+    (sign unknown) whose end ``start + length`` is 0 for the last rows. Written back with
+    that end as an absolute bound, slice_scatter got an empty slice and the program failed
+    when called."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(8, 3))
+
+    def forward(self, x, pos):
+        n, i = x.shape[0], pos.item()
+        torch._check(i >= -8)
+        torch._check(i < 8)
+        self.b.narrow(0, -2, 2).add_(x[:2])
+        self.b.narrow(1, -1, 1).mul_(2)
+        self.b.narrow(0, -n, 2).sub_(x[:2])
+        self.b.narrow(0, i, 1).add_(x[0])
+        return self.b * 1
+
+
+def test_writes_through_narrow_from_the_end():
+    gen = torch.Generator().manual_seed(0)
+    calls = [(torch.randn(n, 3, generator=gen), torch.tensor(i))
+             for n, i in ((2, -1), (5, 3), (4, -8), (2, 0))]
+    dims = ({0: torch.export.Dim("n", min=2, max=8)}, None)
+    functionalize_both_forms(NarrowFromTheEnd, calls, dynamic_shapes=dims)
+
+
 # -- pattern 6: ops without a registered functional variant -------------------------------
 @torch.library.custom_op("fn10_test::accumulate2", mutates_args=("a", "b"))
 def _accumulate2(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
