@@ -88,6 +88,10 @@ _UNSAFE_SPLITS = {aten.unsafe_split.Tensor: aten.split.Tensor,
 _LIST_VIEWS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
                          aten.chunk.default, aten.tensor_split.sections,
                          aten.tensor_split.indices, *_DIRECTIONAL_SPLITS, *_UNSAFE_SPLITS})
+# List views whose pieces' bounds are sums of their (possibly symbolic) arguments alone.
+_BOUNDS_FROM_ARGUMENTS = frozenset({aten.split_with_sizes.default,
+                                    aten.unsafe_split_with_sizes.default,
+                                    aten.tensor_split.indices})
 # List views whose pieces' bounds depend on the split input's length.
 _SIZED_BY_INPUT = frozenset({aten.chunk.default, aten.unsafe_chunk.default,
                              aten.tensor_split.sections, aten.hsplit.int, aten.vsplit.int,
@@ -134,7 +138,9 @@ def write_back_reason(view: Node) -> str | None:
         source = view.args[0]
         if isinstance(source, Node) and target_of(source) in _LIST_VIEWS:
             flat = [x for a in _args(source) for x in (a if isinstance(a, (list, tuple)) else [a])]
-            static = isinstance(view.args[1], int) and not any(isinstance(x, Node) for x in flat)
+            static = isinstance(view.args[1], int) and (
+                target_of(source) in _BOUNDS_FROM_ARGUMENTS
+                or not any(isinstance(x, Node) for x in flat))
             if target_of(source) in _SIZED_BY_INPUT:
                 static = static and _shape(source.args[0]) is not None
             return None if static else f"writes through {view.name}, a symbolic split"
@@ -367,9 +373,23 @@ def _write_back_item(emit: Emit, split: Node, index: int, base: Node, value: Nod
         length = _shape(base)[dim]
         size = -(-length // chunks)
         sizes = None
-    start = sum(sizes[:index]) if sizes is not None else index * size
-    end = start + (sizes[index] if sizes is not None else size)
+    if sizes is None:
+        start, end = index * size, (index + 1) * size
+    else:  # symbolic sizes (split_with_sizes) are SymInt nodes: their sums are too
+        start = 0
+        for piece in sizes[:index]:
+            start = _plus(emit, start, piece)
+        end = _plus(emit, start, sizes[index])
     return emit(aten.slice_scatter.default, base, value, dim, start, end)
+
+
+def _plus(emit: Emit, a: int | Node, b: int | Node) -> int | Node:
+    """``a + b`` of two ints, or a node computing it when one is a SymInt node."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a + b
+    if isinstance(a, int) and a == 0:
+        return b
+    return emit(operator.add, a, b)
 
 
 def _element_input(node: Node, index: int) -> Node:

@@ -295,6 +295,35 @@ def test_writes_through_narrow_from_the_end():
     functionalize_both_forms(NarrowFromTheEnd, calls, dynamic_shapes=dims)
 
 
+class SymbolicPieces(nn.Module):
+    """Writes through pieces of split_with_sizes and tensor_split whose bounds are
+    symbolic (a token count): refused as "a symbolic split" before, though the pieces'
+    bounds are sums of the op's own arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(16, 3))
+
+    def forward(self, x):
+        t = x.shape[0]
+        head, tail = torch.split(self.b, [t, 16 - t])
+        head.add_(x)
+        tail[0].mul_(2)
+        pieces = torch.tensor_split(self.b, [t, 2 * t])
+        pieces[1].sub_(x)
+        pieces[2][-1].add_(1)
+        return self.b.sum(0)
+
+
+def test_writes_through_pieces_of_symbolic_splits():
+    gen = torch.Generator().manual_seed(0)
+    calls = [(torch.randn(t, 3, generator=gen),) for t in (2, 5, 3, 7)]
+    dims = ({0: torch.export.Dim("t", min=2, max=7)},)
+    for program in functionalize_both_forms(SymbolicPieces, calls, dynamic_shapes=dims,
+                                            strict=True):
+        assert aten.slice_scatter.default in targets(program)
+
+
 # -- pattern 6: ops without a registered functional variant -------------------------------
 @torch.library.custom_op("fn10_test::accumulate2", mutates_args=("a", "b"))
 def _accumulate2(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
