@@ -7,7 +7,9 @@ operand, so eager stores neither the product nor anything a functional form comp
 exported program, run as is, matches eager; the functional one returned the product, off
 eager by 1.2 to 5.2 on these programs, as torch's ``run_decompositions({})`` does).
 ``masked_scatter_`` of the tensor it writes reads source elements earlier positions
-wrote. Index, scatter and gather ops given the tensor they write as an operand
+wrote; the ``out=`` reductions filling their out tensor before reading their input
+(``torch.sum(b, 1, keepdim=True, out=b)``) reduce what they overwrote. Index, scatter and
+gather ops given the tensor they write as an operand
 (``b.index_copy_(0, i, b)``, ``torch.take(b, i, out=b)``): eager raises, while the
 functional form returned a value. All refused; an operand disjoint from the written
 tensor, or ``addmm``'s own ``self``, is rewritten exactly."""
@@ -76,6 +78,12 @@ ORDER_DEPENDENT = {  # eager runs them, with a value no functional form computes
     "addmv_": lambda b, x: b[0].addmv_(x, b[0]),
     "masked_scatter_": lambda b, x: b.masked_scatter_(x > 0, b),
 }
+REDUCES_INTO_ITS_INPUT = {  # eager fills the out tensor first, then reduces it
+    "sum": lambda b, x: torch.sum(b[:, :1], 1, keepdim=True, out=b[:, :1]),
+    "mean": lambda b, x: torch.mean(b[:1], 0, keepdim=True, out=b[:1]),
+    "amax": lambda b, x: torch.amax(b[:1], 0, keepdim=True, out=b[:1]),
+    "histc": lambda b, x: torch.histc(b.view(-1), 16, out=b.view(-1)),
+}
 EAGER_REFUSES = {  # eager raises; the functional form returned a value
     "index_copy_": lambda b, x: b.index_copy_(0, torch.tensor(PERMUTATION), b),
     "index_add_": lambda b, x: b.index_add_(0, torch.tensor(PERMUTATION), b),
@@ -92,6 +100,15 @@ def test_an_op_reading_the_tensor_it_writes_element_after_element_is_refused(nam
     write = ORDER_DEPENDENT[name]
     error = refused_in_both_forms(lambda: ReadsWhatItWrites(write), _calls((4, 4)), "overlap")
     assert "shares elements with its operand" in error.reason
+
+
+@pytest.mark.parametrize("name", REDUCES_INTO_ITS_INPUT)
+def test_a_reduction_into_its_own_input_is_refused(name):
+    # The functional program, torch's too, returned the reduction of the input (off eager
+    # by 2.5 for sum, inf for amax: eager reduces the identity it filled the out with).
+    write = REDUCES_INTO_ITS_INPUT[name]
+    error = refused_in_both_forms(lambda: ReadsWhatItWrites(write), _calls((4, 4)), "overlap")
+    assert "initial value" in error.reason
 
 
 @pytest.mark.parametrize("name", EAGER_REFUSES)
@@ -120,6 +137,7 @@ def test_those_ops_reading_a_disjoint_part_of_the_written_tensor_are_exact():
         b[:2].masked_scatter_(x[:2] > 0, b[2:])
         b[:2].index_copy_(0, torch.tensor([1, 0]), b[2:])
         b[:, :2].index_put_((torch.tensor([3, 3]),), b[0, 2:], accumulate=True)
+        torch.sum(b[:2], 0, keepdim=True, out=b[3:])
 
     functionalize_both_forms(lambda: ReadsWhatItWrites(disjoint), _calls((4, 4)))
 
