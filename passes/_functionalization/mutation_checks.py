@@ -148,6 +148,7 @@ _PRODUCTS = _operand_table({
     "baddbmm_": ("batch1", "batch2"), "addbmm": ("batch1", "batch2"),
     "addbmm_": ("batch1", "batch2"), "addmv": ("mat", "vec"), "addmv_": ("mat", "vec"),
     "kron": ("self", "other"), "linalg_matrix_power": ("self",),
+    "linear": ("input", "weight"),
 })
 """Matrix products, ``out=`` and in place, whose CPU kernels (BLAS gemm / gemv) write the
 tensor they write while still reading these operands: given one sharing an element with
@@ -174,6 +175,18 @@ reduces the values it has just overwritten (``0.0`` where the functional sum giv
 ``reduction`` and for ``histc``: ``logsumexp``, ``max`` / ``min`` along a dim, ``aminmax``,
 ``norm``, ``std``, ``var``, ``median``, ``mode`` and the scans read their input first and
 are exact, so they are not listed."""
+
+_READS_WHAT_IT_WROTE = _operand_table({
+    "avg_pool2d": ("self",), "avg_pool3d": ("self",), "max_pool2d_with_indices": ("self",),
+    "max_pool3d_with_indices": ("self",), "linalg_solve_triangular": ("self",),
+    "ormqr": ("self",), "linalg_ldl_solve": ("LD",),
+})
+"""``out=`` ops whose kernels read input elements after they wrote the out tensor's: a
+pooling window reaches positions written before it (``avg_pool2d(b, 3, 1, 1, out=b)``
+off the functional pool by 0.35, ``max_pool2d`` by 1.6), a triangular solve or
+``ormqr`` reads the matrix rows it has already replaced (0.84 and 1.46); measured on
+torch 2.13, where the adaptive pools, upsampling, padding, ``triangular_solve`` and the
+other ``linalg`` ``out=`` ops given their input are exact."""
 
 _EAGER_REFUSES = _operand_table({
     name: operands for names, operands in (
@@ -218,6 +231,8 @@ _WHY = {
     "initializes": "its kernel fills {w} with the reduction's initial value before it "
                    "reads the operand, so eager reduces the values it has just overwritten; "
                    "reduce into a fresh tensor, then copy_ it",
+    "reread": "its kernel reads elements of it after it wrote them into {w}, so eager's "
+              "result depends on that order; compute into a fresh tensor, then copy_ it",
     "refused": "eager refuses such a call where it can tell (\"some elements of the input "
                "tensor and the written-to tensor refer to a single memory location\"), and "
                "its result otherwise depends on the kernel's order; pass a clone",
@@ -231,7 +246,7 @@ def _operands_read_while_written(op: Any) -> tuple[tuple[str, int, str], ...]:
     found = []
     for table, why in ((_custom_op_operands(op), "custom"), (_PRODUCTS, "product"),
                        (_ORDER_DEPENDENT, "order"), (_INITIALIZES_OUT, "initializes"),
-                       (_EAGER_REFUSES, "refused")):
+                       (_READS_WHAT_IT_WROTE, "reread"), (_EAGER_REFUSES, "refused")):
         names = [a.name for a in op._schema.arguments] if op in table else []
         found += [(name, names.index(name), _WHY[why]) for name in table.get(op, ())]
     return tuple(found)
