@@ -129,6 +129,16 @@ def test_an_op_rereading_what_it_wrote_into_its_input_is_refused(name):
     assert "shares elements with its operand" in error.reason
 
 
+def test_a_search_into_the_sequence_it_searches_is_refused():
+    def search(b, x):  # eager searches a sequence whose first elements it replaced
+        b.view(-1).copy_(torch.arange(16) * 2)
+        torch.searchsorted(b.view(-1), (x.view(-1) * 8 + 16).long(), out=b.view(-1))
+
+    error = refused_in_both_forms(lambda: ReadsWhatItWrites(search, torch.int64),
+                                  _calls((4, 4)), "overlap")
+    assert "sorted_sequence=" in error.reason
+
+
 @pytest.mark.parametrize("name", EAGER_REFUSES)
 def test_an_op_eager_refuses_on_the_tensor_it_writes_is_refused(name):
     write = EAGER_REFUSES[name]
