@@ -67,7 +67,8 @@ class InplaceToFunctional(Pass):
             write through a view with no write-back ("no-write-back"), a written tensor
             that may partially overlap another argument, or an operand sharing elements
             with (or being) the tensor an op writes where eager's result is not the
-            functional one (matrix products, ``masked_scatter_``, custom ops) or eager
+            functional one (matrix products, ``masked_scatter_``, custom ops, ``out=``
+            reductions, pools, solves and searches given their input as out) or eager
             raises (index and scatter ops: ``b.index_copy_(0, i, b)``) ("overlap"), a
             write it cannot
             see through, such as one inside a higher-order op ("opaque"), an op failing
