@@ -147,6 +147,7 @@ class PassQuantizer(Quantizer):
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         model = self.quantizer.transform_for_annotation(model)
         integer_constants_kept_integer(model)
+        integer_results_restored(model)
         no_op_conversions_dropped(model)
         if self.transform is None:
             return model
@@ -270,6 +271,89 @@ def integer_constants_kept_integer(model: GraphModule) -> list[str]:
     return changed
 
 
+# Set on a node computing, in floating point, what the program computed as integers (see
+# integer_results_restored): its value is integer arithmetic, never quantized.
+INTEGER_ARITHMETIC_META = "integer_arithmetic"
+
+
+def integer_results_restored(model: GraphModule) -> list[str]:
+    """Give back their integer dtype to integer values a quantizer's
+    ``transform_for_annotation`` now computes in floating point; returns the casts added.
+
+    ``QnnQuantizer``'s ``DecomposeRemainder`` rewrites every ``remainder`` as
+    ``x - floor(x / y) * y`` and keeps the integer fake values the remainder had: on a
+    ring buffer's position (``pos % slots``) ``div.Tensor`` of two integers divides truly,
+    so the chain computes a float position, and the cache write indexed by it failed in
+    the first calibration call (``index_copy_(): Expected a long tensor for index``). Each
+    node reading such a value is run on its inputs' actual fake values: one whose recorded
+    value is an integer but which computes a float is integer arithmetic done in floating
+    point (exact below 2**24), keeps its float value and is marked
+    :data:`INTEGER_ARITHMETIC_META` (never quantized: :func:`integer_annotations_dropped`);
+    any other node reading such a value (the cache write, the output) reads it cast back
+    to its recorded dtype, as the program was traced.
+    """
+    import operator
+
+    from ._analysis.fake_values import graph_fake_mode
+
+    mode = graph_fake_mode(model.graph)
+    if mode is None:
+        return []
+    actual: dict[torch.fx.Node, torch.Tensor] = {}  # values that are not what was recorded
+
+    def integer(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and not value.dtype.is_floating_point \
+            and not value.dtype.is_complex
+
+    def value_of(node: torch.fx.Node) -> Any:
+        return actual.get(node, node.meta.get("val"))
+
+    casts: list[str] = []
+    for node in list(model.graph.nodes):
+        recorded = node.meta.get("val")
+        if node.op == "get_attr":
+            try:
+                tensor = operator.attrgetter(node.target)(model)
+            except AttributeError:
+                continue
+            if isinstance(tensor, torch.Tensor) and isinstance(recorded, torch.Tensor) and \
+                    tensor.dtype != recorded.dtype:
+                actual[node] = mode.from_tensor(tensor, static_shapes=True)
+            continue
+        floats = [arg for arg in node.all_input_nodes
+                  if arg in actual and integer(arg.meta.get("val"))
+                  and actual[arg].dtype.is_floating_point]
+        if not floats and not (integer(recorded) and node.op == "call_function"):
+            continue  # an integer result may be a float one now (a true division)
+        result = None
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value_of)
+            try:
+                with mode:
+                    result = node.target(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - the op refuses the float value: cast it back
+                result = None
+        if isinstance(result, torch.Tensor) and integer(recorded) and \
+                result.dtype.is_floating_point:
+            actual[node] = result  # more integer arithmetic in floating point
+            continue
+        for arg in floats:  # any other reader reads the integers it was traced with
+            with model.graph.inserting_before(node):
+                cast = model.graph.call_function(
+                    torch.ops.aten._to_copy.default, (arg,),
+                    {"dtype": arg.meta["val"].dtype})
+            cast.meta["val"] = arg.meta["val"]
+            node.replace_input_with(arg, cast)
+            casts.append(f"{arg.name} -> {node.name}")
+    for node, value in actual.items():
+        if node.op == "call_function":
+            node.meta["val"] = value
+            node.meta[INTEGER_ARITHMETIC_META] = True
+    if casts:
+        model.recompile()
+    return casts
+
+
 def integer_annotations_dropped(model: GraphModule) -> list[str]:
     """Take back what a quantizer annotated on integer and bool values; returns one line
     per value, ``"<node>"`` for an output, ``"<input> -> <node>"`` for an input.
@@ -290,6 +374,8 @@ def integer_annotations_dropped(model: GraphModule) -> list[str]:
 
     def integer(node: Any) -> bool:
         value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(node, torch.fx.Node) and node.meta.get(INTEGER_ARITHMETIC_META):
+            return True
         return isinstance(value, torch.Tensor) and not value.dtype.is_floating_point \
             and not value.dtype.is_complex
 
