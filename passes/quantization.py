@@ -104,10 +104,12 @@ class PassQuantizer(Quantizer):
 
     ``transform_for_annotation`` runs the wrapped quantizer's own transform, drops the
     conversions that convert nothing (:func:`no_op_conversions_dropped`), then runs the
-    ``transform`` passes; ``annotate`` runs the wrapped ``annotate``, then the
-    ``after_annotate`` passes (each list is one :class:`pass_manager.PassManager`, so its
-    conditions are checked and a failing pass is rolled back). ``validate`` and the
-    observer callback delegate to the wrapped quantizer. The callback also records, on
+    ``transform`` passes; ``annotate`` runs the wrapped ``annotate``, takes back what it
+    annotated on integer and bool values (:func:`integer_annotations_dropped`; listed in
+    :attr:`dropped_annotations`), then runs the ``after_annotate`` passes (each list is
+    one :class:`pass_manager.PassManager`, so its conditions are checked and a failing
+    pass is rolled back). ``validate`` and the observer callback delegate to the wrapped
+    quantizer. The callback also records, on
     each mutable buffer's node, the observers that watch a read of it, so that
     ``UnfreezeMutableBuffer`` knows exactly which frozen constant stands for which buffer.
 
@@ -140,10 +142,12 @@ class PassQuantizer(Quantizer):
             if after_annotate else None
         )
         self.reports: list[Report] = []
+        self.dropped_annotations: list[str] = []
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         model = self.quantizer.transform_for_annotation(model)
         integer_constants_kept_integer(model)
+        integer_results_restored(model)
         no_op_conversions_dropped(model)
         if self.transform is None:
             return model
@@ -159,6 +163,7 @@ class PassQuantizer(Quantizer):
                 "prepare_pt2e only keeps annotations made in place",
                 pass_name=type(self).__name__,
             )
+        self.dropped_annotations = integer_annotations_dropped(model)
         if self.after_annotate is not None:
             result = self.after_annotate.run(model)
             self.reports.append(result.report)
@@ -264,6 +269,146 @@ def integer_constants_kept_integer(model: GraphModule) -> list[str]:
                 if mode is not None else integer
             changed.append(node.name)
     return changed
+
+
+# Set on a node computing, in floating point, what the program computed as integers (see
+# integer_results_restored): its value is integer arithmetic, never quantized.
+INTEGER_ARITHMETIC_META = "integer_arithmetic"
+
+
+def integer_results_restored(model: GraphModule) -> list[str]:
+    """Give back their integer dtype to integer values a quantizer's
+    ``transform_for_annotation`` now computes in floating point; returns the casts added.
+
+    ``QnnQuantizer``'s ``DecomposeRemainder`` rewrites every ``remainder`` as
+    ``x - floor(x / y) * y`` and keeps the integer fake values the remainder had: on a
+    ring buffer's position (``pos % slots``) ``div.Tensor`` of two integers divides truly,
+    so the chain computes a float position, and the cache write indexed by it failed in
+    the first calibration call (``index_copy_(): Expected a long tensor for index``). Each
+    node reading such a value is run on its inputs' actual fake values: one whose recorded
+    value is an integer but which computes a float is integer arithmetic done in floating
+    point (exact below 2**24), keeps its float value and is marked
+    :data:`INTEGER_ARITHMETIC_META` (never quantized: :func:`integer_annotations_dropped`);
+    any other node reading such a value (the cache write, the output) reads it cast back
+    to its recorded dtype, as the program was traced.
+    """
+    import operator
+
+    from ._analysis.fake_values import graph_fake_mode
+
+    mode = graph_fake_mode(model.graph)
+    if mode is None:
+        return []
+    actual: dict[torch.fx.Node, torch.Tensor] = {}  # values that are not what was recorded
+
+    def integer(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and not value.dtype.is_floating_point \
+            and not value.dtype.is_complex
+
+    def value_of(node: torch.fx.Node) -> Any:
+        return actual.get(node, node.meta.get("val"))
+
+    casts: list[str] = []
+    for node in list(model.graph.nodes):
+        recorded = node.meta.get("val")
+        if node.op == "get_attr":
+            try:
+                tensor = operator.attrgetter(node.target)(model)
+            except AttributeError:
+                continue
+            if isinstance(tensor, torch.Tensor) and isinstance(recorded, torch.Tensor) and \
+                    tensor.dtype != recorded.dtype:
+                actual[node] = mode.from_tensor(tensor, static_shapes=True)
+            continue
+        floats = [arg for arg in node.all_input_nodes
+                  if arg in actual and integer(arg.meta.get("val"))
+                  and actual[arg].dtype.is_floating_point]
+        if not floats and not (integer(recorded) and node.op == "call_function"):
+            continue  # an integer result may be a float one now (a true division)
+        result = None
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value_of)
+            try:
+                with mode:
+                    result = node.target(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - the op refuses the float value: cast it back
+                result = None
+        if isinstance(result, torch.Tensor) and integer(recorded) and \
+                result.dtype.is_floating_point:
+            actual[node] = result  # more integer arithmetic in floating point
+            continue
+        for arg in floats:  # any other reader reads the integers it was traced with
+            with model.graph.inserting_before(node):
+                cast = model.graph.call_function(
+                    torch.ops.aten._to_copy.default, (arg,),
+                    {"dtype": arg.meta["val"].dtype})
+            cast.meta["val"] = arg.meta["val"]
+            node.replace_input_with(arg, cast)
+            casts.append(f"{arg.name} -> {node.name}")
+    for node, value in actual.items():
+        if node.op == "call_function":
+            node.meta["val"] = value
+            node.meta[INTEGER_ARITHMETIC_META] = True
+    if casts:
+        model.recompile()
+    return casts
+
+
+def integer_annotations_dropped(model: GraphModule) -> list[str]:
+    """Take back what a quantizer annotated on integer and bool values; returns one line
+    per value, ``"<node>"`` for an output, ``"<input> -> <node>"`` for an input.
+
+    pt2e quantizes floating-point values only; a quantizer annotating an op whatever its
+    dtypes (ExecuTorch's ``CoreMLQuantizer`` annotates every ``add``, an int64 step
+    counter's ``step += 1`` and ``arange + offset`` included) would otherwise give an
+    integer value an observer, which fails inside the first calibration call or inside
+    ``convert_pt2e``. An integer value stays exactly what it was, unquantized, as
+    ``prepare_pt2e`` leaves any value no one annotated; the float values around it keep
+    their annotations. A spec sharing or deriving its grid from a dropped one is dropped
+    with it (a grid of an integer value does not exist).
+    """
+    from torchao.quantization.pt2e.quantizer import (
+        DerivedQuantizationSpec,
+        SharedQuantizationSpec,
+    )
+
+    def integer(node: Any) -> bool:
+        value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(node, torch.fx.Node) and node.meta.get(INTEGER_ARITHMETIC_META):
+            return True
+        return isinstance(value, torch.Tensor) and not value.dtype.is_floating_point \
+            and not value.dtype.is_complex
+
+    dropped_edges: set[Any] = set()  # (input, node) edges and nodes whose spec is gone
+    dropped: list[str] = []
+
+    def refers_to_dropped(spec: Any) -> bool:
+        if isinstance(spec, SharedQuantizationSpec):
+            return spec.edge_or_node in dropped_edges
+        if isinstance(spec, DerivedQuantizationSpec):
+            return any(source in dropped_edges for source in spec.derived_from)
+        return False
+
+    changed = True
+    while changed:
+        changed = False
+        for node in model.graph.nodes:
+            annotation = node.meta.get("quantization_annotation")
+            if annotation is None:
+                continue
+            for arg, spec in list(annotation.input_qspec_map.items()):
+                if spec is not None and (integer(arg) or refers_to_dropped(spec)):
+                    del annotation.input_qspec_map[arg]
+                    dropped_edges.add((arg, node))
+                    dropped.append(f"{arg.name} -> {node.name}")
+                    changed = True
+            spec = annotation.output_qspec
+            if spec is not None and (integer(node) or refers_to_dropped(spec)):
+                annotation.output_qspec = None
+                dropped_edges.add(node)
+                dropped.append(node.name)
+                changed = True
+    return dropped
 
 
 def checked_quantizer(quantizer: Any, helper: str) -> Quantizer:
@@ -411,8 +556,9 @@ def quantize_program(
         QuantizationInputError: ``program`` not an ExportedProgram, ``quantizer`` not a
             Quantizer (the message says what to pass, e.g. "call xnnpack_quantizer()"), no
             calibration call, or a value the quantizer observes of a dtype pt2e cannot
-            quantize (float64, or an integer a quantizer annotates whatever its dtype:
-            the message names it; found before calibration); its
+            quantize (float64: the message names it; found before calibration; what a
+            quantizer annotates on integer and bool values is dropped, they stay
+            unquantized, see :func:`integer_annotations_dropped`); its
             :class:`~passes.errors.CalibrationInputError` names the
             call and the input when a call does not fit the program (another dtype, a static
             size, another structure: checked before anything is prepared) or the prepared

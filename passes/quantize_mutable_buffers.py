@@ -463,11 +463,12 @@ class _Rewrite:
             self.storing = plan.grid
             for write in plan.writes:
                 self._store(write)
-        self.storing = None
-        for node, source in direct:
+        for node, source, grid in direct:
+            self.storing = grid  # a tensor of zeros it reads holds this grid's zero point
             self.reads_integers.update(node.users)
             node.replace_all_uses_with(self.int_of(source))
             self.graph.erase_node(node)
+        self.storing = None
         self._float_reads_of_mirrored_nodes()
         self._drop_dead()
         for plan in self.plans:
@@ -511,17 +512,46 @@ class _Rewrite:
         return mirror
 
     def _zero_point_fill(self, zeros: Node) -> Node:
-        """The integers of a tensor of zeros on the grid being stored: its zero point."""
+        """The integers of a tensor of zeros on the grid being stored: its zero point (per
+        channel: each channel's, along the channel axis the zeros have where they are
+        used)."""
         grid = self.storing
-        if grid is None or grid.per_channel:
-            raise QuantizedStateError(zeros.name, "a tensor of zeros stored on a per-channel "
-                                      "grid (one zero point per channel) is not supported")
+        if grid is not None and grid.per_channel:
+            return self._per_channel_zero_fill(zeros, grid)
+        if grid is None:
+            raise QuantizedStateError(zeros.name, "a tensor of zeros stored on no grid")
         value = zeros.meta["val"]
         size = zeros.args[0] if zeros.target is torch.ops.aten.zeros.default else list(
             value.shape)
         with self.graph.inserting_after(zeros):
             fill = self._call(torch.ops.aten.full.default, (size, int(grid.zero_point)),
                               {"dtype": grid.dtype, "device": value.device}, like=zeros)
+        self.ints[zeros] = fill
+        return fill
+
+    def _per_channel_zero_fill(self, zeros: Node, grid: Grid) -> Node:
+        """``quantize_per_channel`` of the zeros: each channel's zero point, the channel
+        axis read from a user of the zeros that keeps their shape (the write the fresh
+        cache is the destination of, a ``where``, a ``cat`` along another dim)."""
+        value = zeros.meta.get("val")
+        axes = set()
+        for user in zeros.users:
+            found = self.flow.grid(user)
+            used = user.meta.get("val")
+            if isinstance(found, Grid) and found.same_levels(grid) and isinstance(
+                    used, torch.Tensor) and isinstance(value, torch.Tensor) and (
+                    used.shape == value.shape or user.target is torch.ops.aten.cat.default):
+                axes.add(found.axis)
+        if len(axes) != 1 or not isinstance(value, torch.Tensor) or \
+                value.dtype != torch.float32:
+            raise QuantizedStateError(zeros.name, "a tensor of zeros stored on a per-channel "
+                                      "grid, whose channel axis no user of it keeps (or "
+                                      "not float32), is not supported")
+        axis = axes.pop()
+        scale, zero_point = self._channel_constants(zeros, grid)
+        with self.graph.inserting_after(zeros):
+            fill = self._call(_QUANTIZE[1], (zeros, scale, zero_point, axis, grid.quant_min,
+                                             grid.quant_max, grid.dtype), {}, like=zeros)
         self.ints[zeros] = fill
         return fill
 
@@ -567,9 +597,9 @@ class _Rewrite:
         values[write.output] = integers
         output.args = (tuple(values), *output.args[1:])
 
-    def _direct_reads(self) -> list[tuple[Node, Node]]:
-        """The quantize nodes of a quantized buffer's value onto its own grid, and that
-        value: they read the integers."""
+    def _direct_reads(self) -> list[tuple[Node, Node, Grid]]:
+        """The quantize nodes of a quantized buffer's value onto its own grid, that value
+        and its grid: they read the integers."""
         found = []
         moving = (*MOVES, *FUNCTIONAL_WRITES, *SELECTS, torch.ops.aten.cat.default)
         quantizes = [n for op in _QUANTIZE for n in self.graph.find_nodes(
@@ -586,7 +616,7 @@ class _Rewrite:
                 continue
             plan = self._alias_plan(source)
             if plan is None or self._unwritten_while_read(node, plan):
-                found.append((node, source))
+                found.append((node, source, value))
         return found
 
     def _unwritten_while_read(self, node: Node, plan: BufferPlan) -> bool:

@@ -263,11 +263,12 @@ class ComputedAfterDequantize(GridCache):
 class PerChannelCache(nn.Module):
     """Values quantized per channel along their last dim (4 channels), written with
     ``index_copy_`` along positions: the channel axis survives. ``split=True`` writes them
-    as two halves cut along the channel axis and joined again, where it does not."""
+    as two halves cut along the channel axis and joined again, where it does not;
+    ``fresh=True`` writes them into a fresh cache of zeros (a prefill), stored whole."""
 
-    def __init__(self, split: bool = False):
+    def __init__(self, split: bool = False, fresh: bool = False):
         super().__init__()
-        self.split = split
+        self.split, self.fresh = split, fresh
         self.proj = _seeded(lambda: nn.Linear(4, 4))
         self.register_buffer("scales", torch.tensor([0.02, 0.05, 0.1, 0.03]))
         self.register_buffer("zero_points", torch.tensor([0, 3, -2, 1]))
@@ -278,8 +279,23 @@ class PerChannelCache(nn.Module):
         v = QD.dequantize_per_channel(QD.quantize_per_channel(self.proj(x), *grid), *grid)
         if self.split:
             v = torch.cat([v[..., :2], v[..., 2:]], dim=-1)
-        self.cache.index_copy_(1, pos, v)
+        if self.fresh:
+            self.cache.copy_(torch.zeros_like(self.cache).index_copy(1, pos, v))
+        else:
+            self.cache.index_copy_(1, pos, v)
         return ((self.cache * x).sum(-1).softmax(-1),)
+
+
+class MaskedRead(GridCache):
+    """The cache read through a mask that zeroes the rows not written yet, the result
+    quantized onto the cache's grid again (as XNNPACKQuantizer annotates such a ``where``):
+    that read takes the integers, the zeros among them the grid's zero point."""
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.cache.index_copy_(1, pos, on_grid(self.proj(x)))
+        written = (torch.arange(self.cache.shape[1]) <= pos).view(1, -1, 1)
+        seen = on_grid(torch.where(written, self.cache, torch.zeros_like(self.cache)))
+        return ((seen * x).sum(-1).softmax(-1),)
 
 
 class MalformedGrid(GridCache):

@@ -187,12 +187,14 @@ def test_a_float64_value_the_quantizer_observes_is_named_before_calibration(help
 
 
 @pytest.mark.parametrize("helper", ["quantize_program", "quantize_methods"])
-def test_an_integer_value_the_quantizer_observes_is_named_before_calibration(helper):
+def test_an_integer_counter_the_quantizer_annotates_is_left_out_of_quantization(helper):
     """ExecuTorch's CoreMLQuantizer annotates every ``add``, an int64 position counter's
     too (Hugging Face's ``cumulative_length``, a tiny Qwen2's ``arange + offset``): its
-    fake-quantize raised inside the first calibration call, reported as that call's fault
-    (``CalibrationInputError: calibration[0]: ... not implemented for 'Long'``), the
-    state written by the call."""
+    fake-quantize raised inside the first calibration call (``CalibrationInputError:
+    calibration[0]: ... not implemented for 'Long'``), then the flow refused the program
+    (``QuantizationInputError``: "the quantizer observes 'pos', of dtype torch.int64").
+    pt2e quantizes float values only: the counter's annotations are dropped, it stays an
+    exact int64 counter, and the float linear beside it is quantized."""
     pytest.importorskip("coremltools")
     from tests.models.coreml_cases import coreml_quantizer
     from tests.models.counters import CountedCache, counted_cache_calls
@@ -200,18 +202,19 @@ def test_an_integer_value_the_quantizer_observes_is_named_before_calibration(hel
     calls = counted_cache_calls(3, seed=1)
     with torch.no_grad():
         program = torch.export.export(CountedCache(), calls[0])
-    before = {name: value.clone() for name, value in program.state_dict.items()}
-    with pytest.raises(QuantizationInputError) as caught:
-        if helper == "quantize_program":
-            quantize_program(program, coreml_quantizer(("add",)), calls)
-        else:
-            quantize_methods({"forward": program}, coreml_quantizer(("add",)),
-                             [("forward", args, {}) for args in calls])
-    error = caught.value
-    assert not isinstance(error, CalibrationInputError), error
-    assert (error.helper, error.argument) == (helper, "program")
-    assert "torch.int64" in error.reason and "integer" in error.reason, error.reason
-    # The counter and the op reading it (its update), by node name.
-    assert "observes 'pos'" in error.reason and "input of add" in error.reason, error.reason
-    for name, value in before.items():  # nothing calibrated
-        assert torch.equal(program.state_dict[name], value), name
+    quantizer = coreml_quantizer(("add", "linear"))
+    if helper == "quantize_program":
+        quantized = quantize_program(program, quantizer, calls)
+    else:
+        quantized = quantize_methods({"forward": program}, quantizer,
+                                     [("forward", args, {}) for args in calls])["forward"]
+    targets = {node.target for node in quantized.graph.nodes}
+    assert torch.ops.quantized_decomposed.quantize_per_tensor.default in targets  # the linear
+    module, eager = quantized.module(), CountedCache()
+    with torch.no_grad():
+        for args in calls:
+            expected, got = eager(*args), module(*args)
+            assert got[1].dtype == torch.int64 and torch.equal(got[1], expected[1])
+            assert torch.allclose(got[0], expected[0], atol=1.0)  # quantized on 8 bits
+    assert quantized.state_dict["pos"].dtype == torch.int64
+    assert torch.equal(quantized.state_dict["pos"], eager.pos)

@@ -44,6 +44,7 @@ from tests.models.quantized_state import (
     EmptyPartOnAnotherGrid,
     GridCache,
     MalformedGrid,
+    MaskedRead,
     PerChannelCache,
     ReadBeforeWrite,
     SharedStorage,
@@ -161,6 +162,10 @@ HAND_QUANTIZED = {
     "computed_after_dequantize": ComputedAfterDequantize,
     "per_channel": PerChannelCache,
     "per_channel_axis_lost": lambda: PerChannelCache(split=True),
+    # Its zeros stored per channel (each channel's zero point): QuantizedStateError before.
+    "per_channel_fresh_cache": lambda: PerChannelCache(fresh=True),
+    # A masked read's zeros re-quantized: QuantizedStateError (no grid) before.
+    "masked_read": MaskedRead,
     "shared_storage": SharedStorage,
 }
 STAY_FLOAT = {

@@ -269,6 +269,49 @@ def test_an_integer_counter_stays_integer_through_the_quantizer(functional, make
             assert (program_module.get_buffer("cache") - reference.cache).abs().max() < 0.1
 
 
+class _RingCache(torch.nn.Module):
+    """A ring buffer of 4 rows written at ``pos % 4`` (a sliding-window cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(4)
+        self.proj = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.randn(4, 4, generator=generator) / 2)
+            self.proj.bias.copy_(torch.randn(4, generator=generator) / 4)
+        self.register_buffer("cache", torch.zeros(4, 4))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(0, pos % 4, self.proj(x))
+        return self.cache.sum(0)
+
+
+def test_a_ring_position_stays_integer_through_qnns_remainder_decomposition():
+    """QnnQuantizer's transform rewrites ``pos % 4`` as ``pos - floor(pos / 4) * 4``, a
+    true division of integers, so the ring position became a float and the first
+    calibration call failed (``CalibrationInputError: ... index_copy_(): Expected a long
+    tensor for index, but got Float``). The position is cast back for the write and
+    never quantized: each call writes the row eager writes, wrapping around."""
+    generator = torch.Generator().manual_seed(5)
+    calls = [(torch.rand(1, 4, generator=generator) * 2 - 1, torch.tensor([step]))
+             for step in range(6)]
+    module = _RingCache()
+    with torch.no_grad():
+        program = torch.export.export(copy.deepcopy(module), calls[0])
+    quantized = quantize_program(program, qnn_quantizer(), calls)
+    program_module = quantized.module()
+    with torch.no_grad():
+        for step, args in enumerate(calls):
+            module(*args)
+            program_module(*args)
+            cache = program_module.get_buffer("cache")
+            # Every row eager wrote, none elsewhere; the values within QNN's averaging
+            # input observer (its range stays near the first calls': 0.19 off at most),
+            # far closer than another row's (0.5-1.9 apart).
+            assert (cache - module.cache).abs().max() < 0.25, step
+            assert torch.equal(cache.abs().sum(1) > 0, module.cache.abs().sum(1) > 0), step
+
+
 def test_the_report_prints_as_its_summary_and_tables():
     """``print(report)`` is for a person: the steps, the reset buffers, each stage's table."""
     model, example, steps = decoder_job(n_layers=1, steps=2)
