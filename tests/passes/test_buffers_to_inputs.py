@@ -301,14 +301,21 @@ def test_a_nested_buffer_becomes_a_keyword_torch_can_call_and_lower(returned):
     assert "buffer 'attn.cache' -> input 'attn_cache'" in result.report.records[0].notes
 
 
-def test_a_name_that_is_no_buffer_is_refused():
+@pytest.mark.parametrize(("buffers", "name", "reason"), [
+    (["cache"], "cache", "no buffer"),
+    # A string was read letter by letter ('a', 'c', 'c'): one named "hh" moved buffer "h".
+    ("acc", "acc", "one string"),
+    # A mapping's values were dropped unread.
+    ({"acc": "total"}, "buffers", "is a mapping"),
+], ids=["no buffer", "a string", "a mapping"])
+def test_a_name_that_is_no_buffer_is_refused(buffers, name, reason):
     program = exported(Accumulate(), (torch.ones(4),))
     before = copy.deepcopy(program)
     with pytest.raises(PassFailedError) as caught:
-        PassManager([BuffersToInputs(buffers=["cache"])]).run(program)
+        PassManager([BuffersToInputs(buffers=buffers)]).run(program)
     error = caught.value.__cause__
-    assert isinstance(error, StateNameError) and error.name == "cache"
-    assert "BuffersToInputs" in str(error) and "acc" in str(error)
+    assert isinstance(error, StateNameError) and error.name == name and reason in error.reason
+    assert "BuffersToInputs" in str(error)
     assert str(program.graph) == str(before.graph)
 
 

@@ -389,6 +389,45 @@ def test_an_input_written_in_place_paired_with_another_value_is_refused(form):
     assert error.name == "cache"
 
 
+_BY_NAME = ("past_key_values.", "present.")
+
+
+@pytest.fixture(scope="module", params=FORMS)
+def named_state(request):
+    return functional(models.NamedState(), *models.named_state_inputs(), form=request.param)
+
+
+@pytest.mark.parametrize(("error", "name", "reason", "options"), [
+    # One input named twice (its keyword path and its placeholder): one of the two buffers
+    # or next values was taken silently.
+    (StateNameError, "past_key_values_0_key", "twice", dict(
+        pair_by_name=_BY_NAME, buffers={"past_key_values.0.key": "k1",
+                                        "past_key_values_0_key": "k2"})),
+    (StateNameError, "past_key_values_0_key", "twice", dict(next_values={
+        "past_key_values.0.key": "present.0.key", "past_key_values_0_key": "present.0.value"})),
+    # A buffer name with an empty part: a raw KeyError (GraphModule), or a program whose
+    # module() failed later (ExportedProgram, ".k").
+    (CarriedStateError, ".k", "empty", dict(pair_by_name=_BY_NAME,
+                                            buffers={"past_key_values.0.key": ".k"})),
+    (CarriedStateError, "cache..key", "empty", dict(
+        pair_by_name=_BY_NAME, buffers={"past_key_values.0.key": "cache..key"})),
+    # Options of another shape: read letter by letter, or a raw error deep in the rewrite.
+    (StateNameError, "past_key_values.0.key", "one string", dict(
+        pair_by_name=_BY_NAME, buffers="past_key_values.0.key")),
+    (StateNameError, "pair_by_name", "pair of strings", dict(pair_by_name="past_key_values.")),
+    (StateNameError, "next_values", "not a mapping", dict(next_values=["past_key_values.0.key"])),
+    (StateNameError, "past_key_values.0.key", "strings", dict(
+        pair_by_name=_BY_NAME, buffers={"past_key_values.0.key": 0})),
+    (CarriedStateError, "past_key_values.0.key", "not a tensor", dict(
+        pair_by_name=_BY_NAME, initial_values={"past_key_values.0.key": [0.0]})),
+], ids=["buffers twice", "next_values twice", "leading dot", "double dot", "a string",
+        "pair_by_name a string", "next_values a list", "a buffer name no string",
+        "an initial value no tensor"])
+def test_malformed_options_are_refused_by_name(named_state, error, name, reason, options):
+    refused = _refused(named_state, error, **options)
+    assert refused.name == name and reason in refused.reason, refused
+
+
 def test_a_taken_buffer_name_is_refused():
     program = functional(models.SelectiveScan(), models.scan_inputs())
     error = _refused(program, CarriedStateError, next_values={"h": "1"}, buffers={"h": "a"})
