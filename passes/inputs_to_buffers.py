@@ -17,7 +17,7 @@ from pass_manager.collector import collector_paused
 
 from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
 from ._analysis.buffers import USER_INPUT, state_nodes
-from ._carried.pairs import check_pair, resolve_pairs
+from ._carried.pairs import check_pair, resolve_pairs, suspected_pairs
 from ._carried.record import EXAMPLE_META, records_of
 from ._carried.resident import Carried, make_resident
 from ._carried.specs import input_names, output_names
@@ -81,7 +81,10 @@ class InputsToBuffers(Pass):
     Which input became which buffer: ``passes.inputs_to_buffers.carried_buffers(result)``
     (input name, or ``"output:<name>"`` for created state -> buffer), the notes (one line
     each) and the statistics (``inputs made buffers``, ``in place``, ``paired``, ``created``).
-    The result is a new program; its input is left untouched.
+    The result is a new program; its input is left untouched. With neither ``next_values``
+    nor ``pair_by_name`` given, an input an output looks like the next value of (OpenVINO's
+    names, the same path, an ``index_copy`` of it ...: the rules ``decode_on_runtime``
+    refuses an unpaired program by) stays an input, and a note names it and the pairing.
 
     Example (GraphModule form; an input ``h`` paired with output ``1``)::
 
@@ -221,6 +224,18 @@ class InputsToBuffers(Pass):
         else:
             chosen = {input_index(n, "buffers"):
                       _buffer_name(names[input_index(n, "buffers")][-1]) for n in self.buffers}
+        if self.next_values is None and self.pair_by_name is None:
+            # State carried as a pair is moved only when paired: say so rather than leave it
+            # an input silently (the same rules decode_on_runtime and quantize_methods
+            # refuse an unpaired program by).
+            moved = {names[i][-1] for i in chosen}
+            for pair in suspected_pairs(view.source):
+                if pair.input_name not in moved:
+                    notes.append(f"input {pair.input_name!r} stays an input though output "
+                                 f"{pair.output_name!r} looks like its next value ({pair.why}): "
+                                 f"pass next_values={{{pair.input_name!r}: "
+                                 f"{pair.output_name!r}}} (or pair_by_name) to make it "
+                                 "resident")
         carried = []
         for i, buffer in chosen.items():
             node = view.inputs[i]

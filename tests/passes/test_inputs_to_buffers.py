@@ -428,6 +428,16 @@ def test_malformed_options_are_refused_by_name(named_state, error, name, reason,
     assert refused.name == name and reason in refused.reason, refused
 
 
+def test_state_carried_as_a_pair_but_not_paired_is_named_in_the_notes(named_state):
+    """Without a pairing the pass moves nothing of OpenVINO-named state; it said nothing."""
+    result = resident(named_state)
+    assert not result.modified
+    notes = "\n".join(result.report.records[0].notes)
+    for leaf in ("key", "value"):
+        assert (f"input 'past_key_values.0.{leaf}' stays an input though output "
+                f"'present.0.{leaf}' looks like its next value") in notes, notes
+
+
 def test_a_taken_buffer_name_is_refused():
     program = functional(models.SelectiveScan(), models.scan_inputs())
     error = _refused(program, CarriedStateError, next_values={"h": "1"}, buffers={"h": "a"})
