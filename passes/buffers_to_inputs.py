@@ -129,12 +129,16 @@ class BuffersToInputs(Pass):
         # generation write it as a parameter of forward (``layers.0.k_cache`` cannot be).
         keywords = _Namespace()
         leaving = {n for fqn in chosen for name in (fqn, *tied.get(fqn, ())) for n in nodes[name]}
-        for node in view.gm.graph.nodes:
-            if node not in leaving:  # a buffer's own node goes: its name is free
-                keywords.create_name(node.name, None)
+        # a buffer's own node goes: its name is free
+        taken = [node.name for node in view.gm.graph.nodes if node not in leaving]
+        # The forward's own argument names and keywords too: a keyword input ``state`` (a
+        # dict whose leaves are placeholders ``state_a`` ...) beside a buffer ``state`` made
+        # a forward with the argument ``state`` twice, which Python refuses.
+        taken += [str(n) for n in (*view.in_spec.child(1).context, *(view.arg_names() or ()))]
         if record is not None:  # the restored signature's keywords come back beside them
-            for name in (*record.in_spec.child(1).context, *(record.arg_names or ())):
-                keywords.create_name(name, None)
+            taken += [*record.in_spec.child(1).context, *(record.arg_names or ())]
+        for name in dict.fromkeys(taken):  # each once: a second would take ``name_1`` too
+            keywords.create_name(name, None)
         explicit = []
         for fqn in chosen:
             # Every name of the tensor reads the one input (export reads one of them).

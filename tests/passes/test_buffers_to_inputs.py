@@ -246,24 +246,45 @@ class NamedLikeItsInput(torch.nn.Module):
         return self.x * 2
 
 
+class NamedLikeAKeyword(torch.nn.Module):
+    """A buffer named as a keyword input whose leaves are placeholders of other names:
+    buffer ``state``, keyword ``state={"a": ...}`` (placeholder ``state_a``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("state", torch.zeros(4))
+
+    def forward(self, x, *, state):
+        self.state.add_(x)
+        return self.state * 2 + state["a"]
+
+
 @pytest.mark.parametrize("form", FORMS)
-def test_a_buffer_named_like_an_input_becomes_its_own_input(form):
+@pytest.mark.parametrize("case", ["positional", "keyword"])
+def test_a_buffer_named_like_an_input_becomes_its_own_input(form, case):
     """The mutation output of buffer ``x`` was taken for one of input ``x`` (ExportedProgram:
     the buffer stayed resident and the signature said the caller's ``x`` is written);
-    the keyword ``x`` (GraphModule) was a duplicate argument, a SyntaxError."""
-    program = exported(NamedLikeItsInput(), (torch.ones(4),), form=form)
+    the keyword ``x`` (GraphModule) was a duplicate argument, a SyntaxError. Buffer
+    ``state`` beside keyword ``state`` was too (on both forms: the ExportedProgram's
+    ``module()`` raised it)."""
+    model, kwargs, expected = {
+        "positional": (NamedLikeItsInput, {}, ["x_1"]),
+        "keyword": (NamedLikeAKeyword, {"state": {"a": torch.ones(4)}}, ["state", "state_1"]),
+    }[case]
+    program = exported(model(), (torch.ones(4),), kwargs, form=form)
     result = PassManager([BuffersToInputs()]).run(program).program
     module = runnable(result)
-    assert list(module._in_spec.children()[1].context) == ["x_1"]
+    assert list(module._in_spec.children()[1].context) == expected
     assert not dict(module.named_buffers())
     if form == "exported":
         assert [(s.kind.name, s.target) for s in result.graph_signature.output_specs] == [
-            ("USER_INPUT_MUTATION", "x_1"), ("USER_OUTPUT", None)]
-    eager, state = NamedLikeItsInput(), torch.zeros(4)
+            ("USER_INPUT_MUTATION", expected[-1]), ("USER_OUTPUT", None)]
+    eager, state = model(), torch.zeros(4)
     for step in range(CALLS):
         x = torch.full((4,), 0.5 * step - 1)
-        assert torch.equal(module(x.clone(), x_1=state), eager(x))
-        assert torch.equal(state, eager.x)
+        assert torch.equal(module(x.clone(), **kwargs, **{expected[-1]: state}),
+                           eager(x, **kwargs))
+        assert torch.equal(state, eager.get_buffer("x" if case == "positional" else "state"))
 
 
 @pytest.mark.parametrize("form", FORMS)
