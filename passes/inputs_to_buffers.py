@@ -262,6 +262,13 @@ class InputsToBuffers(Pass):
             raise StateNameError(_NAME, node.name, "buffers names an input the program neither "
                                  "mutates in place nor returns the next value of: it is not "
                                  "state (pair it with next_values or pair_by_name)")
+        traced = node.meta.get("val")
+        if isinstance(traced, torch.Tensor) and any(not isinstance(d, int) for d in traced.shape):
+            # Said first: of a symbolic size, the functionalizer's whole copy of the written
+            # value is not seen through, and the pairing was refused for another reason.
+            raise CarriedStateError(_NAME, buffer, f"its shape {tuple(traced.shape)} is "
+                                    "dynamic; a buffer's shape is fixed (export the state "
+                                    "with a static shape)")
         value = written
         if output is not None:
             paired = view.outputs[output]
@@ -276,7 +283,7 @@ class InputsToBuffers(Pass):
             value = written if written is not None else paired  # the copy, when written
         example = _example_value(view, node)
         initial = self._initial(buffer, value, example, notes)
-        traced = node.meta.get("val")  # the buffer's read keeps the input's traced layout
+        # the buffer's read keeps the input's traced layout
         if isinstance(traced, torch.Tensor) and not traced.is_contiguous():
             notes.append(f"buffer {buffer!r} keeps the strides {tuple(traced.stride())} the "
                          "program was traced with: ExecuTorch 1.5.1 does not lower a "

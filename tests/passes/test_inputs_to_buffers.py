@@ -438,6 +438,31 @@ def test_state_carried_as_a_pair_but_not_paired_is_named_in_the_notes(named_stat
                 f"'present.0.{leaf}' looks like its next value") in notes, notes
 
 
+class DynamicCache(torch.nn.Module):
+    """A cache of a dynamic length written in place and returned (as HF's decode under
+    ``ExecutorchConfig(dynamic=True)``, which marks every axis ``Dim.AUTO``)."""
+
+    def forward(self, x, position, cache):
+        cache.index_copy_(1, position, x)
+        return x.sum() + cache.sum(), cache
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("options", [{}, {"next_values": {"cache": "1"}}], ids=["", "paired"])
+def test_a_state_of_a_dynamic_shape_is_refused_as_such(form, options):
+    """Paired, it was refused for another reason: \"writes it in place with copy_default,
+    but output '1' returns index_copy_default\" (a whole copy of symbolic size was not seen
+    through)."""
+    length = torch.export.Dim("length", min=2, max=16)
+    ep = torch.export.export(DynamicCache(), (torch.randn(1, 1, 4), torch.tensor([0]),
+                                              torch.zeros(1, 8, 4)),
+                             dynamic_shapes=(None, None, {1: length}))
+    program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+        ep if form == "exported" else ep.module()).program
+    error = _refused(program, CarriedStateError, **options)
+    assert error.name == "cache" and "dynamic" in error.reason
+
+
 def test_a_taken_buffer_name_is_refused():
     program = functional(models.SelectiveScan(), models.scan_inputs())
     error = _refused(program, CarriedStateError, next_values={"h": "1"}, buffers={"h": "a"})
