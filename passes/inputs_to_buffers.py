@@ -84,7 +84,8 @@ class InputsToBuffers(Pass):
     The result is a new program; its input is left untouched. With neither ``next_values``
     nor ``pair_by_name`` given, an input an output looks like the next value of (OpenVINO's
     names, the same path, an ``index_copy`` of it ...: the rules ``decode_on_runtime``
-    refuses an unpaired program by) stays an input, and a note names it and the pairing.
+    refuses an unpaired program by) stays an input, and a note names it and the pairing; a
+    ``pair_by_name`` that pairs no input is noted too.
 
     Example (GraphModule form; an input ``h`` paired with output ``1``)::
 
@@ -224,6 +225,13 @@ class InputsToBuffers(Pass):
         else:
             chosen = {input_index(n, "buffers"):
                       _buffer_name(names[input_index(n, "buffers")][-1]) for n in self.buffers}
+        if self.pair_by_name is not None and not resolve_pairs(names, outputs, None,
+                                                               self.pair_by_name, _NAME):
+            prefix_in, prefix_out = self.pair_by_name
+            notes.append(f"pair_by_name {tuple(self.pair_by_name)!r} pairs no input: no "
+                         f"input named {prefix_in!r} + <path> has an output named "
+                         f"{prefix_out!r} + <path> (inputs: "
+                         f"{', '.join(n[-1] for n in names)}; outputs: {', '.join(outputs)})")
         if self.next_values is None and self.pair_by_name is None:
             # State carried as a pair is moved only when paired: say so rather than leave it
             # an input silently (the same rules decode_on_runtime and quantize_methods

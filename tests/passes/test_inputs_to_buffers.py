@@ -436,6 +436,11 @@ def test_state_carried_as_a_pair_but_not_paired_is_named_in_the_notes(named_stat
     for leaf in ("key", "value"):
         assert (f"input 'past_key_values.0.{leaf}' stays an input though output "
                 f"'present.0.{leaf}' looks like its next value") in notes, notes
+    # A pair_by_name pairing nothing (a prefix mistyped) said nothing either.
+    result = resident(named_state, pair_by_name=("past_key_value.", "present."))
+    assert not result.modified
+    assert "pair_by_name ('past_key_value.', 'present.') pairs no input" in "\n".join(
+        result.report.records[0].notes)
 
 
 class DynamicCache(torch.nn.Module):
