@@ -4,7 +4,7 @@ InputsToBuffers."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +63,8 @@ class BuffersToInputs(Pass):
         ProgramFormError: the program is neither a GraphModule nor an ExportedProgram.
         PassFailedError: run by a PassManager or as ``pass_(program)``, in place of the
             error below (its ``__cause__``); the program is left as it was.
-        StateNameError: ``buffers`` names no buffer of the program.
+        StateNameError: ``buffers`` names no buffer of the program, or is a string or a
+            mapping (not a sequence of names).
     """
 
     buffers: Sequence[str] | None = None
@@ -74,6 +75,13 @@ class BuffersToInputs(Pass):
     effects = Effects.rewrite(in_place=False)  # a new program; its input is left untouched
 
     def call(self, program: Any) -> PassResult:
+        if isinstance(self.buffers, str):  # read letter by letter, it would move other buffers
+            raise StateNameError(_NAME, self.buffers, "buffers is one string, not a sequence "
+                                 f"of buffer names: pass [{self.buffers!r}]")
+        if isinstance(self.buffers, Mapping):  # its values would be dropped unread
+            raise StateNameError(_NAME, "buffers", "buffers is a mapping; BuffersToInputs "
+                                 "takes a sequence of buffer names (each input is named for "
+                                 "you: the name it had before InputsToBuffers, else the FQN)")
         with collector_paused():
             view = ProgramView.of(program)
             nodes: dict[str, list] = {}
@@ -86,8 +94,8 @@ class BuffersToInputs(Pass):
                 chosen = [fqn for fqn in nodes if fqn in written]
             else:
                 for fqn in self.buffers:
-                    if fqn not in nodes:
-                        raise StateNameError(_NAME, fqn, "buffers names no buffer of the "
+                    if not isinstance(fqn, str) or fqn not in nodes:
+                        raise StateNameError(_NAME, str(fqn), "buffers names no buffer of the "
                                              f"program (buffers: {', '.join(sorted(nodes))})")
                 chosen = list(dict.fromkeys(self.buffers))
             # Tied names go with their tensor: left resident, one would keep its old value.
@@ -121,12 +129,16 @@ class BuffersToInputs(Pass):
         # generation write it as a parameter of forward (``layers.0.k_cache`` cannot be).
         keywords = _Namespace()
         leaving = {n for fqn in chosen for name in (fqn, *tied.get(fqn, ())) for n in nodes[name]}
-        for node in view.gm.graph.nodes:
-            if node not in leaving:  # a buffer's own node goes: its name is free
-                keywords.create_name(node.name, None)
+        # a buffer's own node goes: its name is free
+        taken = [node.name for node in view.gm.graph.nodes if node not in leaving]
+        # The forward's own argument names and keywords too: a keyword input ``state`` (a
+        # dict whose leaves are placeholders ``state_a`` ...) beside a buffer ``state`` made
+        # a forward with the argument ``state`` twice, which Python refuses.
+        taken += [str(n) for n in (*view.in_spec.child(1).context, *(view.arg_names() or ()))]
         if record is not None:  # the restored signature's keywords come back beside them
-            for name in (*record.in_spec.child(1).context, *(record.arg_names or ())):
-                keywords.create_name(name, None)
+            taken += [*record.in_spec.child(1).context, *(record.arg_names or ())]
+        for name in dict.fromkeys(taken):  # each once: a second would take ``name_1`` too
+            keywords.create_name(name, None)
         explicit = []
         for fqn in chosen:
             # Every name of the tensor reads the one input (export reads one of them).

@@ -17,7 +17,7 @@ from pass_manager.collector import collector_paused
 
 from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
 from ._analysis.buffers import USER_INPUT, state_nodes
-from ._carried.pairs import check_pair, resolve_pairs
+from ._carried.pairs import check_pair, resolve_pairs, suspected_pairs
 from ._carried.record import EXAMPLE_META, records_of
 from ._carried.resident import Carried, make_resident
 from ._carried.specs import input_names, output_names
@@ -81,7 +81,11 @@ class InputsToBuffers(Pass):
     Which input became which buffer: ``passes.inputs_to_buffers.carried_buffers(result)``
     (input name, or ``"output:<name>"`` for created state -> buffer), the notes (one line
     each) and the statistics (``inputs made buffers``, ``in place``, ``paired``, ``created``).
-    The result is a new program; its input is left untouched.
+    The result is a new program; its input is left untouched. With neither ``next_values``
+    nor ``pair_by_name`` given, an input an output looks like the next value of (OpenVINO's
+    names, the same path, an ``index_copy`` of it ...: the rules ``decode_on_runtime``
+    refuses an unpaired program by) stays an input, and a note names it and the pairing; a
+    ``pair_by_name`` that pairs no input is noted too.
 
     Example (GraphModule form; an input ``h`` paired with output ``1``)::
 
@@ -99,11 +103,14 @@ class InputsToBuffers(Pass):
         PassFailedError: run by a PassManager or as ``pass_(program)``, in place of the
             errors below (its ``__cause__``); the program is left as it was.
         StateNameError: an option names no input or output, or an input that is not state
-            (neither mutated in place nor paired), or a buffer no state gets.
+            (neither mutated in place nor paired), or a buffer no state gets; names one input
+            twice (its keyword path and its placeholder) with two buffers or next values; or
+            is not of its documented shape (a string for ``buffers``, a list for a mapping).
         StatePairingError: an input and its next value differ in shape or dtype, or the
             program writes the input in place with another value than the paired output.
-        CarriedStateError: otherwise impossible: a buffer name already taken or with a
-            Python keyword as a part (``buffers={"x": "state.def"}``), an input that
+        CarriedStateError: otherwise impossible: a buffer name already taken, with a
+            Python keyword as a part (``buffers={"x": "state.def"}``) or an empty one
+            (``".k"``, ``"a..b"``), an initial value that is no tensor, an input that
             is one leaf of a container (a ``StaticCache``) whose other leaves stay inputs, a
             dynamic shape, an initial value of another shape or dtype.
     """
@@ -119,6 +126,7 @@ class InputsToBuffers(Pass):
     effects = Effects.rewrite(in_place=False)  # a new program; its input is left untouched
 
     def call(self, program: Any) -> PassResult:
+        self._check_options()
         with collector_paused():
             view = ProgramView.of(program)
             carried, notes = self._plan(view)
@@ -137,6 +145,42 @@ class InputsToBuffers(Pass):
         return PassResult(result, True, notes, statistics)
 
     # -- planning ---------------------------------------------------------------------
+    def _check_options(self) -> None:
+        """Refuse options of another shape than documented before anything is read: a
+        string where a sequence of names is wanted would be read letter by letter, and a
+        name that is no string or a value that is no tensor would fail deep in the rewrite."""
+        if isinstance(self.buffers, str):
+            raise StateNameError(_NAME, self.buffers, "buffers is one string, not a sequence "
+                                 "or mapping of input names (it would be read letter by "
+                                 f"letter): pass [{self.buffers!r}]")
+        for option in ("buffers", "next_values", "created"):
+            value = getattr(self, option)
+            if value is None:
+                continue
+            if option != "buffers" and not isinstance(value, Mapping):
+                raise StateNameError(_NAME, option, f"{option} is a {type(value).__name__}, "
+                                     "not a mapping of names")
+            entries = value.items() if isinstance(value, Mapping) else ((n, "") for n in value)
+            for key, name in entries:
+                if not isinstance(key, str) or not isinstance(name, str):
+                    raise StateNameError(_NAME, str(key), f"{option} maps {key!r} to "
+                                         f"{name!r}: names are strings")
+        if self.pair_by_name is not None and not (
+                isinstance(self.pair_by_name, (tuple, list)) and len(self.pair_by_name) == 2
+                and all(isinstance(p, str) for p in self.pair_by_name)):
+            raise StateNameError(_NAME, "pair_by_name", f"pair_by_name is "
+                                 f"{self.pair_by_name!r}, not an (input prefix, output "
+                                 "prefix) pair of strings")
+        if self.initial_values is not None:
+            if not isinstance(self.initial_values, Mapping):
+                raise CarriedStateError(_NAME, "initial_values", "initial_values is a "
+                                        f"{type(self.initial_values).__name__}, not a mapping "
+                                        "of buffer names to tensors")
+            for buffer, value in self.initial_values.items():
+                if not isinstance(value, torch.Tensor):
+                    raise CarriedStateError(_NAME, str(buffer), "initial_values gives a "
+                                            f"{type(value).__name__}, not a tensor")
+
     def _refuse(self, what: str, inputs: list[Node] | None):
         def refuse(index: int, container: str) -> CarriedStateError:
             name = inputs[index].name if inputs is not None else str(index)
@@ -170,10 +214,36 @@ class InputsToBuffers(Pass):
         if self.buffers is None:
             chosen = {i: _buffer_name(names[i][-1]) for i in sorted(written | set(pairs))}
         elif isinstance(self.buffers, Mapping):
-            chosen = {input_index(n, "buffers"): b for n, b in self.buffers.items()}
+            chosen, named = {}, {}
+            for n, b in self.buffers.items():
+                i = input_index(n, "buffers")
+                if i in chosen and chosen[i] != b:  # ``cache.0`` and ``cache_0``: one input
+                    raise StateNameError(_NAME, n, f"buffers names input {view.inputs[i].name!r} "
+                                         f"twice, as {named[i]!r} (buffer {chosen[i]!r}) and as "
+                                         f"{n!r} (buffer {b!r}): name it once")
+                chosen[i], named[i] = b, n
         else:
             chosen = {input_index(n, "buffers"):
                       _buffer_name(names[input_index(n, "buffers")][-1]) for n in self.buffers}
+        if self.pair_by_name is not None and not resolve_pairs(names, outputs, None,
+                                                               self.pair_by_name, _NAME):
+            prefix_in, prefix_out = self.pair_by_name
+            notes.append(f"pair_by_name {tuple(self.pair_by_name)!r} pairs no input: no "
+                         f"input named {prefix_in!r} + <path> has an output named "
+                         f"{prefix_out!r} + <path> (inputs: "
+                         f"{', '.join(n[-1] for n in names)}; outputs: {', '.join(outputs)})")
+        if self.next_values is None and self.pair_by_name is None:
+            # State carried as a pair is moved only when paired: say so rather than leave it
+            # an input silently (the same rules decode_on_runtime and quantize_methods
+            # refuse an unpaired program by).
+            moved = {names[i][-1] for i in chosen}
+            for pair in suspected_pairs(view.source):
+                if pair.input_name not in moved:
+                    notes.append(f"input {pair.input_name!r} stays an input though output "
+                                 f"{pair.output_name!r} looks like its next value ({pair.why}): "
+                                 f"pass next_values={{{pair.input_name!r}: "
+                                 f"{pair.output_name!r}}} (or pair_by_name) to make it "
+                                 "resident")
         carried = []
         for i, buffer in chosen.items():
             node = view.inputs[i]
@@ -200,6 +270,13 @@ class InputsToBuffers(Pass):
             raise StateNameError(_NAME, node.name, "buffers names an input the program neither "
                                  "mutates in place nor returns the next value of: it is not "
                                  "state (pair it with next_values or pair_by_name)")
+        traced = node.meta.get("val")
+        if isinstance(traced, torch.Tensor) and any(not isinstance(d, int) for d in traced.shape):
+            # Said first: of a symbolic size, the functionalizer's whole copy of the written
+            # value is not seen through, and the pairing was refused for another reason.
+            raise CarriedStateError(_NAME, buffer, f"its shape {tuple(traced.shape)} is "
+                                    "dynamic; a buffer's shape is fixed (export the state "
+                                    "with a static shape)")
         value = written
         if output is not None:
             paired = view.outputs[output]
@@ -214,7 +291,7 @@ class InputsToBuffers(Pass):
             value = written if written is not None else paired  # the copy, when written
         example = _example_value(view, node)
         initial = self._initial(buffer, value, example, notes)
-        traced = node.meta.get("val")  # the buffer's read keeps the input's traced layout
+        # the buffer's read keeps the input's traced layout
         if isinstance(traced, torch.Tensor) and not traced.is_contiguous():
             notes.append(f"buffer {buffer!r} keeps the strides {tuple(traced.stride())} the "
                          "program was traced with: ExecuTorch 1.5.1 does not lower a "
@@ -256,8 +333,12 @@ class InputsToBuffers(Pass):
         taken |= set(view.constants)
         seen: set[str] = set()
         for c in carried:
-            if _clashes(c.buffer, taken | seen) or not c.buffer or _attribute_taken(
-                    view.gm, c.buffer):
+            if not all(c.buffer.split(".")):
+                raise CarriedStateError(_NAME, c.buffer, "a part of the buffer name is empty "
+                                        "(a leading, trailing or doubled '.'): a buffer's "
+                                        "path names a module per part; give another name in "
+                                        "buffers")
+            if _clashes(c.buffer, taken | seen) or _attribute_taken(view.gm, c.buffer):
                 raise CarriedStateError(_NAME, c.buffer, "the buffer name is taken (by state "
                                         "the program has, another input, or an attribute), "
                                         "is the path of a module holding state, or lies "

@@ -155,6 +155,7 @@ def resolve_pairs(in_names: Sequence[tuple[str, ...]], out_names: Sequence[str],
     by_input = {n: i for i, names in enumerate(in_names) for n in names}
     by_output = {n: i for i, n in enumerate(out_names)}
     pairs: dict[int, int] = {}
+    named: dict[int, str] = {}
     for name, out in (next_values or {}).items():
         if name not in by_input:
             raise StateNameError(where, name, "next_values names no input of the program "
@@ -162,7 +163,12 @@ def resolve_pairs(in_names: Sequence[tuple[str, ...]], out_names: Sequence[str],
         if out not in by_output:
             raise StateNameError(where, out, "next_values names no output of the program "
                                  f"(outputs: {', '.join(out_names)})")
-        pairs[by_input[name]] = by_output[out]
+        i = by_input[name]
+        if i in pairs and pairs[i] != by_output[out]:  # ``cache.0`` and ``cache_0``: one input
+            raise StateNameError(where, name, f"next_values names one input twice, as "
+                                 f"{named[i]!r} (next value {out_names[pairs[i]]!r}) and as "
+                                 f"{name!r} (next value {out!r}): name it once")
+        pairs[i], named[i] = by_output[out], name
     if pair_by_name is not None:
         prefix_in, prefix_out = pair_by_name
         for i, names in enumerate(in_names):

@@ -64,9 +64,14 @@ def without_leaves(spec: TreeSpec, drop: set[int], refuse: Callable[[int, str], 
     other container (a ``StaticCache``, a namedtuple) cannot be said: ``refuse(leaf, type)``
     gives the error raised for its first dropped leaf.
     The top ``keep`` levels stay even when empty: 2 for an ``(args, kwargs)`` spec, 1 for
-    the outputs (a returned tuple stays a tuple).
+    the outputs (a returned tuple stays a tuple; a single returned tensor that goes leaves
+    an empty tuple).
     """
     new, _ = _drop(spec, drop, 0, refuse, keep)
+    if new is None:  # the one output went: the program returns ``()``, as a spec says it
+        # (None would leave a GraphModule's codegen without one, its specs no longer those
+        # recorded, and BuffersToInputs unable to restore the signature)
+        return pytree.tree_structure(())
     return new
 
 

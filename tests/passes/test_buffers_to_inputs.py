@@ -90,14 +90,36 @@ def test_in_place_inputs_round_trip_exactly(form):
     assert_same_calls(program, result.program, [(models.cache_inputs(), {}, _in_place)])
 
 
+class Cell(torch.nn.Module):
+    """An RNN cell whose one output, a tensor (no tuple), is its state's next value."""
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + h * 0.5)
+
+
+def _cell_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, generator=torch.Generator().manual_seed(8)), torch.zeros(4)
+
+
+def _returned_alone(state, out):
+    (x, _), kwargs = state
+    return (x * 1.5 + 0.25, out), kwargs
+
+
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("case", ["scan", "window"])
+@pytest.mark.parametrize("case", ["scan", "window", "cell"])
 def test_pairs_round_trip_exactly(form, case):
-    model, inputs, name = {"scan": (models.SelectiveScan, models.scan_inputs, "h"),
-                           "window": (models.SlidingWindow, models.window_inputs, "window")}[case]
+    """The cell's resident GraphModule lost its output spec, so BuffersToInputs took its
+    signature for one changed since and made ``h`` a keyword written in place."""
+    model, inputs, name, output, thread = {
+        "scan": (models.SelectiveScan, models.scan_inputs, "h", "1", _returned_at(1, 1)),
+        "window": (models.SlidingWindow, models.window_inputs, "window", "1",
+                   _returned_at(1, 1)),
+        "cell": (Cell, _cell_inputs, "h", "", _returned_alone)}[case]
     program = exported(model(), inputs(), form=form)
-    result = round_trip(program, next_values={name: "1"})
-    assert_same_calls(program, result.program, [(inputs(), {}, _returned_at(1, 1))])
+    result = round_trip(program, next_values={name: output})
+    assert "restored" in " ".join(result.report.records[0].notes)
+    assert_same_calls(program, result.program, [(inputs(), {}, thread)])
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -224,24 +246,45 @@ class NamedLikeItsInput(torch.nn.Module):
         return self.x * 2
 
 
+class NamedLikeAKeyword(torch.nn.Module):
+    """A buffer named as a keyword input whose leaves are placeholders of other names:
+    buffer ``state``, keyword ``state={"a": ...}`` (placeholder ``state_a``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("state", torch.zeros(4))
+
+    def forward(self, x, *, state):
+        self.state.add_(x)
+        return self.state * 2 + state["a"]
+
+
 @pytest.mark.parametrize("form", FORMS)
-def test_a_buffer_named_like_an_input_becomes_its_own_input(form):
+@pytest.mark.parametrize("case", ["positional", "keyword"])
+def test_a_buffer_named_like_an_input_becomes_its_own_input(form, case):
     """The mutation output of buffer ``x`` was taken for one of input ``x`` (ExportedProgram:
     the buffer stayed resident and the signature said the caller's ``x`` is written);
-    the keyword ``x`` (GraphModule) was a duplicate argument, a SyntaxError."""
-    program = exported(NamedLikeItsInput(), (torch.ones(4),), form=form)
+    the keyword ``x`` (GraphModule) was a duplicate argument, a SyntaxError. Buffer
+    ``state`` beside keyword ``state`` was too (on both forms: the ExportedProgram's
+    ``module()`` raised it)."""
+    model, kwargs, expected = {
+        "positional": (NamedLikeItsInput, {}, ["x_1"]),
+        "keyword": (NamedLikeAKeyword, {"state": {"a": torch.ones(4)}}, ["state", "state_1"]),
+    }[case]
+    program = exported(model(), (torch.ones(4),), kwargs, form=form)
     result = PassManager([BuffersToInputs()]).run(program).program
     module = runnable(result)
-    assert list(module._in_spec.children()[1].context) == ["x_1"]
+    assert list(module._in_spec.children()[1].context) == expected
     assert not dict(module.named_buffers())
     if form == "exported":
         assert [(s.kind.name, s.target) for s in result.graph_signature.output_specs] == [
-            ("USER_INPUT_MUTATION", "x_1"), ("USER_OUTPUT", None)]
-    eager, state = NamedLikeItsInput(), torch.zeros(4)
+            ("USER_INPUT_MUTATION", expected[-1]), ("USER_OUTPUT", None)]
+    eager, state = model(), torch.zeros(4)
     for step in range(CALLS):
         x = torch.full((4,), 0.5 * step - 1)
-        assert torch.equal(module(x.clone(), x_1=state), eager(x))
-        assert torch.equal(state, eager.x)
+        assert torch.equal(module(x.clone(), **kwargs, **{expected[-1]: state}),
+                           eager(x, **kwargs))
+        assert torch.equal(state, eager.get_buffer("x" if case == "positional" else "state"))
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -301,14 +344,21 @@ def test_a_nested_buffer_becomes_a_keyword_torch_can_call_and_lower(returned):
     assert "buffer 'attn.cache' -> input 'attn_cache'" in result.report.records[0].notes
 
 
-def test_a_name_that_is_no_buffer_is_refused():
+@pytest.mark.parametrize(("buffers", "name", "reason"), [
+    (["cache"], "cache", "no buffer"),
+    # A string was read letter by letter ('a', 'c', 'c'): one named "hh" moved buffer "h".
+    ("acc", "acc", "one string"),
+    # A mapping's values were dropped unread.
+    ({"acc": "total"}, "buffers", "is a mapping"),
+], ids=["no buffer", "a string", "a mapping"])
+def test_a_name_that_is_no_buffer_is_refused(buffers, name, reason):
     program = exported(Accumulate(), (torch.ones(4),))
     before = copy.deepcopy(program)
     with pytest.raises(PassFailedError) as caught:
-        PassManager([BuffersToInputs(buffers=["cache"])]).run(program)
+        PassManager([BuffersToInputs(buffers=buffers)]).run(program)
     error = caught.value.__cause__
-    assert isinstance(error, StateNameError) and error.name == "cache"
-    assert "BuffersToInputs" in str(error) and "acc" in str(error)
+    assert isinstance(error, StateNameError) and error.name == name and reason in error.reason
+    assert "BuffersToInputs" in str(error)
     assert str(program.graph) == str(before.graph)
 
 

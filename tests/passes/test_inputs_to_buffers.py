@@ -389,6 +389,85 @@ def test_an_input_written_in_place_paired_with_another_value_is_refused(form):
     assert error.name == "cache"
 
 
+_BY_NAME = ("past_key_values.", "present.")
+
+
+@pytest.fixture(scope="module", params=FORMS)
+def named_state(request):
+    return functional(models.NamedState(), *models.named_state_inputs(), form=request.param)
+
+
+@pytest.mark.parametrize(("error", "name", "reason", "options"), [
+    # One input named twice (its keyword path and its placeholder): one of the two buffers
+    # or next values was taken silently.
+    (StateNameError, "past_key_values_0_key", "twice", dict(
+        pair_by_name=_BY_NAME, buffers={"past_key_values.0.key": "k1",
+                                        "past_key_values_0_key": "k2"})),
+    (StateNameError, "past_key_values_0_key", "twice", dict(next_values={
+        "past_key_values.0.key": "present.0.key", "past_key_values_0_key": "present.0.value"})),
+    # A buffer name with an empty part: a raw KeyError (GraphModule), or a program whose
+    # module() failed later (ExportedProgram, ".k").
+    (CarriedStateError, ".k", "empty", dict(pair_by_name=_BY_NAME,
+                                            buffers={"past_key_values.0.key": ".k"})),
+    (CarriedStateError, "cache..key", "empty", dict(
+        pair_by_name=_BY_NAME, buffers={"past_key_values.0.key": "cache..key"})),
+    # Options of another shape: read letter by letter, or a raw error deep in the rewrite.
+    (StateNameError, "past_key_values.0.key", "one string", dict(
+        pair_by_name=_BY_NAME, buffers="past_key_values.0.key")),
+    (StateNameError, "pair_by_name", "pair of strings", dict(pair_by_name="past_key_values.")),
+    (StateNameError, "next_values", "not a mapping", dict(next_values=["past_key_values.0.key"])),
+    (StateNameError, "past_key_values.0.key", "strings", dict(
+        pair_by_name=_BY_NAME, buffers={"past_key_values.0.key": 0})),
+    (CarriedStateError, "past_key_values.0.key", "not a tensor", dict(
+        pair_by_name=_BY_NAME, initial_values={"past_key_values.0.key": [0.0]})),
+], ids=["buffers twice", "next_values twice", "leading dot", "double dot", "a string",
+        "pair_by_name a string", "next_values a list", "a buffer name no string",
+        "an initial value no tensor"])
+def test_malformed_options_are_refused_by_name(named_state, error, name, reason, options):
+    refused = _refused(named_state, error, **options)
+    assert refused.name == name and reason in refused.reason, refused
+
+
+def test_state_carried_as_a_pair_but_not_paired_is_named_in_the_notes(named_state):
+    """Without a pairing the pass moves nothing of OpenVINO-named state; it said nothing."""
+    result = resident(named_state)
+    assert not result.modified
+    notes = "\n".join(result.report.records[0].notes)
+    for leaf in ("key", "value"):
+        assert (f"input 'past_key_values.0.{leaf}' stays an input though output "
+                f"'present.0.{leaf}' looks like its next value") in notes, notes
+    # A pair_by_name pairing nothing (a prefix mistyped) said nothing either.
+    result = resident(named_state, pair_by_name=("past_key_value.", "present."))
+    assert not result.modified
+    assert "pair_by_name ('past_key_value.', 'present.') pairs no input" in "\n".join(
+        result.report.records[0].notes)
+
+
+class DynamicCache(torch.nn.Module):
+    """A cache of a dynamic length written in place and returned (as HF's decode under
+    ``ExecutorchConfig(dynamic=True)``, which marks every axis ``Dim.AUTO``)."""
+
+    def forward(self, x, position, cache):
+        cache.index_copy_(1, position, x)
+        return x.sum() + cache.sum(), cache
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("options", [{}, {"next_values": {"cache": "1"}}], ids=["", "paired"])
+def test_a_state_of_a_dynamic_shape_is_refused_as_such(form, options):
+    """Paired, it was refused for another reason: \"writes it in place with copy_default,
+    but output '1' returns index_copy_default\" (a whole copy of symbolic size was not seen
+    through)."""
+    length = torch.export.Dim("length", min=2, max=16)
+    ep = torch.export.export(DynamicCache(), (torch.randn(1, 1, 4), torch.tensor([0]),
+                                              torch.zeros(1, 8, 4)),
+                             dynamic_shapes=(None, None, {1: length}))
+    program = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+        ep if form == "exported" else ep.module()).program
+    error = _refused(program, CarriedStateError, **options)
+    assert error.name == "cache" and "dynamic" in error.reason
+
+
 def test_a_taken_buffer_name_is_refused():
     program = functional(models.SelectiveScan(), models.scan_inputs())
     error = _refused(program, CarriedStateError, next_values={"h": "1"}, buffers={"h": "a"})
