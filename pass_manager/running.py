@@ -30,6 +30,7 @@ from .conditions import (
     provides_of,
     requires_of,
 )
+from .effects import Effects
 from .errors import (
     EffectsError,
     InstrumentError,
@@ -52,6 +53,10 @@ from .program import (
 from .report import PassRecord, PassResult, Report
 
 __all__ = ["ENCLOSING", "RunResult", "Runner", "default_instruments"]
+
+# What an instrument's hook may be undone with: the program's nodes, their meta entries and
+# everything outside the graph (an instrument writing tensor data is not measured).
+_OBSERVED = Effects.rewrite()
 
 # The hooks around the pass being called: a group's passes run under them (MLIR nesting).
 ENCLOSING: ContextVar[tuple[Instrumentation, ...]] = ContextVar("enclosing", default=())
@@ -199,27 +204,41 @@ def _signature_fault(program: Any) -> str | None:
 
 
 def _notify(instruments: Iterable[Instrumentation], hook: str, around: tuple[Any, int | None],
-            *args: Any) -> None:
+            *args: Any, undo: RollbackRecord | None = None) -> None:
     """Call ``hook`` on each instrument; what one raises but a PassManagerError (a verdict,
     as ClaimCheck's) is a bug in it: an InstrumentError naming it, the hook and the pass. So
     is a change to the program's nodes or signature (an instrument observes: a change the
-    pass's record does not cover would be reported as the pass's, or as none)."""
+    pass's record does not cover would be reported as the pass's, or as none), undone first
+    with ``undo`` (the record of the program taken before the hook) or, if that cannot put
+    back a signature (a meta-only record), with a record taken here."""
     program = args[0] if hook.endswith("_run") else args[1]
     stamp = None
     for instrument in instruments:
         if stamp is None and type(instrument) not in (Timing, ClaimCheck):
             stamp = Stamp(program)
+            if undo is None or not undo.records_state:
+                undo = RollbackRecord(program, _OBSERVED)
         try:
             getattr(instrument, hook)(*args)
         except PassManagerError:
             raise
         except Exception as e:
-            raise InstrumentError(type(instrument).__name__, hook, around[0], around[1],
-                                  f"{type(e).__name__}: {e}") from e
+            raise _broken(instrument, hook, around, f"{type(e).__name__}: {e}",
+                          stamp, program, undo) from e
         if stamp is not None and not stamp.matches(program):
-            raise InstrumentError(type(instrument).__name__, hook, around[0], around[1], (
-                "nothing, but changed the program's nodes or signature; an instrument "
-                "observes (a change around a pass is undone only with the pass, after it)"))
+            raise _broken(instrument, hook, around, "nothing, but changed the program's nodes "
+                          "or signature; an instrument observes (its change was undone)",
+                          stamp, program, undo)
+
+
+def _broken(instrument: Instrumentation, hook: str, around: tuple[Any, int | None],
+            reason: str, stamp: Stamp | None, program: Any, undo: Any) -> InstrumentError:
+    """The InstrumentError of a hook that raised or changed the program, the change undone."""
+    error = InstrumentError(type(instrument).__name__, hook, *around, reason)
+    if stamp is not None and not stamp.matches(program):
+        undo.restore()
+        error.rolled_back = True
+    return error
 
 
 def _error_statistics(error: BaseException) -> dict[str, Any]:
@@ -287,9 +306,9 @@ class Runner:
     def _run_pass(self, p: Any, index: int, program: Any, record: PassRecord) -> Any:
         rollback, current = None, program
         try:
-            _notify(self.hooks, "before_pass", (p.name, index), p, program, record)
-            record.nodes_before = node_count(program)
             taken = RollbackRecord(program, p.effects, self.strict)
+            _notify(self.hooks, "before_pass", (p.name, index), p, program, record, undo=taken)
+            record.nodes_before = node_count(program)
             # The checks share the node records the rollback record took; a pass that
             # leaves the nodes alone runs inside that one measurement too.
             through = taken.leaves_nodes_alone
@@ -303,7 +322,8 @@ class Runner:
                 self._measure(p, index, program, current, rollback, record)
                 with nullcontext() if through else _unchanged(rollback, current, True):
                     self._provide(p, index, current, record)
-            _notify(reversed(self.hooks), "after_pass", (p.name, index), p, current, record)
+            _notify(reversed(self.hooks), "after_pass", (p.name, index), p, current, record,
+                    undo=rollback)
             return current
         except Exception as e:
             error = self._failed(p, index, program, current, rollback, record, e)
@@ -330,11 +350,9 @@ class Runner:
             error.rolled_back = True
         try:
             _notify(reversed(self.hooks), "after_pass_failed", (p.name, index), p, program,
-                    record, error)
+                    record, error, undo=rollback)
         except InstrumentError as broken:  # raised with the pass's own error as its cause
-            if rollback is not None:  # again: the instrument may have changed the program
-                rollback.restore()
-            broken.rolled_back, broken.diff = error.rolled_back, error.diff
+            broken.rolled_back, broken.diff = error.rolled_back or broken.rolled_back, error.diff
             raise broken from error
         return error
 

@@ -70,6 +70,11 @@ class RollbackRecord:
             self._state = None if meta_only else StateRecord(program, gm, effects.writes_state)
 
     @property
+    def records_state(self) -> bool:
+        """It can put back everything outside the graph (not a meta-only record)."""
+        return self._state is not None
+
+    @property
     def leaves_nodes_alone(self) -> bool:
         """The pass changes only node meta other than the fake values: nothing a cached
         analysis's stamp measures (so the checks around it can share one measurement)."""
