@@ -403,12 +403,13 @@ class Runner:
             raise EffectsError(p.name, index, "in_place", reason=(
                 "declares in_place = False (returns a new program) but changed the program "
                 "it was given"))
-        for stale in change.structure:
+        for changed in change.checked:
             try:  # a node used before it is defined, one of another graph, a missing attribute
-                stale.graph.lint()
-                _check_pytree_codegen(stale.graph)
+                changed.graph.lint()
+                _check_pytree_codegen(changed.graph)
             except RuntimeError as e:  # else the program's first call fails, naming no pass
                 raise PassFailedError(p.name, index, f"left an ill-formed graph: {e}") from e
+        for stale in change.structure:
             stale.recompile()
         fault = _signature_fault(new_program) if self.exported and change.anything else None
         if fault:  # e.g. a buffer deleted from the state, an input added to the graph alone

@@ -705,6 +705,20 @@ def test_a_pass_leaving_an_ill_formed_graph_is_named_and_rolled_back(form, edit,
     assert_same_behaviour(original, program, inputs)
 
 
+@pytest.mark.parametrize("attribute", ["acc", "linear"])
+def test_a_pass_deleting_an_attribute_the_graph_reads_is_named_and_rolled_back(attribute):
+    """``del gm.acc`` (a buffer a get_attr reads) or ``del gm.linear`` (the submodule holding
+    the weights) left the nodes alone, so the graph was not checked: the run succeeded and
+    the program's first call raised AttributeError, naming no pass."""
+    program = torch.export.export(Accumulate(), (torch.ones(4),)).module()
+    with pytest.raises(PassFailedError, match=f"left an ill-formed graph: .*{attribute}") as info:
+        PassManager([function_pass(lambda gm: delattr(gm, attribute), name="drops")]).run(
+            program)
+    assert info.value.pass_name == "drops" and info.value.rolled_back
+    inputs = [(torch.full((4,), float(i)),) for i in range(1, 4)]
+    assert_same_behaviour(Accumulate(), program, inputs)
+
+
 def _output_added_alone(program):
     output = graph_of(program).output_node()
     output.args = ((*output.args[0], output.args[0][0]),)
