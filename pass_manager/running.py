@@ -330,6 +330,10 @@ class Runner:
             if error is e:
                 raise
             raise error from e
+        except BaseException:  # Ctrl-C mid-rewrite: the program as it was, the interrupt kept
+            if rollback is not None:
+                rollback.restore()
+            raise
 
     def _failed(self, p: Any, index: int, program: Any, current: Any, rollback: Any,
                 record: PassRecord, e: Exception) -> PassManagerError:

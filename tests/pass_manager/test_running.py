@@ -705,6 +705,24 @@ def test_a_pass_leaving_an_ill_formed_graph_is_named_and_rolled_back(form, edit,
     assert_same_behaviour(original, program, inputs)
 
 
+@pytest.mark.parametrize("form", ["GraphModule", "ExportedProgram"])
+def test_a_pass_interrupted_mid_rewrite_is_rolled_back_and_the_interrupt_kept(form):
+    """Ctrl-C (KeyboardInterrupt, not an Exception) in the middle of a pass left its half
+    rewrite in the graph (relu already abs) with the code not recompiled: graph and code
+    disagreed."""
+    def interrupted(program):
+        ReluToAbs().call(program)
+        raise KeyboardInterrupt
+
+    ep = torch.export.export(Accumulate(), (torch.ones(4),))
+    program = ep.module() if form == "GraphModule" else ep
+    with pytest.raises(KeyboardInterrupt):
+        PassManager([function_pass(interrupted)]).run(program)
+    assert targets(program, "relu") and not targets(program, "abs")
+    inputs = [(torch.full((4,), float(i)),) for i in range(-1, 2)]
+    assert_same_behaviour(Accumulate(), program, inputs)
+
+
 @pytest.mark.parametrize("attribute", ["acc", "linear"])
 def test_a_pass_deleting_an_attribute_the_graph_reads_is_named_and_rolled_back(attribute):
     """``del gm.acc`` (a buffer a get_attr reads) or ``del gm.linear`` (the submodule holding
