@@ -182,14 +182,29 @@ def _check_pytree_codegen(graph: torch.fx.Graph) -> None:
                                f"(graph._codegen.pytree_info) has {spec.num_leaves}: update both")
 
 
-def _signature_fault(program: Any) -> str | None:
+def _misnamed(program: Any) -> set[tuple[str, str]]:
+    """``(name in the signature, name of the node in its place)`` of each input and output
+    the signature names otherwise than the graph does."""
+    signature, graph = program.graph_signature, program.graph
+    pairs = [*zip(signature.input_specs, graph.find_nodes(op="placeholder"), strict=False),
+             *zip(signature.output_specs, graph.output_node().args[0], strict=False)]
+    return {(spec.arg.name, node.name) for spec, node in pairs if isinstance(node, torch.fx.Node)
+            and getattr(spec.arg, "name", node.name) != node.name}
+
+
+def _signature_fault(program: Any, misnamed: set[tuple[str, str]]) -> str | None:
     """What torch's check of an ExportedProgram's signature finds wrong with it, or None;
     asked only if the counts of inputs and outputs or the state's names disagree (it is
-    quadratic in the mutated buffers; names are not compared: torch's deepcopy renames an
-    input called ``input``, and the passes pair inputs with specs by position)."""
+    quadratic in the mutated buffers). Names are compared here, but for those ``misnamed``
+    in the program given (torch's deepcopy renames an input called ``input``; the passes
+    pair inputs with specs by position)."""
     call_fault = _call_spec_fault(program)
     if call_fault:
         return call_fault
+    renamed = sorted(_misnamed(program) - misnamed)
+    if renamed:  # torch.export.save, ep.validate() and to_edge would reject it, naming no pass
+        return "; ".join(f"its signature names {name!r} where the graph has node {node!r}"
+                         for name, node in renamed) + " (rename it in both)"
     signature, graph = program.graph_signature, program.graph
     if (len(graph.find_nodes(op="placeholder")) == len(signature.input_specs)
             and len(graph.output_node().args[0]) == len(signature.output_specs)
@@ -280,6 +295,7 @@ class Runner:
                 self.name, None, type(program).__name__, [GRAPH_MODULE, EXPORTED_PROGRAM], advice
             ) from e
         self.exported = self.form == EXPORTED_PROGRAM
+        self.misnamed = _misnamed(program) if self.exported else set()
         self._form_type = torch.export.ExportedProgram if self.exported else torch.fx.GraphModule
         self.holds: set[Condition] = set()  # the conditions known to hold
         # A condition that held until a changing pass did not preserve it: that pass.
@@ -415,7 +431,8 @@ class Runner:
                 raise PassFailedError(p.name, index, f"left an ill-formed graph: {e}") from e
         for stale in change.structure:
             stale.recompile()
-        fault = _signature_fault(new_program) if self.exported and change.anything else None
+        fault = (_signature_fault(new_program, self.misnamed) if self.exported
+                 and change.anything else None)
         if fault:  # e.g. a buffer deleted from the state, an input added to the graph alone
             raise PassFailedError(p.name, index, "left the ExportedProgram's signature out of "
                                   f"step with its graph or state: {fault}")

@@ -1,6 +1,7 @@
 """Running passes: condition checks and their cache, change detection, reports, hooks."""
 
 import copy
+import functools
 import gc
 import pickle
 import threading
@@ -487,10 +488,23 @@ def _add_input_to_graph_alone(program):
         graph.placeholder("extra")
 
 
+def _rename(program, node):
+    """Renames an input (``x``), a buffer's placeholder (``b_acc``) or the output (``add``)
+    in the graph alone: the run succeeded, and ``ep.validate()``, ``torch.export.save`` and
+    ExecuTorch's ``to_edge`` later raised SpecViolationError, naming no pass."""
+    found = next(n for n in graph_of(program).nodes if n.name == node)
+    if found.op == "placeholder":
+        found.target = "renamed"
+    found.name = "renamed"
+
+
 @pytest.mark.parametrize(("edit", "reason"), [
     (_drop_buffer_from_state, "Buffer acc is not in the state dict"),
     (_add_input_to_graph_alone, "Placeholders missing input_specs: {'extra'}"),
-])
+    *[(functools.partial(_rename, node=node),
+       f"its signature names {node!r} where the graph has node 'renamed'")
+      for node in ("x", "b_acc", "add")],
+], ids=["dropped buffer", "input alone", "renamed input", "renamed buffer", "renamed output"])
 def test_a_pass_leaving_the_signature_out_of_step_is_named_and_rolled_back(exported, edit,
                                                                             reason):
     calls = [(torch.ones(4),), (torch.full((4,), -3.0),), (torch.arange(4.0),)]
