@@ -8,6 +8,7 @@ made only when a write is reported.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import operator
@@ -115,23 +116,21 @@ class ModulesRecord:
                 get(attrs).update(recorded)
 
 
-# Tensors whose ``data_ptr`` says where their data lives (a subclass, such as a fake
-# tensor, may have none).
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # a fake tensor has no data_ptr
 _VERSION = operator.attrgetter("_version")
 
 
+def _mark(t: Any) -> tuple[int, int | None]:
+    """What a write of a tensor's data changes: its version counter, and where its data lives
+    (``t.data = other`` swaps the data under the same tensor with no version bump)."""
+    return t._version, t.data_ptr() if type(t) in _PLAIN and t.layout == torch.strided else None
+
+
 def _marks(tensors: list[Any]) -> list[tuple[int, int | None]]:
-    """Per tensor, what a write of its data changes: its version counter, and where its data
-    lives (``t.data = other`` swaps the data under the same tensor with no version bump)."""
-    versions = list(map(_VERSION, tensors))
     if all(map(_PLAIN.__contains__, map(type, tensors))):
-        try:  # in C loops
-            return list(zip(versions, map(TENSOR.data_ptr, tensors), strict=True))
-        except RuntimeError:  # a sparse tensor: no one place
-            pass
-    return [(v, t.data_ptr() if type(t) in _PLAIN and t.layout == torch.strided else None)
-            for v, t in zip(versions, tensors, strict=True)]
+        with contextlib.suppress(RuntimeError):  # in C loops, unless one is sparse
+            return list(zip(map(_VERSION, tensors), map(TENSOR.data_ptr, tensors), strict=True))
+    return list(map(_mark, tensors))
 
 
 class TensorsRecord:
@@ -183,7 +182,7 @@ class TensorsRecord:
     def restore(self) -> None:
         for i, (data, copied) in self.data.items():
             tensor = self.tensors[i]
-            if _marks([tensor]) != [self.marks[i]]:
+            if _mark(tensor) != self.marks[i]:
                 with torch.no_grad():
                     tensor.data = data  # the very data it had, if the pass swapped it
                     data.copy_(copied)
