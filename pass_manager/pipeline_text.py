@@ -15,6 +15,8 @@ import difflib
 import functools
 import gc
 import inspect
+import types
+import typing
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -234,6 +236,23 @@ def did_you_mean(name: str, known: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _option_kind(annotation: Any) -> tuple[type | None, bool]:
+    """The bool, int, float or str an option is annotated with (None: another type), and
+    whether it may be None too (``int | None``, ``Optional[int]``); the annotation may be
+    the type or its text (``from __future__ import annotations``)."""
+    if isinstance(annotation, str):
+        inner = annotation.removeprefix("Optional[").removesuffix("]")
+        parts = [part.strip() for part in inner.split("|")]
+        optional = inner != annotation or "None" in parts
+    else:
+        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        parts = [a.__name__ for a in typing.get_args(annotation)] if union else [
+            getattr(annotation, "__name__", None)]
+        optional = "NoneType" in parts
+    named = [part for part in parts if part not in ("None", "NoneType")]
+    return next((t for t in (bool, int, float, str) if named == [t.__name__]), None), optional
+
+
 def _parse_pass(text: str) -> Any:
     text = text.strip()
     name, brace, rest = text.partition("{")
@@ -262,16 +281,16 @@ def _parse_pass(text: str) -> Any:
                 f"{name}: no option {unknown[0]!r}{did_you_mean(unknown[0], fields)}; "
                 + (f"its options: {', '.join(fields)}" if fields else "it takes no options"))
     for field in dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ():
-        # An int/float/bool/str option given a value of another type fails here, not deep in
-        # the pass; the annotation may be the type or its name (``from __future__ import
-        # annotations``).
-        kind = next((t for t in (bool, int, float, str) if field.type in (t, t.__name__)), None)
+        # An int/float/bool/str option (or one that may be None too) given a value of another
+        # type fails here, not deep in the pass.
+        kind, optional = _option_kind(field.type)
         value = options.get(field.name, field.default)
-        if kind and value is not field.default and not (
+        if kind and value is not field.default and not (value is None and optional) and not (
                 isinstance(value, bool) == (kind is bool)
                 and isinstance(value, (kind, int) if kind is float else kind)):
             raise PipelineError(f"{name}: option {field.name}={value!r}: expected "
-                                f"{kind.__name__}, got {type(value).__name__}")
+                                f"{kind.__name__}{' or None' * optional}, got "
+                                f"{type(value).__name__}")
     try:
         return cls(**options)
     except TypeError as e:

@@ -19,7 +19,7 @@ from typing import Any
 
 from ._untrusted import LIBRARY_PACKAGES, library_module
 from .archive import load_data, load_program
-from .errors import ArchiveError, PassManagerError, UntrustedFileError
+from .errors import ArchiveError, PassManagerError, PipelineError, UntrustedFileError
 from .instruments.base import Instrumentation
 from .instruments.print_ir import PrintIR
 from .instruments.reproducer import REPRODUCER_FORMAT
@@ -118,9 +118,11 @@ def _wrong_values(manifest: dict) -> list[str]:
             wrong.append(f"{key!r} is {value!r}, not {_TYPE_NAMES[kind]}")
     if type(manifest["index"]) is int and manifest["index"] < 0:
         wrong.append(f"'index' is {manifest['index']}, not a place in a pipeline (0 or more)")
-    if isinstance(manifest["modules"], list) and not all(
-            isinstance(m, str) for m in manifest["modules"]):
-        wrong.append(f"'modules' is {manifest['modules']!r}, not a list of module names")
+    for key, what in (("modules", "module names"), ("import_paths", "folders")):
+        value = manifest.get(key, [])  # import_paths: optional, read only when trusted
+        if (type(value) is list and not all(isinstance(v, str) for v in value)) or (
+                key not in _MANIFEST_TYPES and type(value) is not list):
+            wrong.append(f"{key!r} is {value!r}, not a list of {what}")
     if manifest["replayable"] is True and isinstance(manifest["pipeline"], str) \
             and not manifest["pipeline"].strip():
         wrong.append("'pipeline' is empty, not the failing pass as pipeline text")
@@ -157,9 +159,13 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
     for root in reversed(manifest.get("import_paths", []) if trusted else []):
         if isinstance(root, str) and Path(root).is_dir() and root not in sys.path:
             sys.path.insert(0, root)
-    for module in manifest["modules"]:
-        importlib.import_module(module)
-    passes = parse_passes(manifest["pipeline"])
+    try:  # a module gone, or a pipeline edited: the folder names no pass this can build
+        for module in manifest["modules"]:
+            importlib.import_module(module)
+        passes = parse_passes(manifest["pipeline"])
+    except (ImportError, PipelineError) as e:
+        raise ArchiveError(manifest_file, f"its pass cannot be rebuilt: {type(e).__name__}: "
+                           f"{e}") from e
     program_file = folder / "program.pt2"
     if not program_file.exists():
         program_file = folder / "program.pt"  # pickled

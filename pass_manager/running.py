@@ -30,6 +30,7 @@ from .conditions import (
     provides_of,
     requires_of,
 )
+from .effects import Effects
 from .errors import (
     EffectsError,
     InstrumentError,
@@ -52,6 +53,10 @@ from .program import (
 from .report import PassRecord, PassResult, Report
 
 __all__ = ["ENCLOSING", "RunResult", "Runner", "default_instruments"]
+
+# What an instrument's hook may be undone with: the program's nodes, their meta entries and
+# everything outside the graph (an instrument writing tensor data is not measured).
+_OBSERVED = Effects.rewrite()
 
 # The hooks around the pass being called: a group's passes run under them (MLIR nesting).
 ENCLOSING: ContextVar[tuple[Instrumentation, ...]] = ContextVar("enclosing", default=())
@@ -177,14 +182,29 @@ def _check_pytree_codegen(graph: torch.fx.Graph) -> None:
                                f"(graph._codegen.pytree_info) has {spec.num_leaves}: update both")
 
 
-def _signature_fault(program: Any) -> str | None:
+def _misnamed(program: Any) -> set[tuple[str, str]]:
+    """``(name in the signature, name of the node in its place)`` of each input and output
+    the signature names otherwise than the graph does."""
+    signature, graph = program.graph_signature, program.graph
+    pairs = [*zip(signature.input_specs, graph.find_nodes(op="placeholder"), strict=False),
+             *zip(signature.output_specs, graph.output_node().args[0], strict=False)]
+    return {(spec.arg.name, node.name) for spec, node in pairs if isinstance(node, torch.fx.Node)
+            and getattr(spec.arg, "name", node.name) != node.name}
+
+
+def _signature_fault(program: Any, misnamed: set[tuple[str, str]]) -> str | None:
     """What torch's check of an ExportedProgram's signature finds wrong with it, or None;
     asked only if the counts of inputs and outputs or the state's names disagree (it is
-    quadratic in the mutated buffers; names are not compared: torch's deepcopy renames an
-    input called ``input``, and the passes pair inputs with specs by position)."""
+    quadratic in the mutated buffers). Names are compared here, but for those ``misnamed``
+    in the program given (torch's deepcopy renames an input called ``input``; the passes
+    pair inputs with specs by position)."""
     call_fault = _call_spec_fault(program)
     if call_fault:
         return call_fault
+    renamed = sorted(_misnamed(program) - misnamed)
+    if renamed:  # torch.export.save, ep.validate() and to_edge would reject it, naming no pass
+        return "; ".join(f"its signature names {name!r} where the graph has node {node!r}"
+                         for name, node in renamed) + " (rename it in both)"
     signature, graph = program.graph_signature, program.graph
     if (len(graph.find_nodes(op="placeholder")) == len(signature.input_specs)
             and len(graph.output_node().args[0]) == len(signature.output_specs)
@@ -199,27 +219,41 @@ def _signature_fault(program: Any) -> str | None:
 
 
 def _notify(instruments: Iterable[Instrumentation], hook: str, around: tuple[Any, int | None],
-            *args: Any) -> None:
+            *args: Any, undo: RollbackRecord | None = None) -> None:
     """Call ``hook`` on each instrument; what one raises but a PassManagerError (a verdict,
     as ClaimCheck's) is a bug in it: an InstrumentError naming it, the hook and the pass. So
     is a change to the program's nodes or signature (an instrument observes: a change the
-    pass's record does not cover would be reported as the pass's, or as none)."""
+    pass's record does not cover would be reported as the pass's, or as none), undone first
+    with ``undo`` (the record of the program taken before the hook) or, if that cannot put
+    back a signature (a meta-only record), with a record taken here."""
     program = args[0] if hook.endswith("_run") else args[1]
     stamp = None
     for instrument in instruments:
         if stamp is None and type(instrument) not in (Timing, ClaimCheck):
             stamp = Stamp(program)
+            if undo is None or not undo.records_state:
+                undo = RollbackRecord(program, _OBSERVED)
         try:
             getattr(instrument, hook)(*args)
         except PassManagerError:
             raise
         except Exception as e:
-            raise InstrumentError(type(instrument).__name__, hook, around[0], around[1],
-                                  f"{type(e).__name__}: {e}") from e
+            raise _broken(instrument, hook, around, f"{type(e).__name__}: {e}",
+                          stamp, program, undo) from e
         if stamp is not None and not stamp.matches(program):
-            raise InstrumentError(type(instrument).__name__, hook, around[0], around[1], (
-                "nothing, but changed the program's nodes or signature; an instrument "
-                "observes (a change around a pass is undone only with the pass, after it)"))
+            raise _broken(instrument, hook, around, "nothing, but changed the program's nodes "
+                          "or signature; an instrument observes (its change was undone)",
+                          stamp, program, undo)
+
+
+def _broken(instrument: Instrumentation, hook: str, around: tuple[Any, int | None],
+            reason: str, stamp: Stamp | None, program: Any, undo: Any) -> InstrumentError:
+    """The InstrumentError of a hook that raised or changed the program, the change undone."""
+    error = InstrumentError(type(instrument).__name__, hook, *around, reason)
+    if stamp is not None and not stamp.matches(program):
+        undo.restore()
+        error.rolled_back = True
+    return error
 
 
 def _error_statistics(error: BaseException) -> dict[str, Any]:
@@ -261,6 +295,7 @@ class Runner:
                 self.name, None, type(program).__name__, [GRAPH_MODULE, EXPORTED_PROGRAM], advice
             ) from e
         self.exported = self.form == EXPORTED_PROGRAM
+        self.misnamed = _misnamed(program) if self.exported else set()
         self._form_type = torch.export.ExportedProgram if self.exported else torch.fx.GraphModule
         self.holds: set[Condition] = set()  # the conditions known to hold
         # A condition that held until a changing pass did not preserve it: that pass.
@@ -287,9 +322,9 @@ class Runner:
     def _run_pass(self, p: Any, index: int, program: Any, record: PassRecord) -> Any:
         rollback, current = None, program
         try:
-            _notify(self.hooks, "before_pass", (p.name, index), p, program, record)
-            record.nodes_before = node_count(program)
             taken = RollbackRecord(program, p.effects, self.strict)
+            _notify(self.hooks, "before_pass", (p.name, index), p, program, record, undo=taken)
+            record.nodes_before = node_count(program)
             # The checks share the node records the rollback record took; a pass that
             # leaves the nodes alone runs inside that one measurement too.
             through = taken.leaves_nodes_alone
@@ -303,13 +338,18 @@ class Runner:
                 self._measure(p, index, program, current, rollback, record)
                 with nullcontext() if through else _unchanged(rollback, current, True):
                     self._provide(p, index, current, record)
-            _notify(reversed(self.hooks), "after_pass", (p.name, index), p, current, record)
+            _notify(reversed(self.hooks), "after_pass", (p.name, index), p, current, record,
+                    undo=rollback)
             return current
         except Exception as e:
             error = self._failed(p, index, program, current, rollback, record, e)
             if error is e:
                 raise
             raise error from e
+        except BaseException:  # Ctrl-C mid-rewrite: the program as it was, the interrupt kept
+            if rollback is not None:
+                rollback.restore()
+            raise
 
     def _failed(self, p: Any, index: int, program: Any, current: Any, rollback: Any,
                 record: PassRecord, e: Exception) -> PassManagerError:
@@ -330,11 +370,9 @@ class Runner:
             error.rolled_back = True
         try:
             _notify(reversed(self.hooks), "after_pass_failed", (p.name, index), p, program,
-                    record, error)
+                    record, error, undo=rollback)
         except InstrumentError as broken:  # raised with the pass's own error as its cause
-            if rollback is not None:  # again: the instrument may have changed the program
-                rollback.restore()
-            broken.rolled_back, broken.diff = error.rolled_back, error.diff
+            broken.rolled_back, broken.diff = error.rolled_back or broken.rolled_back, error.diff
             raise broken from error
         return error
 
@@ -385,14 +423,16 @@ class Runner:
             raise EffectsError(p.name, index, "in_place", reason=(
                 "declares in_place = False (returns a new program) but changed the program "
                 "it was given"))
-        for stale in change.structure:
+        for changed in change.checked:
             try:  # a node used before it is defined, one of another graph, a missing attribute
-                stale.graph.lint()
-                _check_pytree_codegen(stale.graph)
+                changed.graph.lint()
+                _check_pytree_codegen(changed.graph)
             except RuntimeError as e:  # else the program's first call fails, naming no pass
                 raise PassFailedError(p.name, index, f"left an ill-formed graph: {e}") from e
+        for stale in change.structure:
             stale.recompile()
-        fault = _signature_fault(new_program) if self.exported and change.anything else None
+        fault = (_signature_fault(new_program, self.misnamed) if self.exported
+                 and change.anything else None)
         if fault:  # e.g. a buffer deleted from the state, an input added to the graph alone
             raise PassFailedError(p.name, index, "left the ExportedProgram's signature out of "
                                   f"step with its graph or state: {fault}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any, NamedTuple
@@ -36,10 +36,13 @@ __all__ = ["Change", "RollbackRecord", "recorded", "transaction"]
 
 class Change(NamedTuple):
     """What a pass changed: ``structure``, the graph modules whose nodes changed (their code
-    is stale), and ``anything`` at all."""
+    is stale), ``anything`` at all, and ``checked``, the graph modules whose nodes may no
+    longer fit the program (``structure``, or every one if a module's attributes changed:
+    a ``get_attr`` of a deleted buffer)."""
 
     structure: list[torch.fx.GraphModule]
     anything: bool
+    checked: Sequence[torch.fx.GraphModule] = ()
 
 
 class RollbackRecord:
@@ -68,6 +71,11 @@ class RollbackRecord:
                             for _, m in graphs]
             self._graph = self._graphs[0]
             self._state = None if meta_only else StateRecord(program, gm, effects.writes_state)
+
+    @property
+    def records_state(self) -> bool:
+        """It can put back everything outside the graph (not a meta-only record)."""
+        return self._state is not None
 
     @property
     def leaves_nodes_alone(self) -> bool:
@@ -150,8 +158,11 @@ class RollbackRecord:
         with collector_paused():
             stale = [gm] if gm is not self._graph.gm else [
                 g.gm for g in self._graphs if g.structure_changed(g.gm.graph)]
-            return Change(stale, bool(stale) or bool(self._written) or self._state.changed(
-                result) or any(g.meta_changed() for g in self._graphs))
+            attributes = self._state.modules.changed()
+            checked = [m for _, m in graph_modules(result)] if attributes else stale
+            return Change(stale, bool(stale) or bool(self._written) or attributes
+                          or self._state.changed(result, modules=False)
+                          or any(g.meta_changed() for g in self._graphs), checked)
 
     # -- undo ------------------------------------------------------------------------
     @property

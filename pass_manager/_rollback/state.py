@@ -8,6 +8,7 @@ made only when a write is reported.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import operator
@@ -115,21 +116,39 @@ class ModulesRecord:
                 get(attrs).update(recorded)
 
 
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # a fake tensor has no data_ptr
+_VERSION = operator.attrgetter("_version")
+
+
+def _mark(t: Any) -> tuple[int, int | None]:
+    """What a write of a tensor's data changes: its version counter, and where its data lives
+    (``t.data = other`` swaps the data under the same tensor with no version bump)."""
+    return t._version, t.data_ptr() if type(t) in _PLAIN and t.layout == torch.strided else None
+
+
+def _marks(tensors: list[Any]) -> list[tuple[int, int | None]]:
+    if all(map(_PLAIN.__contains__, map(type, tensors))):
+        with contextlib.suppress(RuntimeError):  # in C loops, unless one is sparse
+            return list(zip(map(_VERSION, tensors), map(TENSOR.data_ptr, tensors), strict=True))
+    return list(map(_mark, tensors))
+
+
 class TensorsRecord:
-    """Tensors' identities and version counters, and copies of the data of those a pass
-    may write (``copy``). ``named`` makes ``(name, tensor, copyable)`` for every entry of
-    ``tensors``, in order, only when a write is reported or data must be copied (a tensor
-    listed twice is named by its first listing)."""
+    """Tensors' identities, version counters and data addresses, and copies of the data of
+    those a pass may write (``copy``). ``named`` makes ``(name, tensor, copyable)`` for every
+    entry of ``tensors``, in order, only when a write is reported or data must be copied (a
+    tensor listed twice is named by its first listing)."""
 
     def __init__(self, tensors: list[Any], named: Any, copy: bool):
         self.tensors = tensors
-        self.versions = [t._version for t in tensors]
+        self.marks = _marks(tensors)
         self._named = named
         self._entries: list[tuple[str | None, Any, bool]] | None = None
-        self.data: dict[int, torch.Tensor] = {}
-        if copy:  # each tensor once, at its first listing
-            self.data = {i: tensor.detach().clone() for i, (name, tensor, copyable)
-                         in enumerate(self.named()) if copyable and name is not None}
+        self.data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if copy:  # each tensor once, at its first listing: its data, and a copy of it
+            self.data = {i: (tensor.detach(), tensor.detach().clone())
+                         for i, (name, tensor, copyable) in enumerate(self.named())
+                         if copyable and name is not None}
 
     def named(self) -> list[tuple[str | None, Any, bool]]:
         """``named``'s entries, made once; a tensor's later listings have the name None."""
@@ -144,14 +163,14 @@ class TensorsRecord:
         return self._entries
 
     def written(self, skip: Container[int] = ()) -> list[str]:
-        """Tensors whose data was written in place since the record (version counter), but
-        for the entries ``skip``."""
-        versions = [t._version for t in self.tensors]
-        if versions == self.versions:
+        """Tensors whose data was written in place or swapped (``t.data = other``) since the
+        record, but for the entries ``skip``."""
+        marks = _marks(self.tensors)
+        if marks == self.marks:
             return []
         return sorted(
-            name for i, ((name, _, _), now, then) in enumerate(zip(self.named(), versions,
-                                                                   self.versions, strict=True))
+            name for i, ((name, _, _), now, then) in enumerate(zip(self.named(), marks,
+                                                                   self.marks, strict=True))
             if now != then and name is not None and i not in skip
         )
 
@@ -161,10 +180,12 @@ class TensorsRecord:
         return self.written(skip=self.data)
 
     def restore(self) -> None:
-        for i, data in self.data.items():
-            if self.tensors[i]._version != self.versions[i]:
+        for i, (data, copied) in self.data.items():
+            tensor = self.tensors[i]
+            if _mark(tensor) != self.marks[i]:
                 with torch.no_grad():
-                    self.tensors[i].copy_(data)
+                    tensor.data = data  # the very data it had, if the pass swapped it
+                    data.copy_(copied)
 
 
 # Per type, whether its objects are recorded: lists and dataclass instances with a
@@ -249,9 +270,10 @@ class StateRecord:
             named = lambda modules=self.modules.named_tensors: modules() + extra  # noqa: E731
         self.tensors = TensorsRecord(tensors, named, copy_data)
 
-    def changed(self, program: Any) -> bool:
-        """The modules, or the ExportedProgram's attributes, or the program object changed."""
-        if self.modules.changed():
+    def changed(self, program: Any, modules: bool = True) -> bool:
+        """The modules (unless ``modules`` is False: known not to), or the ExportedProgram's
+        attributes, or the program object changed."""
+        if modules and self.modules.changed():
             return True
         if self.exported is None:
             return program is not self.program

@@ -143,6 +143,7 @@ def test_a_manifest_without_a_format_is_the_first_format(written, tmp_path):
         ("index", "1", "its 'index' is '1', not an int"),
         ("index", -1, "its 'index' is -1, not a place in a pipeline (0 or more)"),
         ("modules", "passes", "its 'modules' is 'passes', not a list"),
+        ("import_paths", "/tmp", "its 'import_paths' is '/tmp', not a list of folders"),
         ("strict", "yes", "its 'strict' is 'yes', not true or false"),
         ("pipeline", "", "its 'pipeline' is empty, not the failing pass as pipeline text"),
     ],
@@ -161,6 +162,19 @@ def test_a_manifest_with_a_value_of_another_kind_is_named_before_the_replay(
         done = _replay(folder)
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.strip() == f"error: cannot replay: {info.value}"
+
+
+@pytest.mark.parametrize("pipeline", ["Nope", "InplaceToFunctional{nope=1}",
+                                      "InplaceToFunctional{"])
+def test_a_manifest_naming_a_pass_no_one_can_build_is_an_archive_error(
+        written, tmp_path, pipeline):
+    """An edited pipeline (a pass renamed, an option added, a brace lost) was a
+    PipelineError out of load_reproducer, not the ArchiveError a damaged folder is."""
+    folder = _edited(written, tmp_path, lambda manifest: manifest.update(pipeline=pipeline))
+    with pytest.raises(ArchiveError) as info:
+        load_reproducer(folder)
+    assert info.value.path == folder / "manifest.json"
+    assert info.value.reason.startswith("its pass cannot be rebuilt: PipelineError: ")
 
 
 def test_a_missing_program_file_is_named_as_the_folder_holds_it(written, tmp_path):

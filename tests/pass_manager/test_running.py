@@ -1,6 +1,7 @@
 """Running passes: condition checks and their cache, change detection, reports, hooks."""
 
 import copy
+import functools
 import gc
 import pickle
 import threading
@@ -487,10 +488,23 @@ def _add_input_to_graph_alone(program):
         graph.placeholder("extra")
 
 
+def _rename(program, node):
+    """Renames an input (``x``), a buffer's placeholder (``b_acc``) or the output (``add``)
+    in the graph alone: the run succeeded, and ``ep.validate()``, ``torch.export.save`` and
+    ExecuTorch's ``to_edge`` later raised SpecViolationError, naming no pass."""
+    found = next(n for n in graph_of(program).nodes if n.name == node)
+    if found.op == "placeholder":
+        found.target = "renamed"
+    found.name = "renamed"
+
+
 @pytest.mark.parametrize(("edit", "reason"), [
     (_drop_buffer_from_state, "Buffer acc is not in the state dict"),
     (_add_input_to_graph_alone, "Placeholders missing input_specs: {'extra'}"),
-])
+    *[(functools.partial(_rename, node=node),
+       f"its signature names {node!r} where the graph has node 'renamed'")
+      for node in ("x", "b_acc", "add")],
+], ids=["dropped buffer", "input alone", "renamed input", "renamed buffer", "renamed output"])
 def test_a_pass_leaving_the_signature_out_of_step_is_named_and_rolled_back(exported, edit,
                                                                             reason):
     calls = [(torch.ones(4),), (torch.full((4,), -3.0),), (torch.arange(4.0),)]
@@ -703,6 +717,38 @@ def test_a_pass_leaving_an_ill_formed_graph_is_named_and_rolled_back(form, edit,
     assert str(graph_of(program)) == str(graph_of(original))
     inputs = [(torch.full((4,), float(i)),) for i in range(1, 4)]
     assert_same_behaviour(original, program, inputs)
+
+
+@pytest.mark.parametrize("form", ["GraphModule", "ExportedProgram"])
+def test_a_pass_interrupted_mid_rewrite_is_rolled_back_and_the_interrupt_kept(form):
+    """Ctrl-C (KeyboardInterrupt, not an Exception) in the middle of a pass left its half
+    rewrite in the graph (relu already abs) with the code not recompiled: graph and code
+    disagreed."""
+    def interrupted(program):
+        ReluToAbs().call(program)
+        raise KeyboardInterrupt
+
+    ep = torch.export.export(Accumulate(), (torch.ones(4),))
+    program = ep.module() if form == "GraphModule" else ep
+    with pytest.raises(KeyboardInterrupt):
+        PassManager([function_pass(interrupted)]).run(program)
+    assert targets(program, "relu") and not targets(program, "abs")
+    inputs = [(torch.full((4,), float(i)),) for i in range(-1, 2)]
+    assert_same_behaviour(Accumulate(), program, inputs)
+
+
+@pytest.mark.parametrize("attribute", ["acc", "linear"])
+def test_a_pass_deleting_an_attribute_the_graph_reads_is_named_and_rolled_back(attribute):
+    """``del gm.acc`` (a buffer a get_attr reads) or ``del gm.linear`` (the submodule holding
+    the weights) left the nodes alone, so the graph was not checked: the run succeeded and
+    the program's first call raised AttributeError, naming no pass."""
+    program = torch.export.export(Accumulate(), (torch.ones(4),)).module()
+    with pytest.raises(PassFailedError, match=f"left an ill-formed graph: .*{attribute}") as info:
+        PassManager([function_pass(lambda gm: delattr(gm, attribute), name="drops")]).run(
+            program)
+    assert info.value.pass_name == "drops" and info.value.rolled_back
+    inputs = [(torch.full((4,), float(i)),) for i in range(1, 4)]
+    assert_same_behaviour(Accumulate(), program, inputs)
 
 
 def _output_added_alone(program):

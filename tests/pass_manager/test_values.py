@@ -4,6 +4,7 @@ with options, pipeline text, the in_place contract and the failure hook."""
 import copy
 import dataclasses
 import gc
+import typing
 
 import pytest
 import torch
@@ -167,6 +168,8 @@ class Floored(Pass):
     scale: "float" = 1.0
     exact: "bool" = False
     label: "str" = ""
+    limit: "int | None" = None
+    cap: typing.Optional[float] = None  # noqa: UP045 - the spelling users write too
 
     def call(self, program):
         return PassResult(program, False)
@@ -179,6 +182,10 @@ class Floored(Pass):
     ("exact=1", "option exact=1: expected bool, got int"),
     ("label=1", "option label=1: expected str, got int"),  # was taken: label=1 in the pass
     ("factor='2'", "option factor='2': expected float, got str"),  # annotated as the type
+    # The pass was built with them, to fail deep inside it or compute with a string.
+    ("limit='x'", "option limit='x': expected int or None, got str"),
+    ("limit=1.5", "option limit=1.5: expected int or None, got float"),
+    ("cap='1'", "option cap='1': expected float or None, got str"),
 ])
 def test_an_option_of_the_wrong_basic_type_is_a_pipeline_error(option, said):
     name = "ScaleConstants" if option.startswith("factor") else "Floored"
@@ -187,8 +194,9 @@ def test_an_option_of_the_wrong_basic_type_is_a_pipeline_error(option, said):
 
 
 def test_an_option_of_the_right_basic_type_is_taken():
-    (p,) = parse_pipeline("Floored{floor=2,scale=3,exact=true}").plan()
-    assert p == Floored(2, 3, True)
+    (p,) = parse_pipeline("Floored{floor=2,scale=3,exact=true,limit=4,cap=None}").plan()
+    assert p == Floored(2, 3, True, limit=4)
+    assert parse_pipeline("Floored{limit=None,cap=2}").plan()[0] == Floored(cap=2)
     assert parse_pipeline("ScaleConstants{factor=2}").plan()[0].factor == 2
 
 

@@ -30,10 +30,15 @@ class ResetAndRewrite(Pass):
     """Zeroes the accumulator, rewrites relu to abs, then optionally fails."""
 
     fail: bool = False
+    swap: bool = False  # ``acc.data = zeros``: no version bump
 
     def call(self, program):
+        buffer = buffer_of(program)
         with torch.no_grad():
-            buffer_of(program).zero_()
+            if self.swap:
+                buffer.data = torch.zeros_like(buffer)
+            else:
+                buffer.zero_()
         for node in targets(program, "relu"):
             node.target = torch.ops.aten.abs.default if "aten" in str(node.target) else torch.abs
         if self.fail:
@@ -45,14 +50,17 @@ class DeclaredReset(ResetAndRewrite):
     effects = Effects(writes_state=True)
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["zero_", "data ="])
 @pytest.mark.parametrize("form", ["exported", "traced"])
-def test_undeclared_state_write_is_a_typed_error_naming_the_tensor(form, request):
+def test_undeclared_state_write_is_a_typed_error_naming_the_tensor(form, swap, request):
+    """``acc.data = zeros`` swaps the data under the same tensor with no version bump: the
+    run succeeded, the pass measured as unmodified, the buffer zeroed."""
     program = request.getfixturevalue(form)
     with torch.no_grad():
         buffer_of(program).fill_(3.0)
     code = graph_of(program).python_code("self").src
     with pytest.raises(EffectsError) as info:
-        PassManager([ResetAndRewrite()]).run(program)
+        PassManager([ResetAndRewrite(swap=swap)]).run(program)
     error = info.value
     assert isinstance(error, PassFailedError) and error.pass_name == "ResetAndRewrite"
     assert error.kind == "writes_state" and error.edits == ["acc"] and error.unrestored == ["acc"]
@@ -62,16 +70,19 @@ def test_undeclared_state_write_is_a_typed_error_naming_the_tensor(form, request
     assert error.rolled_back and "abs" in error.diff
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["zero_", "data ="])
 @pytest.mark.parametrize("form", ["exported", "traced"])
-def test_failing_pass_that_declares_state_writes_is_restored_exactly(form, request):
+def test_failing_pass_that_declares_state_writes_is_restored_exactly(form, swap, request):
+    """After ``acc.data = zeros``, the rollback put back neither the data nor its storage."""
     program = request.getfixturevalue(form)
     with torch.no_grad():
         buffer_of(program).copy_(torch.arange(4.0))
-    before = buffer_of(program).clone()
+    before, storage = buffer_of(program).clone(), buffer_of(program).data_ptr()
     with pytest.raises(PassFailedError) as info:
-        PassManager([DeclaredReset(fail=True)]).run(program)
+        PassManager([DeclaredReset(fail=True, swap=swap)]).run(program)
     assert not isinstance(info.value, EffectsError) and info.value.unrestored == []
     torch.testing.assert_close(buffer_of(program), before, rtol=0, atol=0)
+    assert buffer_of(program).data_ptr() == storage  # the very tensor data, still shared
     assert not targets(program, "abs")
 
 

@@ -3,6 +3,8 @@ instrument, the hook and the pass it was around (it was the pass's PassFailedErr
 bare exception from before_run, after_pass_failed and after_run), and around a pass the
 program is rolled back: it computes what eager does, call after call."""
 
+import copy
+
 import pytest
 import torch
 
@@ -69,41 +71,47 @@ class Tags(Pass):
             node.meta["tagged"] = True
 
 
-def _rewriting_in(hook):
+def _rewriting_in(hook, edit="args"):
     """An instrument that, in ``hook``, turns ``* 2`` into ``* 3`` (a change of what is
-    computed)."""
+    computed), or (``edit="signature"``) drops the buffer mutation from the signature."""
     def rewrites(self, *args):
         program = args[0] if hook.endswith("_run") else args[1]
+        if edit == "signature":
+            program.graph_signature.output_specs.pop(0)
+            return
         for node in graph_of(program).nodes:
             if node.target == torch.ops.aten.mul.Tensor:
                 node.args = (node.args[0], 3)
     return type("Rewrites", (Instrumentation,), {hook: rewrites})()
 
 
-@pytest.mark.parametrize(("hook", "passes"), [
-    (hook, passes) for hook in ("before_run", "before_pass", "after_pass", "after_run")
-    for passes in ([Tags()], [ReluToAbs()])] + [("after_pass_failed", [Refuses()])],
+@pytest.mark.parametrize(("hook", "passes", "edit"), [
+    (hook, passes, edit) for hook in ("before_run", "before_pass", "after_pass", "after_run")
+    for passes in ([Tags()], [ReluToAbs()]) for edit in ("args", "signature")]
+    + [("after_pass_failed", [Refuses()], edit) for edit in ("args", "signature")],
     ids=lambda v: v if isinstance(v, str) else v[0].name)
-def test_an_instrument_changing_the_program_is_named(hook, passes):
-    """An instrument rewrote ``* 2`` into ``* 3``: the run succeeded (the report said a
-    pass changed what it did, or nothing), or the pass's failure said the program was
-    rolled back while the ``* 3`` stayed (outputs off eager from the first call); around a
-    meta-only pass, the rollback kept the instrument's new arguments (it rebuilt only a
-    graph whose node list changed)."""
+def test_an_instrument_changing_the_program_is_named_and_undone(hook, passes, edit):
+    """An instrument rewrote ``* 2`` into ``* 3`` or dropped a buffer mutation from the
+    signature: the run succeeded (the report said a pass changed what it did, or nothing),
+    or the error said the program was rolled back while the change stayed (outputs off
+    eager from the first call; before the first pass, after the last, or around a
+    meta-only pass, whose record keeps no signature, the change was named but kept, the
+    graph's code stale). Every hook's change is undone: the program computes what the
+    passes alone make it compute."""
     model = Accumulate()
     x = torch.tensor([-1.0, 2.0, -3.0, 4.0])
     program = torch.export.export(Accumulate(), (x,))
     program.state_dict["acc"].copy_(model.acc)
+    reference = copy.deepcopy(program)
+    if hook == "after_run":  # every pass succeeded: what they made it stays
+        PassManager(passes).run(reference)
     with pytest.raises(InstrumentError) as info:
-        PassManager(passes, instruments=[_rewriting_in(hook)]).run(program)
+        PassManager(passes, instruments=[_rewriting_in(hook, edit)]).run(program)
     error = info.value
     assert (error.instrument, error.hook) == ("Rewrites", hook)
-    assert "changed the program's nodes or signature" in str(error)
-    undone = hook in ("after_pass", "after_pass_failed")  # with the pass, from its record
-    assert error.rolled_back == undone
-    if not undone:  # outside a pass's record: named, not undone
-        return
-    module = program.module()
-    for _ in range(3):  # the program as exported: relu, * 2 and the running sum
-        torch.testing.assert_close(module(x), model(x), rtol=0, atol=0)
-        torch.testing.assert_close(module.acc, model.acc, rtol=0, atol=0)
+    assert "changed the program's nodes or signature" in str(error) and error.rolled_back
+    assert str(program.graph_signature) == str(reference.graph_signature)
+    module, expected = program.module(), reference.module()
+    for _ in range(3):
+        torch.testing.assert_close(module(x), expected(x), rtol=0, atol=0)
+        torch.testing.assert_close(module.acc, expected.acc, rtol=0, atol=0)
