@@ -452,7 +452,9 @@ def _resolve_runtime(args: argparse.Namespace) -> int | None:
                           "executorch extra to also run ExecuTorch's runtime: " + INSTALL_HINT
                           + ")")
     elif args.runtime == "executorch" and not available():
-        why = "--runtime executorch needs the executorch extra; install it with: " + INSTALL_HINT
+        why = ("--runtime executorch needs the executorch extra; install it with: "
+               f"{INSTALL_HINT}; or decode in Python only: --runtime python (or auto, the "
+               "default, which uses ExecuTorch when it is installed)")
         print(f"error: {why}", file=sys.stderr)
         _write_refusal(args, Failure("runtime", why))
         return FLOW_FAILED
@@ -524,14 +526,18 @@ def _finish(args: argparse.Namespace, pass_options: dict[str, Any],
         _warn_unprinted(pass_options)
         return _failed(args, e)
     except FlowInterrupted as e:
-        _print_report(e.result)
-        _print_section("interrupted (Ctrl-C)", f"stage:  {e.stage}")
-        _write_outputs(args, e.result)  # what ran, and "interrupted" naming the stage
+        try:
+            _print_report(e.result)
+            _print_section("interrupted (Ctrl-C)", f"stage:  {e.stage}")
+        finally:  # what ran, and "interrupted" naming the stage: even if stdout closed
+            _write_outputs(args, e.result)
         print("interrupted (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED
-    _print_report(result)
-    _warn_unprinted(pass_options)
-    written = _write_outputs(args, result)
+    try:
+        _print_report(result)
+        _warn_unprinted(pass_options)
+    finally:  # stdout closed (| head) or Ctrl-C while printing: the files are this run's
+        written = _write_outputs(args, result)
     _show_held_warnings(args)
     if not written:
         return LOAD_FAILED
@@ -548,12 +554,14 @@ def _warn_unprinted(pass_options: dict[str, Any]) -> None:
 
 def _failed(args: argparse.Namespace, e: Any) -> int:
     result = e.result
-    _print_report(result)
-    if args.traceback:
-        traceback.print_exception(e.__cause__ or e)
-    hint = "" if args.traceback else "\n(--traceback shows the full trace)"
-    _print_section("failed", "\n".join(e.failure.lines()) + hint)
-    _write_outputs(args, result)
+    try:
+        _print_report(result)
+        if args.traceback:
+            traceback.print_exception(e.__cause__ or e)
+        hint = "" if args.traceback else "\n(--traceback shows the full trace)"
+        _print_section("failed", "\n".join(e.failure.lines()) + hint)
+    finally:  # stdout closed (| head) or Ctrl-C while printing: the files are this run's
+        _write_outputs(args, result)
     _show_held_warnings(args)
     return FLOW_FAILED
 
@@ -585,6 +593,7 @@ def _write_outputs(args: argparse.Namespace, result: Any, skip: str | None = Non
     (one line says why)."""
     notice = _notice(args)
     written = True
+    args.outputs_written = True  # by this run, whatever stops it next
     for option, file, what, text in (
             ("--dot", args.dot, "the pass DAG" if result.dot else "an empty pass DAG (no "
              "pass ran)", lambda: result.dot or _no_passes_dot(result)),
@@ -886,6 +895,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         # The reader of stdout left (``| head``): nothing more can reach it, and Python's
         # own flush of stdout at exit would fail again, so stdout goes nowhere from now on.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if not getattr(args, "outputs_written", False):  # closed before the flow ran
+            _write_refusal(args, Failure("output", "stdout was closed before the report "
+                                         "(e.g. piped into head): the job stopped"))
         return OUTPUT_CLOSED
     except KeyboardInterrupt:  # between what run() reports itself (e.g. printing the report)
         print("interrupted (Ctrl-C)", file=sys.stderr)

@@ -106,6 +106,9 @@ def test_executorch_missing_is_said_in_the_json(tmp_path, monkeypatch, capsys):
     assert status == cli.FLOW_FAILED
     failure = _report(report)["failure"]
     assert failure["stage"] == "runtime" and "needs the executorch extra" in failure["reason"]
+    # The way on without it, beside the install commands (which need the checkout).
+    assert failure["reason"].endswith("or decode in Python only: --runtime python (or auto, "
+                                      "the default, which uses ExecuTorch when it is installed)")
 
 
 def test_ctrl_c_while_looking_for_executorch_is_one_line_and_said_in_the_json(
@@ -450,3 +453,47 @@ def test_ctrl_c_while_the_job_imports_its_modules_is_one_line(monkeypatch, capsy
         pytest.fail("Ctrl-C while importing escaped python -m passes (a traceback)")
     assert exited.value.code == cli.INTERRUPTED
     assert capsys.readouterr().err == "interrupted (Ctrl-C) while starting\n"
+
+
+class _ClosedAfter:
+    """A stdout whose reader left (``| head -1``): writing ``closing_at`` raises
+    BrokenPipeError; a real file stands behind its descriptor (the job points it at
+    /dev/null)."""
+
+    errors = "backslashreplace"
+
+    def __init__(self, behind, closing_at: str):
+        self.behind, self.closing_at = behind, closing_at
+
+    def write(self, text):
+        if self.closing_at in text:
+            raise BrokenPipeError(32, "Broken pipe")
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def fileno(self):
+        return self.behind.fileno()
+
+
+@pytest.mark.parametrize(("closing_at", "written"), [
+    # In the report, after the flow: its result (it passed).
+    ("\n== ", lambda data: data["plan"] == "0. SomePass" and data["ok"] is True),
+    # Before it: the job stopped, and the report says so.
+    ("model: ", lambda data: data["failure"]["stage"] == "output" and data["ok"] is False),
+])
+def test_a_closed_stdout_leaves_no_previous_runs_json(tmp_path, monkeypatch, closing_at,
+                                                      written):
+    """``--json report.json | head -1``: the job stopped at its first write after head left
+    (status 141) and never wrote --json: a CI step read the previous run's report."""
+    from passes.flow import run as flow
+
+    monkeypatch.setattr(flow, "run_flow", lambda *args, **kwargs: FlowResult(plan="0. SomePass"))
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"ok": True, "plan": "the previous run's"}))
+    with open(tmp_path / "stdout", "w") as behind:
+        monkeypatch.setattr(sys, "stdout", _ClosedAfter(behind, closing_at))
+        status = cli.main(["run", MODEL, *FAST, "--json", str(report)])
+    assert status == cli.OUTPUT_CLOSED
+    assert written(_report(report))
