@@ -413,19 +413,24 @@ def first_misfit(program: torch.export.ExportedProgram, calls: Sequence[tuple[st
     refusing an int32 index)."""
     signature = signature_of(program)
     placeholders = {node.name: node for node in program.graph.find_nodes(op="placeholder")}
-    exported = [placeholders.get(getattr(spec.arg, "name", None))
-                for spec in program.graph_signature.input_specs
-                if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    user_inputs = [spec for spec in program.graph_signature.input_specs
+                   if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    exported = [placeholders.get(getattr(spec.arg, "name", None)) for spec in user_inputs]
+    # An input the example gave as None (or another constant) is baked into the program:
+    # torch's own check lets a tensor through there, and the program ignores it.
+    constant = [spec.arg if isinstance(spec.arg, torch.export.graph_signature.ConstantArgument)
+                else None for spec in user_inputs]
     for where, (args, kwargs) in calls:
         why = signature.mismatch(args, kwargs) or _value_misfit(
-            program, signature.positional, signature.leaves(args, kwargs), exported)
+            program, signature.positional, signature.leaves(args, kwargs), exported, constant)
         if why:
             return where, why
     return None
 
 
 def _value_misfit(program: torch.export.ExportedProgram, positional: Sequence[str],
-                  leaves: list[tuple[tuple, Any]], exported: list[Any]) -> str | None:
+                  leaves: list[tuple[tuple, Any]], exported: list[Any],
+                  constant: Sequence[Any] = ()) -> str | None:
     """Why the leaves of a call that fits the program's structure hold other tensors than
     it was exported for (dtype, shape), or None."""
     def label(path: tuple) -> str:
@@ -434,6 +439,11 @@ def _value_misfit(program: torch.export.ExportedProgram, positional: Sequence[st
                 else f"args[{key.idx}]" if top.idx == 0 else str(key.key))
         return head + torch.utils._pytree.keystr(tuple(rest))
 
+    for (path, value), fixed in zip(leaves, constant, strict=False):
+        if fixed is not None and isinstance(value, torch.Tensor):
+            return (f"input {label(path)!r} is a tensor, the program was exported with "
+                    f"{fixed.value!r} there, a constant it keeps and ignores a tensor for "
+                    "(give the export example a tensor there)")
     for (path, value), node in zip(leaves, exported, strict=False):
         wanted = node.meta.get("val") if node is not None else None
         if isinstance(value, torch.Tensor) and isinstance(wanted, torch.Tensor) \

@@ -497,3 +497,33 @@ def test_a_closed_stdout_leaves_no_previous_runs_json(tmp_path, monkeypatch, clo
         status = cli.main(["run", MODEL, *FAST, "--json", str(report)])
     assert status == cli.OUTPUT_CLOSED
     assert written(_report(report))
+
+
+class _OptionalMask(_Accumulator):
+    def forward(self, x, mask=None):
+        self.total.add_(x)
+        return self.linear(x) if mask is None else self.linear(x) * mask
+
+
+def test_a_step_giving_a_tensor_where_the_example_gave_none_is_a_load_error(monkeypatch,
+                                                                            capsys):
+    """The program keeps the example's None and ignored the step's mask: "FAIL exported
+    program matches fp32 eager: max abs diff 0.68", status 1, read as the export's fault."""
+    import types
+
+    from passes.flow import run as flow
+
+    def flow_must_not_run(*args, **kwargs):
+        raise AssertionError("a step the program ignores part of reached the flow")
+
+    monkeypatch.setattr(flow, "run_flow", flow_must_not_run)
+    x = torch.ones(1, 4)
+    module = types.ModuleType("mask_not_exported")
+    module.factory = lambda: (_OptionalMask(), (x, None), [(x, None), (x, 2 * x)])
+    monkeypatch.setitem(sys.modules, "mask_not_exported", module)
+    assert cli.main(["run", "mask_not_exported:factory", *FAST]) == cli.LOAD_FAILED
+    assert capsys.readouterr().err == (
+        "error: mask_not_exported:factory(): steps[1] does not fit the exported program's "
+        "inputs (x, mask): input 'mask' is a tensor, the program was exported with None there, "
+        "a constant it keeps and ignores a tensor for (give the export example a tensor there) "
+        "(a program takes the inputs its export example gave)\n")
