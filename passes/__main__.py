@@ -3,7 +3,11 @@ console command ``mutable-buffer-passes`` runs the same ``main``."""
 
 import sys
 
-from .flow.cli import main
+try:
+    from .flow.cli import main
+except KeyboardInterrupt:  # Ctrl-C while the job's modules load: one line, as later on
+    print("interrupted (Ctrl-C) while starting", file=sys.stderr)
+    sys.exit(130)
 
 if __name__ == "__main__":
     sys.exit(main(prog="python -m passes"))

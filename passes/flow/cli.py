@@ -23,6 +23,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from ..errors import QuantizationInputError, StatePastEndError
 from .factory import (
     EXPORT_MODES,
     Exported,
+    ExportError,
     MethodsSpec,
     ModelError,
     ModelSpec,
@@ -54,6 +56,7 @@ from .result import Failure, FlowResult
 
 DEFAULT_MODEL = "passes.examples:stateful_decoder_job"
 DEFAULT_STEPS = 8
+MAX_STEPS = 100_000
 # The console command setup.cfg installs is named after the distribution.
 COMMAND = "mutable-buffer-passes"
 # 2 is also bad usage (argparse's own status for it).
@@ -103,6 +106,7 @@ def _import_model_module(module_name: str) -> Any:
 def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     """Import the factory ``MODEL`` names, call it and read its result; ModelError otherwise."""
     module_name, _, attr = spec.rpartition(":")
+    _refuse_a_file_that_is_not_a_factory(spec, module_name)
     if not module_name or not attr:
         raise ModelError(f"MODEL must be {MODEL_FORMS}, got {spec!r}")
     try:
@@ -148,6 +152,26 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     except Exception as e:
         raise ModelError(f"{spec}() failed: {type(e).__name__}: {e}") from e
     return model_spec(made, spec, steps)
+
+
+def _refuse_a_file_that_is_not_a_factory(spec: str, module_name: str) -> None:
+    """MODEL naming a file that holds no factory: a config, weights, a .pte, or a Python file
+    without its factory's name. Each was read as a module name ("No module named 'config'")."""
+    for name in (spec, module_name):
+        path = Path(name)
+        if not name or not path.is_file():
+            continue
+        if path.suffix == ".py":
+            if name != spec:  # path/to/file.py:factory, as it should be
+                return
+            raise ModelError(f"MODEL {spec!r} names the file but not its factory: "
+                             f"{name}:NAME, NAME the function in it returning the model")
+        hint = (" (a Hugging Face config: a factory builds the model from it, e.g. "
+                "AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)); see "
+                "the tiny Llama factory in docs/main-job.md)" if path.suffix == ".json" else "")
+        raise ModelError(f"MODEL {spec!r} names {_a(path.suffix or 'extensionless')} file, not "
+                         f"Python: MODEL is {MODEL_FORMS}, a function returning the model and "
+                         f"its example inputs{hint}")
 
 
 def _callables(module: Any) -> list[str]:
@@ -236,8 +260,10 @@ def _export(model: ModelSpec, spec: str, mode: str | None) -> Exported:
             dynamic_shapes=model.dynamic_shapes,
             mode=mode or model.export,
         )
-    except ModelError as e:
+    except ExportError as e:
         raise ModelError(f"{spec} is not exportable: {e}") from e
+    except ModelError as e:  # found before export: the model fails on its example
+        raise ModelError(f"{spec}: {e}") from e
 
 
 def _print_section(title: str, body: str) -> None:
@@ -315,6 +341,8 @@ def run(args: argparse.Namespace) -> int:
         # The usable ones say so: a report a previous run left there would read as this one's.
         _write_refusal(args, Failure("options", problem), skip=unusable)
         return LOAD_FAILED
+    if args.print_to:
+        _remove_previous_dumps(Path(args.print_to), _notice(args))
     runtime_asked = args.runtime
     try:
         # Importing ExecuTorch to see whether it is there takes seconds.
@@ -378,6 +406,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"interrupted (Ctrl-C) while {doing} {spec}", file=sys.stderr)
         _write_refusal(args, interrupted=f"{doing} {spec}")
         return INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - unforeseen, but still this stage's, one line
+        if args.traceback:
+            traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0]
+        why = f"{doing} {spec} failed: {type(e).__name__}: {first}"
+        print(f"error: {why}" + ("" if args.traceback else " (--traceback shows the full "
+                                 "trace)"), file=sys.stderr)
+        _write_refusal(args, Failure(doing, why))
+        return LOAD_FAILED
     if isinstance(model, MethodsSpec):
         return _run_methods(args, spec, model, methods, pipeline, pass_options)
     from .run import run_model
@@ -415,7 +452,9 @@ def _resolve_runtime(args: argparse.Namespace) -> int | None:
                           "executorch extra to also run ExecuTorch's runtime: " + INSTALL_HINT
                           + ")")
     elif args.runtime == "executorch" and not available():
-        why = "--runtime executorch needs the executorch extra; install it with: " + INSTALL_HINT
+        why = ("--runtime executorch needs the executorch extra; install it with: "
+               f"{INSTALL_HINT}; or decode in Python only: --runtime python (or auto, the "
+               "default, which uses ExecuTorch when it is installed)")
         print(f"error: {why}", file=sys.stderr)
         _write_refusal(args, Failure("runtime", why))
         return FLOW_FAILED
@@ -487,14 +526,18 @@ def _finish(args: argparse.Namespace, pass_options: dict[str, Any],
         _warn_unprinted(pass_options)
         return _failed(args, e)
     except FlowInterrupted as e:
-        _print_report(e.result)
-        _print_section("interrupted (Ctrl-C)", f"stage:  {e.stage}")
-        _write_outputs(args, e.result)  # what ran, and "interrupted" naming the stage
+        try:
+            _print_report(e.result)
+            _print_section("interrupted (Ctrl-C)", f"stage:  {e.stage}")
+        finally:  # what ran, and "interrupted" naming the stage: even if stdout closed
+            _write_outputs(args, e.result)
         print("interrupted (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED
-    _print_report(result)
-    _warn_unprinted(pass_options)
-    written = _write_outputs(args, result)
+    try:
+        _print_report(result)
+        _warn_unprinted(pass_options)
+    finally:  # stdout closed (| head) or Ctrl-C while printing: the files are this run's
+        written = _write_outputs(args, result)
     _show_held_warnings(args)
     if not written:
         return LOAD_FAILED
@@ -511,12 +554,14 @@ def _warn_unprinted(pass_options: dict[str, Any]) -> None:
 
 def _failed(args: argparse.Namespace, e: Any) -> int:
     result = e.result
-    _print_report(result)
-    if args.traceback:
-        traceback.print_exception(e.__cause__ or e)
-    hint = "" if args.traceback else "\n(--traceback shows the full trace)"
-    _print_section("failed", "\n".join(e.failure.lines()) + hint)
-    _write_outputs(args, result)
+    try:
+        _print_report(result)
+        if args.traceback:
+            traceback.print_exception(e.__cause__ or e)
+        hint = "" if args.traceback else "\n(--traceback shows the full trace)"
+        _print_section("failed", "\n".join(e.failure.lines()) + hint)
+    finally:  # stdout closed (| head) or Ctrl-C while printing: the files are this run's
+        _write_outputs(args, result)
     _show_held_warnings(args)
     return FLOW_FAILED
 
@@ -548,6 +593,7 @@ def _write_outputs(args: argparse.Namespace, result: Any, skip: str | None = Non
     (one line says why)."""
     notice = _notice(args)
     written = True
+    args.outputs_written = True  # by this run, whatever stops it next
     for option, file, what, text in (
             ("--dot", args.dot, "the pass DAG" if result.dot else "an empty pass DAG (no "
              "pass ran)", lambda: result.dot or _no_passes_dot(result)),
@@ -555,7 +601,8 @@ def _write_outputs(args: argparse.Namespace, result: Any, skip: str | None = Non
         if not file or option == skip:
             continue
         try:
-            Path(file).write_text(text())
+            # A path that is not UTF-8 in a refusal's reason is escaped, not an error.
+            Path(file).write_text(text(), encoding="utf-8", errors="backslashreplace")
         except OSError as e:  # the folder went away or filled up while the flow ran
             print(f"error: {option} {file}: cannot write it: {type(e).__name__}: "
                   f"{e.strerror or e}", file=sys.stderr)
@@ -621,6 +668,31 @@ def _unwritable(path: Path, kind: str) -> str | None:
     return None
 
 
+# The name PrintIR gives each dump it writes in a folder: count, pass index, pass, when.
+_DUMP_NAME = re.compile(r"\d{3,}-\d+-\w+-(before|after|after-failure)\.txt")
+_DUMP_HEADER = "// -----// IR Dump "
+
+
+def _remove_previous_dumps(folder: Path, notice: Callable[[str], None]) -> None:
+    """The dumps a previous run left in the --print-to folder: this run numbers its own from
+    001 again, so a file it does not overwrite would read as this run's. Only files named and
+    headed as PrintIR writes them are removed."""
+    if not folder.is_dir():
+        return
+    removed = 0
+    for path in folder.iterdir():
+        if not _DUMP_NAME.fullmatch(path.name) or not path.is_file():
+            continue
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            with path.open(encoding="utf-8") as file:
+                if file.read(len(_DUMP_HEADER)) != _DUMP_HEADER:
+                    continue
+            path.unlink()
+            removed += 1
+    if removed:
+        notice(f"--print-to {folder}: removed {removed} dump(s) a previous run left there")
+
+
 def _pass_flags(args: argparse.Namespace, pass_options: dict[str, Any]
                 ) -> tuple[Any, str | None]:
     """The ``--pipeline`` manager and what is wrong with the pass flags (a pipeline that does
@@ -630,7 +702,17 @@ def _pass_flags(args: argparse.Namespace, pass_options: dict[str, Any]
         pipeline = parse_pipeline(args.pipeline, **pass_options) if args.pipeline else None
     except PassManagerError as e:
         first = str(e).splitlines()[0]
-        return None, f"--pipeline: {first}{own if 'no registered pass' in first else ''}"
+        if not Path(args.pipeline).is_file():
+            return None, f"--pipeline: {first}{own if 'no registered pass' in first else ''}"
+        # Not pipeline text, but a file holding it (a long pipeline kept beside the model).
+        try:
+            pipeline = parse_pipeline(Path(args.pipeline).read_text(), **pass_options)
+        except (OSError, UnicodeDecodeError) as e:
+            return None, f"--pipeline {args.pipeline}: cannot read it: {e}"
+        except PassManagerError as e:
+            first = str(e).splitlines()[0]
+            return None, (f"--pipeline {args.pipeline} (read as a file): {first}"
+                          f"{own if 'no registered pass' in first else ''}")
     problem = _unknown_pass_to_print(args)
     return pipeline, problem and problem + own
 
@@ -665,6 +747,12 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 (one decode call), got {value}")
+    if value > MAX_STEPS:
+        # Else the job spends hours building and checking that many calls before its first
+        # stage, in silence, or runs out of memory.
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_STEPS:,} (every program decodes that many calls and the job "
+            f"keeps each call's outputs and state to compare), got {value:,}")
     return value
 
 
@@ -700,8 +788,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "2-layer Llama-style decoder with KV caches",
     )
     run_parser.add_argument("--steps", type=_positive_int, default=None, metavar="N",
-                            help="decode calls, at least 1: the first N of the factory's "
-                            f"steps, or its example repeated N times (default {DEFAULT_STEPS})")
+                            help=f"decode calls, 1 to {MAX_STEPS:,}: the first N of the "
+                            "factory's steps, or its example repeated N times (default "
+                            f"{DEFAULT_STEPS})")
     run_parser.add_argument(
         "--quantizer",
         choices=("xnnpack", "every-op"),
@@ -767,6 +856,25 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _printable_output() -> Any:
+    """stdout and stderr escaping what their encoding cannot hold: a path that is not UTF-8
+    (its bytes arrive as surrogates) or a report's arrow on an ASCII stream otherwise ends
+    the job with a UnicodeEncodeError in the middle of its report (stderr escapes by
+    default, but not every stream standing in for it does)."""
+    strict = [stream for stream in (sys.stdout, sys.stderr)
+              if getattr(stream, "errors", None) == "strict"
+              and callable(getattr(stream, "reconfigure", None))]
+    for stream in strict:
+        stream.reconfigure(errors="backslashreplace")
+    try:
+        yield
+    finally:
+        for stream in strict:
+            with contextlib.suppress(ValueError):  # closed by then
+                stream.reconfigure(errors="strict")
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Parse ``argv`` (default: the process's), run the command, return the exit status.
 
@@ -781,11 +889,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                      "FOLDER [--trust] [--pdb]")
     args = parser.parse_args(argv)
     try:
-        return run(args)
+        with _printable_output():
+            return run(args)
     except BrokenPipeError:
         # The reader of stdout left (``| head``): nothing more can reach it, and Python's
         # own flush of stdout at exit would fail again, so stdout goes nowhere from now on.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if not getattr(args, "outputs_written", False):  # closed before the flow ran
+            _write_refusal(args, Failure("output", "stdout was closed before the report "
+                                         "(e.g. piped into head): the job stopped"))
         return OUTPUT_CLOSED
     except KeyboardInterrupt:  # between what run() reports itself (e.g. printing the report)
         print("interrupted (Ctrl-C)", file=sys.stderr)

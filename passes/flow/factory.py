@@ -280,7 +280,9 @@ def export_program(
     """
     modes = [mode] if mode else list(EXPORT_MODES)
     failures = []
-    rebound = [] if mode == "non-strict" else rebound_buffers(module, args, kwargs or {})
+    rebound = rebound_buffers(module, args, kwargs or {})
+    if mode == "non-strict":  # it writes a rebinding back
+        rebound = []
     if rebound:
         dropped = (f"strict: forward reassigns the buffer(s) {', '.join(rebound)} "
                    "(self.x = ...), which strict export (TorchDynamo) drops as a side effect: "
@@ -310,20 +312,55 @@ def rebound_buffers(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, A
     """The buffers ``forward`` rebinds (``self.acc = self.acc + x``) instead of writing in
     place, found by one call of a copy on the example. Strict export drops such a rebinding
     with only a warning, so its program silently keeps the initial value; non-strict
-    export writes it back (``copy_``), which the passes handle. A forward that raises on
-    its example rebinds nothing here: the export reports that."""
-    probe = copy_program(module)
+    export writes it back (``copy_``), which the passes handle.
+
+    Raises:
+        ModelError: the module cannot be copied (the job runs every program on its own
+            copy), or ``forward`` raises on its example in eager: export may still trace
+            such a call (a float64 input to a float32 layer), and the eager decode would
+            then fail at its first call, after export.
+    """
+    try:
+        probe = copy_program(module)
+    except Exception as e:  # deepcopy raises whatever an attribute's pickling does
+        raise ModelError(
+            f"cannot copy {type(module).__name__} with copy.deepcopy ({type(e).__name__}: "
+            f"{_first_line(e)}): the job runs every program on its own copy of the model; "
+            "keep objects that cannot be copied (locks, open files) off the module") from e
     before = dict(probe.named_buffers())
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             probe(*copy.deepcopy(args), **copy.deepcopy(dict(kwargs)))
-    except Exception:  # noqa: BLE001 - the export that follows names the failure
-        return []
+    except Exception as e:  # whatever forward raises is the model's to fix
+        raise ModelError(
+            f"{type(module).__name__}.forward raises on its example in eager, before export: "
+            f"{type(e).__name__}: {_first_line(e)}{_dtype_hint(module, args, kwargs)}") from e
     # A rebinding to the value it had (a dtype or device conversion) loses nothing.
     return sorted(name for name, tensor in probe.named_buffers()
                   if name in before and tensor is not before[name]
                   and not _same_value(tensor, before[name]))
+
+
+def _dtype_hint(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> str:
+    """The example's floating inputs whose dtype no parameter of the module has (a float64
+    or float16 example for a float32 model), as a hint; empty when there are none."""
+    held = {t.dtype for t in module.parameters() if t.is_floating_point()}
+    try:  # the inputs by forward's names
+        named = dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        named = {**{f"args[{i}]": arg for i, arg in enumerate(args)}, **kwargs}
+    odd = [(name + torch.utils._pytree.keystr(path), value.dtype)
+           for name, given in named.items()
+           for path, value in torch.utils._pytree.tree_leaves_with_path(given)
+           if isinstance(value, torch.Tensor) and value.is_floating_point()
+           and held and value.dtype not in held]
+    if not odd:
+        return ""
+    inputs = ", ".join(f"input {path!r} is {str(dtype).removeprefix('torch.')}"
+                       for path, dtype in odd)
+    kinds = ", ".join(sorted(str(d).removeprefix("torch.") for d in held))
+    return f" ({inputs}; the model's parameters are {kinds}: give the example in that dtype)"
 
 
 def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -376,19 +413,24 @@ def first_misfit(program: torch.export.ExportedProgram, calls: Sequence[tuple[st
     refusing an int32 index)."""
     signature = signature_of(program)
     placeholders = {node.name: node for node in program.graph.find_nodes(op="placeholder")}
-    exported = [placeholders.get(getattr(spec.arg, "name", None))
-                for spec in program.graph_signature.input_specs
-                if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    user_inputs = [spec for spec in program.graph_signature.input_specs
+                   if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    exported = [placeholders.get(getattr(spec.arg, "name", None)) for spec in user_inputs]
+    # An input the example gave as None (or another constant) is baked into the program:
+    # torch's own check lets a tensor through there, and the program ignores it.
+    constant = [spec.arg if isinstance(spec.arg, torch.export.graph_signature.ConstantArgument)
+                else None for spec in user_inputs]
     for where, (args, kwargs) in calls:
         why = signature.mismatch(args, kwargs) or _value_misfit(
-            program, signature.positional, signature.leaves(args, kwargs), exported)
+            program, signature.positional, signature.leaves(args, kwargs), exported, constant)
         if why:
             return where, why
     return None
 
 
 def _value_misfit(program: torch.export.ExportedProgram, positional: Sequence[str],
-                  leaves: list[tuple[tuple, Any]], exported: list[Any]) -> str | None:
+                  leaves: list[tuple[tuple, Any]], exported: list[Any],
+                  constant: Sequence[Any] = ()) -> str | None:
     """Why the leaves of a call that fits the program's structure hold other tensors than
     it was exported for (dtype, shape), or None."""
     def label(path: tuple) -> str:
@@ -397,6 +439,11 @@ def _value_misfit(program: torch.export.ExportedProgram, positional: Sequence[st
                 else f"args[{key.idx}]" if top.idx == 0 else str(key.key))
         return head + torch.utils._pytree.keystr(tuple(rest))
 
+    for (path, value), fixed in zip(leaves, constant, strict=False):
+        if fixed is not None and isinstance(value, torch.Tensor):
+            return (f"input {label(path)!r} is a tensor, the program was exported with "
+                    f"{fixed.value!r} there, a constant it keeps and ignores a tensor for "
+                    "(give the export example a tensor there)")
     for (path, value), node in zip(leaves, exported, strict=False):
         wanted = node.meta.get("val") if node is not None else None
         if isinstance(value, torch.Tensor) and isinstance(wanted, torch.Tensor) \
@@ -571,8 +618,10 @@ def export_methods(spec: MethodsSpec, mode: str | None = None) -> dict[str, Expo
             exported[method] = export_program(
                 spec.module, entry.example_args, entry.example_kwargs,
                 dynamic_shapes=entry.dynamic_shapes, mode=mode or entry.export)
-        except ModelError as e:
+        except ExportError as e:
             raise ModelError(f"method {method!r} is not exportable: {e}") from e
+        except ModelError as e:  # found before export: the module fails on this example
+            raise ModelError(f"method {method!r}: {e}") from e
     return exported
 
 

@@ -82,7 +82,9 @@ def test_version_names_the_package_and_its_libraries(capsys):
 
 @pytest.mark.parametrize(
     ("steps", "reason"),
-    [("0", "must be at least 1"), ("-3", "must be at least 1"), ("two", "expected a whole number")],
+    [("0", "must be at least 1"), ("-3", "must be at least 1"), ("two", "expected a whole number"),
+     # 10**9 built a billion calls and checked each against forward, silently, for hours.
+     ("100001", "must be at most 100,000 (every program decodes that many calls")],
 )
 def test_steps_that_are_not_positive_are_a_usage_error(monkeypatch, capsys, steps, reason):
     def flow_must_not_run(*args, **kwargs):

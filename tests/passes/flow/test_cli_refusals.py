@@ -5,6 +5,7 @@ report staying in the file, and the commands it prints can be pasted into a shel
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -105,6 +106,9 @@ def test_executorch_missing_is_said_in_the_json(tmp_path, monkeypatch, capsys):
     assert status == cli.FLOW_FAILED
     failure = _report(report)["failure"]
     assert failure["stage"] == "runtime" and "needs the executorch extra" in failure["reason"]
+    # The way on without it, beside the install commands (which need the checkout).
+    assert failure["reason"].endswith("or decode in Python only: --runtime python (or auto, "
+                                      "the default, which uses ExecuTorch when it is installed)")
 
 
 def test_ctrl_c_while_looking_for_executorch_is_one_line_and_said_in_the_json(
@@ -265,3 +269,261 @@ def test_replay_asked_of_this_command_says_where_replay_lives(capsys):
         cli.main(["replay", "some/folder"], prog="python -m passes")
     assert exited.value.code == 2
     assert "python -m pass_manager replay FOLDER" in capsys.readouterr().err
+
+
+class _Accumulator(torch.nn.Module):
+    """A float32 layer and a running sum: the smallest model with state."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(1, 4))
+
+    def forward(self, x):
+        self.total.add_(x)
+        return self.linear(x)
+
+
+class _Raises(_Accumulator):
+    def forward(self, x):
+        raise RuntimeError("no cache allocated yet")
+
+
+class _HoldsALock(_Accumulator):
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.lock = threading.Lock()
+
+
+@pytest.mark.parametrize(("made", "said"), [
+    # Exported fine, then failed "fp32 eager decode (call 1 of 2)", status 3, torch's
+    # "mat1 and mat2 must have the same dtype" alone.
+    (lambda: (_Accumulator(), (torch.ones(1, 4, dtype=torch.float64),)),
+     "_Accumulator.forward raises on its example in eager, before export: RuntimeError: mat1 "
+     "and mat2 must have the same dtype, but got Double and Float (input 'x' is float64; the "
+     "model's parameters are float32: give the example in that dtype)"),
+    # "is not exportable: strict: Unsupported: Observed exception; non-strict: RuntimeError".
+    (lambda: (_Raises(), (torch.ones(1, 4),)),
+     "_Raises.forward raises on its example in eager, before export: RuntimeError: no cache "
+     "allocated yet"),
+    # A TypeError out of copy.deepcopy: a traceback and status 1, read as "a check failed".
+    (lambda: (_HoldsALock(), (torch.ones(1, 4),)),
+     "cannot copy _HoldsALock with copy.deepcopy (TypeError: cannot pickle '_thread.lock' "
+     "object): the job runs every program on its own copy of the model"),
+], ids=["float64_example", "forward_raises", "holds_a_lock"])
+def test_a_model_failing_on_its_own_example_is_refused_before_its_flow(tmp_path, monkeypatch,
+                                                                        capsys, made, said):
+    import types
+
+    def flow_must_not_run(*args, **kwargs):
+        raise AssertionError("a model failing on its example reached the flow")
+
+    from passes.flow import run as flow
+
+    monkeypatch.setattr(flow, "run_flow", flow_must_not_run)
+    module = types.ModuleType("own_example_fails")
+    module.factory = made
+    monkeypatch.setitem(sys.modules, "own_example_fails", module)
+    report = tmp_path / "report.json"
+    status = cli.main(["run", "own_example_fails:factory", *FAST, "--json", str(report)])
+    err = capsys.readouterr().err
+    assert status == cli.LOAD_FAILED, err
+    assert err.startswith(f"error: own_example_fails:factory: {said}") and "Traceback" not in err
+    failure = _report(report)["failure"]
+    assert failure["stage"] == "exporting" and said in failure["reason"]
+
+
+@pytest.mark.parametrize(("model", "said"), [
+    # "No module named 'config'": the file was read as the module config.json.
+    ("config.json:factory", "MODEL 'config.json:factory' names a .json file, not Python"),
+    ("config.json", "MODEL 'config.json' names a .json file, not Python"),
+    ("model.pte", "MODEL 'model.pte' names a .pte file, not Python"),
+    # "MODEL must be package.module:factory ... or path/to/file.py:factory, got 'mine.py'".
+    ("mine.py", "MODEL 'mine.py' names the file but not its factory: mine.py:NAME"),
+])
+def test_a_model_file_that_holds_no_factory_is_named_for_what_it_is(tmp_path, monkeypatch,
+                                                                    model, said):
+    monkeypatch.chdir(tmp_path)
+    for name in ("config.json", "model.pte", "mine.py"):
+        (tmp_path / name).write_text("{}")
+    with pytest.raises(cli.ModelError) as refused:
+        cli.load_model(model, 2)
+    assert str(refused.value).startswith(said)
+    assert ("AutoConfig" in str(refused.value)) == model.startswith("config.json")
+
+
+def test_a_path_that_is_not_utf8_is_escaped_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """A model file in a folder whose name is not UTF-8 (its bytes reach Python as
+    surrogates): on a stream or file encoding UTF-8 strictly, printing the model line or
+    writing --dot raised UnicodeEncodeError out of the job."""
+    folder = tmp_path / os.fsdecode(b"mod\xe8les")
+    folder.mkdir()
+    (folder / "mine.py").write_text(
+        "import torch\n\nclass Raises(torch.nn.Module):\n    def forward(self, x):\n"
+        "        raise RuntimeError('no cache allocated yet')\n\n"
+        "def factory():\n    return Raises(), (torch.ones(2),)\n")
+    dag = tmp_path / "plan.dot"
+    monkeypatch.syspath_prepend(str(folder))  # sys.path as it was after, where the job adds it
+    assert sys.stdout.errors == sys.stderr.errors == "strict"  # as a UTF-8 locale's stdout
+    status = cli.main(["run", f"{folder}/mine.py:factory", *FAST, "--dot", str(dag)])
+    assert status == cli.LOAD_FAILED
+    assert "mod\\udce8les/mine.py:factory: Raises.forward raises" in dag.read_text()
+
+    monkeypatch.setattr(cli, "_finish", lambda *args: 0)  # the model line alone
+    model = folder / os.fsdecode(b"caf\xe9.py")
+    model.write_text("from tests.models.main_job import one_layer_decoder as factory\n")
+    assert cli.main(["run", f"{model}:factory", *FAST]) == 0
+    shown = str(model).encode("utf-8", "backslashreplace").decode()
+    assert capsys.readouterr().out.startswith(f"model: {shown}:factory (")
+
+
+def test_a_rerun_into_the_same_print_to_folder_leaves_no_previous_dump(tmp_path, capsys):
+    """PrintIR numbers each run's dumps from 001: a previous run's 003-... stayed beside
+    this run's 001 and 002, read as this run's."""
+    folder = tmp_path / "dumps"
+    folder.mkdir()
+    stale = folder / "003-1-InplaceToFunctional-after.txt"
+    stale.write_text("// -----// IR Dump After InplaceToFunctional (#1) //----- //\ngraph\n")
+    mine = [folder / "notes.txt", folder / "001-0-Mine-after.txt"]  # the user's own files
+    for path in mine:
+        path.write_text("my notes\n")
+    status = cli.main(["run", "tests.models.main_job:one_layer_decodr", "--runtime", "python",
+                       "--print-to", str(folder), "--print-after", "MarkMutableBuffers"])
+    assert status == cli.LOAD_FAILED  # refused, and still no dump of another run left
+    assert not stale.exists() and all(path.exists() for path in mine)
+    assert f"--print-to {folder}: removed 1 dump(s) a previous run left there" in \
+        capsys.readouterr().err
+
+
+def test_a_pipeline_in_a_file_is_read_from_it(tmp_path, monkeypatch, capsys):
+    """It read "--pipeline: 'pipeline.txt' is not a pass name with optional {options}"."""
+    from passes.flow import run as flow
+
+    given = {}
+
+    def flow_recording_its_pipeline(*args, **kwargs):
+        given["pipeline"] = kwargs["pipeline"]
+        return FlowResult(plan="0. SomePass")
+
+    monkeypatch.setattr(flow, "run_flow", flow_recording_its_pipeline)
+    text = tmp_path / "pipeline.txt"
+    text.write_text("MarkMutableBuffers,\nInplaceToFunctional\n")
+    assert cli.main(["run", MODEL, *FAST, "--pipeline", str(text)]) == 0
+    assert given["pipeline"].name == "PassManager[MarkMutableBuffers, InplaceToFunctional]"
+    text.write_text("MarkMutableBuffers,InplaceToFuncional")
+    assert cli.main(["run", MODEL, *FAST, "--pipeline", str(text)]) == cli.LOAD_FAILED
+    assert f"--pipeline {text} (read as a file): no registered pass is named " \
+        "'InplaceToFuncional' (did you mean 'InplaceToFunctional'?)" in capsys.readouterr().err
+
+
+def test_an_unforeseen_error_while_loading_is_one_line_naming_the_stage(tmp_path, monkeypatch,
+                                                                       capsys):
+    """Whatever escaped the loading stages was a traceback and status 1, "a check failed"."""
+    def analysis_bug(*args, **kwargs):
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(cli, "check_steps_within_state", analysis_bug)
+    report = tmp_path / "report.json"
+    assert cli.main(["run", MODEL, *FAST, "--json", str(report)]) == cli.LOAD_FAILED
+    err = capsys.readouterr().err
+    assert err == (f"error: checking the steps {MODEL} failed: IndexError: list index out of "
+                   "range (--traceback shows the full trace)\n")
+    assert _report(report)["failure"]["stage"] == "checking the steps"
+
+
+def test_ctrl_c_while_the_job_imports_its_modules_is_one_line(monkeypatch, capsys):
+    """``python -m passes``: a KeyboardInterrupt traceback out of ``from .flow.cli import
+    main``."""
+    import runpy
+
+    class Interrupting:
+        def find_spec(self, name, path=None, target=None):
+            if name == "passes.flow.cli":
+                raise KeyboardInterrupt
+
+    monkeypatch.delitem(sys.modules, "passes.flow.cli")
+    monkeypatch.delitem(sys.modules, "passes.__main__", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    try:
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_module("passes", run_name="__main__")
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C while importing escaped python -m passes (a traceback)")
+    assert exited.value.code == cli.INTERRUPTED
+    assert capsys.readouterr().err == "interrupted (Ctrl-C) while starting\n"
+
+
+class _ClosedAfter:
+    """A stdout whose reader left (``| head -1``): writing ``closing_at`` raises
+    BrokenPipeError; a real file stands behind its descriptor (the job points it at
+    /dev/null)."""
+
+    errors = "backslashreplace"
+
+    def __init__(self, behind, closing_at: str):
+        self.behind, self.closing_at = behind, closing_at
+
+    def write(self, text):
+        if self.closing_at in text:
+            raise BrokenPipeError(32, "Broken pipe")
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def fileno(self):
+        return self.behind.fileno()
+
+
+@pytest.mark.parametrize(("closing_at", "written"), [
+    # In the report, after the flow: its result (it passed).
+    ("\n== ", lambda data: data["plan"] == "0. SomePass" and data["ok"] is True),
+    # Before it: the job stopped, and the report says so.
+    ("model: ", lambda data: data["failure"]["stage"] == "output" and data["ok"] is False),
+])
+def test_a_closed_stdout_leaves_no_previous_runs_json(tmp_path, monkeypatch, closing_at,
+                                                      written):
+    """``--json report.json | head -1``: the job stopped at its first write after head left
+    (status 141) and never wrote --json: a CI step read the previous run's report."""
+    from passes.flow import run as flow
+
+    monkeypatch.setattr(flow, "run_flow", lambda *args, **kwargs: FlowResult(plan="0. SomePass"))
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"ok": True, "plan": "the previous run's"}))
+    with open(tmp_path / "stdout", "w") as behind:
+        monkeypatch.setattr(sys, "stdout", _ClosedAfter(behind, closing_at))
+        status = cli.main(["run", MODEL, *FAST, "--json", str(report)])
+    assert status == cli.OUTPUT_CLOSED
+    assert written(_report(report))
+
+
+class _OptionalMask(_Accumulator):
+    def forward(self, x, mask=None):
+        self.total.add_(x)
+        return self.linear(x) if mask is None else self.linear(x) * mask
+
+
+def test_a_step_giving_a_tensor_where_the_example_gave_none_is_a_load_error(monkeypatch,
+                                                                            capsys):
+    """The program keeps the example's None and ignored the step's mask: "FAIL exported
+    program matches fp32 eager: max abs diff 0.68", status 1, read as the export's fault."""
+    import types
+
+    from passes.flow import run as flow
+
+    def flow_must_not_run(*args, **kwargs):
+        raise AssertionError("a step the program ignores part of reached the flow")
+
+    monkeypatch.setattr(flow, "run_flow", flow_must_not_run)
+    x = torch.ones(1, 4)
+    module = types.ModuleType("mask_not_exported")
+    module.factory = lambda: (_OptionalMask(), (x, None), [(x, None), (x, 2 * x)])
+    monkeypatch.setitem(sys.modules, "mask_not_exported", module)
+    assert cli.main(["run", "mask_not_exported:factory", *FAST]) == cli.LOAD_FAILED
+    assert capsys.readouterr().err == (
+        "error: mask_not_exported:factory(): steps[1] does not fit the exported program's "
+        "inputs (x, mask): input 'mask' is a tensor, the program was exported with None there, "
+        "a constant it keeps and ignores a tensor for (give the export example a tensor there) "
+        "(a program takes the inputs its export example gave)\n")

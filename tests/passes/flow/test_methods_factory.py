@@ -79,7 +79,9 @@ def test_a_malformed_v3_result_is_a_model_error_saying_what_to_change(edit, mess
 
 def test_a_method_export_cannot_trace_is_named():
     made = prefill_decode_job(n_layers=1)
-    # forward's two inputs, but an x of another width than the model's: export cannot trace
+    # forward's two inputs, but an x of another width than the model's: eager fails on it
+    # (found before export, which cannot trace it either)
     made["methods"]["decode"]["example_args"] = (torch.ones(1, 1, 3), torch.tensor([0]))
-    with pytest.raises(ModelError, match="method 'decode' is not exportable"):
+    with pytest.raises(ModelError, match=r"method 'decode': KVDecoder\.forward raises on its "
+                       "example in eager, before export: RuntimeError"):
         export_methods(methods_spec(made, "job", 8))

@@ -71,7 +71,8 @@ def test_a_v3_factory_whose_method_cannot_be_exported_exits_two_naming_it(capsys
     module.factory = lambda: made
     monkeypatch.setitem(sys.modules, "bad_methods_factory", module)
     assert main(["run", "bad_methods_factory:factory", "--quiet"]) == 2
-    assert "method 'decode' is not exportable" in capsys.readouterr().err
+    assert "method 'decode': KVDecoder.forward raises on its example" in \
+        capsys.readouterr().err
 
 
 def test_hf_v3_factory_reads_as_two_static_methods():
