@@ -201,8 +201,8 @@ def shared_buffer_differences(programs: Mapping[str, Any]) -> list[BufferDiffere
     least one of them writes (the state a device shares between methods).
 
     Each method is compared with the first method holding the buffer: shape, dtype, the
-    value it holds now (a freshly exported or reset program's initial value, bit for bit),
-    then each registered facet.
+    value it holds now (a freshly exported or reset program's initial value, bit for bit);
+    then on each registered facet with the first method that has it.
     """
     tensors = {name: held_buffers(program) for name, program in programs.items()}
     holders: dict[str, list[str]] = {}
@@ -236,11 +236,16 @@ def shared_buffer_differences(programs: Mapping[str, Any]) -> list[BufferDiffere
             value = _value_difference(a, b)
             if value is not None:
                 found.append(BufferDifference(fqn, pair, "initial value", value))
-            for facet, described in facets.items():
-                this, that = described[first].get(fqn), described[other].get(fqn)
-                if this is not None and that is not None and this != that:
-                    found.append(BufferDifference(fqn, pair, facet,
-                                                  f"{this} in {first!r}, {that} in {other!r}"))
+        for facet, described in facets.items():
+            # Against the first method that has the facet: a method without one (a reset
+            # writing zeros has no grid) says nothing about the others.
+            having = [name for name in names if described[name].get(fqn) is not None]
+            for other in having[1:]:
+                this, that = described[having[0]][fqn], described[other][fqn]
+                if this != that:
+                    found.append(BufferDifference(
+                        fqn, (having[0], other), facet,
+                        f"{this} in {having[0]!r}, {that} in {other!r}"))
     return found
 
 
