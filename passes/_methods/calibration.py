@@ -24,7 +24,8 @@ from pass_manager.call_signature import signature_of
 from .._analysis.buffers import USER_INPUT, find_mutations
 from ..errors import CalibrationInputError
 
-__all__ = ["callers_state_restored", "check_calibration_call", "run_calibration_call"]
+__all__ = ["callers_state_restored", "check_calibration_call", "keywords_bound",
+           "run_calibration_call"]
 
 
 def _input_name(path: tuple, positional: tuple[str, ...]) -> str:
@@ -37,10 +38,13 @@ def _input_name(path: tuple, positional: tuple[str, ...]) -> str:
     return name + pytree.keystr(tuple(rest))
 
 
-def _keywords_bound(positional: tuple[str, ...], args: tuple, kwargs: dict,
-                    ) -> tuple[tuple, dict]:
+def keywords_bound(positional: tuple[str, ...], args: tuple, kwargs: Mapping[str, Any],
+                   ) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with the keyword arguments naming positional inputs moved into
-    ``args``, as ``ep.module()`` binds them when it is called."""
+    ``args``, as a prepared graph module binds them when it is called: every helper that
+    reads a call's inputs by position binds them so, or a cache passed as ``cache=`` is not
+    found where the calibration passes it."""
+    kwargs = dict(kwargs)
     args = list(args)
     for name in positional[len(args):]:
         if name not in kwargs:
@@ -69,7 +73,7 @@ def check_calibration_call(program: ExportedProgram, args: tuple, kwargs: Mappin
     another dtype, or a size other than a static size the program was exported with
     (symbolic sizes are the program's guards' to check, when the call runs)."""
     signature = signature_of(program)
-    args, kwargs = _keywords_bound(signature.positional, tuple(args), dict(kwargs))
+    args, kwargs = keywords_bound(signature.positional, tuple(args), dict(kwargs))
     mismatch = signature.mismatch(args, kwargs)
     if mismatch is not None:
         raise CalibrationInputError(helper, step, mismatch, method=method)
@@ -128,7 +132,7 @@ def callers_state_restored(programs: Mapping[str, ExportedProgram],
         if not written[method]:
             continue
         signature = signature_of(programs[method])
-        args, kwargs = _keywords_bound(signature.positional, tuple(args), dict(kwargs))
+        args, kwargs = keywords_bound(signature.positional, tuple(args), dict(kwargs))
         for (_, value), node in zip(signature.leaves(args, kwargs),
                                     _placeholders(programs[method]), strict=True):
             if node is not None and node.name in written[method] \

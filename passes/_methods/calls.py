@@ -30,6 +30,7 @@ from .._analysis.buffers import (
 from .._analysis.marked_state import initial_copy, mutable_buffers
 from .._analysis.op_schema import written_nodes
 from ..errors import InputStateError, QuantizationInputError
+from .calibration import keywords_bound
 from .shared_buffers import held_buffers, written_by_any_method
 
 __all__ = ["MethodCall", "PairedState", "QuantizedMethods", "carried_inputs",
@@ -70,9 +71,13 @@ def method_calls(programs: Mapping[str, Any], calls: Iterable[Any], where: str,
 
 
 def _user_input_values(program: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The value each user input placeholder of ``program`` gets in the call, by name."""
+    """The value each user input placeholder of ``program`` gets in the call, by name (a
+    positional input passed by keyword included, as the calibration call binds it)."""
+    args, kwargs = keywords_bound(signature_of(program).positional, tuple(args), kwargs)
     order = list(program.call_spec.in_spec.children()[1].context or ())
-    leaves = pytree.tree_leaves((tuple(args), {key: kwargs[key] for key in order}))
+    if set(order) - set(kwargs):
+        return {}  # not a call of this program: check_calibration_call refuses it
+    leaves = pytree.tree_leaves((args, {key: kwargs[key] for key in order}))
     names = list(program.graph_signature.user_inputs)
     return dict(zip(names, leaves, strict=False)) if len(leaves) == len(names) else {}
 
@@ -133,17 +138,12 @@ class PairedState:
 
     def _flat(self, method: str, args: tuple, kwargs: dict) -> tuple[list, Any]:
         program = self.programs[method]
-        positional = signature_of(program).positional
-        args, kwargs = list(args), dict(kwargs)
-        for name in positional[len(args):]:  # keywords naming positional inputs, bound
-            if name not in kwargs:
-                break
-            args.append(kwargs.pop(name))
+        args, kwargs = keywords_bound(signature_of(program).positional, args, kwargs)
         order = list(program.call_spec.in_spec.children()[1].context or ())
         if set(kwargs) - set(order):
             return [], None  # not a call of this program: left for it to refuse
         ordered = {key: kwargs[key] for key in order if key in kwargs}
-        return pytree.tree_flatten((tuple(args), ordered))
+        return pytree.tree_flatten((args, ordered))
 
     def inputs(self, method: str, args: tuple, kwargs: dict) -> tuple[tuple, dict, dict]:
         """The call's ``(args, kwargs)`` with each paired input given its state, and the

@@ -15,10 +15,12 @@ import torch
 from torch.export import ExportedProgram
 
 from pass_manager import ValidationInputError
+from pass_manager.call_signature import signature_of
 from pass_manager.validation import StateReader, Trace, copy_program, default_state, snapshot
 
 from .._analysis.buffers import BUFFER, find_mutations
 from .._carried.pairs import method_pairing, pairs_of
+from .calibration import keywords_bound
 from .calls import PairedState
 
 __all__ = ["run_methods"]
@@ -54,7 +56,8 @@ def run_methods(
     threads it (as ``decode_on_runtime`` and ``run_methods_on_runtime`` do): each later
     call passing the same tensor for a paired input is given the output the previous call
     returned for it. Pairs need ExportedPrograms (their call specs name inputs and
-    outputs). Unpaired, every call gets the tensors it is given, as eager does.
+    outputs). Unpaired, every call gets the tensors it is given, as eager does; a
+    positional input may be passed by keyword, as to the eager module.
     """
     pairs: dict[str, dict[int, int]] = {}
     if next_values is not None or pair_by_name is not None:
@@ -86,6 +89,11 @@ def run_methods(
                                        f"names method {method!r}; the methods are "
                                        f"{', '.join(map(repr, modules))}")
         args, kwargs, given = paired.inputs(method, tuple(args), dict(kwargs))
+        if isinstance(programs[method], ExportedProgram):
+            # A positional input passed by keyword, as the module and the calibration of
+            # quantize_methods take it (the unlifted module raises a keyword mismatch).
+            args, kwargs = keywords_bound(signature_of(programs[method]).positional,
+                                          args, kwargs)
         with torch.no_grad():
             out = modules[method](*args, **kwargs)
         paired.returned(method, given, out)

@@ -13,7 +13,10 @@ and kept it float (its writes are off the grid) cannot: it is returned as a
 :class:`FloatWriter` for the caller to refuse. A method whose every write of it is the
 constant zero (a reset ``zero_()`` or ``fill_(0)``, which alone takes no grid) stores the
 writers' integers too: each write stores the grid's zero point, which dequantizes to the
-``0.0`` it wrote.
+``0.0`` it wrote. On a per-channel grid, whose scales and zero points only the writers'
+graphs hold, a method that reads the buffer without writing it, or writes it only as zeros
+(no one constant per channel), cannot: it is returned as a :class:`FloatHolder` saying so;
+a method that holds the buffer and never reads it just holds the integers.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from .._analysis.grids import Grid
 from .._analysis.marked_state import initial_copy
 from .._analysis.quantized_state import NO_GRID, BufferPlan, plan_quantized_state
 
-__all__ = ["FloatWriter", "read_integer_state", "writes_only_zeros"]
+__all__ = ["PER_CHANNEL_READ", "PER_CHANNEL_ZEROS", "FloatHolder", "read_integer_state",
+           "writes_only_zeros"]
 
 
 def writes_only_zeros(plan: BufferPlan) -> bool:
@@ -53,33 +57,39 @@ def _stored_grids(programs: Mapping[str, ExportedProgram]) -> dict[str, tuple[Gr
     return found
 
 
+PER_CHANNEL_READ = ("reads it without writing it, and only the methods writing it hold the "
+                    "per-channel grid's scales and zero points to read integers with")
+PER_CHANNEL_ZEROS = "writes it as zeros, which a per-channel grid does not store as one constant"
+
+
 @dataclass(frozen=True)
-class FloatWriter:
-    """A method writing, as float, a buffer another method stores as integers: its own
-    ``QuantizeMutableBuffers`` kept the buffer float (a write off the grid, e.g. a reset
-    ``fill_``), so its writes cannot go into the integers."""
+class FloatHolder:
+    """A method holding, as float, a buffer another method stores as integers, which it
+    cannot take: its own ``QuantizeMutableBuffers`` kept the buffer float (a write off the
+    grid, e.g. a reset ``fill_``; ``why`` None), or the grid is per channel and the method
+    only reads the buffer or writes it only as zeros (``why`` says which)."""
 
     buffer: str
     method: str
     storing: str
     grid: Grid
+    why: str | None = None
 
 
 def read_integer_state(programs: Mapping[str, ExportedProgram],
                        written: Mapping[str, set[str]],
-                       ) -> tuple[dict[str, list[str]], list[FloatWriter]]:
+                       ) -> tuple[dict[str, list[str]], list[FloatHolder]]:
     """Make every method that holds, float and unwritten by itself, a buffer other methods
-    store on a per-tensor grid read those integers (the same tensor); returns, per method,
-    the buffers it now reads so (``written``: per method, the buffers it writes; a method
+    store as integers read those integers (the same tensor); returns, per method, the
+    buffers it now reads so (``written``: per method, the buffers it writes; a method
     writing it only as zeros stores the grid's zero point and reads the integers too), and
-    each method that writes such a buffer otherwise as float (left as it is: the caller
-    refuses it).
-    Per-channel grids are left as they are (the methods then disagree, and the
-    shared-buffer check says so)."""
+    each method that cannot (left as it is: the caller refuses it): one writing such a
+    buffer otherwise as float, or, on a per-channel grid, one reading it or writing it
+    only as zeros."""
     stored = _stored_grids(programs)
     writes_by_any = set().union(*written.values())
     changed: dict[str, list[str]] = {}
-    float_writers: list[FloatWriter] = []
+    holders: list[FloatHolder] = []
     for name, program in programs.items():
         names = program.graph_signature.inputs_to_buffers
         for node in list(program.graph.find_nodes(op="placeholder")):
@@ -87,18 +97,29 @@ def read_integer_state(programs: Mapping[str, ExportedProgram],
             if fqn not in stored or fqn not in writes_by_any or GRID_META in node.meta:
                 continue
             grid, writer = stored[fqn]
-            tensor = buffer_tensor(program, fqn)
-            if grid.per_channel or not tensor.is_floating_point():
+            if not buffer_tensor(program, fqn).is_floating_point():
                 continue
-            if fqn in written.get(name, ()):
+            writes = fqn in written.get(name, ())
+            if grid.per_channel and (writes or node.users):
+                holders.append(FloatHolder(fqn, name, writer, grid, _per_channel_why(
+                    program, fqn) if writes else PER_CHANNEL_READ))
+                continue
+            if writes:
                 if not _zeros_stored_as_integers(program, node, fqn, grid):
-                    float_writers.append(FloatWriter(fqn, name, writer, grid))
+                    holders.append(FloatHolder(fqn, name, writer, grid))
                     continue
             else:
                 _dequantized_at_the_top(program, node, grid)
             replace_buffer_tensor(program, fqn, buffer_tensor(programs[writer], fqn))
             changed.setdefault(name, []).append(fqn)
-    return changed, float_writers
+    return changed, holders
+
+
+def _per_channel_why(program: ExportedProgram, fqn: str) -> str | None:
+    """Why a method writing ``fqn`` cannot store it on a per-channel grid another method
+    stores it on: it writes it only as zeros (else None: its own reason says why)."""
+    plan = next((p for p in plan_quantized_state(program)[0] if p.fqn == fqn), None)
+    return PER_CHANNEL_ZEROS if plan is not None and writes_only_zeros(plan) else None
 
 
 def _zeros_stored_as_integers(program: ExportedProgram, node: torch.fx.Node, fqn: str,
@@ -129,16 +150,18 @@ def _zeros_stored_as_integers(program: ExportedProgram, node: torch.fx.Node, fqn
 
 
 def _dequantized_at_the_top(program: ExportedProgram, node: torch.fx.Node, grid: Grid) -> None:
-    """``node`` (a buffer's placeholder) holds ``grid``'s integers; its readers read them
-    dequantized, right after the last placeholder."""
+    """``node`` (a buffer's placeholder) holds ``grid``'s integers; its readers, if any,
+    read them dequantized, right after the last placeholder."""
     graph = program.graph
     old = node.meta["val"]
-    last = graph.find_nodes(op="placeholder")[-1]
-    with graph.inserting_after(last):
-        target, args, kwargs = grid.dequantize_args(node)
-        dequantized = graph.call_function(target, args, kwargs)
-    node.replace_all_uses_with(dequantized, delete_user_cb=lambda user: user is not dequantized)
-    dequantized.meta["val"] = old
+    if node.users:
+        last = graph.find_nodes(op="placeholder")[-1]
+        with graph.inserting_after(last):
+            target, args, kwargs = grid.dequantize_args(node)
+            dequantized = graph.call_function(target, args, kwargs)
+        node.replace_all_uses_with(dequantized,
+                                   delete_user_cb=lambda user: user is not dequantized)
+        dequantized.meta["val"] = old
     with old.fake_mode:
         node.meta["val"] = torch.empty_strided(old.shape, old.stride(), dtype=grid.dtype)
     node.meta.pop("tensor_meta", None)

@@ -35,7 +35,7 @@ from pass_manager.program_sets import JointCondition
 from .._analysis.quantized_state import plan_quantized_state
 from ..errors import SharedBufferError
 from .grid_facet import GRID_FACET, buffer_grids
-from .integer_reads import FloatWriter, read_integer_state
+from .integer_reads import FloatHolder, read_integer_state
 
 __all__ = [
     "INTEGER_STORAGE",
@@ -50,6 +50,7 @@ __all__ = [
     "share_again",
     "shared_buffer_differences",
     "shared_objects",
+    "written_buffers",
     "written_by_any_method",
 ]
 
@@ -118,7 +119,7 @@ def held_buffers(program: Any) -> dict[str, torch.Tensor]:
     return dict(graph_module_of(program).named_buffers(remove_duplicate=False))
 
 
-def _written_buffers(program: Any) -> set[str]:
+def written_buffers(program: Any) -> set[str]:
     """The buffers ``program`` writes: its signature's buffer mutations, and any buffer an
     in-place op writes (directly or through a view) in a graph that still mutates."""
     gm = graph_module_of(program)
@@ -156,7 +157,7 @@ def _written_buffers(program: Any) -> set[str]:
 def written_by_any_method(programs: Mapping[str, Any]) -> set[str]:
     """The buffers some method writes: state in every method holding one, a method that
     only reads it included (alone, that method would take it for a constant)."""
-    return set().union(*(_written_buffers(program) for program in programs.values()))
+    return set().union(*(written_buffers(program) for program in programs.values()))
 
 
 def _set_buffer_tensor(program: Any, fqn: str, tensor: torch.Tensor) -> None:
@@ -200,8 +201,8 @@ def shared_buffer_differences(programs: Mapping[str, Any]) -> list[BufferDiffere
     least one of them writes (the state a device shares between methods).
 
     Each method is compared with the first method holding the buffer: shape, dtype, the
-    value it holds now (a freshly exported or reset program's initial value, bit for bit),
-    then each registered facet.
+    value it holds now (a freshly exported or reset program's initial value, bit for bit);
+    then on each registered facet with the first method that has it.
     """
     tensors = {name: held_buffers(program) for name, program in programs.items()}
     holders: dict[str, list[str]] = {}
@@ -235,11 +236,16 @@ def shared_buffer_differences(programs: Mapping[str, Any]) -> list[BufferDiffere
             value = _value_difference(a, b)
             if value is not None:
                 found.append(BufferDifference(fqn, pair, "initial value", value))
-            for facet, described in facets.items():
-                this, that = described[first].get(fqn), described[other].get(fqn)
-                if this is not None and that is not None and this != that:
-                    found.append(BufferDifference(fqn, pair, facet,
-                                                  f"{this} in {first!r}, {that} in {other!r}"))
+        for facet, described in facets.items():
+            # Against the first method that has the facet: a method without one (a reset
+            # writing zeros has no grid) says nothing about the others.
+            having = [name for name in names if described[name].get(fqn) is not None]
+            for other in having[1:]:
+                this, that = described[having[0]][fqn], described[other][fqn]
+                if this != that:
+                    found.append(BufferDifference(
+                        fqn, (having[0], other), facet,
+                        f"{this} in {having[0]!r}, {that} in {other!r}"))
     return found
 
 
@@ -295,16 +301,20 @@ def share_again(programs: Mapping[str, Any], groups: Mapping[str, list[str]]) ->
     return reshared
 
 
-def _float_write(programs: Mapping[str, Any], found: FloatWriter) -> BufferDifference:
-    """The difference a method writing a buffer as float that another stores as integers
-    makes, with why its own QuantizeMutableBuffers kept the buffer float."""
+def _float_holder(programs: Mapping[str, Any], found: FloatHolder) -> BufferDifference:
+    """The difference a method holding as float a buffer another stores as integers
+    makes: why it cannot take the integers (for a method writing it off the grid, why its
+    own QuantizeMutableBuffers kept the buffer float)."""
+    head = f"{found.storing!r} stores it as integers on {found.grid.describe()}, {found.method!r}"
+    if found.why is not None:
+        return BufferDifference(found.buffer, (found.storing, found.method), INTEGER_STORAGE,
+                                f"{head} {found.why}, so it cannot hold those integers")
     reason = next((plan.reason for plan in plan_quantized_state(programs[found.method])[0]
                    if plan.fqn == found.buffer and plan.reason), "its writes are off the grid")
     return BufferDifference(
         found.buffer, (found.storing, found.method), INTEGER_STORAGE,
-        f"{found.storing!r} stores it as integers on {found.grid.describe()}, "
-        f"{found.method!r} writes it and keeps it float ({reason}), so its writes cannot go "
-        "into the integers")
+        f"{head} writes it and keeps it float ({reason}), so its writes cannot go into the "
+        "integers")
 
 
 class SharedBuffers(JointCondition):
@@ -327,16 +337,17 @@ class SharedBuffers(JointCondition):
         """A method that only reads a buffer the pipeline stored as integers in the methods
         writing it (QuantizeMutableBuffers decides each method from its own writes) reads
         those integers too: ``notes["integer reads"]``, per method, those buffers. A method
-        that writes such a buffer and kept it float (a reset writing a value off the grid)
-        is a :class:`SharedBufferError` naming the buffer, both methods and the reason:
-        before, it was made to read the integers, and its float writes were stored as
-        integers, wrong."""
+        that writes such a buffer and kept it float (a reset writing a value off the grid),
+        or that reads it or writes it only as zeros on a per-channel grid, is a
+        :class:`SharedBufferError` (aspect ``"integer storage"``) naming the buffer, both
+        methods and the reason: before, the first was made to read the integers, and its
+        float writes were stored as integers, wrong."""
         if not all(isinstance(p, ExportedProgram) for p in programs.values()):
             return {}
-        written = {name: _written_buffers(program) for name, program in programs.items()}
-        read, float_writers = read_integer_state(programs, written)
-        if float_writers:
-            raise SharedBufferError([_float_write(programs, found) for found in float_writers],
+        written = {name: written_buffers(program) for name, program in programs.items()}
+        read, holders = read_integer_state(programs, written)
+        if holders:
+            raise SharedBufferError([_float_holder(programs, found) for found in holders],
                                     "after the pipeline")
         return {"integer reads": read} if read else {}
 

@@ -12,6 +12,8 @@
   ``.float()``).
 * :class:`ResetTotal`: a total one method accumulates and another resets with ``fill_``
   (off the grid, or to zero).
+* :class:`PerChannelState`: a cache one method writes with values of a per-channel int8
+  grid, and another method only reads (or resets with ``zero_``).
 * :func:`hf_llama_prefill_decode`: a tiny random Hugging Face Llama (static cache) exported
   strict as prefill (4 tokens) and decode.
 * :func:`quantized_prefill_decode`: the methods quantized together (``quantize_methods``,
@@ -33,6 +35,7 @@ from torch.export import ExportedProgram
 from passes._methods.in_turn import run_methods
 from passes.flow.examples import decode_inputs, kv_decoder, xnnpack_quantizer
 from passes.quantization import quantize_methods
+from tests.models.quantized_state import PerChannelCache
 
 PROMPT = 4
 DECODES = 3
@@ -194,6 +197,38 @@ def reset_total_methods(fill: float = 0.3) -> MethodsCase:
     programs = _export_methods(model, {"reset": reset, "add": add})
     calls = [("add", add, {}), ("reset", reset, {}), ("add", add, {}), ("add", add, {}),
              ("reset", reset, {}), ("add", add, {})]
+    return MethodsCase(model, programs, calls)
+
+
+class PerChannelState(PerChannelCache):
+    """:class:`~tests.models.quantized_state.PerChannelCache`: a one-token call writes
+    values of a per-channel int8 grid into the cache; a two-token call only reads it, or
+    with ``reset`` zeroes it."""
+
+    def __init__(self, reset: bool = False) -> None:
+        super().__init__()
+        self.reset = reset
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if x.shape[1] == 1:
+            return super().forward(x, pos)
+        if self.reset:
+            self.cache.zero_()
+            return (x * 2,)
+        return ((self.cache.sum(1, keepdim=True) * x).sum(-1),)
+
+
+def per_channel_methods(reset: bool = False) -> MethodsCase:
+    """:class:`PerChannelState` as a ``write`` method (one token) and a ``read`` one (or
+    ``reset``: two tokens), called write, other, write, write, other."""
+    model = PerChannelState(reset)
+    generator = torch.Generator().manual_seed(4)
+    writes = [(torch.randn(2, 1, 4, generator=generator), torch.tensor([i])) for i in range(3)]
+    other = (torch.randn(2, 2, 4, generator=generator), torch.tensor([0]))
+    name = "reset" if reset else "read"
+    programs = _export_methods(model, {"write": writes[0], name: other})
+    calls = [("write", writes[0], {}), (name, other, {}), ("write", writes[1], {}),
+             ("write", writes[2], {}), (name, other, {})]
     return MethodsCase(model, programs, calls)
 
 

@@ -171,10 +171,33 @@ def test_integer_caches_decode_bit_for_bit_as_the_fp32_stored_methods(quantizer)
                 assert torch.equal(value, reference["decode"].get_buffer(fqn)), fqn
 
 
-def test_methods_quantized_alone_are_refused_by_the_cross_method_condition():
+class _ResetCaches(torch.nn.Module):
+    """A method zeroing the decoder's caches (under the decoder's names)."""
+
+    def __init__(self, decoder: torch.nn.Module):
+        super().__init__()
+        self.layers = decoder.layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            layer.attn.k_cache.zero_()
+            layer.attn.v_cache.zero_()
+        return x + 1
+
+
+@pytest.mark.parametrize("reset_first", [False, True], ids=["two methods", "a reset first"])
+def test_methods_quantized_alone_are_refused_by_the_cross_method_condition(reset_first):
     """Why one grid matters: quantized alone, the two methods store one cache's integers
-    on different grids, which the cross-method condition refuses."""
+    on different grids, which the cross-method condition refuses. A method listed first
+    that has no grid (a reset writing zeros) does not hide it: before, each method was
+    compared with the first holding the cache, so the grids were never compared (the
+    check passed, and ``run_methods_on_runtime`` lowered the cache on two grids)."""
     alone = copies(decoder_alone("every_op"))
+    if reset_first:
+        with torch.no_grad():
+            reset = torch.export.export(_ResetCaches(copy.deepcopy(decoder()[0])),
+                                        (torch.ones(1),))
+        alone = {"reset": reset, **alone}
     with pytest.raises(SharedBufferError) as caught:
         PassManager([QuantizeMutableBuffers()]).run(alone)
     assert caught.value.aspect == "quantization grid"

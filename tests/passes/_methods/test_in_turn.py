@@ -54,6 +54,19 @@ def test_methods_holding_separate_copies_do_not_see_each_others_writes():
     assert torch.equal(trace.outputs[1][0], torch.full((3,), 2.0))  # not 10: its own zeros
 
 
+def test_a_positional_input_passed_by_keyword_is_bound_as_eager_binds_it():
+    """``one(x=...)``: the eager module and quantize_methods' calibration take it; before,
+    the exported program's module raised torch's ValueError ("Ran into a kwarg keyword
+    mismatch")."""
+    x4, x1 = torch.arange(12.0).reshape(4, 3), torch.ones(1, 3)
+    trace = run_methods(_methods(), [("many", (x4,), {}), ("one", (), {"x": x1})])
+    eager = Counter()
+    expected = [eager(x4).clone(), eager(x=x1).clone()]
+    for got, want in zip(trace.outputs, expected, strict=True):
+        assert torch.equal(got[0], want)
+    assert torch.equal(trace.buffers[-1]["total"], eager.total)
+
+
 def test_a_call_naming_no_method_is_named():
     with pytest.raises(ValidationInputError, match=r"calls\[0\].*names method 'decode'; the "
                                                    r"methods are 'many', 'one'"):

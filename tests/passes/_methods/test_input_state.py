@@ -108,3 +108,44 @@ def test_a_method_that_would_not_write_the_callers_tensor_back_is_refused():
     assert (error.method, error.input, error.argument) == (
         "decode", "cache", "programs['decode'], input 'cache'")
     assert "passes.InputsToBuffers" in str(error)
+
+
+class _Past(torch.nn.Module):
+    """The decode of :class:`InputCache` with its cache input named ``past``."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+        return self.inner(x, pos, past)
+
+
+def test_a_cache_passed_by_keyword_is_the_same_state_as_passed_by_position():
+    """The decode names the cache ``past``, the prefill ``cache``; calibration passes one
+    tensor to both, the decode's by keyword (``past=cache``, which the prepared method
+    binds). Before, the keyword was not found where the calls were read: the two inputs
+    were two states, each on a grid of its own ((0.00743, 20) in the prefill, (0.00739, 0)
+    in the decode) and ``shared_inputs`` was empty."""
+    module, programs = input_cache_methods()
+    with torch.no_grad():
+        programs["decode"] = torch.export.export(
+            _Past(module), input_cache_calls(torch.zeros(SEQ, DIM), 1, 0)[1][1])
+    cache = torch.zeros(SEQ, DIM)
+    positional = [call for seed in (1, 2) for call in input_cache_calls(cache, 4, seed)]
+    by_keyword = [(m, args[:2], {"past": args[2]}) if m == "decode" else (m, args, kwargs)
+                  for m, args, kwargs in positional]
+    expected = quantize_methods(copy_program(programs), xnnpack_quantizer(), positional)
+    quantized = quantize_methods(copy_program(programs), xnnpack_quantizer(), by_keyword)
+    assert quantized.shared_inputs == expected.shared_inputs == {
+        "input cache": {"prefill": "cache", "decode": "past"}}
+    assert _grid_of_cache_writes(quantized["prefill"]) == \
+        _grid_of_cache_writes(quantized["decode"])
+    got, want = torch.zeros(SEQ, DIM), torch.zeros(SEQ, DIM)
+    with torch.no_grad():
+        for (method, args, _), (_, wargs, _) in zip(input_cache_calls(got, 3, 20),
+                                                    input_cache_calls(want, 3, 20), strict=True):
+            assert torch.equal(quantized[method].module()(*args),
+                               expected[method].module()(*wargs)), method
+            assert torch.equal(got, want), method
+    assert got.any()

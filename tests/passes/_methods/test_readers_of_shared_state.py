@@ -15,14 +15,24 @@ import torch
 
 from pass_manager import PassManager
 from pass_manager.validation import copy_program, first_difference
-from passes import QuantizeMutableBuffers, SharedBufferError, mutable_buffers
+from passes import (
+    InplaceToFunctional,
+    MarkMutableBuffers,
+    QuantizeMutableBuffers,
+    SharedBufferError,
+    mutable_buffers,
+)
 from passes._methods.calls import share_buffer_tensors
 from passes._methods.in_turn import run_methods
 from passes.flow.examples import xnnpack_quantizer
 from passes.flow.integer_state import dequantized_state
 from passes.quantization import quantize_methods
 from tests.models.methods import calls_in_sequence
-from tests.models.methods_on_runtime import read_only_state_methods, reset_total_methods
+from tests.models.methods_on_runtime import (
+    per_channel_methods,
+    read_only_state_methods,
+    reset_total_methods,
+)
 
 STATE = ("total", "count", "seen")
 
@@ -131,3 +141,37 @@ def test_the_pass_manager_alone_refuses_a_float_write_of_integer_state(reset_tot
     assert (error.value.buffer, error.value.methods, error.value.aspect) == (
         "total", ["add", "reset"], "integer storage")
     assert "keep_float={'total': why}" in str(error.value)
+
+
+@pytest.mark.parametrize("reset, says", [(False, "'read' reads it without writing it"),
+                                         (True, "'reset' writes it as zeros")])
+def test_a_per_channel_grid_another_method_cannot_hold_is_refused_saying_why(reset, says):
+    """``write`` stores the cache on its per-channel grid; ``read`` (or ``reset``, writing
+    zeros) holds no scales and zero points to take those integers with. Before, the join
+    passed over per-channel grids and the check said the methods differ in dtype ("export
+    them from one model", which they were)."""
+    case = per_channel_methods(reset)
+    with pytest.raises(SharedBufferError, match=says) as error:
+        PassManager([MarkMutableBuffers(), InplaceToFunctional(), QuantizeMutableBuffers()]
+                    ).run(copy_program(dict(case.programs)))
+    assert (error.value.buffer, error.value.aspect) == ("cache", "integer storage")
+    assert "keep_float={'cache': why}" in str(error.value)
+
+
+def test_quantize_methods_keeps_a_per_channel_cache_another_method_reads_float():
+    """Deciding for all methods at once, the cache stays float in both: the methods compute
+    bit for bit what the float-stored ones do. Before, ``quantize_state=True`` raised
+    SharedBufferError (int8 in ``write``, float32 in ``read``)."""
+    case = per_channel_methods()
+    floats = quantize_methods(copy_program(dict(case.programs)), xnnpack_quantizer(),
+                              case.calls)
+    integers = quantize_methods(copy_program(dict(case.programs)), xnnpack_quantizer(),
+                                case.calls, quantize_state=True)
+    assert {name: program.state_dict["cache"].dtype for name, program in integers.items()} \
+        == {"write": torch.float32, "read": torch.float32}
+    assert integers["read"].state_dict["cache"] is integers["write"].state_dict["cache"]
+    assert any(note.startswith("cache: stays float32: method 'read' reads it without")
+               for note in integers.reports["write"]["quantize_state"].records[-1].notes)
+    want, got = run_methods(floats, case.calls), run_methods(integers, case.calls)
+    assert first_difference(want, got) is None  # atol 0: outputs and every buffer
+    assert got.buffers[-1]["cache"].any()
