@@ -647,9 +647,11 @@ def _flow_quantizer(quantizer: Quantizer, wrapper: Callable[..., PassQuantizer],
 _QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _prepare(program: ExportedProgram, wrapped: PassQuantizer, helper: str) -> GraphModule:
+def _prepare(program: ExportedProgram, wrapped: PassQuantizer, helper: str,
+             argument: str = "program") -> GraphModule:
     """prepare_pt2e on ``program``'s module; a value observed in a dtype pt2e's quantize ops
-    cannot take is a QuantizationInputError of ``helper``, before any calibration call."""
+    cannot take is a QuantizationInputError of ``helper`` naming ``argument`` (the method's
+    entry of ``programs``), before any calibration call."""
     from torchao.quantization.pt2e.observer import _is_activation_post_process
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
@@ -666,14 +668,14 @@ def _prepare(program: ExportedProgram, wrapped: PassQuantizer, helper: str) -> G
                 "pt2e's quantize ops cannot take (float32, float16 or bfloat16)")
         if dtype.is_floating_point:
             raise QuantizationInputError(
-                helper, "program", f"{said}: convert the model with .float() before export",
+                helper, argument, f"{said}: convert the model with .float() before export",
                 node=node.args[0].name)
         # An integer (or bool) value: a quantizer annotating an op whatever its dtype
         # (CoreMLQuantizer's add, on a position counter) fails inside the first calibration
         # call with a fake-quantize, or inside convert with an observer.
         readers = ", ".join(sorted({user.name for user in node.users})) or "the output"
         raise QuantizationInputError(
-            helper, "program", f"{said}, as an input of {readers}: pt2e does not quantize "
+            helper, argument, f"{said}, as an input of {readers}: pt2e does not quantize "
             "integer values (a position counter, index arithmetic), and this quantizer "
             "annotated that op whatever its dtypes; use one that annotates floating-point "
             "values only, or leave that op out of its configuration", node=node.args[0].name)
@@ -842,6 +844,10 @@ def quantize_methods(
         raise QuantizationInputError("quantize_methods", "programs", "takes a non-empty "
                                      "mapping {method: ExportedProgram}")
     for name, program in programs.items():
+        if not isinstance(name, str) or not name:
+            raise QuantizationInputError("quantize_methods", "programs", f"names a method "
+                                         f"{name!r}: method names are non-empty strings, as "
+                                         "ExecuTorch's .pte and PassManager take them")
         if not isinstance(program, ExportedProgram):
             raise QuantizationInputError("quantize_methods", f"programs[{name!r}]", "is a "
                             f"{type(program).__name__}, not an ExportedProgram")
@@ -865,7 +871,8 @@ def quantize_methods(
     for name, found in pairs.items():
         placeholders = list(programs[name].graph_signature.user_inputs)
         wrapped[name].paired_outputs = {placeholders[p.input]: p.output for p in found}
-    prepared = {name: _prepare(program, wrapped[name], "quantize_methods")
+    prepared = {name: _prepare(program, wrapped[name], "quantize_methods",
+                               f"programs[{name!r}]")
                 for name, program in programs.items()}
     check_write_backs(prepared, {name: {n: label for n, label in inputs.items()
                                         if n not in {p.input_name for p in pairs[name]}}

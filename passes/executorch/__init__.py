@@ -167,15 +167,32 @@ class UnfoldedQuantizeError(PassManagerError):
             pass_name="BufferOwningPartitioner")
 
 
+def portable_kernel_abort(side: str, dtype: Any) -> str:
+    """Why ExecuTorch 1.5.1's portable quantized kernel aborts on a node whose ``side``
+    (``"input"``, ``"output"``, ``"scales"`` or ``"zero points"``) is of ``dtype``, and what
+    to do: the words :class:`PortableKernelAbortError` and its warning share."""
+    name = str(dtype).split(".")[-1]
+    if side in ("input", "output"):
+        return (f"its {side} is {name}: that kernel takes float32 and float16 only and aborts "
+                f"the process on {name} (Unhandled {side} dtype) when the .pte runs; quantize "
+                f"a float32 model, or keep the state it writes float32 (or float16), so that "
+                f"no {name} value is quantized or dequantized")
+    wanted = "float64" if side == "scales" else "int64"
+    return (f"its {side} are {name}: that kernel takes {wanted} {side} only and aborts the "
+            f"process on {name} ones when the .pte runs; give the grid's {side} as {wanted} "
+            "tensors, as torchao's observers do (float64 scales, int64 zero points)")
+
+
 class PortableKernelAbortError(PassManagerError):
     """A node left at the top level of a lowered program would run on an ExecuTorch 1.5.1
-    portable kernel that aborts the process on its dtype (a quantize of a bfloat16 value,
-    a dequantize to bfloat16).
+    portable kernel that aborts the process on its dtypes (a quantize of a bfloat16 value,
+    a dequantize to bfloat16, a per-channel grid whose scales are not float64 or whose
+    zero points are not int64).
 
     Attributes:
         helper: the function that lowered the program, e.g. ``"decode_on_runtime"``.
         node: the node's name.
-        dtype: the float dtype the kernel does not take.
+        dtype: the dtype the kernel does not take.
         method: the method holding the node (``"forward"`` for one program).
     """
 
@@ -185,13 +202,9 @@ class PortableKernelAbortError(PassManagerError):
         self.node = node
         self.dtype = dtype
         self.method = method
-        name = str(dtype).split(".")[-1]
         super().__init__(
             f"{helper}: method {method!r}: {node} ({op}) runs at the top level on ExecuTorch's "
-            f"portable quantized kernel, whose {side} is {name}: that kernel takes float32 "
-            f"and float16 only and aborts the process on {name} (Unhandled {side} dtype), "
-            f"when the .pte runs; quantize a float32 model, or keep the state it writes "
-            f"float32 (or float16), so that no {name} value is quantized or dequantized",
+            f"portable quantized kernel; {portable_kernel_abort(side, dtype)}",
             pass_name=helper)
 
 

@@ -42,7 +42,7 @@ from .method_state import checked_methods
 from .partitioner import BufferOwningPartitioner
 from .plan import StatePlan, planned_state
 from .portable_kernels import refuse_aborting_kernels
-from .runtime import runtime_pairs
+from .runtime import delegate_backends, refuse_missing_backends, runtime_pairs
 from .runtime_inputs import CarriedState, carried_outputs, flat_inputs, user_input_names
 from .tied_buffers import drop_unused_aliases
 
@@ -255,10 +255,12 @@ def run_methods_on_runtime(
     Raises:
         ExecuTorchInputError: naming the argument: ``programs`` not a mapping of
             ExportedPrograms (or sharing a buffer they disagree on), a call naming an
-            unknown method or whose inputs do not fit it, a ``partitioner`` that is not one.
+            unknown method or whose inputs do not fit it, a ``partitioner`` that is not one
+            or delegates to a backend this runtime lacks (found before loading).
         ParameterMutationOnExecuTorchError: a method writes a parameter.
         PortableKernelAbortError: a method keeps at the top level a quantize or dequantize
-            whose ExecuTorch kernel would abort the process (a bfloat16 float side).
+            whose ExecuTorch kernel would abort the process (a bfloat16 float side, a
+            per-channel grid of float32 scales or int32 zero points).
         NonContiguousStateError: a buffer that is not contiguous (lowered contiguous, a
             note says so) is read by an op computing by strides (``as_strided``).
         StatePastEndError: a call writes a buffer past its end (more decode calls than the
@@ -279,6 +281,8 @@ def run_methods_on_runtime(
     lowered = _lower_methods(programs, partitioner, helper=HELPER)
     seconds = time.perf_counter() - start
     pte = lowered.pte
+    if any(lowered.delegates.values()):
+        refuse_missing_backends(HELPER, delegate_backends(pte))
     loaded = Runtime.get().load_program(pte)
     # Every method up front: loading one writes the shared buffers' initial values, which
     # must not land on state an earlier call wrote. (The pybind Module of

@@ -57,6 +57,7 @@ from . import (
     PortableKernelAbortWarning,
     SharedBufferDelegationError,
     UnfoldedQuantizeError,
+    portable_kernel_abort,
 )
 from .coreml_state_order import coreml_state_order
 from .method_state import MethodState, SharedBuffer, checked_methods, method_state
@@ -834,13 +835,10 @@ def _warn_of_aborting_kernels(program: ExportedProgram, partition_tags: dict[str
     for node, op, side, dtype in aborting_kernels(program):
         if node.meta.get(DELEGATION_TAG) in partition_tags:
             continue
-        name = str(dtype).split(".")[-1]
         warnings.warn(PortableKernelAbortWarning(
             node.name, dtype,
             f"{PASS_NAME}: {node.name} ({op}) stays at the top level, where ExecuTorch "
-            f"1.5.1's portable quantized kernel runs it; its {side} is {name}, on which that "
-            "kernel aborts the process when the .pte runs (it takes float32 and float16 "
-            f"only): quantize a float32 model, or keep the state float32 or float16"),
+            f"1.5.1's portable quantized kernel runs it; {portable_kernel_abort(side, dtype)}"),
             stacklevel=3)
 
 

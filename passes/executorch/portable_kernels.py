@@ -9,7 +9,11 @@ process: a ``quantize_per_tensor`` of a bfloat16 value (``Unhandled input dtype 
 kills the Python interpreter that runs the ``.pte``, and the device's app. Python runs
 them (torch's reference converts a bfloat16 input to float32), so the program looks fine
 until it runs. QnnQuantizer annotates a cast such as ``x.to(torch.bfloat16)`` written into
-bfloat16 state, which puts both forms in the program.
+bfloat16 state, which puts both forms in the program. A grid given as tensors (per channel,
+or per tensor by its ``.tensor`` overload) aborts the same way unless its scales are float64
+and its zero points int64 (``scale.scalar_type() 6 is not double type``): torch's reference
+takes float32 scales, so a model quantizing by hand with ``torch.tensor([0.02, ...])``
+scales runs in Python and kills the runtime.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ def _dtype(value: object) -> torch.dtype | None:
 
 def aborting_kernels(program: ExportedProgram) -> Iterator[tuple[Node, str, str, torch.dtype]]:
     """The top-level nodes of ``program`` (delegates' bodies are their backends' own) whose
-    portable kernel aborts on their dtype: ``(node, op, "input" | "output", dtype)``."""
+    portable kernel aborts on their dtypes: ``(node, op, side, dtype)``, ``side`` one of
+    ``"input"``, ``"output"``, ``"scales"``, ``"zero points"``."""
     for node in program.graph.nodes:
         if node.op != "call_function":
             continue
@@ -46,6 +51,11 @@ def aborting_kernels(program: ExportedProgram) -> Iterator[tuple[Node, str, str,
         if (op is None or op.namespace != "quantized_decomposed"
                 or op.granularity not in _PORTABLE_GRANULARITIES):
             continue
+        for side, index, wanted in (("scales", 1, torch.float64), ("zero points", 2, torch.int64)):
+            grid = node.args[index] if len(node.args) > index else None
+            dtype = _dtype(grid.meta.get("val")) if isinstance(grid, Node) else None
+            if dtype is not None and dtype != wanted:
+                yield node, op.qualified_name, side, dtype
         if op.dequantizes:
             side, dtype = "output", _dtype(node.meta.get("val"))
         elif node.args and isinstance(node.args[0], Node):

@@ -173,6 +173,34 @@ def _delegate_count(ep: ExportedProgram) -> int:
                if n.op == "get_attr" and str(n.target).startswith("lowered_module"))
 
 
+def delegate_backends(program: ExportedProgram | bytes) -> dict[str, list[str]]:
+    """``{method: backend ids of its delegates}`` of a lowered ``program`` (for an
+    ExportedProgram, ``"forward"``: its own)."""
+    if isinstance(program, ExportedProgram):
+        return {"forward": [getattr(program.graph_module, str(n.target)).backend_id
+                            for n in program.graph.nodes if n.op == "get_attr"
+                            and str(n.target).startswith("lowered_module")]}
+    return {plan.name: [delegate.id for delegate in plan.delegates]
+            for plan in deserialize_pte_binary(program).program.execution_plan}
+
+
+def refuse_missing_backends(helper: str, backends: Mapping[str, Sequence[str]]) -> None:
+    """An :class:`ExecuTorchInputError` if a delegate's backend is not built into this
+    ExecuTorch runtime, before loading: its first call would fail with an untyped
+    ``RuntimeError`` (``Failed to execute method forward, error: 0x20``). Core ML's
+    backend, for one, runs on macOS only: lowering for it here is fine, running is not."""
+    registered = set(portable_lib._get_registered_backend_names())
+    for method, ids in backends.items():
+        missing = sorted(set(ids) - registered)
+        if missing:
+            raise ExecuTorchInputError(
+                helper, "partitioner", f"method {method!r} delegates to {', '.join(missing)}, "
+                f"which this ExecuTorch runtime does not have (it has "
+                f"{', '.join(sorted(registered))}): run the .pte where that backend is built "
+                "in (Core ML's on macOS), or decode here lowered for a backend it has "
+                "(XnnpackPartitioner, or no partitioner)")
+
+
 def _refuse_written_parameters(ep: ExportedProgram) -> None:
     written = ep.graph_signature.parameters_to_mutate
     if written:
@@ -495,11 +523,13 @@ def decode_on_runtime(
             ``example_inputs``, a ``partitioner`` with a lowered program, or a step that
             does not fit the program's inputs (naming the step and the input: their
             number, keyword names, a dtype, a static size or a dynamic size out of range),
-            or inputs the runtime refuses.
+            inputs the runtime refuses, or a delegate whose backend this runtime lacks
+            (Core ML's on Linux), found before loading.
         ParameterMutationOnExecuTorchError: ``program`` writes a parameter.
         PortableKernelAbortError: the lowered program keeps at the top level a quantize
-            or dequantize whose ExecuTorch kernel aborts the process on its dtype (a
-            bfloat16 float side), found before serializing.
+            or dequantize whose ExecuTorch kernel aborts the process on its dtypes (a
+            bfloat16 float side, a per-channel grid of float32 scales or int32 zero
+            points), found before serializing.
         NonContiguousStateError: a buffer that is not contiguous (lowered contiguous, a
             note says so) is read by an op computing by strides (``as_strided``).
         StatePastEndError: a step writes a buffer past its end (more decode steps than the
@@ -521,6 +551,8 @@ def decode_on_runtime(
                                   [("forward", flat) for flat in flat_steps],
                                   lambda step, _: f"steps[{step}]", {"forward": pairs})
     lowered = _lower_timed(helper, program, None, partitioner)
+    if lowered.delegates:
+        refuse_missing_backends(helper, delegate_backends(lowered.program or lowered.pte))
     module = portable_lib._load_for_executorch_from_buffer(lowered.pte)
     meta = module.method_meta("forward")
     state = CarriedState(helper)

@@ -21,6 +21,7 @@ from pass_manager.validation import copy_program
 from passes import (
     InplaceToFunctional,
     MarkMutableBuffers,
+    QuantizationInputError,
     QuantizeMutableBuffers,
     SharedBufferError,
     mutable_buffers,
@@ -292,6 +293,11 @@ def test_calls_must_name_methods_and_call_each():
         quantize_methods(programs, AnnotateEveryOpQuantizer(), calibration[:1])
     with pytest.raises(TypeError, match="mapping"):
         quantize_methods(programs["prefill"], AnnotateEveryOpQuantizer(), calibration)
+    # ExecuTorch's .pte and PassManager name methods by strings; it ran before.
+    for name in (1, ""):
+        with pytest.raises(QuantizationInputError, match="method names are non-empty strings"):
+            quantize_methods({name: programs["prefill"]}, AnnotateEveryOpQuantizer(),
+                             [(name, *calibration[0][1:])])
 
 
 # -- a tiny Hugging Face Llama with a static cache -----------------------------------------------

@@ -126,3 +126,43 @@ def test_the_wrapper_warns_of_a_kernel_that_would_abort_in_a_users_script(dtype,
     assert bool(named) == warned
     if warned:
         assert any("quantize_per_tensor" in name for name in named), named
+
+
+def _per_channel_cache(scales: torch.dtype, zero_points: torch.dtype):
+    """A cache quantized by hand per channel on a grid of the given dtypes (torch's
+    reference takes any), and three calls writing positions 0, 1, 2."""
+    from tests.models.quantized_state import PerChannelCache
+
+    model = PerChannelCache()
+    model.register_buffer("scales", model.scales.to(scales))
+    model.register_buffer("zero_points", model.zero_points.to(zero_points))
+    generator = torch.Generator().manual_seed(0)
+    steps = [(torch.randn(2, 1, 4, generator=generator), torch.tensor([i])) for i in range(3)]
+    with torch.no_grad():
+        return model, torch.export.export(copy.deepcopy(model), steps[0]), steps
+
+
+@pytest.mark.parametrize(("scales", "zero_points", "side"),
+                         [(torch.float32, torch.int64, "scales"),
+                          (torch.float64, torch.int32, "zero points")])
+def test_a_per_channel_grid_of_other_dtypes_is_refused_before_it_aborts(scales, zero_points,
+                                                                         side):
+    """On cc54dca ``decode_on_runtime`` ran it and ExecuTorch's per-channel quantize kernel
+    aborted the process (``op_quantize.cpp: scale.scalar_type() 6 is not double type``):
+    the kernels take float64 scales and int64 zero points only."""
+    _, program, steps = _per_channel_cache(scales, zero_points)
+    run_program(copy.deepcopy(program), steps)  # Python runs it
+    with pytest.raises(PortableKernelAbortError) as caught:
+        decode_on_runtime(program, None, steps)
+    error = caught.value
+    assert error.dtype == (scales if side == "scales" else zero_points)
+    assert f"its {side} are" in str(error) and "per_channel" in str(error), str(error)
+
+
+def test_a_per_channel_grid_of_float64_scales_and_int64_zero_points_runs():
+    """The grid the kernels take is not refused: the runtime decodes as eager does."""
+    model, program, steps = _per_channel_cache(torch.float64, torch.int64)
+    run = decode_on_runtime(program, None, steps)
+    for step, (got, want) in enumerate(zip(run.outputs, (model(*s) for s in steps),
+                                           strict=True)):
+        assert torch.allclose(got[0], want[0], atol=1e-6), step

@@ -293,3 +293,27 @@ def test_output_grid_refuses_what_holds_no_graph_of_its_outputs(counter_forms):
             output_grid(program)
         assert info.value.argument == "program" and "ExportedProgram or GraphModule" in str(
             info.value)
+
+
+def test_a_delegate_this_runtime_lacks_is_refused_before_loading():
+    """On cc54dca a program delegated to a backend not built into the pybind runtime (Core
+    ML's on Linux; ExecuTorch's demo backend here) lowered, loaded, then failed in its
+    first call with an untyped ``RuntimeError: Failed to execute method forward, error:
+    0x20``. Now each runtime helper names the method and the backend before loading; for
+    a ``.pte`` given as bytes too. Lowering alone (``lower_to_pte``) is not refused."""
+    from passes.executorch import run_methods_on_runtime
+    from tests.models.executorch_cases import ReturnsBuffer, everything
+
+    x = torch.randn(4)
+    with torch.no_grad():
+        program = torch.export.export(ReturnsBuffer(), (x,))
+    pte, _, delegates = lower_to_pte(copy.deepcopy(program), None, everything())
+    assert delegates == 1
+    for run in (lambda: decode_on_runtime(copy.deepcopy(program), None, [(x,)], everything()),
+                lambda: decode_on_runtime(pte, None, [(x,)]),
+                lambda: run_methods_on_runtime({"forward": copy.deepcopy(program)},
+                                               [("forward", (x,), {})],
+                                               partitioner=everything())):
+        with pytest.raises(ExecuTorchInputError, match="method 'forward' delegates to "
+                                                       "DemoBackend, which this ExecuTorch"):
+            run()
