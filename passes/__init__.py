@@ -2,6 +2,9 @@
 torch.export, pt2e quantization and delegation.
 """
 
+# isort: off
+from . import _startup  # noqa: F401  (first: before torch loads; see there)
+# isort: on
 from pass_manager.program_sets import register_joint_condition
 
 from . import conditions

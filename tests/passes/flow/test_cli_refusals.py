@@ -455,6 +455,30 @@ def test_ctrl_c_while_the_job_imports_its_modules_is_one_line(monkeypatch, capsy
     assert capsys.readouterr().err == "interrupted (Ctrl-C) while starting\n"
 
 
+# What Python does for ``python -m passes``, with Ctrl-C pressed as the package imports torch.
+_CTRL_C_WHILE_TORCH_LOADS = """
+import builtins, os, signal, sys
+sys.argv[:1] = ["-m"]  # as Python sets it while it locates the module
+real_import = builtins.__import__
+def importing(name, *args, **kwargs):
+    if name == "torch":
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = importing
+import passes
+"""
+
+
+def test_ctrl_c_while_the_package_loads_torch_is_one_line():
+    """``python -m passes`` imports the package, and torch with it (seconds), before its
+    ``__main__``: on cc54dca Ctrl-C then was a KeyboardInterrupt traceback, status 1."""
+    done = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_TORCH_LOADS], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == cli.INTERRUPTED, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "interrupted (Ctrl-C) while starting"
+
+
 class _ClosedAfter:
     """A stdout whose reader left (``| head -1``): writing ``closing_at`` raises
     BrokenPipeError; a real file stands behind its descriptor (the job points it at
