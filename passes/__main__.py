@@ -3,13 +3,12 @@ console command ``mutable-buffer-passes`` runs the same ``main``."""
 
 import sys
 
-from ._startup import interrupted_while_starting, started
+from ._startup import interrupted_while_starting
 
 try:
     from .flow.cli import main
 except KeyboardInterrupt:  # Ctrl-C while the job's modules load: one line, as later on
     interrupted_while_starting()
-started()  # the job's stages name where Ctrl-C stopped them from here on
 
 if __name__ == "__main__":
     sys.exit(main(prog="python -m passes"))

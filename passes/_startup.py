@@ -3,13 +3,16 @@
 Python imports this package before its ``__main__``, and torch takes seconds to load:
 Ctrl-C meanwhile gets the main job's one line and status 130, not a traceback. Python sets
 ``sys.argv[0]`` to ``"-m"`` while it locates the module, which tells that run from an import
-of the library (left as it is); ``__main__`` restores the default handler once the job's
-modules are loaded, and its stages name where Ctrl-C stopped them from then on.
+of the library (left as it is), as does the installed command's name. The job's ``main``
+restores the default handler, and its stages name where Ctrl-C stopped them from then on.
 """
 
+import os
 import signal
 import sys
 from typing import Any
+
+COMMAND = "mutable-buffer-passes"  # setup.cfg's console script
 
 
 def interrupted_while_starting(signum: Any = None, frame: Any = None) -> None:
@@ -31,5 +34,6 @@ def started() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-if sys.argv[:1] == ["-m"]:
+# The installed command's script imports the package the same way, under its own name.
+if sys.argv[:1] == ["-m"] or os.path.basename(sys.argv[0] if sys.argv else "") == COMMAND:
     quiet_start()

@@ -37,6 +37,7 @@ from pass_manager.pipeline_text import did_you_mean, registered_passes
 from pass_manager.validation import as_call
 
 from .. import __version__
+from .._startup import started
 from ..errors import QuantizationInputError, StatePastEndError
 from .factory import (
     EXPORT_MODES,
@@ -880,6 +881,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     A usage error (an unknown flag, ``--steps 0``) exits with status 2 through argparse.
     """
+    started()  # Ctrl-C is KeyboardInterrupt again: the stages below name where it stopped
     parser = build_parser(prog)
     argv = sys.argv[1:] if argv is None else argv
     if next((word for word in argv if not word.startswith("-")), None) == "replay":
