@@ -85,7 +85,11 @@ def test_positions_the_model_computes_from_floats_are_left_to_the_run():
             return self.cache.sum(1)
 
     calls = token_calls(2, positioned=True)
-    assert _first_past_end(export_program(ArgmaxPosition(), calls[0]).program, calls) is None
+    # Exported directly: its every write is past the end, so the main job's export refuses
+    # it (it raises on its own example in eager); the analysis must still not guess.
+    with torch.no_grad():
+        program = torch.export.export(ArgmaxPosition(), calls[0])
+    assert _first_past_end(program, calls) is None
 
 
 def test_a_counter_another_method_resets_is_followed_across_methods():
