@@ -186,7 +186,7 @@ def portable_kernel_abort(side: str, dtype: Any) -> str:
 class PortableKernelAbortError(PassManagerError):
     """A node left at the top level of a lowered program would run on an ExecuTorch 1.5.1
     portable kernel that aborts the process on its dtypes (a quantize of a bfloat16 value,
-    a dequantize to bfloat16, a per-channel grid whose scales are not float64 or whose
+    a dequantize to bfloat16, a per-channel quantize whose scales are not float64 or whose
     zero points are not int64).
 
     Attributes:

@@ -260,7 +260,7 @@ def run_methods_on_runtime(
         ParameterMutationOnExecuTorchError: a method writes a parameter.
         PortableKernelAbortError: a method keeps at the top level a quantize or dequantize
             whose ExecuTorch kernel would abort the process (a bfloat16 float side, a
-            per-channel grid of float32 scales or int32 zero points).
+            per-channel quantize of float32 scales or int32 zero points).
         NonContiguousStateError: a buffer that is not contiguous (lowered contiguous, a
             note says so) is read by an op computing by strides (``as_strided``).
         StatePastEndError: a call writes a buffer past its end (more decode calls than the

@@ -9,11 +9,11 @@ process: a ``quantize_per_tensor`` of a bfloat16 value (``Unhandled input dtype 
 kills the Python interpreter that runs the ``.pte``, and the device's app. Python runs
 them (torch's reference converts a bfloat16 input to float32), so the program looks fine
 until it runs. QnnQuantizer annotates a cast such as ``x.to(torch.bfloat16)`` written into
-bfloat16 state, which puts both forms in the program. A grid given as tensors (per channel,
-or per tensor by its ``.tensor`` overload) aborts the same way unless its scales are float64
-and its zero points int64 (``scale.scalar_type() 6 is not double type``): torch's reference
-takes float32 scales, so a model quantizing by hand with ``torch.tensor([0.02, ...])``
-scales runs in Python and kills the runtime.
+bfloat16 state, which puts both forms in the program. A per-channel quantize aborts the same
+way unless its scales are float64 and its zero points int64 (``scale.scalar_type() 6 is not
+double type``): torch's reference takes float32 scales, so a model quantizing by hand with
+``torch.tensor([0.02, ...])`` scales runs in Python and kills the runtime. (The
+per-channel dequantize takes such a grid: measured, it runs.)
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def aborting_kernels(program: ExportedProgram) -> Iterator[tuple[Node, str, str,
         for side, index, wanted in (("scales", 1, torch.float64), ("zero points", 2, torch.int64)):
             grid = node.args[index] if len(node.args) > index else None
             dtype = _dtype(grid.meta.get("val")) if isinstance(grid, Node) else None
-            if dtype is not None and dtype != wanted:
+            if (op.granularity == "channel" and not op.dequantizes and dtype is not None
+                    and dtype != wanted):
                 yield node, op.qualified_name, side, dtype
         if op.dequantizes:
             side, dtype = "output", _dtype(node.meta.get("val"))

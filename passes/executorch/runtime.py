@@ -528,7 +528,7 @@ def decode_on_runtime(
         ParameterMutationOnExecuTorchError: ``program`` writes a parameter.
         PortableKernelAbortError: the lowered program keeps at the top level a quantize
             or dequantize whose ExecuTorch kernel aborts the process on its dtypes (a
-            bfloat16 float side, a per-channel grid of float32 scales or int32 zero
+            bfloat16 float side, a per-channel quantize of float32 scales or int32 zero
             points), found before serializing.
         NonContiguousStateError: a buffer that is not contiguous (lowered contiguous, a
             note says so) is read by an op computing by strides (``as_strided``).
