@@ -171,7 +171,8 @@ def lower_methods_to_pte(
 class _LoweredMethods:
     pte: bytes
     wrapper: BufferOwningPartitioner
-    delegates: dict[str, int]
+    backends: dict[str, list[str]]
+    """method -> the backend ids of its delegates."""
     carried: dict[str, dict[int, int]]
     """method -> {output position: input position} of the inputs it writes in place."""
     input_names: dict[str, list[str]]
@@ -180,6 +181,11 @@ class _LoweredMethods:
     dropped: list[str] = field(default_factory=list)
     """Unused second names of written buffers, dropped before lowering (see tied_buffers),
     and buffers lowered contiguous (see buffer_layout)."""
+
+    @property
+    def delegates(self) -> dict[str, int]:
+        """method -> its delegate calls."""
+        return {method: len(ids) for method, ids in self.backends.items()}
 
 
 def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
@@ -194,7 +200,7 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
     wrapper = _wrapper(partitioner, copies)
     with torch.no_grad():  # the emitter writes buffers back in place
         edge = to_edge_transform_and_lower(copies, partitioner=[wrapper])
-        names, delegates = set(), {}
+        names, backends = set(), {}
         for method in edge.methods:
             ep = edge.exported_program(method)
             sig = ep.graph_signature
@@ -204,8 +210,7 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
             refuse_aborting_kernels(ep, helper, method)
             mutated = set(sig.buffers_to_mutate.values())
             names.update(n for n, fqn in sig.inputs_to_buffers.items() if fqn in mutated)
-            delegates[method] = sum(1 for n in ep.graph.nodes if n.op == "get_attr"
-                                    and str(n.target).startswith("lowered_module"))
+            backends[method] = delegate_backends(ep)["forward"]
         config = ExecutorchBackendConfig(
             memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=share_mutable_buffers),
             passes=[InitializedMutableBufferPass(sorted(names))],
@@ -214,7 +219,7 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
         repaired = repair_initial_state(et, config)
     serialized = {method: et.exported_program(method) for method in edge.methods}
     return _LoweredMethods(
-        et.buffer, wrapper, delegates,
+        et.buffer, wrapper, backends,
         {method: carried_outputs(ep) for method, ep in serialized.items()},
         {method: user_input_names(ep) for method, ep in serialized.items()}, repaired, dropped)
 
@@ -281,8 +286,7 @@ def run_methods_on_runtime(
     lowered = _lower_methods(programs, partitioner, helper=HELPER)
     seconds = time.perf_counter() - start
     pte = lowered.pte
-    if any(lowered.delegates.values()):
-        refuse_missing_backends(HELPER, delegate_backends(pte))
+    refuse_missing_backends(HELPER, lowered.backends)
     loaded = Runtime.get().load_program(pte)
     # Every method up front: loading one writes the shared buffers' initial values, which
     # must not land on state an earlier call wrote. (The pybind Module of

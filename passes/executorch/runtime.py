@@ -168,11 +168,6 @@ def _exported(helper: str, program: Any, example_inputs: Any) -> ExportedProgram
     return torch.export.export(copy.deepcopy(program), copy.deepcopy(example_inputs))
 
 
-def _delegate_count(ep: ExportedProgram) -> int:
-    return sum(1 for n in ep.graph.nodes
-               if n.op == "get_attr" and str(n.target).startswith("lowered_module"))
-
-
 def delegate_backends(program: ExportedProgram | bytes) -> dict[str, list[str]]:
     """``{method: backend ids of its delegates}`` of a lowered ``program`` (for an
     ExportedProgram, ``"forward"``: its own)."""
@@ -223,7 +218,7 @@ def _serialize(helper: str, edge: EdgeProgramManager, wrapper: BufferOwningParti
     notes = [*notes, *(wrapper.notes if wrapper is not None else ())]
     et = edge.to_executorch(config)
     notes += repair_initial_state(et, config)
-    return _lowered(et, wrapper, _delegate_count(ep), notes)
+    return _lowered(et, wrapper, len(delegate_backends(ep)["forward"]), notes)
 
 
 def _lowered(et: ExecutorchProgramManager, wrapper: BufferOwningPartitioner | None,
@@ -304,7 +299,7 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
         ep = program.exported_program()
         _refuse_written_parameters(ep)
         refuse_aborting_kernels(ep, helper)
-        return _lowered(program, None, _delegate_count(ep), _state_notes(program))
+        return _lowered(program, None, len(delegate_backends(ep)["forward"]), _state_notes(program))
     # ExecuTorch's emitter writes buffers back in place; with autograd on, parameters that
     # require grad make those writes illegal.
     with torch.no_grad():
