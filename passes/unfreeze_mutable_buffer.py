@@ -36,8 +36,9 @@ class UnfreezeMutableBuffer(Pass):
     for ``copy_`` / ``put_`` in op names, so a buffer updated by ``add_`` is missed). The
     converted program then reads a stale copy forever. This pass puts back the buffer
     read, the ops on the way (views, a ``getitem`` of ``chunk``, pure ops of the buffer
-    alone such as ``flip``), and a ``quantize_per_tensor`` with the qparams the frozen
-    value was made with. A frozen read whose dequantized value is the destination of a
+    alone such as ``flip``, ops joining several reads of mutable buffers such as
+    ``torch.stack([s[0], s[0]])``), and a ``quantize_per_tensor`` with the qparams the
+    frozen value was made with. A frozen read whose dequantized value is the destination of a
     data-movement op (``index_put``, ``index_copy``, ``copy_``) is re-wired to the buffer
     itself: data movement is not quantized.
 
@@ -66,9 +67,9 @@ class UnfreezeMutableBuffer(Pass):
         AmbiguousFrozenBufferError: raised by ``call`` when a frozen constant matches the
             reads of several mutable buffers and no provenance was recorded.
         UnreplayableFrozenReadError: raised by ``call`` when a frozen constant stands for
-            a value recorded (``PassQuantizer``) as computed from mutable buffers alone
-            through ops no read replays (``cat`` of two reads, ``index_select`` by a
-            constant): quantize a functional program instead (``quantize_program``).
+            a value recorded (``PassQuantizer``) as computed from mutable buffers and
+            constants through ops no read replays (``index_select`` by a constant index):
+            quantize a functional program instead (``quantize_program``).
     """
 
     provides = frozenset({NoFrozenMutableBuffers})
@@ -81,7 +82,7 @@ class UnfreezeMutableBuffer(Pass):
         buffers = _buffer_attr_nodes(program)
         rewired = 0
         for frozen in found:
-            note, count = self._unfreeze(program, frozen, buffers.get(frozen.read.fqn))
+            note, count = self._unfreeze(program, frozen, buffers)
             notes.append(note)
             rewired += count
         statistics = {"frozen buffer reads unfrozen": len(found)} if found else {}
@@ -93,25 +94,29 @@ class UnfreezeMutableBuffer(Pass):
         return PassResult(program, bool(found), notes, statistics)
 
     @staticmethod
-    def _unfreeze(gm: GraphModule, frozen: FrozenRead, known: Node | None) -> tuple[str, int]:
+    def _unfreeze(gm: GraphModule, frozen: FrozenRead, known: dict[str, Node]
+                  ) -> tuple[str, int]:
         graph, node, read = gm.graph, frozen.node, frozen.read
+
+        def read_buffer(fqn: str) -> Node:
+            buffer = graph.get_attr(fqn)
+            if fqn in known:
+                buffer.meta.update({k: v for k, v in known[fqn].meta.items()
+                                    if k in _BUFFER_META})
+            return buffer
+
         with graph.inserting_before(node):
-            buffer = graph.get_attr(read.fqn)
-            if known is not None:
-                buffer.meta.update({k: v for k, v in known.meta.items() if k in _BUFFER_META})
-            value = buffer
-            for step in read.chain:
-                value = graph.call_function(step.target, (value, *step.args), dict(step.kwargs))
+            value = read.emit(graph, read_buffer)
             quantize = graph.call_function(_QUANTIZE, (value, *frozen.qparams))
         quantize.meta.update({k: v for k, v in node.meta.items() if k not in _BUFFER_META})
         rewired = []
-        if not read.chain:
+        if not read.chain:  # ``value`` is the buffer's own node
             for dequantize in list(node.users):
                 for user in list(dequantize.users):
                     packet = getattr(user.target, "overloadpacket", None)
                     writes = DATA_MOVEMENT_OPS.get(packet) is not None
                     if writes and user.args[0] is dequantize:
-                        user.replace_input_with(dequantize, buffer)
+                        user.replace_input_with(dequantize, value)
                         rewired.append(user.name)
         node.replace_all_uses_with(quantize)
         graph.erase_node(node)

@@ -8,6 +8,7 @@ such constant with the read it stands for. ``UnfreezeMutableBuffer`` rewrites th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from .buffer_reads import (
     OBSERVED_READS_META,
     UNREPLAYABLE_READS_META,
     BufferRead,
+    JoinedRead,
     UnreplayableRead,
 )
 from .buffers import BUFFER, MUTABLE_BUFFER_META, PARAMETER, find_mutations
@@ -54,7 +56,7 @@ class FrozenRead:
     """A frozen constant standing for a quantized read of a mutable buffer."""
 
     node: Node
-    read: BufferRead
+    read: BufferRead | JoinedRead
     qparams: tuple
 
 
@@ -79,14 +81,14 @@ def _observer_agrees(observer: torch.nn.Module | None, qparams: tuple) -> bool:
     )
 
 
-def _candidate_reads(gm: GraphModule) -> list[BufferRead]:
+def _candidate_reads(gm: GraphModule) -> list[BufferRead | JoinedRead]:
     """The buffer reads a frozen constant may stand for.
 
     Recorded reads (see ``PassQuantizer``) carry their views and observer; a marked buffer
     without a record, or every buffer the graph writes when nothing is marked, is a
     candidate as a direct read.
     """
-    recorded: dict[str, list[BufferRead]] = {}
+    recorded: dict[str, list[BufferRead | JoinedRead]] = {}
     marked: set[str] = set()
     for node in gm.graph.nodes:
         if MUTABLE_BUFFER_META in node.meta:
@@ -185,7 +187,7 @@ def _scan_frozen(gm: GraphModule) -> tuple[list[FrozenRead], list[tuple[Node, li
     # The recorded reads by the nodes they fed: a constant is compared with those that fed
     # its consumers, not with every read (a constant per weight, a read per cache).
     position = {id(r): i for i, r in enumerate(reads)}
-    by_consumer: dict[str, list[BufferRead]] = {}
+    by_consumer: dict[str, list[BufferRead | JoinedRead]] = {}
     for read in reads:
         for name in read.consumers:
             by_consumer.setdefault(name, []).append(read)
@@ -258,16 +260,14 @@ class _ReadValues:
         self._unrecorded = unrecorded
         self._by_shape: dict[torch.Size, list[tuple[BufferRead, torch.Tensor]]] | None = None
 
-    def of(self, read: BufferRead) -> torch.Tensor | None:
+    def of(self, read: BufferRead | JoinedRead) -> torch.Tensor | None:
         """The read's value, or None (no such buffer, or its views fail on it)."""
         if id(read) not in self._values:
-            value = _buffer_value(self._gm, read.fqn)
-            if value is not None:
-                try:
-                    with torch.no_grad():
-                        value = read.replay(value)
-                except RuntimeError:
-                    value = None
+            try:
+                with torch.no_grad():
+                    value = read.evaluate(functools.partial(_buffer_value, self._gm))
+            except RuntimeError:
+                value = None
             self._values[id(read)] = value
         return self._values[id(read)]
 

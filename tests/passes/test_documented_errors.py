@@ -81,8 +81,9 @@ class TwoAccumulators(nn.Module):
         return out
 
 
-class StateJoined(nn.Module):
-    """A state's two rows joined by ``cat``: torchao folds the value, which no read replays."""
+class StateByConstantIndex(nn.Module):
+    """A state's row picked by a constant index: torchao folds the value, which no read
+    replays (the index is no state)."""
 
     def __init__(self):
         super().__init__()
@@ -91,7 +92,7 @@ class StateJoined(nn.Module):
 
     def forward(self, x):
         y = self.proj(x)
-        out = y + torch.cat([self.state[0], self.state[1]])[:4]
+        out = y + self.state.index_select(0, torch.tensor([1]))[0]
         self.state.add_(y * 0.5)
         return out
 
@@ -120,10 +121,11 @@ def _sharing_storage() -> torch.export.ExportedProgram:
 
 
 @functools.cache
-def _converted_with_a_joined_read() -> torch.fx.GraphModule:
+def _converted_with_a_constant_index() -> torch.fx.GraphModule:
     torch.manual_seed(0)
     quantizer = PassQuantizer(xnnpack_quantizer(), transform=[MarkMutableBuffers()])
-    prepared = prepare_pt2e(torch.export.export(StateJoined().eval(), (X,)).module(), quantizer)
+    prepared = prepare_pt2e(
+        torch.export.export(StateByConstantIndex().eval(), (X,)).module(), quantizer)
     with torch.no_grad():
         prepared(torch.randn(4))
     return convert_pt2e(prepared, fold_quantize=True)
@@ -145,7 +147,7 @@ PROGRAMS = {
     "the lifted graph of an ExportedProgram": lambda: _exported(Counter()).graph_module,
     "a marked write to a constant": lambda: _marked(WritesConstant()),
     "frozen reads of two equal buffers": lambda: copy.deepcopy(_converted_without_provenance()),
-    "a folded read of two rows joined": lambda: copy.deepcopy(_converted_with_a_joined_read()),
+    "a folded read by a constant index": lambda: copy.deepcopy(_converted_with_a_constant_index()),
     "a buffer read outside its delegate": lambda: to_delegate(
         _functional(ReadBeforeUpdate()), OpSupportPartitioner([torch.ops.aten.add.Tensor])),
     "a buffer sharing storage": _sharing_storage,
@@ -167,7 +169,7 @@ TRIGGERS = {
         "ProgramFormError": "a functional ExportedProgram",
         "PassFailedError": "frozen reads of two equal buffers",
         "AmbiguousFrozenBufferError": "frozen reads of two equal buffers",
-        "UnreplayableFrozenReadError": "a folded read of two rows joined"}),
+        "UnreplayableFrozenReadError": "a folded read by a constant index"}),
     "ConsumeBufferMutationsInDelegate": (ConsumeBufferMutationsInDelegate(strict=True), {
         "PreconditionError": "unmarked writes",
         "ProgramFormError": "a functional GraphModule",

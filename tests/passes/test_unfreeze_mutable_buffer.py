@@ -118,9 +118,14 @@ STATE_READS = {
     "expand_sum": lambda state: state[:1].expand(3, 16).sum(0),
     "chunk": lambda state: state.chunk(2, 0)[1][0],
 }
-# Reads torchao folds too, that no chain of ops of the state alone replays.
-UNREPLAYABLE_READS = {
+# Reads joining several reads of the state: no chain replays them, the whole does.
+JOINED_READS = {
     "cat": lambda state: torch.cat([state[0], state[1]])[:16],
+    "stack": lambda state: torch.stack([state[0], state[0]])[1],
+    "cat_flip_add": lambda state: torch.cat([state[0], state[1].flip(0)])[8:24] + state[1],
+}
+# Reads torchao folds too, that nothing of the state alone replays.
+UNREPLAYABLE_READS = {
     "index_select": lambda state: state.index_select(0, torch.tensor([1]))[0],
 }
 
@@ -134,7 +139,7 @@ class StateReadThrough(nn.Module):
     def __init__(self, read: str, dim: int = 16):
         super().__init__()
         self.proj = nn.Linear(dim, dim)
-        self.read = {**STATE_READS, **UNREPLAYABLE_READS}[read]
+        self.read = {**STATE_READS, **JOINED_READS, **UNREPLAYABLE_READS}[read]
         self.register_buffer("state", torch.zeros(2, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +155,7 @@ def converted_pair(model_name: str, recorded: bool):
     models = {"accumulator": Accumulator, "two": TwoAccumulators, "shapes": TwoShapes,
               "transposed": TransposedState,
               **{f"through_{read}": functools.partial(StateReadThrough, read)
-                 for read in (*STATE_READS, *UNREPLAYABLE_READS)}}
+                 for read in (*STATE_READS, *JOINED_READS, *UNREPLAYABLE_READS)}}
     model = models[model_name]().eval()
     prepared = _prepared(model, recorded)
     folded = convert_pt2e(copy.deepcopy(prepared), fold_quantize=True)
@@ -225,13 +230,29 @@ def test_read_through_ops_of_the_state_alone_is_replayed(read):
     same_behaviour(unfolded, result.program)
 
 
+@pytest.mark.parametrize("read", sorted(JOINED_READS))
+def test_a_folded_read_of_reads_joined_is_replayed(read):
+    """Reads of the state joined (``torch.stack([s[0], s[0]])``, ``cat``, a sum of two
+    reads): torchao folds the value into one constant, which no chain replays. On the base
+    UnfreezeMutableBuffer raised UnreplayableFrozenReadError on these correct programs;
+    now the ops computing the value are replayed on the live state, exactly."""
+    folded, unfolded = converted_pair(f"through_{read}", recorded=True)
+    folded = copy.deepcopy(folded)
+    with pytest.raises(AssertionError):
+        same_behaviour(unfolded, folded)
+    result = PassManager([UnfreezeMutableBuffer()]).run(folded)
+    assert any(note.endswith("(...) of state")
+               for r in result.report.records for note in r.notes)
+    assert not conditions.NoFrozenMutableBuffers.check(result.program)
+    same_behaviour(unfolded, result.program)
+
+
 @pytest.mark.parametrize("read", sorted(UNREPLAYABLE_READS))
 def test_a_folded_read_no_chain_replays_is_a_typed_error(read):
-    """Two reads of the state joined (``cat``), or the state beside a constant index
-    (``index_select``): torchao folds the value into one constant, which no read replays.
-    On main the pass left it frozen and its condition held: the program read the initial
-    state forever. Now UnreplayableFrozenReadError names the buffer, and the program is
-    left as it was."""
+    """The state beside a constant index (``index_select``): torchao folds the value into
+    one constant, which no read replays. On main the pass left it frozen and its condition
+    held: the program read the initial state forever. Now UnreplayableFrozenReadError
+    names the buffer, and the program is left as it was."""
     folded, _ = converted_pair(f"through_{read}", recorded=True)
     folded = copy.deepcopy(folded)
     before = program_text(folded)
