@@ -192,9 +192,10 @@ def view_chain(node: Node) -> tuple[Node, tuple[ViewStep, ...]] | None:
 
 
 def joined_read(node: Node) -> tuple[str | ViewStep, ...] | None:
-    """The items of a :class:`JoinedRead` computing ``node`` from marked buffers alone,
-    through ops that neither write nor draw random numbers; None when it reads anything
-    else (an input, a constant: ``index_select`` by a constant index) or another op."""
+    """The items of a :class:`JoinedRead` computing ``node`` from marked buffers alone (one
+    at least), through ops that neither write nor draw random numbers; None when it reads
+    anything else (an input, a constant: ``index_select`` by a constant index) or another
+    op."""
     order: dict[Node, int] = {}
     items: list[str | ViewStep] = []
     stack: list[tuple[Node, bool]] = [(node, False)]
@@ -216,6 +217,8 @@ def joined_read(node: Node) -> tuple[str | ViewStep, ...] | None:
             stack.append((current, True))
             stack.extend((n, False) for n in reversed(current.all_input_nodes)
                          if n not in order)
+    if not any(isinstance(item, str) for item in items):
+        return None  # a value of no state at all (a scalar_tensor): no read
     return tuple(items)
 
 
