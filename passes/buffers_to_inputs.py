@@ -16,7 +16,7 @@ from pass_manager.collector import collector_paused
 from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
 from ._analysis.buffers import BUFFER, state_nodes, tied_names
 from ._carried.explicit import Explicit, make_explicit
-from ._carried.record import CarriedRecord, records_of
+from ._carried.record import CarriedRecord, records_of, unsaved_reason
 from ._carried.view import ProgramView
 from .errors import StateNameError
 
@@ -115,6 +115,14 @@ class BuffersToInputs(Pass):
                  f"buffer {e.buffer!r} -> created and returned again" for e in explicit]
         if record is not None:
             notes.append("the call signature before InputsToBuffers is restored")
+        if record is not None and record.loaded:
+            notes.append("its record was read back from the saved program, which keeps no "
+                         "example inputs of it: each restored input's example is the value "
+                         "its buffer holds")
+        if record is None and (reason := unsaved_reason(program)) is not None:
+            notes.append("the program was saved without InputsToBuffers' record, whose call "
+                         f"specs could not be written ({reason}): the call signature before "
+                         "it is not restored, the buffers become keyword inputs")
         if stale:
             notes.append("the call signature changed after the InputsToBuffers run that made "
                          "these buffers (inputs or outputs added or taken since), so it is not "

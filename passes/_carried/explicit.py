@@ -18,7 +18,7 @@ from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 from torch.fx import Node
 
 from .._analysis.buffers import INITIAL_META, MUTABLE_BUFFER_META, MUTABLE_INPUT_META
-from .record import CARRIED_META, EXAMPLE_META, CarriedRecord
+from .record import EXAMPLE_META, CarriedRecord, records_of, set_records
 from .specs import with_leaves
 from .view import ProgramView
 
@@ -138,8 +138,7 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
     example_inputs = (_restored_examples(view, explicit, record) if record is not None
                       else view.source.example_inputs if view.exported else None)
     if record is not None:
-        records = view.gm.meta.get(CARRIED_META, ())
-        view.gm.meta[CARRIED_META] = tuple(r for r in records if r is not record)
+        set_records(view.gm.meta, records_of(view.gm)[:-1])  # the last one, restored
     if new_keywords:
         in_spec = with_leaves(in_spec, new_keywords)
     appended = sum(1 for index, _ in returned if index is None)
@@ -174,8 +173,20 @@ def _restored_examples(view: ProgramView, explicit: list[Explicit], record: Carr
                        ) -> Any:
     """The record's example inputs, an input restored given the buffer's value where the
     buffer no longer has the dtype or shape of the example (stored as integers since, by
-    QuantizeMutableBuffers): the program's example inputs are a call it takes."""
-    if not view.exported or record.example_inputs is None:
+    QuantizeMutableBuffers): the program's example inputs are a call it takes. A record read
+    back from a saved program kept none: the program's own, each input restored given the
+    buffer's value."""
+    if not view.exported:
+        return record.example_inputs
+    if record.loaded:
+        if view.source.example_inputs is None:
+            return None
+        leaves = pytree.tree_leaves(view.source.example_inputs)
+        for state in sorted((s for s in explicit if s.keep_input and s.input_index is not None),
+                            key=lambda s: s.input_index):
+            leaves.insert(state.input_index, _initial(view, state))
+        return pytree.tree_unflatten(leaves, record.in_spec)
+    if record.example_inputs is None:
         return record.example_inputs
     leaves, spec = pytree.tree_flatten(record.example_inputs)
     for state in explicit:

@@ -18,7 +18,7 @@ from torch.fx import GraphModule, Node
 from .._analysis.buffers import INITIAL_META, MUTABLE_BUFFER_META, MUTABLE_INPUT_META
 from .._analysis.marked_state import initial_copy
 from .._lifting.state import export_name
-from .record import CARRIED_META, EXAMPLE_META, CarriedRecord, Moved
+from .record import EXAMPLE_META, CarriedRecord, Moved, records_of, set_records
 from .specs import kept_arg_names, without_leaves
 from .view import ProgramView
 
@@ -93,7 +93,7 @@ def make_resident(view: ProgramView, carried: list[Carried], refuse: Any) -> Any
     record = CarriedRecord(view.in_spec, view.out_spec, moved,
                            view.source.example_inputs if view.exported else None,
                            tuple(names) if names is not None else None, in_spec, out_spec)
-    view.gm.meta[CARRIED_META] = (*view.gm.meta.get(CARRIED_META, ()), record)
+    set_records(view.gm.meta, (*records_of(view.gm), record))
     arg_names = kept_arg_names(view.arg_names(), view.in_spec, in_spec, dropped_inputs)
     return view.build(in_spec, out_spec, example_inputs, arg_names)
 

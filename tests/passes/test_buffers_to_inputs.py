@@ -6,6 +6,7 @@ on both program forms."""
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -496,3 +497,99 @@ def test_a_buffer_made_an_input_and_resident_again_starts_from_its_value(form):
         torch.testing.assert_close(second_state, first_state, rtol=0, atol=0)
         torch.testing.assert_close(dict(second.named_buffers())["r"],
                                    dict(first.named_buffers())["r"], rtol=0, atol=0)
+
+
+def saved_and_loaded(program):
+    """``program`` through ``torch.export.save`` / ``load``, which keep no node meta: the
+    loaded program needs MarkMutableBuffers again."""
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    buffer.seek(0)
+    return functional(torch.export.load(buffer))
+
+
+def _saved_cases():
+    prompt = torch.randn(1, 3, models.DIM, generator=torch.Generator().manual_seed(5))
+    return {
+        "in place": (models.InPlaceCache(), models.cache_inputs(), {}, {}, _in_place),
+        "pair": (models.SlidingWindow(), models.window_inputs(), {},
+                 {"next_values": {"window": "1"}}, _returned_at(1, 1)),
+        "keyword pairs": (models.NamedState(), *models.named_state_inputs(),
+                          {"pair_by_name": ("past_key_values.", "present.")}, None),
+        "created": (models.Prefill(), (prompt,), {}, {"created": {"1": "cache", "2": "position"}},
+                    lambda s, _: s),
+    }
+
+
+@pytest.mark.parametrize("case", ["in place", "pair", "keyword pairs", "created"])
+def test_the_record_survives_a_save_and_load(case):
+    """The record InputsToBuffers leaves was kept in the graph module's meta only, which
+    ``torch.export.save`` drops: after a load, BuffersToInputs made every buffer a keyword
+    input (``window`` appended, its pair's output appended too). It is also kept as JSON where
+    a save keeps it; the example inputs, which it does not keep, come back as the program's
+    own with each restored input given its buffer's value."""
+    model, args, kwargs, options, thread = _saved_cases()[case]
+    program = exported(model, args, kwargs)
+    resident = PassManager([InputsToBuffers(**options)]).run(program).program
+    result = PassManager([BuffersToInputs()]).run(saved_and_loaded(resident))
+    back = result.program
+    assert "the call signature before InputsToBuffers is restored" in result.report.records[
+        0].notes
+    assert back.call_spec.in_spec == program.call_spec.in_spec
+    assert back.call_spec.out_spec == program.call_spec.out_spec
+    assert back.graph_signature.user_inputs == program.graph_signature.user_inputs
+    assert back.graph_signature.user_outputs == program.graph_signature.user_outputs
+    back.module()(*back.example_inputs[0], **back.example_inputs[1])  # a call it takes
+    if thread is None:
+        def thread(state, out):
+            (x,), _ = state
+            return (x * 1.5,), {"past_key_values": {"0.key": out["present.0.key"],
+                                                    "0.value": out["present.0.value"]}}
+    assert_same_calls(program, back, [(args, kwargs, thread)])
+
+
+@pytest.mark.parametrize("method", ["prefill", "decode"])
+def test_hf_exporters_programs_restore_after_a_save_and_load(method):
+    """HF's ``StaticCache`` in the call spec is written and read back with the record."""
+    pytest.importorskip("transformers.exporters")
+    from tests.models import hf_exporter
+
+    hf = hf_exporter.export("llama")
+    options = hf_exporter.resident_cache_options(hf)[method]
+    program = functional(copy.deepcopy(getattr(hf, method)))
+    resident = PassManager([InputsToBuffers(**options)]).run(program).program
+    back = PassManager([BuffersToInputs()]).run(saved_and_loaded(resident)).program
+    assert back.call_spec.in_spec == program.call_spec.in_spec
+    assert back.call_spec.out_spec == program.call_spec.out_spec
+    kwargs = getattr(hf, f"{method}_kwargs")
+    thread = (lambda s, _: s) if method == "decode" else (
+        lambda s, _: ((), copy.deepcopy(kwargs)))
+    assert_same_calls(program, back, [((), kwargs, thread)])
+
+
+class _Unsaved:
+    """A pytree container registered without ``serialized_type_name``: no call spec holding
+    it can be written."""
+
+    def __init__(self, state):
+        self.state = state
+
+
+pytree.register_pytree_node(
+    _Unsaved, lambda c: ([c.state], None), lambda leaves, _: _Unsaved(leaves[0]),
+    flatten_with_keys_fn=lambda c: ([(pytree.GetAttrKey("state"), c.state)], None))
+
+
+class _InPlaceInContainer(torch.nn.Module):
+    def forward(self, x, carried):
+        carried.state.add_(x)
+        return carried.state * 2
+
+
+def test_a_record_a_save_cannot_keep_is_noted_after_the_load():
+    program = exported(_InPlaceInContainer(), (torch.ones(3), _Unsaved(torch.zeros(3))))
+    resident = PassManager([InputsToBuffers()]).run(program).program
+    result = PassManager([BuffersToInputs()]).run(saved_and_loaded(resident))
+    notes = " ".join(result.report.records[0].notes)
+    assert "saved without InputsToBuffers' record" in notes and "_Unsaved" in notes
+    assert result.program.graph_signature.user_inputs == ("x", "carried_state")
