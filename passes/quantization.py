@@ -694,6 +694,7 @@ def _convert(prepared: GraphModule, like: ExportedProgram, fold: bool,
     with reads_kept_live(prepared, read_only_state) as give_back_parameters:
         converted = give_back_parameters(convert_pt2e(prepared, fold_quantize=fold))
     _resolve_overload_packets(converted)
+    _dequantize_lossless(converted)
     timed("convert")
     unfrozen = PassManager([UnfreezeMutableBuffer()], **options).run(converted)
     timed("unfreeze")
@@ -726,6 +727,54 @@ def _resolve_overload_packets(gm: GraphModule) -> None:
             except RuntimeError:
                 continue
         node.target = getattr(packet, overloads[0])
+    gm.recompile()
+
+
+def _exact_integers(quant_min: int, quant_max: int, out_dtype: torch.dtype) -> bool:
+    """Whether ``out_dtype`` holds every integer of ``[quant_min, quant_max]`` and every
+    difference of two of them exactly (float16: up to 2048, bfloat16: up to 256)."""
+    if not out_dtype.is_floating_point:
+        return False
+    largest = max(abs(quant_min), abs(quant_max), quant_max - quant_min)
+    return largest <= 2 / torch.finfo(out_dtype).eps  # 2 ** (mantissa bits + 1)
+
+
+def _dequantize_lossless(gm: GraphModule) -> None:
+    """Dequantize per tensor in float32, then cast, where ``out_dtype`` cannot hold the
+    grid's integers.
+
+    torch's reference ``dequantize_per_tensor`` casts the integers to ``out_dtype`` before
+    subtracting the zero point: on a 16-bit grid (``QnnQuantizer``'s ``use_16a8w``) read as
+    float16, ``q`` is rounded to float16's spacing (32 above 32768: off by up to 32 steps)
+    and is ``inf`` above 65504, while ExecuTorch's kernel computes in float32 and casts
+    (the runtime then differs from the Python program call after call where the value is
+    state). Computed in float32 and cast, both give the grid's value rounded once; where
+    the integers are exact in ``out_dtype`` the two forms agree bit for bit and the node
+    is left as it is."""
+    qd = torch.ops.quantized_decomposed
+    targets = (qd.dequantize_per_tensor.default, qd.dequantize_per_tensor.tensor)
+    for node in list(gm.graph.nodes):
+        out_dtype = node.kwargs.get("out_dtype")
+        if (node.op != "call_function" or node.target not in targets or out_dtype is None
+                or out_dtype == torch.float32):
+            continue
+        quant_min, quant_max = node.args[3:5]
+        if _exact_integers(quant_min, quant_max, out_dtype):
+            continue
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "out_dtype"}
+        with gm.graph.inserting_after(node):
+            wide = gm.graph.call_function(node.target, node.args, kwargs)
+        with gm.graph.inserting_after(wide):
+            cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (wide,),
+                                          {"dtype": out_dtype})
+        val = node.meta.get("val")
+        wide.meta.update(node.meta)
+        cast.meta.update(node.meta)
+        if isinstance(val, torch.Tensor):
+            wide.meta["val"] = val.to(torch.float32)
+        node.replace_all_uses_with(cast)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
     gm.recompile()
 
 

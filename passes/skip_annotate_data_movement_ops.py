@@ -37,6 +37,45 @@ def _replaced(node: Node, annotation: QuantizationAnnotation) -> QuantizationAnn
     return new
 
 
+def _repoint_shared(gm: Any, removed: dict[tuple[Node, Node], Any],
+                    statistics: Counter[str]) -> None:
+    """Give each spec sharing a removed buffer edge the spec that edge had.
+
+    A quantizer may make the written value share the buffer's edge (``QnnQuantizer``'s
+    ``slice_scatter(cache, value, ...)``: the value's edge shares ``(cache, slice_scatter)``);
+    with that edge unobserved, pt2e's grouping finds no root and fails with a bare
+    ``KeyError``. The value's edge takes the buffer edge's own spec instead, so it is
+    observed as the buffer would have been (its observer then becomes the union's below).
+    """
+    if not removed:
+        return
+    from torchao.quantization.pt2e.quantizer import SharedQuantizationSpec
+
+    def resolved(spec: Any) -> Any:
+        seen: set[Any] = set()
+        while (isinstance(spec, SharedQuantizationSpec) and spec.edge_or_node in removed
+               and spec.edge_or_node not in seen):
+            seen.add(spec.edge_or_node)
+            spec = removed[spec.edge_or_node]
+        return spec
+
+    for node in gm.graph.nodes:
+        annotation = node.meta.get(ANNOTATION_META)
+        if annotation is None:
+            continue
+        inputs = {arg: resolved(spec) for arg, spec in annotation.input_qspec_map.items()}
+        changed = [arg for arg, spec in inputs.items()
+                   if spec is not annotation.input_qspec_map[arg]]
+        output = resolved(annotation.output_qspec)
+        if not changed and output is annotation.output_qspec:
+            continue
+        annotation = _replaced(node, annotation)
+        for arg in changed:
+            annotation.input_qspec_map[arg] = inputs[arg]
+        annotation.output_qspec = output
+        statistics["specs sharing a removed buffer edge repointed"] += 1
+
+
 @dataclass(frozen=True, repr=False)
 class SkipAnnotateDataMovementOps(Pass):
     """Make a mutable buffer share the qparams of what is written into it.
@@ -129,6 +168,7 @@ class SkipAnnotateDataMovementOps(Pass):
         # left alone, the value itself), and each compute op's read of a buffer -> the
         # buffer.
         written: dict[tuple[Node, Node], str] = {}
+        removed: dict[tuple[Node, Node], Any] = {}  # buffer edge -> the spec it had
         for node in data_movement_nodes(gm.graph, self._ops):
             packet = node.target.overloadpacket
             value = self._written_value(node, self._ops[packet])
@@ -144,12 +184,14 @@ class SkipAnnotateDataMovementOps(Pass):
             if fqn is None and not buffer_inputs:
                 continue
             annotation = _replaced(node, annotation)
-            self._rewrite(node, annotation, buffer_inputs, self._ops[packet], shared, statistics)
+            self._rewrite(node, annotation, buffer_inputs, self._ops[packet], shared, statistics,
+                          removed)
             output = "shares the written value's qparams" if node in shared else "is not quantized"
             statistics["outputs sharing qparams" if node in shared
                        else "outputs left unquantized"] += 1
             notes.append(f"{node.name}: buffer {fqn or buffer_of(buffer_inputs[0], memo)!r} is not "
                          f"observed; the result {output}")
+        _repoint_shared(gm, removed, statistics)
         self._observe_union(gm, written, memo, notes, statistics)
         return PassResult(program, bool(notes), notes, statistics)
 
@@ -243,6 +285,7 @@ class SkipAnnotateDataMovementOps(Pass):
         value_index: int | None,
         shared: set[Node],
         statistics: Counter[str],
+        removed: dict[tuple[Node, Node], Any],
     ) -> None:
         # Imported here: importing torchao is slow and noisy, and `import passes` should not.
         from torchao.quantization.pt2e.quantizer import SharedQuantizationSpec
@@ -253,7 +296,7 @@ class SkipAnnotateDataMovementOps(Pass):
                 qspecs[arg] = SharedQuantizationSpec(arg)
                 statistics["buffer input annotations shared"] += 1
             else:
-                del qspecs[arg]
+                removed[(arg, node)] = qspecs.pop(arg)
                 statistics["buffer input annotations removed"] += 1
         output = None
         if value_index is None:

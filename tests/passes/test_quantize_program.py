@@ -433,3 +433,38 @@ def test_calibration_puts_back_the_callers_carried_cache(by_keyword):
         for args in calls:
             assert torch.equal(module(*args, cache), module(*args, fresh))
             assert torch.equal(cache, fresh)
+
+
+class _HalfState(torch.nn.Module):
+    """A float16 cache written from a float32 activation (``QnnQuantizer`` puts the cast
+    and the write on its grid, read as float16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("h", torch.zeros(2, 4, dtype=torch.float16))
+
+    def forward(self, x, pos):
+        self.h.index_copy_(0, pos, (2 * x).to(torch.float16))
+        return self.h.float().sum(0) + 1
+
+
+def test_a_16_bit_grid_read_as_float16_is_dequantized_in_float32():
+    """torch's reference dequantize casts a 16-bit grid's integers to float16 before
+    subtracting the zero point: the calibration maximum (65535) became ``inf`` and a value
+    near the zero point 32 steps off, where ExecuTorch's kernel (float32, then cast) is
+    exact. The program now computes the grid's value rounded once, as the kernel does."""
+    x = torch.tensor([[-1.0, -0.3, 0.3, 1.0]])
+    calibration = [(x, torch.tensor([0]))]
+    with torch.no_grad():
+        program = torch.export.export(_HalfState(), calibration[0])
+    quantized = quantize_program(program, qnn_quantizer("use_16a8w"), calibration)
+    module = quantized.module()
+    module(*calibration[0])
+    written = module.h[0]
+    assert torch.isfinite(written).all(), written  # was inf where 2 * x is the maximum
+    grid = [n for n in quantized.graph.nodes if n.target == torch.ops.aten.index_copy.default]
+    (value,) = [n.args[3] for n in grid]  # the write: the grid's value, cast once
+    wide = value.args[0]
+    q = torch.ops.quantized_decomposed.quantize_per_tensor(2 * x[0], *wide.args[1:6])
+    expected = torch.ops.quantized_decomposed.dequantize_per_tensor(q, *wide.args[1:6])
+    assert torch.equal(written, expected.half()), (written, expected)

@@ -342,3 +342,38 @@ def test_a_compute_ops_read_of_state_is_observed_over_all_calls(quantizer):
     top = eager.buffers[-1]["acc"].abs().max().item()
     state_error = max(errors["acc"] for errors in buffer_errors(eager, actual)) / top
     assert state_error < 0.05, state_error
+
+
+class _SliceAtPosition(nn.Module):
+    """``cache[p:p + 1] = x`` at a position read from an input: a ``slice_scatter`` whose
+    written value ``QnnQuantizer`` makes share the cache's edge."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(6, 4))
+
+    def forward(self, x, pos):
+        p = pos.item()
+        torch._check(p >= 0)
+        torch._check(p < 6)
+        self.cache[p:p + 1] = x
+        return self.cache.sum(0)
+
+
+def test_a_value_sharing_the_unobserved_buffer_edge_takes_its_spec():
+    """The written value's spec shared ``(cache, slice_scatter)``, the edge this pass stops
+    observing: pt2e's grouping then failed with ``KeyError: (b_cache, slice_scatter)``
+    (``PassFailedError`` from quantize_program). The value's edge now takes that edge's spec:
+    quantized, the cache holds what was written within half a step of its grid, call after
+    call (the sum's own grid, averaged over calibration, clips later calls' larger sums)."""
+    from tests.models.qnn import qnn_quantizer
+
+    torch.manual_seed(0)
+    calls = [(torch.randn(1, 4), torch.tensor([i % 6])) for i in range(7)]
+    with torch.no_grad():
+        program = torch.export.export(_SliceAtPosition(), calls[0])
+    quantized = quantize_program(program, qnn_quantizer(), calls[:4])
+    eager, module = _SliceAtPosition(), quantized.module()
+    for args in calls:
+        module(*args), eager(*args)
+        torch.testing.assert_close(module.cache, eager.cache, atol=0.0075, rtol=0)
