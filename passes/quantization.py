@@ -70,6 +70,7 @@ from ._methods.calls import (
     reads_kept_live,
     share_buffer_tensors,
 )
+from ._methods.integer_reads import restate_integer_reads
 from ._methods.joint_storage import kept_float
 from ._methods.observers import buffer_observers, share_observers
 from ._methods.shared_buffers import (
@@ -807,7 +808,9 @@ def quantize_methods(
             integer grid per buffer in every method). A shared buffer is stored so only
             if every method writing it can store it so; one that some method writes off
             the grid (a reset ``fill_(0.3)``) stays float in every method, the notes
-            saying why (:func:`passes._methods.joint_storage.kept_float`).
+            saying why (:func:`passes._methods.joint_storage.kept_float`). A method only
+            reading a stored buffer, or writing it only as zeros, holds the writers'
+            integers, and its ``quantize_state`` report says so.
         next_values: state carried as input/output pairs: one ``{input name: output
             name}`` for every method, or ``{method: {input: output}}``; ``{}``: none.
         pair_by_name: ``(input prefix, output prefix)`` pairing inputs and outputs by name
@@ -907,6 +910,7 @@ def quantize_methods(
         # shared again.
         stored = PassManager([QuantizeMutableBuffers(keep_float=kept_float(quantized))]
                              ).run(quantized)
+        restate_integer_reads(stored, stored.notes.get("integer reads", {}))
         for name, result in stored.items():
             quantized[name] = result.program
             reports[name]["quantize_state"] = result.report
