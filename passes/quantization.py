@@ -75,6 +75,7 @@ from ._methods.joint_storage import kept_float
 from ._methods.observers import buffer_observers, share_observers
 from ._methods.shared_buffers import (
     check_shared_buffers,
+    parameter_difference,
     written_by_any_method,
 )
 from .errors import (
@@ -828,7 +829,9 @@ def quantize_methods(
         QuantizationInputError: ``programs`` not a non-empty mapping of ExportedPrograms,
             ``quantizer`` not a Quantizer (the message says what to pass, e.g. "call
             xnnpack_quantizer()"), a call naming no method, or a method never called (also
-            a ``ValueError``); its :class:`~passes.errors.CalibrationInputError` names the
+            a ``ValueError``), methods sharing state that hold a parameter of one name
+            differently (exported from separate instances of the model, each initialized
+            its own way); its :class:`~passes.errors.CalibrationInputError` names the
             call and the input when a call does not fit its method's program, its
             :class:`~passes.errors.InputStateError` a method that would not write an input
             it writes in place back into the caller's tensor.
@@ -859,6 +862,9 @@ def quantize_methods(
     for index, (method, args, kwargs) in enumerate(calibration):
         check_calibration_call(programs[method], args, kwargs, "quantize_methods", index, method)
     check_shared_buffers(programs, "quantize_methods")
+    separate = parameter_difference(programs)
+    if separate is not None:
+        raise QuantizationInputError("quantize_methods", "programs", separate)
     pairs = {name: pairs_of(program, method_pairing(next_values, name, list(programs)),
                             pair_by_name, "quantize_methods", name)
              for name, program in programs.items()}
