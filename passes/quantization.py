@@ -70,10 +70,12 @@ from ._methods.calls import (
     reads_kept_live,
     share_buffer_tensors,
 )
+from ._methods.integer_reads import restate_integer_reads
 from ._methods.joint_storage import kept_float
 from ._methods.observers import buffer_observers, share_observers
 from ._methods.shared_buffers import (
     check_shared_buffers,
+    parameter_difference,
     written_by_any_method,
 )
 from .errors import (
@@ -856,7 +858,9 @@ def quantize_methods(
             integer grid per buffer in every method). A shared buffer is stored so only
             if every method writing it can store it so; one that some method writes off
             the grid (a reset ``fill_(0.3)``) stays float in every method, the notes
-            saying why (:func:`passes._methods.joint_storage.kept_float`).
+            saying why (:func:`passes._methods.joint_storage.kept_float`). A method only
+            reading a stored buffer, or writing it only as zeros, holds the writers'
+            integers, and its ``quantize_state`` report says so.
         next_values: state carried as input/output pairs: one ``{input name: output
             name}`` for every method, or ``{method: {input: output}}``; ``{}``: none.
         pair_by_name: ``(input prefix, output prefix)`` pairing inputs and outputs by name
@@ -874,7 +878,9 @@ def quantize_methods(
         QuantizationInputError: ``programs`` not a non-empty mapping of ExportedPrograms,
             ``quantizer`` not a Quantizer (the message says what to pass, e.g. "call
             xnnpack_quantizer()"), a call naming no method, or a method never called (also
-            a ``ValueError``); its :class:`~passes.errors.CalibrationInputError` names the
+            a ``ValueError``), methods sharing state that hold a parameter of one name
+            differently (exported from separate instances of the model, each initialized
+            its own way); its :class:`~passes.errors.CalibrationInputError` names the
             call and the input when a call does not fit its method's program, its
             :class:`~passes.errors.InputStateError` a method that would not write an input
             it writes in place back into the caller's tensor.
@@ -905,6 +911,9 @@ def quantize_methods(
     for index, (method, args, kwargs) in enumerate(calibration):
         check_calibration_call(programs[method], args, kwargs, "quantize_methods", index, method)
     check_shared_buffers(programs, "quantize_methods")
+    separate = parameter_difference(programs)
+    if separate is not None:
+        raise QuantizationInputError("quantize_methods", "programs", separate)
     pairs = {name: pairs_of(program, method_pairing(next_values, name, list(programs)),
                             pair_by_name, "quantize_methods", name)
              for name, program in programs.items()}
@@ -956,6 +965,7 @@ def quantize_methods(
         # shared again.
         stored = PassManager([QuantizeMutableBuffers(keep_float=kept_float(quantized))]
                              ).run(quantized)
+        restate_integer_reads(stored, stored.notes.get("integer reads", {}))
         for name, result in stored.items():
             quantized[name] = result.program
             reports[name]["quantize_state"] = result.report

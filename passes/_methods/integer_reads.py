@@ -21,8 +21,10 @@ a method that holds the buffer and never reads it just holds the integers.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.export import ExportedProgram
@@ -34,7 +36,7 @@ from .._analysis.marked_state import initial_copy
 from .._analysis.quantized_state import NO_GRID, BufferPlan, plan_quantized_state
 
 __all__ = ["PER_CHANNEL_READ", "PER_CHANNEL_ZEROS", "FloatHolder", "read_integer_state",
-           "writes_only_zeros"]
+           "restate_integer_reads", "writes_only_zeros"]
 
 
 def writes_only_zeros(plan: BufferPlan) -> bool:
@@ -171,3 +173,59 @@ def _dequantized_at_the_top(program: ExportedProgram, node: torch.fx.Node, grid:
         node.meta[INITIAL_META] = initial_copy(grid.integers_of(initial))
     graph.lint()
     program.graph_module.recompile()
+
+
+def restate_integer_reads(results: Mapping[str, Any], reads: Mapping[str, list[str]]) -> None:
+    """Make each method's ``QuantizeMutableBuffers`` record say what the join stored:
+    ``reads`` (the run's ``notes["integer reads"]``), per method, the buffers it now holds
+    as the writers' integers. The pass decided the method alone and noted such a buffer as
+    staying float (a reset writing zeros) or not at all (a method only reading it); its
+    note, statistics, node count and ``modified`` are rewritten from the stored program.
+    ``results``: per method, the pass manager's run result (``.program``, ``.report``)."""
+    programs = {name: result.program for name, result in results.items()}
+    for method, fqns in reads.items():
+        program = programs[method]
+        record = _stored_record(results[method].report)
+        if record is None:
+            continue
+        statistics = Counter(record.statistics)
+        for fqn in fqns:
+            grid, writer = _stored_grids({name: p for name, p in programs.items()
+                                          if fqn not in reads.get(name, ())})[fqn]
+            held = buffer_tensor(program, fqn)
+            before = held.numel() * grid.out_dtype.itemsize
+            after = held.numel() * held.element_size()
+            writes = fqn in program.graph_signature.buffers_to_mutate.values()
+            how = ("writes only zeros, stored as the grid's zero point" if writes
+                   else "reads them dequantized")
+            note = (f"{fqn}: {_dtype(grid.out_dtype)} -> {_dtype(grid.dtype)} ({before} -> "
+                    f"{after} bytes) on {grid.describe()}: holds the integers {writer!r} "
+                    f"stores and {how}")
+            kept = [i for i, said in enumerate(record.notes) if said.startswith(f"{fqn}: ")]
+            if kept:
+                record.notes[kept[0]] = note
+            else:
+                record.notes.append(note)
+            if statistics.pop(f"{fqn}: left float", None) is not None:
+                statistics["buffers left float"] -= 1
+                statistics["state bytes after"] -= before
+            else:
+                statistics["state bytes before"] += before
+            statistics["buffers stored as integers"] += 1
+            statistics["state bytes after"] += after
+            statistics[f"{fqn}: bytes {_dtype(grid.out_dtype)}"] = before
+            statistics[f"{fqn}: bytes {_dtype(grid.dtype)}"] = after
+        record.statistics = {key: count for key, count in statistics.items()
+                             if count or key.startswith("state bytes")}
+        record.nodes_after = len(program.graph.nodes)
+        record.modified = True
+
+
+def _stored_record(report: Any) -> Any:
+    """The last ``QuantizeMutableBuffers`` record of ``report`` (None: the pass did not run)."""
+    return next((record for record in reversed(report.records)
+                 if record.name == "QuantizeMutableBuffers"), None)
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -249,6 +249,38 @@ def shared_buffer_differences(programs: Mapping[str, Any]) -> list[BufferDiffere
     return found
 
 
+def parameter_difference(programs: Mapping[str, ExportedProgram]) -> str | None:
+    """How two methods sharing state hold a parameter of one name differently, or None.
+
+    Methods sharing a written buffer are one model's, and one model has one tensor per
+    parameter name: a difference means they were exported from separate instances (each
+    initialized its own way), and every call computes with weights the model never had
+    together. Methods sharing no state (an encoder and a decoder in one ``.pte``) may hold
+    unrelated parameters of one name."""
+    written = written_by_any_method(programs)
+    state = {name: set(held_buffers(program)) & written for name, program in programs.items()}
+    seen: dict[str, tuple[str, torch.Tensor]] = {}
+    for name, program in programs.items():
+        for fqn in program.graph_signature.parameters:
+            tensor = program.state_dict.get(fqn)
+            if tensor is None:
+                continue
+            first, reference = seen.setdefault(fqn, (name, tensor))
+            if first == name or not state[first] & state[name]:
+                continue
+            if tuple(reference.shape) != tuple(tensor.shape) or reference.dtype != tensor.dtype:
+                value = (f"{tuple(reference.shape)} {reference.dtype} vs "
+                         f"{tuple(tensor.shape)} {tensor.dtype}")
+            else:
+                value = _value_difference(reference, tensor)
+            if value is not None:
+                return (f"methods {first!r} and {name!r} share state but hold parameter "
+                        f"{fqn!r} differently ({value}): they were exported from separate "
+                        "instances of the model; export every method from one instance "
+                        "(or from copy.deepcopy of it)")
+    return None
+
+
 def check_shared_buffers(programs: Mapping[str, Any], when: str = "") -> None:
     """Raise :class:`SharedBufferError` if the methods disagree about a shared buffer."""
     differences = shared_buffer_differences(programs)

@@ -34,7 +34,7 @@ from torch.export import ExportedProgram
 
 from .._analysis.write_bounds import check_writes_within_state
 from .._carried.pairs import method_pairing
-from .._methods.shared_buffers import shared_buffer_differences
+from .._methods.shared_buffers import parameter_difference, shared_buffer_differences
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
 from .buffer_layout import contiguous_buffers
 from .initial_state import repair_initial_state
@@ -99,6 +99,9 @@ def _check_shared_state(programs: dict[str, ExportedProgram]) -> None:
             HELPER, "programs", f"{differences[0]}; methods of one .pte share that buffer, so "
             "export them from one model (and quantize them together: "
             "passes.quantization.quantize_methods)")
+    separate = parameter_difference(programs)
+    if separate is not None:
+        raise ExecuTorchInputError(HELPER, "programs", separate)
 
 
 def _flat_calls(programs: dict[str, ExportedProgram], calls: Any) -> list[tuple[str, list]]:
@@ -156,7 +159,9 @@ def lower_methods_to_pte(
 
     Raises:
         ExecuTorchInputError: ``programs`` is not a mapping of ExportedPrograms, their
-            shared buffers differ, or ``partitioner`` is not an ExecuTorch Partitioner.
+            shared buffers differ, methods sharing state hold a parameter of one name
+            differently (separate instances of the model), or ``partitioner`` is not an
+            ExecuTorch Partitioner.
         ParameterMutationOnExecuTorchError: a method writes a parameter.
         PortableKernelAbortError: a method keeps at the top level a quantize or dequantize
             whose ExecuTorch kernel would abort the process (a bfloat16 float side).
@@ -259,7 +264,9 @@ def run_methods_on_runtime(
 
     Raises:
         ExecuTorchInputError: naming the argument: ``programs`` not a mapping of
-            ExportedPrograms (or sharing a buffer they disagree on), a call naming an
+            ExportedPrograms (or sharing a buffer they disagree on, or sharing state but
+            holding a parameter of one name differently: exported from separate instances
+            of the model), a call naming an
             unknown method or whose inputs do not fit it, a ``partitioner`` that is not one
             or delegates to a backend this runtime lacks (found before loading).
         ParameterMutationOnExecuTorchError: a method writes a parameter.

@@ -29,6 +29,7 @@ from passes import (
 )
 from passes._analysis.buffers import buffer_tensor
 from passes._methods.grid_facet import buffer_grids
+from passes._methods.shared_buffers import parameter_difference
 from passes.flow.examples import AnnotateEveryOpQuantizer, xnnpack_quantizer
 from passes.flow.quantized_graphs import output_grid
 from passes.quantization import quantize_methods, quantize_program
@@ -262,6 +263,47 @@ def test_methods_exported_from_separate_copies_come_back_sharing_one_state():
     same = calls_in_sequence(copies(decoder_quantized("every_op")), evaluation)
     for got, want in zip(calls_in_sequence(quantized, evaluation), same, strict=True):
         assert torch.equal(got, want)
+
+
+class _Summing(torch.nn.Module):
+    """A running total of a linear layer's outputs; ``state`` names the buffer."""
+
+    def __init__(self, state: str = "total"):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.state = state
+        self.register_buffer(state, torch.zeros(2))
+
+    def forward(self, x):
+        total = getattr(self, self.state)
+        total.add_(self.lin(x).sum(0))
+        return total * 1
+
+
+def _separate_instances(*states: str) -> dict:
+    """Method ``m<i>`` exported from its own ``_Summing(states[i])``, seeded ``i``."""
+    programs = {}
+    for seed, state in enumerate(states):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            programs[f"m{seed}"] = torch.export.export(_Summing(state), (torch.ones(1, 2),))
+    return programs
+
+
+def test_methods_exported_from_separate_instances_are_refused_naming_the_parameter():
+    """Two fresh instances hold the same (zero) state but their own random weights: the
+    buffers agree, so before, quantize_methods calibrated and returned methods computing
+    with weights the model never had together (the four-method decoder from two
+    instances: 11.0 off the one model's eager calls)."""
+    programs = _separate_instances("total", "total")
+    calls = [("m0", (torch.ones(1, 2),)), ("m1", (torch.ones(1, 2),))]
+    with pytest.raises(QuantizationInputError, match=r"methods 'm0' and 'm1' share state but "
+                       r"hold parameter 'lin.weight' differently \(4 of 4 elements differ.*"
+                       r"export every method from one instance") as error:
+        quantize_methods(programs, xnnpack_quantizer(), calls)
+    assert error.value.argument == "programs"
+    # Methods sharing no state may hold unrelated weights of one name.
+    assert parameter_difference(_separate_instances("total", "other")) is None
 
 
 def test_an_accumulator_read_torchao_folds_stays_live_in_every_method():

@@ -24,6 +24,7 @@ from passes import (
 )
 from passes._methods.calls import share_buffer_tensors
 from passes._methods.in_turn import run_methods
+from passes._methods.integer_reads import restate_integer_reads
 from passes.flow.examples import xnnpack_quantizer
 from passes.flow.integer_state import dequantized_state
 from passes.quantization import quantize_methods
@@ -68,6 +69,9 @@ def test_the_pass_manager_makes_a_reader_read_the_integers_the_writer_stores():
     assert integers["read"].state_dict["total"].dtype == torch.int8
     assert integers["read"].state_dict["total"] is integers["write"].state_dict["total"]
     assert stored.notes["integer reads"] == {"read": ["total"]}
+    restate_integer_reads(stored, stored.notes["integer reads"])
+    _says_stored(stored["read"].report.records[-1], "total",
+                 "'write' stores and reads them dequantized")
     for got, want in zip(calls_in_sequence(integers, case.calls),
                          calls_in_sequence(floats, case.calls), strict=True):
         assert torch.equal(got, want)  # bit for bit the float-stored methods, call after call
@@ -113,7 +117,9 @@ def test_a_buffer_one_method_resets_is_stored_alike_in_every_method(reset_total,
     buffer for all of them); to zero, ``reset`` stores the grid's zero point. Before, both
     raised SharedBufferError (aspect "integer storage"); and before that, the join made
     ``reset`` hold the int8 tensor and cast its float write into it: the calls after a
-    reset were off the float-stored methods by up to 18.7."""
+    reset were off the float-stored methods by up to 18.7. Stored to zero, ``reset``'s
+    report said "total: stays float32" and counted it left float (modified: no), though it
+    holds the int8 total; now it says what it holds."""
     case, floats = reset_total(fill)
     integers = quantize_methods(copy_program(dict(case.programs)), xnnpack_quantizer(),
                                 case.calls, quantize_state=True)
@@ -127,6 +133,23 @@ def test_a_buffer_one_method_resets_is_stored_alike_in_every_method(reset_total,
             "total: stays float32: method 'reset' writes it off the grid (written by its "
             "mutation output: fill_scalar: computed by fill.Scalar, not data movement of a "
             "dequantized value), and all methods hold one buffer"]
+    else:  # the report of each method says what it now holds
+        _says_stored(integers.reports["reset"]["quantize_state"].records[-1], "total",
+                     "'add' stores and writes only zeros, stored as the grid's zero point")
+
+
+def _says_stored(record, fqn: str, how: str) -> None:
+    """``record`` (QuantizeMutableBuffers) notes ``fqn`` stored as int8, ``how``, and
+    counts it so (4 float32 values: 16 bytes before, 4 after)."""
+    (note,) = [note for note in record.notes if note.startswith(f"{fqn}: ")]
+    assert note.startswith(f"{fqn}: float32 -> int8 (16 -> 4 bytes) on int8 ") and \
+        note.endswith(how), note
+    assert record.modified
+    assert record.statistics["buffers stored as integers"] == 1
+    assert "buffers left float" not in record.statistics
+    assert f"{fqn}: left float" not in record.statistics
+    assert (record.statistics[f"{fqn}: bytes float32"],
+            record.statistics[f"{fqn}: bytes int8"]) == (16, 4)
 
 
 def test_the_pass_manager_alone_refuses_a_float_write_of_integer_state(reset_total):

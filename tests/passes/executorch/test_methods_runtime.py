@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from passes.executorch import ExecuTorchInputError, run_methods_on_runtime
-from passes.flow.examples import xnnpack_quantizer
+from passes.flow.examples import kv_decoder, xnnpack_quantizer
 from passes.quantization import quantize_methods
 from tests.models.methods_on_runtime import (
     accumulator_methods,
@@ -103,6 +103,20 @@ def test_programs_must_be_a_mapping_sharing_one_state(case):
     assert info.value.argument == "partitioner"
     torch.testing.assert_close(case.programs["prefill"].state_dict["layers.0.attn.k_cache"],
                                torch.zeros(1, 2, 16, 16))
+
+
+def test_methods_from_separate_instances_are_refused_before_lowering(case):
+    """The prefill and decode exported from two instances of the decoder, one initialized
+    otherwise: the caches agree (zeros), the weights do not. Before, the .pte was lowered
+    and ran, each method with its own weights (the four-method decoder from two instances:
+    11.0 off the one model's eager calls, on the runtime as in Python)."""
+    with torch.no_grad():
+        decode = torch.export.export(kv_decoder(1, seed=1)[0], case.calls[1][1])
+    programs = {"prefill": case.programs["prefill"], "decode": decode}
+    with pytest.raises(ExecuTorchInputError, match=r"methods 'prefill' and 'decode' share "
+                       r"state but hold parameter '.*' differently.*separate instances") as info:
+        run_methods_on_runtime(programs, case.calls)
+    assert info.value.argument == "programs"
 
 
 def test_state_starts_from_its_initial_value_and_a_reader_sees_the_writes():
