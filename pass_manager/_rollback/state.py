@@ -32,7 +32,7 @@ _values = dict.values
 # A module's registries of named state: its buffers, parameters and submodules.
 _REGISTRIES = tuple(map(operator.itemgetter, ("_buffers", "_parameters", "_modules")))
 # An ExportedProgram's attributes recorded as copies (put back as copies of the copies).
-_EXPORTED = ("_state_dict", "_constants", "_range_constraints", "_verifiers")
+_EXPORTED = ("_state_dict", "_constants", "_range_constraints", "_verifiers", "_example_inputs")
 
 
 def _tensor_keys(attrs: dict) -> list[str]:
@@ -259,8 +259,8 @@ class ObjectsRecord:
 class StateRecord:
     """A program outside its graph: every module's attributes and registered state, every
     tensor's identity and version (its data only with ``copy_data``), and an
-    ExportedProgram's signature, call graph, state, constants, range constraints and
-    verifiers."""
+    ExportedProgram's signature, call graph, state, constants, range constraints,
+    verifiers and example inputs."""
 
     def __init__(self, program: Any, gm: torch.fx.GraphModule, copy_data: bool):
         self.program = program
@@ -299,6 +299,7 @@ class StateRecord:
                             [recorded["_state_dict"], recorded["_constants"]])
             and program._range_constraints == recorded["_range_constraints"]
             and program._verifiers == recorded["_verifiers"]
+            and program._example_inputs is recorded["_example_inputs"]  # a tuple: not copied
         )
 
     def signature_as_recorded(self) -> Any:
