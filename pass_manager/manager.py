@@ -16,6 +16,7 @@ from .conditions import (
     provides_of,
 )
 from .effects import Effects
+from .errors import PipelineError
 from .instruments import ClaimCheck, Instrumentation, Timing
 from .pass_base import Pass, PassResult, as_pass
 from .pipeline_text import format_pipeline, parse_passes
@@ -76,6 +77,7 @@ class PassManager(Pass):
         self.instruments: list[Instrumentation] = [*defaults, *instruments]
         self._name = name
         self._lock = threading.RLock()
+        self._running = False
 
     # -- a PassManager is itself a pass, so pipelines nest as groups -------------------
     @property
@@ -161,16 +163,25 @@ class PassManager(Pass):
         # A group in a strict pipeline is strict too: its passes' effects are checked (and
         # named) in its run, not blamed on the group by the outer one.
         strict = self.strict or any(isinstance(i, ClaimCheck) and i.strict for i in enclosing)
-        with self._lock:
-            return Runner(self.plan(), self.instruments, name=self.name, strict=strict,
-                          plan=self.explain(), enclosing=enclosing).run(program)
+        with self._lock:  # held by this thread already: a pass of this run called it again
+            if self._running:  # its instruments would take the inner run's state as theirs
+                raise PipelineError(
+                    f"{self.name} is already running in this thread: one of its passes ran it "
+                    "again, and its instruments hold the outer run's state; run a copy "
+                    "(copy.deepcopy(manager)) or another PassManager inside a pass")
+            self._running = True
+            try:
+                return Runner(self.plan(), self.instruments, name=self.name, strict=strict,
+                              plan=self.explain(), enclosing=enclosing).run(program)
+            finally:
+                self._running = False
 
     # A lock is neither copied nor pickled: a copy (a process's) gets its own.
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_running")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _lock=threading.RLock())
+        self.__dict__.update(state, _lock=threading.RLock(), _running=False)
 
 
 def parse_pipeline(text: str, **options: Any) -> PassManager:

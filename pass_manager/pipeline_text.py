@@ -145,11 +145,12 @@ def format_pipeline(passes: Sequence[Any]) -> str:
 
 def _split(text: str, separator: str) -> list[str]:
     """Split at ``separator`` outside brackets and string literals."""
-    parts, depth, quote, start = [], 0, "", 0
+    parts, depth, quote, start, escaped = [], 0, "", 0, False
     for i, char in enumerate(text):
-        if quote:
-            if char == quote and text[i - 1] != "\\":
-                quote = ""
+        if escaped:  # in a string, a backslash escapes the next character (even one: 'a\\')
+            escaped = False
+        elif quote:
+            escaped, quote = char == "\\", "" if char == quote else quote
         elif char in "'\"":
             quote = char
         elif char in "([{":

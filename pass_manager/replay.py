@@ -166,6 +166,10 @@ def load_reproducer(folder: str | Path, *, trusted: bool = False) -> Reproductio
     except (ImportError, PipelineError) as e:
         raise ArchiveError(manifest_file, f"its pass cannot be rebuilt: {type(e).__name__}: "
                            f"{e}") from e
+    if not manifest["group"] and len(passes) != 1:  # "A,A" replayed the pass twice
+        raise ArchiveError(manifest_file, (
+            f"its 'pipeline' holds {len(passes)} passes but 'group' is false: a Reproducer "
+            "writes the one pass that failed (damaged, or edited)"))
     program_file = folder / "program.pt2"
     if not program_file.exists():
         program_file = folder / "program.pt"  # pickled

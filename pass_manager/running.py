@@ -225,25 +225,34 @@ def _notify(instruments: Iterable[Instrumentation], hook: str, around: tuple[Any
     is a change to the program's nodes or signature (an instrument observes: a change the
     pass's record does not cover would be reported as the pass's, or as none), undone first
     with ``undo`` (the record of the program taken before the hook) or, if that cannot put
-    back a signature (a meta-only record), with a record taken here."""
+    back a signature (a meta-only record), with a record taken here. A failure hook that
+    breaks does not silence the others (a Reproducer after a broken printer still writes its
+    folder): the first error is raised once every instrument has had its hook."""
     program = args[0] if hook.endswith("_run") else args[1]
-    stamp = None
+    stamp, first = None, None
     for instrument in instruments:
         if stamp is None and type(instrument) not in (Timing, ClaimCheck):
             stamp = Stamp(program)
             if undo is None or not undo.records_state:
                 undo = RollbackRecord(program, _OBSERVED)
+        error = None
         try:
             getattr(instrument, hook)(*args)
-        except PassManagerError:
-            raise
-        except Exception as e:
-            raise _broken(instrument, hook, around, f"{type(e).__name__}: {e}",
-                          stamp, program, undo) from e
-        if stamp is not None and not stamp.matches(program):
-            raise _broken(instrument, hook, around, "nothing, but changed the program's nodes "
-                          "or signature; an instrument observes (its change was undone)",
-                          stamp, program, undo)
+        except PassManagerError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - a bug in the instrument: named, raised below
+            error = _broken(instrument, hook, around, f"{type(e).__name__}: {e}",
+                            stamp, program, undo)
+            error.__cause__ = e
+        if error is None and stamp is not None and not stamp.matches(program):
+            error = _broken(instrument, hook, around, "nothing, but changed the program's "
+                            "nodes or signature; an instrument observes (its change was undone)",
+                            stamp, program, undo)
+        if error is not None and hook != "after_pass_failed":
+            raise error
+        first = first or error
+    if first is not None:
+        raise first
 
 
 def _broken(instrument: Instrumentation, hook: str, around: tuple[Any, int | None],

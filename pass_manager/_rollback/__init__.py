@@ -48,8 +48,8 @@ class Change(NamedTuple):
 class RollbackRecord:
     """A program recorded for one pass: check its declaration, measure, restore.
 
-    Tensor data is copied only for a pass declaring ``writes_state`` (a KV cache is not
-    cloned before every pass): a tensor written without a copy is listed by
+    Tensor data is copied only for a pass declaring ``writes_state``, or under ``strict`` (a
+    KV cache is not cloned before every pass): a tensor written without a copy is listed by
     :meth:`unrestorable_changes`, never silently kept. Meta objects are copied only for a
     pass that may edit them in place (``edits_meta_in_place``, or ``strict``).
     """
@@ -70,7 +70,8 @@ class RollbackRecord:
                                         None if strict else effects.meta_keys, copy_shared=strict)
                             for _, m in graphs]
             self._graph = self._graphs[0]
-            self._state = None if meta_only else StateRecord(program, gm, effects.writes_state)
+            copy_data = effects.writes_state or strict
+            self._state = None if meta_only else StateRecord(program, gm, copy_data)
 
     @property
     def records_state(self) -> bool:

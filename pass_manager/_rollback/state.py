@@ -32,7 +32,7 @@ _values = dict.values
 # A module's registries of named state: its buffers, parameters and submodules.
 _REGISTRIES = tuple(map(operator.itemgetter, ("_buffers", "_parameters", "_modules")))
 # An ExportedProgram's attributes recorded as copies (put back as copies of the copies).
-_EXPORTED = ("_state_dict", "_constants", "_range_constraints", "_verifiers")
+_EXPORTED = ("_state_dict", "_constants", "_range_constraints", "_verifiers", "_example_inputs")
 
 
 def _tensor_keys(attrs: dict) -> list[str]:
@@ -126,6 +126,20 @@ def _mark(t: Any) -> tuple[int, int | None]:
     return t._version, t.data_ptr() if type(t) in _PLAIN and t.layout == torch.strided else None
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (a NaN equals itself, -0.0 differs from 0.0)."""
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.is_floating_point() and a.element_size() in _BITS:
+        with contextlib.suppress(RuntimeError):  # a layout with no dtype view (sparse)
+            bits = _BITS[a.element_size()]
+            return torch.equal(a.view(bits), b.view(bits))
+    return torch.equal(a, b)
+
+
 def _marks(tensors: list[Any]) -> list[tuple[int, int | None]]:
     if all(map(_PLAIN.__contains__, map(type, tensors))):
         with contextlib.suppress(RuntimeError):  # in C loops, unless one is sparse
@@ -164,15 +178,15 @@ class TensorsRecord:
 
     def written(self, skip: Container[int] = ()) -> list[str]:
         """Tensors whose data was written in place or swapped (``t.data = other``) since the
-        record, but for the entries ``skip``."""
+        record, but for the entries ``skip``; a copied one is also compared with its copy
+        (``t.data.mul_(2)`` writes through a tensor with a version counter of its own)."""
         marks = _marks(self.tensors)
-        if marks == self.marks:
-            return []
-        return sorted(
-            name for i, ((name, _, _), now, then) in enumerate(zip(self.named(), marks,
-                                                                   self.marks, strict=True))
-            if now != then and name is not None and i not in skip
-        )
+        changed = {i for i, (now, then) in enumerate(zip(marks, self.marks, strict=True))
+                   if now != then}
+        changed.update(i for i, (data, copied) in self.data.items()
+                       if i not in changed and i not in skip and not _same_data(data, copied))
+        names = self.named() if changed else []
+        return sorted(names[i][0] for i in changed if names[i][0] is not None and i not in skip)
 
     def unrestorable(self) -> list[str]:
         """Tensors written in place whose old data was not copied, so cannot come back (a
@@ -180,12 +194,10 @@ class TensorsRecord:
         return self.written(skip=self.data)
 
     def restore(self) -> None:
-        for i, (data, copied) in self.data.items():
-            tensor = self.tensors[i]
-            if _mark(tensor) != self.marks[i]:
-                with torch.no_grad():
-                    tensor.data = data  # the very data it had, if the pass swapped it
-                    data.copy_(copied)
+        with torch.no_grad():  # every copy: a write through ``t.data`` leaves no mark
+            for i, (data, copied) in self.data.items():
+                self.tensors[i].data = data  # the very data it had, if the pass swapped it
+                data.copy_(copied)
 
 
 # Per type, whether its objects are recorded: lists and dataclass instances with a
@@ -247,8 +259,8 @@ class ObjectsRecord:
 class StateRecord:
     """A program outside its graph: every module's attributes and registered state, every
     tensor's identity and version (its data only with ``copy_data``), and an
-    ExportedProgram's signature, call graph, state, constants, range constraints and
-    verifiers."""
+    ExportedProgram's signature, call graph, state, constants, range constraints,
+    verifiers and example inputs."""
 
     def __init__(self, program: Any, gm: torch.fx.GraphModule, copy_data: bool):
         self.program = program
@@ -287,6 +299,7 @@ class StateRecord:
                             [recorded["_state_dict"], recorded["_constants"]])
             and program._range_constraints == recorded["_range_constraints"]
             and program._verifiers == recorded["_verifiers"]
+            and program._example_inputs is recorded["_example_inputs"]  # a tuple: not copied
         )
 
     def signature_as_recorded(self) -> Any:

@@ -177,6 +177,18 @@ def test_a_manifest_naming_a_pass_no_one_can_build_is_an_archive_error(
     assert info.value.reason.startswith("its pass cannot be rebuilt: PipelineError: ")
 
 
+def test_a_manifest_naming_several_passes_where_one_failed_is_an_archive_error(
+        written, tmp_path):
+    """Edited to "A,A" with 'group' false, the replay ran the pass twice, under the
+    failed pass's number and name."""
+    folder = _edited(written, tmp_path, lambda manifest: manifest.update(
+        pipeline=f"{manifest['pipeline']},{manifest['pipeline']}"))
+    with pytest.raises(ArchiveError) as info:
+        load_reproducer(folder)
+    assert info.value.reason == ("its 'pipeline' holds 2 passes but 'group' is false: a "
+                                 "Reproducer writes the one pass that failed (damaged, or edited)")
+
+
 def test_a_missing_program_file_is_named_as_the_folder_holds_it(written, tmp_path):
     """The replay looked for the pickled program.pt next and said *that* was missing."""
     folder = _edited(written, tmp_path, lambda manifest: None)

@@ -663,6 +663,30 @@ def test_one_manager_run_from_two_threads_keeps_each_run_to_its_program():
         assert_same_behaviour(copy.deepcopy(model), programs[i], (x,), calls=3)
 
 
+def test_a_pass_running_its_own_manager_again_is_a_typed_error(exported):
+    """A pass ran its manager on another program (same thread, so the lock let it in): the
+    inner run replaced SemanticValidation's reference, and the outer pass, which changed no
+    value, failed "max abs diff 100" against the other program's outputs."""
+    class Other(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x) + 100
+
+    def runs_a_manager_on_another_program(program):
+        if inner:
+            inner.pop().run(torch.export.export(Other(), (torch.ones(4),)))
+        next(iter(graph_of(program).nodes)).meta["seen"] = True  # a change: validated
+
+    manager = PassManager([function_pass(runs_a_manager_on_another_program, name="nested")],
+                          instruments=[SemanticValidation((torch.ones(4),))])
+    inner = [manager]
+    with pytest.raises(PassFailedError, match=r"PipelineError: PassManager\[nested\] is already "
+                                               r"running in this thread") as info:
+        manager.run(exported)
+    assert info.value.pass_name == "nested" and info.value.rolled_back
+    inner = [copy.deepcopy(manager)]  # the way out the error names
+    assert manager.run(exported).modified and not inner
+
+
 @pytest.mark.parametrize("duplicate", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))],
                          ids=["deepcopy", "pickle"])
 def test_a_copied_or_unpickled_manager_runs_on_its_own(exported, duplicate):

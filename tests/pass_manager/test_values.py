@@ -200,6 +200,14 @@ def test_an_option_of_the_right_basic_type_is_taken():
     assert parse_pipeline("ScaleConstants{factor=2}").plan()[0].factor == 2
 
 
+@pytest.mark.parametrize("label", ["a\\", "\\", "a\\,b", "it's \"q\"\\", "x},{y", "a=b"])
+def test_a_string_option_round_trips_through_pipeline_text(label):
+    """A string ending in a backslash printed as 'a\\\\': the closing quote was taken as
+    escaped, so the text the pipeline printed (and a Reproducer saved) did not parse."""
+    text = PassManager([Floored(label=label)]).pipeline_text()
+    assert parse_pipeline(f"{text},{text}").plan() == [Floored(label=label)] * 2
+
+
 def test_a_class_redefined_under_one_name_is_parsed_as_the_live_one(traced):
     """A notebook cell run twice defines a second class of one name; the first is dead
     but, being in a reference cycle, stays until the garbage collector runs."""

@@ -31,12 +31,15 @@ class ResetAndRewrite(Pass):
 
     fail: bool = False
     swap: bool = False  # ``acc.data = zeros``: no version bump
+    through_data: bool = False  # ``acc.data.zero_()``: bumps a version counter of its own
 
     def call(self, program):
         buffer = buffer_of(program)
         with torch.no_grad():
             if self.swap:
                 buffer.data = torch.zeros_like(buffer)
+            elif self.through_data:
+                buffer.data.zero_()
             else:
                 buffer.zero_()
         for node in targets(program, "relu"):
@@ -70,28 +73,45 @@ def test_undeclared_state_write_is_a_typed_error_naming_the_tensor(form, swap, r
     assert error.rolled_back and "abs" in error.diff
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["zero_", "data ="])
+WRITES = {"zero_": {}, "data =": {"swap": True}, "data.zero_": {"through_data": True}}
+
+
+@pytest.mark.parametrize("write", WRITES)
 @pytest.mark.parametrize("form", ["exported", "traced"])
-def test_failing_pass_that_declares_state_writes_is_restored_exactly(form, swap, request):
-    """After ``acc.data = zeros``, the rollback put back neither the data nor its storage."""
+def test_failing_pass_that_declares_state_writes_is_restored_exactly(form, write, request):
+    """After ``acc.data = zeros``, the rollback put back neither the data nor its storage;
+    after ``acc.data.zero_()`` (no mark on ``acc`` itself), not the data."""
     program = request.getfixturevalue(form)
     with torch.no_grad():
         buffer_of(program).copy_(torch.arange(4.0))
     before, storage = buffer_of(program).clone(), buffer_of(program).data_ptr()
     with pytest.raises(PassFailedError) as info:
-        PassManager([DeclaredReset(fail=True, swap=swap)]).run(program)
+        PassManager([DeclaredReset(fail=True, **WRITES[write])]).run(program)
     assert not isinstance(info.value, EffectsError) and info.value.unrestored == []
     torch.testing.assert_close(buffer_of(program), before, rtol=0, atol=0)
     assert buffer_of(program).data_ptr() == storage  # the very tensor data, still shared
     assert not targets(program, "abs")
 
 
-def test_declared_state_write_that_succeeds_is_measured_as_a_change(traced):
+@pytest.mark.parametrize("write", ["zero_", "data.zero_"])
+def test_declared_state_write_that_succeeds_is_measured_as_a_change(traced, write):
     with torch.no_grad():
         traced.acc.fill_(2.0)
-    result = PassManager([DeclaredReset()]).run(traced)
+    result = PassManager([DeclaredReset(**WRITES[write])]).run(traced)
     assert result.modified and result.report.records[0].modified
     assert torch.count_nonzero(traced.acc) == 0
+
+
+def test_strict_run_names_an_undeclared_write_through_data_and_restores_it(exported):
+    """Under ``strict=True`` the data is copied whatever the declaration: a write through
+    ``acc.data``, which leaves ``acc``'s version counter alone, is seen and undone (before,
+    the run succeeded, measured unmodified, the buffer zeroed)."""
+    with torch.no_grad():
+        buffer_of(exported).fill_(3.0)
+    with pytest.raises(EffectsError) as info:
+        PassManager([ResetAndRewrite(through_data=True)], strict=True).run(exported)
+    assert info.value.kind == "writes_state" and info.value.edits == ["acc"]
+    assert info.value.unrestored == [] and torch.all(buffer_of(exported) == 3.0)
 
 
 def test_a_pass_that_only_reads_state_needs_no_declaration(traced):

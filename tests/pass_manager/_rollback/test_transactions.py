@@ -215,6 +215,25 @@ def test_rollback_restores_the_signature_and_module_call_graph_edited_in_place(e
     assert exported.module()(torch.ones(4)).shape == (4,)
 
 
+def test_rollback_restores_the_example_inputs_and_a_change_to_them_is_measured(exported):
+    """A pass storing an input as integers sets ``ep.example_inputs`` too (as
+    QuantizeMutableBuffers does): failing after that, it left int8 examples for the float
+    program it was rolled back to; succeeding, it was measured unmodified."""
+    examples = exported.example_inputs
+
+    def quantizes_the_examples(gm):
+        exported.example_inputs = ((torch.ones(4, dtype=torch.int8),), {})
+        if fails:
+            raise RuntimeError("boom")
+
+    fails = True
+    with pytest.raises(PassFailedError):
+        PassManager([quantizes_the_examples]).run(exported)
+    assert exported.example_inputs is examples
+    fails = False
+    assert PassManager([quantizes_the_examples]).run(exported).modified
+
+
 class ReservedNames(torch.nn.Module):
     """Inputs named as Python builtins: torch.export keeps the names, an fx graph's
     namespace would rename them (``list`` -> ``list_1``)."""

@@ -15,6 +15,7 @@ from pass_manager import (
     Pass,
     PassFailedError,
     PassManager,
+    Reproducer,
     graph_of,
 )
 from tests.models.accumulators import Accumulate
@@ -115,3 +116,20 @@ def test_an_instrument_changing_the_program_is_named_and_undone(hook, passes, ed
     for _ in range(3):
         torch.testing.assert_close(module(x), expected(x), rtol=0, atol=0)
         torch.testing.assert_close(module.acc, expected.acc, rtol=0, atol=0)
+
+
+def test_a_broken_failure_hook_leaves_the_others_theirs(tmp_path):
+    """The failure hooks run in reverse order: the broken one, registered last, ran first,
+    and before, its error stopped the others: no reproducer folder, no notice."""
+    seen = []
+
+    class Sees(Instrumentation):
+        def after_pass_failed(self, pass_, program, record, error):
+            seen.append(type(error).__name__)
+
+    program = torch.export.export(Accumulate(), (torch.ones(4),))
+    with pytest.raises(InstrumentError) as info:
+        PassManager([Refuses()], instruments=[Sees(), Reproducer(tmp_path),
+                                              _raising_in("after_pass_failed")]).run(program)
+    assert info.value.instrument == "Broken" and isinstance(info.value.__cause__, PassFailedError)
+    assert seen == ["PassFailedError"] and len(list(tmp_path.iterdir())) == 1
