@@ -42,7 +42,12 @@ from .method_state import checked_methods
 from .partitioner import BufferOwningPartitioner
 from .plan import StatePlan, planned_state
 from .portable_kernels import refuse_aborting_kernels
-from .runtime import delegate_backends, refuse_missing_backends, runtime_pairs
+from .runtime import (
+    delegate_backends,
+    refuse_missing_backends,
+    refuse_missing_operators,
+    runtime_pairs,
+)
 from .runtime_inputs import CarriedState, carried_outputs, flat_inputs, user_input_names
 from .tied_buffers import drop_unused_aliases
 
@@ -294,6 +299,7 @@ def run_methods_on_runtime(
     seconds = time.perf_counter() - start
     pte = lowered.pte
     refuse_missing_backends(HELPER, lowered.backends)
+    refuse_missing_operators(HELPER, pte)
     loaded = Runtime.get().load_program(pte)
     # Every method up front: loading one writes the shared buffers' initial values, which
     # must not land on state an earlier call wrote. (The pybind Module of

@@ -196,6 +196,24 @@ def refuse_missing_backends(helper: str, backends: Mapping[str, Sequence[str]]) 
                 "(XnnpackPartitioner, or no partitioner)")
 
 
+def refuse_missing_operators(helper: str, pte: bytes) -> None:
+    """An :class:`ExecuTorchInputError` if a method of ``pte`` calls an operator this
+    ExecuTorch runtime registers no kernel for, before loading: loading it would fail with
+    an untyped ``RuntimeError`` (``Failed to execute method forward, error: 0x14``) and
+    ``Missing operator`` only in the log. A dtype view (``Tensor.view(torch.int32)``)
+    becomes ``aten::view_copy.dtype_out``, which the portable kernels lack, for one."""
+    registered = set(portable_lib._get_operator_names())
+    for plan in deserialize_pte_binary(pte).program.execution_plan:
+        missing = sorted({f"{op.name}.{op.overload}" if op.overload else op.name
+                          for op in plan.operators} - registered)
+        if missing:
+            raise ExecuTorchInputError(
+                helper, "program", f"method {plan.name!r} calls {', '.join(missing)}, for "
+                "which this ExecuTorch runtime has no kernel (loading it would fail with "
+                "'Missing operator'): express that step with other ops, or lower with a "
+                "partitioner whose backend takes it")
+
+
 def _refuse_written_parameters(ep: ExportedProgram) -> None:
     written = ep.graph_signature.parameters_to_mutate
     if written:
@@ -548,6 +566,7 @@ def decode_on_runtime(
     lowered = _lower_timed(helper, program, None, partitioner)
     if lowered.delegates:
         refuse_missing_backends(helper, delegate_backends(lowered.program or lowered.pte))
+    refuse_missing_operators(helper, lowered.pte)
     module = portable_lib._load_for_executorch_from_buffer(lowered.pte)
     meta = module.method_meta("forward")
     state = CarriedState(helper)

@@ -317,3 +317,37 @@ def test_a_delegate_this_runtime_lacks_is_refused_before_loading():
         with pytest.raises(ExecuTorchInputError, match="method 'forward' delegates to "
                                                        "DemoBackend, which this ExecuTorch"):
             run()
+
+
+class _BitCastRead(torch.nn.Module):
+    """Reads its state through a dtype view: ``aten::view_copy.dtype_out`` once lowered,
+    which the portable kernels do not have."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(4))
+
+    def forward(self, x):
+        self.k.add_(x)
+        return (self.k.view(torch.int32) & 0xFF).float()
+
+
+def test_an_operator_this_runtime_has_no_kernel_for_is_refused_before_loading():
+    """On 409aa90 a program calling an operator with no kernel in this runtime lowered, then
+    failed to load with an untyped ``RuntimeError: Failed to execute method forward, error:
+    0x14`` ("Missing operator" only in the log). Now both runtime helpers name the method
+    and the operator before loading; ``lower_to_pte`` still lowers it for a runtime that
+    has the kernel."""
+    from passes.executorch import run_methods_on_runtime
+
+    x = torch.ones(4)
+    with torch.no_grad():
+        program = torch.export.export(_BitCastRead(), (x,))
+    pte, _, _ = lower_to_pte(copy.deepcopy(program), None, None)
+    for run in (lambda: decode_on_runtime(copy.deepcopy(program), None, [(x,)]),
+                lambda: decode_on_runtime(pte, None, [(x,)]),
+                lambda: run_methods_on_runtime({"forward": copy.deepcopy(program)},
+                                               [("forward", (x,), {})])):
+        with pytest.raises(ExecuTorchInputError, match="method 'forward' calls "
+                                                       "aten::view_copy.dtype_out, for which"):
+            run()
