@@ -199,6 +199,16 @@ def _check_module(module: Any, name: str, where: str) -> None:
     if not isinstance(module, torch.nn.Module):
         raise ModelError(f"{name}() must return an nn.Module{where}, got "
                          f"{type(module).__name__}")
+    # A model built on the meta device has shapes but no values: eager and every program
+    # "decode" it, and the job failed only in its checks, reading a value (status 3).
+    empty = next((n for n, t in (*module.named_parameters(), *module.named_buffers())
+                  if t.is_meta), None)
+    if empty is not None:
+        raise ModelError(f"{name}(): the module{where} holds tensors on the meta device, "
+                         f"which have a shape but no values (first: {empty!r}): load its "
+                         "weights in the factory (e.g. module.to_empty(device='cpu') then "
+                         "load_state_dict, or build it outside torch.device('meta') / "
+                         "init_empty_weights)")
 
 
 def _check_calls(module: torch.nn.Module, calls: Sequence[tuple[str, Call]], name: str,

@@ -121,3 +121,22 @@ def test_an_exported_program_returned_alone_runs_on_the_example_it_was_exported_
     for args, kwargs in spec.steps:
         assert torch.equal(functional(*args, **kwargs), eager(*args, **kwargs))
         assert torch.equal(functional.total, eager.total)
+
+
+@pytest.mark.parametrize("made", [
+    lambda module: (module, (torch.ones(3, device="meta"),)),
+    lambda module: {"module": module, "methods": {"forward": {
+        "example_args": (torch.ones(3, device="meta"),)}}},
+], ids=["v1", "v3"])
+def test_a_model_on_the_meta_device_is_a_model_error_naming_a_tensor(made):
+    """Built under torch.device('meta') (weights never loaded), eager and every program ran
+    on shapes alone and the job failed in its checks with status 3 ("Tensor.item() cannot
+    be called on meta tensors")."""
+    from passes.flow.factory import is_methods_factory, methods_spec
+
+    with torch.device("meta"):
+        module = ScaledSum()
+    result = made(module)
+    read = methods_spec if is_methods_factory(result) else model_spec
+    with pytest.raises(ModelError, match=r"meta device.*first: 'total'.*load its weights"):
+        read(result, "job", 2)
