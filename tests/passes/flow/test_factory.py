@@ -140,3 +140,37 @@ def test_a_model_on_the_meta_device_is_a_model_error_naming_a_tensor(made):
     read = methods_spec if is_methods_factory(result) else model_spec
     with pytest.raises(ModelError, match=r"meta device.*first: 'total'.*load its weights"):
         read(result, "job", 2)
+
+
+class _CacheAtAScalarPosition(torch.nn.Module):
+    """A KV cache written at a 0-d position tensor, as eager takes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1, 8, 4))
+
+    def forward(self, k, pos):
+        self.cache[:, pos] = k
+        return self.cache.sum(1)
+
+
+class _ReturnsADynamicCache(torch.nn.Module):
+    def forward(self, x):
+        from transformers import DynamicCache
+
+        return x + 1, DynamicCache()
+
+
+@pytest.mark.parametrize(("module", "example", "said"), [
+    (_CacheAtAScalarPosition(), (torch.ones(1, 4), torch.tensor(2)),
+     r"a 0-d tensor as an index, as in cache\[:, pos\] = k; index with a 1-element tensor"),
+    (_ReturnsADynamicCache(), (torch.ones(2),),
+     r"returns Hugging Face's DynamicCache.*TorchExportableModuleWithStaticCache"),
+], ids=["scalar position", "DynamicCache"])
+def test_an_export_failure_says_what_in_the_model_to_change(module, example, said):
+    """The scalar position was told "forward branches on a tensor's value" (it has no
+    branch); Hugging Face's DynamicCache output was torch's pytree message alone."""
+    from passes.flow.factory import ExportError, export_program
+
+    with pytest.raises(ExportError, match=said):
+        export_program(module, example)
