@@ -25,6 +25,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -606,11 +607,24 @@ def _write_outputs(args: argparse.Namespace, result: Any, skip: str | None = Non
             Path(file).write_text(text(), encoding="utf-8", errors="backslashreplace")
         except OSError as e:  # the folder went away or filled up while the flow ran
             print(f"error: {option} {file}: cannot write it: {type(e).__name__}: "
-                  f"{e.strerror or e}", file=sys.stderr)
+                  f"{e.strerror or e}{_removed(Path(file))}", file=sys.stderr)
             written = False
         else:
             notice(f"wrote {what} to {file}")
     return written
+
+
+def _removed(path: Path) -> str:
+    """Remove what is left at ``path`` of a write that failed (the start of this run's
+    file on a full disk, or a previous run's that could not be opened again), which would
+    read as this run's; say so."""
+    if not path.is_file():
+        return ""
+    try:
+        path.unlink()
+    except OSError:
+        return " (what is left in it is not this run's report)"
+    return " (removed what was left in it)"
 
 
 def _no_passes_dot(result: Any) -> str:
@@ -666,6 +680,26 @@ def _unwritable(path: Path, kind: str) -> str | None:
         return f"{str(folder)!r} is a file, not a folder"
     if not os.access(folder, os.W_OK):
         return f"cannot write in {str(folder)!r}"
+    return _refused_by_trying(path, folder, kind)
+
+
+def _refused_by_trying(path: Path, folder: Path, kind: str) -> str | None:
+    """Why creating (or opening) ``path`` fails, found by doing it and undoing it: the
+    permission bits allow root everything, while /proc, /sys or a read-only mount refuse
+    the file itself, which was found only after the run."""
+    try:
+        if kind == "file" and path.is_file():
+            doing = "cannot open it for writing"
+            os.close(os.open(path, os.O_WRONLY))  # not truncated: the run may yet stop
+        elif kind == "file" and not path.exists():
+            doing = "cannot create it"
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            path.unlink()
+        elif kind == "folder":
+            doing = f"cannot create a folder in {str(folder)!r}"
+            Path(tempfile.mkdtemp(prefix=".mutable-buffer-passes-", dir=folder)).rmdir()
+    except OSError as e:
+        return f"{doing}: {type(e).__name__}: {e.strerror or e}"
     return None
 
 
