@@ -110,7 +110,10 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     module_name, _, attr = spec.rpartition(":")
     _refuse_a_file_that_is_not_a_factory(spec, module_name)
     if not module_name or not attr:
-        raise ModelError(f"MODEL must be {MODEL_FORMS}, got {spec!r}")
+        head, dot, tail = spec.rpartition(".")
+        meant = (f" (did you mean {head}:{tail}?)"
+                 if ":" not in spec and dot and head and tail.isidentifier() else "")
+        raise ModelError(f"MODEL must be {MODEL_FORMS}, got {spec!r}{meant}")
     try:
         module = _import_model_module(module_name)
     except ModelError:
@@ -132,7 +135,7 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     factory = getattr(module, attr, None)
     if factory is None:
         raise ModelError(f"{module_name!r} has no attribute {attr!r}"
-                         f"{did_you_mean(attr, _callables(module))}")
+                         f"{did_you_mean(attr, _callables(module)) or _in_folder(module, attr)}")
     if not callable(factory):
         raise ModelError(f"{spec} is {_a(type(factory).__name__)}, not a factory function")
     module_class = factory if isinstance(factory, type) else type(factory)
@@ -174,6 +177,22 @@ def _refuse_a_file_that_is_not_a_factory(spec: str, module_name: str) -> None:
         raise ModelError(f"MODEL {spec!r} names {_a(path.suffix or 'extensionless')} file, not "
                          f"Python: MODEL is {MODEL_FORMS}, a function returning the model and "
                          f"its example inputs{hint}")
+
+
+def _in_folder(module: Any, attr: str) -> str:
+    """For a folder without ``__init__.py`` (imported as a namespace package, which holds
+    nothing): the modules in it, one of which MODEL meant to name."""
+    if getattr(module, "__file__", None) is not None or not hasattr(module, "__path__"):
+        return ""
+    dotted = all(part.isidentifier() for part in module.__name__.split("."))
+    inside = sorted({path.stem for folder in module.__path__ for path in Path(folder).glob("*.py")
+                     if path.stem.isidentifier() or not dotted})
+    # A folder name that is not an identifier is named by its path.
+    names = ", ".join(f"{module.__name__}.{stem}:{attr}" if dotted else
+                      f"{module.__name__.replace('.', os.sep)}{os.sep}{stem}.py:{attr}"
+                      for stem in inside[:5])
+    return (f": {module.__name__!r} is a folder, and MODEL names a module in it"
+            + (f", e.g. {names}" if names else ""))
 
 
 def _callables(module: Any) -> list[str]:
