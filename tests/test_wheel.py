@@ -87,6 +87,12 @@ def test_wheel_runs_the_main_job_outside_the_checkout(tmp_path):
     assert run(python, "-m", "passes", "--help", cwd=elsewhere).stdout.startswith(
         "usage: python -m passes")
 
+    # No checkout to name: the hint gave "-c constraints.txt -e '.[executorch]'".
+    hint = run(python, "-c", "from passes.executorch import INSTALL_HINT; print(INSTALL_HINT)",
+               cwd=elsewhere).stdout.strip()
+    assert hint == ("pip install --no-deps executorch==1.5.1 && pip install "
+                    "'mutable-buffer-passes[executorch]'")
+
     done = run(command, "run", "--steps", "2", cwd=elsewhere, timeout=900)
     assert "== checks" in done.stdout
     assert "FAIL" not in done.stdout.split("== checks")[1]

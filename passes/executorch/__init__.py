@@ -15,6 +15,8 @@ Example:
 from __future__ import annotations
 
 import importlib
+import shlex
+from pathlib import Path
 from typing import Any
 
 from pass_manager import PassManagerError
@@ -42,13 +44,26 @@ __all__ = [
 ]
 
 EXECUTORCH_VERSION = "1.5.1"
+
+
+def _install_hint(checkout: Path) -> str:
+    """How to install the extra where this package is: a source checkout (``checkout``, the
+    folder above the package, holds setup.cfg and constraints.txt) installs its own folder
+    under its pins, named absolutely so the line works from any folder; a wheel install
+    (no checkout to name) installs the extra of the published distribution."""
+    pin = f"executorch=={EXECUTORCH_VERSION}"
+    if (checkout / "setup.cfg").is_file() and (checkout / "constraints.txt").is_file():
+        constraints = shlex.quote(str(checkout / "constraints.txt"))
+        return (f"pip install -c {constraints} --no-deps {pin} && pip install -c "
+                f"{constraints} -e {shlex.quote(f'{checkout}[executorch]')}   (or: make -C "
+                f"{shlex.quote(str(checkout))} test, which does both)")
+    return f"pip install --no-deps {pin} && pip install 'mutable-buffer-passes[executorch]'"
+
+
 # ExecuTorch's wheel requires ~20 packages it never imports for lowering or its runtime
 # (coremltools, pandas, scikit-learn, hydra, ...) and would let pip move torch/torchao,
 # so it is installed alone; the few modules it does import come from the extra.
-INSTALL_HINT = (
-    f"pip install -c constraints.txt --no-deps executorch=={EXECUTORCH_VERSION} && "
-    "pip install -c constraints.txt -e '.[executorch]'   (or: make test, which does both)"
-)
+INSTALL_HINT = _install_hint(Path(__file__).resolve().parents[2])
 
 # Public name -> the submodule that defines it (each imports ExecuTorch at its top).
 _LAZY = {

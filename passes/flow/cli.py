@@ -25,6 +25,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -109,7 +110,10 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     module_name, _, attr = spec.rpartition(":")
     _refuse_a_file_that_is_not_a_factory(spec, module_name)
     if not module_name or not attr:
-        raise ModelError(f"MODEL must be {MODEL_FORMS}, got {spec!r}")
+        head, dot, tail = spec.rpartition(".")
+        meant = (f" (did you mean {head}:{tail}?)"
+                 if ":" not in spec and dot and head and tail.isidentifier() else "")
+        raise ModelError(f"MODEL must be {MODEL_FORMS}, got {spec!r}{meant}")
     try:
         module = _import_model_module(module_name)
     except ModelError:
@@ -131,7 +135,7 @@ def load_model(spec: str, steps: int) -> ModelSpec | MethodsSpec:
     factory = getattr(module, attr, None)
     if factory is None:
         raise ModelError(f"{module_name!r} has no attribute {attr!r}"
-                         f"{did_you_mean(attr, _callables(module))}")
+                         f"{did_you_mean(attr, _callables(module)) or _in_folder(module, attr)}")
     if not callable(factory):
         raise ModelError(f"{spec} is {_a(type(factory).__name__)}, not a factory function")
     module_class = factory if isinstance(factory, type) else type(factory)
@@ -173,6 +177,22 @@ def _refuse_a_file_that_is_not_a_factory(spec: str, module_name: str) -> None:
         raise ModelError(f"MODEL {spec!r} names {_a(path.suffix or 'extensionless')} file, not "
                          f"Python: MODEL is {MODEL_FORMS}, a function returning the model and "
                          f"its example inputs{hint}")
+
+
+def _in_folder(module: Any, attr: str) -> str:
+    """For a folder without ``__init__.py`` (imported as a namespace package, which holds
+    nothing): the modules in it, one of which MODEL meant to name."""
+    if getattr(module, "__file__", None) is not None or not hasattr(module, "__path__"):
+        return ""
+    dotted = all(part.isidentifier() for part in module.__name__.split("."))
+    inside = sorted({path.stem for folder in module.__path__ for path in Path(folder).glob("*.py")
+                     if path.stem.isidentifier() or not dotted})
+    # A folder name that is not an identifier is named by its path.
+    names = ", ".join(f"{module.__name__}.{stem}:{attr}" if dotted else
+                      f"{module.__name__.replace('.', os.sep)}{os.sep}{stem}.py:{attr}"
+                      for stem in inside[:5])
+    return (f": {module.__name__!r} is a folder, and MODEL names a module in it"
+            + (f", e.g. {names}" if names else ""))
 
 
 def _callables(module: Any) -> list[str]:
@@ -606,11 +626,24 @@ def _write_outputs(args: argparse.Namespace, result: Any, skip: str | None = Non
             Path(file).write_text(text(), encoding="utf-8", errors="backslashreplace")
         except OSError as e:  # the folder went away or filled up while the flow ran
             print(f"error: {option} {file}: cannot write it: {type(e).__name__}: "
-                  f"{e.strerror or e}", file=sys.stderr)
+                  f"{e.strerror or e}{_removed(Path(file))}", file=sys.stderr)
             written = False
         else:
             notice(f"wrote {what} to {file}")
     return written
+
+
+def _removed(path: Path) -> str:
+    """Remove what is left at ``path`` of a write that failed (the start of this run's
+    file on a full disk, or a previous run's that could not be opened again), which would
+    read as this run's; say so."""
+    if not path.is_file():
+        return ""
+    try:
+        path.unlink()
+    except OSError:
+        return " (what is left in it is not this run's report)"
+    return " (removed what was left in it)"
 
 
 def _no_passes_dot(result: Any) -> str:
@@ -666,6 +699,26 @@ def _unwritable(path: Path, kind: str) -> str | None:
         return f"{str(folder)!r} is a file, not a folder"
     if not os.access(folder, os.W_OK):
         return f"cannot write in {str(folder)!r}"
+    return _refused_by_trying(path, folder, kind)
+
+
+def _refused_by_trying(path: Path, folder: Path, kind: str) -> str | None:
+    """Why creating (or opening) ``path`` fails, found by doing it and undoing it: the
+    permission bits allow root everything, while /proc, /sys or a read-only mount refuse
+    the file itself, which was found only after the run."""
+    try:
+        if kind == "file" and path.is_file():
+            doing = "cannot open it for writing"
+            os.close(os.open(path, os.O_WRONLY))  # not truncated: the run may yet stop
+        elif kind == "file" and not path.exists():
+            doing = "cannot create it"
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            path.unlink()
+        elif kind == "folder":
+            doing = f"cannot create a folder in {str(folder)!r}"
+            Path(tempfile.mkdtemp(prefix=".mutable-buffer-passes-", dir=folder)).rmdir()
+    except OSError as e:
+        return f"{doing}: {type(e).__name__}: {e.strerror or e}"
     return None
 
 

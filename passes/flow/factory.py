@@ -199,6 +199,16 @@ def _check_module(module: Any, name: str, where: str) -> None:
     if not isinstance(module, torch.nn.Module):
         raise ModelError(f"{name}() must return an nn.Module{where}, got "
                          f"{type(module).__name__}")
+    # A model built on the meta device has shapes but no values: eager and every program
+    # "decode" it, and the job failed only in its checks, reading a value (status 3).
+    empty = next((n for n, t in (*module.named_parameters(), *module.named_buffers())
+                  if t.is_meta), None)
+    if empty is not None:
+        raise ModelError(f"{name}(): the module{where} holds tensors on the meta device, "
+                         f"which have a shape but no values (first: {empty!r}): load its "
+                         "weights in the factory (e.g. module.to_empty(device='cpu') then "
+                         "load_state_dict, or build it outside torch.device('meta') / "
+                         "init_empty_weights)")
 
 
 def _check_calls(module: torch.nn.Module, calls: Sequence[tuple[str, Call]], name: str,
@@ -299,12 +309,29 @@ def export_program(
             continue
         note = f"exported {attempt} ({failures[0]})" if failures else ""
         return Exported(program, attempt, note)
-    hint = ""
-    if any("data-dependent" in failure.lower() for failure in failures):
-        hint = (" (forward branches on a tensor's value, which torch.export cannot capture: "
+    raise ExportError("; ".join(failures) + _export_hint(" ".join(failures)))
+
+
+def _export_hint(failures: str) -> str:
+    """What to change in the model for the export failures torch words for itself only."""
+    if "extract specialized integer from data-dependent" in failures:
+        # Not a branch: a tensor's value turned into a Python int, most often a KV cache
+        # written at a 0-d position tensor (cache[:, pos] = k), which eager takes.
+        return (" (forward turns a tensor's value into a Python int, which torch.export "
+                "cannot capture: int(t), or a 0-d tensor as an index, as in cache[:, pos] = "
+                "k; index with a 1-element tensor, pos = torch.tensor([i]), or write with "
+                "cache.index_copy_(dim, pos, k))")
+    if "data-dependent" in failures.lower():
+        return (" (forward branches on a tensor's value, which torch.export cannot capture: "
                 "write the branch with torch.cond, or compute both sides and pick with "
                 "torch.where)")
-    raise ExportError("; ".join(failures) + hint)
+    if "DynamicCache" in failures:
+        return (" (the model returns Hugging Face's DynamicCache, which an exported program "
+                "cannot: export it as HF's ExecuTorch recipe does, with a static cache "
+                "(transformers.integrations.executorch.TorchExportableModuleWithStaticCache, "
+                "as the tiny Llama factory in docs/main-job.md), or call it with "
+                "use_cache=False)")
+    return ""
 
 
 def rebound_buffers(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]

@@ -203,6 +203,21 @@ def _node_name(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+# What an error's ``reason`` is about, which its message names before the reason and the
+# report's node line does not: a buffer, a partition, a carried input's name, an argument.
+_SUBJECTS = (("buffer", "buffer {!r}"), ("partition", "partition {!r}"),
+             ("tag", "partition {!r}"), ("name", "{!r}"), ("argument", "{}"))
+
+
+def _subject(error: BaseException, reason: str) -> str:
+    """``"buffer 'b', partition 'delegate_0': "`` for an error whose ``reason`` alone says
+    only "its tensor shares storage with a"; empty when the reason names them already."""
+    named = [form.format(value) for attribute, form in _SUBJECTS
+             if isinstance(value := getattr(error, attribute, None), str) and value
+             and value not in reason]
+    return f"{', '.join(named)}: " if named else ""
+
+
 def failure_of(stage: str, error: BaseException) -> Failure:
     """Read the pass, node and reason out of an error and the errors it was raised from.
 
@@ -217,7 +232,8 @@ def failure_of(stage: str, error: BaseException) -> Failure:
         violations = next((e.violations for e in chain if getattr(e, "violations", None)), [])
         node = violations[0] if violations else None
     innermost = chain[-1]
-    said = getattr(innermost, "reason", None) or _first_line(innermost)
+    said = getattr(innermost, "reason", None)
+    said = _subject(innermost, said) + said if said else _first_line(innermost)
     if isinstance(innermost, (PreconditionError, PostconditionError)):
         # Its first line ends in "violation(s):"; the node line shows the first of them, and
         # the hint (which pass provides the condition) is what the user does next.

@@ -40,3 +40,6 @@ def test_package_never_imports_executorch_and_missing_extra_is_a_typed_error():
     message = done.stdout.strip()
     assert message.startswith("BufferOwningPartitioner needs ExecuTorch 1.5.1")
     assert "--no-deps executorch==1.5.1" in message and "[executorch]" in message
+    # From a checkout, named absolutely: "-c constraints.txt -e '.[executorch]'" worked only
+    # from its root.
+    assert f"-c {ROOT / 'constraints.txt'} " in message and f"-e '{ROOT}[executorch]'" in message

@@ -2,6 +2,7 @@
 default model in --help, --version, the report alone on stdout with progress on stderr,
 --quiet, and a usage error (status 2) for a number of decode calls that is not positive."""
 
+import errno
 import importlib.metadata
 import json
 import os
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,6 +233,21 @@ def test_an_output_path_that_cannot_be_written_is_a_usage_error_before_the_run(
     assert err.strip() == f"error: {message}"
 
 
+@pytest.mark.parametrize(("option", "path"), [
+    ("--json", "/proc/report.json"), ("--print-to", "/proc/dumps/run")])
+def test_a_path_the_permission_bits_allow_but_the_system_refuses_is_found_before_the_run(
+        monkeypatch, capsys, option, path):
+    """/proc's bits let root write in it, and the file was refused only after the run."""
+    def flow_must_not_run(*args, **kwargs):
+        raise AssertionError(f"{option} {path} reached the flow")
+
+    monkeypatch.setattr(flow, "run_flow", flow_must_not_run)
+    status = cli.main(["run", "--runtime", "python", MODEL, "--steps", "2", option, path])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith(f"error: {option} {path}: ") and err.count("\n") == 1, err
+
+
 def test_a_report_that_cannot_be_written_after_the_run_is_one_line(monkeypatch, capsys,
                                                                      tmp_path):
     """The folder was there when the job started and went away while it ran."""
@@ -248,6 +265,29 @@ def test_a_report_that_cannot_be_written_after_the_run_is_one_line(monkeypatch, 
     assert status == 2
     assert err.startswith(f"error: --json {report}: cannot write it: FileNotFoundError")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_report_cut_short_by_a_full_disk_is_not_left_half_written(monkeypatch, capsys,
+                                                                    tmp_path):
+    """The first bytes stayed in the file (status 2 said it could not be written), and a
+    reader of the file found a truncated report."""
+    report = tmp_path / "report.json"
+    report.write_text('{"ok": true}')  # a previous run's
+    write_text = Path.write_text
+
+    def disk_full_halfway(path, text, *args, **kwargs):
+        write_text(path, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(flow, "run_flow", lambda *args, **kwargs: flow.FlowResult(plan="0. P"))
+    monkeypatch.setattr(Path, "write_text", disk_full_halfway)
+    status = cli.main(["run", "--runtime", "python", MODEL, "--steps", "2", "--quiet",
+                       "--json", str(report)])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.strip() == (f"error: --json {report}: cannot write it: OSError: No space left "
+                           "on device (removed what was left in it)")
+    assert not report.exists()
 
 
 @pytest.mark.parametrize("option", ["--print-before", "--print-after"])

@@ -121,3 +121,56 @@ def test_an_exported_program_returned_alone_runs_on_the_example_it_was_exported_
     for args, kwargs in spec.steps:
         assert torch.equal(functional(*args, **kwargs), eager(*args, **kwargs))
         assert torch.equal(functional.total, eager.total)
+
+
+@pytest.mark.parametrize("made", [
+    lambda module: (module, (torch.ones(3, device="meta"),)),
+    lambda module: {"module": module, "methods": {"forward": {
+        "example_args": (torch.ones(3, device="meta"),)}}},
+], ids=["v1", "v3"])
+def test_a_model_on_the_meta_device_is_a_model_error_naming_a_tensor(made):
+    """Built under torch.device('meta') (weights never loaded), eager and every program ran
+    on shapes alone and the job failed in its checks with status 3 ("Tensor.item() cannot
+    be called on meta tensors")."""
+    from passes.flow.factory import is_methods_factory, methods_spec
+
+    with torch.device("meta"):
+        module = ScaledSum()
+    result = made(module)
+    read = methods_spec if is_methods_factory(result) else model_spec
+    with pytest.raises(ModelError, match=r"meta device.*first: 'total'.*load its weights"):
+        read(result, "job", 2)
+
+
+class _CacheAtAScalarPosition(torch.nn.Module):
+    """A KV cache written at a 0-d position tensor, as eager takes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1, 8, 4))
+
+    def forward(self, k, pos):
+        self.cache[:, pos] = k
+        return self.cache.sum(1)
+
+
+class _ReturnsADynamicCache(torch.nn.Module):
+    def forward(self, x):
+        from transformers import DynamicCache
+
+        return x + 1, DynamicCache()
+
+
+@pytest.mark.parametrize(("module", "example", "said"), [
+    (_CacheAtAScalarPosition(), (torch.ones(1, 4), torch.tensor(2)),
+     r"a 0-d tensor as an index, as in cache\[:, pos\] = k; index with a 1-element tensor"),
+    (_ReturnsADynamicCache(), (torch.ones(2),),
+     r"returns Hugging Face's DynamicCache.*TorchExportableModuleWithStaticCache"),
+], ids=["scalar position", "DynamicCache"])
+def test_an_export_failure_says_what_in_the_model_to_change(module, example, said):
+    """The scalar position was told "forward branches on a tensor's value" (it has no
+    branch); Hugging Face's DynamicCache output was torch's pytree message alone."""
+    from passes.flow.factory import ExportError, export_program
+
+    with pytest.raises(ExportError, match=said):
+        export_program(module, example)

@@ -90,3 +90,29 @@ def test_a_missing_requirement_names_the_pass_that_provides_it_in_the_failure():
         f"({len(info.value.violations)} violation(s)); No pass in this pipeline provides it; "
         "add one of: MarkMutableBuffers.")
     assert failure.node == info.value.violations[0]
+
+
+class _TwoNamesOneTensor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        state = torch.zeros(1, 4)
+        self.register_buffer("a", state)
+        self.register_buffer("b", state)  # the same tensor: writing a writes b
+
+    def forward(self, x):
+        self.a.add_(x)
+        return x * 2 + self.b
+
+
+def test_a_failure_about_a_buffer_names_the_buffer_and_partition():
+    """The report said only "BufferAliasingError: its tensor shares storage with a": the
+    error's reason, without the buffer and partition its message leads with."""
+    from passes.flow import model_spec, run_model
+    from passes.flow.run import FlowError
+
+    spec = model_spec((_TwoNamesOneTensor(), (torch.ones(1, 4),)), "aliased", 2)
+    with pytest.raises(FlowError) as info:
+        run_model(spec, quantize=False, runtime="python", log=lambda line: None)
+    assert info.value.failure.reason == (
+        "BufferAliasingError: buffer 'b', partition 'delegate_0': its tensor shares storage "
+        "with a")

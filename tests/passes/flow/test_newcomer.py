@@ -458,6 +458,26 @@ def test_a_model_that_names_no_factory_is_one_line_and_status_two(monkeypatch, c
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(("model", "message"), [
+    # "MODEL must be package.module:factory ... got 'mymodels.handwritten.factory'" alone.
+    ("mymodels.handwritten.factory", "(did you mean mymodels.handwritten:factory?)"),
+    # A folder without __init__.py imports as an empty namespace package: "'newcomer_models'
+    # has no attribute 'factory'" alone.
+    ("newcomer_models:factory", "'newcomer_models' is a folder, and MODEL names a module in it, "
+     "e.g. newcomer_models.handwritten:factory"),
+])
+def test_a_model_named_almost_right_is_told_the_name_it_meant(user_folder, monkeypatch, capsys,
+                                                              model, message):
+    (user_folder / "newcomer_models").mkdir()
+    (user_folder / "newcomer_models" / "handwritten.py").write_text(HANDWRITTEN)
+    monkeypatch.chdir(user_folder)
+    monkeypatch.syspath_prepend(str(user_folder))
+    status = cli.main(["run", "--runtime", "python", model])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.strip().endswith(message), err
+
+
 @pytest.mark.parametrize("made", [lambda: decoder_job(n_layers=1, steps=2),
                                   lambda: prefill_decode_job(n_layers=1)],
                          ids=["a factory's result", "several methods"])
