@@ -164,7 +164,7 @@ class ConsumeBufferMutationsInDelegate(Pass):
             others = [h for h in holders.get(_storage_key(tensor), []) if h != v.fqn]
             if others:
                 raise BufferAliasingError(
-                    v.fqn, tag, f"its tensor shares storage with {', '.join(others)}", self.name
+                    v.fqn, tag, f"its tensor shares storage with {', '.join(map(repr, others))}", self.name
                 )
             if v.owner not in old_values:
                 old_values[v.owner] = _old_value_outputs(v.owner)

@@ -211,10 +211,12 @@ _SUBJECTS = (("buffer", "buffer {!r}"), ("partition", "partition {!r}"),
 
 def _subject(error: BaseException, reason: str) -> str:
     """``"buffer 'b', partition 'delegate_0': "`` for an error whose ``reason`` alone says
-    only "its tensor shares storage with a"; empty when the reason names them already."""
+    only "its tensor shares storage with 'a'"; empty when the reason names them already."""
+    # A name counts as said only quoted, as messages quote names: buffer 'a' is not said
+    # by a reason holding the letter a.
     named = [form.format(value) for attribute, form in _SUBJECTS
              if isinstance(value := getattr(error, attribute, None), str) and value
-             and value not in reason]
+             and (value if form == "{}" else repr(value)) not in reason]
     return f"{', '.join(named)}: " if named else ""
 
 

@@ -115,4 +115,17 @@ def test_a_failure_about_a_buffer_names_the_buffer_and_partition():
         run_model(spec, quantize=False, runtime="python", log=lambda line: None)
     assert info.value.failure.reason == (
         "BufferAliasingError: buffer 'b', partition 'delegate_0': its tensor shares storage "
-        "with a")
+        "with 'a'")
+
+
+def test_a_buffer_named_by_a_letter_of_the_reason_is_still_named():
+    """The buffer counted as said when its name occurred anywhere in the reason: buffer
+    's' was dropped from "its tensor shares storage with 't'" (the s of "shares")."""
+    from passes.delegation.errors import BufferAliasingError
+    from passes.flow.result import failure_of
+
+    error = BufferAliasingError("s", "delegate_0", "its tensor shares storage with 't'",
+                                "ConsumeBufferMutationsInDelegate")
+    assert failure_of("delegate", error).reason == (
+        "BufferAliasingError: buffer 's', partition 'delegate_0': its tensor shares storage "
+        "with 't'")
