@@ -163,8 +163,9 @@ class ConsumeBufferMutationsInDelegate(Pass):
             tensor = ep.state_dict.get(v.fqn, ep.constants.get(v.fqn))
             others = [h for h in holders.get(_storage_key(tensor), []) if h != v.fqn]
             if others:
+                shared = ", ".join(map(repr, others))
                 raise BufferAliasingError(
-                    v.fqn, tag, f"its tensor shares storage with {', '.join(map(repr, others))}", self.name
+                    v.fqn, tag, f"its tensor shares storage with {shared}", self.name
                 )
             if v.owner not in old_values:
                 old_values[v.owner] = _old_value_outputs(v.owner)
