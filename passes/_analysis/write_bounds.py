@@ -15,7 +15,8 @@ tensor with the value the earlier call left. A position wrapped into the state (
 buffer, ``pos % window``) is in range and passes.
 
 Which writes: ``index_copy`` along a dimension and ``index_put`` with integer indices,
-into a buffer or an input the program carries state in. Positions computed from
+into a buffer or an input the program carries state in, or into a tensor that becomes
+one's next value (HF's prefill fills a fresh cache, then copies it in). Positions computed from
 floating-point values (a position chosen by the model's own output) are not looked at: the
 run finds those.
 """
@@ -210,22 +211,11 @@ def _slice(program: ExportedProgram, pairs: Pairs) -> _Slice | None:
             kinds[node] = ("buffer", str(spec.target))
     names = {node: (spec.target if spec.kind == InputKind.BUFFER else node.name)
              for node, spec in placeholder_specs(program) if spec.kind in _STATE_KINDS}
-    writes, positions = [], []
-    for node in program.graph.nodes:
-        for dim, position in _positions(node):
-            destination = node.args[0]
-            val = destination.meta.get("val") if isinstance(destination, Node) else None
-            if destination in names and isinstance(val, torch.Tensor) and isinstance(
-                    val.shape[dim], int):
-                writes.append((str(names[destination]), dim % val.dim(), val.shape[dim]))
-                positions.append(position)
     # The state advanced call by call, as slice inputs: integer buffers and integer inputs
     # the caller carries (written in place, or returned as their next value).
     users = _user_inputs(program)
     counters: set[_Key] = {("buffer", name) for name in _integers_written(program)}
     counters |= {("user", str(i)) for i in _integer_inputs_advanced(program, pairs)}
-    if not writes and not counters:
-        return None
     outputs = program.graph.output_node().args[0]
     specs = program.graph_signature.output_specs
     next_values: dict[_Key, Node] = {}
@@ -247,6 +237,35 @@ def _slice(program: ExportedProgram, pairs: Pairs) -> _Slice | None:
             writers[("buffer", state.name)] = nodes
         elif state.kind == USER_INPUT and state.name in users:
             writers[("user", str(users[state.name]))] = nodes
+    # Writes into the state itself, and into a tensor that becomes state's next value (HF's
+    # prefill writes a fresh cache, ``zeros(...).index_copy(...)``, then copies it in):
+    # named for that state, as the write past the end of either fails alike.
+    state_of = {key: str(names[node]) for node, key in kinds.items() if node in names}
+    computed_from: dict[_Key, set[Node]] = {}  # each state's new value's inputs, when asked
+
+    def becomes(node: Node) -> str | None:
+        for key, name in state_of.items():
+            if key not in computed_from:
+                computed_from[key] = _needed([*writers.get(key, ()), *(
+                    [next_values[key]] if key in next_values else [])])
+            if node in computed_from[key]:
+                return name
+        return None
+
+    writes, positions = [], []
+    for node in program.graph.nodes:
+        for dim, position in _positions(node):
+            destination = node.args[0]
+            val = destination.meta.get("val") if isinstance(destination, Node) else None
+            if not (isinstance(val, torch.Tensor) and isinstance(val.shape[dim], int)):
+                continue
+            state = names.get(destination) or becomes(node)
+            if state is not None:
+                writes.append((str(state), dim % val.dim(), val.shape[dim]))
+                positions.append(position)
+    if not writes and not counters:
+        return None
+
     def written_reads(nodes: set[Node]) -> set[_Key]:
         return {kinds[node] for node in nodes if node in kinds
                 and (kinds[node] in writers or kinds[node] in next_values)}

@@ -148,3 +148,33 @@ def test_decode_on_runtime_refuses_a_paired_counter_past_the_end_before_lowering
     program = _forms(ReturnedCounter(), calls)["functional"]
     with pytest.raises(StatePastEndError, match=rf"steps\[{ROWS}\] writes position {ROWS}"):
         decode_on_runtime(program, None, calls, next_values={"pos": "1"})
+
+
+class _FreshCachePrefill(torch.nn.Module):
+    """HF's prefill: the cache's new value is written into a fresh tensor, then copied in."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1, 6))
+
+    def forward(self, x, pos):
+        self.cache.copy_(torch.zeros(1, 6).index_copy(1, pos, x))
+        return self.cache.sum()
+
+
+def test_a_write_into_a_fresh_tensor_that_becomes_state_is_checked():
+    """On 87ba65d a prefill of 8 tokens into a cache of 6, written into a fresh tensor that
+    then becomes the cache (HF's exporter's prefill), was not looked at: the runtime failed
+    with an untyped ``RuntimeError`` (0x12), and later writes were blamed on a later call."""
+    t = torch.export.Dim("t", min=2, max=8)
+    exported = torch.export.export(_FreshCachePrefill(), (torch.ones(1, 2), torch.arange(2)),
+                                   dynamic_shapes=({1: t}, {0: t}))
+    functional = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(
+        torch.export.export(_FreshCachePrefill(), (torch.ones(1, 2), torch.arange(2)),
+                            dynamic_shapes=({1: t}, {0: t}))).program
+    for program in (exported, functional):
+        calls = [(torch.ones(1, n), torch.arange(n)) for n in (4, 6, 8)]
+        found = _first_past_end(program, calls)
+        assert (found.step, found.state, found.dim, found.position, found.length) == (
+            2, "cache", 1, 6, 6)
+        assert _first_past_end(program, calls[:2]) is None
