@@ -22,6 +22,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 import sys
@@ -618,7 +619,7 @@ def _write_outputs(args: argparse.Namespace, result: Any, skip: str | None = Non
     for option, file, what, text in (
             ("--dot", args.dot, "the pass DAG" if result.dot else "an empty pass DAG (no "
              "pass ran)", lambda: result.dot or _no_passes_dot(result)),
-            ("--json", args.json, "the report", lambda: json.dumps(result.to_dict(), indent=2))):
+            ("--json", args.json, "the report", lambda: _report_json(result.to_dict()))):
         if not file or option == skip:
             continue
         try:
@@ -631,6 +632,23 @@ def _write_outputs(args: argparse.Namespace, result: Any, skip: str | None = Non
         else:
             notice(f"wrote {what} to {file}")
     return written
+
+
+def _report_json(report: dict) -> str:
+    """``report`` as JSON text. An error that is not finite (an output NaN or inf, a
+    buffer holding -inf that quantization made finite) is the string ``"inf"`` / ``"-inf"``
+    / ``"nan"``: JSON has no such number, and Python's ``Infinity`` is refused by strict
+    parsers (JavaScript's ``JSON.parse``, ``jq`` before 1.7)."""
+    def finite(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return str(value)
+        if isinstance(value, dict):
+            return {key: finite(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [finite(item) for item in value]
+        return value
+
+    return json.dumps(finite(report), indent=2, allow_nan=False)
 
 
 def _removed(path: Path) -> str:

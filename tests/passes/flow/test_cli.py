@@ -5,6 +5,7 @@ default model in --help, --version, the report alone on stdout with progress on 
 import errno
 import importlib.metadata
 import json
+import math
 import os
 import signal
 import subprocess
@@ -512,3 +513,23 @@ def test_a_reproducer_of_a_pass_a_model_file_defines_replays(capsys, tmp_path):
     assert replayed.returncode == 1, replayed.stderr
     assert "calls: too many" in replayed.stdout
     assert "reproduced: the recorded error" in replayed.stdout
+
+
+def test_json_report_writes_errors_that_are_not_finite_as_strings_json_can_hold(tmp_path):
+    # A buffer holding -inf (an attention mask) that quantization made finite is off by
+    # inf; json.dumps wrote it as Infinity, which strict JSON parsers refuse.
+    from passes.flow.result import FlowResult
+
+    result = FlowResult()
+    result.step_errors = {"quantized, with passes": [0.5, math.inf]}
+    result.buffer_errors = {"quantized, with passes": {"mask": math.inf, "nan": math.nan}}
+    report = tmp_path / "report.json"
+    args = cli.build_parser().parse_args(["run", "--quiet", "--json", str(report)])
+    assert cli._write_outputs(args, result)
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    written = json.loads(report.read_text(), parse_constant=refuse)
+    assert written["step_errors"]["quantized, with passes"] == [0.5, "inf"]
+    assert written["buffer_errors"]["quantized, with passes"] == {"mask": "inf", "nan": "nan"}
