@@ -16,6 +16,16 @@ by strides (``as_strided``): so :func:`contiguous_buffers` gives each non-contig
 of the lowering's private copy contiguous memory (its placeholder's fake value too, from
 which ``to_edge`` traces the rest again), and refuses, typed, a buffer such an op reads,
 whose layout the device would change (ExecuTorch alone computes it wrong when persistent).
+
+A buffer written whole by ``copy_`` from a value of another dtype or a broadcast shape
+(``cache.copy_(x * 1.5)`` into int32 state, ``cache.copy_(row)``) loses the conversion in
+torch's functionalization, which makes the source itself the buffer's new value: ExecuTorch
+1.5.1's runtime then fails to write it back (``Tensors do not match: dtype={Float, Int}``,
+in the log only), the state never changes and the program's outputs come back in the
+source's dtype (float32 values ``4.5`` where eager returns int32 ``4``), call after call.
+:func:`contiguous_buffers` first converts each such source explicitly
+(:func:`convert_copy_sources`): ``copy_`` converts and broadcasts as ``to`` and ``expand``
+do, so the runtime then computes what eager does.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from torch.fx import Node
 
 from . import NonContiguousStateError
 
-__all__ = ["contiguous_buffers"]
+__all__ = ["contiguous_buffers", "convert_copy_sources"]
 
 _aten = torch.ops.aten
 # Ops whose result depends on the strides of their input, not on its values alone.
@@ -42,6 +52,7 @@ def contiguous_buffers(ep: ExportedProgram, helper: str, method: str = "forward"
         NonContiguousStateError: an op reading memory by strides (``as_strided``) reads
             the buffer, directly or through values computed from it.
     """
+    convert_copy_sources(ep)
     sig = ep.graph_signature
     placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
     notes = []
@@ -80,3 +91,38 @@ def _reader_by_strides(buffer: Node) -> Node | None:
                 seen.add(user)
                 todo.append(user)
     return None
+
+
+_COPIES = (_aten.copy_.default, _aten.copy.default)
+
+
+def convert_copy_sources(ep: ExportedProgram) -> None:
+    """Give each ``copy_(dst, src)`` of ``ep`` (in place: a private copy) whose ``src``
+    has another dtype or shape than ``dst`` the source converted and broadcast as
+    ``copy_`` does (``_to_copy``, ``expand``), so that no functionalization drops the
+    conversion from a buffer's new value."""
+    graph = ep.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.target not in _COPIES or len(node.args) < 2:
+            continue
+        dst, src = node.args[0], node.args[1]
+        want = dst.meta.get("val") if isinstance(dst, Node) else None
+        have = src.meta.get("val") if isinstance(src, Node) else None
+        if not isinstance(want, torch.Tensor) or not isinstance(have, torch.Tensor):
+            continue
+        with graph.inserting_before(node):
+            if have.dtype != want.dtype:
+                src = graph.call_function(_aten._to_copy.default, (src,),
+                                          {"dtype": want.dtype})
+                have = have.to(want.dtype)
+                src.meta["val"] = have
+            if tuple(have.shape) != tuple(want.shape):
+                shape = list(want.shape)
+                src = graph.call_function(_aten.expand.default, (src, shape))
+                src.meta["val"] = have.expand(shape)
+        if src is not node.args[1]:
+            node.args = (dst, src, *node.args[2:])
+            changed = True
+    if changed:
+        ep.graph_module.recompile()

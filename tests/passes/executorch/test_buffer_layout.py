@@ -122,3 +122,31 @@ def test_a_buffer_read_by_its_strides_is_refused_naming_it_and_the_fix():
     error = caught.value
     assert (error.buffer, error.size, error.stride) == ("cache", (4, 3), (1, 4))
     assert "as_strided" in str(error) and ".contiguous()" in str(error)
+
+
+class ConvertingCopy(torch.nn.Module):
+    """A buffer written whole from a float value of another dtype (a broadcast row, or not)."""
+
+    def __init__(self, dtype: torch.dtype, broadcast: bool):
+        super().__init__()
+        self.broadcast = broadcast
+        self.register_buffer("state", torch.zeros(2, 3, dtype=dtype))
+
+    def forward(self, x):
+        self.state.copy_((x[0] if self.broadcast else x) * 1.5)
+        return self.state * 1
+
+
+def test_a_buffer_copied_from_another_dtype_keeps_its_dtype_on_the_runtime():
+    # torch's functionalization made the float source itself the buffer's new value: the
+    # runtime failed to write it back (dtype={Float, Int}, in the log only), the state never
+    # changed, and every call returned float32 4.5 where eager returns int32 4.
+    dtype = torch.int8
+    model = ConvertingCopy(dtype, broadcast=True)  # a dtype and a shape to convert
+    eager = copy.deepcopy(model)
+    steps = [(torch.arange(6.0).view(2, 3) + 0.3 * i,) for i in range(3)]
+    decoded = decode_on_runtime(torch.export.export(model, steps[0]), None, steps)
+    for out, step in zip(decoded.outputs, steps, strict=True):
+        expected = eager(*step)
+        assert out[0].dtype == dtype
+        assert torch.equal(out[0], expected)
