@@ -117,7 +117,8 @@ def convert_copy_sources(ep: ExportedProgram) -> None:
                                           {"dtype": want.dtype})
                 have = have.to(want.dtype)
                 src.meta["val"] = have
-            if tuple(have.shape) != tuple(want.shape):
+            static = all(isinstance(d, int) for d in (*have.shape, *want.shape))
+            if static and tuple(have.shape) != tuple(want.shape):  # no guard on a symbol
                 shape = list(want.shape)
                 src = graph.call_function(_aten.expand.default, (src, shape))
                 src.meta["val"] = have.expand(shape)
