@@ -29,6 +29,8 @@ class JointCondition:
     check, for what one program's pass decides for the others. What held *between* the programs
     and a pass may break (one object they held, now a copy each) ``remember`` notes before
     the pipeline and ``settle`` restores after the check, returning notes for the result.
+    ``amend`` then rewrites what each program's run result says, where ``join`` changed a
+    program after the passes recorded it alone.
     """
 
     name: str = "joint condition"
@@ -47,6 +49,13 @@ class JointCondition:
 
     def settle(self, programs: Mapping[str, Any], remembered: Any) -> Mapping[str, Any]:
         return {}
+
+    def amend(self, results: Mapping[str, Any], joined: Mapping[str, Any]) -> None:
+        """Last, with each program's run result (``.program``, ``.report``, ``.modified``)
+        and the notes this condition's ``join`` returned: make the results say what the
+        programs now are. A pass's record describes the program it saw alone; what ``join``
+        changed after it (the record's notes, statistics, node count, ``modified``) is
+        only the condition's to restate, and every run of the mapping needs it restated."""
 
 
 _JOINT: dict[str, JointCondition] = {}
@@ -112,10 +121,14 @@ def run_each(run: Callable[[Any], Any], programs: Mapping[str, Any],
             raise
     after = {name: result.program for name, result in results.items()}
     notes: dict[str, Any] = {}
+    joined = []
     for condition in conditions:
-        notes.update(condition.join(after))
+        joined.append(condition.join(after))
+        notes.update(joined[-1])
     for condition in conditions:
         condition.check(after, f"after {pipeline}")
     for condition, memory in zip(conditions, remembered, strict=True):
         notes.update(condition.settle(after, memory))
+    for condition, said in zip(conditions, joined, strict=True):
+        condition.amend(results, said)
     return MethodsRunResult(results, notes)

@@ -70,7 +70,6 @@ from ._methods.calls import (
     reads_kept_live,
     share_buffer_tensors,
 )
-from ._methods.integer_reads import restate_integer_reads
 from ._methods.joint_storage import kept_float
 from ._methods.observers import buffer_observers, share_observers
 from ._methods.shared_buffers import (
@@ -965,7 +964,6 @@ def quantize_methods(
         # shared again.
         stored = PassManager([QuantizeMutableBuffers(keep_float=kept_float(quantized))]
                              ).run(quantized)
-        restate_integer_reads(stored, stored.notes.get("integer reads", {}))
         for name, result in stored.items():
             quantized[name] = result.program
             reports[name]["quantize_state"] = result.report

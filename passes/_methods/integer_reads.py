@@ -181,7 +181,8 @@ def restate_integer_reads(results: Mapping[str, Any], reads: Mapping[str, list[s
     as the writers' integers. The pass decided the method alone and noted such a buffer as
     staying float (a reset writing zeros) or not at all (a method only reading it); its
     note, statistics, node count and ``modified`` are rewritten from the stored program.
-    ``results``: per method, the pass manager's run result (``.program``, ``.report``)."""
+    ``results``: per method, the pass manager's run result (``.program``, ``.report``,
+    ``.modified``); the joint condition calls it on every run of the mapping."""
     programs = {name: result.program for name, result in results.items()}
     for method, fqns in reads.items():
         program = programs[method]
@@ -219,6 +220,7 @@ def restate_integer_reads(results: Mapping[str, Any], reads: Mapping[str, list[s
                              if count or key.startswith("state bytes")}
         record.nodes_after = len(program.graph.nodes)
         record.modified = True
+        results[method].modified = True  # the run changed the method, if the pass did not
 
 
 def _stored_record(report: Any) -> Any:

@@ -35,7 +35,7 @@ from pass_manager.program_sets import JointCondition
 from .._analysis.quantized_state import plan_quantized_state
 from ..errors import SharedBufferError
 from .grid_facet import GRID_FACET, buffer_grids
-from .integer_reads import FloatHolder, read_integer_state
+from .integer_reads import FloatHolder, read_integer_state, restate_integer_reads
 
 __all__ = [
     "INTEGER_STORAGE",
@@ -382,6 +382,13 @@ class SharedBuffers(JointCondition):
             raise SharedBufferError([_float_holder(programs, found) for found in holders],
                                     "after the pipeline")
         return {"integer reads": read} if read else {}
+
+    def amend(self, results: Mapping[str, Any], joined: Mapping[str, Any]) -> None:
+        """Each method ``join`` made hold the writers' integers: its QuantizeMutableBuffers
+        record says so (:func:`restate_integer_reads`). Before, only ``quantize_methods``
+        and the flow restated it: a direct ``PassManager`` run left a reset's record saying
+        "stays float32" and a reader's saying nothing, unmodified."""
+        restate_integer_reads(results, joined.get("integer reads", {}))
 
     def settle(self, programs: Mapping[str, Any],
                remembered: tuple[dict[str, list[str]], dict[str, set[str]]],

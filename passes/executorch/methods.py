@@ -91,22 +91,23 @@ def _kind(value: Any) -> str:
     return ("an " if name[:1].lower() in "aeiou" else "a ") + name
 
 
-def _checked_programs(programs: Any) -> dict[str, ExportedProgram]:
-    return checked_methods(HELPER, "programs", programs)
+def _checked_programs(programs: Any, helper: str = HELPER) -> dict[str, ExportedProgram]:
+    return checked_methods(helper, "programs", programs)
 
 
-def _check_shared_state(programs: dict[str, ExportedProgram]) -> None:
+def _check_shared_state(programs: dict[str, ExportedProgram], helper: str) -> None:
     """A buffer the methods share is one tensor on the device (the planner gives it one place
-    sized by any one method): one shape, dtype, initial value and grid in every method."""
+    sized by any one method): one shape, dtype, initial value and grid in every method.
+    ``helper``: the function the caller called, which the error names."""
     differences = shared_buffer_differences(programs)
     if differences:
         raise ExecuTorchInputError(
-            HELPER, "programs", f"{differences[0]}; methods of one .pte share that buffer, so "
+            helper, "programs", f"{differences[0]}; methods of one .pte share that buffer, so "
             "export them from one model (and quantize them together: "
             "passes.quantization.quantize_methods)")
     separate = parameter_difference(programs)
     if separate is not None:
-        raise ExecuTorchInputError(HELPER, "programs", separate)
+        raise ExecuTorchInputError(helper, "programs", separate)
 
 
 def _flat_calls(programs: dict[str, ExportedProgram], calls: Any) -> list[tuple[str, list]]:
@@ -136,7 +137,8 @@ def _flat_calls(programs: dict[str, ExportedProgram], calls: Any) -> list[tuple[
     return checked
 
 
-def _wrapper(partitioner: Any, programs: dict[str, ExportedProgram]) -> BufferOwningPartitioner:
+def _wrapper(partitioner: Any, programs: dict[str, ExportedProgram],
+             helper: str) -> BufferOwningPartitioner:
     if partitioner is None:
         # XNNPACK's delegates take no buffers: saying so spares the trial partition.
         return BufferOwningPartitioner(XnnpackPartitioner(), methods=programs, own_buffers=False)
@@ -147,7 +149,7 @@ def _wrapper(partitioner: Any, programs: dict[str, ExportedProgram]) -> BufferOw
                                        keep_precision=partitioner.keep_precision)
     if not isinstance(partitioner, Partitioner):
         raise ExecuTorchInputError(
-            HELPER, "partitioner", f"an ExecuTorch Partitioner (e.g. XnnpackPartitioner()); "
+            helper, "partitioner", f"an ExecuTorch Partitioner (e.g. XnnpackPartitioner()); "
             f"got {_kind(partitioner)}")
     return BufferOwningPartitioner(partitioner, methods=programs)
 
@@ -201,13 +203,13 @@ class _LoweredMethods:
 def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
                    share_mutable_buffers: bool = True,
                    helper: str = "lower_methods_to_pte") -> _LoweredMethods:
-    programs = _checked_programs(programs)
-    _check_shared_state(programs)
+    programs = _checked_programs(programs, helper)
+    _check_shared_state(programs, helper)
     # Private copies: lowering must not touch the caller's programs or their state.
     copies = {name: copy.deepcopy(ep) for name, ep in programs.items()}
     dropped = [f"[{name}] {note}" for name, ep in copies.items()
                for note in drop_unused_aliases(ep) + contiguous_buffers(ep, helper, name)]
-    wrapper = _wrapper(partitioner, copies)
+    wrapper = _wrapper(partitioner, copies, helper)
     with torch.no_grad():  # the emitter writes buffers back in place
         edge = to_edge_transform_and_lower(copies, partitioner=[wrapper])
         names, backends = set(), {}

@@ -29,7 +29,6 @@ from .._analysis.buffers import find_mutations
 from .._analysis.marked_state import mutable_buffers
 from .._methods.calls import share_buffer_tensors
 from .._methods.in_turn import run_methods
-from .._methods.integer_reads import restate_integer_reads
 from .._methods.shared_buffers import shared_buffer_differences
 from ..inplace_to_functional import InplaceToFunctional
 from ..inputs_to_buffers import InputsToBuffers
@@ -257,7 +256,6 @@ def _integer_stage(stage: _Stages, result: FlowResult, quantized: dict[str, Any]
     manager = PassManager([QuantizeMutableBuffers()], **options)
     stored = stage("store quantized state as integers (QuantizeMutableBuffers)",
                    lambda: manager.run(copy_program(dict(quantized))))
-    restate_integer_reads(stored, stored.notes.get("integer reads", {}))
     programs = {method: run.program for method, run in stored.items()}
     for method, run in stored.items():
         result.reports.append((f"quantize state {method}", run.report))

@@ -24,7 +24,6 @@ from passes import (
 )
 from passes._methods.calls import share_buffer_tensors
 from passes._methods.in_turn import run_methods
-from passes._methods.integer_reads import restate_integer_reads
 from passes.flow.examples import xnnpack_quantizer
 from passes.flow.integer_state import dequantized_state
 from passes.quantization import quantize_methods
@@ -69,9 +68,10 @@ def test_the_pass_manager_makes_a_reader_read_the_integers_the_writer_stores():
     assert integers["read"].state_dict["total"].dtype == torch.int8
     assert integers["read"].state_dict["total"] is integers["write"].state_dict["total"]
     assert stored.notes["integer reads"] == {"read": ["total"]}
-    restate_integer_reads(stored, stored.notes["integer reads"])
+    # the run's own report says so (before, only a caller of restate_integer_reads's did)
     _says_stored(stored["read"].report.records[-1], "total",
                  "'write' stores and reads them dequantized")
+    assert stored["read"].modified
     for got, want in zip(calls_in_sequence(integers, case.calls),
                          calls_in_sequence(floats, case.calls), strict=True):
         assert torch.equal(got, want)  # bit for bit the float-stored methods, call after call
@@ -150,6 +150,21 @@ def _says_stored(record, fqn: str, how: str) -> None:
     assert f"{fqn}: left float" not in record.statistics
     assert (record.statistics[f"{fqn}: bytes float32"],
             record.statistics[f"{fqn}: bytes int8"]) == (16, 4)
+
+
+def test_the_pass_manager_alone_says_a_reset_to_zero_stores_the_integers(reset_total):
+    """Run directly on the mapping (no quantize_methods), ``reset`` writing the total only
+    as zeros holds ``add``'s int8 total. Before, its QuantizeMutableBuffers record still
+    said "total: stays float32" and counted it left float, unmodified, unless the caller
+    called restate_integer_reads itself; now the joint condition restates it on every run."""
+    case, floats = reset_total(0.0)
+    stored = PassManager([QuantizeMutableBuffers()]).run(copy_program(dict(floats)))
+    assert stored.notes["integer reads"] == {"reset": ["total"]}
+    _says_stored(stored["reset"].report.records[-1], "total",
+                 "'add' stores and writes only zeros, stored as the grid's zero point")
+    assert stored["reset"].modified and stored.modified
+    assert "stays float" not in str(stored)
+    _same_as_float_state(stored.programs, floats, case.calls)
 
 
 def test_the_pass_manager_alone_refuses_a_float_write_of_integer_state(reset_total):

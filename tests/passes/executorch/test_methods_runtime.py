@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from passes.executorch import ExecuTorchInputError, run_methods_on_runtime
+from passes.executorch.methods import lower_methods_to_pte
 from passes.flow.examples import kv_decoder, xnnpack_quantizer
 from passes.quantization import quantize_methods
 from tests.models.methods_on_runtime import (
@@ -103,6 +104,23 @@ def test_programs_must_be_a_mapping_sharing_one_state(case):
     assert info.value.argument == "partitioner"
     torch.testing.assert_close(case.programs["prefill"].state_dict["layers.0.attn.k_cache"],
                                torch.zeros(1, 2, 16, 16))
+
+
+def test_lower_methods_to_pte_names_itself_in_what_it_refuses(case):
+    """Before, its refusals of the programs (a mapping of methods, one shared state) and of
+    the partitioner said "run_methods_on_runtime: ...", a function the caller never called."""
+    other = copy.deepcopy(case.programs)
+    other["decode"].state_dict["layers.0.attn.k_cache"] = torch.zeros(
+        1, 2, 16, 16, dtype=torch.float16)
+    for programs, partitioner, argument in [
+            (list(case.programs.values()), None, "programs"),
+            (other, None, "programs"),
+            (case.programs, "xnnpack", "partitioner")]:
+        with pytest.raises(ExecuTorchInputError) as info:
+            lower_methods_to_pte(programs, partitioner)
+        assert (info.value.helper, info.value.argument) == ("lower_methods_to_pte", argument)
+        assert str(info.value).startswith(f"lower_methods_to_pte: {argument}: ")
+        assert "run_methods_on_runtime" not in str(info.value)
 
 
 def test_methods_from_separate_instances_are_refused_before_lowering(case):
