@@ -17,6 +17,7 @@ __all__ = [
     "CalibrationInputError",
     "CarriedStateError",
     "CarriedStateWarning",
+    "FoldedStateWriteError",
     "InputStateError",
     "LiftError",
     "QuantizationFlowError",
@@ -76,6 +77,27 @@ class UnreplayableFrozenReadError(QuantizationFlowError):
         )
         self.buffers = buffers
         self.source = source
+
+
+class FoldedStateWriteError(QuantizationFlowError):
+    """``convert_pt2e``'s constant folding ran an in-place write of state once while
+    converting (the write computes from buffers and constants alone: a step counter's
+    ``add_(1)``), and nothing recorded the value the state had before."""
+
+    def __init__(self, pass_name: str, node: str, buffers: list[str]):
+        super().__init__(
+            "convert_pt2e(fold_quantize=True) ran this in-place write of "
+            + ", ".join(map(repr, buffers))
+            + " once while folding constants (it reads buffers and constants alone), so "
+            "the converted program starts one step ahead of the model, and the value it "
+            "started with is not known: no MarkMutableBuffers mark records it; mark the "
+            "program before prepare_pt2e (PassQuantizer(quantizer, "
+            "transform=[MarkMutableBuffers()])) so UnfreezeMutableBuffer puts it back, or "
+            "quantize a functional program (quantize_program)",
+            pass_name=pass_name,
+            node=node,
+        )
+        self.buffers = buffers
 
 
 class UnsupportedMutationError(PassManagerError):

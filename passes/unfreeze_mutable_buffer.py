@@ -8,10 +8,19 @@ import torch
 from torch.fx import GraphModule, Node
 
 from pass_manager import GRAPH_MODULE, Effects, Pass, PassResult
+from pass_manager._rollback import transaction
 
-from ._analysis.buffers import INITIAL_META, MUTABLE_BUFFER_META, buffer_nodes
+from ._analysis.buffers import INITIAL_META, MUTABLE_BUFFER_META, buffer_nodes, buffer_tensor
 from ._analysis.data_movement import DATA_MOVEMENT_OPS
-from ._analysis.frozen_reads import FrozenRead, NoFrozenMutableBuffers, frozen_buffer_reads
+from ._analysis.folded_writes import folded_state_writes
+from ._analysis.frozen_reads import (
+    FrozenRead,
+    NoFrozenMutableBuffers,
+    frozen_buffer_reads,
+    frozen_nodes,
+)
+from ._analysis.marked_state import initial_values
+from .errors import FoldedStateWriteError
 
 __all__ = ["UnfreezeMutableBuffer"]
 
@@ -42,6 +51,13 @@ class UnfreezeMutableBuffer(Pass):
     data-movement op (``index_put``, ``index_copy``, ``copy_``) is re-wired to the buffer
     itself: data movement is not quantized.
 
+    Folding also *runs* each in-place write of state that reads buffers and constants alone
+    (a step counter's ``pos.add_(1)``, a decay's ``state.mul_(0.9)``) once, on the
+    program's own buffers: the converted program would start one step ahead of the
+    prepared one. When the program holds folded constants, each buffer such a write
+    advanced is put back to the value ``MarkMutableBuffers`` recorded (what
+    ``reset_mutable_buffers`` restores before ``convert_pt2e``); a note names it.
+
     Provenance: exact when the program was quantized with ``PassQuantizer`` after
     ``MarkMutableBuffers`` (the observer of each buffer read is recorded on the buffer's
     node). Otherwise each frozen constant is matched against the live mutable buffers
@@ -70,28 +86,62 @@ class UnfreezeMutableBuffer(Pass):
             a value recorded (``PassQuantizer``) as computed from mutable buffers and
             constants through ops no read replays (``index_select`` by a constant index):
             quantize a functional program instead (``quantize_program``).
+        FoldedStateWriteError: raised by ``call`` when folding ran a write of a buffer no
+            ``MarkMutableBuffers`` mark gives a starting value for (the program was
+            prepared straight from ``torch.export.export(...).module()``).
     """
 
     provides = frozenset({NoFrozenMutableBuffers})
     accepts = (GRAPH_MODULE,)
-    effects = Effects.rewrite(meta_keys=())  # only the new nodes' meta is filled
+    # Only the new nodes' meta is filled; buffers that folding advanced are written back.
+    effects = Effects.rewrite(meta_keys=(), writes_state=True)
 
     def call(self, program: GraphModule) -> PassResult:
-        found = frozen_buffer_reads(program, self.name)
+        # A failure after a buffer was put back restores it too: the manager's rollback
+        # record, or, when ``call`` is called directly, the one the transaction takes.
+        with transaction(program, self.effects):
+            notes = self._put_back_folded_writes(program)
+            restored = len(notes)
+            found = frozen_buffer_reads(program, self.name)
+            buffers = _buffer_attr_nodes(program)
+            rewired = 0
+            for frozen in found:
+                note, count = self._unfreeze(program, frozen, buffers)
+                notes.append(note)
+                rewired += count
+            statistics = {"frozen buffer reads unfrozen": len(found)} if found else {}
+            if rewired:
+                statistics["data-movement writes re-wired into the buffer"] = rewired
+            if restored:
+                statistics["buffers put back after folding ran their writes"] = restored
+            if found:
+                program.graph.lint()
+                _drop_unused_frozen(program, {str(f.node.target) for f in found})
+        return PassResult(program, bool(found) or bool(restored), notes, statistics)
+
+    def _put_back_folded_writes(self, gm: GraphModule) -> list[str]:
+        """Put each buffer torchao's folding wrote back to its marked starting value; one
+        note per buffer changed. Nothing to do when nothing was folded (``fold_quantize``
+        off): then no write ran."""
+        if not frozen_nodes(gm):
+            return []
+        advanced = folded_state_writes(gm)
+        if not advanced:
+            return []
+        initial = initial_values(gm)
+        unknown = sorted(fqn for fqn in advanced if fqn not in initial)
+        if unknown:
+            raise FoldedStateWriteError(self.name, advanced[unknown[0]][0].name, unknown)
         notes = []
-        buffers = _buffer_attr_nodes(program)
-        rewired = 0
-        for frozen in found:
-            note, count = self._unfreeze(program, frozen, buffers)
-            notes.append(note)
-            rewired += count
-        statistics = {"frozen buffer reads unfrozen": len(found)} if found else {}
-        if rewired:
-            statistics["data-movement writes re-wired into the buffer"] = rewired
-        if found:
-            program.graph.lint()
-            _drop_unused_frozen(program, {str(f.node.target) for f in found})
-        return PassResult(program, bool(found), notes, statistics)
+        for fqn, writes in advanced.items():
+            tensor = buffer_tensor(gm, fqn)
+            if torch.equal(tensor, initial[fqn]):
+                continue
+            with torch.no_grad():
+                tensor.copy_(initial[fqn])
+            notes.append(f"{fqn}: put back to its marked starting value; convert_pt2e's "
+                         f"constant folding had run {', '.join(w.name for w in writes)} on it")
+        return notes
 
     @staticmethod
     def _unfreeze(gm: GraphModule, frozen: FrozenRead, known: dict[str, Node]

@@ -35,6 +35,7 @@ __all__ = [
     "MutableBuffer",
     "fill_value",
     "initial_copy",
+    "initial_values",
     "mutable_buffers",
     "reset_mutable_buffers",
 ]
@@ -134,6 +135,13 @@ def mutable_buffers(program: Any) -> dict[str, MutableBuffer]:
             if state.name in found and found[state.name].kind == state.kind:
                 found[state.name].writers = [n.name for n in nodes if n is not None]
     return found
+
+
+def initial_values(program: Any) -> dict[str, torch.Tensor]:
+    """The value each marked buffer (or written parameter) started with, by FQN: what
+    :func:`reset_mutable_buffers` restores. Buffers marked without one are left out."""
+    return {fqn: info.initial for fqn, info in _marked(program).items()
+            if info.kind != USER_INPUT and info.initial is not None}
 
 
 def _marked(program: Any) -> dict[str, MutableBuffer]:

@@ -97,6 +97,19 @@ class StateByConstantIndex(nn.Module):
         return out
 
 
+class StepCounter(nn.Module):
+    """A counter updated from itself alone: torchao's constant folding runs its ``add_``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("step", torch.zeros(()))
+
+    def forward(self, x):
+        self.step.add_(1)
+        return self.proj(x) + self.step
+
+
 X = torch.ones(4)
 
 
@@ -138,6 +151,14 @@ def _converted_without_provenance() -> torch.fx.GraphModule:
                           [[(torch.randn(1, 4),) for _ in range(3)]], decompose=False).left
 
 
+@functools.cache
+def _converted_unmarked_counter() -> torch.fx.GraphModule:
+    torch.manual_seed(0)
+    prepared = prepare_pt2e(torch.export.export(StepCounter().eval(), (X,)).module(),
+                            xnnpack_quantizer())
+    return convert_pt2e(prepared, fold_quantize=True)
+
+
 # The programs the passes meet, each built fresh (passes rewrite what they are given).
 PROGRAMS = {
     "an eager module": Counter,
@@ -148,6 +169,7 @@ PROGRAMS = {
     "a marked write to a constant": lambda: _marked(WritesConstant()),
     "frozen reads of two equal buffers": lambda: copy.deepcopy(_converted_without_provenance()),
     "a folded read by a constant index": lambda: copy.deepcopy(_converted_with_a_constant_index()),
+    "an unmarked counter folding advanced": lambda: copy.deepcopy(_converted_unmarked_counter()),
     "a buffer read outside its delegate": lambda: to_delegate(
         _functional(ReadBeforeUpdate()), OpSupportPartitioner([torch.ops.aten.add.Tensor])),
     "a buffer sharing storage": _sharing_storage,
@@ -169,7 +191,8 @@ TRIGGERS = {
         "ProgramFormError": "a functional ExportedProgram",
         "PassFailedError": "frozen reads of two equal buffers",
         "AmbiguousFrozenBufferError": "frozen reads of two equal buffers",
-        "UnreplayableFrozenReadError": "a folded read by a constant index"}),
+        "UnreplayableFrozenReadError": "a folded read by a constant index",
+        "FoldedStateWriteError": "an unmarked counter folding advanced"}),
     "ConsumeBufferMutationsInDelegate": (ConsumeBufferMutationsInDelegate(strict=True), {
         "PreconditionError": "unmarked writes",
         "ProgramFormError": "a functional GraphModule",

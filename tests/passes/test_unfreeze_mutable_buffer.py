@@ -24,7 +24,11 @@ from passes import (
     conditions,
     reset_mutable_buffers,
 )
-from passes.errors import AmbiguousFrozenBufferError, UnreplayableFrozenReadError
+from passes.errors import (
+    AmbiguousFrozenBufferError,
+    FoldedStateWriteError,
+    UnreplayableFrozenReadError,
+)
 from passes.flow.examples import xnnpack_quantizer
 from passes.quantization import PassQuantizer
 from tests.models.accumulators import Accumulator, accumulator_inputs
@@ -412,3 +416,76 @@ def test_a_folded_constant_beside_a_live_value_of_state_is_left_folded():
             eager(x)
             torch.testing.assert_close(folded(x), unfolded(x), rtol=0, atol=0)
             assert dict(folded.named_buffers())["step"] == eager.step
+
+
+class StepAndDecay(nn.Module):
+    """A step counter (``add_(1)``) and a decay (``mul_(0.5)``), each updated from itself
+    and constants alone, beside an accumulator updated from the input."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("decay", torch.ones(1, dim))
+        self.register_buffer("acc", torch.zeros(1, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        out = self.proj(self.acc) * self.decay + self.step
+        self.step.add_(1)
+        self.decay.mul_(0.5)
+        self.acc.add_(y)
+        return out
+
+
+def _converted_step_and_decay(quantizer) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    torch.manual_seed(0)
+    gm = torch.export.export(StepAndDecay().eval(), CALLS[0]).module()
+    prepared = prepare_pt2e(gm, quantizer)
+    initial = {name: b.clone() for name, b in prepared.named_buffers()
+               if "activation_post_process" not in name}
+    with torch.no_grad():
+        for args in CALLS[:3]:
+            prepared(*args)
+        for name, value in initial.items():
+            prepared.get_buffer(name).copy_(value)
+    return (convert_pt2e(copy.deepcopy(prepared), fold_quantize=True),
+            convert_pt2e(copy.deepcopy(prepared), fold_quantize=False))
+
+
+def _step_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in module.named_buffers()
+            if name in ("step", "decay", "acc")}
+
+
+def test_state_that_constant_folding_advanced_is_put_back():
+    """torchao's constant folding runs every node whose inputs it knows, on the module's
+    own tensors: ``step.add_(1)`` and ``decay.mul_(0.5)`` ran once inside
+    ``convert_pt2e(fold_quantize=True)``, so the converted program started one step ahead
+    (step 1, decay 0.5). On the base UnfreezeMutableBuffer left it so, silently: outputs
+    and state differed from the unfolded conversion on every call. Now the two buffers are
+    put back to their marked starting values, and the programs agree exactly."""
+    folded, unfolded = _converted_step_and_decay(
+        PassQuantizer(xnnpack_quantizer(), transform=[MarkMutableBuffers()]))
+    assert int(folded.get_buffer("step")) == 1  # what folding did
+    result = PassManager([UnfreezeMutableBuffer()]).run(folded)
+    assert_same_behaviour(unfolded, result.program, CALLS[:4], state=_step_state)
+    record = result.report.records[0]
+    assert record.statistics["buffers put back after folding ran their writes"] == 2
+    assert any(note.startswith("step: put back") for note in record.notes)
+
+
+def test_state_that_folding_advanced_with_no_starting_value_is_a_typed_error():
+    """Unmarked, the value the counter had before conversion is not known: on the base the
+    program silently started one step ahead; now FoldedStateWriteError names the write
+    and the buffers, and the program (its buffers included) is left as it was."""
+    folded, _ = _converted_step_and_decay(xnnpack_quantizer())
+    before = program_text(folded)
+    state = _step_state(folded)
+    with pytest.raises(PassFailedError) as error:
+        PassManager([UnfreezeMutableBuffer()]).run(folded)
+    cause = error.value.__cause__
+    assert isinstance(cause, FoldedStateWriteError)
+    assert cause.buffers == ["decay", "step"] and cause.node == "mul_"
+    assert program_text(folded) == before
+    assert all(torch.equal(state[k], v) for k, v in _step_state(folded).items())
