@@ -49,13 +49,13 @@ from torch.fx import GraphModule
 from torchao.quantization.pt2e.quantizer import Quantizer
 
 from pass_manager import PassManager, Report
-from pass_manager.validation import call_inputs
 
 from ._analysis.buffer_reads import record_observed_reads
 from ._analysis.marked_state import reset_mutable_buffers
 from ._carried.pairs import method_pairing, pairs_of
 from ._lifting import exported_program_from
 from ._methods.calibration import (
+    calibration_calls,
     callers_state_restored,
     check_calibration_call,
     run_calibration_call,
@@ -556,14 +556,17 @@ def quantize_program(
     Raises:
         QuantizationInputError: ``program`` not an ExportedProgram, ``quantizer`` not a
             Quantizer (the message says what to pass, e.g. "call xnnpack_quantizer()"), no
-            calibration call, or a value the quantizer observes of a dtype pt2e cannot
-            quantize (float64: the message names it; found before calibration; what a
-            quantizer annotates on integer and bool values is dropped, they stay
-            unquantized, see :func:`integer_annotations_dropped`); its
+            calibration call, ``calibration`` no sequence of calls (``None``, a tensor, one
+            call's argument tuple ``(x, pos)``), or a value the quantizer observes of a
+            dtype pt2e cannot quantize (float64: the message names it; found before
+            calibration; what a quantizer annotates on integer and bool values is dropped,
+            they stay unquantized, see :func:`integer_annotations_dropped`); its
             :class:`~passes.errors.CalibrationInputError` names the
-            call and the input when a call does not fit the program (another dtype, a static
-            size, another structure: checked before anything is prepared) or the prepared
-            program raises on it (the original error chained).
+            call and the input when a call does not fit the program (a keyword naming no
+            input, another structure, no tensor for a tensor input: "pass a torch.Tensor" for
+            a numpy array, another dtype, a static size, another number than one the program
+            was specialized to: checked before anything is prepared) or the prepared program
+            raises on it (the original error chained).
 
     The result shares the program's buffer tensors (as ``program.module()`` does): the
     calibration writes them and the reset puts back, bit for bit, the values they had (or,
@@ -582,10 +585,7 @@ def quantize_program(
         raise QuantizationInputError("quantize_program", "program", "quantize_program takes an "
                                      f"ExportedProgram, got {type(program).__name__}")
     checked_quantizer(quantizer, "quantize_program")
-    calls = call_inputs(list(calibration))
-    if not calls:
-        raise QuantizationInputError("quantize_program", "calibration", "needs at least one "
-                                     "calibration call: the observers measure nothing otherwise")
+    calls = calibration_calls(program, calibration, "quantize_program")
     for index, (args, kwargs) in enumerate(calls):
         check_calibration_call(program, args, kwargs, "quantize_program", index)
     report = QuantizationReport()
@@ -876,8 +876,9 @@ def quantize_methods(
             methods.
         QuantizationInputError: ``programs`` not a non-empty mapping of ExportedPrograms,
             ``quantizer`` not a Quantizer (the message says what to pass, e.g. "call
-            xnnpack_quantizer()"), a call naming no method, or a method never called (also
-            a ``ValueError``), methods sharing state that hold a parameter of one name
+            xnnpack_quantizer()"), ``calls`` no sequence of calls (``None``, a tensor, one
+            call), a call naming no method, or a method never called (also a
+            ``ValueError``), methods sharing state that hold a parameter of one name
             differently (exported from separate instances of the model, each initialized
             its own way); its :class:`~passes.errors.CalibrationInputError` names the
             call and the input when a call does not fit its method's program, its

@@ -20,12 +20,49 @@ from torch.fx import Node
 from torch.utils import _pytree as pytree
 
 from pass_manager.call_signature import signature_of
+from pass_manager.validation import Call, call_inputs
 
 from .._analysis.buffers import USER_INPUT, find_mutations
-from ..errors import CalibrationInputError
+from ..errors import CalibrationInputError, QuantizationInputError
 
-__all__ = ["callers_state_restored", "check_calibration_call", "keywords_bound",
-           "run_calibration_call"]
+__all__ = ["calibration_calls", "callers_state_restored", "check_calibration_call",
+           "keywords_bound", "run_calibration_call", "sequence_of_calls"]
+
+
+def sequence_of_calls(calls: Any, helper: str, argument: str, example: str) -> list[Any]:
+    """``calls`` as a list, or a :class:`QuantizationInputError` of ``helper`` naming
+    ``argument`` when it is no sequence of calls: ``None``, a string, a mapping or a tensor
+    (iterated, a tensor's rows would each pass for one call) or anything not iterable.
+    ``example`` shows the list to pass instead."""
+    if isinstance(calls, torch.Tensor):
+        given = f"a Tensor {_describe(calls)}"
+    elif isinstance(calls, (str, bytes, Mapping)) or calls is None or \
+            not isinstance(calls, Iterable):
+        given = f"{type(calls).__name__} {calls!r:.60}"
+    else:
+        return list(calls)
+    raise QuantizationInputError(helper, argument, f"is {given}, not a sequence of calls: "
+                                 f"pass a list with one entry per call, e.g. {example}")
+
+
+def calibration_calls(program: ExportedProgram, calibration: Any, helper: str) -> list[Call]:
+    """``quantize_program``'s ``calibration``, one ``(args, kwargs)`` pair per call, or a
+    :class:`QuantizationInputError` (``argument`` ``"calibration"``) when it is no sequence
+    of calls or is empty. A tuple of tensors as many as the program's positional inputs
+    (more than one) is one call's arguments, not calls: it is refused, saying so."""
+    calls = sequence_of_calls(calibration, helper, "calibration", "[(x, pos), ...]")
+    if not calls:
+        raise QuantizationInputError(helper, "calibration", "needs at least one calibration "
+                                     "call: the observers measure nothing otherwise")
+    positional = signature_of(program).positional
+    if isinstance(calibration, tuple) and len(positional) > 1 and \
+            len(calls) == len(positional) and \
+            all(isinstance(value, torch.Tensor) for value in calls):
+        names = ", ".join(positional)
+        raise QuantizationInputError(helper, "calibration", f"is one call's arguments "
+                                     f"({names}), not a sequence of calls: pass a list of "
+                                     f"calls, e.g. [({names})]")
+    return call_inputs(calls)
 
 
 def _input_name(path: tuple, positional: tuple[str, ...]) -> str:
@@ -57,6 +94,45 @@ def _describe(value: torch.Tensor) -> str:
     return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
 
 
+def _is_numpy(value: Any) -> bool:
+    return type(value).__module__.split(".")[0] == "numpy"
+
+
+def _describe_other(value: Any) -> str:
+    """What a calibration input that is no tensor is: ``numpy.ndarray float32[1, 4]``,
+    ``int 4``, ``list of 2 entries``."""
+    kind = type(value)
+    name = f"{kind.__module__}.{kind.__qualname__}" if _is_numpy(value) else kind.__qualname__
+    article = "an" if name[0] in "aeiou" else "a"
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        return f"{article} {name} {value.dtype}{list(value.shape)}"
+    return f"{article} {name} {value!r:.40}"
+
+
+def _constants(program: ExportedProgram) -> list[Any]:
+    """The value each user input that is a constant of the call spec (a number or ``None``
+    the program was specialized to) was exported with, in the order of :func:`_placeholders`
+    (``None`` for a tensor input)."""
+    from torch.export.graph_signature import ConstantArgument
+
+    return [spec_.arg.value if isinstance(spec_.arg, ConstantArgument) else None
+            for spec_ in program.graph_signature.input_specs
+            if spec_.kind == InputKind.USER_INPUT]
+
+
+def _check_constant(value: Any, constant: Any, helper: str, step: int, name: str,
+                    method: str | None) -> None:
+    """A number the program was exported with is a constant of it (``torch.export``
+    specializes it): another number fails the prepared program's guard (``Guard failed:
+    n == 3``) after prepare. Refused before, naming the input and the value."""
+    numbers = (bool, int, float)
+    if isinstance(value, numbers) and isinstance(constant, numbers) and value != constant:
+        raise CalibrationInputError(
+            helper, step, f"is {value!r}; the program was exported with the constant "
+            f"{constant!r} (torch.export specializes a Python number): pass {constant!r}, or "
+            "export with the value as a tensor", input=name, method=method)
+
+
 def _placeholders(program: ExportedProgram) -> list[Node | None]:
     """The placeholder each user input is bound to, in the call spec's flat order (``None``
     for a constant input such as a ``None`` mask: a leaf of the call spec, no tensor)."""
@@ -69,22 +145,40 @@ def _placeholders(program: ExportedProgram) -> list[Node | None]:
 def check_calibration_call(program: ExportedProgram, args: tuple, kwargs: Mapping[str, Any],
                            helper: str, step: int, method: str | None = None) -> None:
     """Raise :class:`CalibrationInputError` naming the call and the input when
-    ``(args, kwargs)`` does not fit ``program``: another structure, a tensor input of
-    another dtype, or a size other than a static size the program was exported with
-    (symbolic sizes are the program's guards' to check, when the call runs)."""
+    ``(args, kwargs)`` does not fit ``program``: a keyword naming no input, another
+    structure, something other than a tensor (a numpy array, a number) for a tensor input,
+    a tensor input of another dtype, a size other than a static size the program was
+    exported with (symbolic sizes are the program's guards' to check, when the call runs),
+    or another number than one the program was specialized to."""
     signature = signature_of(program)
     args, kwargs = keywords_bound(signature.positional, tuple(args), dict(kwargs))
+    unknown = [key for key in kwargs if key not in signature.keywords]
+    if signature.spec is not None and unknown:
+        # Checked first: a misspelt input's keyword leaves its positional place empty, and
+        # "it gives 1 positional argument" would hide which name was wrong.
+        inputs = ", ".join(map(repr, [*signature.positional, *signature.keywords]))
+        raise CalibrationInputError(
+            helper, step, f"the program takes no input named "
+            f"{', '.join(map(repr, unknown))}; its inputs are {inputs}", method=method)
     mismatch = signature.mismatch(args, kwargs)
     if mismatch is not None:
         raise CalibrationInputError(helper, step, mismatch, method=method)
     leaves = signature.leaves(args, kwargs)
-    for (path, value), node in zip(leaves, _placeholders(program), strict=True):
+    for (path, value), node, constant in zip(leaves, _placeholders(program),
+                                             _constants(program), strict=True):
+        name = _input_name(path, signature.positional)
         if node is None:  # a constant input (None, a number): no placeholder to check
+            _check_constant(value, constant, helper, step, name, method)
             continue
         expected = node.meta.get("val")
+        if isinstance(expected, torch.Tensor) and not isinstance(value, torch.Tensor):
+            raise CalibrationInputError(
+                helper, step, f"is {_describe_other(value)}; the program was exported with a "
+                f"tensor {_describe(expected)}: pass a torch.Tensor"
+                f"{' (torch.from_numpy(...))' if _is_numpy(value) else ''}",
+                input=name, method=method)
         if not isinstance(value, torch.Tensor) or not isinstance(expected, torch.Tensor):
             continue
-        name = _input_name(path, signature.positional)
         if value.dtype != expected.dtype:
             raise CalibrationInputError(
                 helper, step, f"is {_describe(value)}; the program was exported with "

@@ -30,7 +30,7 @@ from .._analysis.buffers import (
 from .._analysis.marked_state import initial_copy, mutable_buffers
 from .._analysis.op_schema import written_nodes
 from ..errors import InputStateError, QuantizationInputError
-from .calibration import keywords_bound
+from .calibration import keywords_bound, sequence_of_calls
 from .shared_buffers import held_buffers, written_by_any_method
 
 __all__ = ["MethodCall", "PairedState", "QuantizedMethods", "carried_inputs",
@@ -42,9 +42,17 @@ MethodCall = tuple[str, tuple, dict]
 
 def method_calls(programs: Mapping[str, Any], calls: Iterable[Any], where: str,
                  ) -> list[MethodCall]:
-    """``calls`` as ``(method, args, kwargs)`` triples, checked against ``programs``: each
-    names a method, and every method is called at least once (its own observers would
-    measure nothing otherwise)."""
+    """``calls`` as ``(method, args, kwargs)`` triples, checked against ``programs``: a
+    sequence of calls (not ``None``, a tensor or one call), each naming a method, and every
+    method called at least once (its own observers would measure nothing otherwise)."""
+    example = "[('prefill', (x, pos)), ('decode', (x1, pos1)), ...]"
+    given = calls
+    calls = sequence_of_calls(calls, where, "calls", example)
+    if isinstance(given, tuple) and len(calls) in (2, 3) and isinstance(calls[0], str) \
+            and calls[0] in programs and not isinstance(calls[1], str):
+        raise QuantizationInputError(
+            where, "calls", f"is one call ({calls[0]!r}, ...), not a sequence of calls: pass "
+            f"a list of calls, e.g. {example}")
     found = []
     for index, call in enumerate(calls):
         if not isinstance(call, (tuple, list)) or len(call) not in (2, 3):

@@ -220,3 +220,101 @@ def test_an_integer_counter_the_quantizer_annotates_is_left_out_of_quantization(
             assert torch.allclose(got[0], expected[0], atol=1.0)  # quantized on 8 bits
     assert quantized.state_dict["pos"].dtype == torch.int64
     assert torch.equal(quantized.state_dict["pos"], eager.pos)
+
+
+def _numpy(args):
+    x, pos = args
+    return x.numpy(), pos
+
+
+def _number(args):
+    x, _ = args
+    return x, 4
+
+
+@pytest.mark.parametrize("bad, input_name, reason", [
+    (_numpy, "x", "is a numpy.ndarray float32[1, 1, 32]; the program was exported with a "
+                  "tensor float32[1, 1, 32]: pass a torch.Tensor (torch.from_numpy(...))"),
+    (_number, "input_pos", "is an int 4; the program was exported with a tensor int64[1]: "
+                           "pass a torch.Tensor"),
+])
+@pytest.mark.parametrize("helper", ["quantize_program", "quantize_methods"])
+def test_a_calibration_input_that_is_no_tensor_is_named_before_anything_is_prepared(
+        helper, bad, input_name, reason):
+    """A numpy array (or a number) for a tensor input passed every check and failed inside
+    the prepared program: "the prepared program raised AttributeError: 'numpy.ndarray'
+    object has no attribute 'numel'", no input named."""
+    programs, calls = decoder()
+    with pytest.raises(CalibrationInputError) as caught:
+        if helper == "quantize_program":
+            quantize_program(programs["decode"], xnnpack_quantizer(), [bad(calls[1][1])])
+        else:
+            quantize_methods(programs, xnnpack_quantizer(),
+                             [*calls[:2], ("decode", bad(calls[2][1]), {})])
+    error = caught.value
+    assert error.input == input_name and error.reason == reason, error.reason
+    assert error.__cause__ is None  # found by the check, not raised by the prepared program
+
+
+def test_a_keyword_naming_no_input_is_named_with_the_inputs():
+    """It said "it gives 1 positional argument, the program takes 2" for a misspelt keyword."""
+    programs, calls = decoder()
+    x, pos = calls[1][1]
+    with pytest.raises(CalibrationInputError) as caught:
+        quantize_program(programs["decode"], xnnpack_quantizer(), [{"x": x, "pos": pos}])
+    assert caught.value.reason == ("the program takes no input named 'pos'; its inputs are "
+                                   "'x', 'input_pos'")
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor, scale: int) -> torch.Tensor:
+        self.total.add_(self.linear(x).sum(0) * scale)
+        return self.total * 1
+
+
+def test_another_number_than_the_program_was_specialized_to_is_refused_before_prepare():
+    """torch.export makes a Python number a constant: another one failed the prepared
+    program's guard ("Guard failed: scale == 3") after prepare, the input unnamed."""
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        program = torch.export.export(_Scaled(), (x, 3))
+    with pytest.raises(CalibrationInputError) as caught:
+        quantize_program(program, xnnpack_quantizer(), [(x, 3), (x, 5)])
+    error = caught.value
+    assert (error.step, error.input) == (1, "scale") and error.__cause__ is None
+    assert "is 5; the program was exported with the constant 3" in error.reason
+
+
+@pytest.mark.parametrize("given, shown", [
+    (None, "is NoneType None, not a sequence of calls"),
+    ("tensor", "is a Tensor float32[1, 1, 32], not a sequence of calls"),
+    ("one call", "is one call's arguments (x, input_pos), not a sequence of calls: pass a "
+                 "list of calls, e.g. [(x, input_pos)]"),
+])
+def test_calibration_that_is_no_sequence_of_calls_is_named(given, shown):
+    """``None`` raised a bare TypeError ("'NoneType' object is not iterable"); a tensor was
+    iterated row by row, and one call's ``(x, pos)`` read as two calls of one argument
+    each ("calibration[0]: it gives 1 positional argument")."""
+    programs, calls = decoder()
+    x, pos = calls[1][1]
+    calibration = {"tensor": x, "one call": (x, pos)}.get(given)
+    with pytest.raises(QuantizationInputError) as caught:
+        quantize_program(programs["decode"], xnnpack_quantizer(), calibration)
+    assert caught.value.argument == "calibration" and shown in caught.value.reason
+
+
+@pytest.mark.parametrize("given, shown", [
+    (None, "is NoneType None, not a sequence of calls"),
+    ("one call", "is one call ('decode', ...), not a sequence of calls"),
+])
+def test_method_calls_that_are_no_sequence_of_calls_are_named(given, shown):
+    programs, calls = decoder()
+    given = {"one call": calls[1]}.get(given)
+    with pytest.raises(QuantizationInputError) as caught:
+        quantize_methods(programs, xnnpack_quantizer(), given)
+    assert caught.value.argument == "calls" and shown in caught.value.reason
