@@ -290,6 +290,16 @@ def run_flow(
         program: Any = functional.program
         # Later stages run the functional program's module, which shares its buffers.
         fp32_program = copy_program(program) if runtime == "executorch" else None
+        lowered_before = {}
+        if runtime == "executorch":
+            # Lowered now, not after quantization: a program the runtime cannot load (an
+            # operator it lacks) or whose state it would not keep (a written parameter) is
+            # refused before the slow stages, naming the node.
+            from .executorch_stage import lower_checked
+
+            with native_stderr_held():
+                lowered_before["fp32"] = stage("lower the fp32 program to a .pte",
+                                               lambda: lower_checked(fp32_program, tuple(args)))
         functional_trace = stage("decode the functional program", lambda: stage.run(program, steps))
         check_same(
             result,
@@ -347,7 +357,7 @@ def run_flow(
                     f"the {name} program lowered (XNNPACK + BufferOwningPartitioner) and run "
                     "on ExecuTorch's runtime")
             with native_stderr_held():
-                flow_stage(result, stage, programs, tuple(args), steps, eager)
+                flow_stage(result, stage, programs, tuple(args), steps, eager, lowered_before)
         return result
 
 
