@@ -19,7 +19,7 @@ from torch.export.graph_signature import InputKind, TensorArgument
 from torch.fx import Node
 from torch.utils import _pytree as pytree
 
-from pass_manager.call_signature import signature_of
+from pass_manager.call_signature import signature_of, tensor_wanted
 
 from .._analysis.buffers import USER_INPUT, find_mutations
 from ..errors import CalibrationInputError
@@ -82,9 +82,13 @@ def check_calibration_call(program: ExportedProgram, args: tuple, kwargs: Mappin
         if node is None:  # a constant input (None, a number): no placeholder to check
             continue
         expected = node.meta.get("val")
-        if not isinstance(value, torch.Tensor) or not isinstance(expected, torch.Tensor):
+        if not isinstance(expected, torch.Tensor):
             continue
         name = _input_name(path, signature.positional)
+        if not isinstance(value, torch.Tensor):  # a NumPy array: refused deep in the call
+            raise CalibrationInputError(
+                helper, step, f"{tensor_wanted(value)}; the program was exported with a "
+                f"tensor there ({_describe(expected)})", input=name, method=method)
         if value.dtype != expected.dtype:
             raise CalibrationInputError(
                 helper, step, f"is {_describe(value)}; the program was exported with "

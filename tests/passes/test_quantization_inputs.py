@@ -220,3 +220,17 @@ def test_an_integer_counter_the_quantizer_annotates_is_left_out_of_quantization(
             assert torch.allclose(got[0], expected[0], atol=1.0)  # quantized on 8 bits
     assert quantized.state_dict["pos"].dtype == torch.int64
     assert torch.equal(quantized.state_dict["pos"], eager.pos)
+
+
+def test_a_numpy_calibration_input_says_pass_a_tensor():
+    """It read "the prepared program raised AttributeError: 'numpy.ndarray' object has no
+    attribute 'numel'", from deep inside the first call."""
+    programs, calls = decoder()
+    _, args, kwargs = calls[1]
+    leaves = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+              and a.is_floating_point()]
+    index, tensor = leaves[0]
+    given = (*args[:index], tensor.numpy(), *args[index + 1:])
+    with pytest.raises(CalibrationInputError,
+                       match=r"is a numpy.ndarray: pass a torch.Tensor \(torch.from_numpy"):
+        quantize_program(programs["decode"], xnnpack_quantizer(), [(given, kwargs)])
