@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export._unlift import eq_spec
 
-__all__ = ["CallSignature", "describe_inputs", "signature_of"]
+__all__ = ["CallSignature", "describe_inputs", "signature_of", "tensor_wanted"]
 
 
 def _plural(count: int, word: str) -> str:
@@ -41,6 +41,22 @@ def _value(value: Any) -> str:
         return f"{type(value).__name__} of {len(value)}"
     text = repr(value)
     return text if len(text) <= 40 else type(value).__name__
+
+
+def tensor_wanted(value: Any) -> str:
+    """What to pass instead of ``value`` where a program takes a tensor, e.g. ``"is a
+    numpy.ndarray: pass a torch.Tensor (torch.from_numpy(array))"``; ``""`` for a tensor.
+    A NumPy array is the usual one: torch's ops refuse it deep inside the first call
+    (``'numpy.ndarray' object has no attribute 'numel'``)."""
+    if isinstance(value, torch.Tensor):
+        return ""
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ == "ndarray":
+        return "is a numpy.ndarray: pass a torch.Tensor (torch.from_numpy(array))"
+    name = f"{kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" \
+        else kind.__qualname__
+    article = "an" if name[0] in "aeiou" else "a"
+    return f"is {article} {name}: pass a torch.Tensor (torch.tensor(value))"
 
 
 def describe_inputs(args: tuple, kwargs: Mapping[str, Any]) -> str:

@@ -52,6 +52,7 @@ from pass_manager import PassManager, Report
 
 from ._analysis.buffer_reads import record_observed_reads
 from ._analysis.marked_state import reset_mutable_buffers
+from ._analysis.non_finite_observations import NON_FINITE_MEANING, non_finite_observations
 from ._carried.pairs import method_pairing, pairs_of
 from ._lifting import exported_program_from
 from ._methods.calibration import (
@@ -477,12 +478,15 @@ class QuantizationReport:
             (SkipAnnotateDataMovementOps), ``"after convert"`` (UnfreezeMutableBuffer).
         reset_buffers: the FQNs ``reset_mutable_buffers`` put back after calibration.
         repaired_reads: one line per frozen buffer read UnfreezeMutableBuffer made live.
+        non_finite_reads: one line per quantized value that held inf or NaN during
+            calibration (an attention mask of -inf): quantized, it reads a finite value.
         seconds: wall time per step: prepare, calibrate, reset, convert, unfreeze, lift.
     """
 
     passes: list[tuple[str, Report]] = field(default_factory=list)
     reset_buffers: list[str] = field(default_factory=list)
     repaired_reads: list[str] = field(default_factory=list)
+    non_finite_reads: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> list[str]:
@@ -492,7 +496,11 @@ class QuantizationReport:
         reset = ", ".join(self.reset_buffers) or "none"
         lines.append(f"reset after calibration ({len(self.reset_buffers)}): {reset}")
         lines.append(f"frozen buffer reads repaired: {len(self.repaired_reads) or 'none'}")
-        return lines + [f"  {read}" for read in self.repaired_reads]
+        lines += [f"  {read}" for read in self.repaired_reads]
+        if self.non_finite_reads:
+            lines.append(f"quantized values holding inf or NaN in calibration: "
+                         f"{len(self.non_finite_reads)} ({NON_FINITE_MEANING})")
+        return lines + [f"  {read}" for read in self.non_finite_reads]
 
     def __str__(self) -> str:
         """``print(report)`` gives :meth:`summary`'s lines, then each stage's pass table."""
@@ -504,6 +512,7 @@ class QuantizationReport:
             "passes": {stage: report.to_dict() for stage, report in self.passes},
             "reset_buffers": list(self.reset_buffers),
             "repaired_reads": list(self.repaired_reads),
+            "non_finite_reads": list(self.non_finite_reads),
             "seconds": dict(self.seconds),
         }
 
@@ -599,17 +608,29 @@ def quantize_program(
     wrapped = _flow_quantizer(quantizer, PassQuantizer, **options)
     prepared = _prepare(program, wrapped, "quantize_program")
     timed("prepare")
+    where = ["calibration[0]"]
     with torch.no_grad(), callers_state_restored(
-            {"forward": program}, [("forward", *call) for call in calls]):
+            {"forward": program}, [("forward", *call) for call in calls]), \
+            non_finite_observations(prepared, where) as non_finite:
         try:
             for index, (args, kwargs) in enumerate(calls):
+                where[0] = f"calibration[{index}]"
                 run_calibration_call(prepared, args, kwargs, "quantize_program", index)
                 if on_call is not None:
                     on_call(index)
-        except CalibrationInputError:
+        except CalibrationInputError as error:
             _reset(prepared)  # the program's buffers as they were given
+            if non_finite and error.__cause__ is not None:  # an observer refusing an inf
+                raise CalibrationInputError(
+                    "quantize_program", error.step, f"{non_finite[-1]} ({NON_FINITE_MEANING}); "
+                    f"its observer then raised: {error.reason.split('raised ', 1)[-1]}"
+                ) from error
             raise
     timed("calibrate")
+    report.non_finite_reads = non_finite
+    if non_finite and not return_report:  # else the report says so
+        warnings.warn(f"quantize_program: {'; '.join(non_finite)}: {NON_FINITE_MEANING}",
+                      stacklevel=2)
     report.reset_buffers = _reset(prepared)
     timed("reset")
     lifted, unfrozen = _convert(prepared, program, fold, timed, **options)

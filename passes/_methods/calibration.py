@@ -19,7 +19,7 @@ from torch.export.graph_signature import InputKind, TensorArgument
 from torch.fx import Node
 from torch.utils import _pytree as pytree
 
-from pass_manager.call_signature import signature_of
+from pass_manager.call_signature import signature_of, tensor_wanted
 from pass_manager.validation import Call, call_inputs
 
 from .._analysis.buffers import USER_INPUT, find_mutations
@@ -94,21 +94,6 @@ def _describe(value: torch.Tensor) -> str:
     return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
 
 
-def _is_numpy(value: Any) -> bool:
-    return type(value).__module__.split(".")[0] == "numpy"
-
-
-def _describe_other(value: Any) -> str:
-    """What a calibration input that is no tensor is: ``numpy.ndarray float32[1, 4]``,
-    ``int 4``, ``list of 2 entries``."""
-    kind = type(value)
-    name = f"{kind.__module__}.{kind.__qualname__}" if _is_numpy(value) else kind.__qualname__
-    article = "an" if name[0] in "aeiou" else "a"
-    if hasattr(value, "dtype") and hasattr(value, "shape"):
-        return f"{article} {name} {value.dtype}{list(value.shape)}"
-    return f"{article} {name} {value!r:.40}"
-
-
 def _constants(program: ExportedProgram) -> list[Any]:
     """The value each user input that is a constant of the call spec (a number or ``None``
     the program was specialized to) was exported with, in the order of :func:`_placeholders`
@@ -173,10 +158,8 @@ def check_calibration_call(program: ExportedProgram, args: tuple, kwargs: Mappin
         expected = node.meta.get("val")
         if isinstance(expected, torch.Tensor) and not isinstance(value, torch.Tensor):
             raise CalibrationInputError(
-                helper, step, f"is {_describe_other(value)}; the program was exported with a "
-                f"tensor {_describe(expected)}: pass a torch.Tensor"
-                f"{' (torch.from_numpy(...))' if _is_numpy(value) else ''}",
-                input=name, method=method)
+                helper, step, f"{tensor_wanted(value)}; the program was exported with a "
+                f"tensor there ({_describe(expected)})", input=name, method=method)
         if not isinstance(value, torch.Tensor) or not isinstance(expected, torch.Tensor):
             continue
         if value.dtype != expected.dtype:

@@ -99,12 +99,14 @@ class ExecuTorchInputError(PassManagerError, TypeError):
         argument: what is at fault: ``"program"``, ``"example_inputs"``, ``"partitioner"``
             or one of the steps, ``"steps[2]"``.
         reason: what is wrong and what to pass.
+        node: the node at fault, when one is (an operator the runtime lacks), else None.
     """
 
-    def __init__(self, helper: str, argument: str, reason: str):
+    def __init__(self, helper: str, argument: str, reason: str, node: str | None = None):
         self.helper = helper
         self.argument = argument
         self.reason = reason
+        self.node = node
         super().__init__(f"{helper}: {argument}: {reason}", pass_name=helper)
 
 
@@ -285,10 +287,12 @@ class ParameterMutationOnExecuTorchError(PassManagerError):
 
     Attributes:
         parameters: the FQNs of the written parameters.
+        node: the node computing the first one's new value (None if not known).
     """
 
-    def __init__(self, parameters: list[str]):
+    def __init__(self, parameters: list[str], node: str | None = None):
         self.parameters = parameters
+        self.node = node
         names = ", ".join(repr(p) for p in parameters)
         super().__init__(
             f"the program writes the parameter(s) {names}; ExecuTorch's runtime would "

@@ -35,7 +35,7 @@ from torch.export import ExportedProgram
 from .._analysis.write_bounds import check_writes_within_state
 from .._carried.pairs import method_pairing
 from .._methods.shared_buffers import parameter_difference, shared_buffer_differences
-from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
+from . import ExecuTorchInputError
 from .buffer_layout import contiguous_buffers
 from .initial_state import repair_initial_state
 from .method_state import checked_methods
@@ -46,6 +46,7 @@ from .runtime import (
     delegate_backends,
     refuse_missing_backends,
     refuse_missing_operators,
+    refuse_written_parameters,
     runtime_pairs,
 )
 from .runtime_inputs import CarriedState, carried_outputs, flat_inputs, user_input_names
@@ -193,6 +194,8 @@ class _LoweredMethods:
     dropped: list[str] = field(default_factory=list)
     """Unused second names of written buffers, dropped before lowering (see tied_buffers),
     and buffers lowered contiguous (see buffer_layout)."""
+    serialized: dict[str, ExportedProgram] = field(default_factory=dict)
+    """method -> its program as serialized, naming the nodes the runtime calls."""
 
     @property
     def delegates(self) -> dict[str, int]:
@@ -216,9 +219,7 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
         for method in edge.methods:
             ep = edge.exported_program(method)
             sig = ep.graph_signature
-            if sig.parameters_to_mutate:
-                raise ParameterMutationOnExecuTorchError(
-                    sorted(sig.parameters_to_mutate.values()))
+            refuse_written_parameters(ep)
             refuse_aborting_kernels(ep, helper, method)
             mutated = set(sig.buffers_to_mutate.values())
             names.update(n for n, fqn in sig.inputs_to_buffers.items() if fqn in mutated)
@@ -233,7 +234,8 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
     return _LoweredMethods(
         et.buffer, wrapper, backends,
         {method: carried_outputs(ep) for method, ep in serialized.items()},
-        {method: user_input_names(ep) for method, ep in serialized.items()}, repaired, dropped)
+        {method: user_input_names(ep) for method, ep in serialized.items()}, repaired, dropped,
+        serialized)
 
 
 def run_methods_on_runtime(
@@ -301,7 +303,7 @@ def run_methods_on_runtime(
     seconds = time.perf_counter() - start
     pte = lowered.pte
     refuse_missing_backends(HELPER, lowered.backends)
-    refuse_missing_operators(HELPER, pte)
+    refuse_missing_operators(HELPER, pte, lowered.serialized)
     loaded = Runtime.get().load_program(pte)
     # Every method up front: loading one writes the shared buffers' initial values, which
     # must not land on state an earlier call wrote. (The pybind Module of

@@ -36,12 +36,15 @@ from executorch.exir.backend.partitioner import Partitioner
 from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 from executorch.extension.pybindings import portable_lib
 from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind
+from torch.fx import Node
 
 from pass_manager.call_signature import describe_inputs, signature_of
 from pass_manager.validation import Trace
 
 from .._analysis.buffers import user_outputs
 from .._analysis.data_movement import moved_from
+from .._analysis.node_origin import exported_name, source_line
 from .._analysis.quantize_ops import is_dequantize, scale_of
 from .._analysis.write_bounds import check_writes_within_state
 from .._carried.pairs import pairs_of
@@ -196,34 +199,62 @@ def refuse_missing_backends(helper: str, backends: Mapping[str, Sequence[str]]) 
                 "(XnnpackPartitioner, or no partitioner)")
 
 
-def refuse_missing_operators(helper: str, pte: bytes) -> None:
+def refuse_missing_operators(helper: str, pte: bytes,
+                             programs: Mapping[str, ExportedProgram] | None = None) -> None:
     """An :class:`ExecuTorchInputError` if a method of ``pte`` calls an operator this
     ExecuTorch runtime registers no kernel for, before loading: loading it would fail with
     an untyped ``RuntimeError`` (``Failed to execute method forward, error: 0x14``) and
     ``Missing operator`` only in the log. A dtype view (``Tensor.view(torch.int32)``)
-    becomes ``aten::view_copy.dtype_out``, which the portable kernels lack, for one."""
+    becomes ``aten::view_copy.dtype_out``, which the portable kernels lack, for one.
+    ``programs`` (method name -> the serialized program, ``et.exported_program(method)``)
+    name the node calling it: its name in the exported program and its line in ``forward``."""
     registered = set(portable_lib._get_operator_names())
     for plan in deserialize_pte_binary(pte).program.execution_plan:
         missing = sorted({f"{op.name}.{op.overload}" if op.overload else op.name
                           for op in plan.operators} - registered)
         if missing:
+            caller = _calling_node(programs.get(plan.name) if programs else None, missing)
+            node, where = (None, "") if caller is None else (
+                exported_name(caller), f" (node {exported_name(caller)!r}"
+                + (f", {line}" if (line := source_line(caller)) else "") + ")")
             raise ExecuTorchInputError(
-                helper, "program", f"method {plan.name!r} calls {', '.join(missing)}, for "
-                "which this ExecuTorch runtime has no kernel (loading it would fail with "
+                helper, "program", f"method {plan.name!r} calls {', '.join(missing)}{where}, "
+                "for which this ExecuTorch runtime has no kernel (loading it would fail with "
                 "'Missing operator'): express that step with other ops, or lower with a "
-                "partitioner whose backend takes it")
+                "partitioner whose backend takes it", node=node)
 
 
-def _refuse_written_parameters(ep: ExportedProgram) -> None:
+def _calling_node(program: ExportedProgram | None, operators: Sequence[str]) -> Node | None:
+    """The first node of ``program`` calling one of ``operators`` (``aten::sum.out``)."""
+    if program is None:
+        return None
+    for node in program.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and (f"{schema.name}.{schema.overload_name}"
+                                   if schema.overload_name else schema.name) in operators:
+            return node
+    return None
+
+
+def refuse_written_parameters(ep: ExportedProgram) -> None:
+    """A :class:`ParameterMutationOnExecuTorchError` if ``ep`` writes a parameter, naming
+    the node computing its new value (its name in the exported program, its line)."""
     written = ep.graph_signature.parameters_to_mutate
-    if written:
-        raise ParameterMutationOnExecuTorchError(sorted(written.values()))
+    if not written:
+        return
+    producers = {spec.target: spec.arg.name for spec in ep.graph_signature.output_specs
+                 if spec.kind == OutputKind.PARAMETER_MUTATION}
+    first = sorted(written.values())[0]
+    nodes = {node.name: node for node in ep.graph.nodes}
+    node = nodes.get(producers.get(first, ""))
+    raise ParameterMutationOnExecuTorchError(
+        sorted(written.values()), None if node is None else exported_name(node))
 
 
 def _serialize(helper: str, edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None,
                notes: Sequence[str] = ()) -> LoweredProgram:
     ep = edge.exported_program()
-    _refuse_written_parameters(ep)
+    refuse_written_parameters(ep)
     refuse_aborting_kernels(ep, helper)  # a typed error now, not an abort when it runs
     sig = ep.graph_signature
     # ExecuTorch serializes only the shape of a mutated buffer unless asked: the runtime
@@ -315,7 +346,7 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
     if isinstance(program, ExecutorchProgramManager):
         _no_partitioner(helper, partitioner, program)
         ep = program.exported_program()
-        _refuse_written_parameters(ep)
+        refuse_written_parameters(ep)
         refuse_aborting_kernels(ep, helper)
         return _lowered(program, None, len(delegate_backends(ep)["forward"]), _state_notes(program))
     # ExecuTorch's emitter writes buffers back in place; with autograd on, parameters that
@@ -337,7 +368,7 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
             else:
                 wrapper = BufferOwningPartitioner(partitioner)
             ep = _exported(helper, program, example_inputs)
-            _refuse_written_parameters(ep)  # before a partitioner reports it as something else
+            refuse_written_parameters(ep)  # before a partitioner reports it as something else
             notes = drop_unused_aliases(ep) + contiguous_buffers(ep, helper)
             return _serialize(helper, to_edge_transform_and_lower(ep, partitioner=[wrapper]),
                               wrapper, notes)
@@ -566,7 +597,7 @@ def decode_on_runtime(
     lowered = _lower_timed(helper, program, None, partitioner)
     if lowered.delegates:
         refuse_missing_backends(helper, delegate_backends(lowered.program or lowered.pte))
-    refuse_missing_operators(helper, lowered.pte)
+    refuse_missing_operators(helper, lowered.pte, _programs(lowered))
     module = portable_lib._load_for_executorch_from_buffer(lowered.pte)
     meta = module.method_meta("forward")
     state = CarriedState(helper)
@@ -597,6 +628,11 @@ def decode_on_runtime(
         carried.append(written)
     return RuntimeDecode(trace, lowered.notes + state.notes, lowered.delegates,
                          lowered.lower_seconds, len(lowered.pte), carried)
+
+
+def _programs(lowered: LoweredProgram) -> dict[str, ExportedProgram]:
+    """The serialized program by method, when ``lowered`` holds one (not a ``.pte`` alone)."""
+    return {} if lowered.program is None else {"forward": lowered.program}
 
 
 def decode_pte(pte: bytes, steps: Sequence[Any]) -> Trace:

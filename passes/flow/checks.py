@@ -15,11 +15,13 @@ from torch.fx import GraphModule
 from pass_manager.validation import Trace, buffer_errors
 
 from .._analysis.buffers import USER_INPUT, find_mutations
+from .._analysis.non_finite_observations import NON_FINITE_MEANING
 from .quantization import RESET, WITH_PASSES
 from .quantized_graphs import buffer_grid, describe_op_difference, output_grid, quantized_ops
 from .result import Check, FlowResult
 
-__all__ = ["NO_OUTPUT", "quantization_checks", "relative_buffer_errors", "returns_no_tensor"]
+__all__ = ["NO_OUTPUT", "non_finite_check", "quantization_checks", "relative_buffer_errors",
+           "returns_no_tensor"]
 
 NO_OUTPUT = "the model returns no tensor: no output compared"
 
@@ -41,6 +43,17 @@ def relative_buffer_errors(reference: Trace, trace: Trace) -> dict[str, float]:
             scale = max(fp32.abs().max().item() if fp32.numel() else 0.0, 1e-12)
             worst[name] = max(worst.get(name, 0.0), error / scale)
     return worst
+
+
+def non_finite_check(non_finite_reads: list[str]) -> Check:
+    """The quantized values that held inf or NaN in calibration (``quantize_program``'s
+    report): quantized, each reads a finite value, and the comparisons between quantized
+    flows, which all did so, pass while both are off (a -inf mask: off by 1.48)."""
+    return Check(
+        "no quantized value held inf or NaN in calibration", not non_finite_reads,
+        "none" if not non_finite_reads else
+        f"{'; '.join(non_finite_reads)}: {NON_FINITE_MEANING}; leave such values "
+        "unquantized (--quantizer every-op does) or keep them finite")
 
 
 def _graph_module(program: Any) -> GraphModule:

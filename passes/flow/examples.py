@@ -242,24 +242,47 @@ def _is_float_tensor(node: object) -> bool:
     return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 
+# Ops giving a finite result for an infinite input (softmax of a -inf mask is 0 there): the
+# first op after a masked value that can be quantized again.
+_BOUNDING_OPS = (torch.ops.aten.softmax.int, torch.ops.aten._softmax.default,
+                 torch.ops.aten.exp.default, torch.ops.aten.sigmoid.default,
+                 torch.ops.aten.tanh.default)
+
+
+def _holds_non_finite(model: GraphModule, node: Node) -> bool:
+    """A buffer or constant read (``get_attr``) whose value holds inf or NaN now."""
+    if node.op != "get_attr":
+        return False
+    value = model
+    for name in str(node.target).split("."):
+        value = getattr(value, name, None)
+    return (isinstance(value, torch.Tensor) and value.is_floating_point()
+            and not bool(torch.isfinite(value).all()))
+
+
 class AnnotateEveryOpQuantizer(Quantizer):
     """Annotate every aten op with a float result: float inputs and the output, uint8 affine.
 
-    Linear weights get a symmetric int8 spec; linear biases stay in float. An op with a
-    non-finite constant argument (the attention mask's ``masked_fill(..., -inf)``) stays in
-    float, and so does its result as an input of the next op: a min/max observer cannot
-    give an infinite range a scale.
+    Linear weights get a symmetric int8 spec; linear biases stay in float. A value that may
+    hold inf stays in float: an op with a non-finite constant argument (the attention
+    mask's ``masked_fill(..., -inf)``) or reading a buffer holding one (a ``-inf`` mask kept
+    as state), and every op after it up to one that bounds it (softmax, exp, sigmoid,
+    tanh), which reads it in float: a quantization grid is finite, and a quantized -inf
+    mask no longer masks.
     """
 
     def annotate(self, model: GraphModule) -> GraphModule:
-        unbounded: set[Node] = set()
+        unbounded: set[Node] = {node for node in model.graph.nodes
+                                if _holds_non_finite(model, node)}
         for node in model.graph.nodes:
             if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
                 continue
             if not _is_float_tensor(node):
                 continue
             leaves = pytree.tree_leaves((node.args, node.kwargs))
-            if any(isinstance(v, float) and not math.isfinite(v) for v in leaves):
+            if any(isinstance(v, float) and not math.isfinite(v) for v in leaves) or (
+                    node.target not in _BOUNDING_OPS
+                    and any(isinstance(v, Node) and v in unbounded for v in leaves)):
                 unbounded.add(node)
                 continue
             input_qspec_map = {}

@@ -5,7 +5,7 @@ Needs the ``executorch`` extra; :mod:`passes.flow.run` imports this only for tha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,16 +16,18 @@ from .._analysis.buffers import find_mutations
 from .._analysis.write_bounds import check_writes_within_state
 from ..executorch.plan import planned_memory
 from ..executorch.runtime import (
+    LoweredProgram,
     decode_on_runtime,
     lower_for_runtime,
     output_grid,
+    refuse_missing_operators,
     runtime_steps,
     within_grid_steps_per_call,
 )
 from .checks import NO_OUTPUT, returns_no_tensor
 from .result import Check
 
-__all__ = ["check_runtime_steps", "flow_stage"]
+__all__ = ["check_runtime_steps", "flow_stage", "lower_checked"]
 
 FP32_TOLERANCE = 1e-5
 
@@ -58,6 +60,22 @@ def check_runtime_steps(programs: Sequence[tuple[str, Any]], steps: Sequence[Any
                                   lambda step, _: f"steps[{step}]")
 
 
+def lower_checked(program: Any, example_inputs: tuple) -> LoweredProgram:
+    """``program`` lowered for the runtime, and refused now if the runtime could not load
+    it (an operator it has no kernel for, named with its node and line) or would not keep
+    its state (a written parameter, refused before lowering): the flow lowers its fp32
+    program so before quantizing, which these refusals would otherwise wait for.
+
+    Raises:
+        ExecuTorchInputError: the program calls an operator this runtime lacks.
+        ParameterMutationOnExecuTorchError: the program writes a parameter.
+    """
+    lowered = lower_for_runtime(program, example_inputs)
+    refuse_missing_operators("lower_for_runtime", lowered.pte,
+                             {} if lowered.program is None else {"forward": lowered.program})
+    return lowered
+
+
 def flow_stage(
     result: Any,
     stage: Any,
@@ -65,6 +83,7 @@ def flow_stage(
     example_inputs: tuple,
     steps: Sequence[Any],
     eager: Trace,
+    lowered_before: Mapping[str, LoweredProgram] | None = None,
 ) -> None:
     """Lower each ``(name, program)`` to a ``.pte``, decode it on the runtime and add it to
     the flow's report.
@@ -79,13 +98,16 @@ def flow_stage(
     before it when the program writes state
     (:func:`~passes.executorch.runtime.within_grid_steps_per_call`). With ``--quantize-state`` the
     planned bytes of the quantized programs also go to ``result.state_storage``.
+    ``lowered_before`` holds programs (by name) the flow lowered already
+    (:func:`lower_checked`), decoded as they are.
     """
     stage("check the steps against the programs' inputs",
           lambda: check_runtime_steps(programs, steps))
     for name, program in programs:
         python = run_program(program, list(steps))
-        lowered = stage(f"lower the {name} program to a .pte",
-                        lambda program=program: lower_for_runtime(program, example_inputs))
+        lowered = (lowered_before or {}).get(name) or stage(
+            f"lower the {name} program to a .pte",
+            lambda program=program: lower_for_runtime(program, example_inputs))
         # Read from the .pte before it runs: the plan is in the report even if the run fails.
         planned = planned_memory(lowered.pte).mutable_buffer_bytes
         if result.state_storage and name != "fp32":

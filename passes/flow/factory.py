@@ -72,7 +72,7 @@ from typing import Any
 
 import torch
 
-from pass_manager.call_signature import signature_of
+from pass_manager.call_signature import signature_of, tensor_wanted
 from pass_manager.validation import Call, as_call, copy_program
 
 from .._analysis.write_bounds import check_writes_within_state, flat_user_inputs
@@ -224,7 +224,7 @@ def _check_calls(module: torch.nn.Module, calls: Sequence[tuple[str, Call]], nam
         return_annotation=signature.empty)
     for where, (args, kwargs) in calls:
         try:
-            signature.bind(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
         except TypeError as e:
             keyword_only = any(p.kind is p.KEYWORD_ONLY for p in signature.parameters.values())
             hint = (" (contract v1 gives inputs by position: keyword inputs go in a mapping's "
@@ -232,6 +232,15 @@ def _check_calls(module: torch.nn.Module, calls: Sequence[tuple[str, Call]], nam
                     if positional_only and keyword_only else "")
             raise ModelError(f"{name}(): {where} does not fit "
                              f"{type(module).__name__}.forward{shown}: {e}{hint}") from None
+        # A NumPy array fits the signature and fails inside forward (torch's "must be
+        # Tensor, not numpy.ndarray"), or is baked into the program as a constant.
+        for argument, given in bound.arguments.items():
+            for path, value in torch.utils._pytree.tree_leaves_with_path(given):
+                if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+                    raise ModelError(
+                        f"{name}(): {where}: input "
+                        f"{argument + torch.utils._pytree.keystr(path)!r} "
+                        f"{tensor_wanted(value)}")
 
 
 def _from_mapping(made: Mapping, name: str) -> ModelSpec:
@@ -473,6 +482,8 @@ def _value_misfit(program: torch.export.ExportedProgram, positional: Sequence[st
                     "(give the export example a tensor there)")
     for (path, value), node in zip(leaves, exported, strict=False):
         wanted = node.meta.get("val") if node is not None else None
+        if isinstance(wanted, torch.Tensor) and not isinstance(value, torch.Tensor):
+            return f"input {label(path)!r} {tensor_wanted(value)}"
         if isinstance(value, torch.Tensor) and isinstance(wanted, torch.Tensor) \
                 and value.dtype != wanted.dtype:
             return (f"input {label(path)!r} is {str(value.dtype).removeprefix('torch.')}, the "

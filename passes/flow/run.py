@@ -45,7 +45,7 @@ from ..quantization import quantize_program
 from ..quantize_mutable_buffers import QuantizeMutableBuffers
 from ..skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from ..unfreeze_mutable_buffer import UnfreezeMutableBuffer
-from .checks import quantization_checks, relative_buffer_errors
+from .checks import non_finite_check, quantization_checks, relative_buffer_errors
 from .delegation import delegation_stages
 from .examples import xnnpack_quantizer
 from .factory import (
@@ -290,6 +290,16 @@ def run_flow(
         program: Any = functional.program
         # Later stages run the functional program's module, which shares its buffers.
         fp32_program = copy_program(program) if runtime == "executorch" else None
+        lowered_before = {}
+        if runtime == "executorch":
+            # Lowered now, not after quantization: a program the runtime cannot load (an
+            # operator it lacks) or whose state it would not keep (a written parameter) is
+            # refused before the slow stages, naming the node.
+            from .executorch_stage import lower_checked
+
+            with native_stderr_held():
+                lowered_before["fp32"] = stage("lower the fp32 program to a .pte",
+                                               lambda: lower_checked(fp32_program, tuple(args)))
         functional_trace = stage("decode the functional program", lambda: stage.run(program, steps))
         check_same(
             result,
@@ -311,6 +321,7 @@ def run_flow(
             if RESET in traces:
                 quantization_checks(result, eager, traces, converted)
             result.notes += _not_finite(result.step_errors)
+            result.checks.append(non_finite_check(result.quantization.non_finite_reads))
             result.bought += _bought(result, returns_tensors=not _no_outputs(eager))
             # quantize_program's ExportedProgram goes on as it is: no re-export, no second
             # functionalization (its cache updates are already its mutation outputs).
@@ -347,7 +358,7 @@ def run_flow(
                     f"the {name} program lowered (XNNPACK + BufferOwningPartitioner) and run "
                     "on ExecuTorch's runtime")
             with native_stderr_held():
-                flow_stage(result, stage, programs, tuple(args), steps, eager)
+                flow_stage(result, stage, programs, tuple(args), steps, eager, lowered_before)
         return result
 
 

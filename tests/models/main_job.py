@@ -186,3 +186,28 @@ def float64_running_sum():
     """A whole model in float64: the quantizer would observe its weights."""
     torch.manual_seed(0)
     return RunningSum(torch.float64), (torch.randn(2, 4, dtype=torch.float64),)
+
+
+class MaskedCacheAttention(torch.nn.Module):
+    """Attention over a KV cache whose unwritten positions a -inf mask, kept as state,
+    hides: quantized, the mask reads a finite value and hides nothing."""
+
+    def __init__(self, dim: int = 8, length: int = 6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v = (torch.nn.Linear(dim, dim) for _ in range(3))
+        self.register_buffer("k_cache", torch.zeros(length, dim))
+        self.register_buffer("v_cache", torch.zeros(length, dim))
+        self.register_buffer("mask", torch.full((length,), float("-inf")))
+
+    def forward(self, x, pos):
+        self.k_cache.index_copy_(0, pos, self.k(x))
+        self.v_cache.index_copy_(0, pos, self.v(x))
+        self.mask.index_fill_(0, pos, 0.0)
+        scores = self.q(x) @ self.k_cache.T + self.mask
+        return torch.softmax(scores, -1) @ self.v_cache
+
+
+def masked_cache_steps(count: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(1, 8, generator=generator), torch.tensor([i])) for i in range(count)]

@@ -233,10 +233,10 @@ def _number(args):
 
 
 @pytest.mark.parametrize("bad, input_name, reason", [
-    (_numpy, "x", "is a numpy.ndarray float32[1, 1, 32]; the program was exported with a "
-                  "tensor float32[1, 1, 32]: pass a torch.Tensor (torch.from_numpy(...))"),
-    (_number, "input_pos", "is an int 4; the program was exported with a tensor int64[1]: "
-                           "pass a torch.Tensor"),
+    (_numpy, "x", "is a numpy.ndarray: pass a torch.Tensor (torch.from_numpy(array)); the "
+                  "program was exported with a tensor there (float32[1, 1, 32])"),
+    (_number, "input_pos", "is an int: pass a torch.Tensor (torch.tensor(value)); the program "
+                           "was exported with a tensor there (int64[1])"),
 ])
 @pytest.mark.parametrize("helper", ["quantize_program", "quantize_methods"])
 def test_a_calibration_input_that_is_no_tensor_is_named_before_anything_is_prepared(

@@ -344,10 +344,14 @@ def test_an_operator_this_runtime_has_no_kernel_for_is_refused_before_loading():
     with torch.no_grad():
         program = torch.export.export(_BitCastRead(), (x,))
     pte, _, _ = lower_to_pte(copy.deepcopy(program), None, None)
-    for run in (lambda: decode_on_runtime(copy.deepcopy(program), None, [(x,)]),
-                lambda: decode_on_runtime(pte, None, [(x,)]),
-                lambda: run_methods_on_runtime({"forward": copy.deepcopy(program)},
-                                               [("forward", (x,), {})])):
+    for run, named in ((lambda: decode_on_runtime(copy.deepcopy(program), None, [(x,)]), True),
+                       (lambda: decode_on_runtime(pte, None, [(x,)]), False),  # names nothing
+                       (lambda: run_methods_on_runtime({"forward": copy.deepcopy(program)},
+                                                       [("forward", (x,), {})]), True)):
         with pytest.raises(ExecuTorchInputError, match=r"method 'forward' calls "
-                                                       r"aten::view_copy\.dtype_out, for which"):
+                                                       r"aten::view_copy\.dtype_out.*, for which"
+                           ) as info:
             run()
+        # The node calling it, and the line of forward that made it (it named neither).
+        assert (info.value.node is not None) is named
+        assert ("self.k.view(torch.int32)" in info.value.reason) is named

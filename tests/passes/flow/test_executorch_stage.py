@@ -12,14 +12,18 @@ import torch
 
 pytest.importorskip("executorch")
 
+from pass_manager import PassManager
 from pass_manager.validation import Trace
-from passes.executorch import ExecuTorchInputError
+from passes import InplaceToFunctional, MarkMutableBuffers
+from passes.executorch import ExecuTorchInputError, ParameterMutationOnExecuTorchError
 from passes.executorch.runtime import (
     GRID_ROUNDING_SLACK,
+    refuse_written_parameters,
     within_grid_steps,
     within_grid_steps_per_call,
 )
 from passes.flow.executorch_stage import flow_stage
+from passes.flow.result import FlowError, failure_of
 from passes.flow.run import run_flow
 
 
@@ -151,3 +155,51 @@ def test_a_model_returning_nothing_is_said_to_have_no_output_compared():
     assert len(on_outputs) == 2 and quantized.ok and on_runtime.ok
     assert all("the model returns no tensor: no output compared" in c.detail
                for c in on_outputs), on_outputs
+
+
+class LowBits(torch.nn.Module):
+    """Reads a float's bits through a dtype view, which ExecuTorch's portable kernels lack
+    (``aten::view_copy.dtype_out``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(4))
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.acc.add_(y.sum(0))
+        return y + (y.view(torch.int32) & 1).float()
+
+
+def test_an_operator_the_runtime_lacks_is_refused_before_quantization_naming_its_node():
+    """It was refused only when the fp32 program was decoded on the runtime, after both
+    quantizations and the delegations, with no node: the line of forward is named now."""
+    with pytest.raises(FlowError) as info:
+        run_flow(LowBits(), (torch.randn(2, 4),), runtime="executorch", delegate=False,
+                 log=lambda line: None)
+    failure = info.value.failure
+    assert failure.stage == "lower the fp32 program to a .pte"
+    assert failure.node and "aten::view_copy.dtype_out" in failure.reason
+    assert "y.view(torch.int32)" in failure.reason and "line" in failure.reason
+    assert not [title for title, _ in info.value.result.stage_times if "quantize" in title]
+
+
+class WritesItsScale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+
+    def forward(self, x):
+        self.scale.mul_(0.5)
+        return x * self.scale
+
+
+def test_a_written_parameter_is_refused_naming_the_node_writing_it():
+    program = torch.export.export(WritesItsScale(), (torch.ones(4),))
+    functional = PassManager([MarkMutableBuffers(), InplaceToFunctional()]).run(program).program
+    with pytest.raises(ParameterMutationOnExecuTorchError) as info:
+        refuse_written_parameters(functional)
+    assert info.value.parameters == ["scale"]
+    assert info.value.node.startswith("mul")  # the node computing scale * 0.5
+    assert failure_of("lower", info.value).node == info.value.node

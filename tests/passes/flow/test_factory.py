@@ -174,3 +174,26 @@ def test_an_export_failure_says_what_in_the_model_to_change(module, example, sai
 
     with pytest.raises(ExportError, match=said):
         export_program(module, example)
+
+
+def test_a_numpy_array_as_an_input_is_a_model_error_saying_pass_a_tensor():
+    """It read "forward raises on its example in eager: linear(): argument 'input' must be
+    Tensor, not numpy.ndarray", or at a step "Expected input at *args[0] to be a tensor ...
+    (a value that is no tensor is fixed at export)", nothing saying what to pass."""
+    x = torch.ones(3)
+    for made, where in (((ScaledSum(), (x.numpy(),)), "the example"),
+                        ({"module": KeywordOnly(), "example_kwargs": {"x": x.numpy()}},
+                         "the example"),
+                        ({"module": ScaledSum(), "example_args": (x,),
+                          "steps": [(x,), ((x.numpy(),), {})]}, r"steps\[1\]")):
+        with pytest.raises(ModelError, match=rf"job\(\): {where}: input 'x' is a numpy.ndarray: "
+                           r"pass a torch.Tensor \(torch.from_numpy\(array\)\)"):
+            model_spec(made, "job", 2)
+
+
+def test_a_value_where_the_program_takes_a_tensor_says_pass_a_tensor():
+    from passes.flow.factory import check_calls_fit, export_program
+
+    program = export_program(ScaledSum(), (torch.ones(3),)).program
+    with pytest.raises(ModelError, match=r"input 'x' is a numpy.ndarray: pass a torch.Tensor"):
+        check_calls_fit(program, [("steps[1]", ((torch.ones(3).numpy(),), {}))], "job")
