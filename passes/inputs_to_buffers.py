@@ -111,7 +111,8 @@ class InputsToBuffers(Pass):
         CarriedStateError: otherwise impossible: a buffer name already taken, with a
             Python keyword as a part (``buffers={"x": "state.def"}``) or an empty one
             (``".k"``, ``"a..b"``), an initial value that is no tensor, an input that
-            is one leaf of a container (a ``StaticCache``) whose other leaves stay inputs, a
+            is one leaf of a container (a ``StaticCache``, a dataclass) whose other leaves
+            stay inputs (a list, tuple or dict keeps them), a
             dynamic shape, an initial value of another shape or dtype.
     """
 

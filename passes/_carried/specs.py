@@ -11,6 +11,7 @@ path in the output structure (``logits``, ``cache.0``; a returned tuple's elemen
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch.utils._pytree as pytree
@@ -19,14 +20,27 @@ from torch.utils._pytree import TreeSpec
 __all__ = ["input_names", "kept_arg_names", "output_names", "with_leaves", "without_leaves"]
 
 
+def _context_keys(spec: TreeSpec) -> list | None:
+    """The key of each child when ``spec``'s context lists them, one per child: a mapping's
+    (``dict``, ``OrderedDict``: any hashable keys) or a ModelOutput's (names); None for any
+    other context, even one of as many entries as there are children (a dataclass registered
+    with ``torch.export.register_dataclass`` holds ``[field names, None field names]``: two
+    lists, not two keys)."""
+    children, context = spec.children(), spec.context
+    if not isinstance(context, (list, tuple)) or len(context) != len(children):
+        return None
+    if spec.type in (dict, OrderedDict) or all(isinstance(k, (str, int)) for k in context):
+        return list(context)
+    return None
+
+
 def _keys(spec: TreeSpec) -> list[str]:
-    """Each child's key: a mapping's (or a ModelOutput's) key, else its position."""
-    children = spec.children()
-    context = spec.context
-    if isinstance(context, (list, tuple)) and len(context) == len(children) and all(
-            isinstance(k, (str, int)) for k in context):
-        return [str(k) for k in context]
-    return [str(i) for i in range(len(children))]
+    """Each child's name in a dotted path: its key (:func:`_context_keys`), else its
+    position."""
+    keys = _context_keys(spec)
+    if keys is not None and all(isinstance(k, (str, int)) for k in keys):
+        return [str(k) for k in keys]
+    return [str(i) for i in range(len(spec.children()))]
 
 
 def _paths(spec: TreeSpec, prefix: str, found: list[str]) -> None:
@@ -80,13 +94,13 @@ def _drop(spec: TreeSpec, drop: set[int], first: int, refuse, keep: int = 0
     """``keep``: how many levels from here stay even when all their leaves go."""
     if spec.is_leaf():
         return (None if first in drop else spec), first + 1
-    kept, keys, index = [], [], first
+    kept, positions, index = [], [], first
     children = spec.children()
-    for key, child in zip(_keys(spec), children, strict=True):
+    for position, child in enumerate(children):
         new, index = _drop(child, drop, index, refuse, max(keep - 1, 0))
         if new is not None:
             kept.append(new)
-            keys.append(key)
+            positions.append(position)
     if len(kept) == len(children) and all(a is b for a, b in zip(kept, children, strict=True)):
         return spec, index
     if len(kept) == len(children):
@@ -95,8 +109,9 @@ def _drop(spec: TreeSpec, drop: set[int], first: int, refuse, keep: int = 0
         return None, index
     if spec.type in (list, tuple):
         return TreeSpec(spec.type, spec.context, kept), index
-    if isinstance(spec.context, (list, tuple)) and len(spec.context) == len(children):
-        context = [k for k in spec.context if str(k) in keys]
+    keys = _context_keys(spec)
+    if keys is not None:
+        context = [keys[p] for p in positions]
         return TreeSpec(spec.type, type(spec.context)(context), kept), index
     raise refuse(min(i for i in drop if first <= i < index), spec.type.__name__)
 

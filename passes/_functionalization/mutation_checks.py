@@ -321,16 +321,24 @@ def check_shared_storage(program: object, states: dict[Node, State], written: se
     new value, computed whole, cannot be stored back, as ``copy_`` refuses such a
     destination (so the functional program would fail when called, as torch's
     ``run_decompositions({})`` does), and eager's write to one position changes every
-    position sharing its element."""
+    position sharing its element.
+
+    User inputs are checked by the values they were traced with (``meta["val"]``), which
+    keep the aliasing of the inputs export was given: a cache written in place passed
+    beside a view of it (``f(cache, cache[0])``) reads the old value through the view in
+    the functional program, where the program as exported reads the new one (torch's
+    ``run_decompositions({})`` fails on it with an ``AssertionError``). One tensor given
+    twice is one placeholder to export (the other has no users) and passes."""
     seen: dict[StorageWeakRef, list[tuple[Node, State, torch.Tensor]]] = {}
     for node, state in states.items():
-        if state.kind == USER_INPUT or (not node.users and state not in written):
+        if not node.users and state not in written:
             continue
-        tensor = node.meta.get("val") if is_ep else buffer_tensor(program, state.name)
+        tensor = (node.meta.get("val") if is_ep or state.kind == USER_INPUT
+                  else buffer_tensor(program, state.name))
         storage = _storage(tensor)
         if storage is None:
             continue
-        if state in written and state.kind != CONSTANT:
+        if state in written and state.kind not in (CONSTANT, USER_INPUT):
             _refuse_expanded(node, state, buffer_tensor(program, state.name))
         before = seen.setdefault(storage, [])
         # Pieces of one storage sharing no element (a stacked cache's rows registered as
@@ -344,8 +352,10 @@ def check_shared_storage(program: object, states: dict[Node, State], written: se
                 writer, f"the written {states[writer].kind} {states[writer].name!r} shares "
                 f"its storage with {shared.kind} {shared.name!r}: the graph takes them as "
                 "two inputs, so a functional program would not see one's write in the "
-                "other; register one buffer and take the other as a view of it in forward",
-                "shared-storage")
+                "other; " + ("pass one tensor and take the other as a view of it in forward"
+                             if USER_INPUT in (states[writer].kind, shared.kind) else
+                             "register one buffer and take the other as a view of it in "
+                             "forward"), "shared-storage")
 
 
 def _refuse_expanded(node: Node, state: State, tensor: torch.Tensor) -> None:

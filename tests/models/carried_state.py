@@ -8,12 +8,16 @@
 * :class:`NamedState`: ``past_key_values`` dict inputs, ``present.*`` outputs (OpenVINO's
   naming) as keyword inputs;
 * :class:`Prefill` / :class:`Decode`: a prefill creating its cache in the graph and returning
-  it, and the decode writing that cache in place (HF's prefill and decode).
+  it, and the decode writing that cache in place (HF's prefill and decode);
+* :class:`KeyedState` / :class:`FieldState`: state written in place beside a read-only weight
+  in one container, a dict keyed by tuples or a registered dataclass of two fields.
 
 Each ``*_inputs`` function returns fresh example inputs.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -21,12 +25,17 @@ from tests.models.hf import seeded
 
 __all__ = [
     "Decode",
+    "FieldState",
     "InPlaceCache",
+    "KeyedState",
     "NamedState",
     "Prefill",
     "SelectiveScan",
     "SlidingWindow",
+    "StateFields",
     "cache_inputs",
+    "field_state_inputs",
+    "keyed_state_inputs",
     "named_state_inputs",
     "scan_inputs",
     "window_inputs",
@@ -125,3 +134,41 @@ class Prefill(torch.nn.Module):
 
 class Decode(InPlaceCache):
     """The decode of :class:`Prefill`'s cache (the same projection), written in place."""
+
+
+class KeyedState(torch.nn.Module):
+    """Decays ``state[("h", 0)]`` in place toward ``x`` scaled by the read-only
+    ``state[("w", 0)]``: a dict keyed by tuples, one of its leaves state."""
+
+    def forward(self, x: torch.Tensor, state: dict[tuple[str, int], torch.Tensor]
+                ) -> torch.Tensor:
+        h = state[("h", 0)]
+        h.mul_(0.5).add_(x * state[("w", 0)])
+        return h * 2
+
+
+def keyed_state_inputs() -> tuple[torch.Tensor, dict[tuple[str, int], torch.Tensor]]:
+    return torch.randn(DIM), {("h", 0): torch.zeros(DIM), ("w", 0): torch.full((DIM,), 2.0)}
+
+
+@dataclasses.dataclass
+class StateFields:
+    """Two fields: ``h`` the state, ``w`` a read-only weight."""
+
+    h: torch.Tensor
+    w: torch.Tensor
+
+
+torch.export.register_dataclass(StateFields, serialized_type_name="tests.StateFields")
+
+
+class FieldState(torch.nn.Module):
+    """:class:`KeyedState` with its two leaves the fields of a :class:`StateFields`."""
+
+    def forward(self, x: torch.Tensor, fields: StateFields) -> torch.Tensor:
+        fields.h.mul_(0.5).add_(x * fields.w)
+        return fields.h * 2
+
+
+def field_state_inputs() -> tuple[torch.Tensor, StateFields]:
+    return torch.randn(DIM), StateFields(torch.zeros(DIM), torch.full((DIM,), 2.0))

@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 
 from pass_manager import PassFailedError, PassManager, PreconditionError
 from passes import (
+    BuffersToInputs,
     CarriedStateError,
     InplaceToFunctional,
     InputsToBuffers,
@@ -571,6 +572,37 @@ def test_part_of_hf_cache_cannot_leave_the_call_alone(hf):
         copy.deepcopy(hf.decode)).program
     error = _refused(program, CarriedStateError, buffers=["cache.0"])
     assert error.name == "cache_0" and "StaticCache" in error.reason
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_state_in_a_mapping_keyed_by_tuples_leaves_its_sibling_in_the_call(form):
+    """A dict keyed by tuples (any hashable keys) keeps its other keys once one leaf is
+    resident. Its keys were matched as strings against the children's positions: none kept,
+    a spec of no key for one child (an untyped ValueError; the GraphModule form was built,
+    and failed when called)."""
+    x, state = models.keyed_state_inputs()
+    program = functional(models.KeyedState(), (x, state), form=form)
+    result = resident(program).program
+    module = runnable(copy.deepcopy(result))
+    eager, eager_state = models.KeyedState(), copy.deepcopy(state)
+    for call in range(CALLS):
+        x = torch.randn(models.DIM, generator=torch.Generator().manual_seed(call))
+        assert torch.equal(module(x, {("w", 0): state[("w", 0)]}), eager(x, eager_state))
+        (buffer,) = carried_buffers(result).values()
+        assert torch.equal(dict(module.named_buffers())[buffer], eager_state[("h", 0)])
+    back = PassManager([BuffersToInputs()]).run(result).program
+    spec = back.call_spec.in_spec if form == "exported" else back._in_spec
+    assert spec == (program.call_spec.in_spec if form == "exported" else program._in_spec)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_part_of_a_dataclass_cannot_leave_the_call_alone(form):
+    """A registered dataclass's context is ``[field names, None field names]``: two lists,
+    which were read as the keys of its two fields (an untyped ValueError; the GraphModule
+    form was built with a spec that cannot call it)."""
+    program = functional(models.FieldState(), models.field_state_inputs(), form=form)
+    error = _refused(program, CarriedStateError)
+    assert error.name == "fields_h" and "StateFields" in error.reason
 
 
 def test_semantic_validation_says_the_pass_changed_the_programs_inputs():
