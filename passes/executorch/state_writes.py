@@ -57,6 +57,8 @@ def refuse_mismatched_state_writes(ep: ExportedProgram, helper: str,
     state_inputs = {(spec.kind, spec.target if spec.kind == InputKind.BUFFER else spec.arg.name):
                     spec.arg.name for spec in sig.input_specs if spec.kind in _WRITES.values()}
     returned = ep.graph.output_node().args[0]
+    if len(returned) != len(sig.output_specs):  # a serialized program's out-variant graph
+        return
     for spec, value in zip(sig.output_specs, returned, strict=True):
         kind = _WRITES.get(spec.kind)
         if kind is None or not isinstance(value, torch.fx.Node):
