@@ -30,13 +30,17 @@ do, so the runtime then computes what eager does.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
+from pass_manager.program import graph_module_copy
+
 from . import NonContiguousStateError
 
-__all__ = ["contiguous_buffers", "convert_copy_sources"]
+__all__ = ["contiguous_buffers", "convert_copy_sources", "with_converted_copy_sources"]
 
 _aten = torch.ops.aten
 # Ops whose result depends on the strides of their input, not on its values alone.
@@ -96,6 +100,22 @@ def _reader_by_strides(buffer: Node) -> Node | None:
 _COPIES = (_aten.copy_.default, _aten.copy.default)
 
 
+def _converted_source(node: Node) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(dst, src)`` fake values of a ``copy_`` whose source has another dtype or static
+    shape than its destination (a conversion functionalization would drop), else None."""
+    if node.target not in _COPIES or len(node.args) < 2:
+        return None
+    dst, src = node.args[0], node.args[1]
+    want = dst.meta.get("val") if isinstance(dst, Node) else None
+    have = src.meta.get("val") if isinstance(src, Node) else None
+    if not isinstance(want, torch.Tensor) or not isinstance(have, torch.Tensor):
+        return None
+    static = all(isinstance(d, int) for d in (*have.shape, *want.shape))
+    if have.dtype == want.dtype and not (static and tuple(have.shape) != tuple(want.shape)):
+        return None
+    return want, have
+
+
 def convert_copy_sources(ep: ExportedProgram) -> None:
     """Give each ``copy_(dst, src)`` of ``ep`` (in place: a private copy) whose ``src``
     has another dtype or shape than ``dst`` the source converted and broadcast as
@@ -104,13 +124,11 @@ def convert_copy_sources(ep: ExportedProgram) -> None:
     graph = ep.graph
     changed = False
     for node in list(graph.nodes):
-        if node.target not in _COPIES or len(node.args) < 2:
+        values = _converted_source(node)
+        if values is None:
             continue
-        dst, src = node.args[0], node.args[1]
-        want = dst.meta.get("val") if isinstance(dst, Node) else None
-        have = src.meta.get("val") if isinstance(src, Node) else None
-        if not isinstance(want, torch.Tensor) or not isinstance(have, torch.Tensor):
-            continue
+        want, have = values
+        src = node.args[1]
         with graph.inserting_before(node):
             if have.dtype != want.dtype:
                 src = graph.call_function(_aten._to_copy.default, (src,),
@@ -122,8 +140,18 @@ def convert_copy_sources(ep: ExportedProgram) -> None:
                 shape = list(want.shape)
                 src = graph.call_function(_aten.expand.default, (src, shape))
                 src.meta["val"] = have.expand(shape)
-        if src is not node.args[1]:
-            node.args = (dst, src, *node.args[2:])
-            changed = True
+        node.args = (node.args[0], src, *node.args[2:])
+        changed = True
     if changed:
         ep.graph_module.recompile()
+
+
+def with_converted_copy_sources(ep: ExportedProgram) -> ExportedProgram:
+    """``ep`` itself, or where a ``copy_`` source needs converting (see
+    :func:`convert_copy_sources`) a copy of it converted: the caller's program (a user's,
+    lowering by hand) is not edited; its state tensors are shared."""
+    if not any(_converted_source(node) is not None for node in ep.graph.nodes):
+        return ep
+    work = ep._update(graph_module_copy(ep.graph_module), copy.deepcopy(ep.graph_signature))
+    convert_copy_sources(work)
+    return work

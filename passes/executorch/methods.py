@@ -50,6 +50,7 @@ from .runtime import (
     runtime_pairs,
 )
 from .runtime_inputs import CarriedState, carried_outputs, flat_inputs, user_input_names
+from .state_writes import refuse_mismatched_state_writes
 from .tied_buffers import drop_unused_aliases
 
 __all__ = ["MethodsRun", "lower_methods_to_pte", "run_methods_on_runtime"]
@@ -168,8 +169,9 @@ def lower_methods_to_pte(
     Raises:
         ExecuTorchInputError: ``programs`` is not a mapping of ExportedPrograms, their
             shared buffers differ, methods sharing state hold a parameter of one name
-            differently (separate instances of the model), or ``partitioner`` is not an
-            ExecuTorch Partitioner.
+            differently (separate instances of the model), ``partitioner`` is not an
+            ExecuTorch Partitioner, or a state's new value has another dtype or shape than
+            the state (a decomposed method: see :mod:`passes.executorch.state_writes`).
         ParameterMutationOnExecuTorchError: a method writes a parameter.
         PortableKernelAbortError: a method keeps at the top level a quantize or dequantize
             whose ExecuTorch kernel would abort the process (a bfloat16 float side).
@@ -212,6 +214,8 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
     copies = {name: copy.deepcopy(ep) for name, ep in programs.items()}
     dropped = [f"[{name}] {note}" for name, ep in copies.items()
                for note in drop_unused_aliases(ep) + contiguous_buffers(ep, helper, name)]
+    for name, ep in copies.items():  # what no copy_ is left to convert
+        refuse_mismatched_state_writes(ep, helper, name)
     wrapper = _wrapper(partitioner, copies, helper)
     with torch.no_grad():  # the emitter writes buffers back in place
         edge = to_edge_transform_and_lower(copies, partitioner=[wrapper])
@@ -277,7 +281,9 @@ def run_methods_on_runtime(
             holding a parameter of one name differently: exported from separate instances
             of the model), a call naming an
             unknown method or whose inputs do not fit it, a ``partitioner`` that is not one
-            or delegates to a backend this runtime lacks (found before loading).
+            or delegates to a backend this runtime lacks (found before loading), or a
+            state's new value of another dtype or shape than the state (a decomposed
+            method: see :mod:`passes.executorch.state_writes`).
         ParameterMutationOnExecuTorchError: a method writes a parameter.
         PortableKernelAbortError: a method keeps at the top level a quantize or dequantize
             whose ExecuTorch kernel would abort the process (a bfloat16 float side, a

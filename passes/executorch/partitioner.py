@@ -59,6 +59,7 @@ from . import (
     UnfoldedQuantizeError,
     portable_kernel_abort,
 )
+from .buffer_layout import with_converted_copy_sources
 from .coreml_state_order import coreml_state_order
 from .method_state import MethodState, SharedBuffer, checked_methods, method_state
 from .new_value_copies import (
@@ -68,6 +69,7 @@ from .new_value_copies import (
     separate_new_buffer_values,
 )
 from .portable_kernels import aborting_kernels
+from .state_writes import refuse_mismatched_state_writes
 
 __all__ = ["BufferOwningPartitioner", "executorch_state", "separate_new_buffer_values"]
 
@@ -243,7 +245,11 @@ class BufferOwningPartitioner(Partitioner):
         # of the buffers (is an initial value zeros?) are read here, where they are real.
         self._nonzero.update(_nonzero_elements(exported_program))
         self._check_keep_precision(exported_program)
-        program = self.partitioner.transform_for_pre_decomposition(exported_program)
+        # A decomposed program whose state write lost its conversion cannot be repaired here;
+        # a copy_ still converting is made explicit, or to_edge's decomposition drops it.
+        refuse_mismatched_state_writes(exported_program, PASS_NAME)
+        program = with_converted_copy_sources(exported_program)
+        program = self.partitioner.transform_for_pre_decomposition(program)
         # The copies only serve a delegate that owns the buffer and leave it by a use outside
         # (any other copy is one whole-buffer copy per call for nothing), so the trial
         # partition decides which new values need one.

@@ -60,6 +60,7 @@ from .runtime_inputs import (
     flat_inputs,
     user_input_names,
 )
+from .state_writes import refuse_mismatched_state_writes
 from .tied_buffers import drop_unused_aliases
 
 __all__ = [
@@ -256,6 +257,7 @@ def _serialize(helper: str, edge: EdgeProgramManager, wrapper: BufferOwningParti
     ep = edge.exported_program()
     refuse_written_parameters(ep)
     refuse_aborting_kernels(ep, helper)  # a typed error now, not an abort when it runs
+    refuse_mismatched_state_writes(ep, helper)  # lowered by hand from a decomposed program
     sig = ep.graph_signature
     # ExecuTorch serializes only the shape of a mutated buffer unless asked: the runtime
     # must start from the program's state (e.g. a reset cache, a non-zero counter).
@@ -348,6 +350,7 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
         ep = program.exported_program()
         refuse_written_parameters(ep)
         refuse_aborting_kernels(ep, helper)
+        refuse_mismatched_state_writes(ep, helper)
         return _lowered(program, None, len(delegate_backends(ep)["forward"]), _state_notes(program))
     # ExecuTorch's emitter writes buffers back in place; with autograd on, parameters that
     # require grad make those writes illegal.
@@ -370,6 +373,7 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
             ep = _exported(helper, program, example_inputs)
             refuse_written_parameters(ep)  # before a partitioner reports it as something else
             notes = drop_unused_aliases(ep) + contiguous_buffers(ep, helper)
+            refuse_mismatched_state_writes(ep, helper)  # what no copy_ is left to convert
             return _serialize(helper, to_edge_transform_and_lower(ep, partitioner=[wrapper]),
                               wrapper, notes)
     _refuse_form(helper, program)
@@ -479,7 +483,9 @@ def lower_to_pte(
     Raises:
         ExecuTorchInputError: ``program`` is none of those forms, bytes that are not a
             ``.pte`` program, or a module without fitting ``example_inputs``; or a
-            ``partitioner`` given with a lowered program.
+            ``partitioner`` given with a lowered program; or a state whose new value has
+            another dtype or shape than the state (a decomposed program: see
+            :mod:`passes.executorch.state_writes`).
         ParameterMutationOnExecuTorchError: ``program`` writes a parameter, which the
             runtime would not keep between calls.
         PortableKernelAbortError: the lowered program keeps at the top level a quantize
@@ -568,7 +574,9 @@ def decode_on_runtime(
             does not fit the program's inputs (naming the step and the input: their
             number, keyword names, a dtype, a static size or a dynamic size out of range),
             inputs the runtime refuses, or a delegate whose backend this runtime lacks
-            (Core ML's on Linux), found before loading.
+            (Core ML's on Linux), found before loading; or a state whose new value has
+            another dtype or shape than the state (a decomposed program: see
+            :mod:`passes.executorch.state_writes`), found before lowering.
         ParameterMutationOnExecuTorchError: ``program`` writes a parameter.
         PortableKernelAbortError: the lowered program keeps at the top level a quantize
             or dequantize whose ExecuTorch kernel aborts the process on its dtypes (a
