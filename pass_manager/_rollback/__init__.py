@@ -49,8 +49,9 @@ class RollbackRecord:
     """A program recorded for one pass: check its declaration, measure, restore.
 
     Tensor data is copied only for a pass declaring ``writes_state``, or under ``strict`` (a
-    KV cache is not cloned before every pass; parameters' data only under ``strict``): a tensor written without a copy is listed by
-    :meth:`unrestorable_changes`, never silently kept. Meta objects are copied only for a
+    KV cache is not cloned before every pass; parameters' data only under ``strict``): a
+    tensor written without a copy is listed by :meth:`unrestorable_changes`, never silently
+    kept. Meta objects are copied only for a
     pass that may edit them in place (``edits_meta_in_place``, or ``strict``).
     """
 

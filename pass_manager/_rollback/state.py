@@ -150,9 +150,9 @@ def _marks(tensors: list[Any]) -> list[tuple[int, int | None]]:
 class TensorsRecord:
     """Tensors' identities, version counters and data addresses, and copies of the data of
     those a pass may write (``copy``; a parameter's only with ``parameters``, as under
-    ``strict``: parameters are the bulk of a model). ``named`` makes ``(name, tensor, copyable)`` for every
-    entry of ``tensors``, in order, only when a write is reported or data must be copied (a
-    tensor listed twice is named by its first listing)."""
+    ``strict``: parameters are the bulk of a model). ``named`` makes ``(name, tensor,
+    copyable)`` for every entry of ``tensors``, in order, only when a write is reported or
+    data must be copied (a tensor listed twice is named by its first listing)."""
 
     def __init__(self, tensors: list[Any], named: Any, copy: bool, parameters: bool = False):
         self.tensors = tensors
