@@ -15,6 +15,7 @@ import difflib
 import functools
 import gc
 import inspect
+import math
 import types
 import typing
 import weakref
@@ -83,12 +84,30 @@ def _constructor_only(pass_: Any) -> list[str]:
         return []
 
 
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal and of one type all the way down, so that text rebuilds the very value a pass
+    ran with: ``-0.0`` is not ``0.0``, ``True`` not ``1``, ``1`` not ``1.0``; ``nan`` is
+    itself (a value that cannot say, a tensor, differs)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return (a == b and math.copysign(1.0, a) == math.copysign(1.0, b)) or (a != a and b != b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(map(_same_value, a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(map(_same_value, a.values(), b.values()))
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # a tensor of several elements
+        return False
+
+
 def _differs_from_default(pass_: Any, option: str, value: Any) -> bool:
     """Whether ``value`` is not the option's default (an option without one always is)."""
     f = pass_.__dataclass_fields__[option]
     if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory() != value
-    return f.default is dataclasses.MISSING or f.default != value
+        return not _same_value(f.default_factory(), value)
+    return f.default is dataclasses.MISSING or not _same_value(f.default, value)
 
 
 def format_value(value: Any, *, python: bool = False) -> str:
@@ -133,7 +152,7 @@ def _read_back(pass_: Any, key: str, value: Any) -> str:
     nan or inf print as text no parse gives back: the pass would be rebuilt without them)."""
     text = format_value(value)
     with contextlib.suppress(PipelineError):
-        if _parse_value(text) == value:
+        if _same_value(_parse_value(text), value):
             return text
     raise PipelineError(f"{pass_.name} has no pipeline text: its option {key}={text} does not "
                         "read back (text holds Python literals, true/false and operator names)")

@@ -21,7 +21,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from ._rollback import RollbackRecord, recorded
-from .analysis import Stamp, unchanged
+from .analysis import Stamp, equal, node_fields, unchanged
 from .conditions import (
     Condition,
     as_condition_set,
@@ -339,7 +339,7 @@ class Runner:
             through = taken.leaves_nodes_alone
             with _unchanged(taken, program, False) if through else nullcontext():
                 with nullcontext() if through else _unchanged(taken, program, False):
-                    self._require(p, index, program, record)
+                    self._require(p, index, program, record, taken)
                 rollback = taken  # from here on, a failure restores the program
                 with recorded(program):
                     current = self._call(p, index, program, record)
@@ -400,10 +400,11 @@ class Runner:
             out, program, self.exported)
         return current
 
-    def _require(self, p: Any, index: int, program: Any, record: PassRecord) -> None:
+    def _require(self, p: Any, index: int, program: Any, record: PassRecord,
+                 undo: RollbackRecord) -> None:
         if self.form not in p.accepts:
             raise ProgramFormError(p.name, index, self.form, p.accepts, _FORM_ADVICE[self.form])
-        failed = self._check(requires_of(p), program, record)
+        failed = self._check(requires_of(p), program, record, undo)
         if failed:
             condition, violations = failed
             provided_here = any(condition in provides_of(q) for q in self.passes)
@@ -461,14 +462,20 @@ class Runner:
             hint = "" if condition in provides_of(p) else f"{p.name} declares it preserves it."
             raise PostconditionError(p.name, index, condition.name, violations, hint=hint)
 
-    def _check(self, conditions: Iterable[Condition], program: Any, record: PassRecord
-               ) -> tuple[Condition, list[str]] | None:
-        """Check each condition not known to hold; the first violated one and its violations."""
+    def _check(self, conditions: Iterable[Condition], program: Any, record: PassRecord,
+               undo: RollbackRecord | None = None) -> tuple[Condition, list[str]] | None:
+        """Check each condition not known to hold; the first violated one and its violations.
+        A check observes: one that changes the program's nodes is a PassFailedError, its
+        change undone with ``undo`` (before the pass) or with the pass's rollback (after it)."""
         for condition in sorted(conditions, key=lambda c: c.name):
             if condition in self.holds:
                 record.cached.append(condition.name)
                 continue
             start = time.perf_counter()
+            graph = graph_module_of(program).graph
+            # Nodes by identity always (a C loop); their fields too under strict.
+            nodes = list(graph.nodes)
+            fields = node_fields(nodes) if self.strict else None
             try:
                 violations = condition.check(program)
             except Exception as e:
@@ -478,6 +485,16 @@ class Runner:
             finally:
                 record.check_time += time.perf_counter() - start
                 record.checked.append(condition.name)
+            now = list(graph_module_of(program).graph.nodes)
+            if now != nodes or (fields is not None and not equal(node_fields(now), fields)):
+                error = PassFailedError(record.name, record.index, (
+                    f"the check of condition {condition.name!r} changed the program's nodes; "
+                    "a check observes (its change was undone; a bug in the condition's "
+                    "check, not in the pass)"))
+                if undo is not None:
+                    undo.restore()
+                    error.rolled_back = True
+                raise error
             if violations:
                 return condition, violations
             self.holds.add(condition)

@@ -49,8 +49,9 @@ class RollbackRecord:
     """A program recorded for one pass: check its declaration, measure, restore.
 
     Tensor data is copied only for a pass declaring ``writes_state``, or under ``strict`` (a
-    KV cache is not cloned before every pass): a tensor written without a copy is listed by
-    :meth:`unrestorable_changes`, never silently kept. Meta objects are copied only for a
+    KV cache is not cloned before every pass; parameters' data only under ``strict``): a
+    tensor written without a copy is listed by :meth:`unrestorable_changes`, never silently
+    kept. Meta objects are copied only for a
     pass that may edit them in place (``edits_meta_in_place``, or ``strict``).
     """
 
@@ -71,7 +72,8 @@ class RollbackRecord:
                             for _, m in graphs]
             self._graph = self._graphs[0]
             copy_data = effects.writes_state or strict
-            self._state = None if meta_only else StateRecord(program, gm, copy_data)
+            # Under strict, parameters' data too: a write through ``p.data`` leaves no mark.
+            self._state = None if meta_only else StateRecord(program, gm, copy_data, strict)
 
     @property
     def records_state(self) -> bool:

@@ -149,11 +149,12 @@ def _marks(tensors: list[Any]) -> list[tuple[int, int | None]]:
 
 class TensorsRecord:
     """Tensors' identities, version counters and data addresses, and copies of the data of
-    those a pass may write (``copy``). ``named`` makes ``(name, tensor, copyable)`` for every
-    entry of ``tensors``, in order, only when a write is reported or data must be copied (a
-    tensor listed twice is named by its first listing)."""
+    those a pass may write (``copy``; a parameter's only with ``parameters``, as under
+    ``strict``: parameters are the bulk of a model). ``named`` makes ``(name, tensor,
+    copyable)`` for every entry of ``tensors``, in order, only when a write is reported or
+    data must be copied (a tensor listed twice is named by its first listing)."""
 
-    def __init__(self, tensors: list[Any], named: Any, copy: bool):
+    def __init__(self, tensors: list[Any], named: Any, copy: bool, parameters: bool = False):
         self.tensors = tensors
         self.marks = _marks(tensors)
         self._named = named
@@ -162,7 +163,7 @@ class TensorsRecord:
         if copy:  # each tensor once, at its first listing: its data, and a copy of it
             self.data = {i: (tensor.detach(), tensor.detach().clone())
                          for i, (name, tensor, copyable) in enumerate(self.named())
-                         if copyable and name is not None}
+                         if (copyable or parameters) and name is not None}
 
     def named(self) -> list[tuple[str | None, Any, bool]]:
         """``named``'s entries, made once; a tensor's later listings have the name None."""
@@ -258,11 +259,13 @@ class ObjectsRecord:
 
 class StateRecord:
     """A program outside its graph: every module's attributes and registered state, every
-    tensor's identity and version (its data only with ``copy_data``), and an
+    tensor's identity and version (its data only with ``copy_data``, a parameter's only
+    with ``copy_parameters`` too), and an
     ExportedProgram's signature, call graph, state, constants, range constraints,
     verifiers and example inputs."""
 
-    def __init__(self, program: Any, gm: torch.fx.GraphModule, copy_data: bool):
+    def __init__(self, program: Any, gm: torch.fx.GraphModule, copy_data: bool,
+                 copy_parameters: bool = False):
         self.program = program
         self.gm = gm
         self.modules = ModulesRecord(modules_of(gm))
@@ -280,7 +283,7 @@ class StateRecord:
                      for key, value in mapping.items() if isinstance(value, TENSOR)]
             tensors += [t for _, t, _ in extra]
             named = lambda modules=self.modules.named_tensors: modules() + extra  # noqa: E731
-        self.tensors = TensorsRecord(tensors, named, copy_data)
+        self.tensors = TensorsRecord(tensors, named, copy_data, copy_parameters)
 
     def changed(self, program: Any, modules: bool = True) -> bool:
         """The modules (unless ``modules`` is False: known not to), or the ExportedProgram's

@@ -824,3 +824,38 @@ def test_a_group_in_a_strict_pipeline_names_its_pass_that_broke_its_effects(expo
     assert (info.value.pass_name, info.value.index, info.value.kind) == ("_TagsB", 1,
                                                                          "meta_keys")
     assert info.value.rolled_back and not any("b" in n.meta for n in graph_of(exported).nodes)
+
+
+def _retarget_relu(program):
+    for node in targets(program, "relu"):
+        node.target = torch.ops.aten.abs.default
+    return []
+
+
+def _add_node(program):
+    graph = graph_of(program)
+    with graph.inserting_before(graph.output_node()):
+        graph.call_function(torch.ops.aten.zeros.default, ([1],))
+    return []
+
+
+@pytest.mark.parametrize(("check", "strict"), [(_add_node, False), (_retarget_relu, True)],
+                         ids=["adds a node", "retargets a node (strict)"])
+@pytest.mark.parametrize("role", ["requires", "provides"])
+def test_a_condition_check_that_changes_the_program_is_a_typed_error_and_undone(
+        exported, check, strict, role):
+    """Before, the change stayed: counted as the pass's own (required), or kept with the
+    program's code stale (provided: no recompile after the checks). Outside strict, nodes
+    added, removed or reordered are seen (an identity check); under strict, their fields."""
+    changes = Condition("ChangesTheProgram", check)
+
+    class Checked(Pass):
+        def call(self, program):
+            return PassResult(program, False)
+
+    setattr(Checked, role, frozenset({changes}))
+    before = str(graph_of(exported))
+    with pytest.raises(PassFailedError, match="the check of condition 'ChangesTheProgram' "
+                       "changed the program's nodes") as info:
+        PassManager([Checked()], strict=strict).run(exported)
+    assert info.value.rolled_back and str(graph_of(exported)) == before

@@ -306,3 +306,33 @@ def test_after_pass_failed_sees_precondition_and_postcondition_failures(traced):
         ("needs", "PreconditionError"),
         ("claims", "PostconditionError"),
     ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Signed(Pass):
+    """Options whose defaults equal other values: a replay must get the very value."""
+
+    offset: float = 0.0
+    tolerance: float = float("nan")
+    scale: typing.Any = 1
+    bounds: tuple = (0.0, 1.0)
+
+    def call(self, program):
+        return PassResult(program, False)
+
+
+@pytest.mark.parametrize(("options", "text"), [
+    ({}, "Signed"),  # a nan default: before, no pipeline text at all ("nan does not read back")
+    ({"offset": -0.0}, "Signed{offset=-0.0}"),  # before, dropped: replayed with 0.0
+    ({"scale": True}, "Signed{scale=true}"),  # before, dropped: True == 1
+    ({"scale": 1.0}, "Signed{scale=1.0}"),  # an int and a float compute different dtypes
+    ({"bounds": (-0.0, 1.0)}, "Signed{bounds=(-0.0, 1.0)}"),
+    ({"offset": 1e-3, "tolerance": 0.5}, "Signed{offset=0.001,tolerance=0.5}"),
+])
+def test_pipeline_text_rebuilds_the_very_option_values(options, text):
+    p = Signed(**options)
+    assert PassManager([p]).pipeline_text() == text
+    (back,) = parse_pipeline(text).plan()
+    assert repr(back) == repr(p)
+    for got, want in zip(dataclasses.astuple(back), dataclasses.astuple(p), strict=True):
+        assert type(got) is type(want) and str(got) == str(want)

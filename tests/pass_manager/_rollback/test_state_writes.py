@@ -123,3 +123,29 @@ def test_a_pass_that_only_reads_state_needs_no_declaration(traced):
 
     result = PassManager([ReadsState()]).run(traced)
     assert not result.modified and result.report.records[0].notes
+
+
+@pytest.mark.parametrize("write", ["data.mul_", "data ="])
+@pytest.mark.parametrize("form", ["exported", "traced"])
+def test_strict_run_restores_a_parameter_written_through_data(form, write, request):
+    """Under ``strict=True`` a parameter's data is copied too: ``w.data.mul_(2)`` (no mark on
+    ``w``) and ``w.data = other`` (no copy to put back) are named and undone. Before, the
+    first left the weight doubled and the run measured unmodified; the second was named but
+    not restored."""
+    program = request.getfixturevalue(form)
+    state = program.state_dict if form == "exported" else dict(program.named_parameters())
+    weight = state["linear.weight"]
+    before, storage = weight.detach().clone(), weight.data_ptr()
+
+    class ScaleWeight(Pass):  # declares no state writes
+        def call(self, program):
+            if write == "data =":
+                weight.data = weight.detach() * 2
+            else:
+                weight.data.mul_(2)
+
+    with pytest.raises(EffectsError) as info:
+        PassManager([ScaleWeight()], strict=True).run(program)
+    assert info.value.kind == "writes_state" and info.value.edits == ["linear.weight"]
+    assert info.value.unrestored == []
+    assert torch.equal(weight, before) and weight.data_ptr() == storage
