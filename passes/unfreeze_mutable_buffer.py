@@ -10,7 +10,13 @@ from torch.fx import GraphModule, Node
 from pass_manager import GRAPH_MODULE, Effects, Pass, PassResult
 from pass_manager._rollback import transaction
 
-from ._analysis.buffers import INITIAL_META, MUTABLE_BUFFER_META, buffer_nodes, buffer_tensor
+from ._analysis.buffers import (
+    INITIAL_META,
+    MUTABLE_BUFFER_META,
+    buffer_nodes,
+    buffer_tensor,
+    replace_buffer_tensor,
+)
 from ._analysis.data_movement import DATA_MOVEMENT_OPS
 from ._analysis.folded_writes import folded_state_writes
 from ._analysis.frozen_reads import (
@@ -93,8 +99,10 @@ class UnfreezeMutableBuffer(Pass):
 
     provides = frozenset({NoFrozenMutableBuffers})
     accepts = (GRAPH_MODULE,)
-    # Only the new nodes' meta is filled; buffers that folding advanced are written back.
-    effects = Effects.rewrite(meta_keys=(), writes_state=True)
+    # Only the new nodes' meta is filled. A buffer folding advanced is replaced by a fresh
+    # tensor, not written: declaring ``writes_state`` would copy every buffer (a whole KV
+    # cache) before each run for a case most programs never meet.
+    effects = Effects.rewrite(meta_keys=())
 
     def call(self, program: GraphModule) -> PassResult:
         # A failure after a buffer was put back restores it too: the manager's rollback
@@ -120,9 +128,10 @@ class UnfreezeMutableBuffer(Pass):
         return PassResult(program, bool(found) or bool(restored), notes, statistics)
 
     def _put_back_folded_writes(self, gm: GraphModule) -> list[str]:
-        """Put each buffer torchao's folding wrote back to its marked starting value; one
-        note per buffer changed. Nothing to do when nothing was folded (``fold_quantize``
-        off): then no write ran."""
+        """Put each buffer torchao's folding wrote back to its marked starting value, as a
+        fresh tensor in its place (the advanced one, which the program it was prepared from
+        may share, is left as it is); one note per buffer changed. Nothing to do when
+        nothing was folded (``fold_quantize`` off): then no write ran."""
         if not frozen_nodes(gm):
             return []
         advanced = folded_state_writes(gm)
@@ -133,12 +142,16 @@ class UnfreezeMutableBuffer(Pass):
         if unknown:
             raise FoldedStateWriteError(self.name, advanced[unknown[0]][0].name, unknown)
         notes = []
+        fresh: dict[int, torch.Tensor] = {}  # by the advanced tensor: tied names stay tied
         for fqn, writes in advanced.items():
             tensor = buffer_tensor(gm, fqn)
             if torch.equal(tensor, initial[fqn]):
                 continue
-            with torch.no_grad():
-                tensor.copy_(initial[fqn])
+            if id(tensor) not in fresh:
+                value = initial[fqn].clone()
+                fresh[id(tensor)] = (torch.nn.Parameter(value, tensor.requires_grad)
+                                     if isinstance(tensor, torch.nn.Parameter) else value)
+            replace_buffer_tensor(gm, fqn, fresh[id(tensor)])
             notes.append(f"{fqn}: put back to its marked starting value; convert_pt2e's "
                          f"constant folding had run {', '.join(w.name for w in writes)} on it")
         return notes

@@ -265,6 +265,9 @@ def replace_buffer_tensor(program: Any, fqn: str, tensor: torch.Tensor) -> None:
         held[fqn] = tensor
         return
     owner, leaf, _ = _resolve_attr(program, fqn)
+    if isinstance(tensor, torch.nn.Parameter) and leaf in owner._parameters:
+        owner._parameters[leaf] = tensor  # a written parameter, put back (folding)
+        return
     if leaf not in owner._buffers:
         raise KeyError(f"{fqn!r} is not a registered buffer of its module")
     owner._buffers[leaf] = tensor

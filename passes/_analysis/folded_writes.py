@@ -12,6 +12,7 @@ folder's own rules, in the converted graph (which keeps them: a write is never f
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -33,13 +34,17 @@ def folded_state_writes(gm: GraphModule) -> dict[str, list[Node]]:
     destination that reach a buffer. It runs no placeholder, constructor (a call with no
     node input), nondeterministic (seeded random) op, higher-order op or submodule call.
     """
-    held_mutable = _held_mutable(gm)
-    known: dict[Node, bool] = {}
+    known = _known_values(gm, _held_mutable(gm))
+    if not any(_mutates(node.target) and not _never_runs(node)
+               and all(known[i] for i in node.all_input_nodes)
+               for node in gm.graph.nodes if node.op == "call_function"):
+        return {}  # no write the folder ran: the scan of every write is not needed
     found: dict[str, list[Node]] = {}
     for state, writers in find_mutations(gm).writers.items():
         if state.kind not in (BUFFER, PARAMETER):
             continue
-        ran = [w for w in writers if w is not None and _runs(w, known, held_mutable)]
+        ran = [w for w in writers if w is not None and not _never_runs(w)
+               and all(known.get(i, False) for i in w.all_input_nodes)]  # a HOP body's: no
         if ran:
             found[state.name] = ran
     return found
@@ -54,7 +59,7 @@ def _held_mutable(gm: GraphModule) -> set[Node]:
     for node in gm.graph.nodes:
         if node.op != "call_function" or not hasattr(node.target, "_schema"):
             continue
-        if "copy_" not in str(node.target) and "put_" not in str(node.target):
+        if not _copies_or_puts(node.target):
             continue
         if not node.args or not isinstance(node.args[0], Node):
             continue
@@ -64,6 +69,21 @@ def _held_mutable(gm: GraphModule) -> set[Node]:
         ):
             held.update(producers)
     return held
+
+
+@functools.cache
+def _mutates(target: Any) -> bool:
+    """An op whose schema writes an argument (cached per op)."""
+    schema = getattr(target, "_schema", None)
+    return schema is None or schema.is_mutable  # no schema: it may write anything
+
+
+@functools.cache
+def _copies_or_puts(target: Any) -> bool:
+    """A ``copy_`` / ``put_`` op, by torchao's test of its name (cached: ``str`` of an op
+    is slow, and a decoder calls a few ops thousands of times)."""
+    name = str(target)
+    return "copy_" in name or "put_" in name
 
 
 def _producers(node: Node) -> list[Node] | None:
@@ -82,35 +102,22 @@ def _producers(node: Node) -> list[Node] | None:
     return found
 
 
-def _runs(node: Node, known: dict[Node, bool], held: set[Node]) -> bool:
-    """Whether the folder runs ``node``: it knows every input."""
-    if _never_runs(node):
-        return False
-    return all(_known(i, known, held) for i in node.all_input_nodes)
-
-
-def _known(node: Node, known: dict[Node, bool], held: set[Node]) -> bool:
-    """Whether the folder knows ``node``'s value. Iterative: a graph unrolled over many
-    steps chains thousands of nodes."""
-    stack = [node]
-    while stack:
-        current = stack[-1]
-        if current in known:
-            stack.pop()
+def _known_values(gm: GraphModule, held: set[Node]) -> dict[Node, bool]:
+    """Whether the folder knows each node's value, in one walk in graph order (a node's
+    inputs come before it): a ``get_attr``, or a call it runs whose every input it knows,
+    unless that call is a dequantize or reads a node it holds mutable."""
+    known: dict[Node, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            known[node] = True
             continue
-        if current.op == "get_attr" or _never_runs(current):
-            known[current] = current.op == "get_attr"
-            stack.pop()
-            continue
-        pending = [i for i in current.all_input_nodes if i not in known]
-        if pending:
-            stack.extend(pending)
-            continue
-        known[current] = all(known[i] for i in current.all_input_nodes) and not (
-            current.target in _DEQUANTIZE
-            or any(isinstance(a, Node) and a in held for a in current.args))
-        stack.pop()
-    return known[node]
+        inputs = node.all_input_nodes
+        # Most nodes depend on a placeholder: the cheap test first.
+        known[node] = (node.op == "call_function" and bool(inputs)
+                       and all(known[i] for i in inputs) and not _never_runs(node)
+                       and node.target not in _DEQUANTIZE
+                       and not any(isinstance(a, Node) and a in held for a in node.args))
+    return known
 
 
 _DEQUANTIZE = {
