@@ -288,9 +288,11 @@ class ParameterMutationOnExecuTorchError(PassManagerError):
     Attributes:
         parameters: the FQNs of the written parameters.
         node: the node computing the first one's new value (None if not known).
+        pass_name: the helper the caller called that refused it.
     """
 
-    def __init__(self, parameters: list[str], node: str | None = None):
+    def __init__(self, parameters: list[str], node: str | None = None,
+                 helper: str = "lower_to_pte"):
         self.parameters = parameters
         self.node = node
         names = ", ".join(repr(p) for p in parameters)
@@ -299,7 +301,7 @@ class ParameterMutationOnExecuTorchError(PassManagerError):
             "return the new value as an extra output and keep the old one, so every call "
             "after the first would be wrong. Register them as buffers "
             "(module.register_buffer) to keep them as state on the device",
-            pass_name="lower_to_pte",
+            pass_name=helper,
         )
 
 

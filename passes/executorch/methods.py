@@ -223,7 +223,7 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
         for method in edge.methods:
             ep = edge.exported_program(method)
             sig = ep.graph_signature
-            refuse_written_parameters(ep)
+            refuse_written_parameters(ep, helper)
             refuse_aborting_kernels(ep, helper, method)
             mutated = set(sig.buffers_to_mutate.values())
             names.update(n for n, fqn in sig.inputs_to_buffers.items() if fqn in mutated)

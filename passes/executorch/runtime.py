@@ -237,9 +237,10 @@ def _calling_node(program: ExportedProgram | None, operators: Sequence[str]) -> 
     return None
 
 
-def refuse_written_parameters(ep: ExportedProgram) -> None:
-    """A :class:`ParameterMutationOnExecuTorchError` if ``ep`` writes a parameter, naming
-    the node computing its new value (its name in the exported program, its line)."""
+def refuse_written_parameters(ep: ExportedProgram, helper: str = "lower_to_pte") -> None:
+    """A :class:`ParameterMutationOnExecuTorchError` of ``helper`` if ``ep`` writes a
+    parameter, naming the node computing its new value (its name in the exported program,
+    its line)."""
     written = ep.graph_signature.parameters_to_mutate
     if not written:
         return
@@ -249,13 +250,13 @@ def refuse_written_parameters(ep: ExportedProgram) -> None:
     nodes = {node.name: node for node in ep.graph.nodes}
     node = nodes.get(producers.get(first, ""))
     raise ParameterMutationOnExecuTorchError(
-        sorted(written.values()), None if node is None else exported_name(node))
+        sorted(written.values()), None if node is None else exported_name(node), helper)
 
 
 def _serialize(helper: str, edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None,
                notes: Sequence[str] = ()) -> LoweredProgram:
     ep = edge.exported_program()
-    refuse_written_parameters(ep)
+    refuse_written_parameters(ep, helper)
     refuse_aborting_kernels(ep, helper)  # a typed error now, not an abort when it runs
     refuse_mismatched_state_writes(ep, helper)  # lowered by hand from a decomposed program
     sig = ep.graph_signature
@@ -348,7 +349,7 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
     if isinstance(program, ExecutorchProgramManager):
         _no_partitioner(helper, partitioner, program)
         ep = program.exported_program()
-        refuse_written_parameters(ep)
+        refuse_written_parameters(ep, helper)
         refuse_aborting_kernels(ep, helper)
         refuse_mismatched_state_writes(ep, helper)
         return _lowered(program, None, len(delegate_backends(ep)["forward"]), _state_notes(program))
@@ -371,7 +372,7 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
             else:
                 wrapper = BufferOwningPartitioner(partitioner)
             ep = _exported(helper, program, example_inputs)
-            refuse_written_parameters(ep)  # before a partitioner reports it as something else
+            refuse_written_parameters(ep, helper)  # before a partitioner reports it otherwise
             notes = drop_unused_aliases(ep) + contiguous_buffers(ep, helper)
             refuse_mismatched_state_writes(ep, helper)  # what no copy_ is left to convert
             return _serialize(helper, to_edge_transform_and_lower(ep, partitioner=[wrapper]),

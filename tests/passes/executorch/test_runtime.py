@@ -155,6 +155,7 @@ def test_a_written_parameter_is_refused_before_the_runtime_gets_it_wrong():
     with pytest.raises(ParameterMutationOnExecuTorchError) as info:
         decode_on_runtime(functional[False], steps[0], steps)
     assert info.value.parameters == ["weight"] and "register_buffer" in str(info.value)
+    assert info.value.pass_name == "decode_on_runtime"  # the helper called, not lower_to_pte
     # The advice works: as a buffer, the runtime keeps the state from call to call.
     decoded = decode_on_runtime(functional[True], steps[0], steps)
     expected = run_program(_DecaysItsWeight(True), steps)
