@@ -45,7 +45,7 @@ from ..quantization import quantize_program
 from ..quantize_mutable_buffers import QuantizeMutableBuffers
 from ..skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from ..unfreeze_mutable_buffer import UnfreezeMutableBuffer
-from .checks import non_finite_check, quantization_checks, relative_buffer_errors
+from .checks import non_finite_notes, quantization_checks, relative_buffer_errors
 from .delegation import delegation_stages
 from .examples import xnnpack_quantizer
 from .factory import (
@@ -321,7 +321,7 @@ def run_flow(
             if RESET in traces:
                 quantization_checks(result, eager, traces, converted)
             result.notes += _not_finite(result.step_errors)
-            result.checks.append(non_finite_check(result.quantization.non_finite_reads))
+            result.notes += non_finite_notes(result.quantization.non_finite_reads)
             result.bought += _bought(result, returns_tensors=not _no_outputs(eager))
             # quantize_program's ExportedProgram goes on as it is: no re-export, no second
             # functionalization (its cache updates are already its mutation outputs).
