@@ -41,6 +41,7 @@ __all__ = [
     "CachesWrittenLast",
     "CoreMLCase",
     "CountedCache",
+    "Fp16Caches",
     "PatternSubsetQuantizer",
     "ReturnsBufferAndSum",
     "RunningMean",
@@ -227,6 +228,28 @@ class CountedCache(nn.Module):
         else:
             self.position.add_(1)
         return self.cache.sum(0, keepdim=True) * self.position.float()
+
+
+class Fp16Caches(nn.Module):
+    """Three float16 caches (Core ML's own state dtype) written from float32 values cast to
+    fp16, by ``index_copy_``, ``cache[pos] = v`` (``index_put_``) and ``scatter_``; with
+    ``accumulate``, the third adds into its row (``index_add_``) instead."""
+
+    def __init__(self, accumulate: bool = False) -> None:
+        super().__init__()
+        for name in ("k", "v", "s"):
+            self.register_buffer(name, torch.zeros(8, 4, dtype=torch.float16))
+        self.accumulate = accumulate
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.k.index_copy_(0, pos, x.half())
+        self.v[pos] = (x * 3).half()
+        if self.accumulate:
+            self.s.index_add_(0, pos, (x - 1).half())
+        else:
+            self.s.scatter_(0, pos.view(1, 1).expand(1, 4), (x - 1).half())
+        both = self.k.float() * self.v.float() + self.s.float()
+        return both.sum(0, keepdim=True) + x
 
 
 class RunningMean(nn.Module):
