@@ -28,7 +28,6 @@ __all__ = [
     "BufferOwningPartitioner",
     "DelegateStateDtypeError",
     "DelegateStateWarning",
-    "DelegateStateWriteError",
     "ExecuTorchInputError",
     "ExecuTorchMissingError",
     "NonContiguousStateError",
@@ -157,34 +156,6 @@ class DelegateStateDtypeError(BufferConsumptionError):
             buffer, [partition],
             f"{backend} keeps {accepted} state only and it is stored as {dtype}; {advice} "
             "or lower it with a backend that leaves state at the top level (XNNPACK)",
-            "BufferOwningPartitioner")
-
-
-class DelegateStateWriteError(BufferConsumptionError):
-    """``BufferOwningPartitioner`` wrapping a Core ML partitioner: the delegate would own a
-    float16 buffer that the program adds or reduces a float16 value into (``index_add_``,
-    ``index_put_(accumulate=True)``, ``scatter_add_``, ``scatter_reduce_``). coremltools 9.0
-    reads fp16 state as fp32 and fails on the write with a bare ``ValueError`` (``updates
-    has dtype fp16 whereas data has dtype fp32``); computing the write through fp32, as the
-    wrapper does for writes that only move values, would round once instead of once per
-    addend in fp16, so it is refused.
-
-    Attributes:
-        buffer: the buffer's FQN.
-        node: the write.
-        backend: the delegate's backend id.
-        partitions: the partition that would own the buffer.
-    """
-
-    def __init__(self, buffer: str, partition: str, backend: str, node: str, op: str):
-        self.backend = backend
-        self.node = node
-        super().__init__(
-            buffer, [partition],
-            f"{node} ({op}) adds a float16 value into it, which {backend}'s converter reads "
-            "as float32 and refuses (updates fp16, data fp32); store the buffer as float32 "
-            f"({backend} keeps it as fp16 state all the same), or write it with an op that "
-            "only moves values (index_copy_, index_put_ without accumulate)",
             "BufferOwningPartitioner")
 
 

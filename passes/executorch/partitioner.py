@@ -53,7 +53,6 @@ from ..delegation.partitioners import DELEGATION_TAG, getitems_follow_their_sour
 from . import (
     DelegateStateDtypeError,
     DelegateStateWarning,
-    DelegateStateWriteError,
     ExecuTorchInputError,
     PortableKernelAbortWarning,
     SharedBufferDelegationError,
@@ -61,7 +60,7 @@ from . import (
     portable_kernel_abort,
 )
 from .buffer_layout import with_converted_copy_sources
-from .coreml_fp16_state import accumulating_fp16_state_write, coreml_fp16_writes
+from .coreml_fp16_state import coreml_fp16_state_reads
 from .coreml_state_order import coreml_state_order
 from .method_state import MethodState, SharedBuffer, checked_methods, method_state
 from .new_value_copies import (
@@ -260,9 +259,9 @@ class BufferOwningPartitioner(Partitioner):
             return program
         program = functional(program)
         if _backend_id(self.partitioner) == COREML_BACKEND:
-            # coremltools 9.0 reads fp16 state as fp32 and refuses an fp16 value written
-            # into it by index / scatter ops: write through fp32, same bits.
-            program = coreml_fp16_writes(program)
+            # coremltools 9.0 reads fp16 state as fp32 and then refuses an fp16 value written
+            # into it by index / scatter ops: read it as fp16 explicitly, same bits.
+            program = coreml_fp16_state_reads(program)
         label, shared = self._shared(program)
         # Shared buffers stay at the top level, so their new values need no copy either.
         verdicts = functools.partial(self._verdicts, shared=shared)
@@ -322,8 +321,7 @@ class BufferOwningPartitioner(Partitioner):
             raise BufferConsumptionError(v.fqn, v.partitions, v.reason, PASS_NAME)
         for verdict, _ in owned:
             backend = self._backend(result.partition_tags, verdict.owner_tag)
-            error = (_state_on_device(program, verdict, backend, self._nonzero)
-                     or _accumulated_fp16_state(program, verdict, backend))
+            error = _state_on_device(program, verdict, backend, self._nonzero)
             if error is not None:
                 self._restore(graph, before)
                 raise error
@@ -899,20 +897,6 @@ def _state_kept_off_device(program: ExportedProgram, fqn: str, backend: str | No
     return (f"{backend} keeps {held} state only, which would not hold "
             f"this {dtype} buffer as it is ({lost}): the delegate receives it and "
             "returns its new value instead")
-
-
-def _accumulated_fp16_state(program: ExportedProgram, verdict: BufferOwnership,
-                            backend: str | None) -> DelegateStateWriteError | None:
-    """The error for a float16 buffer a Core ML delegate would own that its partition adds
-    or reduces an fp16 value into (see :mod:`passes.executorch.coreml_fp16_state`)."""
-    if backend != COREML_BACKEND or buffer_tensor(program, verdict.fqn).dtype != torch.float16:
-        return None
-    nodes = [n for n in program.graph.nodes if n.meta.get(DELEGATION_TAG) == verdict.owner_tag]
-    write = accumulating_fp16_state_write(nodes, verdict.placeholder)
-    if write is None:
-        return None
-    return DelegateStateWriteError(verdict.fqn, verdict.owner_tag, backend, write.name,
-                                   write.target._schema.name)
 
 
 def _computes_in_fp16(spec: Any) -> bool:

@@ -231,24 +231,21 @@ class CountedCache(nn.Module):
 
 
 class Fp16Caches(nn.Module):
-    """Three float16 caches (Core ML's own state dtype) written from float32 values cast to
-    fp16, by ``index_copy_``, ``cache[pos] = v`` (``index_put_``) and ``scatter_``; with
-    ``accumulate``, the third adds into its row (``index_add_``) instead."""
+    """Four float16 caches (Core ML's own state dtype) written from float32 values cast to
+    fp16: by ``index_copy_``, ``cache[pos] = v`` (``index_put_``), ``scatter_`` and
+    ``index_add_`` (which adds in fp16)."""
 
-    def __init__(self, accumulate: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        for name in ("k", "v", "s"):
+        for name in ("k", "v", "s", "a"):
             self.register_buffer(name, torch.zeros(8, 4, dtype=torch.float16))
-        self.accumulate = accumulate
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self.k.index_copy_(0, pos, x.half())
         self.v[pos] = (x * 3).half()
-        if self.accumulate:
-            self.s.index_add_(0, pos, (x - 1).half())
-        else:
-            self.s.scatter_(0, pos.view(1, 1).expand(1, 4), (x - 1).half())
-        both = self.k.float() * self.v.float() + self.s.float()
+        self.s.scatter_(0, pos.view(1, 1).expand(1, 4), (x - 1).half())
+        self.a.index_add_(0, pos % 2, (x / 3).half())
+        both = self.k.float() * self.v.float() + self.s.float() - self.a.float()
         return both.sum(0, keepdim=True) + x
 
 
