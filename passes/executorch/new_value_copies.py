@@ -231,6 +231,15 @@ def buffer_neighbourhood(ep: ExportedProgram) -> ExportedProgram:
                 if arg not in kept:
                     outer(arg)
             env[node] = graph.node_copy(node, env.__getitem__)
+    if all(spec.kind != InputKind.USER_INPUT for spec in inputs.values()):
+        # Updates of state and constants alone (a decay `acc.mul_(0.9).add_(1.0)`): torch's
+        # lift_constants_pass (to_edge lifts the scalars) misnames the constants of a
+        # program with no user input (SpecViolationError), and the failed trial copied
+        # every new value. One user input, unused, keeps its names right.
+        first = next((n for n in ep.graph.find_nodes(op="placeholder")
+                      if specs[n.name].kind == InputKind.USER_INPUT), None)
+        if first is not None:
+            outer(first)
     mutated = {u.value for u in updates}
     outputs = [(outer(u.value), output_spec(outer(u.value), OutputKind.BUFFER_MUTATION, u.fqn))
                for u in updates]

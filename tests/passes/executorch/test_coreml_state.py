@@ -308,3 +308,27 @@ def test_state_shared_by_methods_under_fp16_compute_warns_that_its_value_is_roun
 
 def test_state_shared_by_methods_under_fp32_compute_does_not_warn():
     assert _method_warnings(coremltools.precision.FLOAT32) == {"narrow": [], "wide": []}
+
+
+class _Decay(torch.nn.Module):
+    """State updated from itself and constants alone (no user input on its path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.acc.add_(1.0).mul_(0.5)
+        return self.acc.sum(0, keepdim=True) + x
+
+
+def test_state_updated_from_constants_alone_gets_no_copy():
+    """The trial partition deciding copies lowers the buffer's neighbourhood, which had no
+    user input here; torch's constant lifting then misnamed its two scalars, the trial
+    failed (SpecViolationError, on 91ee2ec) and the Core ML delegate returned a copy of
+    the whole buffer every call for nothing."""
+    wrapper = BufferOwningPartitioner(coreml_partitioner())
+    with torch.no_grad():
+        wrapper.transform_for_pre_decomposition(torch.export.export(_Decay(), (torch.ones(4),)))
+    assert wrapper.copy_plan.failure is None
+    assert wrapper.copy_plan.copied == frozenset() and wrapper.copy_plan.inside == {"acc"}
