@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 import torch.utils._pytree as pytree
 from torch.utils._pytree import TreeSpec
 
-__all__ = ["input_names", "kept_arg_names", "output_names", "with_leaves", "without_leaves"]
+__all__ = ["input_names", "kept_arg_names", "listed_outputs", "output_names", "with_leaves",
+           "without_leaves"]
 
 
 def _context_keys(spec: TreeSpec) -> list | None:
@@ -57,6 +58,12 @@ def output_names(out_spec: TreeSpec) -> list[str]:
     found: list[str] = []
     _paths(out_spec, "", found)
     return found
+
+
+def listed_outputs(names: Sequence[str]) -> str:
+    """Output names as a message lists them: each quoted, since a single returned tensor's
+    name is ``""``, which unquoted reads as no output at all."""
+    return ", ".join(repr(n) for n in names) or "none"
 
 
 def input_names(in_spec: TreeSpec, placeholders: Sequence[str]) -> list[tuple[str, ...]]:

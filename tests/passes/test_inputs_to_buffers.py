@@ -376,6 +376,28 @@ def test_a_name_that_is_no_input_is_refused(form):
     assert error.name == "state" and "no input" in error.reason
 
 
+class _ReturnsOnlyTheNextState(torch.nn.Module):
+    def forward(self, x, h):
+        return h * 0.5 + x
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_single_returned_tensor_is_the_output_named_empty(form):
+    """A program returning one tensor (no tuple) names it ``""``: pairing ``"0"`` is refused
+    with the outputs quoted (``''``; the list read ``(outputs: )`` before), and ``""`` makes
+    the state resident, following eager call after call."""
+    x, h = torch.tensor([1.0, -2.0, 0.25]), torch.tensor([3.0, 0.5, -1.0])
+    program = functional(_ReturnsOnlyTheNextState(), (x, h), form=form)
+    error = _refused(program, StateNameError, next_values={"h": "0"})
+    assert error.name == "0" and "(outputs: '')" in error.reason
+    result = resident(program, next_values={"h": ""}, initial_values={"h": h})
+    module, state = runnable(result.program), h.clone()
+    for _ in range(CALLS):
+        state = _ReturnsOnlyTheNextState()(x, state)
+        assert module(x) == ()
+        assert torch.equal(dict(module.named_buffers())["h"], state)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_a_mapping_naming_an_input_that_is_not_state_is_refused(form):
     program = functional(models.SelectiveScan(), models.scan_inputs(), form=form)
