@@ -183,13 +183,15 @@ class InputsToBuffers(Pass):
                     raise CarriedStateError(_NAME, str(buffer), "initial_values gives a "
                                             f"{type(value).__name__}, not a tensor")
 
-    def _refuse(self, what: str, inputs: list[Node] | None):
-        def refuse(index: int, container: str) -> CarriedStateError:
-            name = inputs[index].name if inputs is not None else str(index)
+    def _refuse(self, what: str, names: list[str]):
+        def refuse(index: int, container: str, staying: list[int]) -> CarriedStateError:
+            others = ", ".join(repr(names[i]) for i in staying)
             return CarriedStateError(
-                _NAME, name, f"this {what} is one leaf of a {container} whose other leaves "
-                "stay in the call signature, and a "
-                f"{container} cannot be passed without it: make all of its leaves state or none")
+                _NAME, names[index], f"this {what} is one leaf of a {container} whose other "
+                f"leaves ({others}) stay in the call signature, and a {container} cannot be "
+                "passed without it: make those leaves state too (each written in place or "
+                "paired with its next value), or none of them; a leaf that is not state "
+                f"(only read) cannot leave: pass the state outside the {container}")
         return refuse
 
     def _plan(self, view: ProgramView) -> tuple[list[Carried], list[str]]:

@@ -621,10 +621,14 @@ def test_state_in_a_mapping_keyed_by_tuples_leaves_its_sibling_in_the_call(form)
 def test_part_of_a_dataclass_cannot_leave_the_call_alone(form):
     """A registered dataclass's context is ``[field names, None field names]``: two lists,
     which were read as the keys of its two fields (an untyped ValueError; the GraphModule
-    form was built with a spec that cannot call it)."""
+    form was built with a spec that cannot call it). The refusal names the field that would
+    stay, ``w``, and, it being only read, that it cannot leave: the reason said "make all of
+    its leaves state", which a read-only leaf cannot be (naming it is refused as no state)."""
     program = functional(models.FieldState(), models.field_state_inputs(), form=form)
     error = _refused(program, CarriedStateError)
     assert error.name == "fields_h" and "StateFields" in error.reason
+    assert "('fields_w')" in error.reason and "only read" in error.reason
+    _refused(program, StateNameError, buffers=["fields_h", "fields_w"])
 
 
 def test_semantic_validation_says_the_pass_changed_the_programs_inputs():
