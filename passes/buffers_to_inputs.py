@@ -38,7 +38,10 @@ class BuffersToInputs(Pass):
     was carried; while the program's call signature is still the one that run left, and
     ``buffers`` names all of them):
     same inputs, names, positions, outputs, call specs and example inputs;
-    state that run's prefill created goes back to being created and returned. Other buffers
+    state that run's prefill created goes back to being created and returned. The run before
+    it is then undone the same way when ``buffers`` names all of its buffers too, and so on
+    (``buffers={"h": "a"}`` then ``{"g": "b"}``: one BuffersToInputs gives ``h`` and ``g``
+    back). Other buffers
     (the program's own state beside them included)
     become keyword inputs named by their FQN as a Python identifier (``layers.0.k_cache``
     -> ``layers_0_k_cache``; their value in the example inputs), appended after the others;
@@ -106,8 +109,13 @@ class BuffersToInputs(Pass):
             if not chosen:
                 return PassResult(program, False)
             record, stale = _restorable(records_of(program), chosen, self.returned, view)
-            explicit = self._plan(view, nodes, chosen, record, tied)
-            result = make_explicit(view, explicit, record)
+            restored = {m.buffer for m in record.moved} if record is not None else set()
+            rest = [fqn for fqn in chosen if fqn not in restored]
+            if not (record is not None and rest):
+                explicit = self._plan(view, nodes, chosen, record, tied)
+                result = make_explicit(view, explicit, record)
+        if record is not None and rest:
+            return self._restore_then_rest(program, [m.buffer for m in record.moved], rest)
         statistics = Counter(
             "written in place" if e.in_place and e.value is not None else
             "returned" if e.value is not None else "read only" for e in explicit)
@@ -128,6 +136,19 @@ class BuffersToInputs(Pass):
                          "these buffers (inputs or outputs added or taken since), so it is not "
                          "restored: the buffers become keyword inputs")
         return PassResult(result, True, notes, statistics)
+
+    def _restore_then_rest(self, program: Any, restored: list[str], rest: list[str]
+                           ) -> PassResult:
+        """The last InputsToBuffers run undone alone, then ``rest`` from the program it gives
+        back, whose signature is again the one the run before left: several runs
+        (``buffers={"h": ...}``, then ``{"g": ...}``) are undone in turn, as many
+        BuffersToInputs runs would, rather than all but the last leaving as keyword inputs
+        under their buffer names with the earlier run's record left behind."""
+        first = BuffersToInputs(restored, None).call(program)
+        then = BuffersToInputs(rest, None).call(first.program)
+        statistics = Counter(first.statistics)
+        statistics.update(then.statistics)
+        return PassResult(then.program, True, [*first.notes, *then.notes], statistics)
 
     def _plan(self, view: ProgramView, nodes: dict[str, list], chosen: list[str],
               record: CarriedRecord | None, tied: dict[str, tuple[str, ...]]

@@ -20,7 +20,7 @@ from ._analysis.buffers import USER_INPUT, state_nodes
 from ._carried.pairs import check_pair, resolve_pairs, suspected_pairs
 from ._carried.record import EXAMPLE_META, records_of
 from ._carried.resident import Carried, make_resident
-from ._carried.specs import input_names, output_names
+from ._carried.specs import input_names, listed_outputs, output_names
 from ._carried.view import ProgramView
 from .errors import CarriedStateError, StateNameError, StatePairingError
 
@@ -62,7 +62,8 @@ class InputsToBuffers(Pass):
 
     An input is named by its placeholder (``cache_0``) or, for a keyword input, its dotted
     path (``cache.0``: leaf 0 of keyword ``cache``); an output by its dotted path
-    (``logits``, ``cache.0``; ``0``, ``1`` for a returned tuple). ``buffers`` chooses the
+    (``logits``, ``cache.0``; ``0``, ``1`` for a returned tuple; ``""`` for a single returned
+    tensor: ``next_values={"h": ""}``). ``buffers`` chooses the
     inputs and names their buffers (a sequence: named after the input); by default every
     input mutated in place or paired becomes a buffer named after its dotted path (else its
     placeholder; a part that is a Python keyword gets an underscore, ``state.def_``, as
@@ -182,13 +183,15 @@ class InputsToBuffers(Pass):
                     raise CarriedStateError(_NAME, str(buffer), "initial_values gives a "
                                             f"{type(value).__name__}, not a tensor")
 
-    def _refuse(self, what: str, inputs: list[Node] | None):
-        def refuse(index: int, container: str) -> CarriedStateError:
-            name = inputs[index].name if inputs is not None else str(index)
+    def _refuse(self, what: str, names: list[str]):
+        def refuse(index: int, container: str, staying: list[int]) -> CarriedStateError:
+            others = ", ".join(repr(names[i]) for i in staying)
             return CarriedStateError(
-                _NAME, name, f"this {what} is one leaf of a {container} whose other leaves "
-                "stay in the call signature, and a "
-                f"{container} cannot be passed without it: make all of its leaves state or none")
+                _NAME, names[index], f"this {what} is one leaf of a {container} whose other "
+                f"leaves ({others}) stay in the call signature, and a {container} cannot be "
+                "passed without it: make those leaves state too (each written in place or "
+                "paired with its next value), or none of them; a leaf that is not state "
+                f"(only read) cannot leave: pass the state outside the {container}")
         return refuse
 
     def _plan(self, view: ProgramView) -> tuple[list[Carried], list[str]]:
@@ -207,7 +210,7 @@ class InputsToBuffers(Pass):
         def output_index(name: str, option: str) -> int:
             if name not in by_output_name:
                 raise StateNameError(_NAME, name, f"{option} names no output of the program "
-                                     f"(outputs: {', '.join(outputs)})")
+                                     f"(outputs: {listed_outputs(outputs)})")
             return by_output_name[name]
 
         pairs = resolve_pairs(names, outputs, self.next_values, self.pair_by_name, _NAME)
@@ -232,7 +235,7 @@ class InputsToBuffers(Pass):
             notes.append(f"pair_by_name {tuple(self.pair_by_name)!r} pairs no input: no "
                          f"input named {prefix_in!r} + <path> has an output named "
                          f"{prefix_out!r} + <path> (inputs: "
-                         f"{', '.join(n[-1] for n in names)}; outputs: {', '.join(outputs)})")
+                         f"{', '.join(n[-1] for n in names)}; outputs: {listed_outputs(outputs)})")
         if self.next_values is None and self.pair_by_name is None:
             # State carried as a pair is moved only when paired: say so rather than leave it
             # an input silently (the same rules decode_on_runtime and quantize_methods

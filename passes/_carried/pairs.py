@@ -47,7 +47,7 @@ from .._analysis.buffers import USER_INPUT, find_mutations, trailing_write_backs
 from .._analysis.data_movement import DATA_MOVEMENT_OPS
 from .._analysis.quantize_ops import is_fake_quantize, is_quantize_or_dequantize
 from ..errors import StateNameError, StatePairingError, UnpairedStateError
-from .specs import input_names, output_names
+from .specs import input_names, listed_outputs, output_names
 from .view import graph_module_io
 
 __all__ = [
@@ -162,7 +162,7 @@ def resolve_pairs(in_names: Sequence[tuple[str, ...]], out_names: Sequence[str],
                                  f"(inputs: {', '.join(sorted(by_input))})")
         if out not in by_output:
             raise StateNameError(where, out, "next_values names no output of the program "
-                                 f"(outputs: {', '.join(out_names)})")
+                                 f"(outputs: {listed_outputs(out_names)})")
         i = by_input[name]
         if i in pairs and pairs[i] != by_output[out]:  # ``cache.0`` and ``cache_0``: one input
             raise StateNameError(where, name, f"next_values names one input twice, as "

@@ -19,7 +19,7 @@ from .._analysis.buffers import INITIAL_META, MUTABLE_BUFFER_META, MUTABLE_INPUT
 from .._analysis.marked_state import initial_copy
 from .._lifting.state import export_name
 from .record import EXAMPLE_META, CarriedRecord, Moved, records_of, set_records
-from .specs import kept_arg_names, without_leaves
+from .specs import kept_arg_names, output_names, without_leaves
 from .view import ProgramView
 
 __all__ = ["Carried", "make_resident", "register_buffer"]
@@ -66,14 +66,17 @@ def _mark(node: Node, state: Carried) -> None:
 
 
 def make_resident(view: ProgramView, carried: list[Carried], refuse: Any) -> Any:
-    """The program of ``view`` with each of ``carried`` a resident buffer; ``refuse(index,
-    container)`` is the error for an input that cannot leave its container alone."""
+    """The program of ``view`` with each of ``carried`` a resident buffer; ``refuse(what,
+    names)`` gives the ``refuse`` of :func:`~.specs.without_leaves` for the inputs or the
+    outputs (``names``: their flat names), the error for one that cannot leave its container
+    alone."""
     inputs_before = list(view.inputs)
     dropped_inputs = {inputs_before.index(c.input) for c in carried if c.input is not None}
     dropped_outputs = {i for c in carried for i in c.output_indices}
-    in_spec = without_leaves(view.in_spec, dropped_inputs, refuse("input", inputs_before),
-                             keep=2)
-    out_spec = without_leaves(view.out_spec, dropped_outputs, refuse("output", None))
+    in_spec = without_leaves(view.in_spec, dropped_inputs,
+                             refuse("input", [p.name for p in inputs_before]), keep=2)
+    out_spec = without_leaves(view.out_spec, dropped_outputs,
+                              refuse("output", output_names(view.out_spec)))
     example_inputs = None
     if view.exported and view.source.example_inputs is not None:
         leaves = pytree.tree_leaves(view.source.example_inputs)

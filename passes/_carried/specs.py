@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 import torch.utils._pytree as pytree
 from torch.utils._pytree import TreeSpec
 
-__all__ = ["input_names", "kept_arg_names", "output_names", "with_leaves", "without_leaves"]
+__all__ = ["input_names", "kept_arg_names", "listed_outputs", "output_names", "with_leaves",
+           "without_leaves"]
 
 
 def _context_keys(spec: TreeSpec) -> list | None:
@@ -59,6 +60,12 @@ def output_names(out_spec: TreeSpec) -> list[str]:
     return found
 
 
+def listed_outputs(names: Sequence[str]) -> str:
+    """Output names as a message lists them: each quoted, since a single returned tensor's
+    name is ``""``, which unquoted reads as no output at all."""
+    return ", ".join(repr(n) for n in names) or "none"
+
+
 def input_names(in_spec: TreeSpec, placeholders: Sequence[str]) -> list[tuple[str, ...]]:
     """Per flat input, the names it answers to: its placeholder's, and a keyword input's
     dotted path (``in_spec`` is the ``(args, kwargs)`` spec)."""
@@ -75,8 +82,9 @@ def without_leaves(spec: TreeSpec, drop: set[int], refuse: Callable[[int, str], 
 
     A container whose leaves all go goes with them; a list, tuple or mapping (any container
     whose context lists its keys) keeps its other children. Dropping only some leaves of any
-    other container (a ``StaticCache``, a namedtuple) cannot be said: ``refuse(leaf, type)``
-    gives the error raised for its first dropped leaf.
+    other container (a ``StaticCache``, a namedtuple) cannot be said: ``refuse(leaf, type,
+    staying)`` gives the error raised for its first dropped leaf (``staying``: the flat
+    positions of the container's leaves that would stay).
     The top ``keep`` levels stay even when empty: 2 for an ``(args, kwargs)`` spec, 1 for
     the outputs (a returned tuple stays a tuple; a single returned tensor that goes leaves
     an empty tuple).
@@ -113,7 +121,9 @@ def _drop(spec: TreeSpec, drop: set[int], first: int, refuse, keep: int = 0
     if keys is not None:
         context = [keys[p] for p in positions]
         return TreeSpec(spec.type, type(spec.context)(context), kept), index
-    raise refuse(min(i for i in drop if first <= i < index), spec.type.__name__)
+    leaves = range(first, index)
+    raise refuse(min(i for i in leaves if i in drop), spec.type.__name__,
+                 [i for i in leaves if i not in drop])
 
 
 def with_leaves(spec: TreeSpec, keyword: dict[str, int]) -> TreeSpec:

@@ -20,6 +20,7 @@ from passes import (
     MarkMutableBuffers,
     StateNameError,
 )
+from passes.inputs_to_buffers import carried_buffers
 from tests.models import carried_state as models
 from tests.models.accumulators import Accumulate
 from tests.models.shared_values import TiedBuffers
@@ -446,6 +447,27 @@ def test_a_record_is_not_restored_into_a_signature_changed_since(form, steps):
                                    (expected_a, expected_b, eager.r), strict=True):
             torch.testing.assert_close(got_state, want, rtol=0, atol=0)
 
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_two_runs_are_undone_in_turn_by_one_run(form):
+    """``a`` made resident by one InputsToBuffers run, ``b`` by the next: one BuffersToInputs
+    of both gives back the signature before either, bit for bit in behaviour. It restored
+    only the last run: ``a`` became a keyword input ``a`` after the others, and the first
+    run's record stayed (``carried_buffers`` still said input ``a`` was a buffer)."""
+    x, a, b = _carried_inputs()
+    program = exported(_CarriedBesideResident(), (x, a, b), form=form)
+    resident = copy.deepcopy(program)  # its own counter ``r``: the calls below advance it
+    for name, value in (("a", a), ("b", b)):
+        resident = PassManager([InputsToBuffers(
+            buffers=[name], initial_values={name: value})]).run(resident).program
+    result = PassManager([BuffersToInputs(buffers=["a", "b"])]).run(resident)
+    back = result.program
+    assert (back.call_spec.in_spec if form == "exported" else back._in_spec) == (
+        program.call_spec.in_spec if form == "exported" else program._in_spec)
+    assert carried_buffers(back) == {}
+    assert result.report.records[0].statistics["written in place"] == 2
+    assert_same_calls(program, back, [((x, a, b), {}, _in_place)])
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -376,6 +376,28 @@ def test_a_name_that_is_no_input_is_refused(form):
     assert error.name == "state" and "no input" in error.reason
 
 
+class _ReturnsOnlyTheNextState(torch.nn.Module):
+    def forward(self, x, h):
+        return h * 0.5 + x
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_single_returned_tensor_is_the_output_named_empty(form):
+    """A program returning one tensor (no tuple) names it ``""``: pairing ``"0"`` is refused
+    with the outputs quoted (``''``; the list read ``(outputs: )`` before), and ``""`` makes
+    the state resident, following eager call after call."""
+    x, h = torch.tensor([1.0, -2.0, 0.25]), torch.tensor([3.0, 0.5, -1.0])
+    program = functional(_ReturnsOnlyTheNextState(), (x, h), form=form)
+    error = _refused(program, StateNameError, next_values={"h": "0"})
+    assert error.name == "0" and "(outputs: '')" in error.reason
+    result = resident(program, next_values={"h": ""}, initial_values={"h": h})
+    module, state = runnable(result.program), h.clone()
+    for _ in range(CALLS):
+        state = _ReturnsOnlyTheNextState()(x, state)
+        assert module(x) == ()
+        assert torch.equal(dict(module.named_buffers())["h"], state)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_a_mapping_naming_an_input_that_is_not_state_is_refused(form):
     program = functional(models.SelectiveScan(), models.scan_inputs(), form=form)
@@ -599,10 +621,14 @@ def test_state_in_a_mapping_keyed_by_tuples_leaves_its_sibling_in_the_call(form)
 def test_part_of_a_dataclass_cannot_leave_the_call_alone(form):
     """A registered dataclass's context is ``[field names, None field names]``: two lists,
     which were read as the keys of its two fields (an untyped ValueError; the GraphModule
-    form was built with a spec that cannot call it)."""
+    form was built with a spec that cannot call it). The refusal names the field that would
+    stay, ``w``, and, it being only read, that it cannot leave: the reason said "make all of
+    its leaves state", which a read-only leaf cannot be (naming it is refused as no state)."""
     program = functional(models.FieldState(), models.field_state_inputs(), form=form)
     error = _refused(program, CarriedStateError)
     assert error.name == "fields_h" and "StateFields" in error.reason
+    assert "('fields_w')" in error.reason and "only read" in error.reason
+    _refused(program, StateNameError, buffers=["fields_h", "fields_w"])
 
 
 def test_semantic_validation_says_the_pass_changed_the_programs_inputs():
