@@ -52,6 +52,7 @@ from .run import (
     _no_outputs,
     _not_finite,
     _Stages,
+    check_flow_options,
 )
 
 __all__ = ["FP32_METHODS", "INTEGER_METHODS", "ONE_GRID", "PER_METHOD", "run_methods_flow"]
@@ -82,8 +83,11 @@ def run_methods_flow(
     ``pipeline`` replaces the functionalization stage; ``pass_options`` are PassManager
     options for the pipelines the flow builds itself; ``export`` forces an export mode;
     ``exported`` gives the methods already exported (:func:`~passes.flow.factory.export_methods`).
-    Raises :class:`~passes.flow.result.FlowError` (with the partial result) when a stage fails.
+    Raises :class:`~passes.flow.result.FlowError` (with the partial result) when a stage
+    fails; before any stage, ``ValueError`` for an unknown ``runtime`` and
+    ``QuantizationInputError`` for a ``quantizer_factory`` that is not callable.
     """
+    check_flow_options("run_methods_flow", runtime, quantize, quantizer_factory)
     result = FlowResult()
     stage = _Stages(log, result, bars=progress_bars)
     calls = list(spec.steps)
