@@ -85,8 +85,12 @@ def run_methods_flow(
     ``exported`` gives the methods already exported (:func:`~passes.flow.factory.export_methods`).
     Raises :class:`~passes.flow.result.FlowError` (with the partial result) when a stage
     fails; before any stage, ``ValueError`` for an unknown ``runtime`` and
-    ``QuantizationInputError`` for a ``quantizer_factory`` that is not callable.
+    ``QuantizationInputError`` for a ``quantizer_factory`` that is not callable, and
+    ``TypeError`` for a ``spec`` that is no :class:`MethodsSpec`.
     """
+    if not isinstance(spec, MethodsSpec):  # a one-method spec, or the factory's mapping
+        raise TypeError(f"run_methods_flow takes methods_spec(factory(), name, steps), got "
+                        f"{type(spec).__name__} (one method: run_model)")
     check_flow_options("run_methods_flow", runtime, quantize, quantizer_factory)
     result = FlowResult()
     stage = _Stages(log, result, bars=progress_bars)

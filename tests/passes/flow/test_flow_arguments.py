@@ -9,7 +9,7 @@ import torch
 from pass_manager import ValidationInputError
 from passes.errors import QuantizationInputError
 from passes.flow.examples import xnnpack_quantizer
-from passes.flow.factory import methods_spec
+from passes.flow.factory import methods_spec, model_spec
 from passes.flow.run import run_flow
 from passes.flow.run_methods import run_methods_flow
 from tests.models.main_job import RunningSum
@@ -62,3 +62,14 @@ def test_a_quantizer_where_its_factory_goes_is_refused_before_any_stage(given):
     assert info.value.argument == "quantizer_factory"
     assert "not a function returning a Quantizer" in info.value.reason
     assert ("an instance of XNNPACKQuantizer" in info.value.reason) == (given is not None)
+
+
+@pytest.mark.parametrize("given", ["model_spec", "mapping"])
+def test_methods_flow_given_no_methods_spec_says_what_it_takes(given):
+    """As run_model says of what it cannot take; a ModelSpec failed in the stage 'export
+    each method' with AttributeError: 'ModelSpec' object has no attribute 'programs', the
+    factory's mapping with a bare AttributeError."""
+    made = {"module": RunningSum(torch.float32), "methods": {"forward": {"example_args": X}}}
+    spec = model_spec((made["module"], X), "job", 1) if given == "model_spec" else made
+    with pytest.raises(TypeError, match=r"run_methods_flow takes methods_spec\(factory\(\)"):
+        run_methods_flow(spec, log=lambda line: None)
