@@ -15,7 +15,7 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import OutputKind
 from tqdm import tqdm
 
-from pass_manager import PassManager, PipelineError, RunResult
+from pass_manager import PassManager, PipelineError, RunResult, ValidationInputError
 from pass_manager.call_signature import signature_of
 from pass_manager.validation import (
     Trace,
@@ -41,7 +41,7 @@ from ..delegation.ownership import program_state
 from ..errors import QuantizationInputError
 from ..inplace_to_functional import InplaceToFunctional
 from ..mark_mutable_buffers import MarkMutableBuffers
-from ..quantization import quantize_program
+from ..quantization import checked_quantizer, quantize_program
 from ..quantize_mutable_buffers import QuantizeMutableBuffers
 from ..skip_annotate_data_movement_ops import SkipAnnotateDataMovementOps
 from ..unfreeze_mutable_buffer import UnfreezeMutableBuffer
@@ -71,6 +71,7 @@ from .result import (
 __all__ = ["Check", "FlowError", "FlowResult", "run_flow", "run_model"]
 
 Log = Callable[[str], None]
+RUNTIMES = ("python", "executorch")
 # Export may reorder float arithmetic (a fused or decomposed op): the exported program is
 # compared with eager within float rounding, the passes' programs with theirs exactly.
 EXPORT_RTOL, EXPORT_ATOL = 1e-4, 1e-5
@@ -179,6 +180,55 @@ def _check_inputs_kept(pipeline: PassManager, exported: torch.export.ExportedPro
             f"(its passes that changed the program: {changed})")
 
 
+def check_flow_options(helper: str, runtime: str, quantize: bool,
+                       quantizer_factory: Any) -> None:
+    """Refuse, before any stage, the options a late stage would trip over: a ``runtime``
+    the flow does not know (it decoded in Python alone, silently), or a
+    ``quantizer_factory`` that is no function making a quantizer (a Quantizer instance:
+    'object is not callable' after export and the fp32 decodes).
+
+    Raises:
+        ValueError: ``runtime`` is neither ``"python"`` nor ``"executorch"``.
+        QuantizationInputError: ``quantizer_factory`` is not callable.
+    """
+    if runtime not in RUNTIMES:
+        raise ValueError(f"{helper}: runtime={runtime!r}: takes 'python' (decode in Python) "
+                         "or 'executorch' (also on ExecuTorch's runtime)")
+    if quantize and not callable(quantizer_factory):
+        try:  # a Quantizer where its factory goes: say so; anything else: what it is
+            checked_quantizer(quantizer_factory, helper)
+            given = f"an instance of {type(quantizer_factory).__name__}"
+        except QuantizationInputError:
+            given = f"{type(quantizer_factory).__name__} {quantizer_factory!r:.80}"
+        raise QuantizationInputError(
+            helper, "quantizer_factory", f"is {given}, not a function returning a Quantizer "
+            "(each quantized flow takes a fresh one): pass e.g. passes.flow.examples."
+            "xnnpack_quantizer, uncalled, or lambda: quantizer")
+
+
+def flow_calls(helper: str, argument: str, calls: Any) -> list | None:
+    """``calls`` (the ``steps`` or ``calibration`` a flow is given) as one ``(args,
+    kwargs)`` pair per call; None stays None (the flow's default).
+
+    Raises:
+        ValidationInputError: ``calls`` is no sequence of calls (a number, a tensor, one
+            call's keyword mapping): it was iterated (rows of a tensor taken as calls) or
+            raised a bare TypeError.
+    """
+    if calls is None:
+        return None
+    if isinstance(calls, (torch.Tensor, Mapping, str, bytes)) or not isinstance(
+            calls, Iterable):
+        kind = "a tensor" if isinstance(calls, torch.Tensor) else (
+            f"{type(calls).__name__} {calls!r:.60}")
+        raise ValidationInputError(
+            f"{helper}({argument}=...)", None, f"is {kind}, not a list of calls: give one "
+            "entry per call, each an argument tuple, an (args, kwargs) pair or a keyword "
+            "mapping, e.g. [(x0,), (x1,)]" + (" (None: the steps)"
+                                                if argument == "calibration" else ""))
+    return call_inputs(list(calls))
+
+
 def run_flow(
     model: torch.nn.Module,
     example_inputs: Any = (),
@@ -218,15 +268,26 @@ def run_flow(
     ``quantize_state=True`` stores the quantized state as integers (QuantizeMutableBuffers
     after quantization, :mod:`passes.flow.integer_state`), checks the result exactly against
     the fp32-stored quantized program, and delegates and lowers that program.
-    Raises :class:`FlowError` (with the partial result) when a stage fails, and
-    ``ValueError`` for ``quantize_state`` without ``quantize``.
+    ``steps`` None or empty: the example once.
+    Raises :class:`FlowError` (with the partial result) when a stage fails; before any
+    stage, ``ValueError`` for ``quantize_state`` without ``quantize`` or an unknown
+    ``runtime``, ``ValidationInputError`` for ``steps`` or ``calibration`` that are no list
+    of calls (or an empty ``calibration``), ``QuantizationInputError`` for a
+    ``quantizer_factory`` that is not callable (a Quantizer instance).
     """
     if quantize_state and not quantize:
         raise ValueError("quantize_state=True stores quantized state: it needs quantize=True")
+    check_flow_options("run_flow", runtime, quantize, quantizer_factory)
     args, kwargs = as_call(example_inputs)
     kwargs = {**kwargs, **(example_kwargs or {})}
-    steps = call_inputs(list(steps) or [(args, kwargs)])
-    calibration = steps if calibration is None else call_inputs(list(calibration))
+    steps = flow_calls("run_flow", "steps", steps) or [(args, kwargs)]
+    calibration = flow_calls("run_flow", "calibration", calibration)
+    if calibration is None:
+        calibration = steps
+    elif quantize and not calibration:
+        raise ValidationInputError("run_flow(calibration=...)", None, "gives no call: the "
+                                   "observers would measure nothing; None calibrates on the "
+                                   "steps")
     result = FlowResult()
     stage = _Stages(log, result, bars=progress_bars)
     with stage.guarded():

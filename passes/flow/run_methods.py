@@ -9,7 +9,10 @@ its own, calibrated on its own calls and state, so the same cache gets one grid 
 method — with :func:`passes.quantization.quantize_methods` (one calibration sequence over
 one state, one grid per shared buffer); ``quantize_state`` stores the shared caches as
 integers and checks them bit for bit against the fp32-stored methods; ``runtime=
-"executorch"`` runs the methods from one ``.pte`` with shared mutable buffers.
+"executorch"`` runs the methods from one ``.pte`` with shared mutable buffers, the fp32
+methods right after their Python checks: a method the runtime cannot load (an operator it
+lacks, named with its node and line) or whose state it would not keep (a written parameter)
+stops the flow before the quantization stages, as the one-method flow's early lowering does.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..inputs_to_buffers import InputsToBuffers
 from ..mark_mutable_buffers import MarkMutableBuffers
 from ..quantization import quantize_methods, quantize_program
 from ..quantize_mutable_buffers import QuantizeMutableBuffers
+from .checks import non_finite_notes
 from .examples import xnnpack_quantizer
 from .factory import Exported, MethodsSpec, check_steps_within_state, export_methods
 from .integer_state import dequantized_state, storage_of
@@ -48,6 +52,7 @@ from .run import (
     _no_outputs,
     _not_finite,
     _Stages,
+    check_flow_options,
 )
 
 __all__ = ["FP32_METHODS", "INTEGER_METHODS", "ONE_GRID", "PER_METHOD", "run_methods_flow"]
@@ -78,8 +83,15 @@ def run_methods_flow(
     ``pipeline`` replaces the functionalization stage; ``pass_options`` are PassManager
     options for the pipelines the flow builds itself; ``export`` forces an export mode;
     ``exported`` gives the methods already exported (:func:`~passes.flow.factory.export_methods`).
-    Raises :class:`~passes.flow.result.FlowError` (with the partial result) when a stage fails.
+    Raises :class:`~passes.flow.result.FlowError` (with the partial result) when a stage
+    fails; before any stage, ``ValueError`` for an unknown ``runtime`` and
+    ``QuantizationInputError`` for a ``quantizer_factory`` that is not callable, and
+    ``TypeError`` for a ``spec`` that is no :class:`MethodsSpec`.
     """
+    if not isinstance(spec, MethodsSpec):  # a one-method spec, or the factory's mapping
+        raise TypeError(f"run_methods_flow takes methods_spec(factory(), name, steps), got "
+                        f"{type(spec).__name__} (one method: run_model)")
+    check_flow_options("run_methods_flow", runtime, quantize, quantizer_factory)
     result = FlowResult()
     stage = _Stages(log, result, bars=progress_bars)
     calls = list(spec.steps)
@@ -125,6 +137,13 @@ def run_methods_flow(
         result.step_errors[FP32_METHODS] = output_errors(eager, fp32_trace)
         # Each program the runtime stage lowers, with what it computed in Python.
         lowered: list[tuple[str, dict[str, Any], Trace]] = [("fp32", fp32, eager)]
+        ran_before = {}
+        if runtime == "executorch":
+            # Run now, not after quantization: a method the runtime cannot load (an operator
+            # it lacks) or whose state it would not keep (a written parameter) is refused
+            # before the slow stages, naming the node; reported with the quantized run.
+            with native_stderr_held():
+                ran_before["fp32"] = _on_runtime(stage, "fp32", fp32, calls)
         if quantize:
             quantized, reference = _quantized_stages(stage, result, fp32, spec, calls, eager,
                                                      quantizer_factory, options)
@@ -134,7 +153,7 @@ def run_methods_flow(
             lowered.append(("quantized", quantized, reference))
         if runtime == "executorch":
             with native_stderr_held():  # ExecuTorch's native CPU probe, among others
-                _runtime_stage(stage, result, lowered, calls, eager)
+                _runtime_stage(stage, result, lowered, calls, eager, ran_before)
         result.notes += _not_finite(result.step_errors)
     return result
 
@@ -207,12 +226,23 @@ def _quantized_stages(stage: _Stages, result: FlowResult, fp32: dict[str, Any],
                       ) -> tuple[dict[str, Any], Trace]:
     """Today's way (each method on its own) and quantize_methods, both called in turn."""
     own_calls = spec.calls_by_method
+    non_finite: list[str] = []
 
     def per_method() -> dict[str, Any]:
-        return {m: quantize_program(copy_program(p), quantizer_factory(), own_calls[m])
-                for m, p in fp32.items()}
+        separate = {}
+        for method, program in fp32.items():
+            separate[method], report = quantize_program(
+                copy_program(program), quantizer_factory(), own_calls[method],
+                return_report=True)
+            # The note the one-method flow gives, not quantize_program's warning: each
+            # method's calibration reads the values (a -inf mask) both flows quantize.
+            if report.non_finite_reads:
+                non_finite.append(f"method {method!r}, calibrated on its own calls: "
+                                  + ", ".join(report.non_finite_reads))
+        return separate
 
     separate = stage("quantize each method on its own (today's way)", per_method)
+    result.notes += non_finite_notes(non_finite)
     share_buffer_tensors(separate)
     separate_trace = stage("per-method quantized methods in turn",
                            lambda: _in_turn(stage, separate, calls))
@@ -288,20 +318,27 @@ def _storage(before: Mapping[str, Any], after: Mapping[str, Any], stored: Any) -
     }
 
 
+def _on_runtime(stage: _Stages, label: str, programs: dict[str, Any], calls: list) -> Any:
+    """The methods lowered into one .pte and called in turn on ExecuTorch's runtime."""
+    from ..executorch.methods import run_methods_on_runtime
+
+    return stage(f"{label} methods on ExecuTorch's runtime (one .pte, shared buffers)",
+                 lambda: run_methods_on_runtime(programs, calls))
+
+
 def _runtime_stage(stage: _Stages, result: FlowResult,
                    lowered: list[tuple[str, dict[str, Any], Trace]], calls: list,
-                   eager: Trace) -> None:
+                   eager: Trace, ran_before: Mapping[str, Any]) -> None:
     """Each program from one .pte on ExecuTorch's runtime, checked against what it computed
     in Python (fp32: within float rounding; quantized: within one output grid step, one
     more per call before it when the methods write state); its
-    column in the decode table is, like every other, its error against fp32 eager."""
-    from ..executorch.methods import run_methods_on_runtime
+    column in the decode table is, like every other, its error against fp32 eager.
+    ``ran_before`` holds the runs (by label) the flow made already, reported as they are."""
     from ..executorch.runtime import output_grid as user_output_grid
     from ..executorch.runtime import within_grid_steps_per_call
 
     for label, programs, python in lowered:
-        run = stage(f"{label} methods on ExecuTorch's runtime (one .pte, shared buffers)",
-                    lambda programs=programs: run_methods_on_runtime(programs, calls))
+        run = ran_before.get(label) or _on_runtime(stage, label, programs, calls)
         on_runtime = Trace(run.outputs)
         errors = output_errors(python, on_runtime)
         # The step of the dequantize each method returns, as the one-method job reads it.

@@ -188,6 +188,21 @@ def float64_running_sum():
     return RunningSum(torch.float64), (torch.randn(2, 4, dtype=torch.float64),)
 
 
+class LowBits(torch.nn.Module):
+    """Reads a float's bits through a dtype view, which ExecuTorch's portable kernels lack
+    (``aten::view_copy.dtype_out``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(4))
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.acc.add_(y.sum(0))
+        return y + (y.view(torch.int32) & 1).float()
+
+
 class MaskedCacheAttention(torch.nn.Module):
     """Attention over a KV cache whose unwritten positions a -inf mask, kept as state,
     hides: quantized, the mask reads a finite value and hides nothing."""

@@ -25,6 +25,7 @@ from passes.executorch.runtime import (
 from passes.flow.executorch_stage import flow_stage
 from passes.flow.result import FlowError, failure_of
 from passes.flow.run import run_flow
+from tests.models.main_job import LowBits
 
 
 def test_one_grid_step_apart_passes_despite_float32_rounding():
@@ -155,21 +156,6 @@ def test_a_model_returning_nothing_is_said_to_have_no_output_compared():
     assert len(on_outputs) == 2 and quantized.ok and on_runtime.ok
     assert all("the model returns no tensor: no output compared" in c.detail
                for c in on_outputs), on_outputs
-
-
-class LowBits(torch.nn.Module):
-    """Reads a float's bits through a dtype view, which ExecuTorch's portable kernels lack
-    (``aten::view_copy.dtype_out``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("acc", torch.zeros(4))
-        self.lin = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        y = self.lin(x)
-        self.acc.add_(y.sum(0))
-        return y + (y.view(torch.int32) & 1).float()
 
 
 def test_an_operator_the_runtime_lacks_is_refused_before_quantization_naming_its_node():

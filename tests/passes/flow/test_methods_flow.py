@@ -3,12 +3,15 @@ the built-in decoder and a tiny Hugging Face Llama as a prefill + a one-token de
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from passes.flow.cli import main
 from passes.flow.examples import AnnotateEveryOpQuantizer, prefill_decode_job, xnnpack_quantizer
 from passes.flow.factory import methods_spec
+from passes.flow.result import FlowError
 from passes.flow.run_methods import (
     FP32_METHODS,
     INTEGER_METHODS,
@@ -107,6 +110,35 @@ def test_a_methods_decode_off_by_inf_is_told_so():
     result = run_methods_flow(spec, log=lambda line: None)
     assert ("off by inf from fp32 eager (an output NaN or inf, or of another shape) at some "
             f"step: {PER_METHOD!r}, {ONE_GRID!r}") in result.notes
+
+
+def test_a_method_the_runtime_cannot_load_is_refused_before_quantization_naming_its_node():
+    """The one-method job refuses it right after functionalization; the several-method job
+    refused it only after both quantizations (tens of seconds on a real model)."""
+    spec = methods_spec(_two_methods(main_job.LowBits()), "job", 8)
+    with pytest.raises(FlowError) as info:
+        run_methods_flow(spec, runtime="executorch", log=lambda line: None)
+    failure = info.value.failure
+    assert failure.node and "aten::view_copy.dtype_out" in failure.reason
+    assert "y.view(torch.int32)" in failure.reason and "line" in failure.reason
+    assert not [title for title, _ in info.value.result.stage_times if "quantize" in title]
+
+
+def test_a_quantized_minus_inf_mask_of_several_methods_is_a_note_naming_it():
+    """The one-method job notes it; the several-method job's checks passed without a word
+    (quantize_program warned, once per method, among torch's warnings)."""
+    steps = main_job.masked_cache_steps()
+    made = {"module": main_job.MaskedCacheAttention().eval(),
+            "methods": {"prefill": {"example_args": steps[0]},
+                        "decode": {"example_args": steps[1]}},
+            "steps": [("prefill", steps[0]), ("decode", steps[1]), ("decode", steps[2])]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_methods_flow(methods_spec(made, "job", 8), log=lambda line: None)
+    (note,) = [n for n in result.notes if "inf or NaN" in n]
+    assert "method 'prefill', calibrated on its own calls: " in note
+    assert "'add' held -inf at calibration[0]" in note and "no longer masks" in note
+    assert not [w for w in caught if str(w.message).startswith("quantize_program")]
 
 
 def test_a_methods_pipeline_that_changes_the_inputs_fails_naming_it_not_at_the_first_call(
