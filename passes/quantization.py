@@ -479,7 +479,9 @@ class QuantizationReport:
         reset_buffers: the FQNs ``reset_mutable_buffers`` put back after calibration.
         repaired_reads: one line per frozen buffer read UnfreezeMutableBuffer made live.
         non_finite_reads: one line per quantized value that held inf or NaN during
-            calibration (an attention mask of -inf): quantized, it reads a finite value.
+            calibration (an attention mask of -inf): quantized, it reads a finite value;
+            or a value at +-65504 or beyond (a ``torch.finfo(torch.float32).min`` mask,
+            ``-1e9``): its grid's step is so large that the tensor's other values read 0.
         seconds: wall time per step: prepare, calibrate, reset, convert, unfreeze, lift.
     """
 
@@ -498,8 +500,8 @@ class QuantizationReport:
         lines.append(f"frozen buffer reads repaired: {len(self.repaired_reads) or 'none'}")
         lines += [f"  {read}" for read in self.repaired_reads]
         if self.non_finite_reads:
-            lines.append(f"quantized values holding inf or NaN in calibration: "
-                         f"{len(self.non_finite_reads)} ({NON_FINITE_MEANING})")
+            lines.append(f"quantized values holding inf or NaN in calibration (or +-65504 "
+                         f"and beyond): {len(self.non_finite_reads)} ({NON_FINITE_MEANING})")
         return lines + [f"  {read}" for read in self.non_finite_reads]
 
     def __str__(self) -> str:
@@ -576,6 +578,9 @@ def quantize_program(
             a numpy array, another dtype, a static size, another number than one the program
             was specialized to: checked before anything is prepared) or the prepared program
             raises on it (the original error chained).
+        QuantizationFlowError: ``convert_pt2e`` raised an ``AssertionError`` computing a
+            grid after an observer saw inf or NaN (a moving-average observer's range turns
+            NaN: ``QnnQuantizer`` on a -inf mask kept as state), naming the values.
 
     The result shares the program's buffer tensors (as ``program.module()`` does): the
     calibration writes them and the reset puts back, bit for bit, the values they had (or,
@@ -633,7 +638,18 @@ def quantize_program(
                       stacklevel=2)
     report.reset_buffers = _reset(prepared)
     timed("reset")
-    lifted, unfrozen = _convert(prepared, program, fold, timed, **options)
+    try:
+        lifted, unfrozen = _convert(prepared, program, fold, timed, **options)
+    except AssertionError as error:  # torchao's check of an observer's range
+        if not non_finite:
+            raise
+        raise QuantizationFlowError(
+            f"convert_pt2e could not compute a grid after calibration: "
+            f"{'; '.join(non_finite)} ({NON_FINITE_MEANING}); torchao then raised "
+            f"AssertionError: {str(error).strip()[:120]}: leave the value unquantized up "
+            "to the op that bounds it (a softmax), as passes.flow.examples."
+            "AnnotateEveryOpQuantizer does",
+            pass_name="quantize_program") from error
     if not return_report:
         return lifted
     report.passes = [*zip(("before annotation", "after annotation"), wrapped.reports,

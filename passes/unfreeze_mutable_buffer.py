@@ -17,7 +17,7 @@ from ._analysis.buffers import (
     buffer_tensor,
     replace_buffer_tensor,
 )
-from ._analysis.data_movement import DATA_MOVEMENT_OPS
+from ._analysis.data_movement import DATA_MOVEMENT_OPS, buffer_of
 from ._analysis.folded_writes import folded_state_writes
 from ._analysis.frozen_reads import (
     FrozenRead,
@@ -26,6 +26,8 @@ from ._analysis.frozen_reads import (
     frozen_nodes,
 )
 from ._analysis.marked_state import initial_values
+from ._analysis.op_schema import may_write, written_arguments
+from ._analysis.quantize_ops import is_dequantize, is_quantize
 from .errors import FoldedStateWriteError
 
 __all__ = ["UnfreezeMutableBuffer"]
@@ -63,6 +65,13 @@ class UnfreezeMutableBuffer(Pass):
     prepared one. When the program holds folded constants, each buffer such a write
     advanced is put back to the value ``MarkMutableBuffers`` recorded (what
     ``reset_mutable_buffers`` restores before ``convert_pt2e``); a note names it.
+
+    In a program quantized in place (``PassQuantizer(transform=[MarkMutableBuffers()])``,
+    not functionalized), an in-place write chained on another (``s.add_(x).clamp_(-1, 1)``)
+    writes the first one's result, an alias of the buffer, which the quantizer observed:
+    converted, it writes the dequantized copy, and the buffer never gets it (off eager by
+    1.08). Each such write whose copy nothing reads after it is re-wired to write the
+    buffer's alias again, as eager does; a note names it.
 
     Provenance: exact when the program was quantized with ``PassQuantizer`` after
     ``MarkMutableBuffers`` (the observer of each buffer read is recorded on the buffer's
@@ -110,6 +119,8 @@ class UnfreezeMutableBuffer(Pass):
         with transaction(program, self.effects):
             notes = self._put_back_folded_writes(program)
             restored = len(notes)
+            into_copies = _writes_into_copies_rewired(program)
+            notes += into_copies
             found = frozen_buffer_reads(program, self.name)
             buffers = _buffer_attr_nodes(program)
             rewired = 0
@@ -122,10 +133,16 @@ class UnfreezeMutableBuffer(Pass):
                 statistics["data-movement writes re-wired into the buffer"] = rewired
             if restored:
                 statistics["buffers put back after folding ran their writes"] = restored
+            if into_copies:
+                statistics["in-place writes of state re-wired from a dequantized copy"] = \
+                    len(into_copies)
             if found:
                 program.graph.lint()
                 _drop_unused_frozen(program, {str(f.node.target) for f in found})
-        return PassResult(program, bool(found) or bool(restored), notes, statistics)
+            if into_copies:
+                program.recompile()
+        return PassResult(program, bool(found) or bool(restored) or bool(into_copies), notes,
+                          statistics)
 
     def _put_back_folded_writes(self, gm: GraphModule) -> list[str]:
         """Put each buffer torchao's folding wrote back to its marked starting value, as a
@@ -192,6 +209,34 @@ class UnfreezeMutableBuffer(Pass):
         if rewired:
             note += f"; {', '.join(rewired)} now write(s) into the buffer itself"
         return note, len(rewired)
+
+
+def _writes_into_copies_rewired(gm: GraphModule) -> list[str]:
+    """Make each in-place write of a mutable buffer's alias that ``convert_pt2e`` turned
+    into a write of a dequantized copy (``clamp_(dequantize(quantize(add_)))``, the
+    ``add_`` an in-place result on the buffer) write the alias again; one note per write.
+
+    Eager writes the buffer there. Left when the copy has a reader after the write (it
+    would read the write in the copy, and the unwritten value once re-wired)."""
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    memo: dict[Node, str | None] = {}
+    notes = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not may_write(node):
+            continue
+        for _, copy in written_arguments(node):
+            if not (is_dequantize(copy) and copy.args
+                    and isinstance(quantize := copy.args[0], Node) and is_quantize(quantize)
+                    and isinstance(alias := quantize.args[0], Node)):
+                continue
+            fqn = buffer_of(alias, memo)
+            if fqn is None or any(order[user] > order[node] for user in copy.users
+                                  if user is not node):
+                continue
+            node.replace_input_with(copy, alias)
+            notes.append(f"{node.name}: wrote a dequantized copy of {alias.name} (buffer "
+                         f"{fqn!r}); now writes {alias.name}, the buffer, as eager does")
+    return notes
 
 
 def _drop_unused_frozen(gm: GraphModule, targets: set[str]) -> None:

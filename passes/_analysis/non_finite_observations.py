@@ -1,32 +1,61 @@
-"""Which quantized values held inf or NaN while they were calibrated.
+"""Which quantized values held inf, NaN or a number at a float's extreme while they were
+calibrated.
 
-A quantization grid holds finite numbers only: an observed ``-inf`` (an attention mask kept
-as a buffer, ``masked_fill(..., -inf)``) becomes a finite value (or NaN) once quantized, and
-the quantized program computes something else there (a mask that no longer masks), while
-every comparison of two quantized flows that both did so agrees. MinMaxObserver turns the
-infinite range into an infinite scale; HistogramObserver ignores such a call, calibrating
-on nothing. Both are silent: this records them while the calibration calls run.
+A quantization grid holds finite numbers only, evenly spaced: an observed ``-inf`` (an
+attention mask kept as a buffer, ``masked_fill(..., -inf)``) becomes a finite value (or
+NaN) once quantized, and the quantized program computes something else there (a mask that
+no longer masks). A finite value at a float's extreme (``torch.finfo(torch.float32).min``,
+the mask Hugging Face's models build, or ``-1e9``) stretches the grid over it: its step is
+then ~1e36 and every other value of that tensor reads 0 (the scores under the mask flatten,
+the attention averages). Every comparison of two quantized flows that both did so agrees.
+MinMaxObserver turns an infinite range into an infinite scale; HistogramObserver ignores
+such a call, calibrating on nothing. All are silent: this records them while the
+calibration calls run.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch.fx import GraphModule, Node
 
-__all__ = ["NON_FINITE_MEANING", "non_finite_observations"]
+__all__ = ["EXTREME", "NON_FINITE_MEANING", "beyond_any_grid", "non_finite_observations"]
 
-NON_FINITE_MEANING = ("a quantization grid is finite, so the quantized program reads another "
-                      "value there (a -inf attention mask no longer masks)")
+EXTREME = float(torch.finfo(torch.float16).max)
+"""65504: float16's largest value. A magnitude at or past it is an "infinity" written as a
+number (a float32 or bfloat16 ``finfo.min`` mask, ``-1e9``); ``QnnQuantizer`` treats the same
+bound as infinite. Activations of a float16 model never exceed it."""
+
+NON_FINITE_MEANING = ("a quantization grid is finite and evenly spaced, so the quantized "
+                      "program reads another value there (a -inf attention mask no longer "
+                      "masks), and a value at +-65504 or beyond stretches the grid so far "
+                      "that the tensor's other values read 0 (a finfo.min mask flattens the "
+                      "scores it masks)")
 """What a recorded line means, said once wherever the lines are shown."""
+
+
+def beyond_any_grid(value: torch.Tensor | float) -> bool:
+    """Whether ``value`` (a float tensor's elements, or a number) holds inf, NaN or a
+    magnitude of :data:`EXTREME` or more: no 8- or 16-bit grid over it keeps the rest."""
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point() or value.numel() == 0:
+            return False
+        return not bool(torch.isfinite(value).all()) or \
+            bool((value.abs() >= EXTREME).any())
+    return isinstance(value, float) and (not math.isfinite(value) or abs(value) >= EXTREME)
 
 
 def _kind(value: torch.Tensor) -> str:
     kinds = [name for name, found in (("-inf", torch.isneginf(value)),
                                       ("inf", torch.isposinf(value)),
                                       ("NaN", torch.isnan(value))) if bool(found.any())]
+    finite = value[torch.isfinite(value)]
+    if finite.numel() and bool((finite.abs() >= EXTREME).any()):
+        extreme = finite[finite.abs().argmax()]
+        kinds.append(f"{float(extreme):.3g}")
     return " and ".join(kinds)
 
 
@@ -42,9 +71,10 @@ def _observed(prepared: GraphModule, node: Node) -> str:
 @contextmanager
 def non_finite_observations(prepared: GraphModule, call: list[str]) -> Iterator[list[str]]:
     """While the block calibrates ``prepared`` (from ``prepare_pt2e``), each observer's input
-    holding inf or NaN is recorded once, as a line naming the value, what it held and the
-    call (``call[0]``, set by the caller before each calibration call, e.g. ``"calibration[0]"``).
-    Yields that list of lines; the hooks are gone after the block."""
+    holding inf, NaN or a value at ±:data:`EXTREME` or beyond is recorded once, as a line
+    naming the value, what it held and the call (``call[0]``, set by the caller before each
+    calibration call, e.g. ``"calibration[0]"``). Yields that list of lines; the hooks are
+    gone after the block."""
     from torchao.quantization.pt2e.observer import _is_activation_post_process
 
     found: list[str] = []
@@ -59,7 +89,7 @@ def non_finite_observations(prepared: GraphModule, call: list[str]) -> Iterator[
         def record(_module, inputs, observed=observed) -> None:
             value = inputs[0] if inputs else None
             if (observed.name in seen or not isinstance(value, torch.Tensor)
-                    or not value.is_floating_point() or bool(torch.isfinite(value).all())):
+                    or not beyond_any_grid(value)):
                 return
             seen.add(observed.name)
             found.append(f"{_observed(prepared, observed)} held {_kind(value)} at {call[0]}")

@@ -26,7 +26,7 @@ from .._analysis.buffers import USER_INPUT, find_mutations
 from ..errors import CalibrationInputError, QuantizationInputError
 
 __all__ = ["calibration_calls", "callers_state_restored", "check_calibration_call",
-           "keywords_bound", "run_calibration_call", "sequence_of_calls"]
+           "described", "keywords_bound", "run_calibration_call", "sequence_of_calls"]
 
 
 def sequence_of_calls(calls: Any, helper: str, argument: str, example: str) -> list[Any]:
@@ -34,10 +34,9 @@ def sequence_of_calls(calls: Any, helper: str, argument: str, example: str) -> l
     ``argument`` when it is no sequence of calls: ``None``, a string, a mapping or a tensor
     (iterated, a tensor's rows would each pass for one call) or anything not iterable.
     ``example`` shows the list to pass instead."""
-    if isinstance(calls, torch.Tensor):
-        given = f"a Tensor {_describe(calls)}"
-    elif isinstance(calls, (str, bytes, Mapping)) or calls is None or \
-            not isinstance(calls, Iterable):
+    if isinstance(calls, (torch.Tensor, Mapping)):
+        given = described(calls)
+    elif isinstance(calls, (str, bytes)) or calls is None or not isinstance(calls, Iterable):
         given = f"{type(calls).__name__} {calls!r:.60}"
     else:
         return list(calls)
@@ -92,6 +91,27 @@ def keywords_bound(positional: tuple[str, ...], args: tuple, kwargs: Mapping[str
 
 def _describe(value: torch.Tensor) -> str:
     return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+
+
+def described(value: Any, depth: int = 1) -> str:
+    """A calibration value in a few words, never its data: ``a Tensor float32[1, 4, 32]``,
+    ``a tuple of 2 (Tensor float32[1, 4], Tensor int64[4])``, ``a dict {'x': Tensor
+    float32[1, 4]}``. A tensor's repr runs to hundreds of lines in an error message and
+    hides what was wrong: its place and kind."""
+    if isinstance(value, torch.Tensor):
+        return f"a Tensor {_describe(value)}"
+    if isinstance(value, (tuple, list, Mapping)) and depth >= 0:
+        items = list(value.items()) if isinstance(value, Mapping) else list(value)
+        shown = [described(item, depth - 1).removeprefix("a ") if not isinstance(value, Mapping)
+                 else f"{item[0]!r}: {described(item[1], depth - 1).removeprefix('a ')}"
+                 for item in items[:4]]
+        more = ", ..." if len(items) > 4 else ""
+        inside = "{" + ", ".join(shown) + more + "}" if isinstance(value, Mapping) \
+            else "(" + ", ".join(shown) + more + ")"
+        count = f" of {len(items)}" if not isinstance(value, Mapping) else ""
+        return f"a {type(value).__name__}{count} {inside}"
+    text = repr(value)
+    return text if len(text) <= 40 else f"a {type(value).__name__}"
 
 
 def _constants(program: ExportedProgram) -> list[Any]:

@@ -30,7 +30,7 @@ from .._analysis.buffers import (
 from .._analysis.marked_state import initial_copy, mutable_buffers
 from .._analysis.op_schema import written_nodes
 from ..errors import InputStateError, QuantizationInputError
-from .calibration import keywords_bound, sequence_of_calls
+from .calibration import described, keywords_bound, sequence_of_calls
 from .shared_buffers import held_buffers, written_by_any_method
 
 __all__ = ["MethodCall", "PairedState", "QuantizedMethods", "carried_inputs",
@@ -55,20 +55,10 @@ def method_calls(programs: Mapping[str, Any], calls: Iterable[Any], where: str,
             f"a list of calls, e.g. {example}")
     found = []
     for index, call in enumerate(calls):
-        if not isinstance(call, (tuple, list)) or len(call) not in (2, 3):
-            raise QuantizationInputError(
-                where, f"calls[{index}]", f"is {type(call).__name__} {call!r:.80}; each call "
-                "is (method, args) or (method, args, kwargs), e.g. ('decode', (x, pos), {})")
+        _check_call_form(call, programs, where, index)
         method, args, kwargs = (*call, {}) if len(call) == 2 else call
-        if method not in programs:
-            raise QuantizationInputError(
-                where, f"calls[{index}]", f"names method {method!r}; the methods are "
-                f"{', '.join(map(repr, programs))}")
         if not isinstance(args, tuple):
             args = tuple(args) if isinstance(args, list) else (args,)
-        if not isinstance(kwargs, Mapping):
-            raise QuantizationInputError(
-                where, f"calls[{index}]", f"kwargs is a {type(kwargs).__name__}, not a mapping")
         found.append((method, args, dict(kwargs)))
     uncalled = [name for name in programs if name not in {m for m, _, _ in found}]
     if uncalled:
@@ -76,6 +66,38 @@ def method_calls(programs: Mapping[str, Any], calls: Iterable[Any], where: str,
                          f"{', '.join(map(repr, uncalled))}: every method needs at least one, "
                          "or the observers only it has measure nothing")
     return found
+
+
+def _check_call_form(call: Any, programs: Mapping[str, Any], where: str, index: int) -> None:
+    """Raise :class:`QuantizationInputError` naming ``calls[index]`` when ``call`` is not
+    ``(method, args)`` or ``(method, args, kwargs)`` of one of ``programs``: what it is, in
+    a few words (:func:`~passes._methods.calibration.described`, never a tensor's data), and
+    the call to write instead, with the method's own input names."""
+    methods = ", ".join(map(repr, programs))
+
+    def example(method: str) -> str:
+        names = signature_of(programs[method]).positional
+        return f"({method!r}, ({', '.join(names)}{',' if len(names) == 1 else ''}))"
+
+    parts = (call,) if isinstance(call, str) else call
+    if not (isinstance(parts, (tuple, list)) and parts and isinstance(parts[0], str)):
+        reason = (f"is {described(call)}, with no method name first: each call is (method, "
+                  f"args) or (method, args, kwargs), the method one of {methods}, e.g. "
+                  f"{example(next(iter(programs)))}")
+    elif parts[0] not in programs:
+        reason = f"names method {parts[0]!r}; the methods are {methods}"
+    elif len(parts) == 1:
+        reason = (f"is the method {parts[0]!r} alone: give its arguments too, "
+                  f"{example(parts[0])}")
+    elif len(parts) > 3 or (len(parts) == 3 and not isinstance(parts[2], Mapping)):
+        values = ", ".join(described(value, 0) for value in parts[1:4])
+        reason = (f"is ({parts[0]!r}, then {len(parts) - 1} values: {values}"
+                  f"{', ...' if len(parts) > 4 else ''}); a call is (method, args) or (method, "
+                  "args, kwargs), the arguments one tuple and the keyword arguments a dict: "
+                  f"pass {example(parts[0])}")
+    else:
+        return
+    raise QuantizationInputError(where, f"calls[{index}]", reason)
 
 
 def _user_input_values(program: Any, args: tuple, kwargs: dict) -> dict[str, Any]:

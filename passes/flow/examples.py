@@ -30,6 +30,8 @@ from torchao.quantization.pt2e.quantizer import (
     Quantizer,
 )
 
+from .._analysis.non_finite_observations import beyond_any_grid
+
 __all__ = [
     "ACTIVATION_QSPEC",
     "WEIGHT_QSPEC",
@@ -250,14 +252,14 @@ _BOUNDING_OPS = (torch.ops.aten.softmax.int, torch.ops.aten._softmax.default,
 
 
 def _holds_non_finite(model: GraphModule, node: Node) -> bool:
-    """A buffer or constant read (``get_attr``) whose value holds inf or NaN now."""
+    """A buffer or constant read (``get_attr``) whose value holds inf, NaN or a value at
+    +-65504 or beyond now (:func:`~passes._analysis.non_finite_observations.beyond_any_grid`)."""
     if node.op != "get_attr":
         return False
     value = model
     for name in str(node.target).split("."):
         value = getattr(value, name, None)
-    return (isinstance(value, torch.Tensor) and value.is_floating_point()
-            and not bool(torch.isfinite(value).all()))
+    return isinstance(value, torch.Tensor) and beyond_any_grid(value)
 
 
 class AnnotateEveryOpQuantizer(Quantizer):
@@ -265,10 +267,11 @@ class AnnotateEveryOpQuantizer(Quantizer):
 
     Linear weights get a symmetric int8 spec; linear biases stay in float. A value that may
     hold inf stays in float: an op with a non-finite constant argument (the attention
-    mask's ``masked_fill(..., -inf)``) or reading a buffer holding one (a ``-inf`` mask kept
-    as state), and every op after it up to one that bounds it (softmax, exp, sigmoid,
-    tanh), which reads it in float: a quantization grid is finite, and a quantized -inf
-    mask no longer masks.
+    mask's ``masked_fill(..., -inf)``, or ``torch.finfo(torch.float32).min``: any number at
+    +-65504 or beyond, whose grid would read every other value as 0) or reading a buffer
+    holding one (a ``-inf`` mask kept as state), and every op after it up to one that
+    bounds it (softmax, exp, sigmoid, tanh), which reads it in float: a quantization grid
+    is finite, and a quantized -inf mask no longer masks.
     """
 
     def annotate(self, model: GraphModule) -> GraphModule:
@@ -280,7 +283,7 @@ class AnnotateEveryOpQuantizer(Quantizer):
             if not _is_float_tensor(node):
                 continue
             leaves = pytree.tree_leaves((node.args, node.kwargs))
-            if any(isinstance(v, float) and not math.isfinite(v) for v in leaves) or (
+            if any(beyond_any_grid(v) for v in leaves if isinstance(v, float)) or (
                     node.target not in _BOUNDING_OPS
                     and any(isinstance(v, Node) and v in unbounded for v in leaves)):
                 unbounded.add(node)

@@ -205,15 +205,16 @@ class LowBits(torch.nn.Module):
 
 class MaskedCacheAttention(torch.nn.Module):
     """Attention over a KV cache whose unwritten positions a -inf mask, kept as state,
-    hides: quantized, the mask reads a finite value and hides nothing."""
+    hides: quantized, the mask reads a finite value and hides nothing. ``fill``: the mask's
+    value (``torch.finfo(torch.float32).min`` as Hugging Face's masks)."""
 
-    def __init__(self, dim: int = 8, length: int = 6):
+    def __init__(self, dim: int = 8, length: int = 6, fill: float = float("-inf")):
         super().__init__()
         torch.manual_seed(0)
         self.q, self.k, self.v = (torch.nn.Linear(dim, dim) for _ in range(3))
         self.register_buffer("k_cache", torch.zeros(length, dim))
         self.register_buffer("v_cache", torch.zeros(length, dim))
-        self.register_buffer("mask", torch.full((length,), float("-inf")))
+        self.register_buffer("mask", torch.full((length,), fill))
 
     def forward(self, x, pos):
         self.k_cache.index_copy_(0, pos, self.k(x))

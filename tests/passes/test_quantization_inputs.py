@@ -318,3 +318,27 @@ def test_method_calls_that_are_no_sequence_of_calls_are_named(given, shown):
     with pytest.raises(QuantizationInputError) as caught:
         quantize_methods(programs, xnnpack_quantizer(), given)
     assert caught.value.argument == "calls" and shown in caught.value.reason
+
+
+@pytest.mark.parametrize("form, shown", [
+    ("arguments alone", "is a tuple of 2 (Tensor float32[1, 1, 32], Tensor int64[1]), with no "
+                        "method name first"),
+    ("a tensor", "is a Tensor float32[1, 1, 32], with no method name first"),
+    ("a dict", "is a dict {'x': Tensor float32[1, 1, 32]}, with no method name first"),
+    ("unpacked", "is ('decode', then 2 values: a Tensor float32[1, 1, 32], a Tensor int64[1])"),
+    ("the name alone", "is the method 'decode' alone"),
+])
+def test_a_call_that_is_no_method_call_is_described_in_a_few_words(form, shown):
+    """Each printed the tensors' data (1,435 characters for a prefill's arguments alone,
+    as "names method tensor([[[-0.8173, ..."), or said "kwargs is a Tensor, not a
+    mapping" for ``('decode', x, pos)``; now the call, its kind and the call to write."""
+    programs, calls = decoder()
+    x, pos = calls[1][1]
+    given = {"arguments alone": (x, pos), "a tensor": x, "a dict": {"x": x},
+             "unpacked": ("decode", x, pos), "the name alone": "decode"}[form]
+    with pytest.raises(QuantizationInputError) as caught:
+        quantize_methods(programs, AnnotateEveryOpQuantizer(), [calls[0], given])
+    reason = caught.value.reason
+    assert caught.value.argument == "calls[1]" and shown in reason, reason
+    assert "tensor(" not in reason and len(reason) < 300, reason
+    assert "('decode', (x, input_pos))" in reason or "('prefill', (x, input_pos))" in reason
