@@ -46,14 +46,14 @@ def relative_buffer_errors(reference: Trace, trace: Trace) -> dict[str, float]:
 
 
 def non_finite_notes(non_finite_reads: list[str]) -> list[str]:
-    """A note on the quantized values that held inf or NaN in calibration
-    (``quantize_program``'s report): quantized, each reads a finite value, and the
+    """A note on the quantized values that held inf, NaN or a value at +-65504 or beyond in
+    calibration (``quantize_program``'s report): quantized, each reads a finite value, and the
     comparisons between quantized flows, which all did so, pass while both may be off (a
     -inf mask: off by 1.48). A note, not a failing check: a value a later ``where`` drops
     where it is infinite (T5's ``log`` of relative position 0) is harmless quantized."""
     if not non_finite_reads:
         return []
-    return [f"quantized values that held inf or NaN in calibration: "
+    return [f"quantized values that held inf, NaN or an extreme value in calibration: "
             f"{'; '.join(non_finite_reads)}: {NON_FINITE_MEANING}; if one reaches the "
             "output (a mask), leave it unquantized (--quantizer every-op does) or keep it "
             "finite"]

@@ -612,5 +612,5 @@ def test_a_quantized_minus_inf_mask_is_a_note_naming_it():
     steps = masked_cache_steps()
     result = run_flow(MaskedCacheAttention().eval(), steps[0], steps, delegate=False,
                       log=lambda line: None)
-    (note,) = [n for n in result.notes if "inf or NaN" in n]
+    (note,) = [n for n in result.notes if "inf, NaN or an extreme value" in n]
     assert "'add' held -inf" in note and "no longer masks" in note
