@@ -23,6 +23,8 @@ from pass_manager import (
     PassFailedError,
     PassManager,
     PassResult,
+    PipelineElementError,
+    PipelineError,
     PostconditionError,
     PreconditionError,
     PrintDiff,
@@ -403,6 +405,35 @@ def test_passes_and_instruments_not_given_as_lists_of_them_are_named(mistake):
     with pytest.raises(TypeError, match=r"PassManager takes its passes and instruments as lists|"
                                         r"is not an Instrumentation instance"):
         mistake()
+
+
+class _HookTakingTooLittle(Instrumentation):
+    def before_pass(self, record):  # the core loop calls before_pass(pass_, program, record)
+        pass
+
+
+class _NoCall(Pass):  # forgot call(program)
+    pass
+
+
+@pytest.mark.parametrize(("passes", "instruments", "role", "says"), [
+    ([ReluToAbs()], [object()], "instrument",
+     r"instrument <object object at .*> is not an Instrumentation instance: give an instance "
+     r"of pass_manager\.Instrumentation"),
+    ([ReluToAbs()], [_HookTakingTooLittle()], "instrument",
+     r"its hook before_pass cannot be called as before_pass\(pass_, program, record\)"),
+    ([_NoCall()], [], "pass", r"_NoCall must implement call\(program\)"),
+    ([ReluToAbs(), 3], [], "pass", r"pipeline element 3 is not a pass: give a Pass instance"),
+], ids=["object()", "a hook's parameters", "a pass without call", "a number"])
+def test_what_is_no_pass_or_instrument_is_a_typed_error_when_the_manager_is_built(
+        passes, instruments, role, says):
+    """``instruments=[object()]`` was a bare TypeError, a hook of other parameters an
+    InstrumentError at the first pass, a Pass without ``call`` a PassFailedError at its turn
+    (after the passes before it had run)."""
+    with pytest.raises(PipelineElementError, match=says) as caught:
+        PassManager(passes, instruments=instruments)
+    assert isinstance(caught.value, PipelineError) and isinstance(caught.value, TypeError)
+    assert caught.value.role == role and caught.value.needs
 
 
 @pytest.mark.parametrize("preserves", [frozenset({NoRelu}), ALL_CONDITIONS],
