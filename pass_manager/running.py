@@ -332,8 +332,9 @@ class Runner:
         taken = rollback = None
         current = program
         try:
+            # The record after the hooks: what an instrument left (a meta entry) is not the pass's.
+            _notify(self.hooks, "before_pass", (p.name, index), p, program, record)
             taken = RollbackRecord(program, p.effects, self.strict)
-            _notify(self.hooks, "before_pass", (p.name, index), p, program, record, undo=taken)
             record.nodes_before = node_count(program)
             # The checks share the node records the rollback record took; a pass that
             # leaves the nodes alone runs inside that one measurement too.
