@@ -36,7 +36,11 @@ def node_fields(nodes: list[torch.fx.Node]) -> list[tuple]:
     return [(n.name, n.op, n.target, n._args, n._kwargs, n.type) for n in nodes]
 
 
-class _Watch(torch.fx.graph._FindNodesLookupTable):
+# torch.fx's per-graph index of nodes by op and target (object: a torch without one).
+_Table = getattr(torch.fx.graph, "_FindNodesLookupTable", object)
+
+
+class _Watch(_Table):
     """A graph's lookup table (its own state, shared) noting each node's fields when it is
     first taken out: torch.fx's ``Node.__setattr__`` takes a node out and puts it back
     around every attribute it sets, so this sees an edit of a node's target or arguments
@@ -73,7 +77,7 @@ def edited_fields(graph: torch.fx.Graph, exact: bool = False) -> Iterator[Callab
     or reordered are not its business. ``exact`` compares every node's fields instead (as
     does a torch whose nodes do not report their edits)."""
     table = getattr(graph, "_find_nodes_lookup_table", None)
-    if exact or type(table) is not torch.fx.graph._FindNodesLookupTable or not _edits_reported():
+    if exact or _Table is object or type(table) is not _Table or not _edits_reported():
         nodes = list(graph.nodes)
         fields = node_fields(nodes)
         yield lambda: not equal(node_fields(nodes), fields)
@@ -82,8 +86,7 @@ def edited_fields(graph: torch.fx.Graph, exact: bool = False) -> Iterator[Callab
     try:
         yield lambda: any(not equal(node_fields([n])[0], old) for n, old in watch.before.items())
     finally:
-        graph._find_nodes_lookup_table = table  # its state is the watch's: one set of dicts
-        table.__dict__.update((k, v) for k, v in vars(watch).items() if k != "before")
+        graph._find_nodes_lookup_table = table  # the watch's state is the table's own dicts
 
 
 def equal(a: Any, b: Any) -> bool:
