@@ -46,14 +46,10 @@ class Instrumentation:
         pass
 
 
-# Each hook and what the core loop calls it with.
-_HOOKS = {
-    "before_run": ("program", "report"),
-    "after_run": ("program", "report"),
-    "before_pass": ("pass_", "program", "record"),
-    "after_pass": ("pass_", "program", "record"),
-    "after_pass_failed": ("pass_", "program", "record", "error"),
-}
+# Each hook and what the core loop calls it with: the base class's own parameters.
+_HOOKS = {hook: tuple(inspect.signature(getattr(Instrumentation, hook)).parameters)[1:]
+          for hook in ("before_run", "after_run", "before_pass", "after_pass",
+                       "after_pass_failed")}
 _NEEDS = ("an instance of pass_manager.Instrumentation, whose subclass overrides any of "
           + ", ".join(f"{hook}({', '.join(args)})" for hook, args in _HOOKS.items()))
 
