@@ -101,6 +101,11 @@ class _CallablePass(Pass):
         return f"<pass {self._name}>"
 
 
+# What a pipeline element must be (said when one is not).
+_NEEDS = ("a Pass instance (implementing call(program)), a torch PassBase or a callable "
+          "taking a GraphModule")
+
+
 def as_pass(item: Any) -> Pass:
     """Wrap a pipeline element (Pass, torch PassBase, or plain callable) as a Pass."""
     if isinstance(item, Pass):
@@ -119,10 +124,6 @@ def as_pass(item: Any) -> Pass:
         return _CallablePass(item, getattr(item, "__name__", None) or type(item).__name__)
     raise PipelineElementError(item, "pass", _NEEDS,
                                f"pipeline element {item!r} is not a pass: give {_NEEDS}")
-
-
-_NEEDS = ("a Pass instance (implementing call(program)), a torch PassBase or a callable "
-          "taking a GraphModule")
 
 
 # A function may return its input or a new program unless its effects say which.

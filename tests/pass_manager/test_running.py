@@ -881,6 +881,29 @@ def _retarget_then_raise(program):
     raise KeyError("half-way")
 
 
+def _retarget_then_interrupt(program):
+    _retarget_relu(program)
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("role", ["requires", "provides"])
+def test_an_interrupt_in_a_condition_check_comes_through_with_the_program_as_it_was(
+        exported, role):
+    """Ctrl-C in a required condition's check (before the pass's rollback record applied)
+    left the check's half-done edit in the program."""
+    interrupted = Condition("Interrupted", _retarget_then_interrupt)
+
+    class Checked(Pass):
+        def call(self, program):
+            return PassResult(program, False)
+
+    setattr(Checked, role, frozenset({interrupted}))
+    before = str(graph_of(exported))
+    with pytest.raises(KeyboardInterrupt):
+        PassManager([Checked()]).run(exported)
+    assert str(graph_of(exported)) == before
+
+
 @pytest.mark.parametrize(("check", "strict"), [
     (_add_node, False), (_retarget_relu, True), (_retarget_relu, False), (_rewire_relu, False),
     (_retarget_then_raise, False)],
