@@ -11,6 +11,7 @@ A cached value is shared: treat it as read-only.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ from torch.export import ExportedProgram
 
 from .program import graph_module_of, modules_of
 
-__all__ = ["Same", "Stamp", "cached", "equal", "node_fields", "unchanged"]
+__all__ = ["Same", "Stamp", "cached", "edited_fields", "equal", "node_fields", "unchanged"]
 
 T = TypeVar("T")
 
@@ -33,6 +34,59 @@ def node_fields(nodes: list[torch.fx.Node]) -> list[tuple]:
     """Per node, the fields that make the program's code: name, op, target, args, kwargs and
     type (the rollback record compares the same records)."""
     return [(n.name, n.op, n.target, n._args, n._kwargs, n.type) for n in nodes]
+
+
+# torch.fx's per-graph index of nodes by op and target (object: a torch without one).
+_Table = getattr(torch.fx.graph, "_FindNodesLookupTable", object)
+
+
+class _Watch(_Table):
+    """A graph's lookup table (its own state, shared) noting each node's fields when it is
+    first taken out: torch.fx's ``Node.__setattr__`` takes a node out and puts it back
+    around every attribute it sets, so this sees an edit of a node's target or arguments
+    without a pass over every node."""
+
+    def remove(self, node: torch.fx.Node) -> None:
+        self.before.setdefault(node, node_fields([node])[0])
+        super().remove(node)
+
+
+def _watch(graph: torch.fx.Graph) -> _Watch:
+    """Put a :class:`_Watch` of its own table on ``graph`` (the table's state, shared)."""
+    table = graph._find_nodes_lookup_table
+    watch = _Watch.__new__(_Watch)
+    watch.__dict__.update(vars(table), before={})
+    graph._find_nodes_lookup_table = watch
+    return watch
+
+
+@functools.cache
+def _edits_reported() -> bool:
+    """Whether this torch's nodes take themselves out of the lookup table to set a field."""
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    watch = _watch(graph)
+    node.target = "y"
+    return node in watch.before
+
+
+@contextmanager
+def edited_fields(graph: torch.fx.Graph, exact: bool = False) -> Iterator[Callable[[], bool]]:
+    """Inside the block, watch ``graph``'s nodes; yields a function telling (after the block)
+    whether a node's fields (:func:`node_fields`) differ from before it. Nodes added, removed
+    or reordered are not its business. ``exact`` compares every node's fields instead (as
+    does a torch whose nodes do not report their edits)."""
+    table = getattr(graph, "_find_nodes_lookup_table", None)
+    if exact or _Table is object or type(table) is not _Table or not _edits_reported():
+        nodes = list(graph.nodes)
+        fields = node_fields(nodes)
+        yield lambda: not equal(node_fields(nodes), fields)
+        return
+    watch = _watch(graph)
+    try:
+        yield lambda: any(not equal(node_fields([n])[0], old) for n, old in watch.before.items())
+    finally:
+        graph._find_nodes_lookup_table = table  # the watch's state is the table's own dicts
 
 
 def equal(a: Any, b: Any) -> bool:

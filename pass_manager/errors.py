@@ -17,6 +17,7 @@ __all__ = [
     "InstrumentError",
     "PassFailedError",
     "PassManagerError",
+    "PipelineElementError",
     "PipelineError",
     "PostconditionError",
     "PreconditionError",
@@ -92,6 +93,18 @@ class PipelineError(PassManagerError):
         super().__init__(message)
         self.cycle = list(cycle)
         self.condition = condition
+
+
+class PipelineElementError(PipelineError, TypeError):
+    """Something given to a PassManager is not what its place takes, found when the manager
+    is built (a TypeError too, like a call with the wrong arguments): ``element`` (its
+    repr), ``role`` (``"pass"`` or ``"instrument"``) and ``needs`` (what it must provide)."""
+
+    def __init__(self, element: Any, role: str, needs: str, message: str | None = None):
+        self.element = element if isinstance(element, str) else repr(element)
+        self.role = role
+        self.needs = needs
+        super().__init__(message or f"{role} {self.element} is not a {role}: {needs}")
 
 
 class _ConditionError(PassManagerError):

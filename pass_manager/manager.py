@@ -16,8 +16,8 @@ from .conditions import (
     provides_of,
 )
 from .effects import Effects
-from .errors import PipelineError
-from .instruments import ClaimCheck, Instrumentation, Timing
+from .errors import PipelineElementError, PipelineError
+from .instruments import ClaimCheck, Instrumentation, Timing, check_instrument
 from .pass_base import Pass, PassResult, as_pass
 from .pipeline_text import format_pipeline, parse_passes
 from .planning import Plan, build_plan
@@ -58,15 +58,16 @@ class PassManager(Pass):
         strict: bool = False,
         name: str | None = None,
     ):
-        if isinstance(passes, Pass) or isinstance(instruments, Instrumentation):
-            raise TypeError("PassManager takes its passes and instruments as lists: "
-                            "PassManager([a_pass], instruments=[an_instrument])")
+        for given, role in ((passes, "pass"), (instruments, "instrument")):
+            if isinstance(given, (Pass, Instrumentation, str)) or not isinstance(given, Iterable):
+                raise PipelineElementError(given, role, "a list of them", (
+                    "PassManager takes its passes and instruments as lists: "
+                    f"PassManager([a_pass], instruments=[an_instrument]), got {given!r}"))
         self._plan: Plan = build_plan([as_pass(p) for p in passes])
         self.strict = strict
         instruments = list(instruments)
-        wrong = next((i for i in instruments if not isinstance(i, Instrumentation)), None)
-        if wrong is not None:  # a class (PrintIR for PrintIR()) failed at the first hook
-            raise TypeError(f"instruments: {wrong!r} is not an Instrumentation instance")
+        for instrument in instruments:  # else it failed at its first hook, mid-run
+            check_instrument(instrument)
         # The user's hooks run innermost-last: after-hooks run in reverse, so a check that
         # rejects a pass (SemanticValidation) runs before the hooks listed before it see
         # the pass succeed.

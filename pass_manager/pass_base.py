@@ -10,6 +10,7 @@ from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from .conditions import ALL_CONDITIONS, Condition, as_condition_set
 from .effects import Effects
+from .errors import PipelineElementError
 from .pipeline_text import format_value, pass_options, register
 from .program import EXPORTED_PROGRAM, GRAPH_MODULE, graph_module_of
 from .report import PassResult
@@ -100,20 +101,29 @@ class _CallablePass(Pass):
         return f"<pass {self._name}>"
 
 
+# What a pipeline element must be (said when one is not).
+_NEEDS = ("a Pass instance (implementing call(program)), a torch PassBase or a callable "
+          "taking a GraphModule")
+
+
 def as_pass(item: Any) -> Pass:
     """Wrap a pipeline element (Pass, torch PassBase, or plain callable) as a Pass."""
     if isinstance(item, Pass):
         if not isinstance(item.effects, Effects):  # it would fail inside its run, cryptically
-            raise TypeError(f"{item.name}.effects is {item.effects!r}: declare an Effects, e.g. "
-                            "effects = Effects.rewrite() or Effects.only_meta('key')")
+            raise PipelineElementError(item.name, "pass", _NEEDS, (
+                f"{item.name}.effects is {item.effects!r}: declare an Effects, e.g. "
+                "effects = Effects.rewrite() or Effects.only_meta('key')"))
+        if type(item).call is Pass.call:  # it would fail at its turn, after the passes before
+            raise PipelineElementError(item.name, "pass", _NEEDS,
+                                       f"{item.name} must implement call(program)")
         return item
     if isinstance(item, type) and issubclass(item, Pass):
-        raise TypeError(
-            f"pipeline got the class {item.__name__}; pass an instance: {item.__name__}()"
-        )
+        raise PipelineElementError(item.__name__, "pass", _NEEDS, (
+            f"pipeline got the class {item.__name__}; pass an instance: {item.__name__}()"))
     if callable(item):  # a torch PassBase too: named by its class, having no __name__
         return _CallablePass(item, getattr(item, "__name__", None) or type(item).__name__)
-    raise TypeError(f"pipeline element {item!r} is not a pass or a callable")
+    raise PipelineElementError(item, "pass", _NEEDS,
+                               f"pipeline element {item!r} is not a pass: give {_NEEDS}")
 
 
 # A function may return its input or a new program unless its effects say which.

@@ -2,8 +2,9 @@
 
 Passes are named by their class name (every Pass subclass registers itself here),
 comma-separated; options follow in braces as ``name=value`` pairs: a Python literal,
-``true`` / ``false``, or an operator name (``aten.clone.default``, or the packet
-``aten.clone``). Only options that differ from the defaults are printed.
+``true`` / ``false``, ``inf`` / ``nan``, a dtype (``torch.bfloat16``) or an operator name
+(``aten.clone.default``, or the packet ``aten.clone``). Only options that differ from the
+defaults are printed.
 """
 
 from __future__ import annotations
@@ -148,14 +149,15 @@ def format_pass(pass_: Any) -> str:
 
 
 def _read_back(pass_: Any, key: str, value: Any) -> str:
-    """An option's text, which must parse back to the value (a tensor, a dtype, a function,
-    nan or inf print as text no parse gives back: the pass would be rebuilt without them)."""
+    """An option's text, which must parse back to the value (a tensor, an enum, a function
+    print as text no parse gives back: the pass would be rebuilt without them)."""
     text = format_value(value)
     with contextlib.suppress(PipelineError):
         if _same_value(_parse_value(text), value):
             return text
     raise PipelineError(f"{pass_.name} has no pipeline text: its option {key}={text} does not "
-                        "read back (text holds Python literals, true/false and operator names)")
+                        "read back (text holds Python literals, true/false, inf/nan, dtypes and "
+                        "operator names)")
 
 
 def format_pipeline(passes: Sequence[Any]) -> str:
@@ -188,7 +190,11 @@ def _split(text: str, separator: str) -> list[str]:
 
 
 def _operator(dotted: str) -> Any:
+    """The operator (or ``torch.<dtype>``) a dotted name names."""
     parts = dotted.split(".")
+    if len(parts) == 2 and parts[0] == "torch" and isinstance(getattr(torch, parts[1], None),
+                                                              torch.dtype):
+        return getattr(torch, parts[1])
     if parts[:2] == ["torch", "ops"]:
         parts = parts[2:]
     value: Any = torch.ops
@@ -202,12 +208,14 @@ def _operator(dotted: str) -> Any:
     return value
 
 
-_NAMES = {"true": True, "false": False, "True": True, "False": False, "None": None, "none": None}
+_NAMES = {"true": True, "false": False, "True": True, "False": False, "None": None, "none": None,
+          "inf": math.inf, "nan": math.nan}
 
 
 class _Names(ast.NodeTransformer):
-    """true/false/none and operator names as the constants they stand for (the rest is
-    left to ``ast.literal_eval``, which reads Python literals and refuses anything else)."""
+    """true/false/none, inf/nan, dtypes and operator names as the constants they stand for
+    (the rest is left to ``ast.literal_eval``, which reads Python literals and refuses
+    anything else)."""
 
     def visit_Name(self, node: ast.Name) -> ast.AST:
         return ast.Constant(_NAMES[node.id]) if node.id in _NAMES else node
@@ -224,8 +232,8 @@ def _parse_value(text: str) -> Any:
     try:
         return ast.literal_eval(_Names().visit(tree))
     except (ValueError, TypeError) as e:  # TypeError: an unhashable dict key or set item
-        raise PipelineError(f"option value {text!r}: expected a Python literal, true/false "
-                            "or an operator name") from e
+        raise PipelineError(f"option value {text!r}: expected a Python literal, true/false, "
+                            "inf/nan, a dtype or an operator name") from e
 
 
 def _pass_class(name: str) -> type:

@@ -14,7 +14,7 @@ from typing import Any
 import networkx as nx
 
 from .conditions import Condition, preserves_of, provides_of, requires_of
-from .errors import PipelineError
+from .errors import PipelineElementError, PipelineError
 
 __all__ = ["Plan", "build_plan"]
 
@@ -76,7 +76,8 @@ def _check_condition_names(passes: Sequence[Any]) -> None:
             try:
                 declared |= read(p)
             except TypeError as e:
-                raise TypeError(f"{p.name}.{kind}: {e}") from None
+                raise PipelineElementError(p.name, "pass", "sets of Condition objects",
+                                           f"{p.name}.{kind}: {e}") from None
         for c in declared:
             if by_name.setdefault(c.name, c) is not c:
                 raise PipelineError(

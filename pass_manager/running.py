@@ -21,7 +21,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.infra.pass_base import PassResult as TorchPassResult
 
 from ._rollback import RollbackRecord, recorded
-from .analysis import Stamp, equal, node_fields, unchanged
+from .analysis import Stamp, edited_fields, unchanged
 from .conditions import (
     Condition,
     as_condition_set,
@@ -329,10 +329,12 @@ class Runner:
 
     # -- one pass ----------------------------------------------------------------------
     def _run_pass(self, p: Any, index: int, program: Any, record: PassRecord) -> Any:
-        rollback, current = None, program
+        taken = rollback = None
+        current = program
         try:
+            # The record after the hooks: what an instrument left (a meta entry) is not the pass's.
+            _notify(self.hooks, "before_pass", (p.name, index), p, program, record)
             taken = RollbackRecord(program, p.effects, self.strict)
-            _notify(self.hooks, "before_pass", (p.name, index), p, program, record, undo=taken)
             record.nodes_before = node_count(program)
             # The checks share the node records the rollback record took; a pass that
             # leaves the nodes alone runs inside that one measurement too.
@@ -355,9 +357,9 @@ class Runner:
             if error is e:
                 raise
             raise error from e
-        except BaseException:  # Ctrl-C mid-rewrite: the program as it was, the interrupt kept
-            if rollback is not None:
-                rollback.restore()
+        except BaseException:  # Ctrl-C mid-rewrite (or mid-check): the program as it was,
+            if taken is not None:  # the interrupt kept
+                taken.restore()
             raise
 
     def _failed(self, p: Any, index: int, program: Any, current: Any, rollback: Any,
@@ -473,28 +475,28 @@ class Runner:
                 continue
             start = time.perf_counter()
             graph = graph_module_of(program).graph
-            # Nodes by identity always (a C loop); their fields too under strict.
+            # Nodes by identity (a C loop); their fields as edited (every node's, strict).
             nodes = list(graph.nodes)
-            fields = node_fields(nodes) if self.strict else None
-            try:
-                violations = condition.check(program)
-            except Exception as e:
-                raise PassFailedError(record.name, record.index, (
-                    f"the check of condition {condition.name!r} raised {type(e).__name__}: "
-                    f"{e} (a bug in the condition's check, not in the pass)")) from e
-            finally:
-                record.check_time += time.perf_counter() - start
-                record.checked.append(condition.name)
-            now = list(graph_module_of(program).graph.nodes)
-            if now != nodes or (fields is not None and not equal(node_fields(now), fields)):
+            raised = None
+            with edited_fields(graph, exact=self.strict) as edited:
+                try:
+                    violations = condition.check(program)
+                except Exception as e:  # noqa: BLE001 - named below, after its change is undone
+                    raised = e
+            record.check_time += time.perf_counter() - start
+            record.checked.append(condition.name)
+            changed = list(graph_module_of(program).graph.nodes) != nodes or edited()
+            if raised is not None or changed:
+                what = (f"raised {type(raised).__name__}: {raised}" if raised is not None
+                        else "changed the program's nodes; a check observes")
+                undone = "its change was undone; " if changed else ""
                 error = PassFailedError(record.name, record.index, (
-                    f"the check of condition {condition.name!r} changed the program's nodes; "
-                    "a check observes (its change was undone; a bug in the condition's "
-                    "check, not in the pass)"))
-                if undo is not None:
+                    f"the check of condition {condition.name!r} {what} ({undone}a bug in the "
+                    "condition's check, not in the pass)"))
+                if changed and undo is not None:
                     undo.restore()
                     error.rolled_back = True
-                raise error
+                raise error from raised
             if violations:
                 return condition, violations
             self.holds.add(condition)

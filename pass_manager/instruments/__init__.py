@@ -1,7 +1,7 @@
 """Instruments: hooks around every pass and run of the core loop, one module per idea
 (replaying a :mod:`.reproducer` is :mod:`pass_manager.replay`)."""
 
-from .base import ClaimCheck, Instrumentation, Timing
+from .base import ClaimCheck, Instrumentation, Timing, check_instrument
 from .print_ir import PrintDiff, PrintIR
 from .reproducer import Reproducer
 from .semantic_validation import SemanticValidation
@@ -14,4 +14,5 @@ __all__ = [
     "Reproducer",
     "SemanticValidation",
     "Timing",
+    "check_instrument",
 ]

@@ -3,13 +3,14 @@ and the two instruments every run has (:class:`Timing`, :class:`ClaimCheck`)."""
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any
 
-from ..errors import PassFailedError, PassManagerError
+from ..errors import PassFailedError, PassManagerError, PipelineElementError
 from ..report import PassRecord, Report
 
-__all__ = ["ClaimCheck", "Instrumentation", "Timing"]
+__all__ = ["ClaimCheck", "Instrumentation", "Timing", "check_instrument"]
 
 
 class Instrumentation:
@@ -43,6 +44,36 @@ class Instrumentation:
         self, pass_: Any, program: Any, record: PassRecord, error: PassManagerError
     ) -> None:
         pass
+
+
+# Each hook and what the core loop calls it with: the base class's own parameters.
+_HOOKS = {hook: tuple(inspect.signature(getattr(Instrumentation, hook)).parameters)[1:]
+          for hook in ("before_run", "after_run", "before_pass", "after_pass",
+                       "after_pass_failed")}
+_NEEDS = ("an instance of pass_manager.Instrumentation, whose subclass overrides any of "
+          + ", ".join(f"{hook}({', '.join(args)})" for hook, args in _HOOKS.items()))
+
+
+def check_instrument(instrument: Any) -> None:
+    """Raise PipelineElementError unless ``instrument`` is an Instrumentation whose hooks
+    take what the core loop calls them with (else it failed at its first hook, mid-run)."""
+    if isinstance(instrument, type) and issubclass(instrument, Instrumentation):
+        raise PipelineElementError(instrument.__name__, "instrument", _NEEDS, (
+            f"instrument {instrument.__name__} is not an Instrumentation instance but its "
+            f"class: give {instrument.__name__}()"))
+    if not isinstance(instrument, Instrumentation):
+        raise PipelineElementError(instrument, "instrument", _NEEDS, (
+            f"instrument {instrument!r} is not an Instrumentation instance: give {_NEEDS}"))
+    for hook, args in _HOOKS.items():
+        method = getattr(instrument, hook, None)
+        if getattr(type(instrument), hook, None) is getattr(Instrumentation, hook):
+            continue  # the base class's own: takes them
+        try:
+            inspect.signature(method).bind(*args)
+        except (TypeError, ValueError) as e:  # not callable, or another parameter list
+            raise PipelineElementError(instrument, "instrument", _NEEDS, (
+                f"instrument {instrument!r}: its hook {hook} cannot be called as "
+                f"{hook}({', '.join(args)}) ({e})")) from None
 
 
 class Timing(Instrumentation):

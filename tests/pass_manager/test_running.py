@@ -23,6 +23,8 @@ from pass_manager import (
     PassFailedError,
     PassManager,
     PassResult,
+    PipelineElementError,
+    PipelineError,
     PostconditionError,
     PreconditionError,
     PrintDiff,
@@ -403,6 +405,35 @@ def test_passes_and_instruments_not_given_as_lists_of_them_are_named(mistake):
     with pytest.raises(TypeError, match=r"PassManager takes its passes and instruments as lists|"
                                         r"is not an Instrumentation instance"):
         mistake()
+
+
+class _HookTakingTooLittle(Instrumentation):
+    def before_pass(self, record):  # the core loop calls before_pass(pass_, program, record)
+        pass
+
+
+class _NoCall(Pass):  # forgot call(program)
+    pass
+
+
+@pytest.mark.parametrize(("passes", "instruments", "role", "says"), [
+    ([ReluToAbs()], [object()], "instrument",
+     r"instrument <object object at .*> is not an Instrumentation instance: give an instance "
+     r"of pass_manager\.Instrumentation"),
+    ([ReluToAbs()], [_HookTakingTooLittle()], "instrument",
+     r"its hook before_pass cannot be called as before_pass\(pass_, program, record\)"),
+    ([_NoCall()], [], "pass", r"_NoCall must implement call\(program\)"),
+    ([ReluToAbs(), 3], [], "pass", r"pipeline element 3 is not a pass: give a Pass instance"),
+], ids=["object()", "a hook's parameters", "a pass without call", "a number"])
+def test_what_is_no_pass_or_instrument_is_a_typed_error_when_the_manager_is_built(
+        passes, instruments, role, says):
+    """``instruments=[object()]`` was a bare TypeError, a hook of other parameters an
+    InstrumentError at the first pass, a Pass without ``call`` a PassFailedError at its turn
+    (after the passes before it had run)."""
+    with pytest.raises(PipelineElementError, match=says) as caught:
+        PassManager(passes, instruments=instruments)
+    assert isinstance(caught.value, PipelineError) and isinstance(caught.value, TypeError)
+    assert caught.value.role == role and caught.value.needs
 
 
 @pytest.mark.parametrize("preserves", [frozenset({NoRelu}), ALL_CONDITIONS],
@@ -839,14 +870,52 @@ def _add_node(program):
     return []
 
 
-@pytest.mark.parametrize(("check", "strict"), [(_add_node, False), (_retarget_relu, True)],
-                         ids=["adds a node", "retargets a node (strict)"])
+def _rewire_relu(program):
+    for node in targets(program, "relu"):
+        node.args = (node.args[0].args[0], *node.args[1:])  # its input's input
+    return []
+
+
+def _retarget_then_raise(program):
+    _retarget_relu(program)
+    raise KeyError("half-way")
+
+
+def _retarget_then_interrupt(program):
+    _retarget_relu(program)
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("role", ["requires", "provides"])
+def test_an_interrupt_in_a_condition_check_comes_through_with_the_program_as_it_was(
+        exported, role):
+    """Ctrl-C in a required condition's check (before the pass's rollback record applied)
+    left the check's half-done edit in the program."""
+    interrupted = Condition("Interrupted", _retarget_then_interrupt)
+
+    class Checked(Pass):
+        def call(self, program):
+            return PassResult(program, False)
+
+    setattr(Checked, role, frozenset({interrupted}))
+    before = str(graph_of(exported))
+    with pytest.raises(KeyboardInterrupt):
+        PassManager([Checked()]).run(exported)
+    assert str(graph_of(exported)) == before
+
+
+@pytest.mark.parametrize(("check", "strict"), [
+    (_add_node, False), (_retarget_relu, True), (_retarget_relu, False), (_rewire_relu, False),
+    (_retarget_then_raise, False)],
+    ids=["adds a node", "retargets a node (strict)", "retargets a node", "rewires a node",
+         "retargets, then raises"])
 @pytest.mark.parametrize("role", ["requires", "provides"])
 def test_a_condition_check_that_changes_the_program_is_a_typed_error_and_undone(
         exported, check, strict, role):
     """Before, the change stayed: counted as the pass's own (required), or kept with the
-    program's code stale (provided: no recompile after the checks). Outside strict, nodes
-    added, removed or reordered are seen (an identity check); under strict, their fields."""
+    program's code stale (provided: no recompile after the checks). Outside strict, only
+    nodes added, removed or reordered were seen: a check retargeting or rewiring a node
+    (or doing so, then raising) left it so, the pass reported as unchanged."""
     changes = Condition("ChangesTheProgram", check)
 
     class Checked(Pass):
@@ -856,6 +925,7 @@ def test_a_condition_check_that_changes_the_program_is_a_typed_error_and_undone(
     setattr(Checked, role, frozenset({changes}))
     before = str(graph_of(exported))
     with pytest.raises(PassFailedError, match="the check of condition 'ChangesTheProgram' "
-                       "changed the program's nodes") as info:
+                       r"(changed the program's nodes|raised KeyError: 'half-way' \(its "
+                       "change was undone)") as info:
         PassManager([Checked()], strict=strict).run(exported)
     assert info.value.rolled_back and str(graph_of(exported)) == before

@@ -133,3 +133,35 @@ def test_a_broken_failure_hook_leaves_the_others_theirs(tmp_path):
                                               _raising_in("after_pass_failed")]).run(program)
     assert info.value.instrument == "Broken" and isinstance(info.value.__cause__, PassFailedError)
     assert seen == ["PassFailedError"] and len(list(tmp_path.iterdir())) == 1
+
+
+class _NotesInMeta(Instrumentation):
+    """Writes a meta entry of its own on every node before each pass (node meta is not
+    what an instrument is checked for: only nodes and the signature)."""
+
+    def before_pass(self, pass_, program, record):
+        for node in graph_of(program).nodes:
+            node.meta["seen_by_instrument"] = pass_.name
+
+
+class _Tags(Pass):
+    effects = Effects.only_meta("tag")
+
+    def call(self, program):
+        return None  # changes nothing
+
+
+class _DoesNothing(Pass):
+    def call(self, program):
+        return None
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+@pytest.mark.parametrize("unchanging", [_Tags, _DoesNothing], ids=["meta-only", "default effects"])
+def test_an_instruments_meta_entry_is_not_blamed_on_the_pass(strict, unchanging):
+    """The pass's record was taken before the before_pass hooks: the instrument's entry was
+    the pass's change (modified, a report warning if it said "unmodified"; under strict an
+    EffectsError naming the pass's undeclared meta keys, or its claim a PassFailedError)."""
+    program = torch.export.export(Accumulate(), (torch.ones(4),))
+    result = PassManager([unchanging()], instruments=[_NotesInMeta()], strict=strict).run(program)
+    assert result.modified is False and result.report.warnings == []
