@@ -37,6 +37,7 @@ from .._carried.pairs import method_pairing
 from .._methods.shared_buffers import parameter_difference, shared_buffer_differences
 from . import ExecuTorchInputError
 from .buffer_layout import contiguous_buffers
+from .dynamic_ranges import ExportedRangeSymShapeEval, exported_ranges
 from .initial_state import repair_initial_state
 from .method_state import checked_methods
 from .partitioner import BufferOwningPartitioner
@@ -228,10 +229,15 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
             mutated = set(sig.buffers_to_mutate.values())
             names.update(n for n, fqn in sig.inputs_to_buffers.items() if fqn in mutated)
             backends[method] = delegate_backends(ep)["forward"]
+        # Each method's dynamic sizes planned over its exported ranges (see dynamic_ranges).
+        ranges = {method: exported_ranges(copies[method], edge.exported_program(method))
+                  for method in edge.methods}
         config = ExecutorchBackendConfig(
             memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=share_mutable_buffers),
             passes=[InitializedMutableBufferPass(sorted(names))],
-            emit_mutable_buffer_names=True)
+            emit_mutable_buffer_names=True,
+            sym_shape_eval_pass={method: ExportedRangeSymShapeEval(found)
+                                 for method, found in ranges.items()})
         et = edge.to_executorch(config)
         repaired = repair_initial_state(et, config)
     serialized = {method: et.exported_program(method) for method in edge.methods}
