@@ -41,7 +41,7 @@ from torch.export.graph_signature import OutputKind
 from torch.fx import Node
 
 from pass_manager.call_signature import describe_inputs, signature_of
-from pass_manager.validation import Trace
+from pass_manager.validation import Trace, as_call
 
 from .._analysis.buffers import user_outputs
 from .._analysis.data_movement import moved_from
@@ -158,20 +158,24 @@ def _exported(helper: str, program: Any, example_inputs: Any) -> ExportedProgram
     if example_inputs is None:
         raise ExecuTorchInputError(
             helper, "example_inputs", "a module is exported before it is lowered: give the "
-            "argument tuple of one call, e.g. (x,), or pass the ExportedProgram")
-    if isinstance(example_inputs, list):
-        example_inputs = tuple(example_inputs)
-    if not isinstance(example_inputs, tuple):
+            "argument tuple of one call, e.g. (x,), or its (args, kwargs) pair, or pass the "
+            "ExportedProgram")
+    if not isinstance(example_inputs, (tuple, list, Mapping)):
         raise ExecuTorchInputError(
-            helper, "example_inputs", f"the argument tuple of one call, e.g. (x,); got "
-            f"{_kind(example_inputs)}")
+            helper, "example_inputs", f"the argument tuple of one call, e.g. (x,), or its "
+            f"(args, kwargs) pair; got {_kind(example_inputs)}")
+    # As the steps are written: keyword inputs (keyword-only ones, the Hugging Face form)
+    # go in an (args, kwargs) pair.
+    args, kwargs = as_call(example_inputs)
     signature = signature_of(program)
-    reason = signature.mismatch(example_inputs, {})
+    reason = signature.mismatch(args, kwargs)
     if reason:
         raise ExecuTorchInputError(
             helper, "example_inputs", f"{reason}; the module takes {signature}, "
-            f"example_inputs gives {describe_inputs(example_inputs, {})}")
-    return torch.export.export(copy.deepcopy(program), copy.deepcopy(example_inputs))
+            f"example_inputs gives {describe_inputs(args, kwargs)} (keyword inputs go in an "
+            "(args, kwargs) pair)")
+    return torch.export.export(copy.deepcopy(program), copy.deepcopy(args),
+                               copy.deepcopy(kwargs))
 
 
 def delegate_backends(program: ExportedProgram | bytes) -> dict[str, list[str]]:
@@ -457,7 +461,8 @@ def runtime_pairs(helper: str, program: Any, next_values: Mapping[str, str] | No
 
 
 def lower_for_runtime(
-    program: Any, example_inputs: tuple | None = None, partitioner: Partitioner | None = None
+    program: Any, example_inputs: tuple | Mapping[str, Any] | None = None,
+    partitioner: Partitioner | None = None,
 ) -> LoweredProgram:
     """``program`` lowered once, for :func:`decode_on_runtime` to decode (maybe several times)
     and :func:`passes.executorch.planned_memory` to read (``.pte``); the forms and errors of
@@ -477,7 +482,8 @@ def _lower_timed(helper: str, program: Any, example_inputs: Any,
 
 
 def lower_to_pte(
-    program: Any, example_inputs: tuple | None, partitioner: Partitioner | None = None
+    program: Any, example_inputs: tuple | Mapping[str, Any] | None,
+    partitioner: Partitioner | None = None,
 ) -> tuple[bytes, BufferOwningPartitioner | None, int]:
     """``program`` as a ``.pte`` buffer, the wrapper used (None if it came lowered), delegates.
 
@@ -486,8 +492,9 @@ def lower_to_pte(
             by default, wrapped in :class:`BufferOwningPartitioner`); an
             ``EdgeProgramManager`` (serialized as lowered, its mutable buffers' values
             kept); an ``ExecutorchProgramManager`` or ``.pte`` bytes (taken as serialized).
-        example_inputs: the argument tuple of one call, to export a module; not used for
-            the other forms (None is fine).
+        example_inputs: the argument tuple of one call, or its ``(args, kwargs)`` pair (as
+            a step is written), to export a module; not used for the other forms (None is
+            fine).
         partitioner: for a program not lowered yet; giving one with a lowered program is
             an error.
 
@@ -555,7 +562,7 @@ def _declared_inputs(meta: Any) -> str:
 
 def decode_on_runtime(
     program: Any,
-    example_inputs: tuple | None,
+    example_inputs: tuple | Mapping[str, Any] | None,
     steps: Sequence[Any],
     partitioner: Partitioner | None = None,
     *,
@@ -588,8 +595,9 @@ def decode_on_runtime(
             its mutable buffers' values kept); an ``ExecutorchProgramManager`` from
             ``.to_executorch()``, its ``.pte`` bytes (run as serialized), or a
             :class:`LoweredProgram` from :func:`lower_for_runtime`.
-        example_inputs: the argument tuple of one call, to export a module; not used for
-            the other forms (None is fine).
+        example_inputs: the argument tuple of one call, or its ``(args, kwargs)`` pair (as
+            a step is written), to export a module; not used for the other forms (None is
+            fine).
         steps: one entry per call, as the program is called in Python (an argument tuple,
             an ``(args, kwargs)`` pair, or a keyword mapping; flattened by the program's
             call spec) or its inputs flat in the exported order (the runtime's form; the
