@@ -51,7 +51,7 @@ from .runtime import (
     runtime_pairs,
 )
 from .runtime_inputs import CarriedState, carried_outputs, flat_inputs, user_input_names
-from .state_writes import refuse_mismatched_state_writes
+from .state_writes import refuse_mismatched_state_writes, refuse_state_written_in_subgraphs
 from .tied_buffers import drop_unused_aliases
 
 __all__ = ["MethodsRun", "lower_methods_to_pte", "run_methods_on_runtime"]
@@ -217,6 +217,7 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
                for note in drop_unused_aliases(ep) + contiguous_buffers(ep, helper, name)]
     for name, ep in copies.items():  # what no copy_ is left to convert
         refuse_mismatched_state_writes(ep, helper, name)
+        refuse_state_written_in_subgraphs(ep, helper, name)  # to_edge fails on it, untyped
     wrapper = _wrapper(partitioner, copies, helper)
     with torch.no_grad():  # the emitter writes buffers back in place
         edge = to_edge_transform_and_lower(copies, partitioner=[wrapper])

@@ -62,7 +62,7 @@ from .runtime_inputs import (
     flat_inputs,
     user_input_names,
 )
-from .state_writes import refuse_mismatched_state_writes
+from .state_writes import refuse_mismatched_state_writes, refuse_state_written_in_subgraphs
 from .tied_buffers import drop_unused_aliases
 
 __all__ = [
@@ -389,6 +389,7 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
             refuse_written_parameters(ep, helper)  # before a partitioner reports it otherwise
             notes = drop_unused_aliases(ep) + contiguous_buffers(ep, helper)
             refuse_mismatched_state_writes(ep, helper)  # what no copy_ is left to convert
+            refuse_state_written_in_subgraphs(ep, helper)  # to_edge fails on it, untyped
             return _serialize(helper, to_edge_transform_and_lower(ep, partitioner=[wrapper]),
                               wrapper, notes, source=ep)
     _refuse_form(helper, program)
