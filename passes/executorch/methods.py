@@ -37,6 +37,7 @@ from .._carried.pairs import method_pairing
 from .._methods.shared_buffers import parameter_difference, shared_buffer_differences
 from . import ExecuTorchInputError
 from .buffer_layout import contiguous_buffers
+from .dynamic_ranges import ExportedRangeSymShapeEval, exported_ranges
 from .initial_state import repair_initial_state
 from .method_state import checked_methods
 from .partitioner import BufferOwningPartitioner
@@ -50,7 +51,7 @@ from .runtime import (
     runtime_pairs,
 )
 from .runtime_inputs import CarriedState, carried_outputs, flat_inputs, user_input_names
-from .state_writes import refuse_mismatched_state_writes
+from .state_writes import refuse_mismatched_state_writes, refuse_state_written_in_subgraphs
 from .tied_buffers import drop_unused_aliases
 
 __all__ = ["MethodsRun", "lower_methods_to_pte", "run_methods_on_runtime"]
@@ -216,6 +217,7 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
                for note in drop_unused_aliases(ep) + contiguous_buffers(ep, helper, name)]
     for name, ep in copies.items():  # what no copy_ is left to convert
         refuse_mismatched_state_writes(ep, helper, name)
+        refuse_state_written_in_subgraphs(ep, helper, name)  # to_edge fails on it, untyped
     wrapper = _wrapper(partitioner, copies, helper)
     with torch.no_grad():  # the emitter writes buffers back in place
         edge = to_edge_transform_and_lower(copies, partitioner=[wrapper])
@@ -228,10 +230,15 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
             mutated = set(sig.buffers_to_mutate.values())
             names.update(n for n, fqn in sig.inputs_to_buffers.items() if fqn in mutated)
             backends[method] = delegate_backends(ep)["forward"]
+        # Each method's dynamic sizes planned over its exported ranges (see dynamic_ranges).
+        ranges = {method: exported_ranges(copies[method], edge.exported_program(method))
+                  for method in edge.methods}
         config = ExecutorchBackendConfig(
             memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=share_mutable_buffers),
             passes=[InitializedMutableBufferPass(sorted(names))],
-            emit_mutable_buffer_names=True)
+            emit_mutable_buffer_names=True,
+            sym_shape_eval_pass={method: ExportedRangeSymShapeEval(found)
+                                 for method, found in ranges.items()})
         et = edge.to_executorch(config)
         repaired = repair_initial_state(et, config)
     serialized = {method: et.exported_program(method) for method in edge.methods}

@@ -34,13 +34,14 @@ from executorch.exir import (
 from executorch.exir._serialize._program import deserialize_pte_binary
 from executorch.exir.backend.partitioner import Partitioner
 from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
+from executorch.exir.schema import TensorShapeDynamism
 from executorch.extension.pybindings import portable_lib
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx import Node
 
 from pass_manager.call_signature import describe_inputs, signature_of
-from pass_manager.validation import Trace
+from pass_manager.validation import Trace, as_call
 
 from .._analysis.buffers import user_outputs
 from .._analysis.data_movement import moved_from
@@ -50,6 +51,7 @@ from .._analysis.write_bounds import check_writes_within_state
 from .._carried.pairs import pairs_of
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
 from .buffer_layout import contiguous_buffers
+from .dynamic_ranges import TRACED_MINIMUM, ExportedRangeSymShapeEval, exported_ranges
 from .initial_state import repair_initial_state
 from .partitioner import BufferOwningPartitioner
 from .portable_kernels import refuse_aborting_kernels
@@ -60,7 +62,7 @@ from .runtime_inputs import (
     flat_inputs,
     user_input_names,
 )
-from .state_writes import refuse_mismatched_state_writes
+from .state_writes import refuse_mismatched_state_writes, refuse_state_written_in_subgraphs
 from .tied_buffers import drop_unused_aliases
 
 __all__ = [
@@ -156,20 +158,24 @@ def _exported(helper: str, program: Any, example_inputs: Any) -> ExportedProgram
     if example_inputs is None:
         raise ExecuTorchInputError(
             helper, "example_inputs", "a module is exported before it is lowered: give the "
-            "argument tuple of one call, e.g. (x,), or pass the ExportedProgram")
-    if isinstance(example_inputs, list):
-        example_inputs = tuple(example_inputs)
-    if not isinstance(example_inputs, tuple):
+            "argument tuple of one call, e.g. (x,), or its (args, kwargs) pair, or pass the "
+            "ExportedProgram")
+    if not isinstance(example_inputs, (tuple, list, Mapping)):
         raise ExecuTorchInputError(
-            helper, "example_inputs", f"the argument tuple of one call, e.g. (x,); got "
-            f"{_kind(example_inputs)}")
+            helper, "example_inputs", f"the argument tuple of one call, e.g. (x,), or its "
+            f"(args, kwargs) pair; got {_kind(example_inputs)}")
+    # As the steps are written: keyword inputs (keyword-only ones, the Hugging Face form)
+    # go in an (args, kwargs) pair.
+    args, kwargs = as_call(example_inputs)
     signature = signature_of(program)
-    reason = signature.mismatch(example_inputs, {})
+    reason = signature.mismatch(args, kwargs)
     if reason:
         raise ExecuTorchInputError(
             helper, "example_inputs", f"{reason}; the module takes {signature}, "
-            f"example_inputs gives {describe_inputs(example_inputs, {})}")
-    return torch.export.export(copy.deepcopy(program), copy.deepcopy(example_inputs))
+            f"example_inputs gives {describe_inputs(args, kwargs)} (keyword inputs go in an "
+            "(args, kwargs) pair)")
+    return torch.export.export(copy.deepcopy(program), copy.deepcopy(args),
+                               copy.deepcopy(kwargs))
 
 
 def delegate_backends(program: ExportedProgram | bytes) -> dict[str, list[str]]:
@@ -254,7 +260,11 @@ def refuse_written_parameters(ep: ExportedProgram, helper: str = "lower_to_pte")
 
 
 def _serialize(helper: str, edge: EdgeProgramManager, wrapper: BufferOwningPartitioner | None,
-               notes: Sequence[str] = ()) -> LoweredProgram:
+               notes: Sequence[str] = (), source: ExportedProgram | None = None
+               ) -> LoweredProgram:
+    """``edge`` serialized, its mutable buffers' values kept; lowered from ``source`` (our
+    private copy of the caller's program; None: lowered by the caller), its dynamic sizes
+    planned over the ranges ``source`` was exported with."""
     ep = edge.exported_program()
     refuse_written_parameters(ep, helper)
     refuse_aborting_kernels(ep, helper)  # a typed error now, not an abort when it runs
@@ -265,8 +275,12 @@ def _serialize(helper: str, edge: EdgeProgramManager, wrapper: BufferOwningParti
     mutated = set(sig.buffers_to_mutate.values())
     names = [name for name, fqn in sig.inputs_to_buffers.items() if fqn in mutated]
     # Their names go into the plan too, so that planned_memory can say which is which.
+    # ExecuTorch plans dynamic sizes over the range torch traced them for (from 2), not the
+    # one they were exported with (see dynamic_ranges).
+    ranges = exported_ranges(source, ep) if source is not None else {}
     config = ExecutorchBackendConfig(passes=[InitializedMutableBufferPass(names)],
-                                     emit_mutable_buffer_names=True)
+                                     emit_mutable_buffer_names=True,
+                                     sym_shape_eval_pass=ExportedRangeSymShapeEval(ranges))
     notes = [*notes, *(wrapper.notes if wrapper is not None else ())]
     et = edge.to_executorch(config)
     notes += repair_initial_state(et, config)
@@ -375,8 +389,9 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
             refuse_written_parameters(ep, helper)  # before a partitioner reports it otherwise
             notes = drop_unused_aliases(ep) + contiguous_buffers(ep, helper)
             refuse_mismatched_state_writes(ep, helper)  # what no copy_ is left to convert
+            refuse_state_written_in_subgraphs(ep, helper)  # to_edge fails on it, untyped
             return _serialize(helper, to_edge_transform_and_lower(ep, partitioner=[wrapper]),
-                              wrapper, notes)
+                              wrapper, notes, source=ep)
     _refuse_form(helper, program)
     raise ExecuTorchInputError(helper, "program", f"got {_kind(program)}; pass {PROGRAM_FORMS}")
 
@@ -447,7 +462,8 @@ def runtime_pairs(helper: str, program: Any, next_values: Mapping[str, str] | No
 
 
 def lower_for_runtime(
-    program: Any, example_inputs: tuple | None = None, partitioner: Partitioner | None = None
+    program: Any, example_inputs: tuple | Mapping[str, Any] | None = None,
+    partitioner: Partitioner | None = None,
 ) -> LoweredProgram:
     """``program`` lowered once, for :func:`decode_on_runtime` to decode (maybe several times)
     and :func:`passes.executorch.planned_memory` to read (``.pte``); the forms and errors of
@@ -467,7 +483,8 @@ def _lower_timed(helper: str, program: Any, example_inputs: Any,
 
 
 def lower_to_pte(
-    program: Any, example_inputs: tuple | None, partitioner: Partitioner | None = None
+    program: Any, example_inputs: tuple | Mapping[str, Any] | None,
+    partitioner: Partitioner | None = None,
 ) -> tuple[bytes, BufferOwningPartitioner | None, int]:
     """``program`` as a ``.pte`` buffer, the wrapper used (None if it came lowered), delegates.
 
@@ -476,8 +493,9 @@ def lower_to_pte(
             by default, wrapped in :class:`BufferOwningPartitioner`); an
             ``EdgeProgramManager`` (serialized as lowered, its mutable buffers' values
             kept); an ``ExecutorchProgramManager`` or ``.pte`` bytes (taken as serialized).
-        example_inputs: the argument tuple of one call, to export a module; not used for
-            the other forms (None is fine).
+        example_inputs: the argument tuple of one call, or its ``(args, kwargs)`` pair (as
+            a step is written), to export a module; not used for the other forms (None is
+            fine).
         partitioner: for a program not lowered yet; giving one with a lowered program is
             an error.
 
@@ -507,6 +525,37 @@ def _shapes_as_declared(args: Sequence[Any], meta: Any) -> bool:
     )
 
 
+def _dynamic_inputs(pte: bytes) -> list[bool]:
+    """Per input of ``forward``: whether the runtime takes it at any size up to its planned
+    one (a dynamic-size input), not at that size only."""
+    plan = next(p for p in deserialize_pte_binary(pte).program.execution_plan
+                if p.name == "forward")
+    return [getattr(plan.values[i].val, "shape_dynamism", TensorShapeDynamism.STATIC)
+            != TensorShapeDynamism.STATIC for i in plan.inputs]
+
+
+def _sizes_below_minimum(args: Sequence[Any], meta: Any, dynamic: Sequence[bool]
+                         ) -> list[str] | None:
+    """For inputs the method's plan takes (a static one at its size, a dynamic one at most
+    at its planned size): the dynamic sizes given below the one torch traces them from (2);
+    None if an input does not fit its plan."""
+    small = []
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            continue
+        planned = list(meta.input_tensor_meta(i).sizes())
+        if a.dim() != len(planned) or any(g > p for g, p in zip(a.shape, planned, strict=True)):
+            return None
+        if not dynamic[i]:
+            if list(a.shape) != planned:
+                return None
+            continue
+        small += [f"input #{i} dimension {d} is {g} (planned up to {p})"
+                  for d, (g, p) in enumerate(zip(a.shape, planned, strict=True))
+                  if g < TRACED_MINIMUM < p]
+    return small
+
+
 def _declared_inputs(meta: Any) -> str:
     return ", ".join(f"Tensor{list(meta.input_tensor_meta(i).sizes())}"
                      for i in range(meta.num_inputs()))
@@ -514,7 +563,7 @@ def _declared_inputs(meta: Any) -> str:
 
 def decode_on_runtime(
     program: Any,
-    example_inputs: tuple | None,
+    example_inputs: tuple | Mapping[str, Any] | None,
     steps: Sequence[Any],
     partitioner: Partitioner | None = None,
     *,
@@ -547,8 +596,9 @@ def decode_on_runtime(
             its mutable buffers' values kept); an ``ExecutorchProgramManager`` from
             ``.to_executorch()``, its ``.pte`` bytes (run as serialized), or a
             :class:`LoweredProgram` from :func:`lower_for_runtime`.
-        example_inputs: the argument tuple of one call, to export a module; not used for
-            the other forms (None is fine).
+        example_inputs: the argument tuple of one call, or its ``(args, kwargs)`` pair (as
+            a step is written), to export a module; not used for the other forms (None is
+            fine).
         steps: one entry per call, as the program is called in Python (an argument tuple,
             an ``(args, kwargs)`` pair, or a keyword mapping; flattened by the program's
             call spec) or its inputs flat in the exported order (the runtime's form; the
@@ -623,6 +673,17 @@ def decode_on_runtime(
         except RuntimeError as e:
             if _shapes_as_declared(flat, meta):
                 raise  # the inputs are as the method declares them: not theirs to fix
+            if small := _sizes_below_minimum(flat, meta, _dynamic_inputs(lowered.pte)):
+                raise ExecuTorchInputError(
+                    helper, where, f"the runtime failed inside the method ({e}) on inputs "
+                    f"within the sizes it is planned for (at most {_declared_inputs(meta)}): "
+                    f"{'; '.join(small)}. ExecuTorch plans each dynamic-size tensor at its "
+                    "largest size over the range to_edge keeps, which starts at 2 (torch "
+                    "treats sizes 0 and 1 as special) whatever minimum the program was "
+                    "exported with, so a tensor that shrinks as the size grows (cache[n:]) "
+                    "is planned too small for a size below 2; lower the ExportedProgram "
+                    "here (the helpers plan over the exported range), or give sizes of at "
+                    "least 2") from e
             raise ExecuTorchInputError(
                 helper, where, f"the runtime refused the call ({e}); {where} gives "
                 f"{describe_inputs(tuple(flat), {})}, the lowered method takes "

@@ -15,6 +15,12 @@ where eager returns the whole matrix, with only ``Tensors do not match`` in the 
 written in place) whose new value's dtype or shape is not its state's, and refuses the
 program with :class:`~passes.executorch.ExecuTorchInputError` naming the state, the node
 and what to do.
+
+State written inside a higher-order op's subgraph (a ``torch.cond`` branch calling
+``self.acc.add_(x)``) is exported with no ``BUFFER_MUTATION`` for it, and ExecuTorch 1.5.1's
+``to_edge`` fails on it with an untyped ``SpecViolationError: operator 'aten.copy_.default'
+is not functional``: :func:`refuse_state_written_in_subgraphs` refuses it before lowering,
+naming the node and the fix.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .._analysis.buffers import hop_writes
 from . import ExecuTorchInputError
 
-__all__ = ["refuse_mismatched_state_writes"]
+__all__ = ["refuse_mismatched_state_writes", "refuse_state_written_in_subgraphs"]
 
 _WRITES = {OutputKind.BUFFER_MUTATION: InputKind.BUFFER,
            OutputKind.USER_INPUT_MUTATION: InputKind.USER_INPUT}
@@ -80,3 +87,31 @@ def refuse_mismatched_state_writes(ep: ExportedProgram, helper: str,
             "program as torch.export.export returned it (the runtime helpers and "
             "BufferOwningPartitioner convert a copy_'s source themselves), or write "
             "state.copy_(value.to(state.dtype).expand_as(state)) in the model")
+
+
+# The control-flow ops whose branches or bodies torch's functionalization (in to_edge) does
+# not rewrite; a grad-mode region (wrap_with_set_grad_enabled) it inlines.
+_CONTROL_FLOW = {"cond", "while_loop", "scan", "map_impl", "associative_scan"}
+
+
+def refuse_state_written_in_subgraphs(ep: ExportedProgram, helper: str,
+                                      method: str = "forward") -> None:
+    """Refuse ``ep`` if a control-flow op's subgraph (a ``torch.cond`` branch) writes.
+
+    Raises:
+        ExecuTorchInputError: naming ``helper``, the node, what it writes and the fix.
+    """
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or not isinstance(
+                node.target, torch._ops.HigherOrderOperator) or \
+                node.target.name() not in _CONTROL_FLOW:
+            continue
+        opaque = hop_writes(node, ep.graph_module)
+        if opaque is None:
+            continue
+        where = "" if method == "forward" else f" of method {method!r}"
+        raise ExecuTorchInputError(
+            helper, "program", f"node {node.name!r}{where}: {opaque.reason}. torch.export "
+            "lists no state write for it, and ExecuTorch's to_edge fails on it "
+            "(SpecViolationError: operator 'aten.copy_.default' is not functional)",
+            node=node.name)

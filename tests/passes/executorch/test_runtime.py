@@ -132,6 +132,31 @@ def test_xnnpack_delegates_never_get_a_buffer_and_initial_state_is_kept():
         torch.testing.assert_close(actual[0], expected[0], rtol=0, atol=0)
 
 
+class _ScaledCounter(torch.nn.Module):
+    """Keyword-only inputs, as Hugging Face models are called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(3))
+
+    def forward(self, x, *, scale):
+        self.acc.add_(x * scale)
+        return self.acc + 0
+
+
+def test_a_module_taking_keyword_only_inputs_is_exported_from_an_args_kwargs_pair():
+    """On 91ee2ec ``example_inputs`` had to be an argument tuple: a module with a
+    keyword-only input could not be passed at all (ExecuTorchInputError: missing a required
+    argument: 'scale'). It is now written as a step is: ``(args, kwargs)``."""
+    steps = [((torch.arange(3.0) + i,), {"scale": torch.tensor(i + 0.5)}) for i in range(3)]
+    python = run_program(_ScaledCounter(), steps)
+    decoded = decode_on_runtime(_ScaledCounter(), steps[0], steps)
+    for expected, actual in zip(python.outputs, decoded.outputs, strict=True):
+        assert torch.equal(actual[0], expected[0])
+    _refused("missing a required argument: 'scale'.*keyword inputs go in an",
+             _ScaledCounter(), steps[0][0], steps)
+
+
 class _DecaysItsWeight(torch.nn.Module):
     def __init__(self, as_buffer: bool):
         super().__init__()

@@ -95,3 +95,35 @@ def test_the_wrapper_refuses_a_decomposed_program_and_converts_a_copy_by_hand():
         expected = eager(*step)
         assert out[0].dtype == torch.int32 and torch.equal(out[0], expected)
 
+
+
+class WrittenInABranch(torch.nn.Module):
+    """State written inside torch.cond's branches, not by the program around them."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(3))
+
+    def forward(self, x):
+        def grow(x):
+            self.acc.add_(x)
+            return x * 2
+
+        def shrink(x):
+            self.acc.sub_(x)
+            return x * 3
+
+        return torch.cond(x.sum() > 0, grow, shrink, (x,)), self.acc + 0
+
+
+def test_state_written_in_a_cond_branch_is_refused_before_lowering():
+    """On 91ee2ec ExecuTorch's to_edge failed on it inside the helpers, untyped
+    (SpecViolationError: operator 'aten.copy_.default' is not functional)."""
+    with torch.no_grad():
+        program = torch.export.export(WrittenInABranch(), (torch.ones(3),))
+    steps = [(torch.ones(3),)]
+    with pytest.raises(ExecuTorchInputError, match=r"writes b_acc.*torch\.where") as info:
+        decode_on_runtime(program, None, steps)
+    assert info.value.argument == "program" and info.value.node == "cond"
+    with pytest.raises(ExecuTorchInputError, match="of method 'step'"):
+        run_methods_on_runtime({"step": program}, [("step", steps[0], {})])
