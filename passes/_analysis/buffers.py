@@ -359,7 +359,7 @@ def hop_writes(node: Node, gm: torch.nn.Module) -> OpaqueNode | None:
 def _hop_opaque(node: Node, written: list[Node] | None) -> OpaqueNode | None:
     if written == []:
         return None
-    what = "something" if written is None else ", ".join(n.name for n in written)
+    what = "something" if written is None else ", ".join(dict.fromkeys(n.name for n in written))
     hint = ("; write the state outside the branches instead: compute the new value with "
             "torch.where(condition, new, old) (or torch.cond returning it) and write it with "
             "one copy_" if node.target.name() == "cond" else "")
