@@ -171,7 +171,7 @@ def test_the_methods_runtime_column_is_its_error_against_eager(monkeypatch):
     stage = lambda title, fn: fn()  # noqa: E731
     program = SimpleNamespace(graph_module=None)
     methods_flow._runtime_stage(stage, result, [("quantized", {"m": program}, python)],
-                                [("m", (), {})] * 2, eager)
+                                [("m", (), {})] * 2, eager, ran_before={})
     assert result.step_errors["quantized on ExecuTorch"] == [0.5, 0.25]
     assert result.notes == ["quantized methods' lowering: kept 'cache' at the top level"]
     assert result.checks[-1].passed  # runtime == Python
