@@ -8,9 +8,8 @@ on ``ep.module()`` as it is). Calibration leaves its state in the buffers, so th
 program is converted twice: as it is (``left``) and with the buffers put back by hand
 (``reset``), the like-for-like comparison for ``quantize_program``, where
 ``reset_mutable_buffers`` does the same. Both converts read one calibration, so each
-observer's quantization parameters are found once (torchao's ``HistogramObserver`` searches
-for them, about 0.1 s an observer: two thirds of the main job's time went to finding them
-twice). The names of the main job's quantized columns
+observer's statistics are searched once
+(:mod:`~passes.flow.histogram_searches`). The names of the main job's quantized columns
 (:data:`COLUMN_NOTES`) live here too.
 """
 
@@ -25,6 +24,8 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
 from pass_manager.validation import as_call, copy_program
+
+from .histogram_searches import histogram_searches_found_once
 
 __all__ = ["COLUMN_NOTES", "NO_PASSES", "RESET", "WITH_PASSES", "TorchaoRecipe",
            "check_quantizable", "holds_float64", "torchao_recipe"]
@@ -97,32 +98,10 @@ def torchao_recipe(
                 if on_call is not None:
                     on_call(index)
                 index += 1
-    for observer in prepared.modules():
-        if callable(getattr(observer, "calculate_qparams", None)):
-            observer.calculate_qparams = _FoundOnce(observer.calculate_qparams)
-    left = convert_pt2e(copy_program(prepared), fold_quantize=fold)
-    put_back()
-    return TorchaoRecipe(left, convert_pt2e(prepared, fold_quantize=fold))
-
-
-class _FoundOnce:
-    """An observer's ``calculate_qparams`` computed at the first call and answered again at
-    the next ones, in the observer's copies too (a copy shares it): the recipe's two converts
-    read the same observed statistics, nothing observes between them."""
-
-    def __init__(self, calculate: Callable[[], Any]) -> None:
-        self.calculate, self.found = calculate, None
-
-    def __call__(self, **options: Any) -> Any:
-        if options:
-            return self.calculate(**options)
-        if self.found is None:
-            self.found = self.calculate()
-        # each converted program gets tensors of its own
-        return pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, self.found)
-
-    def __deepcopy__(self, memo: dict) -> _FoundOnce:
-        return self
+    with histogram_searches_found_once():  # both converts read one calibration
+        left = convert_pt2e(copy_program(prepared), fold_quantize=fold)
+        put_back()
+        return TorchaoRecipe(left, convert_pt2e(prepared, fold_quantize=fold))
 
 
 def holds_float64(module: torch.nn.Module, calls: Any) -> bool:

@@ -55,6 +55,7 @@ from .factory import (
     export_program,
     first_misfit,
 )
+from .histogram_searches import histogram_searches_found_once
 from .integer_state import INTEGER_STATE, integer_state_stage
 from .noise import native_stderr_held
 from .quantization import COLUMN_NOTES, NO_PASSES, RESET, WITH_PASSES, torchao_recipe
@@ -290,7 +291,7 @@ def run_flow(
                                    "steps")
     result = FlowResult()
     stage = _Stages(log, result, bars=progress_bars)
-    with stage.guarded():
+    with stage.guarded(), histogram_searches_found_once():
         options = dict(pass_options or {})
         functionalize = pipeline or PassManager(
             [MarkMutableBuffers(), InplaceToFunctional()], **options

@@ -41,6 +41,7 @@ from ..quantize_mutable_buffers import QuantizeMutableBuffers
 from .checks import non_finite_notes
 from .examples import xnnpack_quantizer
 from .factory import Exported, MethodsSpec, check_steps_within_state, export_methods
+from .histogram_searches import histogram_searches_found_once
 from .integer_state import dequantized_state, storage_of
 from .noise import native_stderr_held
 from .quantized_graphs import output_grid
@@ -95,7 +96,7 @@ def run_methods_flow(
     result = FlowResult()
     stage = _Stages(log, result, bars=progress_bars)
     calls = list(spec.steps)
-    with stage.guarded():
+    with stage.guarded(), histogram_searches_found_once():
         options = dict(pass_options or {})
         functionalize = pipeline or PassManager([MarkMutableBuffers(), InplaceToFunctional()],
                                                 **options)

@@ -159,26 +159,38 @@ def test_calibration_state_is_left_without_reset(monkeypatch):
 
 
 # -- the recipe's two converts ----------------------------------------------------------------
-def test_the_recipes_two_converts_find_each_observers_parameters_once(monkeypatch):
+def test_the_recipes_two_converts_search_each_observers_statistics_once(monkeypatch):
     """torchao's HistogramObserver searches for its parameters at every convert; the recipe
-    converts one calibration twice, so it asks each observer once, and both programs are
-    what torchao's own prepare, calibrate and convert give, bit for bit."""
+    converts one calibration twice, so each observer's statistics are searched once, and
+    both programs are what torchao's own prepare, calibrate and convert give, bit for bit."""
     from torchao.quantization.pt2e.observer import HistogramObserver
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     model, example, inputs = kv_case("index_copy")
-    asked: dict[int, int] = {}
-    search = HistogramObserver.calculate_qparams
+    asked, searched = [], []
+    ask, search = HistogramObserver.calculate_qparams, HistogramObserver._non_linear_param_search
 
-    def counted(observer):
-        asked[id(observer)] = asked.get(id(observer), 0) + 1
+    def counted_ask(observer):
+        asked.append(observer)
+        return ask(observer)
+
+    def counted_search(observer):
+        searched.append((observer.histogram.clone(), observer.min_val.item(),
+                         observer.max_val.item()))
         return search(observer)
 
-    monkeypatch.setattr(HistogramObserver, "calculate_qparams", counted)
+    monkeypatch.setattr(HistogramObserver, "calculate_qparams", counted_ask)
+    monkeypatch.setattr(HistogramObserver, "_non_linear_param_search", counted_search)
     recipe = torchao_recipe(exported(model, example), xnnpack_quantizer(), [inputs])
-    assert asked and set(asked.values()) == {1}, asked
+    assert searched and 2 * len(searched) <= len(asked), (len(searched), len(asked))
+    for i, (histogram, low, high) in enumerate(searched):  # no statistics searched twice
+        assert not [j for j, (h, lo, hi) in enumerate(searched[:i])
+                    if (lo, hi) == (low, high) and torch.equal(h, histogram)]
+    # torchao's search is back once the recipe is done
+    assert HistogramObserver._non_linear_param_search is counted_search
 
-    monkeypatch.setattr(HistogramObserver, "calculate_qparams", search)
+    monkeypatch.setattr(HistogramObserver, "calculate_qparams", ask)
+    monkeypatch.setattr(HistogramObserver, "_non_linear_param_search", search)
     for left in (True, False):
         module = exported(model, example).run_decompositions({}).module()
         initial = {n: b.clone() for n, b in module.named_buffers()}  # not the observers'
