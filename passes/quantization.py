@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -481,7 +482,10 @@ class QuantizationReport:
         non_finite_reads: one line per quantized value that held inf or NaN during
             calibration (an attention mask of -inf): quantized, it reads a finite value;
             or a value at +-65504 or beyond (a ``torch.finfo(torch.float32).min`` mask,
-            ``-1e9``): its grid's step is so large that the tensor's other values read 0.
+            ``-1e9``): its grid's step is so large that the tensor's other values read 0;
+            or a smaller value stretching its grid as far for the values it saw (scores
+            plus a ``-10000`` mask on an 8-bit grid: the scores within 0.1 of a step), see
+            :func:`passes._analysis.non_finite_observations.stretched_grid`.
         seconds: wall time per step: prepare, calibrate, reset, convert, unfreeze, lift.
     """
 
@@ -501,7 +505,8 @@ class QuantizationReport:
         lines += [f"  {read}" for read in self.repaired_reads]
         if self.non_finite_reads:
             lines.append(f"quantized values holding inf or NaN in calibration (or +-65504 "
-                         f"and beyond): {len(self.non_finite_reads)} ({NON_FINITE_MEANING})")
+                         f"and beyond, or stretching their grid): "
+                         f"{len(self.non_finite_reads)} ({NON_FINITE_MEANING})")
         return lines + [f"  {read}" for read in self.non_finite_reads]
 
     def __str__(self) -> str:
@@ -625,11 +630,7 @@ def quantize_program(
                     on_call(index)
         except CalibrationInputError as error:
             _reset(prepared)  # the program's buffers as they were given
-            if non_finite and error.__cause__ is not None:  # an observer refusing an inf
-                raise CalibrationInputError(
-                    "quantize_program", error.step, f"{non_finite[-1]} ({NON_FINITE_MEANING}); "
-                    f"its observer then raised: {error.reason.split('raised ', 1)[-1]}"
-                ) from error
+            _raise_for_non_finite(error, non_finite, "quantize_program")
             raise
     timed("calibrate")
     report.non_finite_reads = non_finite
@@ -638,9 +639,34 @@ def quantize_program(
                       stacklevel=2)
     report.reset_buffers = _reset(prepared)
     timed("reset")
-    try:
+    with _convert_refusing_non_finite(non_finite, "quantize_program"):
         lifted, unfrozen = _convert(prepared, program, fold, timed, **options)
-    except AssertionError as error:  # torchao's check of an observer's range
+    if not return_report:
+        return lifted
+    report.passes = [*zip(("before annotation", "after annotation"), wrapped.reports,
+                          strict=True), ("after convert", unfrozen)]
+    report.repaired_reads = [note for record in unfrozen.records for note in record.notes]
+    return QuantizedProgram(lifted, report)
+
+
+def _raise_for_non_finite(error: CalibrationInputError, non_finite: list[str],
+                          helper: str) -> None:
+    """A calibration call that failed in an observer after a value beyond any grid was
+    recorded (an observer refusing an inf) is that value's error, naming it."""
+    if non_finite and error.__cause__ is not None:
+        raise CalibrationInputError(
+            helper, error.step, f"{non_finite[-1]} ({NON_FINITE_MEANING}); its observer "
+            f"then raised: {error.reason.split('raised ', 1)[-1]}", method=error.method,
+        ) from error
+
+
+@contextmanager
+def _convert_refusing_non_finite(non_finite: list[str], helper: str) -> Iterator[None]:
+    """torchao's ``AssertionError`` checking an observer's range, after calibration saw a
+    value beyond any grid, is a :class:`QuantizationFlowError` naming those values."""
+    try:
+        yield
+    except AssertionError as error:
         if not non_finite:
             raise
         raise QuantizationFlowError(
@@ -649,13 +675,7 @@ def quantize_program(
             f"AssertionError: {str(error).strip()[:120]}: leave the value unquantized up "
             "to the op that bounds it (a softmax), as passes.flow.examples."
             "AnnotateEveryOpQuantizer does",
-            pass_name="quantize_program") from error
-    if not return_report:
-        return lifted
-    report.passes = [*zip(("before annotation", "after annotation"), wrapped.reports,
-                          strict=True), ("after convert", unfrozen)]
-    report.repaired_reads = [note for record in unfrozen.records for note in record.notes]
-    return QuantizedProgram(lifted, report)
+            pass_name=helper) from error
 
 
 def _reset(prepared: Any) -> list[str]:
@@ -977,22 +997,27 @@ def quantize_methods(
     shared = share_buffer_tensors(prepared)
     observers = share_observers(
         prepared, {name: wrapped[name].buffer_observers for name in programs})
-    with torch.no_grad(), callers_state_restored(programs, calibration):
+    where = ["calls[0]", ""]
+    with torch.no_grad(), callers_state_restored(programs, calibration), \
+            non_finite_observations(prepared, where) as non_finite:
         try:
             for index, (method, args, kwargs) in enumerate(calibration):
+                where[:] = [f"calls[{index}]", method]
                 args, kwargs, given = paired_state.inputs(method, args, kwargs)
                 result = run_calibration_call(prepared[method], args, kwargs,
                                               "quantize_methods", index, method)
                 paired_state.returned(method, given, result)
-        except CalibrationInputError:
+        except CalibrationInputError as error:
             _reset(prepared)  # the programs' buffers as they were given
+            _raise_for_non_finite(error, non_finite, "quantize_methods")
             raise
     _reset(prepared)
     reports: dict[str, dict[str, Report]] = {}
     quantized = {}
     for name, program in programs.items():
-        quantized[name], unfreeze = _convert(prepared[name], program, fold,
-                                             read_only_state=wrapped[name].read_only_state)
+        with _convert_refusing_non_finite(non_finite, "quantize_methods"):
+            quantized[name], unfreeze = _convert(prepared[name], program, fold,
+                                                 read_only_state=wrapped[name].read_only_state)
         stages = dict(zip(("transform", "after_annotate"), wrapped[name].reports, strict=True))
         reports[name] = {**stages, "unfreeze": unfreeze}
     if quantize_state:
@@ -1015,4 +1040,4 @@ def quantize_methods(
                      if len(by_method) > 1}
     return QuantizedMethods(quantized, reports, shared,
                             {key: observers.get(key, 0) for key in [*shared, *shared_inputs]},
-                            shared_inputs)
+                            shared_inputs, non_finite)

@@ -325,16 +325,22 @@ class QuantizedMethods(dict):
         shared_inputs: per state carried in inputs the methods write in place and given
             one tensor (``"input <name>"``, see :func:`carried_inputs`), the methods it
             flows through, by method: ``{label: {method: input name}}``.
+        non_finite_reads: one line per quantized value that held inf, NaN or a value at
+            +-65504 or beyond during the calls, or whose grid the calls stretched over two
+            far clusters (``"method 'decode': 'add' held -inf at calls[1]"``), as
+            :attr:`passes.quantization.QuantizationReport.non_finite_reads` records them.
     """
 
     def __init__(self, programs: Mapping[str, Any], reports: dict[str, dict[str, Report]],
                  shared_buffers: dict[str, list[str]], observers: dict[str, int],
-                 shared_inputs: dict[str, dict[str, str]] | None = None):
+                 shared_inputs: dict[str, dict[str, str]] | None = None,
+                 non_finite_reads: list[str] | None = None):
         super().__init__(programs)
         self.reports = reports
         self.shared_buffers = shared_buffers
         self.observers = observers
         self.shared_inputs = shared_inputs or {}
+        self.non_finite_reads = non_finite_reads or []
 
     def __repr__(self) -> str:
         inputs = f"; shared input state: {', '.join(self.shared_inputs)}" \
