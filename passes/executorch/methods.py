@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+from executorch.exir import ExecutorchBackendConfig
 from executorch.exir.backend.partitioner import Partitioner
 from executorch.exir.passes import MemoryPlanningPass
 from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
@@ -38,6 +38,7 @@ from .._methods.shared_buffers import parameter_difference, shared_buffer_differ
 from . import ExecuTorchInputError
 from .buffer_layout import contiguous_buffers
 from .dynamic_ranges import ExportedRangeSymShapeEval, exported_ranges
+from .edge_ops import exact_view_scatters, to_edge_or_refuse
 from .initial_state import repair_initial_state
 from .method_state import checked_methods
 from .partitioner import BufferOwningPartitioner
@@ -218,9 +219,11 @@ def _lower_methods(programs: Mapping[str, ExportedProgram], partitioner: Any,
     for name, ep in copies.items():  # what no copy_ is left to convert
         refuse_mismatched_state_writes(ep, helper, name)
         refuse_state_written_in_subgraphs(ep, helper, name)  # to_edge fails on it, untyped
+    # A write through diagonal() has no Core ATen scatter: written by index instead.
+    copies = {name: exact_view_scatters(ep) for name, ep in copies.items()}
     wrapper = _wrapper(partitioner, copies, helper)
     with torch.no_grad():  # the emitter writes buffers back in place
-        edge = to_edge_transform_and_lower(copies, partitioner=[wrapper])
+        edge = to_edge_or_refuse(helper, copies, [wrapper])
         names, backends = set(), {}
         for method in edge.methods:
             ep = edge.exported_program(method)

@@ -29,7 +29,6 @@ from executorch.exir import (
     EdgeProgramManager,
     ExecutorchBackendConfig,
     ExecutorchProgramManager,
-    to_edge_transform_and_lower,
 )
 from executorch.exir._serialize._program import deserialize_pte_binary
 from executorch.exir.backend.partitioner import Partitioner
@@ -52,6 +51,7 @@ from .._carried.pairs import pairs_of
 from . import ExecuTorchInputError, ParameterMutationOnExecuTorchError
 from .buffer_layout import contiguous_buffers
 from .dynamic_ranges import TRACED_MINIMUM, ExportedRangeSymShapeEval, exported_ranges
+from .edge_ops import exact_view_scatters, to_edge_or_refuse
 from .initial_state import repair_initial_state
 from .partitioner import BufferOwningPartitioner
 from .portable_kernels import refuse_aborting_kernels
@@ -390,7 +390,8 @@ def _lower(helper: str, program: Any, example_inputs: Any, partitioner: Any) -> 
             notes = drop_unused_aliases(ep) + contiguous_buffers(ep, helper)
             refuse_mismatched_state_writes(ep, helper)  # what no copy_ is left to convert
             refuse_state_written_in_subgraphs(ep, helper)  # to_edge fails on it, untyped
-            return _serialize(helper, to_edge_transform_and_lower(ep, partitioner=[wrapper]),
+            ep = exact_view_scatters(ep)  # a write through diagonal(): no Core ATen scatter
+            return _serialize(helper, to_edge_or_refuse(helper, ep, [wrapper]),
                               wrapper, notes, source=ep)
     _refuse_form(helper, program)
     raise ExecuTorchInputError(helper, "program", f"got {_kind(program)}; pass {PROGRAM_FORMS}")
@@ -627,7 +628,9 @@ def decode_on_runtime(
             inputs the runtime refuses, or a delegate whose backend this runtime lacks
             (Core ML's on Linux), found before loading; or a state whose new value has
             another dtype or shape than the state (a decomposed program: see
-            :mod:`passes.executorch.state_writes`), found before lowering.
+            :mod:`passes.executorch.state_writes`), found before lowering; or an operator
+            ExecuTorch's edge dialect refuses (see :mod:`passes.executorch.edge_ops`),
+            naming its node, where ``to_edge`` raises untyped.
         ParameterMutationOnExecuTorchError: ``program`` writes a parameter.
         PortableKernelAbortError: the lowered program keeps at the top level a quantize
             or dequantize whose ExecuTorch kernel aborts the process on its dtypes (a
