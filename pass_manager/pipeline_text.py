@@ -2,9 +2,11 @@
 
 Passes are named by their class name (every Pass subclass registers itself here),
 comma-separated; options follow in braces as ``name=value`` pairs: a Python literal,
-``true`` / ``false``, ``inf`` / ``nan``, a dtype (``torch.bfloat16``) or an operator name
-(``aten.clone.default``, or the packet ``aten.clone``). Only options that differ from the
-defaults are printed.
+``true`` / ``false``, ``inf`` / ``nan``, a dtype (``torch.bfloat16``), an operator name
+(``aten.clone.default``, or the packet ``aten.clone``), a ``frozenset({...})`` or a member of
+an Enum the pass's fields are annotated with (``Mode.FAST``: looked up in that class, so
+nothing is imported or run to read it). Only options that differ from the defaults are
+printed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import ast
 import contextlib
 import dataclasses
 import difflib
+import enum
 import functools
 import gc
 import inspect
@@ -117,7 +120,11 @@ def format_value(value: Any, *, python: bool = False) -> str:
         return str(value) if python else str(value).lower()
     if isinstance(value, _OPERATORS):
         return str(value)
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
     text = functools.partial(format_value, python=python)
+    if isinstance(value, frozenset):  # sorted by text: one value, one text
+        return f"frozenset({{{', '.join(sorted(map(text, value)))}}})" if value else "frozenset()"
     if isinstance(value, tuple):
         return f"({', '.join(map(text, value))}{',' if len(value) == 1 else ''})"
     if isinstance(value, list):
@@ -153,11 +160,12 @@ def _read_back(pass_: Any, key: str, value: Any) -> str:
     print as text no parse gives back: the pass would be rebuilt without them)."""
     text = format_value(value)
     with contextlib.suppress(PipelineError):
-        if _same_value(_parse_value(text), value):
+        if _same_value(_parse_value(text, _enums(type(pass_))), value):
             return text
     raise PipelineError(f"{pass_.name} has no pipeline text: its option {key}={text} does not "
-                        "read back (text holds Python literals, true/false, inf/nan, dtypes and "
-                        "operator names)")
+                        "read back (text holds Python literals, true/false, inf/nan, dtypes, "
+                        "operator names, frozensets and members of the Enums its fields are "
+                        "annotated with)")
 
 
 def format_pipeline(passes: Sequence[Any]) -> str:
@@ -212,28 +220,65 @@ _NAMES = {"true": True, "false": False, "True": True, "False": False, "None": No
           "inf": math.inf, "nan": math.nan}
 
 
+def _enums(cls: type) -> dict[str, type[enum.Enum]]:
+    """The Enum classes a pass class's fields are annotated with (also inside ``X | None``,
+    ``tuple[X, ...]``), by name: the members its pipeline text may name."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - an annotation naming what its module lacks: none known
+        return {}
+    found, todo = {}, list(hints.values())
+    while todo:
+        hint = todo.pop()
+        if isinstance(hint, type) and issubclass(hint, enum.Enum):
+            found[hint.__name__] = hint
+        todo += typing.get_args(hint)
+    return found
+
+
 class _Names(ast.NodeTransformer):
-    """true/false/none, inf/nan, dtypes and operator names as the constants they stand for
-    (the rest is left to ``ast.literal_eval``, which reads Python literals and refuses
-    anything else)."""
+    """true/false/none, inf/nan, dtypes, operator names, ``frozenset({...})`` and members of
+    ``enums`` as the constants they stand for (the rest is left to ``ast.literal_eval``,
+    which reads Python literals and refuses anything else)."""
+
+    def __init__(self, enums: dict[str, type[enum.Enum]]):
+        self.enums = enums
 
     def visit_Name(self, node: ast.Name) -> ast.AST:
         return ast.Constant(_NAMES[node.id]) if node.id in _NAMES else node
 
     def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
+        owner, member = ast.unparse(node.value), node.attr
+        if owner in self.enums:
+            members = self.enums[owner].__members__
+            if member not in members:
+                raise PipelineError(f"{owner} has no member {member!r}"
+                                    f"{did_you_mean(member, list(members))}; its members: "
+                                    f"{', '.join(members)}")
+            return ast.Constant(members[member])
         return ast.Constant(_operator(ast.unparse(node)))
 
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        if (isinstance(node.func, ast.Name) and node.func.id == "frozenset" and not node.keywords
+                and len(node.args) <= 1):
+            items = ast.literal_eval(self.visit(node.args[0])) if node.args else ()
+            return ast.Constant(frozenset(items))
+        return node  # refused by literal_eval
 
-def _parse_value(text: str) -> Any:
+
+def _parse_value(text: str, enums: dict[str, type[enum.Enum]]) -> Any:
+    """An option's value; ``enums``: the Enum classes (by name) its members may come from."""
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as e:
         raise PipelineError(f"option value {text!r} does not parse: {e.msg}") from e
     try:
-        return ast.literal_eval(_Names().visit(tree))
+        return ast.literal_eval(_Names(enums).visit(tree))
     except (ValueError, TypeError) as e:  # TypeError: an unhashable dict key or set item
         raise PipelineError(f"option value {text!r}: expected a Python literal, true/false, "
-                            "inf/nan, a dtype or an operator name") from e
+                            "inf/nan, a dtype, an operator name, a frozenset or a member of "
+                            f"an Enum the pass's fields are annotated with "
+                            f"({', '.join(enums) or 'none'})") from e
 
 
 def _pass_class(name: str) -> type:
@@ -299,8 +344,10 @@ def _parse_pass(text: str) -> Any:
                 raise PipelineError(f"{name}: option {item.strip()!r} is not key=value")
             if key in options:
                 raise PipelineError(f"{name}: option {key!r} given twice")
-            options[key] = _parse_value(value)
-    cls = _pass_class(name)
+            options[key] = value
+    cls = _pass_class(name)  # first: its fields name the Enums a value may be a member of
+    enums = _enums(cls) if options else {}
+    options = {key: _parse_value(value, enums) for key, value in options.items()}
     if dataclasses.is_dataclass(cls):
         fields = [f.name for f in dataclasses.fields(cls) if f.init]
         unknown = sorted(options.keys() - set(fields))

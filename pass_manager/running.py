@@ -394,6 +394,7 @@ class Runner:
             out = p.call(program)
         except Exception as e:
             if getattr(e, "_from_runner", False):  # a nested pipeline named its failing pass
+                e.within.append((p.name, index))
                 raise
             raise PassFailedError(p.name, index, f"{type(e).__name__}: {e}") from e
         finally:

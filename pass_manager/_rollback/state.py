@@ -31,6 +31,8 @@ _chain = itertools.chain.from_iterable
 _values = dict.values
 # A module's registries of named state: its buffers, parameters and submodules.
 _REGISTRIES = tuple(map(operator.itemgetter, ("_buffers", "_parameters", "_modules")))
+# A module's names of buffers left out of its state_dict: a set, edited in place.
+_NON_PERSISTENT = operator.itemgetter("_non_persistent_buffers_set")
 # An ExportedProgram's attributes recorded as copies (put back as copies of the copies).
 _EXPORTED = ("_state_dict", "_constants", "_range_constraints", "_verifiers", "_example_inputs")
 
@@ -57,7 +59,7 @@ def _tensors_in(dicts: Iterable[dict]) -> list[Any]:
 
 class ModulesRecord:
     """Per module (``named``: ``modules_of``'s list), shallow copies of its ``__dict__``,
-    ``_buffers``, ``_parameters`` and ``_modules``."""
+    ``_buffers``, ``_parameters``, ``_modules`` and ``_non_persistent_buffers_set``."""
 
     def __init__(self, named: list[tuple[str, torch.nn.Module]]):
         self.named = named
@@ -65,6 +67,7 @@ class ModulesRecord:
         self.attrs = list(map(dict.copy, map(vars, self.modules)))
         self.registries = [list(map(dict.copy, map(get, self.attrs))) for get in _REGISTRIES]
         self.buffers, self.parameters, _ = self.registries
+        self.non_persistent = list(map(set.copy, map(_NON_PERSISTENT, self.attrs)))
         # Tensor attributes outside the registries (lifted constants of ``ep.module()``)
         # are rare: found in one C pass over every attribute value.
         self.attr_tensors = [t for t in _tensors_in(self.attrs)
@@ -88,11 +91,14 @@ class ModulesRecord:
         return found
 
     def changed(self) -> bool:
-        """A buffer, parameter, submodule or tensor attribute added, removed or replaced
-        (a submodule added is registered in a recorded module's ``_modules``)."""
+        """A buffer, parameter, submodule or tensor attribute added, removed or replaced, or
+        a buffer's persistence (in the state_dict or not) changed (a submodule added is
+        registered in a recorded module's ``_modules``)."""
         now = list(map(vars, self.modules))
         if not all(_same_dicts(list(map(get, now)), recorded)
                    for get, recorded in zip(_REGISTRIES, self.registries, strict=True)):
+            return True
+        if list(map(_NON_PERSISTENT, now)) != self.non_persistent:
             return True
         if _same_dicts(now, self.attrs):
             return False
@@ -107,17 +113,19 @@ class ModulesRecord:
         return False
 
     def restore(self) -> None:
-        for module, attrs, *registries in zip(self.modules, self.attrs, *self.registries,
-                                              strict=True):
+        for module, attrs, non_persistent, *registries in zip(
+                self.modules, self.attrs, self.non_persistent, *self.registries, strict=True):
             module.__dict__.clear()
             module.__dict__.update(attrs)  # first: it holds the registries the module had
-            for get, recorded in zip(_REGISTRIES, registries, strict=True):
+            for get, recorded in (*zip(_REGISTRIES, registries, strict=True),
+                                  (_NON_PERSISTENT, non_persistent)):
                 get(attrs).clear()
                 get(attrs).update(recorded)
 
 
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # a fake tensor has no data_ptr
 _VERSION = operator.attrgetter("_version")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _mark(t: Any) -> tuple[int, int | None]:
@@ -157,6 +165,7 @@ class TensorsRecord:
     def __init__(self, tensors: list[Any], named: Any, copy: bool, parameters: bool = False):
         self.tensors = tensors
         self.marks = _marks(tensors)
+        self.requires_grad = list(map(_REQUIRES_GRAD, tensors))
         self._named = named
         self._entries: list[tuple[str | None, Any, bool]] | None = None
         self.data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -194,7 +203,14 @@ class TensorsRecord:
         tensor's data is copied at its first listing, the one that names it)."""
         return self.written(skip=self.data)
 
+    def flags_changed(self) -> bool:
+        """A tensor's ``requires_grad`` set otherwise since the record."""
+        return list(map(_REQUIRES_GRAD, self.tensors)) != self.requires_grad
+
     def restore(self) -> None:
+        for tensor, flag in zip(self.tensors, self.requires_grad, strict=True):
+            if tensor.requires_grad != flag:  # state is made of leaves: settable
+                tensor.requires_grad_(flag)
         with torch.no_grad():  # every copy: a write through ``t.data`` leaves no mark
             for i, (data, copied) in self.data.items():
                 self.tensors[i].data = data  # the very data it had, if the pass swapped it
@@ -286,9 +302,10 @@ class StateRecord:
         self.tensors = TensorsRecord(tensors, named, copy_data, copy_parameters)
 
     def changed(self, program: Any, modules: bool = True) -> bool:
-        """The modules (unless ``modules`` is False: known not to), or the ExportedProgram's
-        attributes, or the program object changed."""
-        if modules and self.modules.changed():
+        """The modules (unless ``modules`` is False: known not to), a tensor's
+        ``requires_grad``, or the ExportedProgram's attributes, or the program object
+        changed."""
+        if (modules and self.modules.changed()) or self.tensors.flags_changed():
             return True
         if self.exported is None:
             return program is not self.program

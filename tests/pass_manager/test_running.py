@@ -857,6 +857,30 @@ def test_a_group_in_a_strict_pipeline_names_its_pass_that_broke_its_effects(expo
     assert info.value.rolled_back and not any("b" in n.meta for n in graph_of(exported).nodes)
 
 
+def test_a_pass_failing_in_a_pipeline_another_pass_runs_names_both(exported):
+    """A pass running its own PassManager whose pass raised: the error named the inner pass
+    alone ("pass #0 Boom", while #0 of the outer pipeline is another pass); now its
+    ``within`` and message name the outer pass too, the inner cause kept."""
+
+    def boom(program):
+        raise ValueError("inner boom")
+
+    def runs_a_pipeline(program):
+        return PassManager([function_pass(boom, name="boom")]).run(program).program
+
+    group = PassManager([ReluToAbs(), function_pass(runs_a_pipeline, name="outer")],
+                        name="group")
+    with pytest.raises(PassFailedError, match=r"pass #0 boom failed: ValueError: inner boom\n"
+                       r"It failed inside pass #1 outer, inside pass #0 group") as info:
+        PassManager([group]).run(exported)
+    error = info.value
+    assert (error.pass_name, error.index, error.within) == ("boom", 0, [("outer", 1),
+                                                                         ("group", 0)])
+    assert isinstance(error.__cause__, ValueError) and error.rolled_back
+    assert [r.name for r in error.report.records] == ["group"]
+    assert pickle.loads(pickle.dumps(error)).within == error.within
+
+
 def _retarget_relu(program):
     for node in targets(program, "relu"):
         node.target = torch.ops.aten.abs.default

@@ -3,7 +3,9 @@ with options, pipeline text, the in_place contract and the failure hook."""
 
 import copy
 import dataclasses
+import enum
 import gc
+import re
 import typing
 
 import pytest
@@ -336,3 +338,56 @@ def test_pipeline_text_rebuilds_the_very_option_values(options, text):
     assert repr(back) == repr(p)
     for got, want in zip(dataclasses.astuple(back), dataclasses.astuple(p), strict=True):
         assert type(got) is type(want) and str(got) == str(want)
+
+
+class Mode(enum.Enum):
+    FAST = 1
+    SLOW = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Chooses(Pass):
+    """Options of an Enum, a frozenset and a dataclass."""
+
+    mode: Mode = Mode.FAST
+    fallback: Mode | None = None
+    ops: frozenset = frozenset()
+    window: Window = Window()
+
+    def call(self, program):
+        return PassResult(program, False)
+
+
+@pytest.mark.parametrize(("options", "text"), [
+    ({"mode": Mode.SLOW}, "Chooses{mode=Mode.SLOW}"),
+    ({"fallback": Mode.FAST, "ops": frozenset({"b", "a"})},
+     "Chooses{fallback=Mode.FAST,ops=frozenset({'a', 'b'})}"),
+    ({"ops": frozenset({torch.ops.aten.add.Tensor})}, "Chooses{ops=frozenset({aten.add.Tensor})}"),
+])
+def test_enum_and_frozenset_options_round_trip_through_pipeline_text(options, text):
+    """Before, such a pass had no pipeline text ("does not read back"), so its reproducer
+    could not be replayed."""
+    p = Chooses(**options)
+    assert PassManager([p]).pipeline_text() == text
+    assert parse_pipeline(text).plan() == [p]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("Chooses{mode=Mode.MEDIUM}", "Mode has no member 'MEDIUM'; its members: FAST, SLOW"),
+    ("Chooses{ops=frozenset(open('x'))}", "expected a Python literal"),
+    ("Chooses{ops=frozenset({[1]})}", "expected a Python literal"),
+])
+def test_an_enum_member_or_frozenset_text_that_names_nothing_is_a_pipeline_error(text, message):
+    with pytest.raises(PipelineError, match=re.escape(message)):
+        parse_pipeline(text)
+
+
+def test_a_dataclass_option_has_no_pipeline_text_and_the_error_says_which():
+    with pytest.raises(PipelineError, match=r"its option window=Window\(size=2\) does not read "
+                       "back"):
+        PassManager([Chooses(window=Window(2))]).pipeline_text()

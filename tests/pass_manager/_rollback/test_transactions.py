@@ -308,3 +308,42 @@ def test_a_rewritten_cond_branch_is_a_change_validation_sees():
     assert_same_behaviour(before, exported, calls)
     result = PassManager([rewrite_branch]).run(exported)  # its own recompile not needed
     assert result.report.records[0].modified
+
+
+def _keeps_acc_out_of_the_state_dict(program):
+    graph_of(program).owning_module._non_persistent_buffers_set.add("acc")
+
+
+def _freezes_the_parameters(program):
+    tensors = (program.state_dict if isinstance(program, torch.export.ExportedProgram)
+               else dict(graph_of(program).owning_module.named_parameters())).values()
+    for tensor in tensors:
+        tensor.requires_grad_(False)
+
+
+@pytest.mark.parametrize("edit", [_keeps_acc_out_of_the_state_dict, _freezes_the_parameters])
+@pytest.mark.parametrize("form", ["exported", "traced"])
+def test_a_buffer_made_non_persistent_or_a_parameter_frozen_is_undone_and_measured(
+        form, edit, request):
+    """The module's set of non-persistent buffers and a parameter's requires_grad are edited
+    in place: failing after that, the pass left ``acc`` out of the state_dict (the set put
+    back was the very set it had edited) or the parameters frozen; succeeding, it was
+    measured unmodified."""
+    program = request.getfixturevalue(form)
+    gm = graph_of(program).owning_module
+    exported = program.state_dict if form == "exported" else {}
+    state = {k: (v.clone(), v.requires_grad) for k, v in gm.state_dict(keep_vars=True).items()}
+    exported_state = {k: v.requires_grad for k, v in exported.items()}
+
+    def fails(_):
+        edit(program)
+        raise RuntimeError("boom")
+
+    with pytest.raises(PassFailedError):
+        PassManager([fails]).run(program)
+    now = gm.state_dict(keep_vars=True)
+    assert now.keys() == state.keys()
+    assert all(torch.equal(now[k], v) and now[k].requires_grad == grad
+               for k, (v, grad) in state.items())
+    assert {k: v.requires_grad for k, v in exported.items()} == exported_state
+    assert PassManager([lambda _: edit(program)]).run(program).modified
