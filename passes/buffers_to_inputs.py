@@ -3,10 +3,11 @@ InputsToBuffers."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.fx.graph import _Namespace
 
@@ -16,9 +17,9 @@ from pass_manager.collector import collector_paused
 from ._analysis.buffer_conditions import Functional, MutableBuffersMarked
 from ._analysis.buffers import BUFFER, state_nodes, tied_names
 from ._carried.explicit import Explicit, make_explicit
-from ._carried.record import CarriedRecord, records_of, unsaved_reason
+from ._carried.record import CarriedRecord, fitting_runs, records_of, unsaved_reason
 from ._carried.view import ProgramView
-from .errors import StateNameError
+from .errors import CarriedStateError, StateNameError
 
 __all__ = ["BuffersToInputs"]
 
@@ -33,15 +34,17 @@ class BuffersToInputs(Pass):
     ``buffers`` (FQNs; default: every buffer the program writes) become inputs. Each is
     written in place (``returned=False``: a ``USER_INPUT_MUTATION`` output, or a
     GraphModule's trailing ``copy_(input, value)``) or its next value returned as an output
-    (``returned=True``). Exactly the buffers the last :class:`~passes.InputsToBuffers` run
-    made resident come back exactly as they were (``returned=None``, the default: each as it
-    was carried; while the program's call signature is still the one that run left, and
-    ``buffers`` names all of them):
-    same inputs, names, positions, outputs, call specs and example inputs;
-    state that run's prefill created goes back to being created and returned. The run before
-    it is then undone the same way when ``buffers`` names all of its buffers too, and so on
-    (``buffers={"h": "a"}`` then ``{"g": "b"}``: one BuffersToInputs gives ``h`` and ``g``
-    back). Other buffers
+    (``returned=True``). The buffers :class:`~passes.InputsToBuffers` runs made resident
+    come back exactly as they were (``returned=None``, the default: each as it was carried),
+    in any order and any part: same inputs, names, positions, outputs, call specs and
+    example inputs, those left resident missing from them until they come back too; state a
+    prefill created goes back to being created and returned (``buffers={"h": "a"}`` then
+    ``{"g": "b"}``: ``BuffersToInputs(["a"])`` gives ``h`` back in its place, ``g`` staying
+    resident). This holds for the last runs back to one after which the call signature
+    changed otherwise (another buffer made an input since): a buffer an earlier run moved
+    becomes a keyword input, and a note says why. The record
+    (:func:`~passes.inputs_to_buffers.carried_buffers`) names the buffers still resident.
+    Other buffers
     (the program's own state beside them included)
     become keyword inputs named by their FQN as a Python identifier (``layers.0.k_cache``
     -> ``layers_0_k_cache``; their value in the example inputs), appended after the others;
@@ -65,9 +68,13 @@ class BuffersToInputs(Pass):
         PreconditionError: Functional or MutableBuffersMarked does not hold.
         ProgramFormError: the program is neither a GraphModule nor an ExportedProgram.
         PassFailedError: run by a PassManager or as ``pass_(program)``, in place of the
-            error below (its ``__cause__``); the program is left as it was.
+            errors below (its ``__cause__``); the program is left as it was.
         StateNameError: ``buffers`` names no buffer of the program, or is a string or a
             mapping (not a sequence of names).
+        CarriedStateError: ``buffers`` names part of the buffers one InputsToBuffers run
+            made resident that cannot come back alone: one leaf of a namedtuple or
+            ``StaticCache`` whose other leaves stay resident, or a buffer whose next value
+            one output returned for another buffer too.
     """
 
     buffers: Sequence[str] | None = None
@@ -108,14 +115,10 @@ class BuffersToInputs(Pass):
                       if not set(tied.get(fqn, ())) & set(chosen[:i])]
             if not chosen:
                 return PassResult(program, False)
-            record, stale = _restorable(records_of(program), chosen, self.returned, view)
-            restored = {m.buffer for m in record.moved} if record is not None else set()
-            rest = [fqn for fqn in chosen if fqn not in restored]
-            if not (record is not None and rest):
-                explicit = self._plan(view, nodes, chosen, record, tied)
-                result = make_explicit(view, explicit, record)
-        if record is not None and rest:
-            return self._restore_then_rest(program, [m.buffer for m in record.moved], rest)
+            undoing = _undoing(records_of(program), chosen, self.returned, view)
+            record = undoing.record
+            explicit = self._plan(view, nodes, chosen, record, tied)
+            result = make_explicit(view, explicit, record, undoing.records)
         statistics = Counter(
             "written in place" if e.in_place and e.value is not None else
             "returned" if e.value is not None else "read only" for e in explicit)
@@ -123,6 +126,9 @@ class BuffersToInputs(Pass):
                  f"buffer {e.buffer!r} -> created and returned again" for e in explicit]
         if record is not None:
             notes.append("the call signature before InputsToBuffers is restored")
+        if undoing.staying:
+            notes.append("but for the inputs of the buffers InputsToBuffers made resident "
+                         f"with them, which stay resident: {', '.join(undoing.staying)}")
         if record is not None and record.loaded:
             notes.append("its record was read back from the saved program, which keeps no "
                          "example inputs of it: each restored input's example is the value "
@@ -131,24 +137,11 @@ class BuffersToInputs(Pass):
             notes.append("the program was saved without InputsToBuffers' record, whose call "
                          f"specs could not be written ({reason}): the call signature before "
                          "it is not restored, the buffers become keyword inputs")
-        if stale:
+        if undoing.stale:
             notes.append("the call signature changed after the InputsToBuffers run that made "
                          "these buffers (inputs or outputs added or taken since), so it is not "
                          "restored: the buffers become keyword inputs")
         return PassResult(result, True, notes, statistics)
-
-    def _restore_then_rest(self, program: Any, restored: list[str], rest: list[str]
-                           ) -> PassResult:
-        """The last InputsToBuffers run undone alone, then ``rest`` from the program it gives
-        back, whose signature is again the one the run before left: several runs
-        (``buffers={"h": ...}``, then ``{"g": ...}``) are undone in turn, as many
-        BuffersToInputs runs would, rather than all but the last leaving as keyword inputs
-        under their buffer names with the earlier run's record left behind."""
-        first = BuffersToInputs(restored, None).call(program)
-        then = BuffersToInputs(rest, None).call(first.program)
-        statistics = Counter(first.statistics)
-        statistics.update(then.statistics)
-        return PassResult(then.program, True, [*first.notes, *then.notes], statistics)
 
     def _plan(self, view: ProgramView, nodes: dict[str, list], chosen: list[str],
               record: CarriedRecord | None, tied: dict[str, tuple[str, ...]]
@@ -190,19 +183,57 @@ def _named(view: ProgramView, node: Any) -> Any:
     return next(p for p in view.gm.graph.find_nodes(op="placeholder") if p.name == node.name)
 
 
-def _restorable(records: tuple[CarriedRecord, ...], chosen: list[str], returned: bool | None,
-                view: ProgramView) -> tuple[CarriedRecord | None, bool]:
-    """The last InputsToBuffers record, when it moved only buffers of ``chosen`` (the others,
-    the program's own state, such as a rotary embedding's frequencies Phi3's longrope
-    rewrites, are appended to the restored signature), the user asked for it to come back
-    as it was, and the program still has the call signature that run left (its positions
-    are positions in that signature: restored into another, inputs would go missing); and
-    whether such a record was passed over for that last reason."""
-    if not records or returned is not None:
-        return None, False
-    record = records[-1]
-    if not {m.buffer for m in record.moved} <= set(chosen):
-        return None, False
-    if not record.fits(view.in_spec, view.out_spec):
-        return None, True
-    return record, False
+class _Undoing(NamedTuple):
+    """What making some buffers inputs undoes of the InputsToBuffers runs.
+
+    Attributes:
+        record: restores the call signature for the chosen buffers the runs that can still
+            be undone moved (None: nothing to restore).
+        records: the records the result keeps (None: unchanged); none names a buffer made
+            an input.
+        stale: a run that cannot be undone any more (the call signature changed since)
+            moved a chosen buffer: it becomes a keyword input.
+        staying: the buffers those same runs moved that stay resident.
+    """
+
+    record: CarriedRecord | None
+    records: tuple[CarriedRecord, ...] | None
+    stale: bool
+    staying: tuple[str, ...]
+
+
+def _undoing(records: tuple[CarriedRecord, ...], chosen: list[str], returned: bool | None,
+             view: ProgramView) -> _Undoing:
+    """The runs that can still be undone (the last runs, back to one after which the call
+    signature changed otherwise: :func:`fitting_runs`) undo as one, for any subset of their
+    buffers in any order: the others stay resident, their record rewritten to restore them
+    from the signature this leaves. Earlier runs forget the chosen buffers (their entries,
+    and their places in the signature before them), which become keyword inputs. With
+    ``returned`` given nothing is restored, and every run forgets them."""
+    wanted = set(chosen)
+
+    def refuse(buffer: str, why: str) -> CarriedStateError:
+        return CarriedStateError(_NAME, buffer, f"{why}: make inputs of them together, in "
+                                 f"one BuffersToInputs (buffers asked for: {', '.join(chosen)})")
+
+    start = fitting_runs(records, view.in_spec, view.out_spec) if returned is None else len(
+        records)
+    kept: list[CarriedRecord] = []
+    stale = False
+    for run in records[:start]:
+        if {m.buffer for m in run.moved} & wanted:
+            stale = returned is None
+            run = run.dropping(wanted, refuse)
+        if run is not None:
+            kept.append(run)
+    record, staying = None, ()
+    if records[start:]:
+        run = functools.reduce(CarriedRecord.then, records[start:])
+        if {m.buffer for m in run.moved} & wanted:
+            record, rest = run.restoring(wanted, refuse)
+            if rest is not None:
+                kept.append(rest)
+                staying = tuple(m.buffer for m in rest.moved)
+        else:
+            kept.extend(records[start:])
+    return _Undoing(record, None if tuple(kept) == records else tuple(kept), stale, staying)

@@ -18,7 +18,7 @@ from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 from torch.fx import Node
 
 from .._analysis.buffers import INITIAL_META, MUTABLE_BUFFER_META, MUTABLE_INPUT_META
-from .record import EXAMPLE_META, CarriedRecord, records_of, set_records
+from .record import EXAMPLE_META, CarriedRecord, set_records
 from .specs import with_leaves
 from .view import ProgramView
 
@@ -75,11 +75,12 @@ def _clear_marks(node: Node, state: Explicit, exported: bool) -> None:
         node.meta[MUTABLE_INPUT_META] = node.name if exported else str(node.target)
 
 
-def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRecord | None
-                  ) -> torch.nn.Module:
-    """The program of ``view`` with each of ``explicit`` an input; with ``record``, its call
-    signature restored exactly (and the record dropped), the buffers it did not move
-    appended to it as keywords."""
+def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRecord | None,
+                  records: tuple[CarriedRecord, ...] | None) -> torch.nn.Module:
+    """The program of ``view`` with each of ``explicit`` an input; with ``record``, the call
+    signature before it restored exactly, the buffers it did not move appended to it as
+    keywords. ``records``: the InputsToBuffers records the result keeps (None: the
+    program's, unchanged)."""
     graph = view.gm.graph
     inputs = list(view.inputs)
     outputs = list(view.outputs)
@@ -137,8 +138,8 @@ def make_explicit(view: ProgramView, explicit: list[Explicit], record: CarriedRe
              ) if record is not None else view.arg_names()
     example_inputs = (_restored_examples(view, explicit, record) if record is not None
                       else view.source.example_inputs if view.exported else None)
-    if record is not None:
-        set_records(view.gm.meta, records_of(view.gm)[:-1])  # the last one, restored
+    if records is not None:
+        set_records(view.gm.meta, records)
     if new_keywords:
         in_spec = with_leaves(in_spec, new_keywords)
     appended = sum(1 for index, _ in returned if index is None)

@@ -9,7 +9,8 @@ BuffersToInputs rebuilds them from the program's own and its buffers' values."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.utils._pytree as pytree
@@ -17,8 +18,10 @@ from torch.export import ExportedProgram
 
 from pass_manager import graph_module_of
 
+from .specs import kept_arg_names, without_leaves
+
 __all__ = ["CARRIED_META", "EXAMPLE_META", "SAVED_META", "CarriedRecord", "Moved",
-           "records_of", "set_records", "unsaved_reason"]
+           "fitting_runs", "records_of", "set_records", "unsaved_reason"]
 
 CARRIED_META = "carried_state"
 """``graph_module.meta`` key: the tuple of :class:`CarriedRecord`, one per InputsToBuffers run
@@ -76,6 +79,110 @@ class CarriedRecord:
     def fits(self, in_spec: pytree.TreeSpec, out_spec: pytree.TreeSpec) -> bool:
         """Whether a program of these call specs still has the signature the run left."""
         return self.resident_in_spec == in_spec and self.resident_out_spec == out_spec
+
+    def then(self, later: CarriedRecord) -> CarriedRecord:
+        """This run and ``later``, which started from the signature this one left, as one
+        run: ``later``'s positions become positions in the signature before this run."""
+        inputs_gone = {m.input_index for m in self.moved if m.input_index is not None}
+        outputs_gone = {i for m in self.moved for i in m.output_indices}
+        kept_in = [i for i in range(self.in_spec.num_leaves) if i not in inputs_gone]
+        kept_out = [i for i in range(self.out_spec.num_leaves) if i not in outputs_gone]
+        moved = tuple(replace(m, input_index=None if m.input_index is None else
+                              kept_in[m.input_index],
+                              output_indices=tuple(kept_out[i] for i in m.output_indices))
+                      for m in later.moved)
+        loaded = self.loaded or later.loaded
+        return replace(self, moved=self.moved + moved, example_inputs=None if loaded else
+                       self.example_inputs, resident_in_spec=later.resident_in_spec,
+                       resident_out_spec=later.resident_out_spec, loaded=loaded)
+
+    def dropping(self, buffers: Iterable[str], refuse: Callable[[str, str], Exception]
+                 ) -> CarriedRecord | None:
+        """The run as if it had never moved ``buffers``: their entries gone, and their inputs
+        and outputs gone from the signature before it (None: it moved nothing else). Its
+        positions are then positions in that smaller signature. ``refuse(buffer,
+        why)`` is the error for a buffer whose input or output is one leaf of a
+        container that cannot lose it alone (a ``StaticCache``)."""
+        gone = {m.buffer for m in self.moved} & set(buffers)
+        moved = [m for m in self.moved if m.buffer not in gone]
+        if not moved:
+            return None
+        drop_in = {m.input_index for m in self.moved if m.buffer in gone
+                   and m.input_index is not None}
+        kept_outputs = {i for m in moved for i in m.output_indices}
+        drop_out = {i for m in self.moved if m.buffer in gone for i in m.output_indices
+                    } - kept_outputs
+
+        def refusing(index_of: Callable[[Moved], tuple[int, ...]]):
+            def refuse_leaf(leaf: int, container: str, _staying: list[int]) -> Exception:
+                return refuse(next(m.buffer for m in self.moved if leaf in index_of(m)),
+                              f"it and other leaves of one {container} were made resident "
+                              f"together, and a {container} cannot be passed with only some "
+                              "of its leaves")
+            return refuse_leaf
+
+        in_spec = without_leaves(self.in_spec, drop_in, refusing(
+            lambda m: () if m.input_index is None else (m.input_index,)), keep=2)
+        out_spec = without_leaves(self.out_spec, drop_out, refusing(lambda m: m.output_indices))
+
+        def shifted(index: int, dropped: set[int]) -> int:
+            return index - sum(1 for d in dropped if d < index)
+
+        moved = tuple(replace(m, input_index=None if m.input_index is None else
+                              shifted(m.input_index, drop_in),
+                              output_indices=tuple(shifted(i, drop_out)
+                                                   for i in m.output_indices))
+                      for m in moved)
+        example_inputs = self.example_inputs
+        if example_inputs is not None:
+            leaves = pytree.tree_leaves(example_inputs)
+            example_inputs = pytree.tree_unflatten(
+                [v for i, v in enumerate(leaves) if i not in drop_in], in_spec)
+        return replace(self, in_spec=in_spec, out_spec=out_spec, moved=moved,
+                       example_inputs=example_inputs,
+                       arg_names=None if self.arg_names is None else tuple(kept_arg_names(
+                           list(self.arg_names), self.in_spec, in_spec, drop_in)))
+
+    def restoring(self, buffers: Iterable[str], refuse: Callable[[str, str], Exception]
+                  ) -> tuple[CarriedRecord, CarriedRecord | None]:
+        """The run split in two where the program still has the signature it left:
+        the record that restores ``buffers`` alone (the others staying resident), and the
+        record of the others, which restores them from the signature that leaves (None:
+        there are none). One output returning two buffers' value cannot be split:
+        ``refuse(buffer, why)`` is the error."""
+        chosen = set(buffers)
+        staying = [m for m in self.moved if m.buffer not in chosen]
+        shared = {i for m in staying for i in m.output_indices} & {
+            i for m in self.moved if m.buffer in chosen for i in m.output_indices}
+        if shared:
+            index = min(shared)
+            buffer = next(m.buffer for m in staying if index in m.output_indices)
+            raise refuse(buffer, f"one output (flat output {index} before InputsToBuffers) "
+                         "returned its next value and that of a buffer undone now")
+        undone = self.dropping((m.buffer for m in staying), refuse)
+        if not staying:
+            return self, None
+        assert undone is not None  # some buffers of chosen were moved by this run
+        return undone, replace(self, moved=tuple(staying),
+                               resident_in_spec=undone.in_spec,
+                               resident_out_spec=undone.out_spec)
+
+
+def fitting_runs(records: tuple[CarriedRecord, ...], in_spec: pytree.TreeSpec,
+                 out_spec: pytree.TreeSpec) -> int:
+    """Where the last runs that can still be undone begin: the last record fits a program
+    of these call specs, and each before it left the signature the next started from (the
+    runs in between changed nothing else). ``len(records)``: none can."""
+    start = len(records)
+    while start > 0:
+        record = records[start - 1]
+        later = records[start] if start < len(records) else None
+        if later is None and not record.fits(in_spec, out_spec):
+            break
+        if later is not None and not record.fits(later.in_spec, later.out_spec):
+            break
+        start -= 1
+    return start
 
 
 def _meta(program: Any) -> dict[str, Any]:
