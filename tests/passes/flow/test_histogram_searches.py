@@ -47,7 +47,8 @@ def test_the_same_statistics_are_searched_once_and_answered_as_torchao_would(sea
         answers = [first.calculate_qparams(), second.calculate_qparams(),
                    first.calculate_qparams()]
         assert searches == [first]
-        assert all(torch.equal(a, e) for answer in answers for a, e in zip(answer, expected[0], strict=True))
+        assert all(torch.equal(a, e)
+                   for answer in answers for a, e in zip(answer, expected[0], strict=True))
         with histogram_searches_found_once():  # a nested block shares the answers
             assert all(map(torch.equal, observed(*data).calculate_qparams(), expected[0]))
             assert all(map(torch.equal, other.calculate_qparams(), expected_other))
