@@ -71,13 +71,15 @@ def test_wheel_runs_the_main_job_outside_the_checkout(tmp_path):
         "--quiet", wheel, cwd=tmp_path)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    where = run(python, "-c", "import passes, pass_manager; print(passes.__file__); "
-                "print(pass_manager.__file__)", cwd=elsewhere).stdout.split()
-    assert all(Path(f).is_relative_to(tmp_path / "venv") for f in where), where
+    # One interpreter start (each imports torch, ~4 s) answers where the packages come from,
+    # their version and the install hint.
+    *where, version, hint = run(
+        python, "-c", "import passes, pass_manager; from passes.executorch import INSTALL_HINT; "
+        "print(passes.__file__, pass_manager.__file__, passes.__version__, INSTALL_HINT, "
+        "sep='\\n')", cwd=elsewhere).stdout.strip().split("\n")
+    assert len(where) == 2 and all(Path(f).is_relative_to(tmp_path / "venv") for f in where), where
 
     # The version setup.cfg reads from passes.__version__ is the one the wheel carries.
-    version = run(python, "-c", "import passes; print(passes.__version__)",
-                  cwd=elsewhere).stdout.strip()
     assert wheel.name.startswith(f"mutable_buffer_passes-{version}-")
     command = python.parent / "mutable-buffer-passes"
     assert run(command, "--version", cwd=elsewhere).stdout.startswith(
@@ -88,11 +90,18 @@ def test_wheel_runs_the_main_job_outside_the_checkout(tmp_path):
         "usage: python -m passes")
 
     # No checkout to name: the hint gave "-c constraints.txt -e '.[executorch]'".
-    hint = run(python, "-c", "from passes.executorch import INSTALL_HINT; print(INSTALL_HINT)",
-               cwd=elsewhere).stdout.strip()
     assert hint == ("pip install --no-deps executorch==1.5.1 && pip install "
                     "'mutable-buffer-passes[executorch]'")
 
-    done = run(command, "run", "--steps", "2", cwd=elsewhere, timeout=900)
+    # Every stage of the main job, each from the wheel's modules, on the main job's own model
+    # from the wheel's examples at one layer (the stages do not depend on the depth; two
+    # layers doubled the lowering and quantization time).
+    (elsewhere / "one_layer.py").write_text(
+        "from passes.examples import stateful_decoder_job\n\n\n"
+        "def job():\n    return stateful_decoder_job(n_layers=1)\n")
+    done = run(command, "run", "one_layer.py:job", "--steps", "2", cwd=elsewhere, timeout=900)
+    assert done.stdout.startswith("model: one_layer.py:job (")
+    assert "runtime executorch" in done.stdout.splitlines()[0]
+    assert "executorch quantized: " in done.stdout  # lowered and run on the runtime
     assert "== checks" in done.stdout
     assert "FAIL" not in done.stdout.split("== checks")[1]

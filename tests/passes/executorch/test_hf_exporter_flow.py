@@ -104,6 +104,15 @@ def llama_quantized(llama):
     return quantize_methods(llama.methods, xnnpack_quantizer(), llama.calls)
 
 
+@pytest.fixture(scope="module")
+def llama_stored(llama_quantized):
+    """Both quantized methods with their caches stored as int8 (QuantizeMutableBuffers run
+    once for the module: the tests below only read the programs; lowering and
+    ``run_sharing_state`` work on private copies)."""
+    stored = PassManager([QuantizeMutableBuffers()]).run(copy.deepcopy(dict(llama_quantized)))
+    return {name: run.program for name, run in stored.items()}
+
+
 def _runtime(methods, calls):
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
@@ -166,20 +175,19 @@ def test_quantize_mutable_buffers_stores_the_decodes_caches_as_int8(llama_quanti
     assert all(found[n].dtype == torch.int8 for n in CACHES)
 
 
-def test_both_methods_store_their_caches_as_int8(llama_quantized):
-    stored = PassManager([QuantizeMutableBuffers()]).run(copy.deepcopy(dict(llama_quantized)))
-    for program in stored.programs.values():
+def test_both_methods_store_their_caches_as_int8(llama_stored):
+    assert sorted(llama_stored) == ["decode", "prefill"]
+    for program in llama_stored.values():
         assert state_bytes(program, CACHES) == FP32_CACHE_BYTES // 4
 
 
-def test_both_methods_int8_caches_run_from_one_pte_like_python(llama, llama_quantized):
+def test_both_methods_int8_caches_run_from_one_pte_like_python(llama, llama_stored):
     """Both methods store the caches as int8 (the prefill writes them into a fresh tensor of
     zeros, which lies on every grid), one .pte plans them once at a quarter of the bytes,
     and the runtime computes what the int8-stored methods compute in Python. (ExecuTorch's
     emitter started the prefill's counters from a key cache's int8 bytes here until
     ``repair_initial_state``.)"""
-    stored = PassManager([QuantizeMutableBuffers()]).run(copy.deepcopy(dict(llama_quantized)))
-    methods = {name: run.program for name, run in stored.items()}
+    methods = llama_stored
     for program in methods.values():
         assert state_bytes(program, CACHES) == FP32_CACHE_BYTES // 4
     run = _runtime(methods, llama.calls)
