@@ -3,12 +3,11 @@ while the main job runs.
 
 ``HistogramObserver.calculate_qparams`` searches its histogram for the range that loses the
 least (an L2 search stepping one bin at a time in Python): about 0.15 s an observer, where
-everything else a convert does to it takes microseconds. XNNPACK's and QNN's static configs
-observe every activation with one, and the main job converts the same calibration more than
-once: torchao's recipe as calibration left the buffers and reset by hand (the same
+everything else a convert does to it takes microseconds. XNNPACK's static config observes
+every activation with one, and the main job converts the same calibration more than once: torchao's recipe as calibration left the buffers and reset by hand (the same
 statistics), and ``quantize_program``, whose observers see what the recipe's reset
 observers saw whenever the passes change no observed value. Searching again gave the same
-answer and took 60% of the main job's time.
+answer: 86 of the default job's 139 searches, 10.8 of its 23.2 s of CPU.
 
 The search reads only the observer's histogram, its ``min_val`` / ``max_val`` and its
 ``bins`` / ``dst_nbins`` (the quantized dtype's levels), so the answer is keyed on exactly
