@@ -292,7 +292,7 @@ def test_inputs_that_do_not_fit_are_refused_before_any_lowering(counter_forms, m
     def no_lowering(*args, **kwargs):
         raise AssertionError("inputs are checked before the program is lowered")
 
-    monkeypatch.setattr("passes.executorch.runtime.to_edge_transform_and_lower", no_lowering)
+    monkeypatch.setattr("passes.executorch.edge_ops.to_edge_transform_and_lower", no_lowering)
     model, steps = Counter(), counter_forms["steps"]
     assert _refused("argument tuple", model, None, steps).argument == "example_inputs"
     assert _refused("got a Tensor", model, steps[0][0], steps).argument == "example_inputs"

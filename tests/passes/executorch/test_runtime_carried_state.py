@@ -169,7 +169,7 @@ def test_steps_that_do_not_fit_are_refused_naming_step_and_input_before_lowering
     def no_lowering(*args, **kwargs):
         raise AssertionError("steps are checked before the program is lowered")
 
-    monkeypatch.setattr("passes.executorch.runtime.to_edge_transform_and_lower", no_lowering)
+    monkeypatch.setattr("passes.executorch.edge_ops.to_edge_transform_and_lower", no_lowering)
     program = exported[1]["functional"]
     good = _steps(torch.zeros(SLOTS, DIM))
 
@@ -191,7 +191,7 @@ def test_steps_that_do_not_fit_are_refused_naming_step_and_input_before_lowering
 
 
 def test_a_dynamic_size_out_of_its_range_is_refused_before_lowering(monkeypatch):
-    monkeypatch.setattr("passes.executorch.runtime.to_edge_transform_and_lower", None)
+    monkeypatch.setattr("passes.executorch.edge_ops.to_edge_transform_and_lower", None)
     model, cache = CacheAsInput(), torch.zeros(SLOTS, DIM)
     tokens = torch.export.Dim("tokens", min=1, max=4)
     example = ((torch.randn(2, DIM),), {"pos": torch.arange(2), "cache": cache})

@@ -106,7 +106,7 @@ def test_a_step_the_runtime_cannot_take_fails_before_any_lowering(monkeypatch):
     def no_lowering(*args, **kwargs):
         raise AssertionError("steps are checked before the program is lowered")
 
-    monkeypatch.setattr("passes.executorch.runtime.to_edge_transform_and_lower", no_lowering)
+    monkeypatch.setattr("passes.executorch.edge_ops.to_edge_transform_and_lower", no_lowering)
     steps = _keyword_steps()
     program = torch.export.export(KeywordCounter(), steps[0][0], steps[0][1])
     steps[2] = (steps[2][0], {"scale": steps[2][1]["scale"].double()})
